@@ -1,0 +1,119 @@
+"""``pdserve`` command line: one subcommand per process role.
+
+Subcommands import their modules lazily so that ``pdserve --help`` and the light
+commands (bench) start fast and need no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+
+
+def _add_make_checkpoint(sub: argparse._SubParsersAction) -> None:
+    from pdserve.models import checkpoint
+
+    p = sub.add_parser("make-checkpoint", help="write a random-initialised HF checkpoint")
+    checkpoint.add_cli_args(p)
+    p.set_defaults(func=checkpoint.main)
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    from pdserve.config import add_engine_args
+
+    p = sub.add_parser("generate", help="offline generation from a model folder")
+    add_engine_args(p)
+    p.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.set_defaults(func=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    import time
+
+    from pdserve.config import EngineConfig
+    from pdserve.engine.llm import LLM
+    from pdserve.engine.sampling_params import SamplingParams
+
+    cfg = EngineConfig.from_cli(args)
+    t0 = time.perf_counter()
+    llm = LLM(cfg.model.model, **_flat(cfg))
+    t1 = time.perf_counter()
+    sp = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.sampling_seed,
+        ignore_eos=args.ignore_eos,
+    )
+    outs = llm.generate(args.prompt, sp)
+    t2 = time.perf_counter()
+    ntok = 0
+    for o in outs:
+        c = o.outputs[0]
+        ntok += len(c.token_ids)
+        print(f"prompt ({len(o.prompt_token_ids)} tokens): {o.prompt!r}")
+        print(f"output ({len(c.token_ids)} tokens, finish_reason={c.finish_reason}): {c.text!r}\n")
+    print(f"loaded in {t1 - t0:.2f}s; generated {ntok} tokens in {t2 - t1:.2f}s on {llm.engine.runner.device}")
+    return 0
+
+
+def _flat(cfg: object) -> dict:
+    import dataclasses
+
+    out: dict = {}
+    for sec in dataclasses.fields(cfg):  # type: ignore[arg-type]
+        out.update(dataclasses.asdict(getattr(cfg, sec.name)))
+    out.pop("model")
+    return out
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from pdserve.bench import serve as bench_serve
+
+    p = sub.add_parser("bench", help="benchmarks")
+    bsub = p.add_subparsers(dest="bench_cmd", required=True)
+    ps = bsub.add_parser("serve", help="open-loop load generator (vllm bench serve semantics)")
+    bench_serve.add_cli_args(ps)
+    ps.set_defaults(func=bench_serve.main)
+
+
+_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _add_make_checkpoint,
+    _add_generate,
+    _add_bench,
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in _COMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as e:
+        print(f"pdserve {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

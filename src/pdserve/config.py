@@ -1,0 +1,168 @@
+"""Engine configuration: frozen dataclasses, validated once, with CLI flags generated from them.
+
+Each field's ``metadata`` carries its help text; the flag name is the field name with
+dashes (``max_num_seqs`` -> ``--max-num-seqs``), matching ``vllm serve`` wherever the
+meaning is the same. Values are validated in ``__post_init__`` with messages that
+name the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import types
+from dataclasses import dataclass, field
+from typing import Any, Union, get_args, get_origin, get_type_hints
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = _f("", "path to a Hugging Face model folder", positional=True)
+    dtype: str = _f("auto", "weights/activations dtype: auto|float32|bfloat16|float16|half|float")
+    max_model_len: int | None = _f(None, "context length (prompt + output); default from config.json")
+    seed: int = _f(0, "random seed for sampling without an explicit per-request seed")
+    tokenizer: str | None = _f(None, "tokenizer folder (default: the model folder)")
+
+    def __post_init__(self) -> None:
+        _check(
+            self.dtype in ("auto", "float32", "float", "bfloat16", "float16", "half"),
+            f"--dtype must be one of auto, float32, bfloat16, float16 (got {self.dtype!r})",
+        )
+        _check(self.max_model_len is None or self.max_model_len > 1, "--max-model-len must be > 1")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = _f(16, "tokens per KV cache block")
+    gpu_memory_utilization: float = _f(0.9, "share of GPU memory the engine may use (GPU only)")
+    kv_cache_memory_bytes: int | None = _f(
+        None, "KV cache size in bytes (default on CPU: 256 MiB; on GPU: from --gpu-memory-utilization)"
+    )
+    num_gpu_blocks_override: int | None = _f(None, "use exactly this many KV blocks (testing)")
+    enable_prefix_caching: bool = _f(True, "reuse KV of shared prompt prefixes")
+
+    def __post_init__(self) -> None:
+        _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "--block-size must be a power of 2 <= 128")
+        _check(0.0 < self.gpu_memory_utilization <= 1.0, "--gpu-memory-utilization must be in (0, 1]")
+        _check(
+            self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 2,
+            "--num-gpu-blocks-override must be >= 2",
+        )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = _f(256, "most requests in one step")
+    max_num_batched_tokens: int = _f(8192, "most tokens computed in one step (token budget)")
+    enable_chunked_prefill: bool = _f(True, "split long prompts across steps to fit the budget")
+
+    def __post_init__(self) -> None:
+        _check(self.max_num_seqs >= 1, "--max-num-seqs must be >= 1")
+        _check(self.max_num_batched_tokens >= 1, "--max-num-batched-tokens must be >= 1")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = _f(1, "tensor-parallel ranks (only 1 is supported yet)")
+    data_parallel_size: int = _f(1, "data-parallel ranks (only 1 is supported yet)")
+
+    def __post_init__(self) -> None:
+        _check(self.tensor_parallel_size == 1, "--tensor-parallel-size > 1 is not supported yet")
+        _check(self.data_parallel_size == 1, "--data-parallel-size > 1 is not supported yet")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = _f("auto", "cpu | cuda | cuda:N | auto (cuda when available)")
+    attention_backend: str = _f("torch", "attention backend: torch (reference)")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+
+    SECTIONS = ("model", "cache", "scheduler", "parallel", "device")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from flat keyword arguments (``LLM(model, dtype=..., max_num_seqs=...)``)."""
+        parts: dict[str, Any] = {}
+        left = dict(kwargs)
+        for name in cls.SECTIONS:
+            sec_cls = _section_class(name)
+            names = {f.name for f in dataclasses.fields(sec_cls)}
+            parts[name] = sec_cls(**{k: left.pop(k) for k in list(left) if k in names})
+        if left:
+            raise ValueError(f"unknown engine option(s): {', '.join(sorted(left))}")
+        return cls(**parts)
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace) -> EngineConfig:
+        return cls.from_kwargs(**{k: getattr(args, k) for k in engine_option_names() if hasattr(args, k)})
+
+
+def _section_class(name: str) -> type:
+    return {
+        "model": ModelConfig,
+        "cache": CacheConfig,
+        "scheduler": SchedulerConfig,
+        "parallel": ParallelConfig,
+        "device": DeviceConfig,
+    }[name]
+
+
+def engine_option_names() -> list[str]:
+    return [f.name for s in EngineConfig.SECTIONS for f in dataclasses.fields(_section_class(s))]
+
+
+def _base_type(tp: Any) -> tuple[Any, bool]:
+    if get_origin(tp) in (Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        return args[0], True
+    return tp, False
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+    """Add one flag per field of ``cls`` (bools get ``--x/--no-x``)."""
+    hints = get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip or "help" not in f.metadata:
+            continue
+        tp, _ = _base_type(hints[f.name])
+        if f.metadata.get("positional"):
+            parser.add_argument(f.name, help=f.metadata["help"])
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if tp is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
+        else:
+            parser.add_argument(flag, type=tp, default=f.default, help=f.metadata["help"])
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    for s in EngineConfig.SECTIONS:
+        add_dataclass_args(parser, _section_class(s))
+
+
+def parse_json_arg(value: str, flag: str) -> dict:
+    try:
+        obj = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag} is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{flag} must be a JSON object")
+    return obj

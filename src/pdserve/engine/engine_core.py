@@ -1,0 +1,74 @@
+"""The engine core: scheduler + KV cache manager + model runner, driven one step at a time.
+
+``step()`` is ``schedule() -> execute() -> update()``. The core is single-threaded:
+requests are added and aborted between steps (in-process by ``LLM``, or by the
+engine-core process loop reading ZMQ messages).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from pdserve.config import EngineConfig
+from pdserve.engine.kv_cache.manager import KVCacheManager
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler_output import EngineCoreOutput
+from pdserve.metrics.stats import SchedulerStats
+from pdserve.runner.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        t0 = time.perf_counter()
+        self.config = config
+        self.runner = ModelRunner(config)
+        num_blocks = self.runner.determine_num_blocks()
+        self.runner.initialize_kv_cache(num_blocks)
+        self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.runner.max_model_len)
+        self.startup_seconds = time.perf_counter() - t0
+        logger.info(
+            "engine ready in %.2fs (weights %.2fs): %d KV blocks of %d tokens on %s",
+            self.startup_seconds,
+            self.runner.load_seconds,
+            num_blocks,
+            config.cache.block_size,
+            self.runner.device,
+        )
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.vocab_size
+
+    def add_request(self, req: Request) -> None:
+        self.scheduler.add_request(req)
+
+    def abort_requests(
+        self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> list[EngineCoreOutput]:
+        done = self.scheduler.finish_requests(request_ids, status)
+        return [
+            EngineCoreOutput(r.request_id, [], finish_reason=status.finish_reason, num_cached_tokens=max(r.num_cached_tokens, 0))
+            for r in done
+        ]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        so = self.scheduler.schedule()
+        ro = self.runner.execute_model(so)  # also when empty: the runner drops finished rows
+        if so.is_empty:
+            return []
+        return self.scheduler.update_from_output(so, ro)
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()

@@ -1,0 +1,78 @@
+"""The offline API, shaped like vLLM's ``LLM``: ``LLM(model_dir).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from pdserve.config import EngineConfig
+from pdserve.engine.engine_core import EngineCore
+from pdserve.engine.output_processor import OutputProcessor
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.processor import InputProcessor, PromptType
+from pdserve.engine.request import RequestStatus
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.tokenizer import Tokenizer
+
+
+class LLM:
+    """An in-process engine. ``kwargs`` are engine options named like the CLI flags
+    (``dtype``, ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``,
+    ``block_size``, ``enable_prefix_caching``, ``device``, ...)."""
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        self.config = EngineConfig.from_kwargs(model=str(model), **kwargs)
+        self.tokenizer = Tokenizer.from_pretrained(self.config.model.tokenizer or self.config.model.model)
+        self.engine = EngineCore(self.config)
+        self.processor = InputProcessor(self.tokenizer, self.engine.max_model_len, self.engine.vocab_size)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in the prompts' order.
+
+        All prompts are validated before any is queued: one bad prompt raises
+        ``ValueError`` and leaves the engine as it was.
+        """
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompt_list = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError("give one SamplingParams, or one per prompt")
+        reqs = []
+        for p, sp in zip(prompt_list, params_list, strict=True):
+            rid = str(next(self._ids))
+            text, ids = self.processor.tokenize(p)
+            reqs.append((text, self.processor.make_request(rid, ids, sp)))
+        for text, req in reqs:
+            self.output_processor.add_request(req.request_id, text, req.prompt_token_ids, req.sampling_params)
+            self.engine.add_request(req)
+        order = {req.request_id: i for i, (_, req) in enumerate(reqs)}
+        results: list[RequestOutput | None] = [None] * len(reqs)
+        while self.engine.has_unfinished_requests():
+            outs, stopped = self.output_processor.process(self.engine.step(), delta=False)
+            if stopped:
+                self.engine.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
+            for o in outs:
+                if o.finished and o.request_id in order:
+                    results[order[o.request_id]] = o
+        missing = [i for i, r in enumerate(results) if r is None]
+        if missing:
+            raise RuntimeError(f"requests {missing} ended without a final output")
+        return [r for r in results if r is not None]

@@ -1,0 +1,76 @@
+"""Every message between the API server and the engine-core process, as typed structs.
+
+Encoded with msgspec (msgpack) as a tagged union: the receiver decodes straight into
+one of these classes; nothing is pickled and no method names travel.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler_output import EngineCoreOutput
+from pdserve.metrics.stats import SchedulerStats
+
+
+class AddRequest(msgspec.Struct, tag="add"):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]
+    max_output_tokens: int
+    arrival_time: float
+    kv_transfer_params: dict | None = None
+
+
+class AbortRequests(msgspec.Struct, tag="abort"):
+    request_ids: list[str]
+    # "abort" (client went away) or "stop" (a stop string matched in the frontend)
+    reason: str = "abort"
+
+
+class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache"):
+    pass
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+class EngineReady(msgspec.Struct, tag="ready"):
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+    block_size: int
+    device: str
+    startup_seconds: float
+
+
+class EngineOutputs(msgspec.Struct, tag="outputs"):
+    outputs: list[EngineCoreOutput]
+    stats: SchedulerStats
+    timestamp: float
+
+
+class EngineError(msgspec.Struct, tag="error"):
+    message: str
+
+
+ToEngine = AddRequest | AbortRequests | ResetPrefixCache | Shutdown
+FromEngine = EngineReady | EngineOutputs | EngineError
+
+_encoder = msgspec.msgpack.Encoder()
+_to_engine = msgspec.msgpack.Decoder(ToEngine)
+_from_engine = msgspec.msgpack.Decoder(FromEngine)
+
+
+def encode(msg: ToEngine | FromEngine) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_to_engine(buf: bytes) -> ToEngine:
+    return _to_engine.decode(buf)
+
+
+def decode_from_engine(buf: bytes) -> FromEngine:
+    return _from_engine.decode(buf)

@@ -1,0 +1,35 @@
+"""User-facing outputs, shaped like vLLM's ``RequestOutput`` / ``CompletionOutput``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One completion. In streaming (delta) mode ``text``/``token_ids``/``logprobs`` hold only
+    what is new since the previous output of the same request."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[float] | None = None  # logprob of each sampled token, when asked
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (or transferred)
+    error: str | None = None  # set when finish_reason is "error"
+    kv_transfer_params: dict | None = None
+    metrics: dict = field(default_factory=dict)

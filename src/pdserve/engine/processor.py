@@ -1,0 +1,95 @@
+"""Input validation and tokenization: the edge where user input becomes a ``Request``.
+
+Everything invalid raises ``ValueError`` with a message meant for the user, before the
+request reaches the engine, so a bad request never disturbs the others.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdserve.engine.request import Request
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.tokenizer import Tokenizer
+
+PromptType = str | dict[str, Any] | list[int]
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """Return (prompt text or None, prompt token ids)."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                text = prompt.get("prompt")
+            elif "prompt" in prompt:
+                text = prompt["prompt"]
+                ids = None
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        elif isinstance(prompt, str):
+            text, ids = prompt, None
+        elif isinstance(prompt, list):
+            text, ids = None, prompt
+        else:
+            raise ValueError(f"a prompt must be a string, a token id list or a dict, got {type(prompt).__name__}")
+        if ids is None:
+            if not isinstance(text, str) or not text:
+                raise ValueError("the prompt is empty")
+            ids = self.tokenizer.encode(text)
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("prompt_token_ids must be a list of integers")
+        return text, ids
+
+    def check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}: "
+                f"it must be shorter, to leave room for at least one output token"
+            )
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt token id(s) {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
+            )
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        kv_transfer_params: dict | None = None,
+    ) -> Request:
+        text, ids = self.tokenize(prompt)
+        return self.make_request(request_id, ids, params, kv_transfer_params)
+
+    def make_request(
+        self,
+        request_id: str,
+        ids: list[int],
+        params: SamplingParams,
+        kv_transfer_params: dict | None = None,
+    ) -> Request:
+        self.check_prompt(ids)
+        params.verify(self.vocab_size)
+        room = self.max_model_len - len(ids)
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(
+                f"max_tokens ({params.max_tokens}) plus the prompt's {len(ids)} tokens exceed "
+                f"max_model_len ({self.max_model_len})"
+            )
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=list(ids),
+            sampling_params=params,
+            eos_token_ids=frozenset(self.tokenizer.eos_token_ids),
+            kv_transfer_params=kv_transfer_params,
+            max_output_tokens=params.max_tokens if params.max_tokens is not None else room,
+        )

@@ -1,0 +1,211 @@
+"""The scheduler: decides each step how many tokens every request computes.
+
+Policy: running requests first (in arrival order), each gets what it still needs up
+to the step's token budget; when blocks run out the most recently admitted running
+request is preempted (recompute: its blocks are freed and it re-enters the front of
+the waiting queue). Waiting requests are admitted in FIFO order while the token
+budget, ``max_num_seqs`` and free blocks allow, prompts chunked to fit the budget.
+No new requests are admitted in a step that preempted.
+
+Every per-step collection (finished ids, new block ids) is handed out and replaced
+each step, so nothing grows with the number of requests served.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from pdserve.config import SchedulerConfig
+from pdserve.engine.kv_cache.manager import KVCacheManager
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.scheduler_output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    NewRequestData,
+    RunnerOutput,
+    SchedulerOutput,
+)
+from pdserve.metrics.stats import SchedulerStats
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_ids: set[str] = set()
+        self.stats = SchedulerStats()
+
+    # -- request lifecycle -----------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+        """Finish (abort, or stop from the frontend) requests wherever they are."""
+        done = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            self._free(req, status)
+            done.append(req)
+        return done
+
+    def _free(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        self.kv.free(req.request_id)
+        del self.requests[req.request_id]
+        self._finished_ids.add(req.request_id)
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req.request_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_sched: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted: set[str] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            blocks = None
+            while True:
+                blocks = self.kv.allocate_slots(req, n)
+                if blocks is not None:
+                    break
+                victim = self.running.pop()  # the latest admitted; never one already scheduled
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim is req:
+                    break
+            if blocks is None:
+                break
+            num_sched[req.request_id] = n
+            cached_reqs.append(
+                CachedRequestData(req.request_id, [b.block_id for b in blocks], req.num_computed_tokens)
+            )
+            budget -= n
+            i += 1
+
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            req = self.waiting[0]
+            hits, num_hit = self.kv.get_computed_blocks(req)
+            n = req.num_tokens - num_hit
+            if not self.config.enable_chunked_prefill and n > budget:
+                break
+            n = min(n, budget)
+            if self.kv.allocate_slots(req, n, hits) is None:
+                break
+            self.waiting.popleft()
+            self.kv.record_lookup(req.num_tokens, num_hit)
+            if req.num_cached_tokens < 0:  # first admission: account the prompt's sources
+                req.num_cached_tokens = num_hit
+                src = self.stats.prompt_tokens_by_source
+                src["local_cache_hit"] += num_hit
+                src["local_compute"] += req.num_prompt_tokens - num_hit
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_hit
+            self.running.append(req)
+            new_reqs.append(
+                NewRequestData(
+                    req.request_id,
+                    req.all_token_ids(),
+                    req.num_prompt_tokens,
+                    req.sampling_params,
+                    self.kv.block_ids(req.request_id),
+                    num_hit,
+                    req.eos_token_ids,
+                )
+            )
+            num_sched[req.request_id] = n
+            budget -= n
+
+        for rid, n in num_sched.items():
+            self.requests[rid].num_computed_tokens += n
+        self.kv.take_new_block_ids()  # drained every step; block ids travel per request
+        finished, self._finished_ids = self._finished_ids, set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_sched,
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            finished_req_ids=finished,
+            preempted_req_ids=preempted,
+        )
+
+    def update_from_output(self, sched: SchedulerOutput, out: RunnerOutput) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        any_finished = False
+        for i, rid in enumerate(out.req_ids):
+            req = self.requests.get(rid)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue
+            if req.num_computed_tokens < req.num_tokens:
+                continue  # a prompt chunk that did not reach the end: nothing sampled
+            tok = out.sampled_token_ids[i]
+            req.output_token_ids.append(tok)
+            lp = None
+            if out.logprobs is not None and req.sampling_params.logprobs is not None:
+                lp = [out.logprobs[i]]
+            status = self._stop_status(req, tok)
+            eo = EngineCoreOutput(rid, [tok], lp, num_cached_tokens=req.num_cached_tokens)
+            if status is not None:
+                any_finished = True
+                eo.finish_reason = status.finish_reason
+                eo.stop_reason = req.stop_reason
+                self._free(req, status)
+            outputs.append(eo)
+        if any_finished:
+            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        self.stats.num_steps += 1
+        self.stats.step_paths[out.step_path] = self.stats.step_paths.get(out.step_path, 0) + 1
+        return outputs
+
+    def _stop_status(self, req: Request, tok: int) -> RequestStatus | None:
+        sp = req.sampling_params
+        if req.num_output_tokens >= sp.min_tokens:
+            if not sp.ignore_eos and tok in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if tok in sp.stop_token_ids:
+                req.stop_reason = tok
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_output_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def make_stats(self) -> SchedulerStats:
+        s = self.stats
+        s.num_running_reqs = len(self.running)
+        s.num_waiting_reqs = sum(1 for r in self.waiting if r.status != RequestStatus.WAITING_FOR_REMOTE_KV)
+        s.num_waiting_for_remote_kv = len(self.waiting) - s.num_waiting_reqs
+        s.kv_cache_usage = self.kv.usage()
+        s.prefix_cache_queries = self.kv.prefix_queries
+        s.prefix_cache_hits = self.kv.prefix_hits
+        return s

@@ -1,0 +1,15 @@
+"""Attention backends by name (``--attention-backend``)."""
+
+from __future__ import annotations
+
+from pdserve.layers.attention.backend import AttentionBackend
+
+BACKENDS = ("torch",)
+
+
+def get_attn_backend(name: str) -> AttentionBackend:
+    if name == "torch":
+        from pdserve.layers.attention.torch_ref import TorchReferenceBackend
+
+        return TorchReferenceBackend()
+    raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")

@@ -1,0 +1,110 @@
+"""Rotary position embedding (Su et al., 2021), half-rotation ("neox") layout as in HF Llama.
+
+Dimension ``i < D/2`` of a head is paired with dimension ``i + D/2`` and the pair
+is rotated by ``position * inv_freq[i]``. The cos/sin tables are computed once,
+in float32 on the CPU (so every device and every instance of a P/D pair gets
+bit-identical tables), for positions ``[0, max_position)``, cast to the model
+dtype exactly as HF casts them, and moved to the default device. The forward only
+indexes them by ``positions``: no host sync, no data-dependent control flow.
+Positions outside the table are the caller's bug (the runner bounds them by
+``max_model_len``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+# RoPE types this module implements ("default" means no scaling).
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling. ``llama3`` uses all four fields, ``linear`` only ``factor``."""
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_position_embeddings: int | None = None
+
+
+def rope_inv_freq(head_dim: int, base: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] (float32, CPU), with optional linear / llama3 scaling."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (base**exponents)
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type == "llama3":
+        return _llama3_scale(inv_freq, scaling)
+    raise ValueError(f"unsupported rope type {scaling.rope_type!r}; supported: linear, llama3")
+
+
+def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Llama 3.1: keep high frequencies, divide low ones by ``factor``, blend in between."""
+    if s.low_freq_factor is None or s.high_freq_factor is None:
+        raise ValueError("llama3 rope scaling needs low_freq_factor and high_freq_factor")
+    if s.original_max_position_embeddings is None:
+        raise ValueError("llama3 rope scaling needs original_max_position_embeddings")
+    old_len = s.original_max_position_embeddings
+    low_freq_wavelen = old_len / s.low_freq_factor
+    high_freq_wavelen = old_len / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds the cos/sin tables; ``forward(positions)`` gathers this step's rows.
+
+    Buffers are non-persistent (never in a checkpoint): ``cos_cache`` and
+    ``sin_cache`` of shape [max_position, head_dim/2] in ``dtype``.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        base: float,
+        scaling: RopeScaling | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        if head_dim % 2:
+            raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
+        self.head_dim = head_dim
+        self.max_position = max_position
+        inv_freq = rope_inv_freq(head_dim, base, scaling)
+        freqs = torch.arange(max_position, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+        device = torch.get_default_device()
+        self.cos_cache: torch.Tensor
+        self.sin_cache: torch.Tensor
+        self.register_buffer("cos_cache", freqs.cos().to(dtype).to(device), persistent=False)
+        self.register_buffer("sin_cache", freqs.sin().to(dtype).to(device), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each [T, head_dim/2], for the flat ``positions`` [T]."""
+        return self.cos_cache[positions], self.sin_cache[positions]
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, max_position={self.max_position}"
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [T, heads, D] by per-token ``cos``/``sin`` [T, D/2] (half-rotation layout).
+
+    Same arithmetic as HF's ``x * cos + rotate_half(x) * sin`` element for element.
+    """
+    d = x.shape[-1] // 2
+    x1, x2 = x[..., :d], x[..., d:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)

@@ -1,0 +1,196 @@
+"""Llama (Touvron et al., 2023; Llama 3, 2024) and Qwen3, one decoder on shared layers.
+
+    h   = embed(tokens)
+    for each layer:
+        h = h + o_proj(attention(rope(q), rope(k), v))      q, k, v = qkv_proj(rmsnorm(h))
+        h = h + down_proj(silu(gate) * up)                  gate, up = gate_up_proj(rmsnorm(h))
+    out = rmsnorm(h)
+
+Grouped-query attention (``num_key_value_heads`` ≤ ``num_attention_heads``),
+half-rotation RoPE with optional llama3 frequency scaling, SwiGLU MLP, tied or
+untied LM head. Qwen3 is the same network plus an RMSNorm over each head of q and
+k before RoPE (``q_norm``/``k_norm``).
+
+The residual add is fused into the next RMSNorm (``norm(x, residual)``), which is
+the same arithmetic as the textbook form above. Inputs are flat: T tokens of any
+number of requests back to back; attention reads the batch layout and the KV
+cache from the forward context. Tensor names follow the HF checkpoint; q/k/v and
+gate/up are stored merged (one GEMM each) and loaded from HF's separate tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pdserve.layers.activation import SiluAndMul
+from pdserve.layers.attention import Attention
+from pdserve.layers.embedding import LMHead, VocabEmbedding
+from pdserve.layers.linear import Linear, MergedLinear, checkpoint_targets, copy_checked
+from pdserve.layers.norm import RMSNorm
+from pdserve.layers.rotary import RotaryEmbedding, apply_rotary
+from pdserve.models.hf_config import HFModelConfig
+from pdserve.models.registry import CausalLM
+
+# Tensors some HF checkpoints carry that are derived, not learned.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self, config: HFModelConfig, layer_idx: int, dtype: torch.dtype, qk_norm: bool
+    ) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(
+            config.hidden_size,
+            {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size},
+            bias=config.attention_bias,
+            dtype=dtype,
+        )
+        self.o_proj = Linear(
+            self.q_size, config.hidden_size, bias=config.attention_bias, dtype=dtype
+        )
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
+        self.attn = Attention(
+            layer_idx, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5
+        )
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:  # Qwen3
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.attn(q.flatten(1), k.flatten(1), v)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: HFModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(
+                f"{config.path}: hidden_act {config.hidden_act!r} is not supported (only 'silu')"
+            )
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedLinear(
+            config.hidden_size,
+            {"gate_proj": inter, "up_proj": inter},
+            bias=config.mlp_bias,
+            dtype=dtype,
+        )
+        self.act_fn = SiluAndMul()
+        self.down_proj = Linear(inter, config.hidden_size, bias=config.mlp_bias, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, config: HFModelConfig, layer_idx: int, dtype: torch.dtype, qk_norm: bool
+    ) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
+        self.self_attn = LlamaAttention(config, layer_idx, dtype, qk_norm)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
+        self.mlp = LlamaMLP(config, dtype)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before it is added)."""
+        if residual is None:  # first layer: the residual stream is the embedding
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: HFModelConfig, dtype: torch.dtype, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
+            config.rope_scaling,
+            dtype,
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, dtype, qk_norm) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions)  # gathered once, shared by all layers
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, cos, sin)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(CausalLM):
+    """Llama 2/3 (and Qwen3 through :class:`Qwen3ForCausalLM`)."""
+
+    qk_norm = False
+
+    def __init__(self, config: HFModelConfig, dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__(config, dtype)
+        if config.raw.get("use_sliding_window"):
+            raise ValueError(f"{config.path}: sliding-window attention is not supported")
+        self.model = LlamaModel(config, dtype, self.qk_norm)
+        tied = self.model.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype, tied=tied)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def checkpoint_tensor_names(self) -> set[str]:
+        return set(checkpoint_targets(self))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        targets = checkpoint_targets(self)
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # some tied checkpoints store the shared matrix twice
+            target = targets.get(name)
+            if target is None:
+                raise ValueError(
+                    f"unexpected tensor {name!r}: {type(self).__name__} has no such weight"
+                )
+            copy_checked(target, tensor, name)
+            loaded.add(name)
+        return loaded
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3 dense: Llama with per-head RMSNorm on q and k."""
+
+    qk_norm = True

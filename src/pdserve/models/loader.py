@@ -1,0 +1,142 @@
+"""Build a model from an HF checkpoint directory (safetensors, single file or sharded).
+
+Memory: the model is constructed under ``with torch.device(device)`` with
+uninitialised parameters of the target dtype, so its weights exist once, on the
+target device; tensors are then read one at a time from the (memory-mapped)
+safetensors files, straight onto the target device, and copied in. At no point
+are two full copies of the weights alive.
+
+Every problem with the checkpoint is a ``ValueError`` that names the file and,
+where there is one, the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from pdserve.models.hf_config import HFModelConfig, load_hf_config
+from pdserve.models.registry import CausalLM, get_model_class
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_dtype(dtype: torch.dtype | str, config: HFModelConfig | None = None) -> torch.dtype:
+    """``"auto"`` → the config's ``torch_dtype`` (float32 when absent); names and dtypes pass."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}; choose float32, bfloat16 or float16")
+        return dtype
+    if not isinstance(dtype, str):
+        raise ValueError(f"dtype must be a torch.dtype or a name, got {dtype!r}")
+    name = dtype.lower().removeprefix("torch.")
+    if name == "auto":
+        if config is None or config.torch_dtype is None:
+            return torch.float32
+        name = config.torch_dtype.lower().removeprefix("torch.")
+        if name not in _DTYPES:
+            raise ValueError(f"{config.path}: torch_dtype {config.torch_dtype!r} is not supported")
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose auto, float32, bfloat16 or float16")
+    return _DTYPES[name]
+
+
+def checkpoint_files(model_dir: str | Path) -> tuple[Path, dict[Path, set[str] | None]]:
+    """(the file that lists the weights, {safetensors file: tensor names it should hold}).
+
+    For a single-file checkpoint the names are ``None`` (whatever the file holds).
+    """
+    root = Path(model_dir)
+    index = root / INDEX_FILE
+    if index.is_file():
+        try:
+            data: Any = json.loads(index.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{index} is not valid JSON: {e}") from e
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise ValueError(f"{index}: 'weight_map' must map tensor names to file names")
+        shards: dict[Path, set[str]] = {}
+        for name, file_name in sorted(weight_map.items()):
+            path = root / file_name
+            if not path.is_file():
+                raise ValueError(
+                    f"{index}: tensor {name!r} is mapped to {path}, which does not exist"
+                )
+            shards.setdefault(path, set()).add(name)
+        return index, dict(shards.items())
+    single = root / SINGLE_FILE
+    if single.is_file():
+        return single, {single: None}
+    raise ValueError(f"no weights in {root}: neither {SINGLE_FILE} nor {INDEX_FILE} exists")
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: torch.dtype | str = "auto",
+    device: str | torch.device = "cpu",
+) -> tuple[CausalLM, HFModelConfig]:
+    """Construct the model named by ``config.json`` and load its safetensors weights."""
+    config = load_hf_config(model_dir)
+    model_cls = get_model_class(config)
+    torch_dtype = resolve_dtype(dtype, config)
+    target = torch.device(device)
+    source, files = checkpoint_files(model_dir)  # validate before allocating anything
+    with torch.device(target):
+        model = model_cls(config, torch_dtype)
+    loaded: set[str] = set()
+    for path, names in sorted(files.items()):
+        loaded |= _load_file(model, path, names, target)
+    missing = model.checkpoint_tensor_names() - loaded
+    if missing:
+        shown = ", ".join(repr(n) for n in sorted(missing)[:8])
+        more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        raise ValueError(f"{source}: missing tensor(s) {shown}{more}")
+    return model.eval(), config
+
+
+def _load_file(
+    model: CausalLM, path: Path, expected: set[str] | None, device: torch.device
+) -> set[str]:
+    """Load every tensor of one safetensors file; errors name the file."""
+    try:
+        handle = safe_open(str(path), framework="pt", device=str(device))
+    except Exception as e:  # safetensors raises its own error types for corrupt files
+        raise ValueError(f"cannot read safetensors file {path}: {e}") from e
+    with handle as f:
+        names = list(f.keys())
+        if expected is not None:
+            absent = expected - set(names)
+            if absent:
+                raise ValueError(
+                    f"{path}: the index maps tensor {sorted(absent)[0]!r} here but the file "
+                    "does not hold it"
+                )
+
+        def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+            for name in names:
+                yield name, f.get_tensor(name)
+
+        try:
+            return model.load_weights(tensors())
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from e

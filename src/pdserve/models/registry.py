@@ -1,0 +1,78 @@
+"""Architecture name (``config.json`` ``architectures[0]``) → model class.
+
+Each family lives in its own module and is imported only when asked for, so
+adding one (``GlmMoeDsaForCausalLM`` in ``glm_moe_dsa.py``) is one line in
+``_MODELS`` plus its file. Every model class subclasses :class:`CausalLM`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pdserve.models.hf_config import HFModelConfig
+
+# architecture → (module, class name)
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("pdserve.models.llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("pdserve.models.llama", "Qwen3ForCausalLM"),
+}
+
+
+class CausalLM(nn.Module, ABC):
+    """What the model runner and the loader rely on.
+
+    Lifecycle: constructed (parameters allocated, uninitialised, on the current
+    device) → ``load_weights`` fills every tensor named by
+    ``checkpoint_tensor_names`` → ``forward`` is called inside a forward context.
+    The forward takes a flat batch of tokens and must stay free of host syncs and
+    data-dependent Python control flow (it is captured in CUDA graphs).
+    """
+
+    def __init__(self, config: HFModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+
+    @abstractmethod
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [T] int64 → final hidden states [T, hidden_size]."""
+
+    @abstractmethod
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] → logits [N, vocab_size] float32."""
+
+    @abstractmethod
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors in; return the names loaded.
+
+        Raises ValueError naming the tensor when a name is unknown or a shape is wrong.
+        """
+
+    @abstractmethod
+    def checkpoint_tensor_names(self) -> set[str]:
+        """The HF tensor names a complete checkpoint provides for this model."""
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(config: HFModelConfig) -> type[CausalLM]:
+    """The class for ``config.architecture``; unknown names are a ValueError naming the file."""
+    arch = config.architecture
+    entry = _MODELS.get(arch)
+    if entry is None:
+        raise ValueError(
+            f"unsupported architecture {arch!r} in {config.path}; "
+            f"supported: {', '.join(supported_architectures())}"
+        )
+    module_name, class_name = entry
+    cls = getattr(importlib.import_module(module_name), class_name)
+    if not (isinstance(cls, type) and issubclass(cls, CausalLM)):
+        raise TypeError(f"{module_name}.{class_name} is not a CausalLM subclass")
+    return cls

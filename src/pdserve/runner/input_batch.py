@@ -1,0 +1,90 @@
+"""The runner's persistent per-request state, kept in preallocated numpy rows.
+
+A request gets a row when the runner first sees it and keeps it until it finishes
+or is preempted. Rows hold its token ids, block table and sampling parameters, so
+building a step's flat batch is array indexing over rows, not Python loops over
+tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler_output import CachedRequestData, NewRequestData
+
+
+class InputBatch:
+    def __init__(
+        self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int, vocab_size: int
+    ) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.vocab_size = vocab_size
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.temperature = np.ones(max_num_reqs, dtype=np.float32)
+        self.top_p = np.ones(max_num_reqs, dtype=np.float32)
+        self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
+        self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
+        self.params: list[SamplingParams | None] = [None] * max_num_reqs
+        self.banned_ids: list[list[int]] = [[] for _ in range(max_num_reqs)]
+        self.generators: dict[int, torch.Generator] = {}
+        self.row_of: dict[str, int] = {}
+        self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self.row_of)
+
+    def add(self, new: NewRequestData, device: torch.device) -> None:
+        if new.req_id in self.row_of:
+            self.remove(new.req_id)
+        if not self._free_rows:
+            raise RuntimeError("the runner has no free request row (max_num_seqs exceeded)")
+        row = self._free_rows.pop()
+        self.row_of[new.req_id] = row
+        n = len(new.token_ids)
+        self.token_ids[row, :n] = new.token_ids
+        self.num_tokens[row] = n
+        self.num_prompt_tokens[row] = new.num_prompt_tokens
+        self.num_computed[row] = new.num_computed_tokens
+        nb = len(new.block_ids)
+        self.block_table[row, :nb] = new.block_ids
+        self.num_blocks[row] = nb
+        sp = new.sampling_params
+        self.params[row] = sp
+        self.temperature[row] = 1.0 if sp.greedy else sp.temperature
+        self.top_p[row] = sp.top_p
+        self.top_k[row] = sp.top_k
+        self.min_p[row] = sp.min_p
+        self.banned_ids[row] = sorted(set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(new.eos_token_ids)))
+        if sp.seed is not None and not sp.greedy:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(sp.seed)
+            # a request resumed after preemption replays the draws it already consumed, so
+            # its samples stay on the stream they would have been on (rare; not a hot path)
+            for _ in range(n - new.num_prompt_tokens):
+                torch.empty(self.vocab_size, device=device).exponential_(generator=gen)
+            self.generators[row] = gen
+
+    def update(self, cached: CachedRequestData) -> None:
+        row = self.row_of[cached.req_id]
+        self.num_computed[row] = cached.num_computed_tokens
+        if cached.new_block_ids:
+            nb = int(self.num_blocks[row])
+            k = len(cached.new_block_ids)
+            self.block_table[row, nb : nb + k] = cached.new_block_ids
+            self.num_blocks[row] = nb + k
+
+    def remove(self, req_id: str) -> None:
+        row = self.row_of.pop(req_id, None)
+        if row is None:
+            return
+        self.params[row] = None
+        self.generators.pop(row, None)
+        self.num_blocks[row] = 0
+        self._free_rows.append(row)

@@ -1,0 +1,337 @@
+"""The model runner: turns a ``SchedulerOutput`` into one forward pass and sampled tokens.
+
+Three layers of batch state: the scheduler's requests (CPU objects), the runner's
+``InputBatch`` rows (numpy), and this step's device tensors, written into static
+buffers (so later CUDA graphs can replay over them). Batch prep is numpy over rows;
+the only host sync per step is reading the sampled token ids back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pdserve.config import EngineConfig
+from pdserve.engine.kv_cache.spec import KVCacheGroupSpec, KVCacheSpec
+from pdserve.engine.scheduler_output import RunnerOutput, SchedulerOutput
+from pdserve.layers.attention import CommonAttentionMetadata, get_attn_backend
+from pdserve.runner.forward_context import set_forward_context
+from pdserve.runner.input_batch import InputBatch
+from pdserve.runner.sampler import Sampler, SamplingMetadata
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+CPU_DEFAULT_KV_BYTES = 256 << 20
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name} was asked for but no CUDA GPU is available")
+    return dev
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class _StepInputs:
+    req_ids: list[str]
+    rows: np.ndarray
+    num_scheduled: np.ndarray
+    num_tokens: int
+    logits_indices: torch.Tensor
+    attn_metadata: CommonAttentionMetadata
+    sampling: SamplingMetadata
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        from pdserve.models.loader import load_model
+
+        self.config = config
+        self.device = resolve_device(config.device.device)
+        t0 = time.perf_counter()
+        self.model, self.hf_config = load_model(config.model.model, config.model.dtype, self.device)
+        self.model.eval()
+        self.dtype = next(self.model.parameters()).dtype
+        self.load_seconds = time.perf_counter() - t0
+        hc = self.hf_config
+        self.vocab_size = int(hc.vocab_size)
+        self.max_model_len = int(config.model.max_model_len or hc.max_position_embeddings)
+        if self.max_model_len > hc.max_position_embeddings:
+            raise ValueError(
+                f"--max-model-len {self.max_model_len} exceeds the model's "
+                f"max_position_embeddings {hc.max_position_embeddings}"
+            )
+        self.block_size = config.cache.block_size
+        self.max_num_reqs = config.scheduler.max_num_seqs
+        self.max_num_tokens = config.scheduler.max_num_batched_tokens
+        self.max_blocks_per_req = cdiv(self.max_model_len, self.block_size)
+        self.backend = get_attn_backend(config.device.attention_backend)
+        self.sampler = Sampler(self.device, config.model.seed)
+        self.batch = InputBatch(
+            self.max_num_reqs, self.max_model_len, self.max_blocks_per_req, self.vocab_size
+        )
+        self._alloc_static_buffers()
+        self.kv_caches: list[torch.Tensor] = []
+        self.num_blocks = 0
+
+    # -- buffers and KV cache --------------------------------------------------------------
+    def _alloc_static_buffers(self) -> None:
+        pin = self.device.type == "cuda"
+        t, r = self.max_num_tokens, self.max_num_reqs
+
+        def host(n: int | tuple[int, ...], dt: torch.dtype) -> torch.Tensor:
+            return torch.zeros(n, dtype=dt, pin_memory=pin)
+
+        def dev(n: int | tuple[int, ...], dt: torch.dtype) -> torch.Tensor:
+            return torch.zeros(n, dtype=dt, device=self.device)
+
+        self.h_input_ids, self.d_input_ids = host(t, torch.int64), dev(t, torch.int64)
+        self.h_positions, self.d_positions = host(t, torch.int64), dev(t, torch.int64)
+        self.h_slots, self.d_slots = host(t, torch.int64), dev(t, torch.int64)
+        self.h_req_idx, self.d_req_idx = host(t, torch.int64), dev(t, torch.int64)
+        self.h_q_idx, self.d_q_idx = host(t, torch.int64), dev(t, torch.int64)
+        self.h_qsl, self.d_qsl = host(r + 1, torch.int32), dev(r + 1, torch.int32)
+        self.h_seq_lens, self.d_seq_lens = host(r, torch.int32), dev(r, torch.int32)
+        self.h_logits_idx, self.d_logits_idx = host(r, torch.int64), dev(r, torch.int64)
+        shape = (r, self.max_blocks_per_req)
+        self.h_block_tables, self.d_block_tables = host(shape, torch.int32), dev(shape, torch.int32)
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        hc = self.hf_config
+        elt = torch.tensor([], dtype=self.dtype).element_size()
+        per_layer = 2 * int(hc.num_key_value_heads) * int(hc.head_dim) * elt
+        layers = tuple(range(int(hc.num_hidden_layers)))
+        return KVCacheSpec(self.block_size, (KVCacheGroupSpec("attn", layers, per_layer),))
+
+    def determine_num_blocks(self) -> int:
+        cc = self.config.cache
+        spec = self.kv_cache_spec()
+        if cc.num_gpu_blocks_override is not None:
+            return cc.num_gpu_blocks_override
+        if cc.kv_cache_memory_bytes is not None:
+            budget = cc.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            budget = self._profile_gpu_budget()
+        else:
+            budget = CPU_DEFAULT_KV_BYTES
+        # more blocks than every sequence at full length can use would only waste memory
+        cap = self.max_num_reqs * self.max_blocks_per_req + 1
+        n = min(spec.num_blocks_for(budget), cap)
+        if n < 2:
+            raise ValueError(
+                f"not enough memory for the KV cache: budget {budget} bytes, "
+                f"{spec.bytes_per_block} bytes per block"
+            )
+        return n
+
+    def _profile_gpu_budget(self) -> int:
+        """GPU bytes left for KV after weights and a max-size forward's activations."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._dummy_run(self.max_num_tokens)
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        others = total - free - torch.cuda.memory_reserved(self.device)  # other processes, context
+        budget = int(total * self.config.cache.gpu_memory_utilization) - peak - others
+        logger.info("GPU memory: total %.1f GiB, peak %.1f GiB, others %.1f GiB -> KV %.1f GiB",
+                    total / 2**30, peak / 2**30, others / 2**30, budget / 2**30)
+        torch.cuda.empty_cache()
+        return budget
+
+    def _dummy_run(self, num_tokens: int) -> None:
+        """A forward over ``num_tokens`` tokens of one request, on a throwaway one-block cache."""
+        n = min(num_tokens, self.max_model_len)
+        dev = self.device
+        shape = self.backend.kv_cache_shape(1, n, *self._kv_heads_dim())
+        caches = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(self._num_layers())]
+        md = CommonAttentionMetadata(
+            num_reqs=1,
+            num_actual_tokens=n,
+            max_query_len=n,
+            max_seq_len=n,
+            block_size=n,
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+            block_tables=torch.zeros((1, 1), dtype=torch.int32, device=dev),
+            slot_mapping=torch.arange(n, device=dev),
+            token_req_idx=torch.zeros(n, dtype=torch.int64, device=dev),
+            token_q_idx=torch.arange(n, device=dev),
+        )
+        with torch.inference_mode(), set_forward_context(self.backend, md, caches):
+            hidden = self.model(self.d_input_ids[:n], self.d_positions[:n])
+            self.model.compute_logits(hidden[-self.max_num_reqs :])
+
+    def _num_layers(self) -> int:
+        return int(self.hf_config.num_hidden_layers)
+
+    def _kv_heads_dim(self) -> tuple[int, int]:
+        return int(self.hf_config.num_key_value_heads), int(self.hf_config.head_dim)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        shape = self.backend.kv_cache_shape(num_blocks, self.block_size, *self._kv_heads_dim())
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for _ in range(self._num_layers())
+        ]
+
+    # -- one step --------------------------------------------------------------------------
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for rid in so.finished_req_ids:
+            self.batch.remove(rid)
+        for rid in so.preempted_req_ids:
+            self.batch.remove(rid)
+        for new in so.scheduled_new_reqs:
+            self.batch.add(new, self.device)
+        for cached in so.scheduled_cached_reqs:
+            self.batch.update(cached)
+
+    def _prepare_inputs(self, so: SchedulerOutput) -> _StepInputs:
+        b = self.batch
+        req_ids = list(so.num_scheduled_tokens)
+        nreq = len(req_ids)
+        rows = np.fromiter((b.row_of[r] for r in req_ids), dtype=np.int64, count=nreq)
+        nsched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=nreq)
+        t = int(nsched.sum())
+        cu = np.zeros(nreq + 1, dtype=np.int64)
+        np.cumsum(nsched, out=cu[1:])
+        req_idx = np.repeat(np.arange(nreq), nsched)
+        q_idx = np.arange(t) - cu[:-1][req_idx]
+        computed = b.num_computed[rows]
+        tok_rows = rows[req_idx]
+        pos = computed[req_idx] + q_idx
+        seq_lens = computed + nsched
+
+        self.h_input_ids.numpy()[:t] = b.token_ids[tok_rows, pos]
+        self.h_positions.numpy()[:t] = pos
+        bs = self.block_size
+        self.h_slots.numpy()[:t] = b.block_table[tok_rows, pos // bs].astype(np.int64) * bs + pos % bs
+        self.h_req_idx.numpy()[:t] = req_idx
+        self.h_q_idx.numpy()[:t] = q_idx
+        self.h_qsl.numpy()[: nreq + 1] = cu
+        self.h_seq_lens.numpy()[:nreq] = seq_lens
+        self.h_logits_idx.numpy()[:nreq] = cu[1:] - 1
+        max_seq = int(seq_lens.max())
+        nblk = cdiv(max_seq, bs)
+        self.h_block_tables.numpy()[:nreq, :nblk] = b.block_table[rows, :nblk]
+
+        def up(h: torch.Tensor, d: torch.Tensor, n: int) -> torch.Tensor:
+            d[:n].copy_(h[:n], non_blocking=True)
+            return d[:n]
+
+        md = CommonAttentionMetadata(
+            num_reqs=nreq,
+            num_actual_tokens=t,
+            max_query_len=int(nsched.max()),
+            max_seq_len=max_seq,
+            block_size=bs,
+            query_start_loc=up(self.h_qsl, self.d_qsl, nreq + 1),
+            seq_lens=up(self.h_seq_lens, self.d_seq_lens, nreq),
+            block_tables=self._upload_block_tables(nreq, nblk),
+            slot_mapping=up(self.h_slots, self.d_slots, t),
+            token_req_idx=up(self.h_req_idx, self.d_req_idx, t),
+            token_q_idx=up(self.h_q_idx, self.d_q_idx, t),
+        )
+        up(self.h_input_ids, self.d_input_ids, t)
+        up(self.h_positions, self.d_positions, t)
+        logits_idx = up(self.h_logits_idx, self.d_logits_idx, nreq)
+        return _StepInputs(req_ids, rows, nsched, t, logits_idx, md, self._sampling_metadata(rows, nsched))
+
+    def _upload_block_tables(self, nreq: int, nblk: int) -> torch.Tensor:
+        d = self.d_block_tables[:nreq, :nblk]
+        d.copy_(self.h_block_tables[:nreq, :nblk], non_blocking=True)
+        return d
+
+    def _sampling_metadata(self, rows: np.ndarray, nsched: np.ndarray) -> SamplingMetadata:
+        b = self.batch
+        params = [b.params[r] for r in rows]
+        greedy = np.fromiter((p is not None and p.greedy for p in params), dtype=bool, count=len(rows))
+        dev = self.device
+
+        def tensor(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(dev, non_blocking=True)
+
+        all_greedy = bool(greedy.all())
+        temperature = top_k = top_p = min_p = greedy_rows = None
+        generators: dict[int, torch.Generator] = {}
+        if not all_greedy:
+            temperature = tensor(b.temperature[rows])
+            greedy_rows = tensor(greedy) if greedy.any() else None
+            tk = b.top_k[rows]
+            if (tk > 0).any():
+                top_k = tensor(np.where(tk > 0, tk, self.vocab_size))
+            tp = b.top_p[rows]
+            if (tp < 1.0).any():
+                top_p = tensor(tp)
+            mp = b.min_p[rows]
+            if (mp > 0.0).any():
+                min_p = tensor(mp)
+            for i, r in enumerate(rows):
+                gen = b.generators.get(int(r))
+                if gen is not None:
+                    generators[i] = gen
+        # min_tokens: ban EOS / stop ids until enough tokens were produced
+        ban_rows: list[int] = []
+        ban_ids: list[int] = []
+        for i, (r, p) in enumerate(zip(rows, params, strict=True)):
+            if p is not None and p.min_tokens and b.banned_ids[r]:
+                # outputs so far, after this step's token is appended by the scheduler
+                done = b.num_tokens[r] - b.num_prompt_tokens[r]
+                if done < p.min_tokens:
+                    ban_rows.extend([i] * len(b.banned_ids[r]))
+                    ban_ids.extend(b.banned_ids[r])
+        banned = None
+        if ban_rows:
+            banned = (
+                torch.tensor(ban_rows, dtype=torch.int64, device=dev),
+                torch.tensor(ban_ids, dtype=torch.int64, device=dev),
+            )
+        need_lp = any(p is not None and p.logprobs is not None for p in params)
+        return SamplingMetadata(
+            all_greedy, temperature, greedy_rows, top_k, top_p, min_p, generators, banned, need_lp
+        )
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> RunnerOutput:
+        self._update_states(so)
+        if so.is_empty:
+            return RunnerOutput([], [])
+        inp = self._prepare_inputs(so)
+        t = inp.num_tokens
+        with set_forward_context(self.backend, inp.attn_metadata, self.kv_caches):
+            hidden = self.model(self.d_input_ids[:t], self.d_positions[:t])
+        logits = self.model.compute_logits(hidden[inp.logits_indices])
+        sampled, lp = self.sampler(logits, inp.sampling)
+        sampled_ids = sampled.tolist()  # the step's one host sync
+        logprobs = lp.tolist() if lp is not None else None
+        self._record_sampled(inp, sampled_ids)
+        return RunnerOutput(inp.req_ids, sampled_ids, logprobs, step_path="eager:no_graphs")
+
+    def _record_sampled(self, inp: _StepInputs, sampled: list[int]) -> None:
+        """Advance each row; append the sampled token where the request reached its end
+        (a prompt chunk that stops short samples nothing)."""
+        b = self.batch
+        rows = inp.rows
+        done = b.num_computed[rows] + inp.num_scheduled
+        b.num_computed[rows] = done
+        m = (done >= b.num_tokens[rows]) & (done < self.max_model_len)
+        b.token_ids[rows[m], done[m]] = np.asarray(sampled, dtype=np.int32)[m]
+        b.num_tokens[rows[m]] = done[m] + 1

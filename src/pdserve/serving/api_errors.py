@@ -1,0 +1,128 @@
+"""OpenAI-style error bodies and the app's exception handlers.
+
+Every error the server returns has the shape
+``{"error": {"message": str, "type": str, "param": str | None, "code": int}}``.
+Mapping: request validation (pydantic, :class:`RequestError`, engine ``ValueError``)
+→ 400 — never FastAPI's default 422; unknown routes keep their 404/405; anything
+unexpected → 500 with a generic message (the traceback goes to the log only).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pdserve.serving.protocol import RequestError
+
+logger = logging.getLogger(__name__)
+
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class APIError(Exception):
+    """An error with an HTTP status, raised by handlers and rendered as an OpenAI body."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    err_type = _ERROR_TYPES.get(status, "BadRequestError" if status < 500 else "ServerError")
+    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+
+
+def error_response(
+    status: int,
+    message: str,
+    param: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+
+def error_bytes(status: int, message: str, param: str | None = None) -> bytes:
+    return json.dumps(error_body(status, message, param)).encode()
+
+
+def _loc_param(loc: Sequence[Any]) -> str | None:
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(parts) if parts else None
+
+
+def describe_validation_errors(errors: Sequence[Any]) -> tuple[str, str | None]:
+    """``(message, param)`` for a list of pydantic/FastAPI error dicts: the first error
+    in full, a count of the rest."""
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = first.get("loc", ()) if isinstance(first, dict) else ()
+    param = _loc_param(loc)
+    etype = first.get("type") if isinstance(first, dict) else None
+    ctx = first.get("ctx") or {} if isinstance(first, dict) else {}
+    cause = ctx.get("error") if isinstance(ctx, dict) else None
+    if isinstance(cause, RequestError):
+        message = cause.message
+        param = cause.param or param
+    elif etype == "extra_forbidden":
+        message = f"unsupported field {param!r}: pdserve does not implement it"
+    elif etype == "missing":
+        message = f"field {param!r} is required"
+    elif etype == "json_invalid":
+        message = "request body is not valid JSON"
+        param = None
+    else:
+        msg = str(first.get("msg", "invalid value")) if isinstance(first, dict) else str(first)
+        msg = msg.removeprefix("Value error, ")
+        message = f"{param}: {msg}" if param else msg
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more validation error(s))"
+    return message, param
+
+
+def install_exception_handlers(app: FastAPI) -> None:
+    """Route every failure through :func:`error_response`."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = describe_validation_errors(exc.errors())
+        return error_response(400, message, param)
+
+    @app.exception_handler(RequestError)
+    async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
+        return error_response(400, exc.message, exc.param)
+
+    @app.exception_handler(ValueError)
+    async def _value_error(_: Request, exc: ValueError) -> JSONResponse:
+        # engine.generate raises ValueError for prompts/params it rejects
+        return error_response(400, str(exc) or "invalid request")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error in %s %s", request.method, request.url.path)
+        return error_response(500, "internal server error")

@@ -1,0 +1,184 @@
+"""The OpenAI-compatible HTTP front end of one pdserve instance.
+
+``build_app`` wires an :class:`~pdserve.serving.engine_client.EngineClient` into a
+FastAPI app; ``serve_app`` (from :mod:`pdserve.serving.api_serve`) runs it under
+uvicorn with graceful SIGTERM draining.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or SSE),
+``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``, ``GET /health``,
+``GET /metrics``, ``GET /version``. With an API key, every ``/v1/*`` route needs
+``Authorization: Bearer <key>``; the others stay open.
+
+The app never runs model work and never blocks its event loop: tokenization and
+chat-template rendering run in a one-thread pool owned by the app (closed at lifespan
+shutdown); the engine is only awaited. The app does not own the engine: whoever built
+the engine shuts it down after ``serve_app`` returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+import pdserve
+from pdserve.metrics.prometheus import PrometheusMetrics
+from pdserve.serving.api_chat_template import ChatTemplates
+from pdserve.serving.api_errors import APIError, install_exception_handlers
+from pdserve.serving.api_serve import ApiServer, serve_app
+from pdserve.serving.api_state import ServingContext, ServingMiddleware
+from pdserve.serving.openai_chat import create_chat_completion, render_and_encode
+from pdserve.serving.openai_completions import create_completion
+from pdserve.serving.openai_generate import check_token_ids, token_strings
+from pdserve.serving.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeChatRequest,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
+
+if TYPE_CHECKING:
+    from pdserve.serving.engine_client import EngineClient
+
+__all__ = ["ApiServer", "build_app", "serve_app", "serving_context"]
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "invalid request"},
+    401: {"model": ErrorResponse, "description": "missing or wrong API key"},
+    404: {"model": ErrorResponse, "description": "unknown model"},
+    503: {"model": ErrorResponse, "description": "shutting down"},
+}
+_JSON_OR_SSE: dict[str, Any] = {"content": {"application/json": {}, "text/event-stream": {}}}
+
+
+def serving_context(app: FastAPI) -> ServingContext:
+    """The :class:`ServingContext` of an app made by :func:`build_app`."""
+    ctx = getattr(app.state, "pdserve", None)
+    if not isinstance(ctx, ServingContext):
+        raise TypeError("app was not built by pdserve.serving.api_server.build_app")
+    return ctx
+
+
+def build_app(
+    engine: EngineClient,
+    *,
+    served_model_names: list[str],
+    api_key: str | None = None,
+    enable_prompt_tokens_details: bool = False,
+    chat_template: str | None = None,
+    chat_template_content_format: str = "auto",
+    metrics: PrometheusMetrics | None = None,
+    health_check_timeout: float = 5.0,
+) -> FastAPI:
+    """A FastAPI app serving ``engine``. Raises ``ValueError`` for bad settings
+    (no model name, unreadable ``chat_template`` file, unknown content format)."""
+    names = [n for n in served_model_names if n]
+    if not names:
+        raise ValueError("served_model_names must name at least one model")
+    chat = ChatTemplates(chat_template, chat_template_content_format)
+    if metrics is None:
+        metrics = PrometheusMetrics(
+            names[0], stats_provider=engine.latest_stats, max_model_len=engine.max_model_len
+        )
+    ctx = ServingContext(
+        engine=engine,
+        served_model_names=names,
+        metrics=metrics,
+        chat=chat,
+        enable_prompt_tokens_details=enable_prompt_tokens_details,
+        version=pdserve.__version__,
+    )
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            ctx.close()
+
+    app = FastAPI(title="pdserve", version=ctx.version, lifespan=lifespan)
+    app.state.pdserve = ctx
+    install_exception_handlers(app)
+    app.add_middleware(ServingMiddleware, state=ctx.state, api_key=api_key)
+    _add_routes(app, ctx, health_check_timeout)
+    return app
+
+
+def _add_routes(app: FastAPI, ctx: ServingContext, health_timeout: float) -> None:
+    engine = ctx.engine
+
+    @app.post("/v1/completions", responses={**_ERRORS, 200: _JSON_OR_SSE})
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await create_completion(ctx, body, request)
+
+    @app.post("/v1/chat/completions", responses={**_ERRORS, 200: _JSON_OR_SSE})
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(ctx, body, request)
+
+    @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
+    async def models() -> ModelList:
+        cards = [
+            ModelCard(id=name, root=ctx.default_model, max_model_len=engine.max_model_len)
+            for name in ctx.served_model_names
+        ]
+        return ModelList(data=cards)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        ctx.check_model(body.model)
+        tok = engine.tokenizer
+        if isinstance(body, TokenizeChatRequest):
+            _, ids = await ctx.run_blocking(
+                render_and_encode,
+                ctx.chat,
+                tok,
+                body.messages,
+                add_generation_prompt=body.add_generation_prompt,
+                add_special_tokens=body.add_special_tokens,
+                template_kwargs=body.chat_template_kwargs,
+            )
+        else:
+            ids = list(
+                await ctx.run_blocking(
+                    tok.encode, body.prompt, add_special_tokens=body.add_special_tokens
+                )
+            )
+        strs = await ctx.run_blocking(token_strings, tok, ids) if body.return_token_strs else None
+        return TokenizeResponse(
+            count=len(ids), max_model_len=engine.max_model_len, tokens=ids, token_strs=strs
+        )
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        ctx.check_model(body.model)
+        check_token_ids(body.tokens, engine.vocab_size, "tokens")
+        text = await ctx.run_blocking(engine.tokenizer.decode, body.tokens)
+        return DetokenizeResponse(prompt=text)
+
+    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    async def health() -> Response:
+        try:
+            await asyncio.wait_for(engine.check_health(), timeout=health_timeout)
+        except Exception as e:
+            raise APIError(503, f"engine is unhealthy: {e!r}") from e
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, content_type = ctx.metrics.render()
+        return Response(body, headers={"Content-Type": content_type})
+
+    @app.get("/version", response_model=VersionResponse)
+    async def version() -> VersionResponse:
+        return VersionResponse(version=ctx.version)

@@ -1,0 +1,47 @@
+"""What the API server needs from an engine: the ``EngineClient`` protocol.
+
+Implementations: ``engine.async_client.AsyncEngineClient`` (talks to an engine-core
+process over ZMQ). Tests may use an in-process fake with the same surface.
+
+Lifecycle of one request: ``generate`` validates the prompt and params (raising
+``ValueError`` with a message for the client before anything is queued), then
+yields delta ``RequestOutput`` objects: each holds only the tokens/text new since
+the previous one; the last has ``finished=True`` and a ``finish_reason``. If the
+consumer stops iterating (client disconnect), the caller must call ``abort``; the
+engine then frees the request's KV blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.metrics.stats import SchedulerStats
+from pdserve.tokenizer import Tokenizer
+
+
+class EngineClient(Protocol):
+    tokenizer: Tokenizer
+    max_model_len: int
+    vocab_size: int
+
+    def generate(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        kv_transfer_params: dict | None = None,
+    ) -> AsyncIterator[RequestOutput]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def latest_stats(self) -> SchedulerStats: ...
+
+    async def check_health(self) -> None:
+        """Raise if the engine is dead."""
+        ...
+
+    async def shutdown(self) -> None: ...

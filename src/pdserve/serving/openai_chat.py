@@ -1,0 +1,179 @@
+"""``POST /v1/chat/completions``: messages → chat template → one choice.
+
+The prompt is rendered with the tokenizer's ``apply_chat_template`` (see
+:mod:`pdserve.serving.api_chat_template`) and encoded with ``add_special_tokens``
+(default false: templates carry their own BOS), both in the tokenizer thread. The
+first streamed chunk carries ``role: "assistant"`` together with the first text, so
+every chunk carries a token (a role-only chunk would skew client TTFT/ITL).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from pdserve.engine.outputs import CompletionOutput
+from pdserve.serving.api_chat_template import ChatTemplates
+from pdserve.serving.api_state import ServingContext
+from pdserve.serving.openai_completions import CLIENT_CLOSED
+from pdserve.serving.openai_generate import (
+    EngineJob,
+    SSEResponse,
+    engine_error,
+    make_usage,
+    now_s,
+    open_stream,
+    run_to_completion,
+    safe_logprob,
+    sse_events,
+    token_strings,
+)
+from pdserve.serving.protocol import (
+    ChatCompletionLogProbs,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatLogProbsContent,
+    ChatMessage,
+    ChatMessageParam,
+    DeltaMessage,
+    RequestError,
+    UsageInfo,
+)
+
+
+def render_and_encode(
+    chat: ChatTemplates,
+    tokenizer: Any,
+    messages: list[ChatMessageParam],
+    *,
+    add_generation_prompt: bool,
+    add_special_tokens: bool,
+    template_kwargs: dict[str, Any] | None,
+) -> tuple[str, list[int]]:
+    """Blocking: the rendered prompt and its token ids."""
+    text = chat.render(
+        tokenizer,
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        template_kwargs=template_kwargs,
+    )
+    return text, list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+async def prepare_chat(
+    ctx: ServingContext, req: ChatCompletionRequest, request: Request
+) -> EngineJob:
+    engine = ctx.engine
+    text, ids = await ctx.run_blocking(
+        render_and_encode,
+        ctx.chat,
+        engine.tokenizer,
+        req.messages,
+        add_generation_prompt=req.add_generation_prompt,
+        add_special_tokens=req.add_special_tokens,
+        template_kwargs=req.chat_template_kwargs,
+    )
+    if not ids:
+        raise RequestError("the rendered chat prompt is empty", "messages")
+    params = req.to_sampling_params(
+        prompt_len=len(ids), max_model_len=engine.max_model_len, vocab_size=engine.vocab_size
+    )
+    return EngineJob(
+        request_id=request.state.request_id,
+        prompt=text,
+        prompt_token_ids=ids,
+        params=params,
+        kv_transfer_params=req.kv_transfer_params,
+        arrival_time=request.state.arrival_time,
+    )
+
+
+def _chat_logprobs(
+    ctx: ServingContext, token_ids: list[int], values: list[float] | None
+) -> ChatCompletionLogProbs | None:
+    if values is None:
+        return None
+    tokens = token_strings(ctx.engine.tokenizer, token_ids)
+    content = [
+        ChatLogProbsContent(token=t, logprob=safe_logprob(v), bytes=list(t.encode("utf-8")))
+        for t, v in zip(tokens, values, strict=False)
+    ]
+    return ChatCompletionLogProbs(content=content)
+
+
+async def create_chat_completion(
+    ctx: ServingContext, req: ChatCompletionRequest, request: Request
+) -> Response:
+    model = ctx.check_model(req.model)
+    job = await prepare_chat(ctx, req, request)
+    response_id = f"chatcmpl-{job.request_id}"
+    want_logprobs = req.logprobs
+
+    if req.stream:
+        opened = await open_stream(ctx, job, request)
+        if opened is None:
+            return Response(status_code=CLIENT_CLOSED)
+        er, first = opened
+        created = now_s()
+        options = req.stream_options
+        sent_role = False
+
+        def render_delta(c: CompletionOutput, usage: UsageInfo | None) -> str:
+            nonlocal sent_role
+            delta = DeltaMessage(content=c.text, role=None if sent_role else "assistant")
+            sent_role = True
+            choice = ChatCompletionStreamChoice(
+                delta=delta,
+                logprobs=_chat_logprobs(ctx, c.token_ids, c.logprobs) if want_logprobs else None,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            chunk = ChatCompletionStreamResponse(
+                id=response_id, created=created, model=model, choices=[choice], usage=usage
+            )
+            return chunk.to_json()
+
+        def render_usage(usage: UsageInfo) -> str:
+            chunk = ChatCompletionStreamResponse(
+                id=response_id, created=created, model=model, choices=[], usage=usage
+            )
+            return chunk.to_json()
+
+        events = sse_events(
+            ctx,
+            er,
+            first,
+            render_delta=render_delta,
+            render_usage=render_usage if options and options.include_usage else None,
+            continuous_usage=bool(options and options.continuous_usage_stats),
+        )
+        return SSEResponse(events, on_close=er.close)
+
+    acc = await run_to_completion(ctx, job, request)
+    if acc is None:
+        return Response(status_code=CLIENT_CLOSED)
+    err = engine_error(acc)
+    if err is not None:
+        raise err
+    body = ChatCompletionResponse(
+        id=response_id,
+        model=model,
+        choices=[
+            ChatCompletionResponseChoice(
+                message=ChatMessage(role="assistant", content=acc.text),
+                logprobs=_chat_logprobs(ctx, acc.token_ids, acc.logprobs)
+                if want_logprobs
+                else None,
+                finish_reason=acc.finish_reason,
+                stop_reason=acc.stop_reason,
+            )
+        ],
+        usage=make_usage(ctx, len(job.prompt_token_ids), len(acc.token_ids), acc.num_cached_tokens),
+        kv_transfer_params=acc.kv_transfer_params,
+    )
+    return Response(body.model_dump_json(), media_type="application/json")

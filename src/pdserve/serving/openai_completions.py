@@ -1,0 +1,164 @@
+"""``POST /v1/completions``: one prompt (text or token ids) → one choice.
+
+The engine request id is the HTTP request's id (``X-Request-Id`` or a minted one); the
+response ``id`` is ``cmpl-<request id>``. ``kv_transfer_params`` from the engine's final
+output are returned in the non-streaming response (the P/D proxy reads them there).
+"""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from pdserve.engine.outputs import CompletionOutput
+from pdserve.serving.api_state import ServingContext
+from pdserve.serving.openai_generate import (
+    EngineJob,
+    SSEResponse,
+    check_token_ids,
+    engine_error,
+    make_usage,
+    now_s,
+    open_stream,
+    run_to_completion,
+    safe_logprob,
+    sse_events,
+    token_strings,
+)
+from pdserve.serving.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamChoice,
+    CompletionStreamResponse,
+    RequestError,
+    UsageInfo,
+)
+
+CLIENT_CLOSED = 499  # nobody reads it; the status only shows in access logs
+
+
+async def prepare_completion(
+    ctx: ServingContext, req: CompletionRequest, request: Request
+) -> EngineJob:
+    """Tokenize (off the event loop) and validate; raises :class:`RequestError`."""
+    engine = ctx.engine
+    prompt = req.single_prompt()
+    text: str | None
+    if isinstance(prompt, str):
+        ids = await ctx.run_blocking(
+            engine.tokenizer.encode, prompt, add_special_tokens=req.add_special_tokens
+        )
+        text = prompt
+    else:
+        check_token_ids(prompt, engine.vocab_size, "prompt")
+        ids, text = prompt, None
+    if not ids:
+        raise RequestError("prompt is empty (it has no tokens)", "prompt")
+    params = req.to_sampling_params(
+        prompt_len=len(ids), max_model_len=engine.max_model_len, vocab_size=engine.vocab_size
+    )
+    return EngineJob(
+        request_id=request.state.request_id,
+        prompt=text,
+        prompt_token_ids=list(ids),
+        params=params,
+        kv_transfer_params=req.kv_transfer_params,
+        arrival_time=request.state.arrival_time,
+    )
+
+
+class _LogprobsBuilder:
+    """OpenAI completion logprobs; ``text_offset`` continues across stream deltas."""
+
+    def __init__(self, ctx: ServingContext, with_top: bool) -> None:
+        self._tokenizer = ctx.engine.tokenizer
+        self._with_top = with_top
+        self._offset = 0
+
+    def build(self, token_ids: list[int], logprobs: list[float]) -> CompletionLogProbs:
+        tokens = token_strings(self._tokenizer, token_ids)
+        values = [safe_logprob(v) for v in logprobs]
+        offsets = []
+        for t in tokens:
+            offsets.append(self._offset)
+            self._offset += len(t)
+        top: list[dict[str, float] | None] | None = None
+        if self._with_top:
+            top = [{t: v} for t, v in zip(tokens, values, strict=False)]
+        return CompletionLogProbs(
+            text_offset=offsets, token_logprobs=list(values), tokens=tokens, top_logprobs=top
+        )
+
+
+async def create_completion(
+    ctx: ServingContext, req: CompletionRequest, request: Request
+) -> Response:
+    model = ctx.check_model(req.model)
+    job = await prepare_completion(ctx, req, request)
+    response_id = f"cmpl-{job.request_id}"
+    lp = _LogprobsBuilder(ctx, with_top=bool(req.logprobs)) if req.logprobs is not None else None
+
+    def logprobs_of(token_ids: list[int], values: list[float] | None) -> CompletionLogProbs | None:
+        if lp is None or values is None:
+            return None
+        return lp.build(token_ids, values)
+
+    if req.stream:
+        opened = await open_stream(ctx, job, request)
+        if opened is None:
+            return Response(status_code=CLIENT_CLOSED)
+        er, first = opened
+        created = now_s()
+        options = req.stream_options
+
+        def render_delta(c: CompletionOutput, usage: UsageInfo | None) -> str:
+            choice = CompletionStreamChoice(
+                text=c.text,
+                logprobs=logprobs_of(c.token_ids, c.logprobs),
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            chunk = CompletionStreamResponse(
+                id=response_id, created=created, model=model, choices=[choice], usage=usage
+            )
+            return chunk.model_dump_json()
+
+        def render_usage(usage: UsageInfo) -> str:
+            chunk = CompletionStreamResponse(
+                id=response_id, created=created, model=model, choices=[], usage=usage
+            )
+            return chunk.model_dump_json()
+
+        events = sse_events(
+            ctx,
+            er,
+            first,
+            render_delta=render_delta,
+            render_usage=render_usage if options and options.include_usage else None,
+            continuous_usage=bool(options and options.continuous_usage_stats),
+        )
+        return SSEResponse(events, on_close=er.close)
+
+    acc = await run_to_completion(ctx, job, request)
+    if acc is None:
+        return Response(status_code=CLIENT_CLOSED)
+    err = engine_error(acc)
+    if err is not None:
+        raise err
+    body = CompletionResponse(
+        id=response_id,
+        model=model,
+        choices=[
+            CompletionResponseChoice(
+                text=acc.text,
+                logprobs=logprobs_of(acc.token_ids, acc.logprobs),
+                finish_reason=acc.finish_reason,
+                stop_reason=acc.stop_reason,
+            )
+        ],
+        usage=make_usage(ctx, len(job.prompt_token_ids), len(acc.token_ids), acc.num_cached_tokens),
+        kv_transfer_params=acc.kv_transfer_params,
+    )
+    return Response(body.model_dump_json(), media_type="application/json")

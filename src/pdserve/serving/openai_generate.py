@@ -1,0 +1,391 @@
+"""What completions and chat completions share: one engine request per HTTP request,
+client-disconnect handling, SSE framing, usage and logprobs.
+
+Ownership and lifecycle of an engine request (:class:`EngineRequest`):
+
+    start()  -- registers the request id, calls ``engine.generate`` (ValueError → 400)
+    next_output() ...  -- delta outputs; per-request metrics are recorded here
+    close()  -- always, exactly once effective: aborts the engine request unless it
+                finished, closes the engine's iterator, releases the request id.
+
+``close`` never awaits (it spawns the abort), so it is safe in ``finally`` blocks of
+cancelled tasks. A client disconnect cancels the task that consumes the outputs
+(:func:`run_until_disconnect`); the cancellation unwinds into ``close``, which aborts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from pdserve.engine.outputs import CompletionOutput, RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.metrics.prometheus import RequestMetrics
+from pdserve.serving.api_errors import APIError, error_body
+from pdserve.serving.api_state import ServingContext
+from pdserve.serving.protocol import PromptTokenUsageInfo, RequestError, UsageInfo
+
+T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
+
+# OpenAI clients cannot parse -inf; vLLM clamps the same way.
+_MIN_LOGPROB = -9999.0
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before the response was complete."""
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
+    """Await ``work``; if the client disconnects first, cancel it (waiting until it has
+    unwound) and raise :class:`ClientDisconnected`. Only call after the request body
+    has been read: from then on the ASGI ``receive`` only reports the disconnect."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait((task,))
+    if task.cancelled():
+        raise ClientDisconnected
+    return task.result()
+
+
+def safe_logprob(value: float | None) -> float:
+    """A JSON-safe logprob: NaN/-inf become -9999.0, anything above 0 becomes 0."""
+    if value is None or math.isnan(value):
+        return _MIN_LOGPROB
+    return min(0.0, max(_MIN_LOGPROB, float(value)))
+
+
+@dataclass
+class EngineJob:
+    """Everything the engine needs for one request, validated."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    kv_transfer_params: dict[str, Any] | None
+    arrival_time: float
+
+
+class EngineRequest:
+    """One engine request owned by one HTTP request (see the module docstring)."""
+
+    def __init__(self, ctx: ServingContext, job: EngineJob) -> None:
+        self.ctx = ctx
+        self.job = job
+        self.tracker: RequestMetrics = ctx.metrics.start_request(
+            job.arrival_time, len(job.prompt_token_ids)
+        )
+        self._it: AsyncIterator[RequestOutput] | None = None
+        self._registered = False
+        self.finished = False
+        self._closed = False
+
+    def start(self) -> None:
+        job = self.job
+        self.ctx.state.register(job.request_id)
+        self._registered = True
+        try:
+            self._it = aiter(
+                self.ctx.engine.generate(
+                    job.request_id,
+                    job.prompt,
+                    job.prompt_token_ids,
+                    job.params,
+                    job.kv_transfer_params,
+                )
+            )
+        except BaseException:
+            self.close()
+            raise
+
+    async def next_output(self) -> RequestOutput | None:
+        """The next delta output, or ``None`` after the last one."""
+        if self.finished or self._it is None:
+            return None
+        try:
+            out = await anext(self._it)
+        except StopAsyncIteration:
+            self._mark_finished("abort")
+            return None
+        n_new = sum(len(c.token_ids) for c in out.outputs)
+        self.tracker.on_output(n_new)
+        if out.finished:
+            reason = next((c.finish_reason for c in out.outputs if c.finish_reason), None)
+            self._mark_finished(reason or ("error" if out.error else "stop"))
+        return out
+
+    def _mark_finished(self, reason: str) -> None:
+        self.finished = True
+        self.tracker.finish(reason)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        rid = self.job.request_id
+        if not self.finished:
+            self.tracker.finish("abort")
+            self.ctx.abort_soon(rid)
+        it = self._it
+        aclose = getattr(it, "aclose", None)
+        if aclose is not None:
+            self.ctx.state.spawn(aclose(), f"closing the output stream of {rid}")
+        if self._registered:
+            self.ctx.state.unregister(rid)
+
+
+@dataclass
+class Accumulated:
+    """A whole (non-streaming) completion, summed from delta outputs."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
+    error: str | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        if out.kv_transfer_params is not None:
+            self.kv_transfer_params = out.kv_transfer_params
+        if out.error:
+            self.error = out.error
+        for c in out.outputs[:1]:
+            self.text += c.text
+            self.token_ids.extend(c.token_ids)
+            if c.logprobs is not None:
+                self.logprobs = (self.logprobs or []) + list(c.logprobs)
+            if c.finish_reason is not None:
+                self.finish_reason = c.finish_reason
+                self.stop_reason = c.stop_reason
+
+
+async def collect(er: EngineRequest) -> Accumulated:
+    acc = Accumulated()
+    while (out := await er.next_output()) is not None:
+        acc.add(out)
+    if acc.finish_reason is None:
+        acc.finish_reason = "abort"
+    return acc
+
+
+def engine_error(acc: Accumulated) -> APIError | None:
+    """The HTTP error for a request the engine failed (not the client's fault)."""
+    if acc.finish_reason == "error":
+        return APIError(500, f"the engine failed this request: {acc.error or 'unknown error'}")
+    return None
+
+
+async def engine_failure(ctx: ServingContext, exc: BaseException) -> APIError:
+    """The 500 for an engine that raised something other than ``ValueError``."""
+    logger.error("engine error: %r", exc, exc_info=exc)
+    try:
+        await asyncio.wait_for(ctx.engine.check_health(), timeout=5.0)
+    except Exception as dead:
+        return APIError(500, f"the engine is not healthy: {dead!r}")
+    return APIError(500, f"the engine failed this request: {exc!r}")
+
+
+async def run_to_completion(
+    ctx: ServingContext, job: EngineJob, request: Request
+) -> Accumulated | None:
+    """Non-streaming: the whole output, or ``None`` when the client went away (the
+    engine request is aborted). Engine ``ValueError`` propagates (→ 400); any other
+    engine exception becomes an :class:`APIError` 500."""
+    er = EngineRequest(ctx, job)
+    try:
+        er.start()
+        return await run_until_disconnect(request.receive, collect(er))
+    except ClientDisconnected:
+        return None
+    except (ValueError, APIError):
+        raise
+    except Exception as e:
+        raise await engine_failure(ctx, e) from e
+    finally:
+        er.close()
+
+
+async def open_stream(
+    ctx: ServingContext, job: EngineJob, request: Request
+) -> tuple[EngineRequest, RequestOutput | None] | None:
+    """Streaming: start the request and wait for its first output before any byte is
+    sent, so that an engine rejection is still a plain HTTP 400. Returns ``None`` when
+    the client went away. The caller owns the returned request and must ``close`` it
+    (the :class:`SSEResponse` does)."""
+    er = EngineRequest(ctx, job)
+    try:
+        er.start()
+        first = await run_until_disconnect(request.receive, er.next_output())
+    except ClientDisconnected:
+        er.close()
+        return None
+    except (ValueError, APIError):
+        er.close()
+        raise
+    except Exception as e:
+        er.close()
+        raise await engine_failure(ctx, e) from e
+    except BaseException:
+        er.close()
+        raise
+    return er, first
+
+
+RenderDelta = Callable[[CompletionOutput, UsageInfo | None], str]
+
+
+async def sse_events(
+    ctx: ServingContext,
+    er: EngineRequest,
+    first: RequestOutput | None,
+    *,
+    render_delta: RenderDelta,
+    render_usage: Callable[[UsageInfo], str] | None,
+    continuous_usage: bool,
+) -> AsyncIterator[str]:
+    """The SSE body: one ``data:`` event per delta that carries tokens or a finish
+    reason, then (``include_usage``) a usage-only event, then ``data: [DONE]``. Errors
+    after the status line become an in-stream error event followed by ``[DONE]``."""
+    prompt_tokens = len(er.job.prompt_token_ids)
+    completion_tokens = 0
+    cached = 0
+    out = first
+    try:
+        while out is not None:
+            cached = max(cached, out.num_cached_tokens)
+            for c in out.outputs[:1]:
+                if c.finish_reason == "error":
+                    raise APIError(500, f"the engine failed this request: {out.error or 'error'}")
+                if not c.token_ids and not c.text and c.finish_reason is None:
+                    continue
+                completion_tokens += len(c.token_ids)
+                usage = None
+                if continuous_usage:
+                    usage = make_usage(ctx, prompt_tokens, completion_tokens, cached)
+                yield sse(render_delta(c, usage))
+            out = await er.next_output()
+    except Exception as e:
+        if not isinstance(e, ValueError | APIError):
+            logger.error("engine error while streaming %s: %r", er.job.request_id, e)
+        yield sse_error(e)
+        yield SSE_DONE
+        return
+    if render_usage is not None:
+        yield sse(render_usage(make_usage(ctx, prompt_tokens, completion_tokens, cached)))
+    yield SSE_DONE
+
+
+def sse(data: str) -> str:
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_error(exc: BaseException) -> str:
+    """An in-stream error event (the status line has already been sent)."""
+    if isinstance(exc, RequestError):
+        body = error_body(400, exc.message, exc.param)
+    elif isinstance(exc, ValueError):
+        body = error_body(400, str(exc))
+    elif isinstance(exc, APIError):
+        body = error_body(exc.status, exc.message, exc.param)
+    else:
+        body = error_body(500, f"the engine failed this request: {exc!r}")
+    return sse(json.dumps(body))
+
+
+class SSEResponse(StreamingResponse):
+    """``text/event-stream`` response that aborts its engine request when the client
+    disconnects, and runs ``on_close`` exactly once however the stream ends."""
+
+    def __init__(
+        self,
+        events: AsyncIterator[str],
+        *,
+        on_close: Callable[[], None],
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(
+            events,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
+        )
+        self._events = events
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await run_until_disconnect(receive, self.stream_response(send))
+        except (ClientDisconnected, OSError):
+            pass
+        finally:
+            aclose = getattr(self._events, "aclose", None)
+            try:
+                if aclose is not None:
+                    await aclose()
+            finally:
+                self._on_close()
+
+
+def make_usage(
+    ctx: ServingContext, prompt_tokens: int, completion_tokens: int, cached_tokens: int
+) -> UsageInfo:
+    details = None
+    if ctx.enable_prompt_tokens_details:
+        details = PromptTokenUsageInfo(cached_tokens=cached_tokens)
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=details,
+    )
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        shown = ", ".join(str(t) for t in bad[:5])
+        raise RequestError(
+            f"token ids outside the vocabulary [0, {vocab_size}): {shown}"
+            + (f" and {len(bad) - 5} more" if len(bad) > 5 else ""),
+            param,
+        )
+
+
+def token_strings(tokenizer: Any, token_ids: list[int]) -> list[str]:
+    """Per-token text for logprobs (special tokens kept)."""
+    return [tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
+
+
+def now_s() -> int:
+    return int(time.time())

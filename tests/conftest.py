@@ -1,0 +1,37 @@
+"""Shared fixtures: tiny random checkpoints made once per test session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+ARCHS = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """float32 tiny checkpoints of each architecture, keyed by architecture name."""
+    from pdserve.models.checkpoint import make_checkpoint
+
+    out = {}
+    for arch in ARCHS:
+        d = tmp_path_factory.mktemp(arch)
+        make_checkpoint(arch, "tiny", d, seed=1, dtype="float32")
+        out[arch] = d
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_ckpts: dict[str, Path]) -> Path:
+    return tiny_ckpts["LlamaForCausalLM"]
