@@ -29,7 +29,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from pdserve import LLM, SamplingParams  # noqa: E402
-from pdserve.engine.request import Request  # noqa: E402
 
 
 def measure_limits() -> dict:
@@ -92,29 +91,50 @@ def _drain(llm: LLM) -> None:
 
 def bench_throughput(llm: LLM, num: int = 256, inp: int = 512, out: int = 128) -> dict:
     g = torch.Generator().manual_seed(0)
-    prompts = [{"prompt_token_ids": torch.randint(10, 30000, (inp,), generator=g).tolist()} for _ in range(num)]
+    prompts = [
+        {"prompt_token_ids": torch.randint(10, 30000, (inp,), generator=g).tolist()}
+        for _ in range(num)
+    ]
     sp = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)
-    llm.generate(prompts[:4], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
+    llm.generate(
+        prompts[:4], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    )  # warm-up
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp)
     dt = time.perf_counter() - t0
     ntok = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"num_prompts": num, "input_len": inp, "output_len": out, "seconds": dt, "output_tok_s": ntok / dt,
-            "total_tok_s": (ntok + num * inp) / dt}
+    return {
+        "num_prompts": num,
+        "input_len": inp,
+        "output_len": out,
+        "seconds": dt,
+        "output_tok_s": ntok / dt,
+        "total_tok_s": (ntok + num * inp) / dt,
+    }
 
 
 def bench_decode(llm: LLM, batch: int, ctx: int, limits: dict, steps: int = 20) -> dict:
     eng = llm.engine
     need_blocks = batch * (-(-(ctx + steps + 8) // eng.kv.block_size))
     if need_blocks > eng.kv.pool.num_usable_blocks or ctx + steps + 8 > eng.max_model_len:
-        return {"batch": batch, "ctx": ctx, "skipped": f"needs {need_blocks} KV blocks, "
-                f"{eng.kv.pool.num_usable_blocks} available"}
+        return {
+            "batch": batch,
+            "ctx": ctx,
+            "skipped": f"needs {need_blocks} KV blocks, {eng.kv.pool.num_usable_blocks} available",
+        }
     g = torch.Generator().manual_seed(batch * 7 + ctx)
     for i in range(batch):
-        _add(llm, f"d{batch}-{ctx}-{i}", torch.randint(10, 30000, (ctx,), generator=g).tolist(), steps + 8)
+        _add(
+            llm,
+            f"d{batch}-{ctx}-{i}",
+            torch.randint(10, 30000, (ctx,), generator=g).tolist(),
+            steps + 8,
+        )
     # prefill everything, then run a few decode steps as warm-up
-    while eng.scheduler.waiting or any(not r.output_token_ids for r in eng.scheduler.requests.values()):
+    while eng.scheduler.waiting or any(
+        not r.output_token_ids for r in eng.scheduler.requests.values()
+    ):
         eng.step()
     for _ in range(3):
         eng.step()
@@ -128,8 +148,14 @@ def bench_decode(llm: LLM, batch: int, ctx: int, limits: dict, steps: int = 20) 
     step = statistics.median(times)
     kv = batch * (ctx + 5 + steps // 2) * kv_bytes_per_token(llm)
     roof = (weight_bytes(llm) + kv) / limits["copy_bandwidth_Bps"]
-    return {"batch": batch, "ctx": ctx, "step_ms": step * 1e3, "roofline_ms": roof * 1e3,
-            "ratio": step / roof, "tok_s": batch / step}
+    return {
+        "batch": batch,
+        "ctx": ctx,
+        "step_ms": step * 1e3,
+        "roofline_ms": roof * 1e3,
+        "ratio": step / roof,
+        "tok_s": batch / step,
+    }
 
 
 def bench_prefill(llm: LLM, limits: dict, n: int = 8192) -> dict:
@@ -150,8 +176,13 @@ def bench_prefill(llm: LLM, limits: dict, n: int = 8192) -> dict:
     hc = eng.runner.hf_config
     params = sum(p.numel() for p in eng.runner.model.parameters()) - hc.vocab_size * hc.hidden_size
     flops = 2 * params * n + 2 * hc.num_hidden_layers * hc.num_attention_heads * hc.head_dim * n * n
-    return {"tokens": n, "seconds": t, "tok_s": n / t, "tflops": flops / t / 1e12,
-            "share_of_matmul_peak": flops / t / limits["bf16_matmul_flops"]}
+    return {
+        "tokens": n,
+        "seconds": t,
+        "tok_s": n / t,
+        "tflops": flops / t / 1e12,
+        "share_of_matmul_peak": flops / t / limits["bf16_matmul_flops"],
+    }
 
 
 def main() -> int:
@@ -164,18 +195,31 @@ def main() -> int:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     args = ap.parse_args()
     sections = set(args.sections.split(","))
-    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "gpu": torch.cuda.get_device_name(),
-                 "torch": torch.__version__}
+    res: dict = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+    }
     try:
-        res["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                       text=True, cwd=Path(__file__).parent).stdout.strip()
+        res["commit"] = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+        ).stdout.strip()
     except OSError:
         res["commit"] = "unknown"
     res["limits"] = measure_limits()
     print(json.dumps(res["limits"]), flush=True)
     t0 = time.perf_counter()
-    llm = LLM(args.ckpt, dtype="bfloat16", max_model_len=20480, max_num_batched_tokens=8192,
-              gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=256)
+    llm = LLM(
+        args.ckpt,
+        dtype="bfloat16",
+        max_model_len=20480,
+        max_num_batched_tokens=8192,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_seqs=256,
+    )
     res["engine_startup_s"] = time.perf_counter() - t0
     res["num_kv_blocks"] = llm.engine.kv.pool.num_blocks
     res["weight_bytes"] = weight_bytes(llm)
@@ -200,22 +244,30 @@ def main() -> int:
 def print_table(res: dict) -> None:
     lim = res["limits"]
     print(f"\n== {res['gpu']} | torch {res['torch']} | commit {res['commit']} | {res['date']}")
-    print(f"copy bandwidth {lim['copy_bandwidth_Bps'] / 1e12:.2f} TB/s | bf16 matmul {lim['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s"
-          f" | weights {res['weight_bytes'] / 1e9:.2f} GB | KV blocks {res['num_kv_blocks']} | start-up {res['engine_startup_s']:.1f}s")
+    print(
+        f"copy bandwidth {lim['copy_bandwidth_Bps'] / 1e12:.2f} TB/s | bf16 matmul {lim['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s"
+        f" | weights {res['weight_bytes'] / 1e9:.2f} GB | KV blocks {res['num_kv_blocks']} | start-up {res['engine_startup_s']:.1f}s"
+    )
     if "throughput" in res:
         t = res["throughput"]
-        print(f"throughput {t['num_prompts']}x{t['input_len']}/{t['output_len']}: {t['output_tok_s']:.0f} output tok/s"
-              f" ({t['total_tok_s']:.0f} total tok/s, {t['seconds']:.1f}s)")
+        print(
+            f"throughput {t['num_prompts']}x{t['input_len']}/{t['output_len']}: {t['output_tok_s']:.0f} output tok/s"
+            f" ({t['total_tok_s']:.0f} total tok/s, {t['seconds']:.1f}s)"
+        )
     if "decode" in res:
         print(f"{'batch':>6} {'ctx':>6} {'step ms':>9} {'roof ms':>9} {'ratio':>6} {'tok/s':>8}")
         for r in res["decode"]:
             if "skipped" in r:
                 print(f"{r['batch']:>6} {r['ctx']:>6}  skipped: {r['skipped']}")
             else:
-                print(f"{r['batch']:>6} {r['ctx']:>6} {r['step_ms']:>9.2f} {r['roofline_ms']:>9.2f} {r['ratio']:>6.2f} {r['tok_s']:>8.0f}")
+                print(
+                    f"{r['batch']:>6} {r['ctx']:>6} {r['step_ms']:>9.2f} {r['roofline_ms']:>9.2f} {r['ratio']:>6.2f} {r['tok_s']:>8.0f}"
+                )
     if "prefill" in res and "tok_s" in res["prefill"]:
         p = res["prefill"]
-        print(f"prefill {p['tokens']} tokens: {p['tok_s']:.0f} tok/s, {p['tflops']:.0f} TFLOP/s = {p['share_of_matmul_peak']:.0%} of matmul peak")
+        print(
+            f"prefill {p['tokens']} tokens: {p['tok_s']:.0f} tok/s, {p['tflops']:.0f} TFLOP/s = {p['share_of_matmul_peak']:.0%} of matmul peak"
+        )
 
 
 if __name__ == "__main__":

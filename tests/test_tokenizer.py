@@ -24,7 +24,7 @@ TEXTS = [
     "<|begin_of_text|>inline<|eot_id|> <|im_start|>user\nhi<|im_end|>",
     "<think>\nreasoning</think>answer",
 ]
-MESSAGES = [
+MESSAGES: list[dict[str, Any]] = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "  Hi there!  "},
     {"role": "assistant", "content": "Hello.", "tool_calls": None},
@@ -77,9 +77,8 @@ def test_matches_transformers(arch: str, tiny_ckpts: dict[str, Path]) -> None:
         assert ours.apply_chat_template(
             MESSAGES, add_generation_prompt=gen
         ) == hf.apply_chat_template(MESSAGES, add_generation_prompt=gen, tokenize=False)
-    kw = {"enable_thinking": False}
-    assert ours.apply_chat_template(MESSAGES, **kw) == hf.apply_chat_template(
-        MESSAGES, add_generation_prompt=True, tokenize=False, **kw
+    assert ours.apply_chat_template(MESSAGES, enable_thinking=False) == hf.apply_chat_template(
+        MESSAGES, add_generation_prompt=True, tokenize=False, enable_thinking=False
     )
 
 
@@ -155,7 +154,7 @@ def test_named_templates_and_jinja_file(tiny_ckpts: dict[str, Path], tmp_path: P
     )
     ours, hf = _pair(d)
     assert ours.chat_template == default and ours.chat_template_names == ["default", "tool_use"]
-    msgs = [{"role": "user", "content": "café <b>"}]
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": "café <b>"}]
     tools = [{"name": "search"}, {"name": "calc"}]
     assert ours.apply_chat_template(msgs) == hf.apply_chat_template(
         msgs, add_generation_prompt=True, tokenize=False

@@ -62,7 +62,9 @@ def _run_generate(args: argparse.Namespace) -> int:
         ntok += len(c.token_ids)
         print(f"prompt ({len(o.prompt_token_ids)} tokens): {o.prompt!r}")
         print(f"output ({len(c.token_ids)} tokens, finish_reason={c.finish_reason}): {c.text!r}\n")
-    print(f"loaded in {t1 - t0:.2f}s; generated {ntok} tokens in {t2 - t1:.2f}s on {llm.engine.runner.device}")
+    print(
+        f"loaded in {t1 - t0:.2f}s; generated {ntok} tokens in {t2 - t1:.2f}s on {llm.engine.runner.device}"
+    )
     return 0
 
 

@@ -29,7 +29,9 @@ def _check(cond: bool, msg: str) -> None:
 class ModelConfig:
     model: str = _f("", "path to a Hugging Face model folder", positional=True)
     dtype: str = _f("auto", "weights/activations dtype: auto|float32|bfloat16|float16|half|float")
-    max_model_len: int | None = _f(None, "context length (prompt + output); default from config.json")
+    max_model_len: int | None = _f(
+        None, "context length (prompt + output); default from config.json"
+    )
     seed: int = _f(0, "random seed for sampling without an explicit per-request seed")
     tokenizer: str | None = _f(None, "tokenizer folder (default: the model folder)")
 
@@ -46,14 +48,20 @@ class CacheConfig:
     block_size: int = _f(16, "tokens per KV cache block")
     gpu_memory_utilization: float = _f(0.9, "share of GPU memory the engine may use (GPU only)")
     kv_cache_memory_bytes: int | None = _f(
-        None, "KV cache size in bytes (default on CPU: 256 MiB; on GPU: from --gpu-memory-utilization)"
+        None,
+        "KV cache size in bytes (default on CPU: 256 MiB; on GPU: from --gpu-memory-utilization)",
     )
     num_gpu_blocks_override: int | None = _f(None, "use exactly this many KV blocks (testing)")
     enable_prefix_caching: bool = _f(True, "reuse KV of shared prompt prefixes")
 
     def __post_init__(self) -> None:
-        _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "--block-size must be a power of 2 <= 128")
-        _check(0.0 < self.gpu_memory_utilization <= 1.0, "--gpu-memory-utilization must be in (0, 1]")
+        _check(
+            self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
+            "--block-size must be a power of 2 <= 128",
+        )
+        _check(
+            0.0 < self.gpu_memory_utilization <= 1.0, "--gpu-memory-utilization must be in (0, 1]"
+        )
         _check(
             self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 2,
             "--num-gpu-blocks-override must be >= 2",
@@ -112,7 +120,9 @@ class EngineConfig:
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> EngineConfig:
-        return cls.from_kwargs(**{k: getattr(args, k) for k in engine_option_names() if hasattr(args, k)})
+        return cls.from_kwargs(
+            **{k: getattr(args, k) for k in engine_option_names() if hasattr(args, k)}
+        )
 
 
 def _section_class(name: str) -> type:
@@ -136,7 +146,9 @@ def _base_type(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
-def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
+def add_dataclass_args(
+    parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()
+) -> None:
     """Add one flag per field of ``cls`` (bools get ``--x/--no-x``)."""
     hints = get_type_hints(cls)
     for f in dataclasses.fields(cls):
@@ -148,7 +160,12 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: tuple[s
             continue
         flag = "--" + f.name.replace("_", "-")
         if tp is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
+            parser.add_argument(
+                flag,
+                action=argparse.BooleanOptionalAction,
+                default=f.default,
+                help=f.metadata["help"],
+            )
         else:
             parser.add_argument(flag, type=tp, default=f.default, help=f.metadata["help"])
 

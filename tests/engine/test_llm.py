@@ -21,22 +21,21 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 
 def _hf_greedy(path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
-    m = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32, attn_implementation="eager")
+    m = AutoModelForCausalLM.from_pretrained(
+        path, torch_dtype=torch.float32, attn_implementation="eager"
+    )
     m.eval()
+    m.generation_config.eos_token_id = None  # like ignore_eos: generate exactly max_tokens
     outs = []
     with torch.no_grad():
         for p in prompts:
             ids = torch.tensor([p])
-            g = m.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_tokens,
-                min_new_tokens=max_tokens,
-                do_sample=False,
-                pad_token_id=0,
+            cfg = GenerationConfig(
+                max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
             )
+            g = m.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
             outs.append(g[0, len(p) :].tolist())
     return outs
 
@@ -90,7 +89,10 @@ def test_chunked_prefill_prefix_cache_and_preemption_keep_outputs(tiny_ckpts, re
     _assert_all_blocks_free(llm)
     # too few blocks for all requests at once: the scheduler must preempt and recompute
     small = LLM(
-        str(tiny_ckpts[arch]), dtype="float32", block_size=4, num_gpu_blocks_override=30,
+        str(tiny_ckpts[arch]),
+        dtype="float32",
+        block_size=4,
+        num_gpu_blocks_override=30,
         enable_prefix_caching=False,
     )
     assert _gen(small, prompts) == ref
@@ -100,8 +102,16 @@ def test_chunked_prefill_prefix_cache_and_preemption_keep_outputs(tiny_ckpts, re
 
 def test_sampling_is_seeded_and_respects_limits(tiny_llama):
     llm = LLM(str(tiny_llama), dtype="float32")
-    sp = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.01, seed=7, max_tokens=12,
-                        min_tokens=12, logprobs=0)
+    sp = SamplingParams(
+        temperature=0.8,
+        top_p=0.9,
+        top_k=20,
+        min_p=0.01,
+        seed=7,
+        max_tokens=12,
+        min_tokens=12,
+        logprobs=0,
+    )
     a = llm.generate("hello world", sp)[0].outputs[0]
     b = llm.generate(["other prompt", "hello world"], sp)[1].outputs[0]
     assert a.token_ids == b.token_ids and len(a.token_ids) == 12
@@ -114,15 +124,19 @@ def test_stop_token_ids_and_stop_strings(tiny_llama):
     free = llm.generate("the quick brown fox", _greedy(16))[0].outputs[0]
     stop_tok = free.token_ids[5]
     first = free.token_ids.index(stop_tok)
-    out = llm.generate("the quick brown fox", SamplingParams(temperature=0, max_tokens=16,
-                       ignore_eos=True, stop_token_ids=[stop_tok]))[0].outputs[0]
+    out = llm.generate(
+        "the quick brown fox",
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop_token_ids=[stop_tok]),
+    )[0].outputs[0]
     assert out.token_ids == free.token_ids[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_tok
     text = free.text
     if len(text) >= 6:
         stop = text[3:6]
-        out = llm.generate("the quick brown fox", SamplingParams(temperature=0, max_tokens=16,
-                           ignore_eos=True, stop=[stop]))[0].outputs[0]
+        out = llm.generate(
+            "the quick brown fox",
+            SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop]),
+        )[0].outputs[0]
         assert out.text == text[: text.index(stop)]
         assert out.finish_reason == "stop" and out.stop_reason == stop
     _assert_all_blocks_free(llm)

@@ -18,7 +18,9 @@ def _req(rid, n, max_tokens=4):
 
 
 def _run(s, so, tok=7):
-    return s.update_from_output(so, RunnerOutput(list(so.num_scheduled_tokens), [tok] * len(so.num_scheduled_tokens)))
+    return s.update_from_output(
+        so, RunnerOutput(list(so.num_scheduled_tokens), [tok] * len(so.num_scheduled_tokens))
+    )
 
 
 def test_chunked_prefill_then_decode():

@@ -15,6 +15,7 @@ import torch
 from _attn_helper import PagedKV
 
 from pdserve.models import load_model
+from pdserve.models.checkpoint import make_checkpoint
 
 ARCHS = ("LlamaForCausalLM", "Qwen3ForCausalLM")
 PROMPT_LENS = (5, 70, 11)  # 70 crosses the tiny llama3 scaling's original context (64)
@@ -113,3 +114,26 @@ def test_tied_and_untied_heads(loaded_tiny) -> None:
     assert "lm_head.weight" not in qwen.checkpoint_tensor_names()
     assert "model.layers.0.self_attn.q_norm.weight" in qwen.checkpoint_tensor_names()
     assert "model.layers.0.self_attn.q_norm.weight" not in llama.checkpoint_tensor_names()
+
+
+def test_llama_variant_with_biases_and_tied_head(tmp_path: Path) -> None:
+    """attention_bias, mlp_bias and a tied head on Llama (paths the default presets skip)."""
+    transformers = pytest.importorskip("transformers")
+    overrides = {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}
+    d = make_checkpoint(
+        "LlamaForCausalLM", "tiny", tmp_path, dtype="float32", config_overrides=overrides
+    )
+    model, cfg = load_model(d)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        d, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    seqs = [_random_ids(n, cfg.vocab_size, torch.Generator().manual_seed(3)) for n in (4, 13)]
+    kv = PagedKV(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 2, 16)
+    with torch.no_grad(), kv.step([0, 0], [len(s) for s in seqs]):
+        logits = model.compute_logits(
+            model(torch.cat(seqs), torch.cat([torch.arange(len(s)) for s in seqs]))
+        )
+    with torch.no_grad():
+        ref = torch.cat([hf(s[None]).logits[0] for s in seqs])
+    assert _rel_err(logits, ref) <= MAX_REL_ERR

@@ -125,10 +125,11 @@ def test_dtype_auto_follows_config(tmp_path: Path) -> None:
     d = make_checkpoint(LLAMA, "tiny", tmp_path, dtype="bfloat16")
     model, cfg = load_model(d)  # "auto"
     assert cfg.torch_dtype == "bfloat16"
-    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
-    model32, _ = load_model(d, dtype="float32")
-    assert model32.lm_head.weight.dtype == torch.float32
-    assert torch.equal(model32.lm_head.weight, model.lm_head.weight.float())
+    weights = model.state_dict()
+    assert weights["model.embed_tokens.weight"].dtype == torch.bfloat16
+    weights32 = load_model(d, dtype="float32")[0].state_dict()
+    assert weights32["lm_head.weight"].dtype == torch.float32
+    assert torch.equal(weights32["lm_head.weight"], weights["lm_head.weight"].float())
 
 
 def test_resolve_dtype() -> None:

@@ -61,7 +61,9 @@ class AsyncEngineClient:
         self._processor: InputProcessor | None = None
 
     @classmethod
-    async def start(cls, config: EngineConfig, log_level: str = "INFO", timeout: float = 1800.0) -> AsyncEngineClient:
+    async def start(
+        cls, config: EngineConfig, log_level: str = "INFO", timeout: float = 1800.0
+    ) -> AsyncEngineClient:
         tok = Tokenizer.from_pretrained(config.model.tokenizer or config.model.model)
         self = cls(config, tok)
         in_addr = f"ipc://{os.path.join(self._tmp.name, 'in')}"
@@ -69,7 +71,9 @@ class AsyncEngineClient:
         self._in.bind(in_addr)
         self._out.bind(out_addr)
         self._proc = mp.get_context("spawn").Process(
-            target=run_engine_core, args=(config, in_addr, out_addr, log_level), name="pdserve-engine-core",
+            target=run_engine_core,
+            args=(config, in_addr, out_addr, log_level),
+            name="pdserve-engine-core",
             daemon=True,
         )
         self._proc.start()
@@ -85,7 +89,9 @@ class AsyncEngineClient:
                     break
             if not self._proc.is_alive():
                 await self.shutdown()
-                raise RuntimeError(f"the engine process exited during start-up (code {self._proc.exitcode})")
+                raise RuntimeError(
+                    f"the engine process exited during start-up (code {self._proc.exitcode})"
+                )
             if time.monotonic() > deadline:
                 await self.shutdown()
                 raise RuntimeError("the engine did not become ready in time")
@@ -117,8 +123,13 @@ class AsyncEngineClient:
         try:
             await self._send(
                 M.AddRequest(
-                    request_id, req.prompt_token_ids, params, sorted(req.eos_token_ids),
-                    req.max_output_tokens, time.monotonic(), kv_transfer_params,
+                    request_id,
+                    req.prompt_token_ids,
+                    params,
+                    sorted(req.eos_token_ids),
+                    req.max_output_tokens,
+                    time.monotonic(),
+                    kv_transfer_params,
                 )
             )
             while True:
@@ -207,6 +218,12 @@ class AsyncEngineClient:
         for rid, q in list(self._queues.items()):
             self._outputs.remove(rid)
             q.put_nowait(
-                RequestOutput(rid, None, [], [CompletionOutput(0, "", [], finish_reason="error")], True, error=why)
+                RequestOutput(
+                    rid,
+                    None,
+                    [],
+                    [CompletionOutput(0, "", [], finish_reason="error")],
+                    True,
+                    error=why,
+                )
             )
-

@@ -25,7 +25,9 @@ logger = logging.getLogger(__name__)
 _IDLE_POLL_MS = 200
 
 
-def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log_level: str) -> None:
+def run_engine_core(
+    config: EngineConfig, input_addr: str, output_addr: str, log_level: str
+) -> None:
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s engine-core: %(message)s"
     )
@@ -50,7 +52,11 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
     out.send(
         M.encode(
             M.EngineReady(
-                core.max_model_len, core.vocab_size, r.num_blocks, r.block_size, str(r.device),
+                core.max_model_len,
+                core.vocab_size,
+                r.num_blocks,
+                r.block_size,
+                str(r.device),
                 core.startup_seconds,
             )
         )
@@ -91,7 +97,9 @@ def _loop(core: object, inp: zmq.Socket, out: zmq.Socket, parent: int) -> None:
                 )
             elif isinstance(msg, M.AbortRequests):
                 status = (
-                    RequestStatus.FINISHED_STOPPED if msg.reason == "stop" else RequestStatus.FINISHED_ABORTED
+                    RequestStatus.FINISHED_STOPPED
+                    if msg.reason == "stop"
+                    else RequestStatus.FINISHED_ABORTED
                 )
                 pending_outputs.extend(core.abort_requests(msg.request_ids, status))
             elif isinstance(msg, M.ResetPrefixCache):

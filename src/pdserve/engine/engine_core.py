@@ -28,7 +28,9 @@ class EngineCore:
         self.runner = ModelRunner(config)
         num_blocks = self.runner.determine_num_blocks()
         self.runner.initialize_kv_cache(num_blocks)
-        self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+        )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.runner.max_model_len)
         self.startup_seconds = time.perf_counter() - t0
         logger.info(
@@ -56,7 +58,12 @@ class EngineCore:
     ) -> list[EngineCoreOutput]:
         done = self.scheduler.finish_requests(request_ids, status)
         return [
-            EngineCoreOutput(r.request_id, [], finish_reason=status.finish_reason, num_cached_tokens=max(r.num_cached_tokens, 0))
+            EngineCoreOutput(
+                r.request_id,
+                [],
+                finish_reason=status.finish_reason,
+                num_cached_tokens=max(r.num_cached_tokens, 0),
+            )
             for r in done
         ]
 

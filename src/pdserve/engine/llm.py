@@ -23,9 +23,13 @@ class LLM:
 
     def __init__(self, model: str, **kwargs: Any) -> None:
         self.config = EngineConfig.from_kwargs(model=str(model), **kwargs)
-        self.tokenizer = Tokenizer.from_pretrained(self.config.model.tokenizer or self.config.model.model)
+        self.tokenizer = Tokenizer.from_pretrained(
+            self.config.model.tokenizer or self.config.model.model
+        )
         self.engine = EngineCore(self.config)
-        self.processor = InputProcessor(self.tokenizer, self.engine.max_model_len, self.engine.vocab_size)
+        self.processor = InputProcessor(
+            self.tokenizer, self.engine.max_model_len, self.engine.vocab_size
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
@@ -45,8 +49,8 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompt_list = list(prompts)  # type: ignore[arg-type]
+            prompts = [prompts]
+        prompt_list = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -61,7 +65,9 @@ class LLM:
             text, ids = self.processor.tokenize(p)
             reqs.append((text, self.processor.make_request(rid, ids, sp)))
         for text, req in reqs:
-            self.output_processor.add_request(req.request_id, text, req.prompt_token_ids, req.sampling_params)
+            self.output_processor.add_request(
+                req.request_id, text, req.prompt_token_ids, req.sampling_params
+            )
             self.engine.add_request(req)
         order = {req.request_id: i for i, (_, req) in enumerate(reqs)}
         results: list[RequestOutput | None] = [None] * len(reqs)

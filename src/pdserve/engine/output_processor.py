@@ -29,7 +29,9 @@ class IncrementalDetokenizer:
 
     def add(self, new_ids: list[int]) -> str:
         self.ids.extend(new_ids)
-        prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=self.skip)
+        prefix = self.tok.decode(
+            self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=self.skip
+        )
         full = self.tok.decode(self.ids[self.prefix_offset :], skip_special_tokens=self.skip)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self.prefix_offset = self.read_offset
@@ -65,7 +67,11 @@ class OutputProcessor:
         self.states: dict[str, RequestState] = {}
 
     def add_request(
-        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
     ) -> None:
         self.states[request_id] = RequestState(
             request_id,

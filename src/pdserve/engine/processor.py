@@ -37,12 +37,16 @@ class InputProcessor:
         elif isinstance(prompt, list):
             text, ids = None, prompt
         else:
-            raise ValueError(f"a prompt must be a string, a token id list or a dict, got {type(prompt).__name__}")
+            raise ValueError(
+                f"a prompt must be a string, a token id list or a dict, got {type(prompt).__name__}"
+            )
         if ids is None:
             if not isinstance(text, str) or not text:
                 raise ValueError("the prompt is empty")
             ids = self.tokenizer.encode(text)
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        if not isinstance(ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in ids
+        ):
             raise ValueError("prompt_token_ids must be a list of integers")
         return text, ids
 

@@ -45,7 +45,9 @@ class SamplingParams:
     def verify(self, vocab_size: int | None = None) -> None:
         """Raise ``ValueError`` naming the first invalid field."""
         if self.n != 1:
-            raise ValueError(f"n must be 1 (pdserve returns one completion per request), got {self.n}")
+            raise ValueError(
+                f"n must be 1 (pdserve returns one completion per request), got {self.n}"
+            )
         if not (self.temperature >= 0.0):
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
@@ -69,4 +71,6 @@ class SamplingParams:
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad:
-                raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+                raise ValueError(
+                    f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})"
+                )

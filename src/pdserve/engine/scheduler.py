@@ -104,7 +104,9 @@ class Scheduler:
                 break
             num_sched[req.request_id] = n
             cached_reqs.append(
-                CachedRequestData(req.request_id, [b.block_id for b in blocks], req.num_computed_tokens)
+                CachedRequestData(
+                    req.request_id, [b.block_id for b in blocks], req.num_computed_tokens
+                )
             )
             budget -= n
             i += 1
@@ -160,7 +162,9 @@ class Scheduler:
             preempted_req_ids=preempted,
         )
 
-    def update_from_output(self, sched: SchedulerOutput, out: RunnerOutput) -> list[EngineCoreOutput]:
+    def update_from_output(
+        self, sched: SchedulerOutput, out: RunnerOutput
+    ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         any_finished = False
         for i, rid in enumerate(out.req_ids):
@@ -203,7 +207,9 @@ class Scheduler:
     def make_stats(self) -> SchedulerStats:
         s = self.stats
         s.num_running_reqs = len(self.running)
-        s.num_waiting_reqs = sum(1 for r in self.waiting if r.status != RequestStatus.WAITING_FOR_REMOTE_KV)
+        s.num_waiting_reqs = sum(
+            1 for r in self.waiting if r.status != RequestStatus.WAITING_FOR_REMOTE_KV
+        )
         s.num_waiting_for_remote_kv = len(self.waiting) - s.num_waiting_reqs
         s.kv_cache_usage = self.kv.usage()
         s.prefix_cache_queries = self.kv.prefix_queries

@@ -35,7 +35,7 @@ class RopeScaling:
 
 def rope_inv_freq(head_dim: int, base: float, scaling: RopeScaling | None) -> torch.Tensor:
     """Inverse frequencies [head_dim/2] (float32, CPU), with optional linear / llama3 scaling."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (base**exponents)
     if scaling is None:
         return inv_freq
@@ -84,7 +84,8 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.max_position = max_position
         inv_freq = rope_inv_freq(head_dim, base, scaling)
-        freqs = torch.arange(max_position, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+        positions = torch.arange(max_position, dtype=torch.int64, device="cpu").float()
+        freqs = positions[:, None] * inv_freq[None, :]
         device = torch.get_default_device()
         self.cos_cache: torch.Tensor
         self.sin_cache: torch.Tensor

@@ -279,6 +279,10 @@ class RequestMetrics:
         self._generated += num_new_tokens
         self._m.generation_tokens.inc(num_new_tokens)
 
+    def discard(self) -> None:
+        """Record nothing more for this request (it was rejected before it ran)."""
+        self._finished = True
+
     def finish(self, finish_reason: str, now: float | None = None) -> None:
         if self._finished:
             return

@@ -21,7 +21,11 @@ class SchedulerStats:
     prefix_cache_hits: int = 0  # tokens found
     num_preemptions: int = 0
     prompt_tokens_by_source: dict[str, int] = field(
-        default_factory=lambda: {"local_compute": 0, "local_cache_hit": 0, "external_kv_transfer": 0}
+        default_factory=lambda: {
+            "local_compute": 0,
+            "local_cache_hit": 0,
+            "external_kv_transfer": 0,
+        }
     )
     # which forward path ran, cumulative: {"eager:<reason>": n, "graph": n}
     step_paths: dict[str, int] = field(default_factory=dict)

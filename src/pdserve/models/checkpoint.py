@@ -26,16 +26,17 @@ import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors, trainers
 from tokenizers import Tokenizer as _Backend
 
+if TYPE_CHECKING:  # torch is imported where tensors are made: the CLI flags need none
+    import torch
+
 ARCHS = ("LlamaForCausalLM", "Qwen3ForCausalLM")
 PRESETS = ("tiny", "llama-8b-shape")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
 INIT_STD = 0.02
 NORM_NOISE = 0.05
@@ -318,6 +319,7 @@ def weight_shapes(config: Mapping[str, Any]) -> list[tuple[str, tuple[int, ...]]
     q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
     qk_norm = config["model_type"] == "qwen3"
     bias = config.get("attention_bias", False)
+    mlp_bias = config.get("mlp_bias", False)
     shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (v, h))]
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -332,8 +334,14 @@ def weight_shapes(config: Mapping[str, Any]) -> list[tuple[str, tuple[int, ...]]
         if qk_norm:
             shapes += [(p + "self_attn.q_norm.weight", (d,)), (p + "self_attn.k_norm.weight", (d,))]
         shapes.append((p + "post_attention_layernorm.weight", (h,)))
-        shapes += [(p + "mlp.gate_proj.weight", (inter, h)), (p + "mlp.up_proj.weight", (inter, h))]
-        shapes.append((p + "mlp.down_proj.weight", (h, inter)))
+        for proj, out, inp in (
+            ("gate_proj", inter, h),
+            ("up_proj", inter, h),
+            ("down_proj", h, inter),
+        ):
+            shapes.append((f"{p}mlp.{proj}.weight", (out, inp)))
+            if mlp_bias:
+                shapes.append((f"{p}mlp.{proj}.bias", (out,)))
     shapes.append(("model.norm.weight", (h,)))
     if not config.get("tie_word_embeddings", False):
         shapes.append(("lm_head.weight", (v, h)))
@@ -370,6 +378,8 @@ def _random_tensors(
     dtype: torch.dtype,
     device: torch.device,
 ) -> Iterator[tuple[str, torch.Tensor]]:
+    import torch
+
     for name, shape in shard:
         t = torch.empty(shape, dtype=dtype, device=device)
         if name.endswith("norm.weight"):
@@ -387,6 +397,9 @@ def _write_weights(
     device: torch.device,
     max_shard_size: int,
 ) -> None:
+    import torch
+    from safetensors.torch import save_file
+
     for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
         stale.unlink(missing_ok=True)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -435,6 +448,8 @@ def make_checkpoint(
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     if max_shard_size <= 0:
         raise ValueError(f"max_shard_size must be positive, got {max_shard_size}")
+    import torch
+
     try:
         dev = torch.device(device)
     except RuntimeError as e:
@@ -445,7 +460,8 @@ def make_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(arch)
     config = build_config(arch, preset, tok, dtype, config_overrides)
-    _write_weights(out, weight_shapes(config), seed, DTYPES[dtype], dev, max_shard_size)
+    torch_dtype = getattr(torch, dtype)
+    _write_weights(out, weight_shapes(config), seed, torch_dtype, dev, max_shard_size)
     _write_json(out / "config.json", config)
     tok.save(str(out / "tokenizer.json"))
     for file_name, content in _tokenizer_files(
@@ -497,7 +513,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", required=True, choices=PRESETS, help="model size")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="weight dtype")
+    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="weight dtype")
     parser.add_argument(
         "--device", default="cpu", help="where tensors are drawn (cuda is much faster for 8B)"
     )

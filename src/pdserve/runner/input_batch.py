@@ -61,7 +61,9 @@ class InputBatch:
         self.top_p[row] = sp.top_p
         self.top_k[row] = sp.top_k
         self.min_p[row] = sp.min_p
-        self.banned_ids[row] = sorted(set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(new.eos_token_ids)))
+        self.banned_ids[row] = sorted(
+            set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(new.eos_token_ids))
+        )
         if sp.seed is not None and not sp.greedy:
             gen = torch.Generator(device=device)
             gen.manual_seed(sp.seed)

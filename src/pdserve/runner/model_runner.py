@@ -151,8 +151,13 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(self.device)
         others = total - free - torch.cuda.memory_reserved(self.device)  # other processes, context
         budget = int(total * self.config.cache.gpu_memory_utilization) - peak - others
-        logger.info("GPU memory: total %.1f GiB, peak %.1f GiB, others %.1f GiB -> KV %.1f GiB",
-                    total / 2**30, peak / 2**30, others / 2**30, budget / 2**30)
+        logger.info(
+            "GPU memory: total %.1f GiB, peak %.1f GiB, others %.1f GiB -> KV %.1f GiB",
+            total / 2**30,
+            peak / 2**30,
+            others / 2**30,
+            budget / 2**30,
+        )
         torch.cuda.empty_cache()
         return budget
 
@@ -161,7 +166,9 @@ class ModelRunner:
         n = min(num_tokens, self.max_model_len)
         dev = self.device
         shape = self.backend.kv_cache_shape(1, n, *self._kv_heads_dim())
-        caches = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(self._num_layers())]
+        caches = [
+            torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(self._num_layers())
+        ]
         md = CommonAttentionMetadata(
             num_reqs=1,
             num_actual_tokens=n,
@@ -223,7 +230,9 @@ class ModelRunner:
         self.h_input_ids.numpy()[:t] = b.token_ids[tok_rows, pos]
         self.h_positions.numpy()[:t] = pos
         bs = self.block_size
-        self.h_slots.numpy()[:t] = b.block_table[tok_rows, pos // bs].astype(np.int64) * bs + pos % bs
+        self.h_slots.numpy()[:t] = (
+            b.block_table[tok_rows, pos // bs].astype(np.int64) * bs + pos % bs
+        )
         self.h_req_idx.numpy()[:t] = req_idx
         self.h_q_idx.numpy()[:t] = q_idx
         self.h_qsl.numpy()[: nreq + 1] = cu
@@ -253,7 +262,9 @@ class ModelRunner:
         up(self.h_input_ids, self.d_input_ids, t)
         up(self.h_positions, self.d_positions, t)
         logits_idx = up(self.h_logits_idx, self.d_logits_idx, nreq)
-        return _StepInputs(req_ids, rows, nsched, t, logits_idx, md, self._sampling_metadata(rows, nsched))
+        return _StepInputs(
+            req_ids, rows, nsched, t, logits_idx, md, self._sampling_metadata(rows, nsched)
+        )
 
     def _upload_block_tables(self, nreq: int, nblk: int) -> torch.Tensor:
         d = self.d_block_tables[:nreq, :nblk]
@@ -263,7 +274,9 @@ class ModelRunner:
     def _sampling_metadata(self, rows: np.ndarray, nsched: np.ndarray) -> SamplingMetadata:
         b = self.batch
         params = [b.params[r] for r in rows]
-        greedy = np.fromiter((p is not None and p.greedy for p in params), dtype=bool, count=len(rows))
+        greedy = np.fromiter(
+            (p is not None and p.greedy for p in params), dtype=bool, count=len(rows)
+        )
         dev = self.device
 
         def tensor(a: np.ndarray) -> torch.Tensor:

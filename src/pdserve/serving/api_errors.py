@@ -62,23 +62,36 @@ def error_bytes(status: int, message: str, param: str | None = None) -> bytes:
     return json.dumps(error_body(status, message, param)).encode()
 
 
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
 def _loc_param(loc: Sequence[Any]) -> str | None:
-    parts = [str(p) for p in loc if p != "body"]
+    """``messages.0.content`` from a pydantic location, without union-member tags."""
+    parts = [
+        str(p)
+        for p in loc
+        if p != "body" and not (isinstance(p, str) and (p in _UNION_TAGS or "[" in p))
+    ]
     return ".".join(parts) if parts else None
 
 
+def _cause(error: Any) -> RequestError | None:
+    ctx = error.get("ctx") if isinstance(error, dict) else None
+    cause = ctx.get("error") if isinstance(ctx, dict) else None
+    return cause if isinstance(cause, RequestError) else None
+
+
 def describe_validation_errors(errors: Sequence[Any]) -> tuple[str, str | None]:
-    """``(message, param)`` for a list of pydantic/FastAPI error dicts: the first error
-    in full, a count of the rest."""
+    """``(message, param)`` for a list of pydantic/FastAPI error dicts: the most telling
+    error in full (one of ours, with its own message, if any), a count of the rest."""
     if not errors:
         return "invalid request", None
-    first = errors[0]
+    first = next((e for e in errors if _cause(e) is not None), errors[0])
     loc = first.get("loc", ()) if isinstance(first, dict) else ()
     param = _loc_param(loc)
     etype = first.get("type") if isinstance(first, dict) else None
-    ctx = first.get("ctx") or {} if isinstance(first, dict) else {}
-    cause = ctx.get("error") if isinstance(ctx, dict) else None
-    if isinstance(cause, RequestError):
+    cause = _cause(first)
+    if cause is not None:
         message = cause.message
         param = cause.param or param
     elif etype == "extra_forbidden":

@@ -112,7 +112,25 @@ def build_app(
     install_exception_handlers(app)
     app.add_middleware(ServingMiddleware, state=ctx.state, api_key=api_key)
     _add_routes(app, ctx, health_check_timeout)
+    _document_400_not_422(app)
     return app
+
+
+def _document_400_not_422(app: FastAPI) -> None:
+    """FastAPI documents 422 for every body; this app answers validation errors with 400."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = build()
+            for path in schema.get("paths", {}).values():
+                for op in path.values():
+                    if isinstance(op, dict):
+                        op.get("responses", {}).pop("422", None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _add_routes(app: FastAPI, ctx: ServingContext, health_timeout: float) -> None:

@@ -123,10 +123,9 @@ class ServingContext:
     enable_prompt_tokens_details: bool
     version: str
     state: ServerState = field(default_factory=ServerState)
-    # one worker: tokenizers are not guaranteed thread-safe, and order is preserved
-    tokenizer_pool: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="pdserve-tokenizer")
-    )
+    # one worker: tokenizers are not guaranteed thread-safe, and order is preserved.
+    # Made on first use and closed at lifespan shutdown (a restarted lifespan remakes it).
+    _tokenizer_pool: ThreadPoolExecutor | None = None
 
     @property
     def default_model(self) -> str:
@@ -142,8 +141,10 @@ class ServingContext:
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run tokenizer / template work off the event loop."""
+        if self._tokenizer_pool is None:
+            self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="pdserve-tokenizer")
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.tokenizer_pool, partial(fn, *args, **kwargs))
+        return await loop.run_in_executor(self._tokenizer_pool, partial(fn, *args, **kwargs))
 
     def abort_soon(self, request_id: str) -> None:
         """Abort an engine request without awaiting (safe inside ``finally`` under cancel)."""
@@ -156,7 +157,9 @@ class ServingContext:
         return len(ids)
 
     def close(self) -> None:
-        self.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        pool, self._tokenizer_pool = self._tokenizer_pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _valid_request_id(value: str) -> bool:

@@ -119,6 +119,10 @@ class EngineRequest:
                     job.kv_transfer_params,
                 )
             )
+        except ValueError:
+            self._rejected()
+            self.close()
+            raise
         except BaseException:
             self.close()
             raise
@@ -132,12 +136,26 @@ class EngineRequest:
         except StopAsyncIteration:
             self._mark_finished("abort")
             return None
+        except ValueError:
+            self._rejected()
+            raise
+        except Exception:
+            self._mark_finished("error")
+            raise
         n_new = sum(len(c.token_ids) for c in out.outputs)
         self.tracker.on_output(n_new)
         if out.finished:
             reason = next((c.finish_reason for c in out.outputs if c.finish_reason), None)
             self._mark_finished(reason or ("error" if out.error else "stop"))
         return out
+
+    def _rejected(self) -> None:
+        """The engine refused the request (``ValueError``): it never ran, so it is left
+        out of the request metrics unless it had already produced tokens."""
+        if self.tracker.num_generated == 0:
+            self.tracker.discard()
+        else:
+            self.tracker.finish("error")
 
     def _mark_finished(self, reason: str) -> None:
         self.finished = True
@@ -148,22 +166,30 @@ class EngineRequest:
             return
         self._closed = True
         rid = self.job.request_id
-        if not self.finished:
+        abort = not self.finished
+        if abort:
             self.tracker.finish("abort")
-            self.ctx.abort_soon(rid)
-        it = self._it
-        aclose = getattr(it, "aclose", None)
-        if aclose is not None:
-            self.ctx.state.spawn(aclose(), f"closing the output stream of {rid}")
+        aclose = getattr(self._it, "aclose", None)
+        if abort or aclose is not None:
+            self.ctx.state.spawn(self._cleanup(abort, aclose), f"cleanup of request {rid}")
         if self._registered:
             self.ctx.state.unregister(rid)
+
+    async def _cleanup(self, abort: bool, aclose: Callable[[], Awaitable[None]] | None) -> None:
+        """Abort first (the engine frees the KV blocks), then close the output iterator."""
+        try:
+            if abort:
+                await self.ctx.engine.abort(self.job.request_id)
+        finally:
+            if aclose is not None:
+                await aclose()
 
 
 @dataclass
 class Accumulated:
     """A whole (non-streaming) completion, summed from delta outputs."""
 
-    text: str = ""
+    parts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
     finish_reason: str | None = None
@@ -172,6 +198,10 @@ class Accumulated:
     kv_transfer_params: dict[str, Any] | None = None
     error: str | None = None
 
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
     def add(self, out: RequestOutput) -> None:
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         if out.kv_transfer_params is not None:
@@ -179,7 +209,7 @@ class Accumulated:
         if out.error:
             self.error = out.error
         for c in out.outputs[:1]:
-            self.text += c.text
+            self.parts.append(c.text)
             self.token_ids.extend(c.token_ids)
             if c.logprobs is not None:
                 self.logprobs = (self.logprobs or []) + list(c.logprobs)

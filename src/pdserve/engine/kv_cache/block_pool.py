@@ -29,7 +29,9 @@ class KVCacheBlock:
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool) -> None:
         if num_blocks < 2:
-            raise ValueError(f"the KV cache needs at least 2 blocks (one is reserved), got {num_blocks}")
+            raise ValueError(
+                f"the KV cache needs at least 2 blocks (one is reserved), got {num_blocks}"
+            )
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]

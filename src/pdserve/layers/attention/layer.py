@@ -20,7 +20,9 @@ class Attention(nn.Module):
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+            raise ValueError(
+                f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+            )
         self.layer_idx = layer_idx
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads

@@ -1,0 +1,296 @@
+"""Fixtures for the API-server tests: a fake tokenizer, a fake engine client, and the
+app served by uvicorn on 127.0.0.1 (ephemeral port) in a background thread.
+
+Everything is loopback-only and bounded: engines emit at most ``max_tokens`` tokens
+with tiny sleeps, every wait has a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+_SRC = Path(__file__).resolve().parents[2] / "src"
+try:
+    import pdserve  # noqa: F401
+except ImportError:  # repository not pip-installed: use the src layout directly
+    sys.path.insert(0, str(_SRC))
+
+import jinja2.sandbox  # noqa: E402
+
+from pdserve.engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
+from pdserve.metrics.stats import SchedulerStats  # noqa: E402
+from pdserve.serving.api_serve import ApiServer  # noqa: E402
+from pdserve.serving.api_server import build_app  # noqa: E402
+
+MODEL = "fake-model"
+FAKE_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+class FakeTokenizer:
+    """Characters <-> ids: printable Latin-1 char c has id ord(c); 0 is unknown, 1 BOS, 2 EOS."""
+
+    BOS, EOS, UNK = 1, 2, 0
+    vocab_size = 256
+    eos_token_ids = frozenset({2})
+
+    def __init__(self, chat_template: str | None = FAKE_CHAT_TEMPLATE) -> None:
+        self.chat_template = chat_template
+        self._env = jinja2.sandbox.ImmutableSandboxedEnvironment()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = [ord(c) if 32 <= ord(c) < 256 or c == "\n" else self.UNK for c in text]
+        return ([self.BOS] if add_special_tokens else []) + ids
+
+    def decode(self, ids: list[int] | int, skip_special_tokens: bool = True) -> str:
+        out = []
+        for i in [ids] if isinstance(ids, int) else ids:
+            if i in (self.BOS, self.EOS):
+                if not skip_special_tokens:
+                    out.append("<s>" if i == self.BOS else "</s>")
+            elif i == self.UNK:
+                out.append("?")
+            else:
+                out.append(chr(i))
+        return "".join(out)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> str:
+        template = chat_template or self.chat_template
+        if template is None:
+            raise ValueError("no chat template")
+        return self._env.from_string(template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **kwargs
+        )
+
+
+class FakeEngineClient:
+    """Deterministic engine: output token i is ``'a' + i % 26``; one token per delta,
+    ``token_delay`` seconds apart; the last delta carries ``finish_reason``.
+
+    Rejects (``ValueError``) prompts that are too long or hold ids outside the vocabulary
+    at call time, and prompts containing ``REJECT`` at the first iteration; a prompt
+    containing ``CRASH`` kills the engine after two tokens (RuntimeError). ``abort``
+    records the id and makes the request's stream end with ``finish_reason="abort"``.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any | None = None,
+        *,
+        max_model_len: int = 128,
+        token_delay: float = 0.001,
+        num_cached_tokens: int = 3,
+    ) -> None:
+        self.tokenizer = tokenizer if tokenizer is not None else FakeTokenizer()
+        self.vocab_size = int(self.tokenizer.vocab_size)
+        self.max_model_len = max_model_len
+        self.token_delay = token_delay
+        self.num_cached_tokens = num_cached_tokens
+        self.healthy = True
+        self.aborted: list[str] = []
+        self.requests: dict[str, tuple[list[int], SamplingParams, dict | None]] = {}
+        self.running: set[str] = set()
+        self._abort_events: dict[str, asyncio.Event] = {}
+
+    def generate(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        kv_transfer_params: dict | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError("fake engine: prompt too long")
+        if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
+            raise ValueError("fake engine: token id outside the vocabulary")
+        self.requests[request_id] = (list(prompt_token_ids), params, kv_transfer_params)
+        return self._run(request_id, prompt, prompt_token_ids, params, kv_transfer_params)
+
+    async def _run(
+        self,
+        rid: str,
+        prompt: str | None,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        kv: dict | None,
+    ) -> AsyncIterator[RequestOutput]:
+        if prompt is not None and "REJECT" in prompt:
+            raise ValueError("fake engine rejects this prompt")
+        event = self._abort_events.setdefault(rid, asyncio.Event())
+        self.running.add(rid)
+        max_tokens = params.max_tokens or (self.max_model_len - len(prompt_ids))
+        try:
+            for i in range(max_tokens):
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(event.wait(), timeout=self.token_delay)
+                if event.is_set():
+                    yield self._out(rid, prompt, prompt_ids, [], "", "abort", None, params)
+                    return
+                if prompt is not None and "CRASH" in prompt and i == 2:
+                    self.healthy = False
+                    raise RuntimeError("fake engine died")
+                tid = ord("a") + i % 26
+                reason = None
+                if tid in params.stop_token_ids:
+                    reason = "stop"
+                elif i == max_tokens - 1:
+                    reason = "length"
+                out_kv = {"echo": kv, "request_id": rid} if kv is not None and reason else None
+                yield self._out(rid, prompt, prompt_ids, [tid], chr(tid), reason, out_kv, params)
+                if reason:
+                    return
+        finally:
+            self.running.discard(rid)
+            self._abort_events.pop(rid, None)
+
+    def _out(
+        self,
+        rid: str,
+        prompt: str | None,
+        prompt_ids: list[int],
+        ids: list[int],
+        text: str,
+        reason: str | None,
+        kv: dict | None,
+        params: SamplingParams,
+    ) -> RequestOutput:
+        logprobs = [-0.5] * len(ids) if params.logprobs is not None else None
+        return RequestOutput(
+            request_id=rid,
+            prompt=prompt,
+            prompt_token_ids=prompt_ids,
+            outputs=[CompletionOutput(0, text, ids, logprobs=logprobs, finish_reason=reason)],
+            finished=reason is not None,
+            num_cached_tokens=self.num_cached_tokens,
+            kv_transfer_params=kv,
+        )
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+        event = self._abort_events.get(request_id)
+        if event is not None:
+            event.set()
+
+    def latest_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=0,
+            kv_cache_usage=0.25,
+            prefix_cache_queries=100,
+            prefix_cache_hits=40,
+            num_preemptions=2,
+            prompt_tokens_by_source={"local_compute": 60, "local_cache_hit": 40},
+            step_paths={"graph": 7, "eager:prefill": 3},
+            num_steps=10,
+        )
+
+    async def check_health(self) -> None:
+        if not self.healthy:
+            raise RuntimeError("fake engine is dead")
+
+    async def shutdown(self) -> None:
+        return None
+
+
+class ServerThread:
+    """An app under ``ApiServer`` on 127.0.0.1:<ephemeral> in a daemon thread."""
+
+    def __init__(self, app: Any, shutdown_timeout: float = 5.0) -> None:
+        self.app = app
+        self.server = ApiServer(
+            app, host="127.0.0.1", port=0, shutdown_timeout=shutdown_timeout, log_level="warning"
+        )
+        self.server.bind()
+        self.port = self.server.port
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.error: BaseException | None = None
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self.server.serve())
+        except BaseException as e:  # surfaced by stop()
+            self.error = e
+
+    def start(self) -> ServerThread:
+        self.thread.start()
+        if not self.server.started.wait(10):
+            raise RuntimeError(f"server did not start: {self.error!r}")
+        return self
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if self.thread.is_alive():
+            self.server.request_shutdown()
+            self.thread.join(timeout)
+        assert not self.thread.is_alive(), "server thread did not stop"
+        assert self.error is None, repr(self.error)
+
+
+def wait_until(pred: Callable[[], bool], timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return pred()
+
+
+@pytest.fixture
+def engine() -> FakeEngineClient:
+    return FakeEngineClient()
+
+
+ServerFactory = Callable[..., ServerThread]
+
+
+@pytest.fixture
+def make_server() -> Iterator[ServerFactory]:
+    """``make_server(engine, shutdown_timeout=..., **build_app_kwargs)`` → running server."""
+    servers: list[ServerThread] = []
+
+    def factory(
+        engine: FakeEngineClient, *, shutdown_timeout: float = 5.0, **kwargs: Any
+    ) -> ServerThread:
+        kwargs.setdefault("served_model_names", [MODEL])
+        srv = ServerThread(build_app(engine, **kwargs), shutdown_timeout=shutdown_timeout)
+        servers.append(srv.start())
+        return srv
+
+    yield factory
+    for srv in servers:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def server_engine() -> FakeEngineClient:
+    """The engine behind ``server`` (shared by a test module; use unique request ids)."""
+    return FakeEngineClient()
+
+
+@pytest.fixture(scope="module")
+def server(server_engine: FakeEngineClient) -> Iterator[ServerThread]:
+    """One server per test module, with ``enable_prompt_tokens_details``."""
+    srv = ServerThread(
+        build_app(server_engine, served_model_names=[MODEL], enable_prompt_tokens_details=True)
+    ).start()
+    yield srv
+    srv.stop()
