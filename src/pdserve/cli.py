@@ -88,9 +88,17 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     ps.set_defaults(func=bench_serve.main)
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    from pdserve.serving import serve_cmd
+
+    p = sub.add_parser("serve", help="OpenAI-compatible server (API process + engine-core process)")
+    serve_cmd.add_cli_args(p)
+
+
 _COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_make_checkpoint,
     _add_generate,
+    _add_serve,
     _add_bench,
 ]
 

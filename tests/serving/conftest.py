@@ -9,28 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from pathlib import Path
 from typing import Any
 
+import jinja2.sandbox
 import pytest
 
-_SRC = Path(__file__).resolve().parents[2] / "src"
-try:
-    import pdserve  # noqa: F401
-except ImportError:  # repository not pip-installed: use the src layout directly
-    sys.path.insert(0, str(_SRC))
-
-import jinja2.sandbox  # noqa: E402
-
-from pdserve.engine.outputs import CompletionOutput, RequestOutput  # noqa: E402
-from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
-from pdserve.metrics.stats import SchedulerStats  # noqa: E402
-from pdserve.serving.api_serve import ApiServer  # noqa: E402
-from pdserve.serving.api_server import build_app  # noqa: E402
+from pdserve.engine.outputs import CompletionOutput, RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.metrics.stats import SchedulerStats
+from pdserve.serving.api_serve import ApiServer
+from pdserve.serving.api_server import build_app
 
 MODEL = "fake-model"
 FAKE_CHAT_TEMPLATE = (

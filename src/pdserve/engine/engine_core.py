@@ -15,7 +15,7 @@ from pdserve.engine.kv_cache.manager import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import EngineCoreOutput
-from pdserve.metrics.stats import SchedulerStats
+from pdserve.metrics.stats import SchedulerStats, read_rss_bytes
 from pdserve.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -32,6 +32,7 @@ class EngineCore:
             num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.runner.max_model_len)
+        self._rss_read_at = 0.0
         self.startup_seconds = time.perf_counter() - t0
         logger.info(
             "engine ready in %.2fs (weights %.2fs): %d KV blocks of %d tokens on %s",
@@ -78,4 +79,9 @@ class EngineCore:
         return self.scheduler.update_from_output(so, ro)
 
     def stats(self) -> SchedulerStats:
-        return self.scheduler.make_stats()
+        s = self.scheduler.make_stats()
+        now = time.monotonic()
+        if now - self._rss_read_at > 1.0:  # /proc read at most once a second
+            s.process_rss_bytes["engine_core"] = read_rss_bytes()
+            self._rss_read_at = now
+        return s

@@ -23,7 +23,6 @@ carries a ``process_rss_bytes: dict[str, int]`` attribute (process name -> bytes
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
@@ -32,7 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from pdserve.metrics.stats import SchedulerStats
+from pdserve.metrics.stats import SchedulerStats, read_rss_bytes
 
 PREFIX = "pdserve:"
 
@@ -66,16 +65,6 @@ def build_1_2_5_buckets(max_value: int) -> list[float]:
                 return buckets
             buckets.append(float(value))
         exponent += 1
-
-
-def read_self_rss_bytes() -> int | None:
-    """Resident set size of this process from ``/proc/self/statm``; ``None`` where unavailable."""
-    try:
-        with open("/proc/self/statm", encoding="ascii") as f:
-            fields = f.read().split()
-        return int(fields[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 StatsProvider = Callable[[], SchedulerStats | None]
@@ -154,7 +143,7 @@ class EngineStatsCollector(Collector):
             "Resident memory of each pdserve process.",
             labels=[*base, "process"],
         )
-        own = read_self_rss_bytes()
+        own = read_rss_bytes() or None
         if own is not None:
             rss.add_metric([*self._labels, "api_server"], float(own))
         other = getattr(stats, "process_rss_bytes", None) if stats is not None else None

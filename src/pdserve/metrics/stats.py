@@ -7,7 +7,19 @@ misses a snapshot loses nothing. ``metrics/prometheus.py`` turns them into serie
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def read_rss_bytes() -> int:
+    """This process's resident set size from /proc (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 @dataclass
@@ -30,3 +42,5 @@ class SchedulerStats:
     # which forward path ran, cumulative: {"eager:<reason>": n, "graph": n}
     step_paths: dict[str, int] = field(default_factory=dict)
     num_steps: int = 0
+    # resident set size of each engine-side process, bytes: {"engine_core": n}
+    process_rss_bytes: dict[str, int] = field(default_factory=dict)

@@ -1,0 +1,114 @@
+"""``pdserve serve MODEL_DIR``: one instance = an API server process + an engine-core process.
+
+Flags keep ``vllm serve``'s names where the meaning is the same. A vLLM flag that
+pdserve does not support yet is accepted by the parser only to be refused with a
+message that says so, so a user never gets a silently different server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from pdserve.config import EngineConfig, add_engine_args
+
+logger = logging.getLogger(__name__)
+
+# vLLM flags a user may carry over, each refused with the reason.
+UNSUPPORTED_VLLM_FLAGS: dict[str, str] = {
+    "--speculative-config": "speculative decoding is not implemented yet",
+    "--kv-transfer-config": "P/D disaggregation (KV transfer) is not implemented yet",
+    "--compilation-config": "CUDA graphs / compilation settings are not implemented yet",
+    "--quantization": "quantized checkpoints are not supported yet",
+    "--enable-lora": "LoRA adapters are not supported",
+    "--pipeline-parallel-size": "pipeline parallelism is not supported",
+    "--enable-expert-parallel": "expert parallelism is not supported yet",
+    "--kv-cache-dtype": "only the model dtype is supported for the KV cache",
+    "--tokenizer-mode": "pdserve always uses the fast tokenizer from tokenizer.json",
+    "--trust-remote-code": "pdserve runs no code from model folders",
+    "--enforce-eager": "pdserve has no CUDA graphs yet, so every step is eager already",
+}
+
+
+class _Refuse(argparse.Action):
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        parser.error(
+            f"{option_string} is not supported by pdserve: {UNSUPPORTED_VLLM_FLAGS[option_string or '']}"
+        )
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="model name(s) the API answers to (default: the model path)",
+    )
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="report usage.prompt_tokens_details.cached_tokens",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests get to finish after SIGTERM",
+    )
+    p.add_argument(
+        "--chat-template", default=None, help="a Jinja chat template (file path or string)"
+    )
+    p.add_argument(
+        "--chat-template-content-format", default="auto", choices=["auto", "string", "openai"]
+    )
+    p.add_argument("--uvicorn-log-level", default="warning")
+    for flag in UNSUPPORTED_VLLM_FLAGS:
+        p.add_argument(flag, nargs="?", action=_Refuse, help=argparse.SUPPRESS)
+    p.set_defaults(func=main)
+
+
+async def serve(args: argparse.Namespace) -> int:
+    from pdserve.engine.async_client import AsyncEngineClient
+    from pdserve.serving.api_server import build_app, serve_app
+
+    config = EngineConfig.from_cli(args)
+    engine = await AsyncEngineClient.start(config, log_level=args.log_level)
+    try:
+        ready = engine.ready
+        assert ready is not None
+        logger.info(
+            "engine ready in %.1fs on %s (%d KV blocks)",
+            ready.startup_seconds,
+            ready.device,
+            ready.num_blocks,
+        )
+        app = build_app(
+            engine,
+            served_model_names=args.served_model_name or [args.model],
+            api_key=args.api_key,
+            enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+            chat_template=args.chat_template,
+            chat_template_content_format=args.chat_template_content_format,
+        )
+        print(f"pdserve: serving {args.model} on http://{args.host}:{args.port}", flush=True)
+        await serve_app(
+            app, args.host, args.port, args.shutdown_timeout, log_level=args.uvicorn_log_level
+        )
+    finally:
+        await engine.shutdown()
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    return asyncio.run(serve(args))

@@ -1,0 +1,90 @@
+"""A real ``pdserve serve`` subprocess on a tiny checkpoint, on 127.0.0.1 only."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class LiveServer:
+    proc: subprocess.Popen
+    url: str
+    model: str
+    log: Path
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        total = 0.0
+        found = False
+        for line in text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                total += float(line.rsplit(" ", 1)[1])
+                found = True
+        if not found:
+            raise KeyError(name)
+        return total
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                return self.proc.wait(10)
+        return int(self.proc.returncode)
+
+
+def start_server(model: Path, tmp: Path, *extra: str, timeout: float = 120) -> LiveServer:
+    port = free_port()
+    log = tmp / f"serve-{port}.log"
+    cmd = [sys.executable, "-m", "pdserve", "serve", str(model), "--port", str(port),
+           "--served-model-name", "tiny", "--dtype", "float32", *extra]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    srv = LiveServer(proc, f"http://127.0.0.1:{port}", "tiny", log)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {log.read_text()[-2000:]}")
+        try:
+            if httpx.get(f"{srv.url}/health", timeout=1).status_code == 200:
+                return srv
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    srv.stop()
+    raise RuntimeError(f"server not ready in {timeout}s: {log.read_text()[-2000:]}")
+
+
+@pytest.fixture(scope="module")
+def live_server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    srv = start_server(tiny_llama, tmp_path_factory.mktemp("live"), "--max-model-len", "1024")
+    yield srv
+    srv.stop()
+
+
+def wait_until(cond: Callable[[], bool], timeout: float, step: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(step)
+    return cond()
