@@ -192,7 +192,8 @@ def main() -> int:
     ap.add_argument("--sections", default="limits,throughput,decode,prefill")
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--contexts", default="1024,16384")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--attention-backend", default="torch")
     args = ap.parse_args()
     sections = set(args.sections.split(","))
     res: dict = {
@@ -219,6 +220,7 @@ def main() -> int:
         max_num_batched_tokens=8192,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=256,
+        attention_backend=args.attention_backend,
     )
     res["engine_startup_s"] = time.perf_counter() - t0
     res["num_kv_blocks"] = llm.engine.kv.pool.num_blocks

@@ -92,7 +92,96 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class DeviceConfig:
     device: str = _f("auto", "cpu | cuda | cuda:N | auto (cuda when available)")
-    attention_backend: str = _f("torch", "attention backend: torch (reference)")
+    attention_backend: str = _f(
+        "auto", "attention backend: auto (triton on GPU, torch on CPU) | triton | torch (reference)"
+    )
+
+    def __post_init__(self) -> None:
+        _check(
+            self.attention_backend in ("auto", "triton", "torch"),
+            f"--attention-backend must be auto, triton or torch (got {self.attention_backend!r})",
+        )
+
+
+CUDAGRAPH_MODES = ("NONE", "FULL_DECODE_ONLY")
+DEFAULT_CAPTURE_SIZES = (
+    1,
+    2,
+    4,
+    8,
+    16,
+    24,
+    32,
+    48,
+    64,
+    96,
+    128,
+    160,
+    192,
+    224,
+    256,
+    320,
+    384,
+    448,
+    512,
+)
+
+
+@dataclass(frozen=True)
+class CompilationConfig:
+    """CUDA graphs, named as in vLLM's ``--compilation-config``.
+
+    ``FULL_DECODE_ONLY``: the whole forward (model + logits) of a uniform decode batch
+    (every request computing the same 1+k tokens) is replayed from a graph keyed by
+    (padded batch size, tokens per request); any other batch runs eagerly.
+    ``cudagraph_mode`` None means: FULL_DECODE_ONLY on CUDA with a graph-capable
+    attention backend, NONE otherwise.
+    """
+
+    cudagraph_mode: str | None = None
+    cudagraph_capture_sizes: tuple[int, ...] | None = None  # default: DEFAULT_CAPTURE_SIZES
+
+    def __post_init__(self) -> None:
+        _check(
+            self.cudagraph_mode is None or self.cudagraph_mode in CUDAGRAPH_MODES,
+            f"cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)} (got {self.cudagraph_mode!r})",
+        )
+        sizes = self.cudagraph_capture_sizes
+        _check(
+            sizes is None or (len(sizes) > 0 and all(isinstance(x, int) and x >= 1 for x in sizes)),
+            "cudagraph_capture_sizes must be a non-empty list of positive integers",
+        )
+
+    @classmethod
+    def from_json(cls, value: str | dict | None, enforce_eager: bool = False) -> CompilationConfig:
+        obj = (
+            parse_json_arg(value, "--compilation-config")
+            if isinstance(value, str)
+            else dict(value or {})
+        )
+        known = {"cudagraph_mode", "cudagraph_capture_sizes"}
+        unknown = set(obj) - known
+        if unknown:
+            raise ValueError(
+                f"--compilation-config key(s) {', '.join(sorted(unknown))} are not supported "
+                f"(supported: {', '.join(sorted(known))})"
+            )
+        mode = obj.get("cudagraph_mode")
+        if isinstance(mode, int):  # vLLM also accepts the enum's integer value
+            mode = {0: "NONE"}.get(mode, mode)
+        if enforce_eager:
+            if mode not in (None, "NONE"):
+                raise ValueError("--enforce-eager contradicts cudagraph_mode " + str(mode))
+            mode = "NONE"
+        sizes = obj.get("cudagraph_capture_sizes")
+        return cls(mode, tuple(sizes) if sizes is not None else None)
+
+    def capture_sizes(self, max_num_seqs: int) -> list[int]:
+        sizes = self.cudagraph_capture_sizes or DEFAULT_CAPTURE_SIZES
+        out = sorted({s for s in sizes if s <= max_num_seqs})
+        if not out or out[-1] < max_num_seqs and self.cudagraph_capture_sizes is None:
+            out.append(max_num_seqs)
+        return sorted(set(out))
 
 
 @dataclass(frozen=True)
@@ -102,14 +191,24 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    compilation: CompilationConfig = field(default_factory=CompilationConfig)
 
     SECTIONS = ("model", "cache", "scheduler", "parallel", "device")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
-        """Build from flat keyword arguments (``LLM(model, dtype=..., max_num_seqs=...)``)."""
+        """Build from flat keyword arguments (``LLM(model, dtype=..., max_num_seqs=...)``).
+
+        ``compilation_config`` (a dict or JSON string) and ``enforce_eager`` are taken as
+        in vLLM."""
         parts: dict[str, Any] = {}
         left = dict(kwargs)
+        comp = left.pop("compilation_config", None)
+        parts["compilation"] = (
+            comp
+            if isinstance(comp, CompilationConfig)
+            else CompilationConfig.from_json(comp, bool(left.pop("enforce_eager", False)))
+        )
         for name in cls.SECTIONS:
             sec_cls = _section_class(name)
             names = {f.name for f in dataclasses.fields(sec_cls)}
@@ -173,6 +272,15 @@ def add_dataclass_args(
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for s in EngineConfig.SECTIONS:
         add_dataclass_args(parser, _section_class(s))
+    parser.add_argument(
+        "--compilation-config",
+        "-O",
+        default=None,
+        help='JSON, e.g. \'{"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 8, 64]}\'',
+    )
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="never use CUDA graphs (cudagraph_mode NONE)"
+    )
 
 
 def parse_json_arg(value: str, flag: str) -> dict:

@@ -28,6 +28,7 @@ class EngineCore:
         self.runner = ModelRunner(config)
         num_blocks = self.runner.determine_num_blocks()
         self.runner.initialize_kv_cache(num_blocks)
+        self.warmup_phases = self.runner.warm_up()
         self.kv = KVCacheManager(
             num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
@@ -35,9 +36,10 @@ class EngineCore:
         self._rss_read_at = 0.0
         self.startup_seconds = time.perf_counter() - t0
         logger.info(
-            "engine ready in %.2fs (weights %.2fs): %d KV blocks of %d tokens on %s",
+            "engine ready in %.2fs (weights %.2fs, warm-up %s): %d KV blocks of %d tokens on %s",
             self.startup_seconds,
             self.runner.load_seconds,
+            ", ".join(f"{k} {v:.2f}s" for k, v in self.warmup_phases.items()),
             num_blocks,
             config.cache.block_size,
             self.runner.device,

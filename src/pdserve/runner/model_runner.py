@@ -18,7 +18,8 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine.kv_cache.spec import KVCacheGroupSpec, KVCacheSpec
 from pdserve.engine.scheduler_output import RunnerOutput, SchedulerOutput
-from pdserve.layers.attention import CommonAttentionMetadata, get_attn_backend
+from pdserve.layers.attention import AttentionBackend, CommonAttentionMetadata, get_attn_backend
+from pdserve.runner.cuda_graph import CudaGraphManager
 from pdserve.runner.forward_context import set_forward_context
 from pdserve.runner.input_batch import InputBatch
 from pdserve.runner.sampler import Sampler, SamplingMetadata
@@ -53,6 +54,7 @@ class _StepInputs:
     req_ids: list[str]
     rows: np.ndarray
     num_scheduled: np.ndarray
+    uniform_query_len: int | None  # q when every request computes exactly q tokens
     num_tokens: int
     logits_indices: torch.Tensor
     attn_metadata: CommonAttentionMetadata
@@ -82,7 +84,7 @@ class ModelRunner:
         self.max_num_reqs = config.scheduler.max_num_seqs
         self.max_num_tokens = config.scheduler.max_num_batched_tokens
         self.max_blocks_per_req = cdiv(self.max_model_len, self.block_size)
-        self.backend = get_attn_backend(config.device.attention_backend)
+        self.backend = self._make_backend(config.device.attention_backend)
         self.sampler = Sampler(self.device, config.model.seed)
         self.batch = InputBatch(
             self.max_num_reqs, self.max_model_len, self.max_blocks_per_req, self.vocab_size
@@ -90,6 +92,65 @@ class ModelRunner:
         self._alloc_static_buffers()
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
+        self.graphs: CudaGraphManager | None = None
+
+    def _make_backend(self, name: str) -> AttentionBackend:
+        if name == "auto":
+            name = "triton" if self.device.type == "cuda" else "torch"
+        if name == "triton":
+            from pdserve.layers.attention.triton_backend import TritonAttentionBackend
+
+            return TritonAttentionBackend(max_model_len=self.max_model_len)
+        return get_attn_backend(name)
+
+    def graph_mode(self) -> str:
+        """The CUDA-graph mode in force: FULL_DECODE_ONLY or NONE (validated here)."""
+        mode = self.config.compilation.cudagraph_mode
+        capable = self.device.type == "cuda" and self.backend.supports_cuda_graphs
+        if mode is None:
+            return "FULL_DECODE_ONLY" if capable else "NONE"
+        if mode != "NONE" and not capable:
+            raise ValueError(
+                f"cudagraph_mode {mode} needs a CUDA device and a graph-capable attention backend "
+                f"(device {self.device}, backend {self.backend.name})"
+            )
+        return mode
+
+    def warm_up(self) -> dict[str, float]:
+        """Compile kernels and capture graphs before the engine reports ready.
+
+        Returns seconds spent per phase (printed at start-up)."""
+        phases: dict[str, float] = {}
+        t0 = time.perf_counter()
+        self._dummy_run(min(self.max_num_tokens, 256))  # eager prefill path
+        self._dummy_sample()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        phases["compile_eager"] = time.perf_counter() - t0
+        if self.graph_mode() == "FULL_DECODE_ONLY":
+            sizes = self.config.compilation.capture_sizes(self.max_num_reqs)
+            self.graphs = CudaGraphManager(self, sizes)
+            self.graphs.capture_all()
+            phases["capture_graphs"] = self.graphs.capture_seconds
+        return phases
+
+    def _dummy_sample(self) -> None:
+        """Run every sampler path once so their kernels are compiled before traffic."""
+        n = 2
+        logits = torch.randn(n, self.vocab_size, device=self.device)
+        t = torch.ones(n, device=self.device)
+        md = SamplingMetadata(
+            all_greedy=False,
+            temperature=t,
+            greedy_rows=torch.tensor([True, False], device=self.device),
+            top_k=torch.full((n,), 5, dtype=torch.int64, device=self.device),
+            top_p=t * 0.9,
+            min_p=t * 0.01,
+            generators={},
+            banned=None,
+            need_logprobs=True,
+        )
+        self.sampler(logits, md)
 
     # -- buffers and KV cache --------------------------------------------------------------
     def _alloc_static_buffers(self) -> None:
@@ -262,8 +323,9 @@ class ModelRunner:
         up(self.h_input_ids, self.d_input_ids, t)
         up(self.h_positions, self.d_positions, t)
         logits_idx = up(self.h_logits_idx, self.d_logits_idx, nreq)
+        uniform = int(nsched[0]) if bool((nsched == nsched[0]).all()) else None
         return _StepInputs(
-            req_ids, rows, nsched, t, logits_idx, md, self._sampling_metadata(rows, nsched)
+            req_ids, rows, nsched, uniform, t, logits_idx, md, self._sampling_metadata(rows, nsched)
         )
 
     def _upload_block_tables(self, nreq: int, nblk: int) -> torch.Tensor:
@@ -328,15 +390,34 @@ class ModelRunner:
         if so.is_empty:
             return RunnerOutput([], [])
         inp = self._prepare_inputs(so)
-        t = inp.num_tokens
-        with set_forward_context(self.backend, inp.attn_metadata, self.kv_caches):
-            hidden = self.model(self.d_input_ids[:t], self.d_positions[:t])
-        logits = self.model.compute_logits(hidden[inp.logits_indices])
+        logits, path = self._forward(inp)
         sampled, lp = self.sampler(logits, inp.sampling)
         sampled_ids = sampled.tolist()  # the step's one host sync
         logprobs = lp.tolist() if lp is not None else None
         self._record_sampled(inp, sampled_ids)
-        return RunnerOutput(inp.req_ids, sampled_ids, logprobs, step_path="eager:no_graphs")
+        return RunnerOutput(inp.req_ids, sampled_ids, logprobs, step_path=path)
+
+    def _forward(self, inp: _StepInputs) -> tuple[torch.Tensor, str]:
+        """Logits of each request's last token, from a graph replay or an eager forward.
+
+        The path is "graph", or "eager:<why>": graphs_off, not_uniform (a prompt or a
+        mixed batch), no_graph_for_shape (batch larger than the largest capture)."""
+        nreq = len(inp.req_ids)
+        if self.graphs is None:
+            path = "eager:graphs_off"
+        elif inp.uniform_query_len is None:
+            path = "eager:not_uniform"
+        else:
+            q = inp.uniform_query_len
+            padded = self.graphs.padded_size(nreq, q)
+            if padded is not None:
+                return self.graphs.replay(nreq, inp.num_tokens, padded, q), "graph"
+            path = "eager:no_graph_for_shape"
+        t = inp.num_tokens
+        md = self.backend.build_metadata(inp.attn_metadata)
+        with set_forward_context(self.backend, md, self.kv_caches):
+            hidden = self.model(self.d_input_ids[:t], self.d_positions[:t])
+        return self.model.compute_logits(hidden[inp.logits_indices]), path
 
     def _record_sampled(self, inp: _StepInputs, sampled: list[int]) -> None:
         """Advance each row; append the sampled token where the request reached its end

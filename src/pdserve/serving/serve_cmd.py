@@ -19,7 +19,6 @@ logger = logging.getLogger(__name__)
 UNSUPPORTED_VLLM_FLAGS: dict[str, str] = {
     "--speculative-config": "speculative decoding is not implemented yet",
     "--kv-transfer-config": "P/D disaggregation (KV transfer) is not implemented yet",
-    "--compilation-config": "CUDA graphs / compilation settings are not implemented yet",
     "--quantization": "quantized checkpoints are not supported yet",
     "--enable-lora": "LoRA adapters are not supported",
     "--pipeline-parallel-size": "pipeline parallelism is not supported",
@@ -27,7 +26,6 @@ UNSUPPORTED_VLLM_FLAGS: dict[str, str] = {
     "--kv-cache-dtype": "only the model dtype is supported for the KV cache",
     "--tokenizer-mode": "pdserve always uses the fast tokenizer from tokenizer.json",
     "--trust-remote-code": "pdserve runs no code from model folders",
-    "--enforce-eager": "pdserve has no CUDA graphs yet, so every step is eager already",
 }
 
 

@@ -44,6 +44,21 @@ class CommonAttentionMetadata:
 
 class AttentionBackend(ABC):
     name: ClassVar[str]
+    # True when a uniform decode forward can be captured in a CUDA graph: every launch
+    # shape comes from host ints fixed at capture, every tensor read is a static buffer
+    supports_cuda_graphs: ClassVar[bool] = False
+
+    def prepare_for_capture(
+        self,
+        max_batch: int,
+        query_len: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device,
+        max_model_len: int | None = None,
+    ) -> None:
+        """Allocate whatever workspaces graphs will capture (default: none needed)."""
 
     @staticmethod
     def kv_cache_shape(
