@@ -185,6 +185,64 @@ def bench_prefill(llm: LLM, limits: dict, n: int = 8192) -> dict:
     }
 
 
+def bench_peer(ckpt: str, limits: dict, batches: list[int], ctx: int = 1024) -> dict:
+    """The same decode and prefill workloads through transformers (the side-by-side peer)."""
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, attn_implementation="sdpa")
+    m = m.cuda().eval()
+    wbytes = sum(p.numel() * p.element_size() for p in m.parameters())
+    hc = m.config
+    kv_tok = (
+        2
+        * hc.num_hidden_layers
+        * hc.num_key_value_heads
+        * (hc.hidden_size // hc.num_attention_heads)
+        * 2
+    )
+    out: dict = {"decode": []}
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for b in batches:
+            ids = torch.randint(10, 30000, (b, ctx), generator=g).cuda()
+            o = m(ids, use_cache=True, logits_to_keep=1)
+            past = o.past_key_values
+            nxt = o.logits[:, -1].argmax(-1, keepdim=True)
+            times = []
+            for i in range(13):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                o = m(nxt, past_key_values=past, use_cache=True, logits_to_keep=1)
+                nxt = o.logits[:, -1].argmax(-1, keepdim=True)
+                torch.cuda.synchronize()
+                if i >= 3:
+                    times.append(time.perf_counter() - t0)
+                past = o.past_key_values
+            step = statistics.median(times)
+            roof = (wbytes + b * (ctx + 8) * kv_tok) / limits["copy_bandwidth_Bps"]
+            out["decode"].append(
+                {"batch": b, "ctx": ctx, "step_ms": step * 1e3, "ratio": step / roof}
+            )
+            print(json.dumps(out["decode"][-1]), flush=True)
+            del past, o
+            torch.cuda.empty_cache()
+        n = 8192
+        ids = torch.randint(10, 30000, (1, n), generator=g).cuda()
+        times = []
+        for _ in range(4):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            m(ids, use_cache=False, logits_to_keep=1)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        t = statistics.median(times[1:])
+        out["prefill"] = {"tokens": n, "tok_s": n / t, "seconds": t}
+        print(json.dumps(out["prefill"]), flush=True)
+    del m
+    torch.cuda.empty_cache()
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", required=True)
@@ -212,6 +270,8 @@ def main() -> int:
         res["commit"] = "unknown"
     res["limits"] = measure_limits()
     print(json.dumps(res["limits"]), flush=True)
+    if "peer" in sections:  # first, while the card is empty
+        res["peer"] = bench_peer(args.ckpt, res["limits"], [1, 16, 64])
     t0 = time.perf_counter()
     llm = LLM(
         args.ckpt,
@@ -265,6 +325,22 @@ def print_table(res: dict) -> None:
                 print(
                     f"{r['batch']:>6} {r['ctx']:>6} {r['step_ms']:>9.2f} {r['roofline_ms']:>9.2f} {r['ratio']:>6.2f} {r['tok_s']:>8.0f}"
                 )
+    if "peer" in res:
+        pd = {(r["batch"], r["ctx"]): r for r in res.get("decode", []) if "step_ms" in r}
+        for r in res["peer"]["decode"]:
+            ours = pd.get((r["batch"], r["ctx"]))
+            vs = (
+                f" | pdserve {ours['step_ms']:.2f} ms ({r['step_ms'] / ours['step_ms']:.2f}x faster)"
+                if ours
+                else ""
+            )
+            print(
+                f"transformers decode batch {r['batch']} ctx {r['ctx']}: {r['step_ms']:.2f} ms "
+                f"({r['ratio']:.2f}x roofline){vs}"
+            )
+        print(
+            f"transformers prefill {res['peer']['prefill']['tokens']}: {res['peer']['prefill']['tok_s']:.0f} tok/s"
+        )
     if "prefill" in res and "tok_s" in res["prefill"]:
         p = res["prefill"]
         print(
