@@ -192,6 +192,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
+    kv_transfer: Any = None  # KVTransferConfig | None (``--kv-transfer-config``)
 
     SECTIONS = ("model", "cache", "scheduler", "parallel", "device")
 
@@ -203,6 +204,12 @@ class EngineConfig:
         in vLLM."""
         parts: dict[str, Any] = {}
         left = dict(kwargs)
+        from pdserve.kv_transfer.base import KVTransferConfig
+
+        kvt = left.pop("kv_transfer_config", None)
+        parts["kv_transfer"] = (
+            kvt if isinstance(kvt, KVTransferConfig) else KVTransferConfig.from_json(kvt)
+        )
         comp = left.pop("compilation_config", None)
         parts["compilation"] = (
             comp
@@ -280,6 +287,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--enforce-eager", action="store_true", help="never use CUDA graphs (cudagraph_mode NONE)"
+    )
+    parser.add_argument(
+        "--kv-transfer-config",
+        default=None,
+        help='P/D role, e.g. \'{"kv_connector": "PdConnector", "kv_role": "kv_producer", '
+        '"kv_connector_extra_config": {"transport": "tcp"}}\'',
     )
 
 

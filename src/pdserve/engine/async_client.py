@@ -19,7 +19,7 @@ import multiprocessing as mp
 import os
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import zmq
 import zmq.asyncio
@@ -59,6 +59,8 @@ class AsyncEngineClient:
         self._proc: mp.process.BaseProcess | None = None
         self._task: asyncio.Task | None = None
         self._processor: InputProcessor | None = None
+        # called with every stats snapshot (each carries only its own step's transfers)
+        self.on_stats: Callable[[SchedulerStats], None] | None = None
 
     @classmethod
     async def start(
@@ -161,6 +163,11 @@ class AsyncEngineClient:
     async def reset_prefix_cache(self) -> None:
         await self._send(M.ResetPrefixCache())
 
+    async def release_kv(self, request_id: str) -> None:
+        """Prefill side: free the KV held for a remote decode of ``request_id`` now."""
+        if not self._dead:
+            await self._send(M.ReleaseKV(request_id))
+
     async def shutdown(self) -> None:
         if self._task is not None:
             self._task.cancel()
@@ -198,6 +205,8 @@ class AsyncEngineClient:
                 if not isinstance(msg, M.EngineOutputs):
                     continue
                 self._stats = msg.stats
+                if self.on_stats is not None:
+                    self.on_stats(msg.stats)
                 if not msg.outputs:
                     continue
                 results, stopped = self._outputs.process(msg.outputs, delta=True)

@@ -19,10 +19,14 @@ import zmq
 
 from pdserve.config import EngineConfig
 from pdserve.engine import messages as M
+from pdserve.engine.engine_core import EngineCore
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.scheduler_output import EngineCoreOutput
 
 logger = logging.getLogger(__name__)
 _IDLE_POLL_MS = 200
+_REMOTE_POLL_MS = 2
+_STATS_EVERY_S = 0.1
 
 
 def run_engine_core(
@@ -39,8 +43,6 @@ def run_engine_core(
     out = ctx.socket(zmq.PUSH)
     out.connect(output_addr)
     try:
-        from pdserve.engine.engine_core import EngineCore
-
         core = EngineCore(config)
     except Exception as e:  # report start-up failures to the parent, then exit
         out.send(M.encode(M.EngineError(f"{type(e).__name__}: {e}")))
@@ -64,54 +66,66 @@ def run_engine_core(
     try:
         _loop(core, inp, out, parent)
     finally:
+        core.shutdown()
         inp.close(linger=0)
         out.close(linger=1000)
         ctx.term()
 
 
-def _loop(core: object, inp: zmq.Socket, out: zmq.Socket, parent: int) -> None:
-    from pdserve.engine.engine_core import EngineCore
-
-    assert isinstance(core, EngineCore)
+def _loop(core: EngineCore, inp: zmq.Socket, out: zmq.Socket, parent: int) -> None:
     poller = zmq.Poller()
     poller.register(inp, zmq.POLLIN)
+    last_sent = 0.0
     while True:
-        busy = core.has_unfinished_requests()
-        events = dict(poller.poll(0 if busy else _IDLE_POLL_MS))
-        pending_outputs = []
+        if core.has_schedulable_work():
+            timeout = 0
+        elif core.has_unfinished_requests():  # only waiting for remote KV: poll often
+            timeout = _REMOTE_POLL_MS
+        else:
+            timeout = _IDLE_POLL_MS
+        events = dict(poller.poll(timeout))
+        outputs: list[EngineCoreOutput] = []
         while events.get(inp):
             msg = M.decode_to_engine(inp.recv())
             if isinstance(msg, M.Shutdown):
                 return
-            if isinstance(msg, M.AddRequest):
-                core.add_request(
-                    Request(
-                        request_id=msg.request_id,
-                        prompt_token_ids=msg.prompt_token_ids,
-                        sampling_params=msg.sampling_params,
-                        eos_token_ids=frozenset(msg.eos_token_ids),
-                        arrival_time=msg.arrival_time,
-                        kv_transfer_params=msg.kv_transfer_params,
-                        max_output_tokens=msg.max_output_tokens,
-                    )
-                )
-            elif isinstance(msg, M.AbortRequests):
-                status = (
-                    RequestStatus.FINISHED_STOPPED
-                    if msg.reason == "stop"
-                    else RequestStatus.FINISHED_ABORTED
-                )
-                pending_outputs.extend(core.abort_requests(msg.request_ids, status))
-            elif isinstance(msg, M.ResetPrefixCache):
-                core.kv.reset_prefix_cache()
+            outputs.extend(_handle(core, msg))
             events = dict(poller.poll(0))
-        if core.has_unfinished_requests() or pending_outputs:
-            pending_outputs.extend(core.step())
-            out.send(M.encode(M.EngineOutputs(pending_outputs, core.stats(), time.time())))
-        elif os.getppid() != parent:
+        if os.getppid() != parent:
             logger.warning("parent process is gone; exiting")
             return
-        else:
-            # idle: keep the stats fresh for /metrics and let the runner drop finished rows
-            core.step()
-            out.send(M.encode(M.EngineOutputs([], core.stats(), time.time())))
+        # a step also runs when idle: it frees released/expired KV and drops finished rows
+        outputs.extend(core.step())
+        now = time.monotonic()
+        if outputs or now - last_sent >= _STATS_EVERY_S:
+            out.send(M.encode(M.EngineOutputs(outputs, core.stats(), time.time())))
+            last_sent = now
+
+
+def _handle(core: EngineCore, msg: M.ToEngine) -> list[EngineCoreOutput]:
+    if isinstance(msg, M.AddRequest):
+        req = Request(
+            request_id=msg.request_id,
+            prompt_token_ids=msg.prompt_token_ids,
+            sampling_params=msg.sampling_params,
+            eos_token_ids=frozenset(msg.eos_token_ids),
+            arrival_time=msg.arrival_time,
+            kv_transfer_params=msg.kv_transfer_params,
+            max_output_tokens=msg.max_output_tokens,
+        )
+        try:
+            core.add_request(req)
+        except ValueError as e:  # e.g. malformed kv_transfer_params: fail this request only
+            return [EngineCoreOutput(msg.request_id, [], finish_reason="error", error=str(e))]
+    elif isinstance(msg, M.AbortRequests):
+        status = (
+            RequestStatus.FINISHED_STOPPED
+            if msg.reason == "stop"
+            else RequestStatus.FINISHED_ABORTED
+        )
+        return core.abort_requests(msg.request_ids, status)
+    elif isinstance(msg, M.ResetPrefixCache):
+        core.kv.reset_prefix_cache()
+    elif isinstance(msg, M.ReleaseKV):
+        core.release_kv(msg.request_id)
+    return []

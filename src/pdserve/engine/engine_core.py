@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 from pdserve.config import EngineConfig
 from pdserve.engine.kv_cache.manager import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.scheduler_output import EngineCoreOutput
+from pdserve.kv_transfer.compat import compat_info
+from pdserve.kv_transfer.pd_connector import PdConnectorScheduler, make_pd_connector
 from pdserve.metrics.stats import SchedulerStats, read_rss_bytes
 from pdserve.runner.model_runner import ModelRunner
 
@@ -32,7 +35,15 @@ class EngineCore:
         self.kv = KVCacheManager(
             num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.runner.max_model_len)
+        self.connector = self._make_connector()
+        kvt = config.kv_transfer
+        self.scheduler = Scheduler(
+            config.scheduler,
+            self.kv,
+            self.runner.max_model_len,
+            self.connector,
+            kvt.kv_load_failure_policy if kvt is not None else "fail",
+        )
         self._rss_read_at = 0.0
         self.startup_seconds = time.perf_counter() - t0
         logger.info(
@@ -44,6 +55,34 @@ class EngineCore:
             config.cache.block_size,
             self.runner.device,
         )
+
+    def _make_connector(self) -> PdConnectorScheduler | None:
+        kvt = self.config.kv_transfer
+        if kvt is None:
+            return None
+        r = self.runner
+        hc = r.hf_config
+        compat = compat_info(
+            model_config=dict(getattr(hc, "raw", {}) or {}),
+            dtype=str(r.dtype).removeprefix("torch."),
+            block_size=r.block_size,
+            kv_layout=list(r.kv_caches[0].shape[2:]) if r.kv_caches else [],
+            num_layers=len(r.kv_caches),
+            speculative=None,
+            transport=kvt.transport,
+        )
+        sched_half, worker_half = make_pd_connector(kvt, r.block_size, compat)
+        worker_half.register_kv_caches(r.kv_caches)
+        r.kv_connector = worker_half
+        return sched_half
+
+    def shutdown(self) -> None:
+        if self.runner.kv_connector is not None:
+            self.runner.kv_connector.shutdown()
+
+    def release_kv(self, request_id: str) -> bool:
+        """Free blocks held for a remote decode now (the proxy gave the request up)."""
+        return self.connector.release(request_id) if self.connector is not None else False
 
     @property
     def max_model_len(self) -> int:
@@ -73,15 +112,19 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_schedulable_work(self) -> bool:
+        return self.scheduler.has_schedulable_work()
+
     def step(self) -> list[EngineCoreOutput]:
         so = self.scheduler.schedule()
-        ro = self.runner.execute_model(so)  # also when empty: the runner drops finished rows
-        if so.is_empty:
-            return []
+        # also when empty: the runner drops finished rows and the connector reports
+        ro = self.runner.execute_model(so)
         return self.scheduler.update_from_output(so, ro)
 
     def stats(self) -> SchedulerStats:
         s = self.scheduler.make_stats()
+        # transfers are reported once: the snapshot takes the lists, the scheduler starts anew
+        self.scheduler.stats = replace(s, kv_transfer_seconds=[], kv_transfer_bytes=[])
         now = time.monotonic()
         if now - self._rss_read_at > 1.0:  # /proc read at most once a second
             s.process_rss_bytes["engine_core"] = read_rss_bytes()

@@ -33,6 +33,12 @@ class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache"):
     pass
 
 
+class ReleaseKV(msgspec.Struct, tag="release_kv"):
+    """Prefill side: free the blocks held for a remote decode of this request now."""
+
+    request_id: str
+
+
 class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
@@ -56,7 +62,7 @@ class EngineError(msgspec.Struct, tag="error"):
     message: str
 
 
-ToEngine = AddRequest | AbortRequests | ResetPrefixCache | Shutdown
+ToEngine = AddRequest | AbortRequests | ResetPrefixCache | ReleaseKV | Shutdown
 FromEngine = EngineReady | EngineOutputs | EngineError
 
 _encoder = msgspec.msgpack.Encoder()

@@ -16,26 +16,41 @@ from __future__ import annotations
 from collections import deque
 
 from pdserve.config import SchedulerConfig
+from pdserve.engine.kv_cache.block_pool import KVCacheBlock
 from pdserve.engine.kv_cache.manager import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler_output import (
     CachedRequestData,
     EngineCoreOutput,
+    KVConnectorOutput,
     NewRequestData,
     RunnerOutput,
     SchedulerOutput,
 )
+from pdserve.kv_transfer.base import KVConnectorScheduler
 from pdserve.metrics.stats import SchedulerStats
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
+        connector: KVConnectorScheduler | None = None,
+        load_failure_policy: str = "fail",
+    ) -> None:
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
+        self.connector = connector
+        self.load_failure_policy = load_failure_policy
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # WAITING_FOR_REMOTE_KV: blocks allocated, pull in flight, no running slot taken
+        self.waiting_remote: dict[str, Request] = {}
+        self._remote_tokens: dict[str, tuple[int, int]] = {}  # id -> (local hits, external)
         self._finished_ids: set[str] = set()
         self.stats = SchedulerStats()
 
@@ -43,6 +58,8 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
+        if self.connector is not None:
+            self.connector.on_new_request(req)
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
@@ -55,17 +72,27 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
+            elif req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+                del self.waiting_remote[req.request_id]
+                self._remote_tokens.pop(req.request_id, None)
             else:
                 self.waiting.remove(req)
             self._free(req, status)
             done.append(req)
         return done
 
-    def _free(self, req: Request, status: RequestStatus) -> None:
+    def _free(self, req: Request, status: RequestStatus) -> dict | None:
+        """Finish ``req``; its blocks are freed now unless the connector takes them over
+        (prefill holding them for decode). Returns the connector's kv_transfer_params."""
         req.status = status
-        self.kv.free(req.request_id)
+        delay, params = False, None
+        if self.connector is not None:
+            delay, params = self.connector.request_finished(req, self.kv.block_ids(req.request_id))
+        if not delay:
+            self.kv.free(req.request_id)
         del self.requests[req.request_id]
         self._finished_ids.add(req.request_id)
+        return params
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.request_id)
@@ -78,8 +105,15 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def has_schedulable_work(self) -> bool:
+        """Unfinished requests other than those only waiting for remote KV."""
+        return bool(self.running or self.waiting)
+
     # -- one step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        if self.connector is not None:
+            for rid in self.connector.take_freeable():
+                self.kv.free(rid)
         budget = self.config.max_num_batched_tokens
         num_sched: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
@@ -118,7 +152,13 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             req = self.waiting[0]
-            hits, num_hit = self.kv.get_computed_blocks(req)
+            hits: list[KVCacheBlock] = []
+            if req.num_computed_tokens:  # its KV arrived from prefill; blocks are held
+                num_hit = req.num_computed_tokens
+            else:
+                hits, num_hit = self.kv.get_computed_blocks(req)
+                if self._start_remote_load(req, hits, num_hit):
+                    continue
             n = req.num_tokens - num_hit
             if not self.config.enable_chunked_prefill and n > budget:
                 break
@@ -129,9 +169,11 @@ class Scheduler:
             self.kv.record_lookup(req.num_tokens, num_hit)
             if req.num_cached_tokens < 0:  # first admission: account the prompt's sources
                 req.num_cached_tokens = num_hit
+                local_hit, external = self._remote_tokens.pop(req.request_id, (num_hit, 0))
                 src = self.stats.prompt_tokens_by_source
-                src["local_cache_hit"] += num_hit
-                src["local_compute"] += req.num_prompt_tokens - num_hit
+                src["local_cache_hit"] += local_hit
+                src["external_kv_transfer"] += external
+                src["local_compute"] += req.num_prompt_tokens - local_hit - external
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_hit
             self.running.append(req)
@@ -160,12 +202,73 @@ class Scheduler:
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             finished_req_ids=finished,
             preempted_req_ids=preempted,
+            kv_connector_metadata=(
+                self.connector.build_connector_meta() if self.connector is not None else None
+            ),
         )
+
+    def _start_remote_load(self, req: Request, hits: list[KVCacheBlock], num_hit: int) -> bool:
+        """Park ``req`` in WAITING_FOR_REMOTE_KV if its prompt comes from a prefill
+        instance. Returns True when the waiting queue's head was consumed."""
+        if self.connector is None:
+            return False
+        num_ext, _ = self.connector.get_num_new_matched_tokens(req, num_hit)
+        if num_ext <= 0:
+            return False
+        if self.kv.allocate_slots(req, num_ext, hits, commit=False) is None:
+            return False  # no room: it is admitted like any request once blocks free up
+        self.waiting.popleft()
+        self.kv.record_lookup(req.num_tokens, num_hit)
+        req.num_computed_tokens = num_hit
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.waiting_remote[req.request_id] = req
+        self._remote_tokens[req.request_id] = (num_hit, num_ext)
+        self.connector.update_state_after_alloc(req, self.kv.block_ids(req.request_id), num_ext)
+        return True
+
+    def _on_connector_output(self, out: KVConnectorOutput) -> list[EngineCoreOutput]:
+        """Loads that finished return to the waiting queue's front; failed ones follow
+        the load-failure policy."""
+        assert self.connector is not None
+        self.connector.update_connector_output(out)
+        outputs: list[EngineCoreOutput] = []
+        for rid in out.finished_recving:
+            req = self.waiting_remote.pop(rid, None)
+            if req is None:
+                continue  # finished meanwhile; the connector frees its blocks
+            local_hit, external = self._remote_tokens[rid]
+            req.num_computed_tokens = local_hit + external
+            self.kv.commit(req, req.num_computed_tokens)
+            req.status = RequestStatus.WAITING
+            self.waiting.appendleft(req)
+        for rid, why in out.failed_recving.items():
+            req = self.waiting_remote.pop(rid, None)
+            if req is None:
+                continue
+            self._remote_tokens.pop(rid, None)
+            self.stats.kv_transfer_failures += 1
+            self.kv.free(rid)
+            self.connector.give_up(req)
+            req.num_computed_tokens = 0
+            if self.load_failure_policy == "recompute":
+                req.status = RequestStatus.WAITING
+                self.waiting.appendleft(req)  # prefilled locally from here on
+            else:
+                req.error = why
+                self._free(req, RequestStatus.FINISHED_ERROR)
+                outputs.append(EngineCoreOutput(rid, [], finish_reason="error", error=why))
+        self.stats.kv_transfer_seconds.extend(out.transfer_seconds)
+        self.stats.kv_transfer_bytes.extend(out.transfer_bytes)
+        return outputs
 
     def update_from_output(
         self, sched: SchedulerOutput, out: RunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
+        if out.kv_connector_output is not None:
+            outputs.extend(self._on_connector_output(out.kv_connector_output))
+        if sched.is_empty:
+            return outputs
         any_finished = False
         for i, rid in enumerate(out.req_ids):
             req = self.requests.get(rid)
@@ -184,7 +287,7 @@ class Scheduler:
                 any_finished = True
                 eo.finish_reason = status.finish_reason
                 eo.stop_reason = req.stop_reason
-                self._free(req, status)
+                eo.kv_transfer_params = self._free(req, status)
             outputs.append(eo)
         if any_finished:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
@@ -207,11 +310,12 @@ class Scheduler:
     def make_stats(self) -> SchedulerStats:
         s = self.stats
         s.num_running_reqs = len(self.running)
-        s.num_waiting_reqs = sum(
-            1 for r in self.waiting if r.status != RequestStatus.WAITING_FOR_REMOTE_KV
-        )
-        s.num_waiting_for_remote_kv = len(self.waiting) - s.num_waiting_reqs
+        s.num_waiting_reqs = len(self.waiting)
+        s.num_waiting_for_remote_kv = len(self.waiting_remote)
         s.kv_cache_usage = self.kv.usage()
         s.prefix_cache_queries = self.kv.prefix_queries
         s.prefix_cache_hits = self.kv.prefix_hits
+        if self.connector is not None:
+            s.kv_held_for_remote_decode = self.connector.num_held
+            s.kv_leases_expired = self.connector.num_expired
         return s

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer.base import KVConnectorMetadata, KVConnectorOutput
 
 
 @dataclass
@@ -42,6 +43,7 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str] = field(default_factory=set)  # runner drops their state
     preempted_req_ids: set[str] = field(default_factory=set)
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -54,6 +56,7 @@ class RunnerOutput:
     sampled_token_ids: list[int]  # one per request; ignored for partial prefill chunks
     logprobs: list[float] | None = None  # logprob of each sampled token, when any request asked
     step_path: str = "eager"  # which forward path ran ("graph" or "eager:<reason>")
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 @dataclass

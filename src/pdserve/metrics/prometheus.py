@@ -67,6 +67,24 @@ def build_1_2_5_buckets(max_value: int) -> list[float]:
         exponent += 1
 
 
+KV_TRANSFER_TIME_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
+KV_TRANSFER_BYTES_BUCKETS = tuple(float(2**k) for k in range(11, 35, 2))  # 2 KiB .. 16 GiB
+
 StatsProvider = Callable[[], SchedulerStats | None]
 
 
@@ -104,6 +122,11 @@ class EngineStatsCollector(Collector):
                 "num_waiting_for_remote_kv",
             ),
             ("kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.", "kv_cache_usage"),
+            (
+                "num_requests_kv_held_for_decode",
+                "Prefill side: finished requests whose KV is held for a decode instance.",
+                "kv_held_for_remote_decode",
+            ),
         ]
         for name, doc, attr in gauges:
             g = GaugeMetricFamily(PREFIX + name, doc, labels=base)
@@ -115,6 +138,8 @@ class EngineStatsCollector(Collector):
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
             ("num_preemptions", "Cumulative number of preemptions.", "num_preemptions"),
             ("engine_steps", "Cumulative number of engine steps.", "num_steps"),
+            ("kv_transfer_failures", "Decode side: KV pulls that failed.", "kv_transfer_failures"),
+            ("kv_leases_expired", "Prefill side: held KV freed because decode never read it.", "kv_leases_expired"),
         ]  # fmt: skip
         for name, doc, attr in counters:
             c = CounterMetricFamily(PREFIX + name, doc, labels=base)
@@ -214,7 +239,24 @@ class PrometheusMetrics:
         self.request_generation_tokens = hist(
             "request_generation_tokens", "Generated tokens of finished requests.", token_buckets
         ).labels(**labels)
+        self.kv_transfer_time = hist(
+            "kv_transfer_time_seconds",
+            "Decode side: time to pull one request's KV.",
+            KV_TRANSFER_TIME_BUCKETS,
+        ).labels(**labels)
+        self.kv_transfer_bytes = hist(
+            "kv_transfer_bytes",
+            "Decode side: bytes pulled for one request.",
+            KV_TRANSFER_BYTES_BUCKETS,
+        ).labels(**labels)
         reg.register(EngineStatsCollector(stats_provider, model_name, engine))
+
+    def observe_stats(self, stats: SchedulerStats) -> None:
+        """Record the per-snapshot samples (each snapshot carries only its own step's)."""
+        for t in stats.kv_transfer_seconds:
+            self.kv_transfer_time.observe(t)
+        for n in stats.kv_transfer_bytes:
+            self.kv_transfer_bytes.observe(n)
 
     def start_request(self, arrival_time: float, prompt_tokens: int) -> RequestMetrics:
         """A tracker for one request; ``arrival_time`` is on the ``time.monotonic`` clock."""

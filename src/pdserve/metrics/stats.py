@@ -42,5 +42,11 @@ class SchedulerStats:
     # which forward path ran, cumulative: {"eager:<reason>": n, "graph": n}
     step_paths: dict[str, int] = field(default_factory=dict)
     num_steps: int = 0
+    # P/D: cumulative failures / expired leases, current holds, and this snapshot's transfers
+    kv_transfer_failures: int = 0
+    kv_leases_expired: int = 0
+    kv_held_for_remote_decode: int = 0
+    kv_transfer_seconds: list[float] = field(default_factory=list)  # drained per snapshot
+    kv_transfer_bytes: list[int] = field(default_factory=list)  # drained per snapshot
     # resident set size of each engine-side process, bytes: {"engine_core": n}
     process_rss_bytes: dict[str, int] = field(default_factory=dict)

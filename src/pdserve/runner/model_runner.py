@@ -18,6 +18,7 @@ import torch
 from pdserve.config import EngineConfig
 from pdserve.engine.kv_cache.spec import KVCacheGroupSpec, KVCacheSpec
 from pdserve.engine.scheduler_output import RunnerOutput, SchedulerOutput
+from pdserve.kv_transfer.base import KVConnectorWorker
 from pdserve.layers.attention import AttentionBackend, CommonAttentionMetadata, get_attn_backend
 from pdserve.runner.cuda_graph import CudaGraphManager
 from pdserve.runner.forward_context import set_forward_context
@@ -93,6 +94,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.graphs: CudaGraphManager | None = None
+        self.kv_connector: KVConnectorWorker | None = None
 
     def _make_backend(self, name: str) -> AttentionBackend:
         if name == "auto":
@@ -387,6 +389,14 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> RunnerOutput:
         self._update_states(so)
+        if self.kv_connector is not None and so.kv_connector_metadata is not None:
+            self.kv_connector.start_load_kv(so.kv_connector_metadata)
+        out = self._execute(so)
+        if self.kv_connector is not None:
+            out.kv_connector_output = self.kv_connector.get_finished()
+        return out
+
+    def _execute(self, so: SchedulerOutput) -> RunnerOutput:
         if so.is_empty:
             return RunnerOutput([], [])
         inp = self._prepare_inputs(so)

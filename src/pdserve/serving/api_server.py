@@ -42,6 +42,7 @@ from pdserve.serving.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    ReleaseKVRequest,
     TokenizeChatRequest,
     TokenizeRequest,
     TokenizeResponse,
@@ -196,6 +197,15 @@ def _add_routes(app: FastAPI, ctx: ServingContext, health_timeout: float) -> Non
     async def metrics() -> Response:
         body, content_type = ctx.metrics.render()
         return Response(body, headers={"Content-Type": content_type})
+
+    @app.post("/v1/kv_transfer/release", responses=_ERRORS)
+    async def release_kv(body: ReleaseKVRequest) -> dict[str, str]:
+        """Prefill side: the proxy gave a request up; free the KV held for its decode."""
+        release = getattr(engine, "release_kv", None)
+        if release is None:
+            raise APIError(404, "this engine holds no KV for remote decode")
+        await release(body.request_id)
+        return {"request_id": body.request_id, "status": "release requested"}
 
     @app.get("/version", response_model=VersionResponse)
     async def version() -> VersionResponse:

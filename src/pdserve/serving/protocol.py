@@ -516,3 +516,11 @@ class DetokenizeResponse(_Response):
 
 class VersionResponse(_Response):
     version: str
+
+
+class ReleaseKVRequest(BaseModel):
+    """``POST /v1/kv_transfer/release``: free the KV a prefill instance holds for ``request_id``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    request_id: str = Field(min_length=1, max_length=512)

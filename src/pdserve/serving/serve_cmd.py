@@ -18,7 +18,6 @@ logger = logging.getLogger(__name__)
 # vLLM flags a user may carry over, each refused with the reason.
 UNSUPPORTED_VLLM_FLAGS: dict[str, str] = {
     "--speculative-config": "speculative decoding is not implemented yet",
-    "--kv-transfer-config": "P/D disaggregation (KV transfer) is not implemented yet",
     "--quantization": "quantized checkpoints are not supported yet",
     "--enable-lora": "LoRA adapters are not supported",
     "--pipeline-parallel-size": "pipeline parallelism is not supported",
@@ -78,6 +77,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 
 async def serve(args: argparse.Namespace) -> int:
     from pdserve.engine.async_client import AsyncEngineClient
+    from pdserve.metrics.prometheus import PrometheusMetrics
     from pdserve.serving.api_server import build_app, serve_app
 
     config = EngineConfig.from_cli(args)
@@ -91,8 +91,15 @@ async def serve(args: argparse.Namespace) -> int:
             ready.device,
             ready.num_blocks,
         )
+        metrics = PrometheusMetrics(
+            (args.served_model_name or [args.model])[0],
+            stats_provider=engine.latest_stats,
+            max_model_len=engine.max_model_len,
+        )
+        engine.on_stats = metrics.observe_stats
         app = build_app(
             engine,
+            metrics=metrics,
             served_model_names=args.served_model_name or [args.model],
             api_key=args.api_key,
             enable_prompt_tokens_details=args.enable_prompt_tokens_details,

@@ -73,11 +73,14 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock] | None = None,
         num_lookahead_tokens: int = 0,
+        commit: bool = True,
     ) -> list[KVCacheBlock] | None:
         """Make room for ``num_new_tokens`` (+ lookahead) on top of the computed tokens.
 
         Returns the newly allocated blocks, or None (and changes nothing) if the pool is
         short. ``new_computed_blocks`` are prefix hits from ``get_computed_blocks``.
+        ``commit=False`` keeps the new blocks out of the prefix cache (their contents
+        arrive later, e.g. over a KV transfer; call ``commit`` once they have).
         """
         hits = new_computed_blocks or []
         held = self.req_blocks.get(req.request_id, [])
@@ -93,13 +96,16 @@ class KVCacheManager:
         blocks.extend(hits)
         blocks.extend(new_blocks)
         self._new_block_ids.extend(b.block_id for b in new_blocks)
-        if self.enable_caching:
+        if commit:
             # tokens whose ids are known after this step can be committed (their KV is
             # written by this step's forward before anyone can read it)
-            self._commit(req, min(num_computed + num_new_tokens, req.num_tokens))
+            self.commit(req, min(num_computed + num_new_tokens, req.num_tokens))
         return new_blocks
 
-    def _commit(self, req: Request, num_tokens: int) -> None:
+    def commit(self, req: Request, num_tokens: int) -> None:
+        """Make the full blocks among the first ``num_tokens`` tokens findable by prefix."""
+        if not self.enable_caching:
+            return
         full = num_tokens // self.block_size
         start = self.num_committed.get(req.request_id, 0)
         if full <= start:

@@ -48,7 +48,7 @@ class AttentionBackend(ABC):
     # shape comes from host ints fixed at capture, every tensor read is a static buffer
     supports_cuda_graphs: ClassVar[bool] = False
 
-    def prepare_for_capture(
+    def prepare_for_capture(  # noqa: B027 (an optional hook with a no-op default)
         self,
         max_batch: int,
         query_len: int,

@@ -1,0 +1,62 @@
+"""The handshake's compatibility description: what must match for KV bytes to be reusable.
+
+Both sides build the same dict from their own configuration; the consumer compares
+field by field and refuses a mismatch with a message naming the field, so a wrong
+pairing never silently produces garbage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+CONNECTOR_VERSION = 1
+
+
+def compat_info(
+    *,
+    model_config: dict[str, Any],
+    dtype: str,
+    block_size: int,
+    kv_layout: list[int],
+    num_layers: int,
+    speculative: dict[str, Any] | None,
+    transport: str,
+) -> dict[str, Any]:
+    """Fields that must be equal on both ends (``kv_layout`` is one block's cache shape)."""
+    arch = json.dumps(
+        {
+            k: model_config.get(k)
+            for k in sorted(model_config)
+            if k not in ("_name_or_path", "transformers_version")
+        },
+        sort_keys=True,
+        default=str,
+    )
+    return {
+        "connector_version": CONNECTOR_VERSION,
+        "model_config_hash": hashlib.sha256(arch.encode()).hexdigest()[:16],
+        "dtype": dtype,
+        "block_size": block_size,
+        "kv_layout": list(kv_layout),
+        "num_layers": num_layers,
+        "speculative_config": speculative,
+        "transport": transport,
+    }
+
+
+def compat_hash(info: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(info, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def compat_mismatch(local: dict[str, Any], remote: dict[str, Any]) -> str | None:
+    """A message naming every field that differs, or None when compatible."""
+    diffs = [
+        f"{k} (prefill {remote.get(k)!r}, decode {local.get(k)!r})"
+        for k in sorted(set(local) | set(remote))
+        if local.get(k) != remote.get(k)
+    ]
+    if not diffs:
+        return None
+    return "KV transfer refused, the instances are not compatible: " + "; ".join(diffs) + " differ"

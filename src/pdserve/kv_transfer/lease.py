@@ -1,0 +1,84 @@
+"""Leases on prefill-held blocks: the prefill side's bookkeeping of what decode may still read.
+
+Thread-safety: the KV server thread (reads, heartbeats, done notices) and the
+scheduler thread (registration, expiry sweeps, proxy releases) share one table under
+a lock. An entry being read is never expired, so blocks cannot be freed under a read.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+
+@dataclass
+class Lease:
+    block_ids: list[int]
+    expiry: float
+    reading: int = 0  # reads in progress
+
+
+class LeaseTable:
+    def __init__(self, initial_seconds: float) -> None:
+        self.initial = initial_seconds
+        self.extension = initial_seconds * 2 / 3
+        self._leases: dict[str, Lease] = {}
+        self._lock = threading.Lock()
+        self._done: list[str] = []  # read complete / cancelled / released: free these
+        self.num_expired = 0
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._leases)
+
+    def add(self, request_id: str, block_ids: list[int]) -> None:
+        with self._lock:
+            self._leases[request_id] = Lease(list(block_ids), time.monotonic() + self.initial)
+
+    def renew(self, request_ids: list[str]) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for rid in request_ids:
+                lease = self._leases.get(rid)
+                if lease is not None:
+                    lease.expiry = max(lease.expiry, now + self.extension)
+
+    def begin_read(self, request_id: str) -> list[int] | None:
+        """The held blocks of ``request_id`` (pinned against expiry), or None if not held."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None:
+                return None
+            lease.reading += 1
+            return lease.block_ids
+
+    def end_read(self, request_id: str) -> None:
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is not None:
+                lease.reading -= 1
+
+    def finish(self, request_id: str) -> bool:
+        """Decode is done with it (read, cancelled) or the proxy released it: free soon."""
+        with self._lock:
+            if self._leases.pop(request_id, None) is None:
+                return False
+            self._done.append(request_id)
+            return True
+
+    def take_done(self) -> list[str]:
+        with self._lock:
+            out, self._done = self._done, []
+            return out
+
+    def take_expired(self) -> list[str]:
+        now = time.monotonic()
+        with self._lock:
+            out = [
+                r for r, lease in self._leases.items() if lease.expiry < now and not lease.reading
+            ]
+            for r in out:
+                del self._leases[r]
+            self.num_expired += len(out)
+            return out

@@ -1,0 +1,110 @@
+"""CUDA IPC transport (same host): decode maps prefill's cache tensors once, at the
+handshake, and copies blocks device to device with one gather and one scatter per layer;
+nothing goes through host memory and the prefill side only answers the control message."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+from pdserve.kv_transfer.transports.base import ClientTransport, ServerTransport
+
+
+def export_tensor(t: torch.Tensor) -> dict[str, Any]:
+    """A msgpack-friendly description of a CUDA tensor another process can map."""
+    _, args = reduce_tensor(t)
+    (
+        _cls,
+        size,
+        stride,
+        offset,
+        _scls,
+        dtype,
+        device,
+        handle,
+        size_b,
+        offset_b,
+        _rg,
+        rc_handle,
+        rc_offset,
+        ev_handle,
+        ev_sync,
+    ) = args
+    return {
+        "size": list(size),
+        "stride": list(stride),
+        "offset": int(offset),
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": int(device),
+        "handle": bytes(handle),
+        "size_bytes": int(size_b),
+        "offset_bytes": int(offset_b),
+        "rc_handle": bytes(rc_handle),
+        "rc_offset": int(rc_offset),
+        "ev_handle": bytes(ev_handle) if ev_handle is not None else None,
+        "ev_sync": bool(ev_sync),
+    }
+
+
+def import_tensor(d: dict[str, Any], local_device: torch.device) -> torch.Tensor:
+    t = rebuild_cuda_tensor(
+        torch.Tensor,
+        torch.Size(d["size"]),
+        tuple(d["stride"]),
+        d["offset"],
+        torch.storage.TypedStorage,
+        getattr(torch, d["dtype"]),
+        d["device"],
+        d["handle"],
+        d["size_bytes"],
+        d["offset_bytes"],
+        False,
+        d["rc_handle"],
+        d["rc_offset"],
+        d["ev_handle"],
+        d["ev_sync"],
+    )
+    if t.device != local_device:
+        raise RuntimeError(
+            f"cuda_ipc maps prefill memory on {t.device}, decode runs on {local_device}"
+        )
+    return t
+
+
+class CudaIpcServer(ServerTransport):
+    def transport_info(self) -> dict[str, Any]:
+        if not self.kv_caches or self.kv_caches[0].device.type != "cuda":
+            raise RuntimeError("the cuda_ipc transport needs the KV cache on a CUDA device")
+        return {"layers": [export_tensor(c) for c in self.kv_caches]}
+
+    def read(self, block_ids: list[int]) -> list[bytes | memoryview]:
+        return []  # the client copies from the mapped tensors itself
+
+
+class CudaIpcClient(ClientTransport):
+    def __init__(self, kv_caches: list[torch.Tensor], transport_info: dict[str, Any]) -> None:
+        super().__init__(kv_caches, transport_info)
+        dev = kv_caches[0].device
+        if dev.type != "cuda":
+            raise RuntimeError("the cuda_ipc transport needs the KV cache on a CUDA device")
+        self.remote = [import_tensor(d, dev) for d in transport_info["layers"]]
+        if len(self.remote) != len(kv_caches):
+            raise RuntimeError("prefill and decode have different layer counts")
+        self._stream = torch.cuda.Stream(dev)
+
+    def write(
+        self, remote_block_ids: list[int], local_block_ids: list[int], frames: list[Any]
+    ) -> int:
+        dev = self.kv_caches[0].device
+        with torch.cuda.stream(self._stream):
+            ridx = torch.tensor(remote_block_ids, dtype=torch.int64, device=dev)
+            lidx = torch.tensor(local_block_ids, dtype=torch.int64, device=dev)
+            moved = 0
+            for local, remote in zip(self.kv_caches, self.remote, strict=True):
+                blocks = remote.index_select(1, ridx)
+                local.index_copy_(1, lidx, blocks)
+                moved += blocks.numel() * blocks.element_size()
+        self._stream.synchronize()
+        return moved
