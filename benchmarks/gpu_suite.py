@@ -273,8 +273,7 @@ def main() -> int:
     if "peer" in sections:  # first, while the card is empty
         res["peer"] = bench_peer(args.ckpt, res["limits"], [1, 16, 64])
     t0 = time.perf_counter()
-    llm = LLM(
-        args.ckpt,
+    kwargs = dict(
         dtype="bfloat16",
         max_model_len=20480,
         max_num_batched_tokens=8192,
@@ -282,22 +281,46 @@ def main() -> int:
         max_num_seqs=256,
         attention_backend=args.attention_backend,
     )
+    try:
+        llm = LLM(args.ckpt, **kwargs)
+    except Exception as e:  # keep the call useful: fall back to eager and say so
+        res["engine_error"] = f"{type(e).__name__}: {e}"
+        print("engine start failed, retrying eagerly:", res["engine_error"], flush=True)
+        llm = LLM(args.ckpt, enforce_eager=True, **kwargs)
     res["engine_startup_s"] = time.perf_counter() - t0
+    res["warmup_phases"] = llm.engine.warmup_phases
     res["num_kv_blocks"] = llm.engine.kv.pool.num_blocks
     res["weight_bytes"] = weight_bytes(llm)
+    res["attention_backend"] = llm.engine.runner.backend.name
+    res["cudagraph_mode"] = llm.engine.runner.graph_mode()
+
+    def section(name: str, fn) -> None:  # type: ignore[no-untyped-def]
+        try:
+            res[name] = fn()
+        except Exception as e:
+            res[name + "_error"] = f"{type(e).__name__}: {e}"
+            print(name, "failed:", res[name + "_error"], flush=True)
+            _drain(llm)
+        Path(args.out).write_text(json.dumps(res, indent=2))  # partial results survive a kill
+
     if "throughput" in sections:
-        res["throughput"] = bench_throughput(llm)
-        print(json.dumps(res["throughput"]), flush=True)
+        section("throughput", lambda: bench_throughput(llm))
+        print(json.dumps(res.get("throughput")), flush=True)
     if "decode" in sections:
-        res["decode"] = []
-        for ctx in map(int, args.contexts.split(",")):
-            for b in map(int, args.batches.split(",")):
-                r = bench_decode(llm, b, ctx, res["limits"])
-                print(json.dumps(r), flush=True)
-                res["decode"].append(r)
+        def decode_all() -> list:
+            out = []
+            for ctx in map(int, args.contexts.split(",")):
+                for b in map(int, args.batches.split(",")):
+                    r = bench_decode(llm, b, ctx, res["limits"])
+                    print(json.dumps(r), flush=True)
+                    out.append(r)
+            return out
+
+        section("decode", decode_all)
     if "prefill" in sections:
-        res["prefill"] = bench_prefill(llm, res["limits"])
-        print(json.dumps(res["prefill"]), flush=True)
+        section("prefill", lambda: bench_prefill(llm, res["limits"]))
+        print(json.dumps(res.get("prefill")), flush=True)
+    res["step_paths"] = dict(llm.engine.stats().step_paths)
     Path(args.out).write_text(json.dumps(res, indent=2))
     print_table(res)
     return 0
@@ -306,17 +329,22 @@ def main() -> int:
 def print_table(res: dict) -> None:
     lim = res["limits"]
     print(f"\n== {res['gpu']} | torch {res['torch']} | commit {res['commit']} | {res['date']}")
+    print(f"attention {res.get('attention_backend')} | cudagraph_mode {res.get('cudagraph_mode')} | "
+          f"warm-up {res.get('warmup_phases')} | step paths {res.get('step_paths')}")
+    for k, v in res.items():
+        if k.endswith("_error"):
+            print(f"ERROR {k}: {v}")
     print(
         f"copy bandwidth {lim['copy_bandwidth_Bps'] / 1e12:.2f} TB/s | bf16 matmul {lim['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s"
         f" | weights {res['weight_bytes'] / 1e9:.2f} GB | KV blocks {res['num_kv_blocks']} | start-up {res['engine_startup_s']:.1f}s"
     )
-    if "throughput" in res:
+    if res.get("throughput"):
         t = res["throughput"]
         print(
             f"throughput {t['num_prompts']}x{t['input_len']}/{t['output_len']}: {t['output_tok_s']:.0f} output tok/s"
             f" ({t['total_tok_s']:.0f} total tok/s, {t['seconds']:.1f}s)"
         )
-    if "decode" in res:
+    if res.get("decode"):
         print(f"{'batch':>6} {'ctx':>6} {'step ms':>9} {'roof ms':>9} {'ratio':>6} {'tok/s':>8}")
         for r in res["decode"]:
             if "skipped" in r:
