@@ -68,6 +68,10 @@ class ModelRunner:
 
         self.config = config
         self.device = resolve_device(config.device.device)
+        self._free_at_start = 0
+        if self.device.type == "cuda":
+            torch.cuda.init()
+            self._free_at_start = torch.cuda.mem_get_info(self.device)[0]
         t0 = time.perf_counter()
         self.model, self.hf_config = load_model(config.model.model, config.model.dtype, self.device)
         self.model.eval()
@@ -124,7 +128,13 @@ class ModelRunner:
         Returns seconds spent per phase (printed at start-up)."""
         phases: dict[str, float] = {}
         t0 = time.perf_counter()
-        self._dummy_run(min(self.max_num_tokens, 256))  # eager prefill path
+        # eager prefill path at every power-of-two size: kernels and library heuristics
+        # are specialised per shape, and the first request must not pay for that
+        n = 16
+        while n < self.max_num_tokens:
+            self._dummy_run(n)
+            n *= 4
+        self._dummy_run(self.max_num_tokens)
         self._dummy_sample()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -205,20 +215,23 @@ class ModelRunner:
         return n
 
     def _profile_gpu_budget(self) -> int:
-        """GPU bytes left for KV after weights and a max-size forward's activations."""
+        """GPU bytes left for KV: ``gpu_memory_utilization`` of the card, less what this
+        process holds after loading the weights and running a max-size forward (the
+        caching allocator keeps the activation peak reserved). Other processes' memory is
+        not charged to this instance, as in vLLM, but the KV cache must fit in what is free."""
         torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
         self._dummy_run(self.max_num_tokens)
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        others = total - free - torch.cuda.memory_reserved(self.device)  # other processes, context
-        budget = int(total * self.config.cache.gpu_memory_utilization) - peak - others
+        ours = self._free_at_start - free
+        budget = int(total * self.config.cache.gpu_memory_utilization) - ours
+        headroom = int(0.02 * total)  # graphs, sampler and allocator slack
+        budget = min(budget, free - headroom)
         logger.info(
-            "GPU memory: total %.1f GiB, peak %.1f GiB, others %.1f GiB -> KV %.1f GiB",
+            "GPU memory: total %.1f GiB, this process %.1f GiB, free %.1f GiB -> KV %.1f GiB",
             total / 2**30,
-            peak / 2**30,
-            others / 2**30,
+            ours / 2**30,
+            free / 2**30,
             budget / 2**30,
         )
         torch.cuda.empty_cache()
@@ -410,14 +423,16 @@ class ModelRunner:
     def _forward(self, inp: _StepInputs) -> tuple[torch.Tensor, str]:
         """Logits of each request's last token, from a graph replay or an eager forward.
 
-        The path is "graph", or "eager:<why>": graphs_off, not_uniform (a prompt or a
-        mixed batch), no_graph_for_shape (batch larger than the largest capture)."""
+        The path is "graph", or "eager:<why>": graphs_off, not_uniform_decode (a prompt,
+        a chunk or a mixed batch), no_graph_for_shape (more requests than the largest
+        capture)."""
         nreq = len(inp.req_ids)
         if self.graphs is None:
             path = "eager:graphs_off"
-        elif inp.uniform_query_len is None:
-            path = "eager:not_uniform"
+        elif inp.uniform_query_len not in self.graphs.query_lens:
+            path = "eager:not_uniform_decode"  # prompts, chunks, mixed batches
         else:
+            assert inp.uniform_query_len is not None
             q = inp.uniform_query_len
             padded = self.graphs.padded_size(nreq, q)
             if padded is not None:

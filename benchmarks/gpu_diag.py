@@ -1,0 +1,198 @@
+"""Second GPU call: where the first request's time goes, host vs device time of a decode
+step, and cuda_ipc KV transfer time between two instances sharing the GPU.
+
+    python3 benchmarks/gpu_diag.py --ckpt /tmp/llama-8b --out $OUT/gpu_diag.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from pdserve import LLM, SamplingParams  # noqa: E402
+
+
+def _prompt(seed: int, n: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"prompt_token_ids": torch.randint(10, 30000, (n,), generator=g).tolist()}
+
+
+def first_request(llm: LLM) -> dict:
+    """TTFT-like time (prefill + 1 token) of the first 1024-token request vs later ones,
+    split into runner phases (each phase synchronised)."""
+    r = llm.engine.runner
+    phases: dict[str, float] = {}
+
+    def timed(name: str, fn):  # type: ignore[no-untyped-def]
+        def wrapper(*a, **k):  # type: ignore[no-untyped-def]
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            torch.cuda.synchronize()
+            phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
+            return out
+
+        return wrapper
+
+    r._prepare_inputs = timed("prepare_inputs", r._prepare_inputs)  # type: ignore[method-assign]
+    r._forward = timed("forward", r._forward)  # type: ignore[method-assign]
+    r.sampler = timed("sample", r.sampler)  # type: ignore[assignment]
+    sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    out = []
+    for i in range(6):
+        phases.clear()
+        t0 = time.perf_counter()
+        llm.generate(_prompt(100 + i, 1024), sp)
+        out.append({"seconds": time.perf_counter() - t0, **dict(phases)})
+    return {"first": out[0], "later": out[1:]}
+
+
+def decode_split(llm: LLM, batch: int, ctx: int = 1024) -> dict:
+    """Step time (host clock around engine.step) vs device time of the graph replay alone."""
+    eng = llm.engine
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for i in range(batch):
+        eng.add_request(llm.processor.make_request(f"s{batch}-{i}", _prompt(i, ctx)["prompt_token_ids"], sp))
+    while eng.scheduler.waiting or any(not q.output_token_ids for q in eng.scheduler.requests.values()):
+        eng.step()
+    for _ in range(3):
+        eng.step()
+    steps = []
+    for _ in range(15):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        eng.step()
+        steps.append(time.perf_counter() - t0)
+    graphs = eng.runner.graphs
+    replay = []
+    if graphs is not None:
+        padded = graphs.padded_size(batch, 1)
+        g = graphs.graphs[(padded, 1)] if padded else None
+        for _ in range(15 if g else 0):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            g.replay()  # type: ignore[union-attr]
+            e.record()
+            torch.cuda.synchronize()
+            replay.append(s.elapsed_time(e) / 1e3)
+    eng.abort_requests(list(eng.scheduler.requests))
+    eng.step()
+    return {"batch": batch, "ctx": ctx, "step_ms": statistics.median(steps) * 1e3,
+            "graph_replay_ms": statistics.median(replay) * 1e3 if replay else None}
+
+
+def _wait_healthy(url: str, timeout: float = 240) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"{url} not healthy")
+
+
+def _metric(url: str, name: str) -> float:
+    import httpx
+
+    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def ipc_transfer(ckpt: str, bw: float, lens: list[int], log_dir: Path) -> list[dict]:
+    import httpx
+
+    common = [sys.executable, "-m", "pdserve", "serve", ckpt, "--dtype", "bfloat16",
+              "--max-model-len", str(max(lens) + 16), "--gpu-memory-utilization", "0.4",
+              "--max-num-seqs", "8", "--enforce-eager", "--uvicorn-log-level", "warning"]
+    procs = []
+    urls = {}
+    for role, port in (("kv_producer", 8301), ("kv_consumer", 8302)):
+        kvt = json.dumps({"kv_connector": "PdConnector", "kv_role": role,
+                          "kv_connector_extra_config": {"transport": "cuda_ipc"}})
+        log = open(log_dir / f"{role}.log", "w")  # noqa: SIM115 (lives as long as the server)
+        procs.append(subprocess.Popen([*common, "--port", str(port), "--kv-transfer-config", kvt],
+                                      stdout=log, stderr=subprocess.STDOUT))
+        urls[role] = f"http://127.0.0.1:{port}"
+        if role == "kv_producer":  # the second instance sizes its memory after the first
+            _wait_healthy(urls[role])
+    _wait_healthy(urls["kv_consumer"])
+    out = []
+    try:
+        with httpx.Client(timeout=600) as c:
+            for n in [lens[0], *lens]:  # the first run warms both sides up
+                prompt = _prompt(n, n)["prompt_token_ids"]
+                body = {"model": ckpt, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+                        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
+                t0 = time.perf_counter()
+                p = c.post(urls["kv_producer"] + "/v1/completions", json=body).json()
+                t1 = time.perf_counter()
+                s0 = _metric(urls["kv_consumer"], "pdserve:kv_transfer_time_seconds_sum")
+                b0 = _metric(urls["kv_consumer"], "pdserve:kv_transfer_bytes_sum")
+                body["kv_transfer_params"] = p["kv_transfer_params"]
+                d = c.post(urls["kv_consumer"] + "/v1/completions", json=body).json()
+                t2 = time.perf_counter()
+                time.sleep(0.3)  # stats snapshots are sent every 100 ms
+                xfer = _metric(urls["kv_consumer"], "pdserve:kv_transfer_time_seconds_sum") - s0
+                nbytes = _metric(urls["kv_consumer"], "pdserve:kv_transfer_bytes_sum") - b0
+                out.append({"prompt_tokens": n, "prefill_leg_s": t1 - t0, "decode_leg_s": t2 - t1,
+                            "transfer_s": xfer, "bytes": nbytes, "d2d_bound_s": 2 * nbytes / bw,
+                            "decode_text_ok": bool(d.get("choices"))})
+                print(json.dumps(out[-1]), flush=True)
+    finally:
+        for pr in procs:
+            pr.terminate()
+        for pr in procs:
+            pr.wait(30)
+    return out[1:]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--copy-bw", type=float, default=4.24e12)
+    args = ap.parse_args()
+    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "gpu": torch.cuda.get_device_name()}
+    t0 = time.perf_counter()
+    llm = LLM(args.ckpt, dtype="bfloat16", max_model_len=8192, gpu_memory_utilization=0.5, max_num_seqs=256)
+    res["startup_s"] = time.perf_counter() - t0
+    res["warmup_phases"] = llm.engine.warmup_phases
+    res["first_request"] = first_request(llm)
+    print(json.dumps(res["first_request"]), flush=True)
+    res["decode_split"] = [decode_split(llm, b) for b in (1, 16, 64)]
+    print(json.dumps(res["decode_split"]), flush=True)
+    Path(args.out).write_text(json.dumps(res, indent=2))
+    del llm
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    log_dir = Path(args.out).parent
+    try:
+        res["ipc_transfer"] = ipc_transfer(args.ckpt, args.copy_bw, [1024, 16384, 65536], log_dir)
+    except Exception as e:
+        res["ipc_transfer_error"] = f"{type(e).__name__}: {e}"
+        print("ipc transfer failed:", res["ipc_transfer_error"], flush=True)
+    Path(args.out).write_text(json.dumps(res, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
