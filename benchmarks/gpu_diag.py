@@ -167,8 +167,13 @@ def main() -> int:
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--copy-bw", type=float, default=4.24e12)
+    ap.add_argument("--only-ipc", action="store_true")
     args = ap.parse_args()
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "gpu": torch.cuda.get_device_name()}
+    if args.only_ipc:
+        res["ipc_transfer"] = ipc_transfer(args.ckpt, args.copy_bw, [1024, 16384, 65536], Path(args.out).parent)
+        Path(args.out).write_text(json.dumps(res, indent=2))
+        return 0
     t0 = time.perf_counter()
     llm = LLM(args.ckpt, dtype="bfloat16", max_model_len=8192, gpu_memory_utilization=0.5, max_num_seqs=256)
     res["startup_s"] = time.perf_counter() - t0

@@ -6,4 +6,4 @@ OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 source scripts/gpu-env
 ck=/tmp/llama-8b
 [ -f $ck/config.json ] || pdserve make-checkpoint --arch LlamaForCausalLM --preset llama-8b-shape --out $ck --device cuda >/dev/null || exit 1
-timeout 400 python3 benchmarks/gpu_diag.py --ckpt $ck --out "$OUT/gpu_diag.json" 2>&1 | grep -vE "^20..-|Loading weights"
+timeout 400 python3 benchmarks/gpu_diag.py --ckpt $ck --out "$OUT/gpu_diag.json" "$@" 2>&1 | grep -vE "^20..-|Loading weights"

@@ -226,9 +226,8 @@ class EngineConfig:
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> EngineConfig:
-        return cls.from_kwargs(
-            **{k: getattr(args, k) for k in engine_option_names() if hasattr(args, k)}
-        )
+        names = [*engine_option_names(), "compilation_config", "enforce_eager", "kv_transfer_config"]
+        return cls.from_kwargs(**{k: getattr(args, k) for k in names if hasattr(args, k)})
 
 
 def _section_class(name: str) -> type:
