@@ -62,8 +62,12 @@ def decode_split(llm: LLM, batch: int, ctx: int = 1024) -> dict:
     eng = llm.engine
     sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     for i in range(batch):
-        eng.add_request(llm.processor.make_request(f"s{batch}-{i}", _prompt(i, ctx)["prompt_token_ids"], sp))
-    while eng.scheduler.waiting or any(not q.output_token_ids for q in eng.scheduler.requests.values()):
+        eng.add_request(
+            llm.processor.make_request(f"s{batch}-{i}", _prompt(i, ctx)["prompt_token_ids"], sp)
+        )
+    while eng.scheduler.waiting or any(
+        not q.output_token_ids for q in eng.scheduler.requests.values()
+    ):
         eng.step()
     for _ in range(3):
         eng.step()
@@ -87,8 +91,12 @@ def decode_split(llm: LLM, batch: int, ctx: int = 1024) -> dict:
             replay.append(s.elapsed_time(e) / 1e3)
     eng.abort_requests(list(eng.scheduler.requests))
     eng.step()
-    return {"batch": batch, "ctx": ctx, "step_ms": statistics.median(steps) * 1e3,
-            "graph_replay_ms": statistics.median(replay) * 1e3 if replay else None}
+    return {
+        "batch": batch,
+        "ctx": ctx,
+        "step_ms": statistics.median(steps) * 1e3,
+        "graph_replay_ms": statistics.median(replay) * 1e3 if replay else None,
+    }
 
 
 def _wait_healthy(url: str, timeout: float = 240) -> None:
@@ -117,17 +125,42 @@ def _metric(url: str, name: str) -> float:
 def ipc_transfer(ckpt: str, bw: float, lens: list[int], log_dir: Path) -> list[dict]:
     import httpx
 
-    common = [sys.executable, "-m", "pdserve", "serve", ckpt, "--dtype", "bfloat16",
-              "--max-model-len", str(max(lens) + 16), "--gpu-memory-utilization", "0.4",
-              "--max-num-seqs", "8", "--enforce-eager", "--uvicorn-log-level", "warning"]
+    common = [
+        sys.executable,
+        "-m",
+        "pdserve",
+        "serve",
+        ckpt,
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        str(max(lens) + 16),
+        "--gpu-memory-utilization",
+        "0.4",
+        "--max-num-seqs",
+        "8",
+        "--enforce-eager",
+        "--uvicorn-log-level",
+        "warning",
+    ]
     procs = []
     urls = {}
     for role, port in (("kv_producer", 8301), ("kv_consumer", 8302)):
-        kvt = json.dumps({"kv_connector": "PdConnector", "kv_role": role,
-                          "kv_connector_extra_config": {"transport": "cuda_ipc"}})
+        kvt = json.dumps(
+            {
+                "kv_connector": "PdConnector",
+                "kv_role": role,
+                "kv_connector_extra_config": {"transport": "cuda_ipc"},
+            }
+        )
         log = open(log_dir / f"{role}.log", "w")  # noqa: SIM115 (lives as long as the server)
-        procs.append(subprocess.Popen([*common, "--port", str(port), "--kv-transfer-config", kvt],
-                                      stdout=log, stderr=subprocess.STDOUT))
+        procs.append(
+            subprocess.Popen(
+                [*common, "--port", str(port), "--kv-transfer-config", kvt],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
         urls[role] = f"http://127.0.0.1:{port}"
         if role == "kv_producer":  # the second instance sizes its memory after the first
             _wait_healthy(urls[role])
@@ -137,8 +170,13 @@ def ipc_transfer(ckpt: str, bw: float, lens: list[int], log_dir: Path) -> list[d
         with httpx.Client(timeout=600) as c:
             for n in [lens[0], *lens]:  # the first run warms both sides up
                 prompt = _prompt(n, n)["prompt_token_ids"]
-                body = {"model": ckpt, "prompt": prompt, "max_tokens": 1, "temperature": 0,
-                        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
+                body = {
+                    "model": ckpt,
+                    "prompt": prompt,
+                    "max_tokens": 1,
+                    "temperature": 0,
+                    "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
+                }
                 t0 = time.perf_counter()
                 p = c.post(urls["kv_producer"] + "/v1/completions", json=body).json()
                 t1 = time.perf_counter()
@@ -150,9 +188,17 @@ def ipc_transfer(ckpt: str, bw: float, lens: list[int], log_dir: Path) -> list[d
                 time.sleep(0.3)  # stats snapshots are sent every 100 ms
                 xfer = _metric(urls["kv_consumer"], "pdserve:kv_transfer_time_seconds_sum") - s0
                 nbytes = _metric(urls["kv_consumer"], "pdserve:kv_transfer_bytes_sum") - b0
-                out.append({"prompt_tokens": n, "prefill_leg_s": t1 - t0, "decode_leg_s": t2 - t1,
-                            "transfer_s": xfer, "bytes": nbytes, "d2d_bound_s": 2 * nbytes / bw,
-                            "decode_text_ok": bool(d.get("choices"))})
+                out.append(
+                    {
+                        "prompt_tokens": n,
+                        "prefill_leg_s": t1 - t0,
+                        "decode_leg_s": t2 - t1,
+                        "transfer_s": xfer,
+                        "bytes": nbytes,
+                        "d2d_bound_s": 2 * nbytes / bw,
+                        "decode_text_ok": bool(d.get("choices")),
+                    }
+                )
                 print(json.dumps(out[-1]), flush=True)
     finally:
         for pr in procs:
@@ -171,11 +217,19 @@ def main() -> int:
     args = ap.parse_args()
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "gpu": torch.cuda.get_device_name()}
     if args.only_ipc:
-        res["ipc_transfer"] = ipc_transfer(args.ckpt, args.copy_bw, [1024, 16384, 65536], Path(args.out).parent)
+        res["ipc_transfer"] = ipc_transfer(
+            args.ckpt, args.copy_bw, [1024, 16384, 65536], Path(args.out).parent
+        )
         Path(args.out).write_text(json.dumps(res, indent=2))
         return 0
     t0 = time.perf_counter()
-    llm = LLM(args.ckpt, dtype="bfloat16", max_model_len=8192, gpu_memory_utilization=0.5, max_num_seqs=256)
+    llm = LLM(
+        args.ckpt,
+        dtype="bfloat16",
+        max_model_len=8192,
+        gpu_memory_utilization=0.5,
+        max_num_seqs=256,
+    )
     res["startup_s"] = time.perf_counter() - t0
     res["warmup_phases"] = llm.engine.warmup_phases
     res["first_request"] = first_request(llm)

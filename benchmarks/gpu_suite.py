@@ -307,6 +307,7 @@ def main() -> int:
         section("throughput", lambda: bench_throughput(llm))
         print(json.dumps(res.get("throughput")), flush=True)
     if "decode" in sections:
+
         def decode_all() -> list:
             out = []
             for ctx in map(int, args.contexts.split(",")):
@@ -329,8 +330,10 @@ def main() -> int:
 def print_table(res: dict) -> None:
     lim = res["limits"]
     print(f"\n== {res['gpu']} | torch {res['torch']} | commit {res['commit']} | {res['date']}")
-    print(f"attention {res.get('attention_backend')} | cudagraph_mode {res.get('cudagraph_mode')} | "
-          f"warm-up {res.get('warmup_phases')} | step paths {res.get('step_paths')}")
+    print(
+        f"attention {res.get('attention_backend')} | cudagraph_mode {res.get('cudagraph_mode')} | "
+        f"warm-up {res.get('warmup_phases')} | step paths {res.get('step_paths')}"
+    )
     for k, v in res.items():
         if k.endswith("_error"):
             print(f"ERROR {k}: {v}")

@@ -5,11 +5,20 @@ from pdserve.config import EngineConfig
 
 
 def test_serve_flags_reach_the_engine_config():
-    args = build_parser().parse_args([
-        "serve", "/m", "--enforce-eager", "--max-num-seqs", "7", "--block-size", "32",
-        "--no-enable-prefix-caching", "--kv-transfer-config",
-        '{"kv_connector": "PdConnector", "kv_role": "kv_producer"}',
-    ])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "/m",
+            "--enforce-eager",
+            "--max-num-seqs",
+            "7",
+            "--block-size",
+            "32",
+            "--no-enable-prefix-caching",
+            "--kv-transfer-config",
+            '{"kv_connector": "PdConnector", "kv_role": "kv_producer"}',
+        ]
+    )
     cfg = EngineConfig.from_cli(args)
     assert cfg.compilation.cudagraph_mode == "NONE"
     assert cfg.kv_transfer is not None and cfg.kv_transfer.is_producer
@@ -18,10 +27,14 @@ def test_serve_flags_reach_the_engine_config():
 
 
 def test_compilation_config_flag():
-    args = build_parser().parse_args([
-        "serve", "/m", "--compilation-config",
-        '{"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 4]}',
-    ])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "/m",
+            "--compilation-config",
+            '{"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 4]}',
+        ]
+    )
     cfg = EngineConfig.from_cli(args)
     assert cfg.compilation.cudagraph_mode == "FULL_DECODE_ONLY"
     assert cfg.compilation.capture_sizes(256) == [1, 4]

@@ -95,10 +95,27 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     serve_cmd.add_cli_args(p)
 
 
+def _add_proxy(sub: argparse._SubParsersAction) -> None:
+    from pdserve.serving import proxy
+
+    p = sub.add_parser("proxy", help="OpenAI-compatible P/D router over prefill and decode pools")
+    proxy.add_cli_args(p)
+    p.set_defaults(func=proxy.main)
+
+
+def _add_launch(sub: argparse._SubParsersAction) -> None:
+    from pdserve.serving import launcher
+
+    p = sub.add_parser("launch", help="start an xPyD topology (instances + proxy) from YAML")
+    launcher.add_cli_args(p)
+
+
 _COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_make_checkpoint,
     _add_generate,
     _add_serve,
+    _add_proxy,
+    _add_launch,
     _add_bench,
 ]
 

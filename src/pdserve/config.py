@@ -226,7 +226,12 @@ class EngineConfig:
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> EngineConfig:
-        names = [*engine_option_names(), "compilation_config", "enforce_eager", "kv_transfer_config"]
+        names = [
+            *engine_option_names(),
+            "compilation_config",
+            "enforce_eager",
+            "kv_transfer_config",
+        ]
         return cls.from_kwargs(**{k: getattr(args, k) for k in names if hasattr(args, k)})
 
 

@@ -55,10 +55,24 @@ class LiveServer:
 def start_server(model: Path, tmp: Path, *extra: str, timeout: float = 120) -> LiveServer:
     port = free_port()
     log = tmp / f"serve-{port}.log"
-    cmd = [sys.executable, "-m", "pdserve", "serve", str(model), "--port", str(port),
-           "--served-model-name", "tiny", "--dtype", "float32", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdserve",
+        "serve",
+        str(model),
+        "--port",
+        str(port),
+        "--served-model-name",
+        "tiny",
+        "--dtype",
+        "float32",
+        *extra,
+    ]
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(
+            cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
     srv = LiveServer(proc, f"http://127.0.0.1:{port}", "tiny", log)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

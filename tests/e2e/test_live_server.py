@@ -15,43 +15,112 @@ import openai
 from .conftest import LiveServer, start_server, wait_until
 
 VLLM_RESULT_KEYS = {
-    "date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id", "num_prompts",
-    "request_rate", "burstiness", "max_concurrency", "duration", "completed", "failed",
-    "total_input_tokens", "total_output_tokens", "request_throughput", "request_goodput",
-    "output_throughput", "total_token_throughput", "max_output_tokens_per_s",
-    "max_concurrent_requests", "mean_ttft_ms", "median_ttft_ms", "std_ttft_ms", "p99_ttft_ms",
-    "mean_tpot_ms", "median_tpot_ms", "std_tpot_ms", "p99_tpot_ms", "mean_itl_ms",
-    "median_itl_ms", "std_itl_ms", "p99_itl_ms", "latencies",
+    "date",
+    "endpoint_type",
+    "backend",
+    "label",
+    "model_id",
+    "tokenizer_id",
+    "num_prompts",
+    "request_rate",
+    "burstiness",
+    "max_concurrency",
+    "duration",
+    "completed",
+    "failed",
+    "total_input_tokens",
+    "total_output_tokens",
+    "request_throughput",
+    "request_goodput",
+    "output_throughput",
+    "total_token_throughput",
+    "max_output_tokens_per_s",
+    "max_concurrent_requests",
+    "mean_ttft_ms",
+    "median_ttft_ms",
+    "std_ttft_ms",
+    "p99_ttft_ms",
+    "mean_tpot_ms",
+    "median_tpot_ms",
+    "std_tpot_ms",
+    "p99_tpot_ms",
+    "mean_itl_ms",
+    "median_itl_ms",
+    "std_itl_ms",
+    "p99_itl_ms",
+    "latencies",
 }
 
 
 def test_openai_client_completes_and_streams(live_server: LiveServer) -> None:
     client = openai.OpenAI(base_url=live_server.url + "/v1", api_key="unused", timeout=30)
-    c = client.completions.create(model="tiny", prompt="hello world", max_tokens=7,
-                                  extra_body={"ignore_eos": True})
+    c = client.completions.create(
+        model="tiny", prompt="hello world", max_tokens=7, extra_body={"ignore_eos": True}
+    )
     assert c.usage is not None and c.usage.completion_tokens == 7
     assert c.choices[0].finish_reason == "length"
-    chunks = list(client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-    ))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
     assert chunks[-2].choices[0].finish_reason == "length"
     prompt_tokens = chunks[-1].usage.prompt_tokens
-    toks = client.post("/../tokenize", cast_to=object, body={"model": "tiny", "messages": [
-        {"role": "user", "content": "hi"}]})
+    toks = client.post(
+        "/../tokenize",
+        cast_to=object,
+        body={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert toks["count"] == prompt_tokens  # type: ignore[index]
 
 
-def test_bench_serve_against_live_server(live_server: LiveServer, tiny_llama: Path, tmp_path: Path) -> None:
+def test_bench_serve_against_live_server(
+    live_server: LiveServer, tiny_llama: Path, tmp_path: Path
+) -> None:
     rate, n, out_len = 20.0, 200, 8
     proc = subprocess.run(
-        [sys.executable, "-m", "pdserve", "bench", "serve", "--base-url", live_server.url,
-         "--model", "tiny", "--tokenizer", str(tiny_llama), "--dataset-name", "random",
-         "--random-input-len", "32", "--random-output-len", str(out_len), "--num-prompts", str(n),
-         "--request-rate", str(rate), "--seed", "1", "--percentile-metrics", "ttft,tpot,itl,e2el",
-         "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pdserve",
+            "bench",
+            "serve",
+            "--base-url",
+            live_server.url,
+            "--model",
+            "tiny",
+            "--tokenizer",
+            str(tiny_llama),
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            "32",
+            "--random-output-len",
+            str(out_len),
+            "--num-prompts",
+            str(n),
+            "--request-rate",
+            str(rate),
+            "--seed",
+            "1",
+            "--percentile-metrics",
+            "ttft,tpot,itl,e2el",
+            "--disable-tqdm",
+            "--save-result",
+            "--result-dir",
+            str(tmp_path),
+            "--result-filename",
+            "r.json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Serving Benchmark Result" in proc.stdout
@@ -63,9 +132,17 @@ def test_bench_serve_against_live_server(live_server: LiveServer, tiny_llama: Pa
 
 
 async def _stream_then_drop(url: str, i: int, started: asyncio.Event, counter: list[int]) -> None:
-    body = {"model": "tiny", "prompt": f"request number {i} " * 4, "max_tokens": 500,
-            "ignore_eos": True, "stream": True}
-    async with httpx.AsyncClient(timeout=30) as c, c.stream("POST", f"{url}/v1/completions", json=body) as r:
+    body = {
+        "model": "tiny",
+        "prompt": f"request number {i} " * 4,
+        "max_tokens": 500,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    async with (
+        httpx.AsyncClient(timeout=30) as c,
+        c.stream("POST", f"{url}/v1/completions", json=body) as r,
+    ):
         assert r.status_code == 200
         got = 0
         async for line in r.aiter_lines():
@@ -84,15 +161,25 @@ def test_disconnected_streams_free_their_kv(live_server: LiveServer) -> None:
         started = asyncio.Event()
         counter = [0]
         await asyncio.wait_for(
-            asyncio.gather(*(_stream_then_drop(live_server.url, i, started, counter) for i in range(50))),
+            asyncio.gather(
+                *(_stream_then_drop(live_server.url, i, started, counter) for i in range(50))
+            ),
             120,
         )
 
     asyncio.run(run())
-    assert wait_until(lambda: live_server.metric("pdserve:kv_cache_usage_perc") == 0.0
-                      and live_server.metric("pdserve:num_requests_running") == 0.0, timeout=1.0)
-    r = httpx.post(f"{live_server.url}/v1/completions", json={"model": "tiny", "prompt": "still there?",
-                   "max_tokens": 3}, timeout=30)
+    assert wait_until(
+        lambda: (
+            live_server.metric("pdserve:kv_cache_usage_perc") == 0.0
+            and live_server.metric("pdserve:num_requests_running") == 0.0
+        ),
+        timeout=1.0,
+    )
+    r = httpx.post(
+        f"{live_server.url}/v1/completions",
+        json={"model": "tiny", "prompt": "still there?", "max_tokens": 3},
+        timeout=30,
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
 
 
@@ -115,7 +202,10 @@ def test_sigterm_under_load_drains_and_exits_zero(tiny_llama: Path, tmp_path: Pa
         srv.proc.send_signal(signal.SIGTERM)
         await asyncio.sleep(0.2)
         async with httpx.AsyncClient(timeout=10) as c:
-            late = await c.post(f"{srv.url}/v1/completions", json={"model": "tiny", "prompt": "late", "max_tokens": 2})
+            late = await c.post(
+                f"{srv.url}/v1/completions",
+                json={"model": "tiny", "prompt": "late", "max_tokens": 2},
+            )
         await asyncio.gather(*tasks)
         return results, late.status_code
 

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 
 from pdserve.serving.launcher import Launcher
 from pdserve.serving.topology import Topology
@@ -39,7 +38,9 @@ def _metric(url: str, name: str, **labels: str) -> float:
     return total
 
 
-def _topology(ckpt: Path, prefill: int, colocated: bool, lease: float = 30.0) -> tuple[dict, dict[str, int]]:
+def _topology(
+    ckpt: Path, prefill: int, colocated: bool, lease: float = 30.0
+) -> tuple[dict, dict[str, int]]:
     ports = _ports(4)
     names = {"proxy": ports[0], "prefill": ports[1], "decode": ports[2], "colocated": ports[3]}
     instances = [
@@ -57,18 +58,27 @@ def _topology(ckpt: Path, prefill: int, colocated: bool, lease: float = 30.0) ->
         "common_args": ["--dtype", "float32", "--max-model-len", "1024"],
         "startup_timeout": 120,
         "grace_period": 10,
-        "kv_transfer": {"connector": "PdConnector",
-                        "extra_config": {"transport": "tcp", "lease_seconds": lease}},
+        "kv_transfer": {
+            "connector": "PdConnector",
+            "extra_config": {"transport": "tcp", "lease_seconds": lease},
+        },
         "proxy": {"host": "127.0.0.1", "port": names["proxy"]},
         "instances": instances,
     }
     return topo, names
 
 
-async def _complete(client: httpx.AsyncClient, url: str, prompt: list[int], stream: bool,
-                    max_tokens: int = 8) -> tuple[int, str, dict]:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": stream}
+async def _complete(
+    client: httpx.AsyncClient, url: str, prompt: list[int], stream: bool, max_tokens: int = 8
+) -> tuple[int, str, dict]:
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
     if stream:
         body["stream_options"] = {"include_usage": True}
     if not stream:
@@ -107,7 +117,10 @@ def test_1p1d_matches_colocated_and_transfers_the_prompt(tiny_llama: Path, tmp_p
     topo, ports = _topology(tiny_llama, prefill=1, colocated=True)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 400) for _ in range(rng.randrange(2, 120))] for _ in range(50)]
-    with Launcher(Topology.from_dict(topo), log_dir=tmp_path / "logs", out=open(os.devnull, "w")) as launcher:
+    with (
+        open(os.devnull, "w") as quiet,
+        Launcher(Topology.from_dict(topo), log_dir=tmp_path / "logs", out=quiet),
+    ):
         proxy = f"http://127.0.0.1:{ports['proxy']}"
         colo = f"http://127.0.0.1:{ports['colocated']}"
         decode = f"http://127.0.0.1:{ports['decode']}"
@@ -116,9 +129,11 @@ def test_1p1d_matches_colocated_and_transfers_the_prompt(tiny_llama: Path, tmp_p
         async def run() -> tuple[list, list]:
             sem = asyncio.Semaphore(8)
             async with httpx.AsyncClient(timeout=60) as c:
+
                 async def one(url: str, i: int) -> tuple[int, str, dict]:
                     async with sem:
                         return await _complete(c, url, prompts[i], stream=i % 2 == 0)
+
                 pd = await asyncio.gather(*(one(proxy, i) for i in range(len(prompts))))
                 ref = await asyncio.gather(*(one(colo, i) for i in range(len(prompts))))
             return pd, ref
@@ -127,7 +142,9 @@ def test_1p1d_matches_colocated_and_transfers_the_prompt(tiny_llama: Path, tmp_p
         assert [s for s, _, _ in pd] == [200] * len(prompts)
         assert [t for _, t, _ in pd] == [t for _, t, _ in ref]
         # decode computed one token per prompt and received the rest over the wire
-        ext = _metric(decode, "pdserve:prompt_tokens_by_source_total", source="external_kv_transfer")
+        ext = _metric(
+            decode, "pdserve:prompt_tokens_by_source_total", source="external_kv_transfer"
+        )
         local = _metric(decode, "pdserve:prompt_tokens_by_source_total", source="local_compute")
         assert ext == sum(len(p) - 1 for p in prompts)
         assert local == len(prompts)
@@ -139,7 +156,10 @@ def test_1p1d_matches_colocated_and_transfers_the_prompt(tiny_llama: Path, tmp_p
 
 def test_2p1d_uses_both_prefills_and_survives_losing_one(tiny_llama: Path, tmp_path: Path) -> None:
     topo, ports = _topology(tiny_llama, prefill=2, colocated=False)
-    with Launcher(Topology.from_dict(topo), log_dir=tmp_path / "logs", out=open(os.devnull, "w")) as launcher:
+    with (
+        open(os.devnull, "w") as quiet,
+        Launcher(Topology.from_dict(topo), log_dir=tmp_path / "logs", out=quiet) as launcher,
+    ):
         proxy = f"http://127.0.0.1:{ports['proxy']}"
         decode = f"http://127.0.0.1:{ports['decode']}"
         prefills = [f"http://127.0.0.1:{ports['prefill'] + k}" for k in range(2)]
@@ -147,7 +167,9 @@ def test_2p1d_uses_both_prefills_and_survives_losing_one(tiny_llama: Path, tmp_p
 
         async def warm() -> None:
             async with httpx.AsyncClient(timeout=60) as c:
-                await asyncio.gather(*(_complete(c, proxy, [5, 6, 7, i + 3], False) for i in range(12)))
+                await asyncio.gather(
+                    *(_complete(c, proxy, [5, 6, 7, i + 3], False) for i in range(12))
+                )
 
         asyncio.run(warm())
         used = [_metric(u, "pdserve:request_success_total") for u in prefills]
@@ -155,8 +177,10 @@ def test_2p1d_uses_both_prefills_and_survives_losing_one(tiny_llama: Path, tmp_p
 
         async def load() -> list[tuple[int, str, dict]]:
             async with httpx.AsyncClient(timeout=120) as c:
-                tasks = [asyncio.create_task(_complete(c, proxy, [9, 8, 7, i + 3] * 30, i % 2 == 0, 48))
-                         for i in range(24)]
+                tasks = [
+                    asyncio.create_task(_complete(c, proxy, [9, 8, 7, i + 3] * 30, i % 2 == 0, 48))
+                    for i in range(24)
+                ]
                 await asyncio.sleep(0.4)
                 os.killpg(victim.pid, signal.SIGKILL)  # the instance and its engine core
                 return await asyncio.gather(*tasks)
@@ -165,7 +189,7 @@ def test_2p1d_uses_both_prefills_and_survives_losing_one(tiny_llama: Path, tmp_p
         ok = [r for r in results if r[0] == 200]
         failed = [r for r in results if r[0] != 200]
         assert ok, "every request failed"
-        for status, text, body in failed:
+        for _, _, body in failed:
             msg = json.dumps(body)
             assert "prefill" in msg or "KV transfer" in msg, msg
         assert len(failed) < len(results)

@@ -1,0 +1,61 @@
+"""Small helpers shared by the Triton kernels (launch heuristics, device facts).
+
+Nothing here touches device memory or synchronises: every function answers from
+host information (shapes, dtypes, device properties), so callers can use the
+answers while a CUDA graph is being captured.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+LOG2E = 1.4426950408889634
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= ``n`` (1 for ``n <= 1``)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def interpret_mode() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return bool(triton.knobs.runtime.interpret)
+
+
+def check_device(t: torch.Tensor, what: str) -> None:
+    """Refuse CPU tensors unless the interpreter is on (a compiled kernel would crash)."""
+    if t.device.type != "cuda" and not interpret_mode():
+        raise RuntimeError(
+            f"{what}: Triton kernels need CUDA tensors (got {t.device}); "
+            "set TRITON_INTERPRET=1 to run them on the CPU for testing"
+        )
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot`` input precision: exact fp32 products for fp32 inputs (no TF32), native otherwise."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def dot_upcast(dtype: torch.dtype) -> bool:
+    """Feed ``tl.dot`` fp32 operands instead of ``dtype`` ones.
+
+    Only in the interpreter with bf16: it stores bf16 as raw uint16 and its
+    ``tl.dot`` multiplies those bits. Compiled kernels always use native bf16 MMA.
+    """
+    return interpret_mode() and dtype == torch.bfloat16
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of ``device``; a small fixed number on the CPU (interpreter) so
+    split heuristics still split in tests."""
+    if device.type != "cuda":
+        return 4
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())

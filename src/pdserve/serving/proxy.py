@@ -1,0 +1,404 @@
+"""``pdserve proxy``: the OpenAI-compatible router of a disaggregated (xPyD) deployment.
+
+Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (two legs each, see
+:mod:`pdserve.serving.proxy_forward`), ``GET /v1/models`` (from a healthy decode
+instance), ``GET /health`` (200 iff each pool has a healthy instance, else 503) and
+``GET /metrics`` (Prometheus text, :mod:`pdserve.serving.proxy_metrics`).
+
+With an API key, every ``/v1/*`` route needs ``Authorization: Bearer KEY`` (401
+otherwise). Upstream, the proxy sends ``--upstream-api-key`` if given, else the
+client's own ``Authorization`` header.
+
+Lifecycle of an app from :func:`build_proxy_app`: lifespan startup opens the shared
+``aiohttp`` session, runs one health round (so ``/health`` is truthful from the first
+request) and starts the health poller; lifespan shutdown stops the poller, lets
+pending KV-release calls finish (bounded) and closes the session. :func:`main` serves
+the app under uvicorn until SIGTERM/SIGINT, drains in-flight requests for at most
+``--shutdown-timeout`` seconds (then cancels them, which aborts their upstream legs),
+and returns 0. A second signal stops at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import secrets
+import signal
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
+from typing import Any
+
+import aiohttp
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pdserve.serving.proxy_core import ProxyCore, ProxySettings, classify_error, error_body
+from pdserve.serving.proxy_forward import PDResponse
+from pdserve.serving.proxy_metrics import ProxyMetrics
+from pdserve.serving.proxy_pool import HealthChecker, InstancePool, normalize_urls
+
+logger = logging.getLogger(__name__)
+
+_MAX_REQUEST_ID_LEN = 256
+_MODELS_TIMEOUT_S = 30.0
+
+
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+
+class _ProxyError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+
+def _positive(name: str, value: float) -> float:
+    if not value > 0:  # also rejects NaN
+        raise ValueError(f"{name} must be > 0 seconds, got {value}")
+    return float(value)
+
+
+def build_proxy_app(
+    prefill_urls: Sequence[str],
+    decode_urls: Sequence[str],
+    *,
+    api_key: str | None = None,
+    upstream_api_key: str | None = None,
+    health_interval: float = 2.0,
+    health_timeout: float = 2.0,
+    request_timeout: float = 600.0,
+    connect_timeout: float = 10.0,
+    release_timeout: float = 5.0,
+    pool_name: str = "pdserve",
+) -> FastAPI:
+    """The proxy app. Raises ``ValueError`` with a clear message for bad arguments.
+
+    URLs may be ``http(s)://host:port[/prefix]`` or ``host:port``; each pool needs at
+    least one and no duplicates. The app's :class:`ProxyCore` is ``app.state.proxy``.
+    """
+    prefill = normalize_urls(prefill_urls, what="--prefill")
+    decode = normalize_urls(decode_urls, what="--decode")
+    for name, key in (("--api-key", api_key), ("--upstream-api-key", upstream_api_key)):
+        if key is not None and not key.strip():
+            raise ValueError(f"{name} must not be empty")
+    settings = ProxySettings(
+        request_timeout=_positive("--request-timeout", request_timeout),
+        connect_timeout=_positive("connect timeout", connect_timeout),
+        release_timeout=_positive("release timeout", release_timeout),
+        upstream_api_key=upstream_api_key,
+    )
+    metrics = ProxyMetrics(prefill, decode, pool_name=pool_name)
+    core = ProxyCore(
+        prefill=InstancePool(
+            "prefill",
+            prefill,
+            on_in_flight=lambda url, n: metrics.set_in_flight("prefill", url, n),
+            on_health=lambda url, ok: metrics.set_healthy("prefill", url, ok),
+        ),
+        decode=InstancePool(
+            "decode",
+            decode,
+            on_in_flight=lambda url, n: metrics.set_in_flight("decode", url, n),
+            on_health=lambda url, ok: metrics.set_healthy("decode", url, ok),
+        ),
+        metrics=metrics,
+        settings=settings,
+    )
+    health = HealthChecker(
+        [core.prefill, core.decode],
+        lambda: core.session,
+        interval=_positive("--health-interval", health_interval),
+        timeout=_positive("health timeout", health_timeout),
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await core.open()
+        try:
+            await health.check_all()
+            for pool in (core.prefill, core.decode):
+                if pool.num_healthy == 0:
+                    logger.warning("no healthy %s instance yet (of %d)", pool.role, len(pool))
+            health.start()
+            yield
+        finally:
+            await health.stop()
+            await core.close()
+
+    app = FastAPI(title="pdserve proxy", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.proxy = core
+    app.state.health = health
+
+    @app.exception_handler(_ProxyError)
+    async def _proxy_error(_: Request, exc: _ProxyError) -> JSONResponse:
+        return _error(exc.status, exc.message, exc.param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # Starlette re-raises after this, so the server logs the traceback
+        return _error(500, "internal proxy error")
+
+    def check_auth(request: Request) -> str | None:
+        """The client's Authorization header; raises 401 if a key is required and wrong."""
+        auth = request.headers.get("authorization")
+        if api_key is not None:
+            expected = f"Bearer {api_key}".encode()
+            if auth is None or not secrets.compare_digest(auth.encode(), expected):
+                raise _ProxyError(
+                    401, "invalid or missing API key (send 'Authorization: Bearer KEY')"
+                )
+        return auth
+
+    def two_legs(path: str) -> Callable[[Request], Awaitable[Response]]:
+        async def handler(request: Request) -> Response:
+            arrival = time.perf_counter()
+            auth = check_auth(request)
+            body = _parse_body(await request.body())
+            request_id = _request_id(request.headers.get("x-request-id"))
+            return PDResponse(
+                core, path, body, request_id=request_id, authorization=auth, arrival=arrival
+            )
+
+        return handler
+
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        app.add_api_route(path, two_legs(path), methods=["POST"])
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        auth = check_auth(request)
+        return await _forward_models(core, core.upstream_headers(_request_id(None), auth))
+
+    @app.get("/health")
+    async def health_route() -> Response:
+        pools = {
+            p.role: {"healthy": p.num_healthy, "total": len(p)} for p in (core.prefill, core.decode)
+        }
+        down = [role for role, c in pools.items() if c["healthy"] == 0]
+        if down:
+            return _error(503, f"no healthy instance in pool(s): {', '.join(down)}")
+        return JSONResponse({"status": "ok", **pools})
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    return app
+
+
+def _parse_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise _ProxyError(400, "request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise _ProxyError(400, "request body must be a JSON object")
+    stream = body.get("stream", False)
+    if stream is not None and not isinstance(stream, bool):
+        raise _ProxyError(400, "'stream' must be a boolean", "stream")
+    return body
+
+
+def _request_id(header: str | None) -> str:
+    """The client's ``X-Request-Id`` (validated) or a fresh one."""
+    if header is None or header == "":
+        return secrets.token_hex(16)
+    if len(header) > _MAX_REQUEST_ID_LEN or not all(0x21 <= ord(c) <= 0x7E for c in header):
+        raise _ProxyError(
+            400,
+            f"X-Request-Id must be 1-{_MAX_REQUEST_ID_LEN} visible ASCII characters",
+            "X-Request-Id",
+        )
+    return header
+
+
+async def _forward_models(core: ProxyCore, headers: dict[str, str]) -> Response:
+    """``GET /v1/models`` of the least-loaded healthy decode instance; on a connection
+    failure the instance is marked unhealthy and the next one is tried."""
+    tried: list[str] = []
+    timeout = aiohttp.ClientTimeout(total=_MODELS_TIMEOUT_S)
+    while (inst := core.decode.pick(exclude=tried)) is not None:
+        tried.append(inst.url)
+        try:
+            async with core.session.get(
+                inst.url + "/v1/models", headers=headers, timeout=timeout
+            ) as resp:
+                data = await resp.read()
+                ctype = resp.headers.get("Content-Type", "application/json")
+                return Response(data, status_code=resp.status, media_type=ctype)
+        except Exception as e:
+            _, unreachable = classify_error(e)
+            if unreachable:
+                core.decode.set_healthy(inst, False, f"{type(e).__name__}: {e}")
+            logger.warning("GET /v1/models on %s failed: %r", inst.url, e)
+    if tried:
+        return _error(502, f"GET /v1/models failed on {', '.join(tried)}")
+    core.metrics.unavailable("decode")
+    return _error(503, f"no healthy decode instance (0 of {len(core.decode)} healthy)")
+
+
+# -- command line -------------------------------------------------------------------
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {value}")
+    return value
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    """Flags of ``pdserve proxy``; sets ``func=main``."""
+    p.add_argument(
+        "--prefill", nargs="+", required=True, metavar="URL", help="prefill instance URL(s)"
+    )
+    p.add_argument(
+        "--decode", nargs="+", required=True, metavar="URL", help="decode instance URL(s)"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=_port, default=8000, help="port to bind (0: any free port)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument(
+        "--upstream-api-key",
+        default=None,
+        help="send this key to the instances (default: forward the client's Authorization)",
+    )
+    p.add_argument(
+        "--health-interval", type=_seconds, default=2.0, help="seconds between health polls"
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=_seconds,
+        default=600.0,
+        help="seconds a non-streaming leg may take, and the longest gap within a stream",
+    )
+    p.add_argument(
+        "--connect-timeout", type=_seconds, default=10.0, help="seconds to connect upstream"
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=_seconds,
+        default=30.0,
+        help="seconds in-flight requests get to finish after SIGTERM",
+    )
+    p.add_argument("--uvicorn-log-level", default="warning")
+    p.set_defaults(func=main)
+
+
+class _Uvicorn(uvicorn.Server):
+    """Uvicorn without its own signal capture (it would re-raise the signal at exit)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+async def serve_proxy(
+    app: FastAPI,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    shutdown_timeout: float = 30.0,
+    log_level: str = "warning",
+) -> int:
+    """Serve ``app`` until SIGTERM/SIGINT (see the module docstring); 0 after a clean
+    stop, 1 if the port cannot be bound or the app fails to start."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        print(f"pdserve proxy: cannot bind {host}:{port}: {e}", file=sys.stderr)
+        return 1
+    config = uvicorn.Config(
+        app,
+        log_level=log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=math.ceil(shutdown_timeout),
+    )
+    server = _Uvicorn(config)
+    loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if server.should_exit:
+            logger.warning("second %s: stopping now", sig.name)
+            server.force_exit = True
+        else:
+            logger.info("received %s: draining", sig.name)
+            server.should_exit = True
+
+    installed: list[signal.Signals] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, on_signal, sig)
+            installed.append(sig)
+    core: ProxyCore = app.state.proxy
+    print(
+        f"pdserve proxy: http://{host}:{sock.getsockname()[1]} -> "
+        f"prefill {[i.url for i in core.prefill.instances]}, "
+        f"decode {[i.url for i in core.decode.instances]}",
+        flush=True,
+    )
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+        sock.close()
+    return 0 if server.started else 1
+
+
+def main(args: argparse.Namespace) -> int:
+    """Entry point of ``pdserve proxy``; returns the process exit status."""
+    try:
+        app = build_proxy_app(
+            args.prefill,
+            args.decode,
+            api_key=args.api_key,
+            upstream_api_key=args.upstream_api_key,
+            health_interval=args.health_interval,
+            request_timeout=args.request_timeout,
+            connect_timeout=getattr(args, "connect_timeout", 10.0),
+        )
+    except ValueError as e:
+        print(f"pdserve proxy: error: {e}", file=sys.stderr)
+        return 2
+    return asyncio.run(
+        serve_proxy(
+            app,
+            args.host,
+            args.port,
+            shutdown_timeout=getattr(args, "shutdown_timeout", 30.0),
+            log_level=getattr(args, "uvicorn_log_level", "warning"),
+        )
+    )

@@ -1,0 +1,336 @@
+"""Fixtures for the P/D proxy tests: fake OpenAI upstreams and the proxy, all on loopback.
+
+One background thread runs an asyncio loop (per test) that hosts every fake upstream
+(``aiohttp.web`` on 127.0.0.1, port 0) and the proxy (uvicorn on 127.0.0.1, port 0).
+Tests talk to the proxy with ordinary synchronous clients (httpx, openai, raw sockets)
+from the main thread. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import uvicorn
+from aiohttp import web
+
+from pdserve.serving.proxy import build_proxy_app
+from pdserve.serving.proxy_core import ProxyCore
+
+MODEL = "fake-model"
+
+
+def wait_until(pred: Callable[[], bool], timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return pred()
+
+
+class LoopThread:
+    """An asyncio loop in a daemon thread; :meth:`call` runs a coroutine there."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def call(self, coro: Coroutine[Any, Any, Any], timeout: float = 10.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.loop.close()
+
+
+@dataclass
+class Seen:
+    """One completion request a fake received."""
+
+    path: str
+    body: dict[str, Any]
+    headers: dict[str, str]
+
+
+@dataclass
+class FakeUpstream:
+    """A fake OpenAI server acting as a prefill or a decode instance.
+
+    Prefill: answers JSON with ``kv_transfer_params`` (``kv_params`` plus the request id),
+    or without them when ``missing_params``. Decode: streams ``num_chunks`` SSE chunks
+    ``chunk_delay`` apart, then ``data: [DONE]`` (or answers JSON when not streaming).
+    Knobs: ``fail_status`` answers every completion request with that status and an
+    OpenAI error body; ``delay`` sleeps before answering; ``drop`` closes the connection
+    without answering; ``break_after`` closes it mid-stream after that many chunks. Handlers are cancelled when the peer disconnects
+    (``handler_cancellation``), which ``disconnects`` counts.
+    """
+
+    role: str
+    num_chunks: int = 4
+    chunk_delay: float = 0.0
+    delay: float = 0.0
+    fail_status: int | None = None
+    missing_params: bool = False
+    drop: bool = False
+    break_after: int | None = None
+    health_status: int = 200
+    release_status: int = 200
+    seen: list[Seen] = field(default_factory=list)
+    releases: list[dict[str, Any]] = field(default_factory=list)
+    release_headers: list[dict[str, str]] = field(default_factory=list)
+    disconnects: int = 0
+    completed: int = 0
+    sent_bytes: list[bytes] = field(default_factory=list)
+    url: str = ""
+    _runner: web.AppRunner | None = None
+
+    def kv_params(self, request_id: str) -> dict[str, Any]:
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": f"engine-{self.url}",
+            "remote_block_ids": [3, 1, 4, 1, 5],
+            "remote_request_id": request_id,
+            "remote_host": "127.0.0.1",
+            "remote_port": 5600,
+            "tp_size": 1,
+            "remote_blocks_expiry_time": 1234.5,
+        }
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._completion)
+        app.router.add_post("/v1/chat/completions", self._completion)
+        app.router.add_post("/v1/kv_transfer/release", self._release)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    async def stop(self) -> None:
+        """Stop listening (later connections are refused)."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _health(self, _: web.Request) -> web.Response:
+        return web.Response(status=self.health_status, text="")
+
+    async def _models(self, _: web.Request) -> web.Response:
+        data = [{"id": MODEL, "object": "model", "created": 0, "owned_by": self.role}]
+        return web.json_response({"object": "list", "data": data})
+
+    async def _release(self, request: web.Request) -> web.Response:
+        self.releases.append(await request.json())
+        self.release_headers.append({k.lower(): v for k, v in request.headers.items()})
+        return web.json_response({}, status=self.release_status)
+
+    async def _completion(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.seen.append(
+            Seen(request.path, body, {k.lower(): v for k, v in request.headers.items()})
+        )
+        try:
+            if self.delay:
+                await asyncio.sleep(self.delay)
+            if self.drop:
+                assert request.transport is not None
+                request.transport.close()
+                return web.Response(status=500)
+            if self.fail_status is not None:
+                err = {"message": f"fake {self.role} failure", "type": "X", "param": None}
+                return web.json_response(
+                    {"error": {**err, "code": self.fail_status}}, status=self.fail_status
+                )
+            chat = request.path.endswith("/chat/completions")
+            if body.get("stream"):
+                return await self._stream(request, chat)
+            resp = web.json_response(self._answer(request, body, chat))
+            self.completed += 1
+            return resp
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.disconnects += 1
+            raise
+
+    def _answer(self, request: web.Request, body: dict[str, Any], chat: bool) -> dict[str, Any]:
+        rid = request.headers.get("X-Request-Id", "none")
+        text = "x" if self.role == "prefill" else "".join(f"t{i}" for i in range(self.num_chunks))
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        out: dict[str, Any] = {
+            "id": f"cmpl-{rid}",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": 0,
+            "model": MODEL,
+            "choices": [choice],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+        }
+        if self.role == "prefill":
+            out["kv_transfer_params"] = None if self.missing_params else self.kv_params(rid)
+        return out
+
+    def chunk_bytes(self, i: int, chat: bool) -> bytes:
+        last = i == self.num_chunks - 1
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "length" if last else None}
+        if chat:
+            choice["delta"] = {"content": f"t{i}"}
+        else:
+            choice.update(text=f"t{i}", logprobs=None)
+        obj = {
+            "id": "cmpl-1",
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": 0,
+            "model": MODEL,
+            "choices": [choice],
+        }
+        return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+    async def _stream(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(self.num_chunks):
+            if i and self.chunk_delay:
+                await asyncio.sleep(self.chunk_delay)
+            if i == self.break_after:
+                assert request.transport is not None
+                request.transport.close()
+                return resp
+            data = self.chunk_bytes(i, chat)
+            await resp.write(data)
+            self.sent_bytes.append(data)
+        await resp.write(b"data: [DONE]\n\n")
+        self.sent_bytes.append(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        self.completed += 1
+        return resp
+
+
+class ProxyServer:
+    """The proxy app under uvicorn on 127.0.0.1:<ephemeral>, in the test loop."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        config = uvicorn.Config(app, lifespan="on", log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self.task = asyncio.create_task(self.server.serve(sockets=[self.sock]))
+        for _ in range(1000):
+            if self.server.started or self.task.done():
+                break
+            await asyncio.sleep(0.01)
+        if not self.server.started:
+            raise RuntimeError("proxy did not start")
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        if self.task is not None:
+            await asyncio.wait_for(self.task, 15)
+        self.sock.close()
+
+
+@dataclass
+class PD:
+    """A running topology: fake prefill/decode instances behind the proxy."""
+
+    loop: LoopThread
+    prefill: list[FakeUpstream]
+    decode: list[FakeUpstream]
+    proxy: ProxyServer
+
+    @property
+    def url(self) -> str:
+        return self.proxy.url
+
+    @property
+    def core(self) -> ProxyCore:
+        core: ProxyCore = self.proxy.app.state.proxy
+        return core
+
+    def metrics(self) -> str:
+        import httpx
+
+        return httpx.get(self.url + "/metrics", timeout=5).text
+
+    def stop_upstream(self, fake: FakeUpstream) -> None:
+        self.loop.call(fake.stop())
+
+
+def metric_value(text: str, name: str, **labels: str) -> float | None:
+    """The sample ``name{labels}`` in a text exposition (labels must all match)."""
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        head, _, value = line.rpartition(" ")
+        if head.split("{")[0] != name:
+            continue
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            return float(value)
+    return None
+
+
+PDFactory = Callable[..., PD]
+
+
+@pytest.fixture
+def make_pd() -> Iterator[PDFactory]:
+    """``make_pd(n_prefill=1, n_decode=1, prefill_knobs=..., decode_knobs=..., **app_kwargs)``.
+
+    ``*_knobs`` is a dict of :class:`FakeUpstream` fields applied to every fake of the
+    pool, or a list with one dict per fake.
+    """
+    loop = LoopThread()
+    started: list[PD] = []
+
+    def knobs_for(knobs: dict[str, Any] | list[dict[str, Any]] | None, i: int) -> dict[str, Any]:
+        if knobs is None:
+            return {}
+        return knobs[i] if isinstance(knobs, list) else knobs
+
+    def factory(
+        n_prefill: int = 1,
+        n_decode: int = 1,
+        *,
+        prefill_knobs: dict[str, Any] | list[dict[str, Any]] | None = None,
+        decode_knobs: dict[str, Any] | list[dict[str, Any]] | None = None,
+        **app_kwargs: Any,
+    ) -> PD:
+        prefill = [FakeUpstream("prefill", **knobs_for(prefill_knobs, i)) for i in range(n_prefill)]
+        decode = [FakeUpstream("decode", **knobs_for(decode_knobs, i)) for i in range(n_decode)]
+        for fake in prefill + decode:
+            loop.call(fake.start())
+        app_kwargs.setdefault("health_interval", 30.0)
+        app = build_proxy_app([f.url for f in prefill], [f.url for f in decode], **app_kwargs)
+        proxy = ProxyServer(app)
+        loop.call(proxy.start())
+        pd = PD(loop, prefill, decode, proxy)
+        started.append(pd)
+        return pd
+
+    yield factory
+    for pd in started:
+        loop.call(pd.proxy.stop(), timeout=20)
+        for fake in pd.prefill + pd.decode:
+            loop.call(fake.stop())
+    loop.close()
