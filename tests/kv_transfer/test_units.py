@@ -26,6 +26,17 @@ def test_lease_renew_read_pin_expire_and_finish():
     assert t.begin_read("a") is None
 
 
+def test_release_during_a_read_frees_only_after_the_read():
+    t = LeaseTable(30)
+    t.add("a", [1])
+    assert t.begin_read("a") == [1]
+    assert t.finish("a")  # e.g. the proxy releases while decode is still reading
+    assert t.take_done() == [] and t.begin_read("a") is None
+    assert not t.finish("a")
+    t.end_read("a")
+    assert t.take_done() == ["a"] and len(t) == 0
+
+
 def test_compat_mismatch_names_each_field():
     a = {"block_size": 16, "dtype": "bfloat16", "num_layers": 2}
     assert compat_mismatch(a, dict(a)) is None

@@ -17,6 +17,7 @@ class Lease:
     block_ids: list[int]
     expiry: float
     reading: int = 0  # reads in progress
+    finished: bool = False  # done/released while a read was in flight: free after it
 
 
 class LeaseTable:
@@ -48,7 +49,7 @@ class LeaseTable:
         """The held blocks of ``request_id`` (pinned against expiry), or None if not held."""
         with self._lock:
             lease = self._leases.get(request_id)
-            if lease is None:
+            if lease is None or lease.finished:
                 return None
             lease.reading += 1
             return lease.block_ids
@@ -58,12 +59,21 @@ class LeaseTable:
             lease = self._leases.get(request_id)
             if lease is not None:
                 lease.reading -= 1
+                if lease.finished and not lease.reading:
+                    del self._leases[request_id]
+                    self._done.append(request_id)
 
     def finish(self, request_id: str) -> bool:
-        """Decode is done with it (read, cancelled) or the proxy released it: free soon."""
+        """Decode is done with it (read, cancelled) or the proxy released it: free soon
+        (after the read in flight, if one is: blocks are never freed under a read)."""
         with self._lock:
-            if self._leases.pop(request_id, None) is None:
+            lease = self._leases.get(request_id)
+            if lease is None or lease.finished:
                 return False
+            if lease.reading:
+                lease.finished = True
+                return True
+            del self._leases[request_id]
             self._done.append(request_id)
             return True
 
