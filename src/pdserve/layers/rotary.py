@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pdserve.layers.fused import use_fused_kernels
+
 # RoPE types this module implements ("default" means no scaling).
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -91,13 +93,39 @@ class RotaryEmbedding(nn.Module):
         self.sin_cache: torch.Tensor
         self.register_buffer("cos_cache", freqs.cos().to(dtype).to(device), persistent=False)
         self.register_buffer("sin_cache", freqs.sin().to(dtype).to(device), persistent=False)
+        self.fused = use_fused_kernels(device)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), each [T, head_dim/2], for the flat ``positions`` [T]."""
         return self.cos_cache[positions], self.sin_cache[positions]
 
+    def prepare(self, positions: torch.Tensor) -> RopeInputs:
+        """Per-forward inputs shared by every layer: the torch path gathers cos/sin once;
+        the fused kernel gathers them itself from the tables."""
+        if self.fused:
+            return RopeInputs(self, positions, None, None)
+        cos, sin = self(positions)
+        return RopeInputs(self, positions, cos, sin)
+
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, max_position={self.max_position}"
+
+
+@dataclass
+class RopeInputs:
+    rope: RotaryEmbedding
+    positions: torch.Tensor
+    cos: torch.Tensor | None  # None on the fused path
+    sin: torch.Tensor | None
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q [T, H, D] and k [T, Hkv, D]; the fused kernel works in place."""
+        if self.cos is None or self.sin is None:
+            from pdserve.kernels.rope import apply_rope
+
+            r = self.rope
+            return apply_rope(q, k, self.positions, r.cos_cache, r.sin_cache, r.head_dim)
+        return apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

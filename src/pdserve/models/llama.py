@@ -30,7 +30,7 @@ from pdserve.layers.attention import Attention
 from pdserve.layers.embedding import LMHead, VocabEmbedding
 from pdserve.layers.linear import Linear, MergedLinear, checkpoint_targets, copy_checked
 from pdserve.layers.norm import RMSNorm
-from pdserve.layers.rotary import RotaryEmbedding, apply_rotary
+from pdserve.layers.rotary import RopeInputs, RotaryEmbedding
 from pdserve.models.hf_config import HFModelConfig
 from pdserve.models.registry import CausalLM
 
@@ -63,13 +63,13 @@ class LlamaAttention(nn.Module):
             layer_idx, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5
         )
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:  # Qwen3
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rope.rotate(q, k)
         out = self.attn(q.flatten(1), k.flatten(1), v)
         return self.o_proj(out)
 
@@ -110,8 +110,7 @@ class LlamaDecoderLayer(nn.Module):
         self,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: RopeInputs,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, the residual stream before it is added)."""
         if residual is None:  # first layer: the residual stream is the embedding
@@ -119,7 +118,7 @@ class LlamaDecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos, sin)
+        hidden = self.self_attn(hidden, rope)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -142,10 +141,10 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions)  # gathered once, shared by all layers
+        rope = self.rotary_emb.prepare(positions)  # once per forward, shared by all layers
         residual: torch.Tensor | None = None
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, cos, sin)
+            hidden, residual = layer(hidden, residual, rope)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -1,0 +1,45 @@
+"""Both tiny architectures give the same logits with the fused Triton RMSNorm/RoPE kernels
+as with the torch layers (on the CPU through TRITON_INTERPRET, on a GPU compiled)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_model_backends import BLOCK, _metadata
+
+from pdserve.layers.attention.torch_ref import TorchReferenceBackend
+from pdserve.models import load_model
+from pdserve.runner.forward_context import set_forward_context
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+def test_fused_layers_match_torch_layers(
+    tiny_ckpts: dict[str, Path], device: torch.device, arch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    models = []
+    for mode in ("0", "1"):
+        monkeypatch.setenv("PDSERVE_FUSED_KERNELS", mode)
+        model, cfg = load_model(tiny_ckpts[arch], "float32", device)
+        models.append(model)
+    assert not models[0].model.norm.fused and models[1].model.norm.fused
+    assert models[1].model.rotary_emb.fused
+    hkv, d, layers = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
+    bt = (1 + torch.arange(8)).view(2, 4).to(torch.int32).to(device)
+    be = TorchReferenceBackend()
+    caches = [
+        [torch.zeros(2, 9, BLOCK, hkv, d, device=device) for _ in range(layers)] for _ in models
+    ]
+    g = torch.Generator().manual_seed(3)
+    computed = [0, 0]
+    for new in ([11, 30], [1, 1]):  # prompts, then a decode step over the cache
+        ids = torch.randint(0, cfg.vocab_size, (sum(new),), generator=g).to(device)
+        pos = torch.cat([torch.arange(c, c + n) for c, n in zip(computed, new, strict=True)])
+        md = _metadata(computed, new, bt, device)
+        logits = []
+        for model, cache in zip(models, caches, strict=True):
+            with torch.no_grad(), set_forward_context(be, md, cache):
+                logits.append(model.compute_logits(model(ids, pos.to(device))))
+        torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
+        computed = [c + n for c, n in zip(computed, new, strict=True)]
