@@ -5,6 +5,7 @@ import pytest
 from pdserve.kv_transfer.base import KVTransferConfig
 from pdserve.kv_transfer.compat import compat_hash, compat_mismatch
 from pdserve.kv_transfer.lease import LeaseTable
+from pdserve.kv_transfer.transports.base import block_runs
 
 
 def test_lease_renew_read_pin_expire_and_finish():
@@ -91,3 +92,11 @@ def test_kv_transfer_config_from_json_string():
     assert c is not None and c.is_consumer and not c.is_producer and c.transport == "tcp"
     with pytest.raises(ValueError, match="not valid JSON"):
         KVTransferConfig.from_json("{")
+
+
+def test_block_runs_coalesce_consecutive_blocks():
+    assert block_runs([5, 6, 7, 9, 10], [1, 2, 3, 4, 5]) == [(5, 1, 3), (9, 4, 2)]
+    assert block_runs([], []) == []
+    assert block_runs([3, 2], [1, 2]) == [(3, 1, 1), (2, 2, 1)]
+    with pytest.raises(ValueError):
+        block_runs([1], [1, 2])

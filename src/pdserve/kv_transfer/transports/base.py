@@ -39,3 +39,19 @@ class ClientTransport(ABC):
 
 def frame_shape(cache: torch.Tensor, num_blocks: int) -> list[int]:
     return [cache.shape[0], num_blocks, *cache.shape[2:]]
+
+
+def block_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
+    """Coalesce a block-id mapping into runs ``(src_start, dst_start, length)`` where both
+    sides are consecutive, so each run is one slice copy instead of a gather + scatter."""
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"{len(src_ids)} source blocks for {len(dst_ids)} destination blocks")
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src_ids, dst_ids, strict=True):
+        if runs:
+            s0, d0, n = runs[-1]
+            if s == s0 + n and d == d0 + n:
+                runs[-1] = (s0, d0, n + 1)
+                continue
+        runs.append((s, d, 1))
+    return runs
