@@ -1,4 +1,4 @@
-"""One-call GPU suite: measures the engine against the physical limits of the card it runs on.
+"""One-call GPU suite (issue 5): the engine against the physical limits of the card it runs on.
 
 Run on the GPU machine (see benchmarks/README.md for the exact command):
 
@@ -11,6 +11,8 @@ Sections (``--sections``, comma separated; default all):
               (weight bytes + KV bytes read) / measured copy bandwidth
   prefill     one 8K prompt: tokens/s and achieved TFLOP/s vs the measured matmul rate
   peer        the same decode and prefill workloads through transformers
+  serve       pdserve serve + pdserve bench serve random 1024/128, 500 prompts at rate inf:
+              output tok/s, mean TTFT/TPOT, graph share of decode steps, warm start
 Prints a table last and writes every number to the JSON file.
 """
 
@@ -243,11 +245,114 @@ def bench_peer(ckpt: str, limits: dict, batches: list[int], ctx: int = 1024) -> 
     return out
 
 
+def bench_serve(
+    ckpt: str,
+    log_dir: Path,
+    port: int = 8011,
+    *,
+    dtype: str = "bfloat16",
+    input_len: int = 1024,
+    output_len: int = 128,
+    num_prompts: int = 500,
+    max_model_len: int = 4096,
+) -> dict:
+    """`pdserve serve` + `pdserve bench serve` random 1024/128: warm start (first request
+    vs one-at-a-time steady state), then 500 prompts at rate inf, and the forward-path
+    counts from the server's /metrics (the graph share of decode steps)."""
+    import httpx
+
+    from pdserve.bench.serve import run_benchmark
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "pdserve",
+        "serve",
+        ckpt,
+        "--dtype",
+        dtype,
+        "--port",
+        str(port),
+        "--served-model-name",
+        "m",
+        "--max-model-len",
+        str(max_model_len),
+        "--uvicorn-log-level",
+        "warning",
+    ]
+    url = f"http://127.0.0.1:{port}"
+    t0 = time.perf_counter()
+    with open(log_dir / "serve.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"pdserve serve exited with {proc.returncode}")
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.perf_counter() - t0 > 300:
+                raise RuntimeError("pdserve serve not ready in 300 s")
+            time.sleep(0.2)
+        out: dict = {"ready_s": time.perf_counter() - t0}
+        common = dict(
+            base_url=url,
+            model="m",
+            tokenizer=ckpt,
+            dataset_name="random",
+            random_input_len=input_len,
+            random_output_len=output_len,
+            disable_tqdm=True,
+        )
+        first = run_benchmark(num_prompts=1, seed=11, **common)
+        steady = run_benchmark(num_prompts=8, max_concurrency=1, seed=12, **common)
+        for name, r0 in (("first", first), ("steady", steady)):
+            if not r0["completed"]:
+                raise RuntimeError(f"{name} warm-start requests failed: {r0.get('errors')}")
+        out["first_ttft_ms"] = first["mean_ttft_ms"]
+        out["steady_ttft_ms"] = steady["median_ttft_ms"]
+        out["first_over_steady"] = first["mean_ttft_ms"] / steady["median_ttft_ms"]
+        r = run_benchmark(
+            num_prompts=num_prompts,
+            request_rate=float("inf"),
+            seed=13,
+            percentile_metrics="ttft,tpot,itl,e2el",
+            metric_percentiles="90",
+            **common,
+        )
+        out.update(
+            {
+                k: r[k]
+                for k in (
+                    "completed",
+                    "output_throughput",
+                    "mean_ttft_ms",
+                    "p90_ttft_ms",
+                    "mean_tpot_ms",
+                    "p90_tpot_ms",
+                )
+            }
+        )
+        paths = {}
+        for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+            if line.startswith("pdserve:forward_steps_total{"):
+                paths[line.split('path="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+        out["forward_steps"] = paths
+        decode = paths.get("graph", 0.0) + paths.get("eager:no_graph_for_shape", 0.0)
+        out["graph_share_of_decode_steps"] = paths.get("graph", 0.0) / decode if decode else None
+        return out
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--sections", default="limits,throughput,decode,prefill")
+    ap.add_argument("--sections", default="limits,peer,serve,throughput,decode,prefill")
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--contexts", default="1024,16384")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
@@ -272,6 +377,12 @@ def main() -> int:
     print(json.dumps(res["limits"]), flush=True)
     if "peer" in sections:  # first, while the card is empty
         res["peer"] = bench_peer(args.ckpt, res["limits"], [1, 16, 64])
+    if "serve" in sections:  # a server process of its own, also before the in-process engine
+        try:
+            res["serve"] = bench_serve(args.ckpt, Path(args.out).parent)
+        except Exception as e:
+            res["serve_error"] = f"{type(e).__name__}: {e}"
+        print(json.dumps(res.get("serve")), flush=True)
     t0 = time.perf_counter()
     kwargs = dict(
         dtype="bfloat16",
@@ -371,6 +482,17 @@ def print_table(res: dict) -> None:
             )
         print(
             f"transformers prefill {res['peer']['prefill']['tokens']}: {res['peer']['prefill']['tok_s']:.0f} tok/s"
+        )
+    if res.get("serve"):
+        sv = res["serve"]
+        print(
+            f"serve 500 x 1024/128 rate inf: {sv['output_throughput']:.0f} output tok/s, mean TTFT "
+            f"{sv['mean_ttft_ms']:.0f} ms (p90 {sv['p90_ttft_ms']:.0f}), mean TPOT {sv['mean_tpot_ms']:.1f} ms "
+            f"(p90 {sv['p90_tpot_ms']:.1f}); graph share of decode steps {sv['graph_share_of_decode_steps']}"
+        )
+        print(
+            f"warm start: first request TTFT {sv['first_ttft_ms']:.0f} ms vs steady {sv['steady_ttft_ms']:.0f} ms"
+            f" ({sv['first_over_steady']:.2f}x); server ready in {sv['ready_s']:.1f}s"
         )
     if "prefill" in res and "tok_s" in res["prefill"]:
         p = res["prefill"]
