@@ -1,6 +1,6 @@
 """One-call GPU suite (issue 5): the engine against the physical limits of the card it runs on.
 
-Run on the GPU machine (see benchmarks/README.md for the exact command):
+Run on the GPU machine (benchmarks/run_gpu.sh makes the checkpoint and calls this):
 
     python3 benchmarks/gpu_suite.py --ckpt /tmp/llama-8b --out $OUT/gpu_suite.json
 

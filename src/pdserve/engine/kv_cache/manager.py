@@ -82,8 +82,17 @@ class KVCacheManager:
         ``commit=False`` keeps the new blocks out of the prefix cache (their contents
         arrive later, e.g. over a KV transfer; call ``commit`` once they have).
         """
-        hits = new_computed_blocks or []
+        bs = self.block_size
         held = self.req_blocks.get(req.request_id, [])
+        if not new_computed_blocks and held:
+            # the common decode step: the held blocks still have room and at most the
+            # token that fills the last block needs committing
+            end = req.num_computed_tokens + num_new_tokens
+            if end + num_lookahead_tokens <= len(held) * bs:
+                if commit and end // bs > self.num_committed.get(req.request_id, 0):
+                    self.commit(req, min(end, req.num_tokens))
+                return []
+        hits = new_computed_blocks or []
         num_computed = req.num_computed_tokens + len(hits) * self.block_size
         total = num_computed + num_new_tokens + num_lookahead_tokens
         need = max(0, cdiv(total, self.block_size) - len(held) - len(hits))
