@@ -1,7 +1,8 @@
 """TCP transport: block contents travel as ZMQ frames, one per layer.
 
-On a GPU the prefill side gathers the blocks on the device and copies them to host
-memory once; the decode side copies each frame to the device once. On the CPU the
+On a GPU the prefill side gathers the blocks on the device and copies them once into
+pinned host memory (asynchronous DMA on a side stream); the decode side stages each
+frame through pinned memory and copies it to the device the same way. On the CPU the
 frames are views of the gathered tensors (no extra copy before the socket).
 """
 
@@ -29,7 +30,12 @@ class TcpServer(ServerTransport):
         frames: list[bytes | memoryview] = []
         if self._stream is not None:
             with torch.cuda.stream(self._stream):
-                host = [c.index_select(1, idx).to("cpu", non_blocking=True) for c in self.kv_caches]
+                host = []
+                for c in self.kv_caches:
+                    blocks = c.index_select(1, idx)
+                    pinned = torch.empty(blocks.shape, dtype=blocks.dtype, pin_memory=True)
+                    pinned.copy_(blocks, non_blocking=True)
+                    host.append(pinned)
             self._stream.synchronize()
         else:
             host = [c.index_select(1, idx) for c in self.kv_caches]
@@ -60,8 +66,10 @@ class TcpClient(ClientTransport):
             src = raw.view(cache.dtype).view(cache.shape[0], len(local_block_ids), *cache.shape[2:])
             moved += raw.numel()
             if self._stream is not None:
+                pinned = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+                pinned.copy_(src)
                 with torch.cuda.stream(self._stream):
-                    cache.index_copy_(1, idx, src.to(dev, non_blocking=False))
+                    cache.index_copy_(1, idx, pinned.to(dev, non_blocking=True))
             else:
                 cache.index_copy_(1, idx, src)
         if self._stream is not None:
