@@ -16,10 +16,37 @@ import httpx
 import pytest
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free on 127.0.0.1 right now."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def metric(url: str, name: str, missing_ok: bool = False, **labels: str) -> float:
+    """Sum of the series ``name`` (with these label values) on ``url``/metrics.
+
+    A name with no matching series raises ``KeyError`` unless ``missing_ok`` (then 0)."""
+    total = 0.0
+    found = False
+    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
+        if not (line.startswith(name + "{") or line.startswith(name + " ")):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+            found = True
+    if not found and not missing_ok:
+        raise KeyError(name)
+    return total
 
 
 @dataclass
@@ -30,16 +57,7 @@ class LiveServer:
     log: Path
 
     def metric(self, name: str) -> float:
-        text = httpx.get(f"{self.url}/metrics", timeout=5).text
-        total = 0.0
-        found = False
-        for line in text.splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                total += float(line.rsplit(" ", 1)[1])
-                found = True
-        if not found:
-            raise KeyError(name)
-        return total
+        return metric(self.url, name)
 
     def stop(self) -> int:
         if self.proc.poll() is None:

@@ -7,8 +7,6 @@ import json
 import os
 import random
 import signal
-import socket
-import time
 from pathlib import Path
 
 import httpx
@@ -16,39 +14,24 @@ import httpx
 from pdserve.serving.launcher import Launcher
 from pdserve.serving.topology import Topology
 
-
-def _ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+from .conftest import free_ports, metric, wait_until
 
 
 def _metric(url: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in httpx.get(f"{url}/metrics", timeout=5).text.splitlines():
-        if not line.startswith(name + "{"):
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return metric(url, name, missing_ok=True, **labels)
 
 
 def _topology(
     ckpt: Path, prefill: int, colocated: bool, lease: float = 30.0
 ) -> tuple[dict, dict[str, int]]:
-    ports = _ports(4)
+    ports = free_ports(4)
     names = {"proxy": ports[0], "prefill": ports[1], "decode": ports[2], "colocated": ports[3]}
     instances = [
         {"role": "prefill", "port": names["prefill"], "devices": "cpu", "replicas": prefill},
         {"role": "decode", "port": names["decode"], "devices": "cpu"},
     ]
     if prefill > 1:  # replicas take consecutive ports: move the others out of the way
-        names["decode"], names["colocated"] = _ports(2)
+        names["decode"], names["colocated"] = free_ports(2)
         instances[1]["port"] = names["decode"]
     if colocated:
         instances.append({"role": "colocated", "port": names["colocated"], "devices": "cpu"})
@@ -104,15 +87,6 @@ def _usage_zero(url: str) -> bool:
     return _metric(url, "pdserve:kv_cache_usage_perc") == 0.0
 
 
-def _wait(cond, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.1)
-    return cond()
-
-
 def test_1p1d_matches_colocated_and_transfers_the_prompt(tiny_llama: Path, tmp_path: Path) -> None:
     topo, ports = _topology(tiny_llama, prefill=1, colocated=True)
     rng = random.Random(0)
@@ -151,7 +125,7 @@ def test_1p1d_matches_colocated_and_transfers_the_prompt(tiny_llama: Path, tmp_p
         assert _metric(proxy, "pdserve:proxy_prefill_missing_kv_params_total") == 0
         assert _metric(decode, "pdserve:kv_transfer_time_seconds_count") == len(prompts)
         for url in (prefill, decode, colo):
-            assert _wait(lambda u=url: _usage_zero(u), 10), url
+            assert wait_until(lambda u=url: _usage_zero(u), 10), url
 
 
 def test_2p1d_uses_both_prefills_and_survives_losing_one(tiny_llama: Path, tmp_path: Path) -> None:
@@ -195,5 +169,5 @@ def test_2p1d_uses_both_prefills_and_survives_losing_one(tiny_llama: Path, tmp_p
         assert len(failed) < len(results)
         for _, _, body in ok:  # complete answers: every asked token (the last chunk has usage)
             assert body["usage"]["completion_tokens"] == 48, body
-        assert _wait(lambda: _usage_zero(decode) and _usage_zero(prefills[0]), 15)
+        assert wait_until(lambda: _usage_zero(decode) and _usage_zero(prefills[0]), 15)
         launcher.request_stop()

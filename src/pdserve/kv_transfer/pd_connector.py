@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from pdserve.engine.kv_cache.manager import cdiv
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.kv_transfer.base import (
     KVConnectorMetadata,
@@ -30,10 +31,6 @@ from pdserve.kv_transfer.transports import make_transport
 logger = logging.getLogger(__name__)
 
 _REMOTE_FIELDS = ("remote_block_ids", "remote_request_id", "remote_host", "remote_port")
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def wants_remote_prefill(req: Request) -> bool:

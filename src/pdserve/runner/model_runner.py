@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from pdserve.config import EngineConfig
+from pdserve.engine.kv_cache.manager import cdiv
 from pdserve.engine.kv_cache.spec import KVCacheGroupSpec, KVCacheSpec
 from pdserve.engine.scheduler_output import RunnerOutput, SchedulerOutput
 from pdserve.kv_transfer.base import KVConnectorWorker
@@ -44,10 +45,6 @@ def resolve_device(name: str) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {name} was asked for but no CUDA GPU is available")
     return dev
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass
