@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -116,7 +117,9 @@ def bench_throughput(llm: LLM, num: int = 256, inp: int = 512, out: int = 128) -
     }
 
 
-def bench_decode(llm: LLM, batch: int, ctx: int, limits: dict, steps: int = 20) -> dict:
+def bench_decode(
+    llm: LLM, batch: int, ctx: int, limits: dict, steps: int = 20, profile: bool = False
+) -> dict:
     eng = llm.engine
     need_blocks = batch * (-(-(ctx + steps + 8) // eng.kv.block_size))
     if need_blocks > eng.kv.pool.num_usable_blocks or ctx + steps + 8 > eng.max_model_len:
@@ -146,17 +149,65 @@ def bench_decode(llm: LLM, batch: int, ctx: int, limits: dict, steps: int = 20) 
         t0 = time.perf_counter()
         eng.step()
         times.append(time.perf_counter() - t0)
+    replay = graph_replay_ms(llm, batch)
+    kernels = profile_steps(llm) if profile else None
     _drain(llm)
     step = statistics.median(times)
     kv = batch * (ctx + 5 + steps // 2) * kv_bytes_per_token(llm)
     roof = (weight_bytes(llm) + kv) / limits["copy_bandwidth_Bps"]
-    return {
+    out = {
         "batch": batch,
         "ctx": ctx,
         "step_ms": step * 1e3,
         "roofline_ms": roof * 1e3,
         "ratio": step / roof,
         "tok_s": batch / step,
+        "graph_replay_ms": replay,
+    }
+    if kernels is not None:
+        out["kernels"] = kernels
+    return out
+
+
+def graph_replay_ms(llm: LLM, batch: int, reps: int = 15) -> float | None:
+    """Device time of the decode graph's replay alone (no host prep, no sampling)."""
+    graphs = llm.engine.runner.graphs
+    padded = graphs.padded_size(batch, 1) if graphs is not None else None
+    if graphs is None or not padded:
+        return None
+    g = graphs.graphs[(padded, 1)]
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        g.replay()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def profile_steps(llm: LLM, steps: int = 5) -> dict:
+    """Per-step device time by kernel (top 12) over ``steps`` engine steps, from the
+    CUDA profiler: where the step's device time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            llm.engine.step()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t > 0:
+            rows.append((e.key[:90], t / steps / 1e3, e.count / steps))
+    rows.sort(key=lambda r: -r[1])
+    total = sum(r[1] for r in rows)
+    return {
+        "kernel_ms_per_step": total,
+        "kernels_per_step": sum(r[2] for r in rows),
+        "top": [{"name": n, "ms": t, "calls": c} for n, t, c in rows[:12]],
     }
 
 
@@ -363,6 +414,7 @@ def main() -> int:
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
+        "fused_kernels": os.environ.get("PDSERVE_FUSED_KERNELS", "auto"),
     }
     try:
         res["commit"] = subprocess.run(
@@ -423,7 +475,8 @@ def main() -> int:
             out = []
             for ctx in map(int, args.contexts.split(",")):
                 for b in map(int, args.batches.split(",")):
-                    r = bench_decode(llm, b, ctx, res["limits"])
+                    prof = ctx == 1024 and b in (1, 64)
+                    r = bench_decode(llm, b, ctx, res["limits"], profile=prof)
                     print(json.dumps(r), flush=True)
                     out.append(r)
             return out
@@ -440,7 +493,10 @@ def main() -> int:
 
 def print_table(res: dict) -> None:
     lim = res["limits"]
-    print(f"\n== {res['gpu']} | torch {res['torch']} | commit {res['commit']} | {res['date']}")
+    print(
+        f"\n== {res['gpu']} | torch {res['torch']} | commit {res['commit']} | {res['date']}"
+        f" | fused kernels {res.get('fused_kernels')}"
+    )
     print(
         f"attention {res.get('attention_backend')} | cudagraph_mode {res.get('cudagraph_mode')} | "
         f"warm-up {res.get('warmup_phases')} | step paths {res.get('step_paths')}"
@@ -459,14 +515,27 @@ def print_table(res: dict) -> None:
             f" ({t['total_tok_s']:.0f} total tok/s, {t['seconds']:.1f}s)"
         )
     if res.get("decode"):
-        print(f"{'batch':>6} {'ctx':>6} {'step ms':>9} {'roof ms':>9} {'ratio':>6} {'tok/s':>8}")
+        print(
+            f"{'batch':>6} {'ctx':>6} {'step ms':>9} {'roof ms':>9} {'ratio':>6} {'tok/s':>8} {'replay ms':>10}"
+        )
         for r in res["decode"]:
             if "skipped" in r:
                 print(f"{r['batch']:>6} {r['ctx']:>6}  skipped: {r['skipped']}")
             else:
+                rp = r.get("graph_replay_ms")
                 print(
                     f"{r['batch']:>6} {r['ctx']:>6} {r['step_ms']:>9.2f} {r['roofline_ms']:>9.2f} {r['ratio']:>6.2f} {r['tok_s']:>8.0f}"
+                    f" {rp if rp is None else round(rp, 2)!s:>10}"
                 )
+        for r in res["decode"]:
+            k = r.get("kernels")
+            if k:
+                print(
+                    f"batch {r['batch']} ctx {r['ctx']}: {k['kernel_ms_per_step']:.2f} ms of kernels in "
+                    f"{k['kernels_per_step']:.0f} launches per step; top:"
+                )
+                for t in k["top"]:
+                    print(f"    {t['ms']:7.3f} ms {t['calls']:6.0f}x  {t['name']}")
     if "peer" in res:
         pd = {(r["batch"], r["ctx"]): r for r in res.get("decode", []) if "step_ms" in r}
         for r in res["peer"]["decode"]:

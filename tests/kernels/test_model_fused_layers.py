@@ -1,4 +1,4 @@
-"""Both tiny architectures give the same logits with the fused Triton RMSNorm/RoPE kernels
+"""Both tiny architectures give the same logits with the fused Triton RMSNorm/RoPE/SiLU-mul kernels
 as with the torch layers (on the CPU through TRITON_INTERPRET, on a GPU compiled)."""
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ def test_fused_layers_match_torch_layers(
         models.append(model)
     assert not models[0].model.norm.fused and models[1].model.norm.fused
     assert models[1].model.rotary_emb.fused
+    assert models[1].model.layers[0].mlp.act_fn.fused
     hkv, d, layers = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
     bt = (1 + torch.arange(8)).view(2, 4).to(torch.int32).to(device)
     be = TorchReferenceBackend()
