@@ -106,6 +106,9 @@ def run(args: argparse.Namespace, disaggregated: bool) -> list[dict]:
             }
             print(json.dumps(row), flush=True)
             rows.append(row)
+            partial = Path(args.out).with_suffix(".partial.jsonl")
+            with partial.open("a") as f:  # survives a kill of the whole run
+                f.write(json.dumps(row) + "\n")
     return rows
 
 
