@@ -70,7 +70,10 @@ def run(args: argparse.Namespace, disaggregated: bool) -> list[dict]:
     topo = topology(args, disaggregated)
     url_port = topo["proxy"]["port"] if disaggregated else topo["instances"][0]["port"]
     rows = []
-    with Launcher(Topology.from_dict(topo)):
+    log_dir = (
+        Path(args.log_dir) / ("pd" if disaggregated else "colocated") if args.log_dir else None
+    )
+    with Launcher(Topology.from_dict(topo), log_dir=log_dir):
         for rate in map(float, args.rates.split(",")):
             t0 = time.perf_counter()
             r = run_benchmark(
@@ -126,8 +129,14 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=1000)
     ap.add_argument("--rates", default="0.5,1,1.5")
     ap.add_argument("--num-prompts", type=int, default=30)
+    ap.add_argument("--log-dir", help="instance logs go here (default: a temporary folder)")
+    ap.add_argument("--topologies", default="pd,colocated", help="which to run, in order")
     args = ap.parse_args()
-    rows = run(args, True) + run(args, False)
+    rows = []
+    for t in args.topologies.split(","):
+        if t not in ("pd", "colocated"):
+            ap.error(f"--topologies: unknown topology {t!r} (pd, colocated)")
+        rows += run(args, t == "pd")
     Path(args.out).write_text(json.dumps(rows, indent=2))
     print(
         f"\n{'topology':>10} {'rate':>5} {'ok':>4} {'out tok/s':>9} {'mean TTFT':>10} {'p90 TTFT':>9} "
