@@ -59,6 +59,30 @@ class _StepInputs:
     sampling: SamplingMetadata
 
 
+# What this process may hold on the GPU outside torch's caching allocator after start-up
+# (cuBLAS handles, loaded Triton modules, graph executables): the CUDA context itself is
+# already there when the start-up free memory is read.
+NON_TORCH_ALLOWANCE = 1 << 30
+
+
+def kv_budget_bytes(
+    total: int, free: int, free_at_start: int, reserved: int, utilization: float
+) -> tuple[int, int]:
+    """(KV cache bytes, this process's bytes) for ``gpu_memory_utilization``.
+
+    This process's share is the drop in free memory since start-up, capped by what its
+    allocator reserved plus :data:`NON_TORCH_ALLOWANCE`: instances sharing a GPU start
+    together, and the drop alone would charge a neighbour's weights loaded meanwhile to
+    this one (a prefill instance once got 3.5 GiB of KV instead of 40 for that reason).
+    The KV cache must also fit in what is free now, less 2% slack for graphs, the
+    sampler and allocator rounding.
+    """
+    ours = min(free_at_start - free, reserved + NON_TORCH_ALLOWANCE)
+    budget = int(total * utilization) - ours
+    headroom = int(0.02 * total)
+    return min(budget, free - headroom), ours
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         from pdserve.models.loader import load_model
@@ -220,10 +244,13 @@ class ModelRunner:
         self._dummy_run(self.max_num_tokens)
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
-        ours = self._free_at_start - free
-        budget = int(total * self.config.cache.gpu_memory_utilization) - ours
-        headroom = int(0.02 * total)  # graphs, sampler and allocator slack
-        budget = min(budget, free - headroom)
+        budget, ours = kv_budget_bytes(
+            total,
+            free,
+            self._free_at_start,
+            torch.cuda.memory_reserved(self.device),
+            self.config.cache.gpu_memory_utilization,
+        )
         logger.info(
             "GPU memory: total %.1f GiB, this process %.1f GiB, free %.1f GiB -> KV %.1f GiB",
             total / 2**30,
