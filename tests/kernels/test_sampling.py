@@ -103,3 +103,35 @@ def test_sampled_distribution(device: torch.device) -> None:
     probs[keep] = torch.softmax(x[keep], 0)
     assert freq[probs == 0].sum() == 0
     assert (freq - probs).abs().sum() / 2 < tv_max  # total variation
+
+
+def test_runner_sampler_uses_the_kernel_with_the_same_draws(device: torch.device) -> None:
+    """The runner's Sampler on the fused path (the Triton kernel) returns the tokens of its
+    torch path for the same seeds: same noise, same filters."""
+    from pdserve.runner.sampler import Sampler, SamplingMetadata
+
+    b, v = 6, 1000
+    g = torch.Generator().manual_seed(11)
+    logits = (torch.randn(b, v, generator=g) * 3).to(device)
+    t = torch.full((b,), 0.9, device=device)
+    md = SamplingMetadata(
+        all_greedy=False,
+        temperature=t,
+        greedy_rows=torch.tensor([True, False, False, False, False, False], device=device),
+        top_k=torch.tensor([v, 50, v, 20, v, 5], dtype=torch.int64, device=device),
+        top_p=torch.tensor([1.0, 0.9, 0.8, 1.0, 0.95, 1.0], device=device),
+        min_p=torch.tensor([0.0, 0.0, 0.05, 0.0, 0.0, 0.1], device=device),
+        generators={3: torch.Generator(device=device).manual_seed(5)},
+        banned=None,
+        need_logprobs=True,
+    )
+    torch_path, kernel_path = Sampler(device, seed=7), Sampler(device, seed=7)
+    torch_path.fused, kernel_path.fused = False, True
+    for _ in range(3):
+        md.generators[3].manual_seed(5)
+        want, want_lp = torch_path(logits, md)
+        md.generators[3].manual_seed(5)
+        got, got_lp = kernel_path(logits, md)
+        assert torch.equal(got, want)
+        assert got_lp is not None and want_lp is not None
+        torch.testing.assert_close(got_lp, want_lp)

@@ -44,7 +44,7 @@ MIN_TOKENS_PER_SPLIT = 64
 CTAS_PER_SM = 4
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # one compile for every split count
 def _decode_kernel(
     q_ptr,
     k_ptr,
@@ -161,7 +161,7 @@ def _decode_kernel(
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # one compile for every split count
 def _reduce_kernel(
     ws_o_ptr,
     ws_lse_ptr,

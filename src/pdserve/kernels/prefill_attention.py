@@ -99,7 +99,7 @@ def _tile(
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs"])  # one compile for every batch size
 def _prefill_kernel(
     q_ptr,
     k_ptr,

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.layers.fused import use_fused_kernels
+
 
 @dataclass
 class SamplingMetadata:
@@ -50,9 +52,16 @@ def apply_top_k_top_p(
 
 
 class Sampler:
+    """The step's sampler. Random rows go through the sort-free Triton kernel
+    (:func:`pdserve.kernels.sampling.sample`) where fused kernels are on (CUDA, see
+    :mod:`pdserve.layers.fused`), else through the sort-based torch path below, which is
+    the kernel's reference; both take the same Exp(1) noise, so seeded rows draw the
+    same tokens either way up to float rounding at a filter's boundary."""
+
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.fused = use_fused_kernels(device)
 
     def __call__(
         self, logits: torch.Tensor, md: SamplingMetadata
@@ -67,18 +76,31 @@ class Sampler:
             sampled = greedy
         else:
             assert md.temperature is not None
-            x = logits / md.temperature.unsqueeze(1)
-            x = apply_top_k_top_p(x, md.top_k, md.top_p)
-            probs = x.softmax(dim=-1)
-            if md.min_p is not None:
-                thresh = probs.amax(dim=-1, keepdim=True) * md.min_p.unsqueeze(1)
-                probs = probs.masked_fill(probs < thresh, 0.0)
-            q = torch.empty_like(probs).exponential_(generator=self.generator)
+            q = torch.empty_like(logits).exponential_(generator=self.generator)
             for row, gen in md.generators.items():
                 q[row].exponential_(generator=gen)
-            sampled = (probs / q).argmax(dim=-1)
-            if md.greedy_rows is not None:
-                sampled = torch.where(md.greedy_rows, greedy, sampled)
+            if self.fused:
+                from pdserve.kernels.sampling import sample
+
+                sampled = sample(
+                    logits,
+                    md.temperature,
+                    md.top_k,
+                    md.top_p,
+                    md.min_p,
+                    noise=q,
+                    greedy_rows=md.greedy_rows,
+                )
+            else:
+                x = logits / md.temperature.unsqueeze(1)
+                x = apply_top_k_top_p(x, md.top_k, md.top_p)
+                probs = x.softmax(dim=-1)
+                if md.min_p is not None:
+                    thresh = probs.amax(dim=-1, keepdim=True) * md.min_p.unsqueeze(1)
+                    probs = probs.masked_fill(probs < thresh, 0.0)
+                sampled = (probs / q).argmax(dim=-1)
+                if md.greedy_rows is not None:
+                    sampled = torch.where(md.greedy_rows, greedy, sampled)
         lp = None
         if md.need_logprobs:
             lp = raw.log_softmax(dim=-1).gather(1, sampled.unsqueeze(1)).squeeze(1)
