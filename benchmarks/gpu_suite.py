@@ -73,7 +73,16 @@ def measure_limits() -> dict:
 
 
 def weight_bytes(llm: LLM) -> int:
-    return sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    """Bytes of weights a decode step reads: every parameter but an untied input
+    embedding table, of which a step gathers only its batch's rows (1.05 GB of the
+    16.06 GB of llama-8b-shape; runs before 2026-11-29 run 7 counted it)."""
+    model = llm.engine.runner.model
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    head = getattr(model, "lm_head", None)
+    if embed is not None and (head is None or head.weight is not embed.weight):
+        total -= embed.weight.numel() * embed.weight.element_size()
+    return total
 
 
 def kv_bytes_per_token(llm: LLM) -> int:
@@ -121,8 +130,14 @@ def bench_decode(
     llm: LLM, batch: int, ctx: int, limits: dict, steps: int = 20, profile: bool = False
 ) -> dict:
     eng = llm.engine
-    need_blocks = batch * (-(-(ctx + steps + 8) // eng.kv.block_size))
-    if need_blocks > eng.kv.pool.num_usable_blocks or ctx + steps + 8 > eng.max_model_len:
+    # Prompts are prefilled a token budget at a time, and the ones done first decode
+    # while the rest prefill: leave every request enough tokens that none finishes
+    # before the timed and profiled steps are over (runs before 2026-11-29 run 9 gave
+    # steps + 8, so at 256 x 1K and 16 x 16K the batch had shrunk when it was timed).
+    prefill_steps = -(-batch * ctx // eng.config.scheduler.max_num_batched_tokens) + 1
+    max_tokens = prefill_steps + 3 + steps + 8
+    need_blocks = batch * (-(-(ctx + max_tokens) // eng.kv.block_size))
+    if need_blocks > eng.kv.pool.num_usable_blocks or ctx + max_tokens > eng.max_model_len:
         return {
             "batch": batch,
             "ctx": ctx,
@@ -134,7 +149,7 @@ def bench_decode(
             llm,
             f"d{batch}-{ctx}-{i}",
             torch.randint(10, 30000, (ctx,), generator=g).tolist(),
-            steps + 8,
+            max_tokens,
         )
     # prefill everything, then run a few decode steps as warm-up
     while eng.scheduler.waiting or any(
@@ -144,8 +159,9 @@ def bench_decode(
     for _ in range(3):
         eng.step()
     torch.cuda.synchronize()
-    times = []
+    times, sizes = [], []
     for _ in range(steps):
+        sizes.append(len(eng.scheduler.running))
         t0 = time.perf_counter()
         eng.step()
         times.append(time.perf_counter() - t0)
@@ -153,7 +169,7 @@ def bench_decode(
     kernels = profile_steps(llm) if profile else None
     _drain(llm)
     step = statistics.median(times)
-    kv = batch * (ctx + 5 + steps // 2) * kv_bytes_per_token(llm)
+    kv = batch * (ctx + prefill_steps // 2 + 3 + steps // 2) * kv_bytes_per_token(llm)
     roof = (weight_bytes(llm) + kv) / limits["copy_bandwidth_Bps"]
     out = {
         "batch": batch,
@@ -163,6 +179,7 @@ def bench_decode(
         "ratio": step / roof,
         "tok_s": batch / step,
         "graph_replay_ms": replay,
+        "running_during_timing": [min(sizes), max(sizes)],  # must be [batch, batch]
     }
     if kernels is not None:
         out["kernels"] = kernels
@@ -416,13 +433,16 @@ def main() -> int:
         "torch": torch.__version__,
         "fused_kernels": os.environ.get("PDSERVE_FUSED_KERNELS", "auto"),
     }
-    try:
-        res["commit"] = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).parent,
-        ).stdout.strip()
+    try:  # PDSERVE_COMMIT: the device's copy of the tree may carry a stale .git
+        res["commit"] = (
+            os.environ.get("PDSERVE_COMMIT")
+            or subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                cwd=Path(__file__).parent,
+            ).stdout.strip()
+        )
     except OSError:
         res["commit"] = "unknown"
     res["limits"] = measure_limits()
@@ -527,6 +547,9 @@ def print_table(res: dict) -> None:
                     f"{r['batch']:>6} {r['ctx']:>6} {r['step_ms']:>9.2f} {r['roofline_ms']:>9.2f} {r['ratio']:>6.2f} {r['tok_s']:>8.0f}"
                     f" {rp if rp is None else round(rp, 2)!s:>10}"
                 )
+                ran = r.get("running_during_timing")
+                if ran and ran != [r["batch"], r["batch"]]:
+                    print(f"{'':>6} {'':>6} WARNING: {ran[0]}..{ran[1]} requests ran while timed")
         for r in res["decode"]:
             k = r.get("kernels")
             if k:

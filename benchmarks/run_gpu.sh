@@ -3,7 +3,8 @@
 # llama-8b-shape checkpoint on the GPU (about 25 s), runs benchmarks/gpu_suite.py (all
 # sections by default: limits, peer, serve, throughput, decode, prefill) and leaves
 # gpu_suite.json, gpu_suite.log and serve.log under $OUT.
-#   device run (carry [".whl"]):  bash benchmarks/run_gpu.sh [sections] [attention backend]
+#   device run (carry [".whl"]):  PDSERVE_COMMIT=<sha> bash benchmarks/run_gpu.sh [sections] [attention backend]
+#   (PDSERVE_COMMIT: the commit to record; the device copy of the tree may carry a stale .git)
 set -uo pipefail
 sections="${1:-limits,peer,serve,throughput,decode,prefill}"
 backend="${2:-auto}"
