@@ -171,3 +171,40 @@ def test_2p1d_uses_both_prefills_and_survives_losing_one(tiny_llama: Path, tmp_p
             assert body["usage"]["completion_tokens"] == 48, body
         assert wait_until(lambda: _usage_zero(decode) and _usage_zero(prefills[0]), 15)
         launcher.request_stop()
+
+
+def test_1p1d_under_prefill_kv_pressure_completes_every_request(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """Prefill's KV holds fewer than two prompts (each also waits under a lease until
+    decode has read it) and prompts arrive chunked and concurrently: every request still
+    completes through the proxy, by transfer, and all KV is released. (On the H200 a
+    prefill instance starved of KV like this once stalled a 1P1D benchmark.)"""
+    topo, ports = _topology(tiny_llama, prefill=1, colocated=False)
+    prefill_spec = topo["instances"][0]
+    prefill_spec["args"] = ["--num-gpu-blocks-override", "24", "--max-num-batched-tokens", "64"]
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 400) for _ in range(rng.randrange(180, 220))] for _ in range(16)]
+    with (
+        open(os.devnull, "w") as quiet,
+        Launcher(Topology.from_dict(topo), log_dir=tmp_path / "logs", out=quiet),
+    ):
+        proxy = f"http://127.0.0.1:{ports['proxy']}"
+        decode = f"http://127.0.0.1:{ports['decode']}"
+        prefill = f"http://127.0.0.1:{ports['prefill']}"
+
+        async def run() -> list[tuple[int, str, dict]]:
+            async with httpx.AsyncClient(timeout=60) as c:
+                return await asyncio.gather(
+                    *(_complete(c, proxy, p, stream=i % 2 == 1) for i, p in enumerate(prompts))
+                )
+
+        results = asyncio.run(run())
+        assert [s for s, _, _ in results] == [200] * len(prompts), [r[2] for r in results]
+        assert all(t for _, t, _ in results)
+        ext = _metric(
+            decode, "pdserve:prompt_tokens_by_source_total", source="external_kv_transfer"
+        )
+        assert ext == sum(len(p) - 1 for p in prompts)
+        for url in (prefill, decode):
+            assert wait_until(lambda u=url: _usage_zero(u), 10), url
