@@ -73,6 +73,11 @@ class SchedulerConfig:
     max_num_seqs: int = _f(256, "most requests in one step")
     max_num_batched_tokens: int = _f(8192, "most tokens computed in one step (token budget)")
     enable_chunked_prefill: bool = _f(True, "split long prompts across steps to fit the budget")
+    async_scheduling: bool = _f(
+        False,
+        "schedule and prepare step N+1 while step N runs on the device (one step in "
+        "flight); a request that stops on a sampled token computes one discarded token",
+    )
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs >= 1, "--max-num-seqs must be >= 1")

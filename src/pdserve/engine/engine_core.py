@@ -1,6 +1,7 @@
 """The engine core: scheduler + KV cache manager + model runner, driven one step at a time.
 
-``step()`` is ``schedule() -> execute() -> update()``. The core is single-threaded:
+``step()`` is ``schedule() -> execute() -> update()`` (with async scheduling, one step
+stays in flight between calls; see :meth:`EngineCore.step`). The core is single-threaded:
 requests are added and aborted between steps (in-process by ``LLM``, or by the
 engine-core process loop reading ZMQ messages).
 """
@@ -15,11 +16,11 @@ from pdserve.config import EngineConfig
 from pdserve.engine.kv_cache.manager import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.scheduler_output import EngineCoreOutput
+from pdserve.engine.scheduler_output import EngineCoreOutput, SchedulerOutput
 from pdserve.kv_transfer.compat import compat_info
 from pdserve.kv_transfer.pd_connector import PdConnectorScheduler, make_pd_connector
 from pdserve.metrics.stats import SchedulerStats, read_rss_bytes
-from pdserve.runner.model_runner import ModelRunner
+from pdserve.runner.model_runner import ModelRunner, StepHandle
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class EngineCore:
             kvt.kv_load_failure_policy if kvt is not None else "fail",
         )
         self._rss_read_at = 0.0
+        self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         self.startup_seconds = time.perf_counter() - t0
         logger.info(
             "engine ready in %.2fs (weights %.2fs, warm-up %s): %d KV blocks of %d tokens on %s",
@@ -116,10 +118,21 @@ class EngineCore:
         return self.scheduler.has_schedulable_work()
 
     def step(self) -> list[EngineCoreOutput]:
+        """Schedule and run one step; returns the outputs of the step that finished.
+
+        With ``async_scheduling`` the step is launched and left running, and the one
+        launched by the previous call is finished instead: the host schedules and
+        prepares step N+1 while the device still runs step N (the scheduler counts
+        N's tokens as placeholders until they land)."""
         so = self.scheduler.schedule()
         # also when empty: the runner drops finished rows and the connector reports
-        ro = self.runner.execute_model(so)
-        return self.scheduler.update_from_output(so, ro)
+        if not self.config.scheduler.async_scheduling:
+            return self.scheduler.update_from_output(so, self.runner.execute_model(so))
+        handle = self.runner.launch(so)
+        prev, self._in_flight = self._in_flight, (so, handle)
+        if prev is None:
+            return []
+        return self.scheduler.update_from_output(prev[0], self.runner.finish(prev[1]))
 
     def stats(self) -> SchedulerStats:
         s = self.scheduler.make_stats()

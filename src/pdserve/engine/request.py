@@ -58,6 +58,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # tokens sampled by a step still in flight (async scheduling): computed, not yet known
+    num_output_placeholders: int = 0
     num_cached_tokens: int = -1  # prompt tokens hit in the prefix cache at first schedule
     num_preemptions: int = 0
     stop_reason: int | str | None = None

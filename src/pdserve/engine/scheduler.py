@@ -98,6 +98,7 @@ class Scheduler:
         self.kv.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.num_output_placeholders = 0  # a token in flight for it is dropped
         req.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -123,7 +124,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.num_output_placeholders and self._reaches_length(req):
+                i += 1  # its last token is in flight: it finishes when that lands
+                continue
+            n = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, budget)
             blocks = None
             while True:
                 blocks = self.kv.allocate_slots(req, n)
@@ -191,8 +195,14 @@ class Scheduler:
             num_sched[req.request_id] = n
             budget -= n
 
+        will_sample: set[str] = set()
         for rid, n in num_sched.items():
-            self.requests[rid].num_computed_tokens += n
+            req = self.requests[rid]
+            req.num_computed_tokens += n
+            if req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders:
+                will_sample.add(rid)
+                if self.config.async_scheduling:
+                    req.num_output_placeholders += 1
         self.kv.take_new_block_ids()  # drained every step; block ids travel per request
         finished, self._finished_ids = self._finished_ids, set()
         return SchedulerOutput(
@@ -202,6 +212,7 @@ class Scheduler:
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             finished_req_ids=finished,
             preempted_req_ids=preempted,
+            sampling_req_ids=will_sample,
             kv_connector_metadata=(
                 self.connector.build_connector_meta() if self.connector is not None else None
             ),
@@ -271,12 +282,14 @@ class Scheduler:
             return outputs
         any_finished = False
         for i, rid in enumerate(out.req_ids):
+            if rid not in sched.sampling_req_ids:
+                continue  # a prompt chunk that did not reach the end: nothing sampled
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:
-                continue
-            if req.num_computed_tokens < req.num_tokens:
-                continue  # a prompt chunk that did not reach the end: nothing sampled
+                continue  # finished, aborted or preempted since: the token is dropped
             tok = out.sampled_token_ids[i]
+            if req.num_output_placeholders:
+                req.num_output_placeholders -= 1
             req.output_token_ids.append(tok)
             lp = None
             if out.logprobs is not None and req.sampling_params.logprobs is not None:
@@ -294,6 +307,13 @@ class Scheduler:
         self.stats.num_steps += 1
         self.stats.step_paths[out.step_path] = self.stats.step_paths.get(out.step_path, 0) + 1
         return outputs
+
+    def _reaches_length(self, req: Request) -> bool:
+        """True when the tokens in flight already take ``req`` to its length limit."""
+        n_out = req.num_output_tokens + req.num_output_placeholders
+        return n_out >= req.max_output_tokens or (
+            req.num_tokens + req.num_output_placeholders >= self.max_model_len
+        )
 
     def _stop_status(self, req: Request, tok: int) -> RequestStatus | None:
         sp = req.sampling_params

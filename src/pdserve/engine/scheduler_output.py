@@ -43,6 +43,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str] = field(default_factory=set)  # runner drops their state
     preempted_req_ids: set[str] = field(default_factory=set)
+    # requests whose step reaches the end of their known tokens: they sample a token
+    sampling_req_ids: set[str] = field(default_factory=set)
     kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property

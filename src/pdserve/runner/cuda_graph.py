@@ -149,7 +149,8 @@ class CudaGraphManager:
         self.capture_seconds = time.perf_counter() - t0
         logger.info("captured %d CUDA graphs in %.1fs", len(self.graphs), self.capture_seconds)
 
-    def replay(self, num_reqs: int, num_tokens: int, padded: int, q_len: int) -> torch.Tensor:
-        self.fill_padding(num_reqs, num_tokens, padded, q_len)
+    def replay(self, padded: int, q_len: int) -> torch.Tensor:
+        """Replay the graph for (``padded``, ``q_len``) after :meth:`fill_padding`; returns its
+        static logits buffer (all ``padded`` rows)."""
         self.graphs[(padded, q_len)].replay()
-        return self.logits[(padded, q_len)][:num_reqs]
+        return self.logits[(padded, q_len)]

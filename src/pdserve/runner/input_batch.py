@@ -35,6 +35,9 @@ class InputBatch:
         self.banned_ids: list[list[int]] = [[] for _ in range(max_num_reqs)]
         self.generators: dict[int, torch.Generator] = {}
         self.row_of: dict[str, int] = {}
+        # bumped whenever a row changes hands, so results of a step still in flight
+        # are not written into a row another request took meanwhile (async scheduling)
+        self.row_gen = np.zeros(max_num_reqs, dtype=np.int64)
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
 
     def __len__(self) -> int:
@@ -47,6 +50,7 @@ class InputBatch:
             raise RuntimeError("the runner has no free request row (max_num_seqs exceeded)")
         row = self._free_rows.pop()
         self.row_of[new.req_id] = row
+        self.row_gen[row] += 1
         n = len(new.token_ids)
         self.token_ids[row, :n] = new.token_ids
         self.num_tokens[row] = n
@@ -87,6 +91,7 @@ class InputBatch:
         if row is None:
             return
         self.params[row] = None
+        self.row_gen[row] += 1
         self.generators.pop(row, None)
         self.num_blocks[row] = 0
         self._free_rows.append(row)

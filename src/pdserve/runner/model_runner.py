@@ -58,6 +58,19 @@ class _StepInputs:
     logits_indices: torch.Tensor
     attn_metadata: CommonAttentionMetadata
     sampling: SamplingMetadata
+    done: np.ndarray  # per request: tokens computed once this step has run
+    row_gens: np.ndarray  # the rows' generations when the step was prepared
+
+
+@dataclass
+class StepHandle:
+    """A launched step: its inputs, and its sampled ids on their way to the host."""
+
+    inp: _StepInputs | None  # None for an empty step
+    path: str = "eager"
+    h_sampled: torch.Tensor | None = None  # host copy (pinned on CUDA), filled when done
+    h_logprobs: torch.Tensor | None = None
+    done_event: torch.cuda.Event | None = None
 
 
 # What this process may hold on the GPU outside torch's caching allocator after start-up
@@ -121,6 +134,13 @@ class ModelRunner:
         self.num_blocks = 0
         self.graphs: CudaGraphManager | None = None
         self.kv_connector: KVConnectorWorker | None = None
+        # async scheduling: the last launched step's sampled ids stay on the device and
+        # feed the next step's inputs; row -> index into them (-1: that row sampled none)
+        self._prev_sampled: torch.Tensor | None = None
+        self._prev_index = np.full(self.max_num_reqs, -1, dtype=np.int64)
+        # set once a step's host->device copies are enqueued; the next step waits on it
+        # before it rewrites the pinned staging buffers those copies read
+        self._staging_free: torch.cuda.Event | None = None
 
     def _make_backend(self, name: str) -> AttentionBackend:
         if name == "auto":
@@ -224,6 +244,12 @@ class ModelRunner:
         self.h_logits_idx, self.d_logits_idx = host(r, torch.int64), dev(r, torch.int64)
         shape = (r, self.max_blocks_per_req)
         self.h_block_tables, self.d_block_tables = host(shape, torch.int32), dev(shape, torch.int32)
+        self.h_patch_dst, self.d_patch_dst = host(r, torch.int64), dev(r, torch.int64)
+        self.h_patch_src, self.d_patch_src = host(r, torch.int64), dev(r, torch.int64)
+        # two slots: a step's sampled ids land in one while the next step's use the other
+        self.h_sampled = [host(r, torch.int64) for _ in range(2)]
+        self.h_logprobs = [host(r, torch.float32) for _ in range(2)]
+        self._slot = 0
 
     def kv_cache_spec(self) -> KVCacheSpec:
         hc = self.hf_config
@@ -368,6 +394,8 @@ class ModelRunner:
 
     def _prepare_inputs(self, so: SchedulerOutput) -> _StepInputs:
         b = self.batch
+        if self._staging_free is not None:
+            self._staging_free.synchronize()  # the previous step's uploads have been read
         req_ids = list(so.num_scheduled_tokens)
         nreq = len(req_ids)
         rows = np.fromiter((b.row_of[r] for r in req_ids), dtype=np.int64, count=nreq)
@@ -415,12 +443,41 @@ class ModelRunner:
             token_q_idx=up(self.h_q_idx, self.d_q_idx, t),
         )
         up(self.h_input_ids, self.d_input_ids, t)
+        self._patch_pending_inputs(tok_rows, pos, t)
         up(self.h_positions, self.d_positions, t)
         logits_idx = up(self.h_logits_idx, self.d_logits_idx, nreq)
         uniform = int(nsched[0]) if bool((nsched == nsched[0]).all()) else None
         return _StepInputs(
-            req_ids, rows, nsched, uniform, t, logits_idx, md, self._sampling_metadata(rows, nsched)
+            req_ids,
+            rows,
+            nsched,
+            uniform,
+            t,
+            logits_idx,
+            md,
+            self._sampling_metadata(rows, nsched),
+            seq_lens,
+            b.row_gen[rows].copy(),
         )
+
+    def _patch_pending_inputs(self, tok_rows: np.ndarray, pos: np.ndarray, t: int) -> None:
+        """Input tokens not known on the host yet (sampled by the step still in flight,
+        under async scheduling) are taken from that step's sampled ids on the device."""
+        pending = pos >= self.batch.num_tokens[tok_rows]
+        if not pending.any():
+            return
+        dst = np.flatnonzero(pending)
+        src = self._prev_index[tok_rows[dst]]
+        if self._prev_sampled is None or (src < 0).any():
+            raise RuntimeError("a step needs a token that no step in flight samples")
+        n = len(dst)
+        self.h_patch_dst.numpy()[:n] = dst
+        self.h_patch_src.numpy()[:n] = src
+        d_dst = self.d_patch_dst[:n]
+        d_src = self.d_patch_src[:n]
+        d_dst.copy_(self.h_patch_dst[:n], non_blocking=True)
+        d_src.copy_(self.h_patch_src[:n], non_blocking=True)
+        self.d_input_ids.index_copy_(0, d_dst, self._prev_sampled.index_select(0, d_src))
 
     def _upload_block_tables(self, nreq: int, nblk: int) -> torch.Tensor:
         d = self.d_block_tables[:nreq, :nblk]
@@ -462,8 +519,8 @@ class ModelRunner:
         ban_ids: list[int] = []
         for i, (r, p) in enumerate(zip(rows, params, strict=True)):
             if p is not None and p.min_tokens and b.banned_ids[r]:
-                # outputs so far, after this step's token is appended by the scheduler
-                done = b.num_tokens[r] - b.num_prompt_tokens[r]
+                # outputs before this step's sample, counting one still in flight
+                done = max(b.num_tokens[r], b.num_computed[r] + nsched[i]) - b.num_prompt_tokens[r]
                 if done < p.min_tokens:
                     ban_rows.extend([i] * len(b.banned_ids[r]))
                     ban_ids.extend(b.banned_ids[r])
@@ -478,26 +535,68 @@ class ModelRunner:
             all_greedy, temperature, greedy_rows, top_k, top_p, min_p, generators, banned, need_lp
         )
 
-    @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> RunnerOutput:
+        """Run one step to the end: :meth:`launch` then :meth:`finish`."""
+        return self.finish(self.launch(so))
+
+    @torch.inference_mode()
+    def launch(self, so: SchedulerOutput) -> StepHandle:
+        """Enqueue the step's forward and sampling on the device and start copying the
+        sampled ids to the host; returns without waiting for the device. The next
+        step may be launched before this one is finished: tokens it needs that this
+        one samples are read from the device (:meth:`_patch_pending_inputs`)."""
         self._update_states(so)
         if self.kv_connector is not None and so.kv_connector_metadata is not None:
             self.kv_connector.start_load_kv(so.kv_connector_metadata)
-        out = self._execute(so)
+        if so.is_empty:
+            return StepHandle(None)
+        inp = self._prepare_inputs(so)
+        logits, path = self._forward(inp)
+        sampled, lp = self.sampler(logits, inp.sampling)
+        n = len(inp.req_ids)
+        self._prev_sampled = sampled
+        self._prev_index.fill(-1)
+        self._prev_index[inp.rows] = np.where(
+            np.fromiter((r in so.sampling_req_ids for r in inp.req_ids), bool, count=n),
+            np.arange(n),
+            -1,
+        )
+        self._slot ^= 1
+        h_sampled = self.h_sampled[self._slot][:n]
+        h_sampled.copy_(sampled, non_blocking=True)
+        h_lp = None
+        if lp is not None:
+            h_lp = self.h_logprobs[self._slot][:n]
+            h_lp.copy_(lp, non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return StepHandle(inp, path, h_sampled, h_lp, event)
+
+    def finish(self, handle: StepHandle) -> RunnerOutput:
+        """Wait for a launched step and return what it sampled (the step's one host sync)."""
+        inp = handle.inp
+        if inp is None:
+            out = RunnerOutput([], [])
+        else:
+            assert handle.h_sampled is not None
+            if handle.done_event is not None:
+                handle.done_event.synchronize()
+            sampled_ids = handle.h_sampled.tolist()
+            logprobs = handle.h_logprobs.tolist() if handle.h_logprobs is not None else None
+            self._record_sampled(inp, sampled_ids)
+            out = RunnerOutput(inp.req_ids, sampled_ids, logprobs, step_path=handle.path)
         if self.kv_connector is not None:
             out.kv_connector_output = self.kv_connector.get_finished()
         return out
 
-    def _execute(self, so: SchedulerOutput) -> RunnerOutput:
-        if so.is_empty:
-            return RunnerOutput([], [])
-        inp = self._prepare_inputs(so)
-        logits, path = self._forward(inp)
-        sampled, lp = self.sampler(logits, inp.sampling)
-        sampled_ids = sampled.tolist()  # the step's one host sync
-        logprobs = lp.tolist() if lp is not None else None
-        self._record_sampled(inp, sampled_ids)
-        return RunnerOutput(inp.req_ids, sampled_ids, logprobs, step_path=path)
+    def _mark_staging_read(self) -> None:
+        """Called once the step's last host->device copy is enqueued."""
+        if self.device.type == "cuda":
+            if self._staging_free is None:
+                self._staging_free = torch.cuda.Event()
+            self._staging_free.record()
 
     def _forward(self, inp: _StepInputs) -> tuple[torch.Tensor, str]:
         """Logits of each request's last token, from a graph replay or an eager forward.
@@ -515,8 +614,11 @@ class ModelRunner:
             q = inp.uniform_query_len
             padded = self.graphs.padded_size(nreq, q)
             if padded is not None:
-                return self.graphs.replay(nreq, inp.num_tokens, padded, q), "graph"
+                self.graphs.fill_padding(nreq, inp.num_tokens, padded, q)
+                self._mark_staging_read()
+                return self.graphs.replay(padded, q)[:nreq], "graph"
             path = "eager:no_graph_for_shape"
+        self._mark_staging_read()
         t = inp.num_tokens
         md = self.backend.build_metadata(inp.attn_metadata)
         with set_forward_context(self.backend, md, self.kv_caches):
@@ -527,9 +629,9 @@ class ModelRunner:
         """Advance each row; append the sampled token where the request reached its end
         (a prompt chunk that stops short samples nothing)."""
         b = self.batch
-        rows = inp.rows
-        done = b.num_computed[rows] + inp.num_scheduled
-        b.num_computed[rows] = done
+        ok = b.row_gen[inp.rows] == inp.row_gens  # rows still held by the same requests
+        rows, done = inp.rows[ok], inp.done[ok]
+        b.num_computed[rows] = np.maximum(b.num_computed[rows], done)
         m = (done >= b.num_tokens[rows]) & (done < self.max_model_len)
-        b.token_ids[rows[m], done[m]] = np.asarray(sampled, dtype=np.int32)[m]
+        b.token_ids[rows[m], done[m]] = np.asarray(sampled, dtype=np.int32)[ok][m]
         b.num_tokens[rows[m]] = done[m] + 1
