@@ -98,6 +98,7 @@ def _add(llm: LLM, rid: str, ids: list[int], max_tokens: int) -> None:
 def _drain(llm: LLM) -> None:
     eng = llm.engine
     eng.abort_requests(list(eng.scheduler.requests))
+    eng.set_async_scheduling(False)  # finishes a step left in flight
     eng.step()
 
 
@@ -127,8 +128,16 @@ def bench_throughput(llm: LLM, num: int = 256, inp: int = 512, out: int = 128) -
 
 
 def bench_decode(
-    llm: LLM, batch: int, ctx: int, limits: dict, steps: int = 20, profile: bool = False
+    llm: LLM,
+    batch: int,
+    ctx: int,
+    limits: dict,
+    steps: int = 20,
+    profile: bool = False,
+    async_scheduling: bool = False,
 ) -> dict:
+    """Median decode step at ``batch`` x ``ctx``. With ``async_scheduling`` the engine
+    keeps one step in flight, so a step's time is the period between steps."""
     eng = llm.engine
     # Prompts are prefilled a token budget at a time, and the ones done first decode
     # while the rest prefill: leave every request enough tokens that none finishes
@@ -156,6 +165,7 @@ def bench_decode(
         not r.output_token_ids for r in eng.scheduler.requests.values()
     ):
         eng.step()
+    eng.set_async_scheduling(async_scheduling)
     for _ in range(3):
         eng.step()
     torch.cuda.synchronize()
@@ -165,8 +175,8 @@ def bench_decode(
         t0 = time.perf_counter()
         eng.step()
         times.append(time.perf_counter() - t0)
-    replay = graph_replay_ms(llm, batch)
-    kernels = profile_steps(llm) if profile else None
+    replay = None if async_scheduling else graph_replay_ms(llm, batch)
+    kernels = profile_steps(llm) if profile and not async_scheduling else None
     _drain(llm)
     step = statistics.median(times)
     kv = batch * (ctx + prefill_steps // 2 + 3 + steps // 2) * kv_bytes_per_token(llm)
@@ -180,6 +190,7 @@ def bench_decode(
         "tok_s": batch / step,
         "graph_replay_ms": replay,
         "running_during_timing": [min(sizes), max(sizes)],  # must be [batch, batch]
+        "async_scheduling": async_scheduling,
     }
     if kernels is not None:
         out["kernels"] = kernels
@@ -323,6 +334,7 @@ def bench_serve(
     output_len: int = 128,
     num_prompts: int = 500,
     max_model_len: int = 4096,
+    extra_args: tuple[str, ...] = (),
 ) -> dict:
     """`pdserve serve` + `pdserve bench serve` random 1024/128: warm start (first request
     vs one-at-a-time steady state), then 500 prompts at rate inf, and the forward-path
@@ -347,6 +359,7 @@ def bench_serve(
         str(max_model_len),
         "--uvicorn-log-level",
         "warning",
+        *extra_args,
     ]
     url = f"http://127.0.0.1:{port}"
     t0 = time.perf_counter()
@@ -425,6 +438,9 @@ def main() -> int:
     ap.add_argument("--contexts", default="1024,16384")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--attention-backend", default="torch")
+    ap.add_argument(
+        "--serve-args", default="", help='extra `pdserve serve` flags, e.g. "--async-scheduling"'
+    )
     args = ap.parse_args()
     sections = set(args.sections.split(","))
     res: dict = {
@@ -432,6 +448,7 @@ def main() -> int:
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "fused_kernels": os.environ.get("PDSERVE_FUSED_KERNELS", "auto"),
+        "serve_args": args.serve_args,
     }
     try:  # PDSERVE_COMMIT: the device's copy of the tree may carry a stale .git
         res["commit"] = (
@@ -451,7 +468,9 @@ def main() -> int:
         res["peer"] = bench_peer(args.ckpt, res["limits"], [1, 16, 64])
     if "serve" in sections:  # a server process of its own, also before the in-process engine
         try:
-            res["serve"] = bench_serve(args.ckpt, Path(args.out).parent)
+            res["serve"] = bench_serve(
+                args.ckpt, Path(args.out).parent, extra_args=tuple(args.serve_args.split())
+            )
         except Exception as e:
             res["serve_error"] = f"{type(e).__name__}: {e}"
         print(json.dumps(res.get("serve")), flush=True)
@@ -499,6 +518,11 @@ def main() -> int:
                     r = bench_decode(llm, b, ctx, res["limits"], profile=prof)
                     print(json.dumps(r), flush=True)
                     out.append(r)
+                    if "step_ms" in r:  # the same point with one step in flight
+                        ra = bench_decode(llm, b, ctx, res["limits"], async_scheduling=True)
+                        print(json.dumps(ra), flush=True)
+                        r["async_step_ms"] = ra.get("step_ms")
+                        r["async_ratio"] = ra.get("ratio")
             return out
 
         section("decode", decode_all)
@@ -537,6 +561,7 @@ def print_table(res: dict) -> None:
     if res.get("decode"):
         print(
             f"{'batch':>6} {'ctx':>6} {'step ms':>9} {'roof ms':>9} {'ratio':>6} {'tok/s':>8} {'replay ms':>10}"
+            f" {'async ms':>9} {'ratio':>6}"
         )
         for r in res["decode"]:
             if "skipped" in r:
@@ -546,6 +571,7 @@ def print_table(res: dict) -> None:
                 print(
                     f"{r['batch']:>6} {r['ctx']:>6} {r['step_ms']:>9.2f} {r['roofline_ms']:>9.2f} {r['ratio']:>6.2f} {r['tok_s']:>8.0f}"
                     f" {rp if rp is None else round(rp, 2)!s:>10}"
+                    f" {r.get('async_step_ms') or 0:>9.2f} {r.get('async_ratio') or 0:>6.2f}"
                 )
                 ran = r.get("running_during_timing")
                 if ran and ran != [r["batch"], r["batch"]]:

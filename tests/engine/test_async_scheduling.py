@@ -172,3 +172,25 @@ def test_step_n_plus_1_is_launched_before_step_n_is_finished(tiny_llama: Path) -
         ("launch", 2),
         ("finish", 1),
     ]
+
+
+def test_switching_modes_mid_generation_keeps_outputs(tiny_llama: Path) -> None:
+    sync, _ = _pair(tiny_llama)
+    prompts = _prompts(sync.engine.vocab_size, (7, 19), seed=4)
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = _outputs(sync, prompts, [sp, sp])
+    eng = sync.engine
+    got: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        eng.add_request(sync.processor.make_request(f"s{i}", p, sp))
+    for n in range(100):
+        if n in (2, 6):
+            eng.set_async_scheduling(True)
+        outs = eng.set_async_scheduling(False) if n in (4, 9) else []
+        outs += eng.step()
+        for o in outs:
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+        if not eng.has_unfinished_requests():
+            break
+    assert [got["s0"], got["s1"]] == [w[0] for w in want]
+    _assert_clean(sync)

@@ -111,6 +111,17 @@ class EngineCore:
             for r in done
         ]
 
+    def set_async_scheduling(self, on: bool) -> list[EngineCoreOutput]:
+        """Switch scheduling modes between steps (benchmarks compare both on one engine).
+        Leaving async mode finishes the step in flight and returns its outputs."""
+        outputs: list[EngineCoreOutput] = []
+        if not on and self._in_flight is not None:
+            so, handle = self._in_flight
+            self._in_flight = None
+            outputs = self.scheduler.update_from_output(so, self.runner.finish(handle))
+        self.scheduler.async_scheduling = on
+        return outputs
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
@@ -126,7 +137,7 @@ class EngineCore:
         N's tokens as placeholders until they land)."""
         so = self.scheduler.schedule()
         # also when empty: the runner drops finished rows and the connector reports
-        if not self.config.scheduler.async_scheduling:
+        if not self.scheduler.async_scheduling:
             return self.scheduler.update_from_output(so, self.runner.execute_model(so))
         handle = self.runner.launch(so)
         prev, self._in_flight = self._in_flight, (so, handle)

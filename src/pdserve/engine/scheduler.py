@@ -45,6 +45,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.connector = connector
         self.load_failure_policy = load_failure_policy
+        self.async_scheduling = config.async_scheduling
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -201,7 +202,7 @@ class Scheduler:
             req.num_computed_tokens += n
             if req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders:
                 will_sample.add(rid)
-                if self.config.async_scheduling:
+                if self.async_scheduling:
                     req.num_output_placeholders += 1
         self.kv.take_new_block_ids()  # drained every step; block ids travel per request
         finished, self._finished_ids = self._finished_ids, set()
