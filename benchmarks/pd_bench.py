@@ -41,9 +41,13 @@ def topology(args: argparse.Namespace, disaggregated: bool) -> dict:
         share = (
             ["--gpu-memory-utilization", str(args.pd_memory_share)] if args.device != "cpu" else []
         )
+        pdev = args.prefill_device or args.device
+        ddev = args.decode_device or args.device
+        if pdev != ddev:  # a GPU each: no need to split one card's memory
+            share = []
         instances = [
-            {"role": "prefill", "port": _port(), "devices": args.device, "args": share},
-            {"role": "decode", "port": _port(), "devices": args.device, "args": share},
+            {"role": "prefill", "port": _port(), "devices": pdev, "args": share},
+            {"role": "decode", "port": _port(), "devices": ddev, "args": share},
         ]
         return {
             "model": args.ckpt,
@@ -122,6 +126,8 @@ def main() -> int:
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="0", help='"cpu" or GPU ids, as in a topology file')
+    ap.add_argument("--prefill-device", help="GPU ids of the prefill instance (default --device)")
+    ap.add_argument("--decode-device", help="GPU ids of the decode instance (default --device)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--transport", default="cuda_ipc")
     ap.add_argument("--pd-memory-share", type=float, default=0.42)
