@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.runner.model_runner import ModelRunner
+from pdserve.runner.warmup import PAGED_WARMUP_QUERY_LENS, dummy_paged_runs
 
 
 def test_warm_up_runs_mixed_batches_with_cached_prefixes(tiny_llama: Path) -> None:
@@ -28,7 +28,7 @@ def test_warm_up_runs_mixed_batches_with_cached_prefixes(tiny_llama: Path) -> No
     mixed = {s for s in seen if s[0] == 2}
     # one mixed batch per tile size of the paged prefill kernel, each over a cached
     # prefix (so not the single-prompt SDPA path), in the real cache's block size
-    assert {(2, q, q + 4, 4) for q in ModelRunner.PAGED_WARMUP_QUERY_LENS} == mixed
+    assert {(2, q, q + 4, 4) for q in PAGED_WARMUP_QUERY_LENS} == mixed
     assert sum(1 for s in seen if s[0] == 2) == layers * len(mixed)
     assert llm.engine.kv.pool.num_free_blocks == blocks_before
     # and the engine still serves correctly after touching only the null block
@@ -42,6 +42,6 @@ def test_paged_dummies_leave_real_blocks_untouched(tiny_llama: Path) -> None:
     llm = LLM(str(tiny_llama), dtype="float32", block_size=4)
     caches = llm.engine.runner.kv_caches
     before = [c[:, 1:].clone() for c in caches]
-    llm.engine.runner._dummy_paged_runs()
+    dummy_paged_runs(llm.engine.runner)
     for b, c in zip(before, caches, strict=True):
         assert torch.equal(b, c[:, 1:])  # only block 0, the null block, may change

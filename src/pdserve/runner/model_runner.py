@@ -8,7 +8,6 @@ the only host sync per step is reading the sampled token ids back.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from pdserve.runner.cuda_graph import CudaGraphManager
 from pdserve.runner.forward_context import set_forward_context
 from pdserve.runner.input_batch import InputBatch
 from pdserve.runner.sampler import Sampler, SamplingMetadata
+from pdserve.runner.warmup import dummy_prompt_run, warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -165,63 +165,9 @@ class ModelRunner:
         return mode
 
     def warm_up(self) -> dict[str, float]:
-        """Compile kernels and capture graphs before the engine reports ready.
-
-        Returns seconds spent per phase (printed at start-up)."""
-        phases: dict[str, float] = {}
-        t0 = time.perf_counter()
-        # eager prefill path at every power-of-two size: kernels and library heuristics
-        # are specialised per shape, and the first request must not pay for that
-        n = 16
-        while n < self.max_num_tokens:
-            self._dummy_run(n)
-            n *= 4
-        self._dummy_run(self.max_num_tokens)
-        self._dummy_paged_runs()
-        self._dummy_sample()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        phases["compile_eager"] = time.perf_counter() - t0
-        if self.graph_mode() == "FULL_DECODE_ONLY":
-            sizes = self.config.compilation.capture_sizes(self.max_num_reqs)
-            self.graphs = CudaGraphManager(self, sizes)
-            self.graphs.capture_all()
-            phases["capture_graphs"] = self.graphs.capture_seconds
-        return phases
-
-    def _dummy_sample(self) -> None:
-        """Run every sampler variant once (greedy; random with each combination of a
-        greedy row, top-k, top-p and min-p: the Triton kernel compiles one variant per
-        combination) so none is compiled under traffic."""
-        n, dev = 2, self.device
-        logits = torch.randn(n, self.vocab_size, device=dev)
-        t = torch.ones(n, device=dev)
-        greedy = SamplingMetadata(
-            all_greedy=True,
-            temperature=None,
-            greedy_rows=None,
-            top_k=None,
-            top_p=None,
-            min_p=None,
-            generators={},
-            banned=None,
-            need_logprobs=True,
-        )
-        self.sampler(logits, greedy)
-        for flags in itertools.product((False, True), repeat=4):
-            has_greedy, has_k, has_p, has_min_p = flags
-            md = SamplingMetadata(
-                all_greedy=False,
-                temperature=t,
-                greedy_rows=torch.tensor([True, False], device=dev) if has_greedy else None,
-                top_k=torch.full((n,), 5, dtype=torch.int64, device=dev) if has_k else None,
-                top_p=t * 0.9 if has_p else None,
-                min_p=t * 0.01 if has_min_p else None,
-                generators={},
-                banned=None,
-                need_logprobs=False,
-            )
-            self.sampler(logits, md)
+        """Compile kernels and capture graphs before the engine reports ready
+        (:func:`pdserve.runner.warmup.warm_up`); returns seconds per phase."""
+        return warm_up(self)
 
     # -- buffers and KV cache --------------------------------------------------------------
     def _alloc_static_buffers(self) -> None:
@@ -285,7 +231,7 @@ class ModelRunner:
         caching allocator keeps the activation peak reserved). Other processes' memory is
         not charged to this instance, as in vLLM, but the KV cache must fit in what is free."""
         torch.cuda.synchronize(self.device)
-        self._dummy_run(self.max_num_tokens)
+        dummy_prompt_run(self, self.max_num_tokens)
         torch.cuda.synchronize(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         budget, ours = kv_budget_bytes(
@@ -304,68 +250,6 @@ class ModelRunner:
         )
         torch.cuda.empty_cache()
         return budget
-
-    def _dummy_run(self, num_tokens: int) -> None:
-        """A forward over ``num_tokens`` tokens of one request, on a throwaway one-block cache."""
-        n = min(num_tokens, self.max_model_len)
-        dev = self.device
-        shape = self.backend.kv_cache_shape(1, n, *self._kv_heads_dim())
-        caches = [
-            torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(self._num_layers())
-        ]
-        md = CommonAttentionMetadata(
-            num_reqs=1,
-            num_actual_tokens=n,
-            max_query_len=n,
-            max_seq_len=n,
-            block_size=n,
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
-            block_tables=torch.zeros((1, 1), dtype=torch.int32, device=dev),
-            slot_mapping=torch.arange(n, device=dev),
-            token_req_idx=torch.zeros(n, dtype=torch.int64, device=dev),
-            token_q_idx=torch.arange(n, device=dev),
-        )
-        with torch.inference_mode(), set_forward_context(self.backend, md, caches):
-            hidden = self.model(self.d_input_ids[:n], self.d_positions[:n])
-            self.model.compute_logits(hidden[-self.max_num_reqs :])
-
-    # Query lengths of the mixed batches :meth:`_dummy_paged_runs` runs: each pairs a
-    # chunk with a one-token request, one batch per tile size of the paged prefill kernel.
-    PAGED_WARMUP_QUERY_LENS = (4, 8, 16, 64)
-
-    def _dummy_paged_runs(self) -> None:
-        """Mixed batches (a chunk with a cached prefix next to a decode token) through the
-        real KV cache, all on the null block: they compile the paged prefill kernel, which
-        the single-prompt dummies above never reach (those take the SDPA path), for each
-        of its tile sizes. Without this, the first chunked prompt or mixed step after
-        start-up paid the kernel's compilation (about 1.5 s on an H200)."""
-        if not self.kv_caches:
-            return
-        dev, bs, prefix = self.device, self.block_size, self.block_size
-        for q in self.PAGED_WARMUP_QUERY_LENS:
-            q_lens = [min(q, self.max_num_tokens - 1), 1]
-            seq_lens = [n + prefix for n in q_lens]
-            if max(seq_lens) > self.max_model_len:
-                continue
-            t = sum(q_lens)
-            width = cdiv(max(seq_lens), bs)
-            md = CommonAttentionMetadata(
-                num_reqs=2,
-                num_actual_tokens=t,
-                max_query_len=max(q_lens),
-                max_seq_len=max(seq_lens),
-                block_size=bs,
-                query_start_loc=torch.tensor([0, q_lens[0], t], dtype=torch.int32, device=dev),
-                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-                block_tables=torch.zeros((2, width), dtype=torch.int32, device=dev),
-                slot_mapping=torch.zeros(t, dtype=torch.int64, device=dev),
-                token_req_idx=torch.tensor([0] * q_lens[0] + [1], device=dev),
-                token_q_idx=torch.tensor([*range(q_lens[0]), 0], device=dev),
-            )
-            with torch.inference_mode(), set_forward_context(self.backend, md, self.kv_caches):
-                hidden = self.model(self.d_input_ids[:t], self.d_positions[:t])
-                self.model.compute_logits(hidden[-2:])
 
     def _num_layers(self) -> int:
         return int(self.hf_config.num_hidden_layers)

@@ -1,0 +1,149 @@
+"""Start-up work of the model runner: dummy forwards and samples that compile every
+kernel traffic can reach, then CUDA-graph capture, all before the engine reports ready.
+
+Kernels and library heuristics are specialised per shape and per variant, so the first
+request would otherwise pay for compiling whatever path it takes first.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from pdserve.engine.kv_cache.manager import cdiv
+from pdserve.layers.attention import CommonAttentionMetadata
+from pdserve.runner.cuda_graph import CudaGraphManager
+from pdserve.runner.forward_context import set_forward_context
+from pdserve.runner.sampler import SamplingMetadata
+
+if TYPE_CHECKING:
+    from pdserve.runner.model_runner import ModelRunner
+
+# Query lengths of the mixed batches :func:`dummy_paged_runs` runs: each pairs a chunk
+# with a one-token request, one batch per tile size of the paged prefill kernel.
+PAGED_WARMUP_QUERY_LENS = (4, 8, 16, 64)
+
+
+def warm_up(r: ModelRunner) -> dict[str, float]:
+    """Compile kernels and capture graphs. Returns seconds spent per phase (printed at
+    start-up)."""
+    phases: dict[str, float] = {}
+    t0 = time.perf_counter()
+    # eager prefill path at every power-of-two size: kernels and library heuristics
+    # are specialised per shape, and the first request must not pay for that
+    n = 16
+    while n < r.max_num_tokens:
+        dummy_prompt_run(r, n)
+        n *= 4
+    dummy_prompt_run(r, r.max_num_tokens)
+    dummy_paged_runs(r)
+    dummy_samples(r)
+    if r.device.type == "cuda":
+        torch.cuda.synchronize(r.device)
+    phases["compile_eager"] = time.perf_counter() - t0
+    if r.graph_mode() == "FULL_DECODE_ONLY":
+        sizes = r.config.compilation.capture_sizes(r.max_num_reqs)
+        r.graphs = CudaGraphManager(r, sizes)
+        r.graphs.capture_all()
+        phases["capture_graphs"] = r.graphs.capture_seconds
+    return phases
+
+
+def _forward(
+    r: ModelRunner, md: CommonAttentionMetadata, caches: list[torch.Tensor], num_logits: int
+) -> None:
+    t = md.num_actual_tokens
+    with torch.inference_mode(), set_forward_context(r.backend, md, caches):
+        hidden = r.model(r.d_input_ids[:t], r.d_positions[:t])
+        r.model.compute_logits(hidden[-num_logits:])
+
+
+def dummy_prompt_run(r: ModelRunner, num_tokens: int) -> None:
+    """A forward over ``num_tokens`` tokens of one request, on a throwaway one-block cache
+    (also the activation peak the GPU memory profile measures)."""
+    n = min(num_tokens, r.max_model_len)
+    dev = r.device
+    shape = r.backend.kv_cache_shape(1, n, *r._kv_heads_dim())
+    caches = [torch.zeros(shape, dtype=r.dtype, device=dev) for _ in range(r._num_layers())]
+    md = CommonAttentionMetadata(
+        num_reqs=1,
+        num_actual_tokens=n,
+        max_query_len=n,
+        max_seq_len=n,
+        block_size=n,
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+        block_tables=torch.zeros((1, 1), dtype=torch.int32, device=dev),
+        slot_mapping=torch.arange(n, device=dev),
+        token_req_idx=torch.zeros(n, dtype=torch.int64, device=dev),
+        token_q_idx=torch.arange(n, device=dev),
+    )
+    _forward(r, md, caches, r.max_num_reqs)
+
+
+def dummy_paged_runs(r: ModelRunner) -> None:
+    """Mixed batches (a chunk with a cached prefix next to a decode token) through the
+    real KV cache, all on the null block: they compile the paged prefill kernel, which
+    the single-prompt dummies never reach (those take the SDPA path), for each of its
+    tile sizes. Without this, the first chunked prompt or mixed step after start-up paid
+    the kernel's compilation (about 1.5 s on an H200)."""
+    if not r.kv_caches:
+        return
+    dev, bs, prefix = r.device, r.block_size, r.block_size
+    for q in PAGED_WARMUP_QUERY_LENS:
+        q_lens = [min(q, r.max_num_tokens - 1), 1]
+        seq_lens = [n + prefix for n in q_lens]
+        if max(seq_lens) > r.max_model_len:
+            continue
+        t = sum(q_lens)
+        md = CommonAttentionMetadata(
+            num_reqs=2,
+            num_actual_tokens=t,
+            max_query_len=max(q_lens),
+            max_seq_len=max(seq_lens),
+            block_size=bs,
+            query_start_loc=torch.tensor([0, q_lens[0], t], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.zeros((2, cdiv(max(seq_lens), bs)), dtype=torch.int32, device=dev),
+            slot_mapping=torch.zeros(t, dtype=torch.int64, device=dev),
+            token_req_idx=torch.tensor([0] * q_lens[0] + [1], device=dev),
+            token_q_idx=torch.tensor([*range(q_lens[0]), 0], device=dev),
+        )
+        _forward(r, md, r.kv_caches, 2)
+
+
+def dummy_samples(r: ModelRunner) -> None:
+    """Run every sampler variant once (greedy; random with each combination of a greedy
+    row, top-k, top-p and min-p: the Triton kernel compiles one variant per combination)
+    so none is compiled under traffic."""
+    n, dev = 2, r.device
+    logits = torch.randn(n, r.vocab_size, device=dev)
+    t = torch.ones(n, device=dev)
+    greedy = SamplingMetadata(
+        all_greedy=True,
+        temperature=None,
+        greedy_rows=None,
+        top_k=None,
+        top_p=None,
+        min_p=None,
+        generators={},
+        banned=None,
+        need_logprobs=True,
+    )
+    r.sampler(logits, greedy)
+    for has_greedy, has_k, has_p, has_min_p in itertools.product((False, True), repeat=4):
+        md = SamplingMetadata(
+            all_greedy=False,
+            temperature=t,
+            greedy_rows=torch.tensor([True, False], device=dev) if has_greedy else None,
+            top_k=torch.full((n,), 5, dtype=torch.int64, device=dev) if has_k else None,
+            top_p=t * 0.9 if has_p else None,
+            min_p=t * 0.01 if has_min_p else None,
+            generators={},
+            banned=None,
+            need_logprobs=False,
+        )
+        r.sampler(logits, md)
