@@ -514,7 +514,7 @@ def main() -> int:
             out = []
             for ctx in map(int, args.contexts.split(",")):
                 for b in map(int, args.batches.split(",")):
-                    prof = ctx == 1024 and b in (1, 64)
+                    prof = ctx == 1024 and b in (1, 16, 64)
                     r = bench_decode(llm, b, ctx, res["limits"], profile=prof)
                     print(json.dumps(r), flush=True)
                     out.append(r)
