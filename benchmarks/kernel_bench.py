@@ -38,15 +38,15 @@ OPS = {
     "down": (H, INTER, "silu_res"),
     "lm_head": (VOCAB, H, "norm"),
 }
+# (BLOCK_N, BLOCK_K, num_warps, num_stages[, SWAP])
 SWEEP_1 = [
-    (16, 128, 4, 4), (16, 256, 4, 4), (32, 128, 4, 4), (8, 256, 4, 4), (16, 128, 4, 6),
-    (32, 64, 4, 6), (16, 256, 8, 4), (64, 64, 4, 4), (16, 512, 8, 3), (32, 128, 8, 4),
-    (8, 512, 4, 3), (16, 64, 2, 6),
+    (8, 512, 4, 3), (4, 512, 4, 3), (8, 1024, 4, 2), (8, 512, 8, 3), (16, 512, 8, 3),
+    (4, 1024, 4, 2), (8, 512, 4, 4), (16, 1024, 8, 2), (8, 256, 4, 5), (4, 512, 2, 4),
 ]  # fmt: skip
 SWEEP_M = [
-    (16, 128, 4, 4), (16, 256, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4),
-    (16, 128, 4, 6), (32, 64, 4, 6), (64, 64, 4, 6), (32, 128, 8, 4), (16, 256, 8, 4),
-    (64, 256, 8, 3), (16, 512, 4, 3),
+    (64, 128, 4, 4, True), (64, 64, 4, 6, True), (128, 64, 4, 4, True), (64, 256, 4, 3, True),
+    (128, 128, 8, 3, True), (64, 128, 4, 6, True), (32, 128, 4, 4, True), (16, 256, 4, 3, False),
+    (64, 64, 4, 6, False), (32, 256, 4, 3, True),
 ]  # fmt: skip
 
 
@@ -125,8 +125,7 @@ def bench_op(name: str, m: int, deadline: float, copy_bw: float) -> dict:
         if time.perf_counter() > deadline:
             row["sweep_cut"] = True
             break
-        bm = default[0]
-        cfg = (bm, *c)
+        cfg = (default[0], *c, False) if len(c) == 4 else (default[0], *c)
         try:
             t = graph_time_us(fused(cfg), layers, reps=5)
         except Exception as e:  # a config that does not fit the shared memory

@@ -19,4 +19,4 @@ if [ ! -f $ck/config.json ]; then
   echo "checkpoint written in $(( $(date +%s) - t0 ))s"
 fi
 timeout "${SUITE_TIMEOUT:-480}" python3 benchmarks/gpu_suite.py --ckpt $ck --out "$OUT/gpu_suite.json" \
-  --sections "$sections" --attention-backend "$backend" --serve-args "${SERVE_ARGS:-}" 2>&1 | tee "$OUT/gpu_suite.log" | grep -vE "^20..-|Loading weights"
+  --sections "$sections" --attention-backend "$backend" --serve-args="${SERVE_ARGS:-}" 2>&1 | tee "$OUT/gpu_suite.log" | grep -vE "^20..-|Loading weights"

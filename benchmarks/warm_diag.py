@@ -29,6 +29,44 @@ def cached_kernels() -> set[str]:
     return {p.name for p in Path(cache).rglob("*.json") if not p.name.startswith("__grp__")}
 
 
+def _timed(fn) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) * 1e3
+
+
+def attribute(llm: LLM) -> dict:
+    """First and second call (ms) of the prompt path's pieces at token counts no request
+    has used yet: SDPA with torch's default backend choice, SDPA restricted to flash /
+    memory-efficient, and the layer GEMMs."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    layer = llm.engine.runner.model.model.layers[0]
+    mats = [layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight]
+    mats += [layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight]
+    out: dict = {}
+    for n in (1301, 913, 1777):
+        q = torch.randn(1, 32, n, 128, dtype=torch.bfloat16, device="cuda")
+
+        def sdpa(q=q) -> None:
+            F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+        def sdpa_flash(q=q) -> None:
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+                F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+        def gemms(n=n) -> None:
+            for w in mats:
+                F.linear(torch.randn(n, w.shape[1], dtype=w.dtype, device="cuda"), w)
+
+        for name, fn in (("sdpa_flash", sdpa_flash), ("gemms", gemms), ("sdpa_default", sdpa)):
+            out[f"{name}_{n}"] = [round(_timed(fn), 2), round(_timed(fn), 2)]
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", required=True)
@@ -56,6 +94,8 @@ def main() -> int:
         seen = now
         print(json.dumps(rows[-1]), flush=True)
     res["rows"] = rows
+    res["first_call_ms"] = attribute(llm)
+    print(json.dumps(res["first_call_ms"]), flush=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
     return 0
 

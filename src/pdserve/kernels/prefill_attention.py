@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pdserve.kernels._utils import LOG2E, check_device, dot_precision, dot_upcast, next_pow2
 
@@ -277,6 +278,12 @@ def prefill_attention(
     return out
 
 
+# Not cuDNN: its attention builds an execution plan for every new sequence length,
+# which costs a request of a length not seen before tens of milliseconds
+# (benchmarks/warm_diag.py measures it).
+_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def sdpa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of ONE request with no cached prefix, straight from this
     step's contiguous ``q`` [n, H, D], ``k``/``v`` [n, Hkv, D] (torch's fused SDPA)."""
@@ -287,7 +294,8 @@ def sdpa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     if group > 1:
         kh = kh.repeat_interleave(group, dim=1)
         vh = vh.repeat_interleave(group, dim=1)
-    o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+    with sdpa_kernel(_SDPA_BACKENDS):
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
     return o.squeeze(0).transpose(0, 1)
 
 

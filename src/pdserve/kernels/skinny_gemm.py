@@ -66,6 +66,8 @@ def _skinny_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SWAP: tl.constexpr,
+    EVEN_K: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -79,12 +81,14 @@ def _skinny_kernel(
     wdt = w_ptr.dtype.element_ty
     if BLOCK_M == 1:
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
+    elif SWAP:  # y^T = W x^T: the weight tile is the MMA's wide operand
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     ss = tl.zeros((BLOCK_M,), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
-        k_ok = kk < K
+        k_ok = kk < K if not EVEN_K else tl.full((BLOCK_K,), 1, tl.int1)
         xm = m_ok[:, None] & k_ok[None, :]
         x = tl.load(x_rows + kk[None, :], mask=xm, other=0.0)
         if SILU:
@@ -97,15 +101,25 @@ def _skinny_kernel(
             ss += tl.sum(xf * xf, axis=1)
             g = tl.load(g_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
             x = (xf * g[None, :]).to(wdt)
-        w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if EVEN_K:
+            w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None], other=0.0)
+        else:
+            w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if BLOCK_M == 1:
             acc2 += w.to(tl.float32) * x.to(tl.float32)
+        elif SWAP:
+            if UPCAST:
+                acc_t += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)))
+            else:
+                acc_t += tl.dot(w, tl.trans(x))
         elif UPCAST:
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
         else:
             acc += tl.dot(x, tl.trans(w))
     if BLOCK_M == 1:
         acc = tl.sum(acc2, axis=1)[None, :]
+    elif SWAP:
+        acc = tl.trans(acc_t)
     if NORM:
         acc = acc * tl.rsqrt(ss / K + eps)[:, None]
     if HAS_BIAS:
@@ -118,19 +132,20 @@ def _skinny_kernel(
     tl.store(y_rows + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) by rows; see choose_config.
-_CONFIGS: dict[int, tuple[int, int, int, int]] = {
-    1: (32, 128, 4, 4),
-    16: (32, 128, 4, 4),
-    64: (32, 128, 4, 3),
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP) by rows; see choose_config.
+_CONFIGS: dict[int, tuple[int, int, int, int, bool]] = {
+    1: (8, 512, 4, 3, False),
+    16: (64, 128, 4, 4, True),
+    64: (64, 128, 4, 4, True),
 }
 
+Config = tuple[int, int, int, int, int, bool]
 
-def choose_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for an [m, k] x [k, n] product."""
+
+def choose_config(m: int, n: int, k: int) -> Config:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP) for [m, k] x [k, n]."""
     block_m = 1 if m == 1 else max(16, triton.next_power_of_2(m))
-    bn, bk, warps, stages = _CONFIGS[1 if m == 1 else (16 if block_m <= 16 else 64)]
-    return block_m, bn, bk, warps, stages
+    return (block_m, *_CONFIGS[1 if m == 1 else (16 if block_m <= 16 else 64)])
 
 
 def skinny_linear(
@@ -143,7 +158,7 @@ def skinny_linear(
     silu_mul: bool = False,
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
-    config: tuple[int, int, int, int, int] | None = None,
+    config: Config | None = None,
 ) -> torch.Tensor:
     """``y = op(x) W^T (+ bias) (+ residual)`` for ``x`` [M, K'] with ``M <= SKINNY_MAX_M``.
 
@@ -169,7 +184,7 @@ def skinny_linear(
         return out
     if residual is not None and (residual.shape != (m, n) or residual.stride(1) != 1):
         raise ValueError(f"skinny_linear: residual {tuple(residual.shape)} is not {(m, n)}")
-    bm, bn, bk, warps, stages = config or choose_config(m, n, k)
+    bm, bn, bk, warps, stages, swap = config or choose_config(m, n, k)
     _skinny_kernel[(triton.cdiv(n, bn),)](
         x,
         weight,
@@ -192,6 +207,8 @@ def skinny_linear(
         BLOCK_M=bm,
         BLOCK_N=bn,
         BLOCK_K=bk,
+        SWAP=swap,
+        EVEN_K=k % bk == 0,
         UPCAST=dot_upcast(weight.dtype) or weight.dtype == torch.float32,
         num_warps=warps,
         num_stages=stages,
