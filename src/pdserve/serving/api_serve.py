@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
+from pdserve.serving.net import bind_tcp
+
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
@@ -90,14 +92,7 @@ class ApiServer:
 
     def bind(self) -> socket.socket:
         if self._sock is None:
-            family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-            sock = socket.socket(family, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind((self.host, self.requested_port))
-            except OSError:
-                sock.close()
-                raise
+            sock = bind_tcp(self.host, self.requested_port)
             sock.set_inheritable(True)
             self._sock = sock
         return self._sock

@@ -28,7 +28,6 @@ import logging
 import math
 import secrets
 import signal
-import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
@@ -40,6 +39,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdserve.serving.net import bind_tcp
 from pdserve.serving.proxy_core import ProxyCore, ProxySettings, classify_error, error_body
 from pdserve.serving.proxy_forward import PDResponse
 from pdserve.serving.proxy_metrics import ProxyMetrics
@@ -331,13 +331,9 @@ async def serve_proxy(
 ) -> int:
     """Serve ``app`` until SIGTERM/SIGINT (see the module docstring); 0 after a clean
     stop, 1 if the port cannot be bound or the app fails to start."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
+        sock = bind_tcp(host, port)
     except OSError as e:
-        sock.close()
         print(f"pdserve proxy: cannot bind {host}:{port}: {e}", file=sys.stderr)
         return 1
     config = uvicorn.Config(
