@@ -74,7 +74,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = _f(8192, "most tokens computed in one step (token budget)")
     enable_chunked_prefill: bool = _f(True, "split long prompts across steps to fit the budget")
     async_scheduling: bool = _f(
-        False,
+        True,
         "schedule and prepare step N+1 while step N runs on the device (one step in "
         "flight); a request that stops on a sampled token computes one discarded token",
     )

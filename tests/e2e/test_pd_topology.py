@@ -88,11 +88,10 @@ def _usage_zero(url: str) -> bool:
 
 
 def test_1p1d_matches_colocated_and_transfers_the_prompt(tiny_llama: Path, tmp_path: Path) -> None:
-    """The P/D pair runs with --async-scheduling, the colocated reference without: the
-    outputs must still be identical (the other P/D tests run synchronously)."""
+    """The P/D pair runs with async scheduling (the default), the colocated reference
+    with --no-async-scheduling: the outputs must still be identical."""
     topo, ports = _topology(tiny_llama, prefill=1, colocated=True)
-    for inst in topo["instances"][:2]:
-        inst["args"] = ["--async-scheduling"]
+    topo["instances"][-1]["args"] = ["--no-async-scheduling"]
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 400) for _ in range(rng.randrange(2, 120))] for _ in range(50)]
     with (

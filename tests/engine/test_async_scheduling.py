@@ -29,7 +29,8 @@ def _prompts(vocab: int, lens: tuple[int, ...] = PROMPT_LENS, seed: int = 0) -> 
 def _pair(path: Path, **kw: object) -> tuple[LLM, LLM]:
     base = dict(dtype="float32", block_size=4)
     base.update(kw)
-    return LLM(str(path), **base), LLM(str(path), async_scheduling=True, **base)  # type: ignore[arg-type]
+    sync = LLM(str(path), async_scheduling=False, **base)  # type: ignore[arg-type]
+    return sync, LLM(str(path), async_scheduling=True, **base)  # type: ignore[arg-type]
 
 
 def _outputs(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list[tuple]:
