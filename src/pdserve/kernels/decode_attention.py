@@ -44,7 +44,10 @@ MIN_TOKENS_PER_SPLIT = 64
 CTAS_PER_SM = 4
 
 
-@triton.jit(do_not_specialize=["num_splits"])  # one compile for every split count
+# One compile for every split count; the query length QL is a runtime value too (Triton
+# still specialises QL == 1, plain decode), so a short prompt of a new length does not
+# compile a kernel under traffic: only the tile config (BLOCK_M etc.) picks a variant.
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_kernel(
     q_ptr,
     k_ptr,
@@ -56,6 +59,7 @@ def _decode_kernel(
     ws_lse_ptr,
     qk_scale,
     num_splits,
+    QL,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -67,7 +71,6 @@ def _decode_kernel(
     stride_bt,
     stride_ot,
     stride_oh,
-    QL: tl.constexpr,
     G: tl.constexpr,
     NUM_HEADS: tl.constexpr,
     HEAD_D: tl.constexpr,
@@ -291,6 +294,7 @@ def decode_attention(
         ws_lse,
         scale * LOG2E,
         num_splits,
+        q_len,
         q.stride(0),
         q.stride(1),
         kc.stride(0),
@@ -302,7 +306,6 @@ def decode_attention(
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
-        QL=q_len,
         G=group,
         NUM_HEADS=num_heads,
         HEAD_D=head_dim,

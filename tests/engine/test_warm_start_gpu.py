@@ -1,0 +1,53 @@
+"""After start-up, traffic compiles no Triton kernel: prompts of many lengths (short ones
+take the decode kernel as uniform batches), chunked prompts next to decodes, and every
+sampling variant all reuse what the warm-up compiled."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from pathlib import Path
+
+import pytest
+import torch
+from triton.runtime.jit import JITFunction
+
+import pdserve.kernels
+from pdserve import LLM, SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+
+def compiled_variants() -> int:
+    """Compiled specialisations held by every Triton kernel of pdserve.kernels."""
+    n = 0
+    for mod in pkgutil.iter_modules(pdserve.kernels.__path__):
+        m = importlib.import_module(f"pdserve.kernels.{mod.name}")
+        for obj in vars(m).values():
+            if isinstance(obj, JITFunction):
+                n += sum(len(c[0]) for c in obj.device_caches.values())
+    return n
+
+
+def test_no_kernel_compiles_under_traffic(tiny_llama: Path) -> None:
+    llm = LLM(str(tiny_llama), dtype="bfloat16", max_model_len=1024, max_num_batched_tokens=256)
+    assert llm.engine.runner.device.type == "cuda"
+    before = compiled_variants()
+    assert before > 0
+    g = torch.Generator().manual_seed(0)
+    vocab = llm.engine.runner.vocab_size
+    lens = [*range(1, 12), 16, 17, 31, 64, 100, 300, 700]
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
+    params = [
+        SamplingParams(max_tokens=4, temperature=0.0),
+        SamplingParams(max_tokens=4, temperature=0.8, top_k=5),
+        SamplingParams(max_tokens=4, temperature=0.8, top_p=0.9, min_p=0.05),
+    ]
+    for p in prompts:  # one at a time: every length alone
+        llm.generate([{"prompt_token_ids": p}], params[0])
+    # all together: chunked prompts next to decodes, mixed sampling variants
+    llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        [params[i % 3] for i in range(len(prompts))],
+    )
+    assert compiled_variants() == before
