@@ -85,6 +85,15 @@ def dummy_prompt_run(r: ModelRunner, num_tokens: int) -> None:
     _forward(r, md, caches, r.max_num_reqs)
 
 
+def _null_block_table(r: ModelRunner, num_reqs: int, num_blocks: int) -> torch.Tensor:
+    """Block-table rows pointing at the null block, as a view of the runner's own device
+    buffer: Triton specialises a kernel on its integer arguments (a row stride divisible
+    by 16 or not), so a dummy table must have the row stride traffic will have."""
+    bt = r.d_block_tables[:num_reqs, :num_blocks]
+    bt.zero_()
+    return bt
+
+
 def dummy_paged_runs(r: ModelRunner) -> None:
     """Mixed batches (a chunk with a cached prefix next to a decode token) through the
     real KV cache, all on the null block: they compile the paged prefill kernel, which
@@ -108,7 +117,7 @@ def dummy_paged_runs(r: ModelRunner) -> None:
             block_size=bs,
             query_start_loc=torch.tensor([0, q_lens[0], t], dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.zeros((2, cdiv(max(seq_lens), bs)), dtype=torch.int32, device=dev),
+            block_tables=_null_block_table(r, 2, cdiv(max(seq_lens), bs)),
             slot_mapping=torch.zeros(t, dtype=torch.int64, device=dev),
             token_req_idx=torch.tensor([0] * q_lens[0] + [1], device=dev),
             token_q_idx=torch.tensor([*range(q_lens[0]), 0], device=dev),
@@ -139,7 +148,7 @@ def dummy_uniform_runs(r: ModelRunner) -> None:
             block_size=bs,
             query_start_loc=torch.tensor([0, q], dtype=torch.int32, device=dev),
             seq_lens=torch.tensor([seq], dtype=torch.int32, device=dev),
-            block_tables=torch.zeros((1, cdiv(seq, bs)), dtype=torch.int32, device=dev),
+            block_tables=_null_block_table(r, 1, cdiv(seq, bs)),
             slot_mapping=torch.zeros(q, dtype=torch.int64, device=dev),
             token_req_idx=torch.zeros(q, dtype=torch.int64, device=dev),
             token_q_idx=torch.arange(q, device=dev),
