@@ -10,16 +10,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from triton.runtime.jit import JITFunction
 
-import pdserve.kernels
 from pdserve import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
 
 
 def compiled_variants() -> dict[str, set]:
-    """Compiled specialisations (their cache keys) of every Triton kernel of pdserve.kernels."""
+    """Compiled specialisations (their cache keys) of every Triton kernel of pdserve.kernels.
+
+    Triton is imported here, not at module level: importing it while the CPU suite is
+    being collected, before tests/kernels/conftest.py sets TRITON_INTERPRET, leaves
+    triton.language's own jit helpers uninterpreted for the kernel tests."""
+    from triton.runtime.jit import JITFunction
+
+    import pdserve.kernels
+
     out: dict[str, set] = {}
     for mod in pkgutil.iter_modules(pdserve.kernels.__path__):
         m = importlib.import_module(f"pdserve.kernels.{mod.name}")
