@@ -134,6 +134,7 @@ class FakeEngineClient:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(event.wait(), timeout=self.token_delay)
                 if event.is_set():
+                    self.running.discard(rid)  # like the engine: stats leave it before the output
                     yield self._out(rid, prompt, prompt_ids, [], "", "abort", None, params)
                     return
                 if prompt is not None and "CRASH" in prompt and i == 2:
@@ -146,6 +147,8 @@ class FakeEngineClient:
                 elif i == max_tokens - 1:
                     reason = "length"
                 out_kv = {"echo": kv, "request_id": rid} if kv is not None and reason else None
+                if reason:  # the engine's stats drop a request before its last output is sent
+                    self.running.discard(rid)
                 yield self._out(rid, prompt, prompt_ids, [tid], chr(tid), reason, out_kv, params)
                 if reason:
                     return
