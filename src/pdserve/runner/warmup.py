@@ -94,35 +94,43 @@ def _null_block_table(r: ModelRunner, num_reqs: int, num_blocks: int) -> torch.T
     return bt
 
 
+def _null_block_forward(r: ModelRunner, q_lens: list[int]) -> None:
+    """A forward of requests with ``q_lens`` new tokens, each after one cached block,
+    through the real KV cache but reading and writing only the null block."""
+    dev, bs = r.device, r.block_size
+    seq_lens = [q + bs for q in q_lens]
+    t = sum(q_lens)
+    n = len(q_lens)
+    md = CommonAttentionMetadata(
+        num_reqs=n,
+        num_actual_tokens=t,
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        block_size=bs,
+        query_start_loc=torch.tensor(
+            [0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=dev
+        ),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+        block_tables=_null_block_table(r, n, cdiv(max(seq_lens), bs)),
+        slot_mapping=torch.zeros(t, dtype=torch.int64, device=dev),
+        token_req_idx=torch.tensor([i for i, q in enumerate(q_lens) for _ in range(q)], device=dev),
+        token_q_idx=torch.tensor([j for q in q_lens for j in range(q)], device=dev),
+    )
+    _forward(r, md, r.kv_caches, n)
+
+
 def dummy_paged_runs(r: ModelRunner) -> None:
-    """Mixed batches (a chunk with a cached prefix next to a decode token) through the
-    real KV cache, all on the null block: they compile the paged prefill kernel, which
-    the single-prompt dummies never reach (those take the SDPA path), for each of its
-    tile sizes. Without this, the first chunked prompt or mixed step after start-up paid
-    the kernel's compilation (about 1.5 s on an H200)."""
+    """Mixed batches (a chunk with a cached prefix next to a decode token) on the null
+    block: they compile the paged prefill kernel, which the single-prompt dummies never
+    reach (those take the SDPA path), for each of its tile sizes. Without this, the first
+    chunked prompt or mixed step after start-up paid the kernel's compilation (about
+    1.5 s on an H200)."""
     if not r.kv_caches:
         return
-    dev, bs, prefix = r.device, r.block_size, r.block_size
     for q in PAGED_WARMUP_QUERY_LENS:
         q_lens = [min(q, r.max_num_tokens - 1), 1]
-        seq_lens = [n + prefix for n in q_lens]
-        if max(seq_lens) > r.max_model_len:
-            continue
-        t = sum(q_lens)
-        md = CommonAttentionMetadata(
-            num_reqs=2,
-            num_actual_tokens=t,
-            max_query_len=max(q_lens),
-            max_seq_len=max(seq_lens),
-            block_size=bs,
-            query_start_loc=torch.tensor([0, q_lens[0], t], dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=_null_block_table(r, 2, cdiv(max(seq_lens), bs)),
-            slot_mapping=torch.zeros(t, dtype=torch.int64, device=dev),
-            token_req_idx=torch.tensor([0] * q_lens[0] + [1], device=dev),
-            token_q_idx=torch.tensor([*range(q_lens[0]), 0], device=dev),
-        )
-        _forward(r, md, r.kv_caches, 2)
+        if max(q_lens) + r.block_size <= r.max_model_len:
+            _null_block_forward(r, q_lens)
 
 
 def dummy_uniform_runs(r: ModelRunner) -> None:
@@ -135,25 +143,9 @@ def dummy_uniform_runs(r: ModelRunner) -> None:
         return
     from pdserve.layers.attention.triton_backend import MAX_UNIFORM_QUERY_LEN
 
-    dev, bs = r.device, r.block_size
     for q in range(1, min(MAX_UNIFORM_QUERY_LEN, r.max_num_tokens) + 1):
-        seq = q + bs
-        if seq > r.max_model_len:
-            break
-        md = CommonAttentionMetadata(
-            num_reqs=1,
-            num_actual_tokens=q,
-            max_query_len=q,
-            max_seq_len=seq,
-            block_size=bs,
-            query_start_loc=torch.tensor([0, q], dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor([seq], dtype=torch.int32, device=dev),
-            block_tables=_null_block_table(r, 1, cdiv(seq, bs)),
-            slot_mapping=torch.zeros(q, dtype=torch.int64, device=dev),
-            token_req_idx=torch.zeros(q, dtype=torch.int64, device=dev),
-            token_q_idx=torch.arange(q, device=dev),
-        )
-        _forward(r, md, r.kv_caches, 1)
+        if q + r.block_size <= r.max_model_len:
+            _null_block_forward(r, [q])
 
 
 def dummy_samples(r: ModelRunner) -> None:
