@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,12 +111,3 @@ def live_server(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     srv = start_server(tiny_llama, tmp_path_factory.mktemp("live"), "--max-model-len", "1024")
     yield srv
     srv.stop()
-
-
-def wait_until(cond: Callable[[], bool], timeout: float, step: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(step)
-    return cond()

@@ -12,7 +12,9 @@ from pathlib import Path
 import httpx
 import openai
 
-from .conftest import LiveServer, start_server, wait_until
+from _polling import wait_until
+
+from .conftest import LiveServer, start_server
 
 VLLM_RESULT_KEYS = {
     "date",
@@ -174,6 +176,7 @@ def test_disconnected_streams_free_their_kv(live_server: LiveServer) -> None:
             and live_server.metric("pdserve:num_requests_running") == 0.0
         ),
         timeout=1.0,
+        step=0.05,
     )
     r = httpx.post(
         f"{live_server.url}/v1/completions",

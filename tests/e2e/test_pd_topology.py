@@ -11,10 +11,11 @@ from pathlib import Path
 
 import httpx
 
+from _polling import wait_until
 from pdserve.serving.launcher import Launcher
 from pdserve.serving.topology import Topology
 
-from .conftest import free_ports, metric, wait_until
+from .conftest import free_ports, metric
 
 
 def _metric(url: str, name: str, **labels: str) -> float:
@@ -128,7 +129,7 @@ def test_1p1d_matches_colocated_and_transfers_the_prompt(tiny_llama: Path, tmp_p
         assert _metric(proxy, "pdserve:proxy_prefill_missing_kv_params_total") == 0
         assert _metric(decode, "pdserve:kv_transfer_time_seconds_count") == len(prompts)
         for url in (prefill, decode, colo):
-            assert wait_until(lambda u=url: _usage_zero(u), 10), url
+            assert wait_until(lambda u=url: _usage_zero(u), 10, step=0.05), url
 
 
 def test_2p1d_uses_both_prefills_and_survives_losing_one(tiny_llama: Path, tmp_path: Path) -> None:
@@ -172,7 +173,7 @@ def test_2p1d_uses_both_prefills_and_survives_losing_one(tiny_llama: Path, tmp_p
         assert len(failed) < len(results)
         for _, _, body in ok:  # complete answers: every asked token (the last chunk has usage)
             assert body["usage"]["completion_tokens"] == 48, body
-        assert wait_until(lambda: _usage_zero(decode) and _usage_zero(prefills[0]), 15)
+        assert wait_until(lambda: _usage_zero(decode) and _usage_zero(prefills[0]), 15, step=0.05)
         launcher.request_stop()
 
 
@@ -210,4 +211,4 @@ def test_1p1d_under_prefill_kv_pressure_completes_every_request(
         )
         assert ext == sum(len(p) - 1 for p in prompts)
         for url in (prefill, decode):
-            assert wait_until(lambda u=url: _usage_zero(u), 10), url
+            assert wait_until(lambda u=url: _usage_zero(u), 10, step=0.05), url

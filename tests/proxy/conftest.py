@@ -12,7 +12,6 @@ import asyncio
 import json
 import socket
 import threading
-import time
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,15 +24,6 @@ from pdserve.serving.proxy import build_proxy_app
 from pdserve.serving.proxy_core import ProxyCore
 
 MODEL = "fake-model"
-
-
-def wait_until(pred: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return pred()
 
 
 class LoopThread:

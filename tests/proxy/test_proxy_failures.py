@@ -10,7 +10,9 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from .conftest import MODEL, PD, PDFactory, metric_value, wait_until
+from _polling import wait_until
+
+from .conftest import MODEL, PD, PDFactory, metric_value
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -9,7 +9,9 @@ import httpx
 import openai
 import pytest
 
-from .conftest import MODEL, PDFactory, wait_until
+from _polling import wait_until
+
+from .conftest import MODEL, PDFactory
 
 pytestmark = pytest.mark.timeout(30)
 

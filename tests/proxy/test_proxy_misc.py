@@ -17,13 +17,14 @@ import httpx
 import openai
 import pytest
 
+from _polling import wait_until
 from pdserve.serving import proxy as proxy_mod
 from pdserve.serving.proxy import build_proxy_app
 from pdserve.serving.proxy_core import prefill_body
 from pdserve.serving.proxy_pool import InstancePool, normalize_url, normalize_urls
 from pdserve.serving.proxy_sse import SSEMeter
 
-from .conftest import MODEL, PDFactory, metric_value, wait_until
+from .conftest import MODEL, PDFactory, metric_value
 
 pytestmark = pytest.mark.timeout(30)
 

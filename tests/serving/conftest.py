@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -237,15 +236,6 @@ class ServerThread:
             self.thread.join(timeout)
         assert not self.thread.is_alive(), "server thread did not stop"
         assert self.error is None, repr(self.error)
-
-
-def wait_until(pred: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return pred()
 
 
 @pytest.fixture

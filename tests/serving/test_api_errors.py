@@ -10,7 +10,9 @@ import httpx
 import openai
 import pytest
 
-from .conftest import MODEL, FakeEngineClient, ServerFactory, ServerThread, wait_until
+from _polling import wait_until
+
+from .conftest import MODEL, FakeEngineClient, ServerFactory, ServerThread
 
 
 def assert_error(

@@ -13,7 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .conftest import FakeEngineClient, ServerFactory, ServerThread, wait_until
+from _polling import wait_until
+
+from .conftest import FakeEngineClient, ServerFactory, ServerThread
 
 
 def _stream_lines(srv: ServerThread, body: dict, rid: str, out: list[str]) -> None:
