@@ -42,10 +42,6 @@ from pdserve.kernels._utils import LOG2E, check_device, dot_precision, dot_upcas
 MAX_SPLITS = 64
 MIN_TOKENS_PER_SPLIT = 64
 CTAS_PER_SM = 4
-# Cache hint of the K/V loads: each K/V byte is read once per step (one program per KV
-# head and split), so it is not kept in L2 ahead of data that will be read again, such
-# as a weight the side stream prefetches (pdserve.layers.prefetch). "" is the default.
-KV_EVICTION_POLICY = "evict_first"
 
 
 # One compile for every split count; the query length QL is a runtime value too (Triton
@@ -86,7 +82,6 @@ def _decode_kernel(
     SPLIT: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
-    KV_EVICT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -128,7 +123,6 @@ def _decode_kernel(
             k_ptr + k_off[None, :] + offs_d[:, None],
             mask=n_ok[None, :] & d_ok[:, None],
             other=0.0,
-            eviction_policy=KV_EVICT,
         )  # [BLOCK_D, BLOCK_N]
         if UPCAST:
             kt = kt.to(tl.float32)
@@ -148,7 +142,6 @@ def _decode_kernel(
             v_ptr + v_off[:, None] + offs_d[None, :],
             mask=n_ok[:, None] & d_ok[None, :],
             other=0.0,
-            eviction_policy=KV_EVICT,
         )  # [BLOCK_N, BLOCK_D]
         if UPCAST:
             v = v.to(tl.float32)
@@ -324,7 +317,6 @@ def decode_attention(
         SPLIT=split,
         DOT_PREC=dot_precision(q.dtype),
         UPCAST=dot_upcast(q.dtype),
-        KV_EVICT=KV_EVICTION_POLICY,
         num_warps=warps,
         num_stages=2,
     )

@@ -30,7 +30,6 @@ from pdserve.layers.attention import Attention
 from pdserve.layers.embedding import LMHead, VocabEmbedding
 from pdserve.layers.linear import Linear, MergedLinear, checkpoint_targets, copy_checked
 from pdserve.layers.norm import RMSNorm
-from pdserve.layers.prefetch import PREFETCH
 from pdserve.layers.rotary import RopeInputs, RotaryEmbedding
 from pdserve.models.hf_config import HFModelConfig
 from pdserve.models.registry import CausalLM
@@ -66,16 +65,12 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        # small steps: o_proj's weight streams into L2 while attention runs
-        prefetching = PREFETCH.start(self.o_proj.weight, x.shape[0])
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:  # Qwen3
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope.rotate(q, k)
         out = self.attn(q.flatten(1), k.flatten(1), v)
-        if prefetching:
-            PREFETCH.join()
         return self.o_proj(out)
 
 
