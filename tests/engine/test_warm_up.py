@@ -7,7 +7,14 @@ from pathlib import Path
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.runner.warmup import PAGED_WARMUP_QUERY_LENS, dummy_paged_runs
+from pdserve.layers.embedding import LMHead
+from pdserve.layers.linear import Linear
+from pdserve.runner.warmup import (
+    PAGED_WARMUP_QUERY_LENS,
+    dummy_gemms,
+    dummy_paged_runs,
+    gemm_warmup_token_counts,
+)
 
 
 def test_warm_up_runs_mixed_batches_with_cached_prefixes(tiny_llama: Path) -> None:
@@ -45,3 +52,34 @@ def test_paged_dummies_leave_real_blocks_untouched(tiny_llama: Path) -> None:
     dummy_paged_runs(llm.engine.runner)
     for b, c in zip(before, caches, strict=True):
         assert torch.equal(b, c[:, 1:])  # only block 0, the null block, may change
+
+
+def test_gemm_token_counts() -> None:
+    counts = gemm_warmup_token_counts(8192)
+    assert counts[:128] == list(range(1, 129))
+    assert counts[-1] == 8192 and counts == sorted(set(counts))
+    assert {136, 1000, 1024, 1056, 8160} <= set(counts)
+    assert not {129, 1001, 1040} & set(counts)
+    assert gemm_warmup_token_counts(100) == list(range(1, 101))
+
+
+def test_gemm_sweep_runs_each_linear_shape_once_per_count(tiny_llama: Path) -> None:
+    llm = LLM(str(tiny_llama), dtype="float32", max_num_batched_tokens=160, max_num_seqs=4)
+    r = llm.engine.runner
+    calls: list[tuple[tuple[int, ...], int]] = []
+    for mod in r.model.modules():
+        if isinstance(mod, (Linear, LMHead)):
+
+            def hook(m, args, shape=tuple(mod.weight.shape)):  # type: ignore[no-untyped-def]
+                calls.append((shape, args[0].shape[0]))
+
+            mod.register_forward_pre_hook(hook)
+    dummy_gemms(r)
+    counts = gemm_warmup_token_counts(160)
+    hc = r.hf_config
+    lm_head = (hc.vocab_size, hc.hidden_size)
+    layer_shapes = {s for s, _ in calls} - {lm_head}
+    assert len(layer_shapes) == 4  # qkv, o, gate_up, down: each distinct shape once
+    for s in layer_shapes:
+        assert [m for sh, m in calls if sh == s] == counts
+    assert [m for sh, m in calls if sh == lm_head] == [1, 2, 3, 4]
