@@ -334,99 +334,84 @@ def bench_serve(
     output_len: int = 128,
     num_prompts: int = 500,
     max_model_len: int = 4096,
+    starts: int = 3,
     extra_args: tuple[str, ...] = (),
 ) -> dict:
-    """`pdserve serve` + `pdserve bench serve` random 1024/128: warm start (first request
-    vs one-at-a-time steady state), then 500 prompts at rate inf, and the forward-path
-    counts from the server's /metrics (the graph share of decode steps)."""
+    """`pdserve serve` + `pdserve bench serve` random 1024/128: warm start (the first
+    request after each of ``starts`` fresh server starts, against the median of 8 one at
+    a time on the last), then 500 prompts at rate inf, and the forward-path counts from
+    the server's /metrics (the graph share of decode steps).
+
+    One first request per start is a single sample with the host's noise (+-10 ms on a
+    ~40 ms TTFT in run 21), so its median over several starts is what the target is
+    judged on; every sample is kept."""
     import httpx
 
     from pdserve.bench.serve import run_benchmark
+    from pdserve.serving.launcher import Launcher
+    from pdserve.serving.topology import Topology
 
-    cmd = [
-        sys.executable,
-        "-m",
-        "pdserve",
-        "serve",
-        ckpt,
-        "--dtype",
-        dtype,
-        "--port",
-        str(port),
-        "--served-model-name",
-        "m",
-        "--max-model-len",
-        str(max_model_len),
-        "--uvicorn-log-level",
-        "warning",
-        *extra_args,
-    ]
+    serve_args = ["--dtype", dtype, "--max-model-len", str(max_model_len), *extra_args]
+    topo = Topology.from_dict(
+        {
+            "model": ckpt,
+            "served_model_name": "m",
+            "common_args": [*serve_args, "--uvicorn-log-level", "warning"],
+            "startup_timeout": 300,
+            "instances": [{"role": "colocated", "port": port, "devices": "0"}],
+        }
+    )
     url = f"http://127.0.0.1:{port}"
-    t0 = time.perf_counter()
-    with open(log_dir / "serve.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"pdserve serve exited with {proc.returncode}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.perf_counter() - t0 > 300:
-                raise RuntimeError("pdserve serve not ready in 300 s")
-            time.sleep(0.2)
-        out: dict = {"ready_s": time.perf_counter() - t0}
-        common = dict(
-            base_url=url,
-            model="m",
-            tokenizer=ckpt,
-            dataset_name="random",
-            random_input_len=input_len,
-            random_output_len=output_len,
-            disable_tqdm=True,
-        )
-        first = run_benchmark(num_prompts=1, seed=11, **common)
-        steady = run_benchmark(num_prompts=8, max_concurrency=1, seed=12, **common)
-        for name, r0 in (("first", first), ("steady", steady)):
-            if not r0["completed"]:
-                raise RuntimeError(f"{name} warm-start requests failed: {r0.get('errors')}")
-        out["first_ttft_ms"] = first["mean_ttft_ms"]
-        out["steady_ttft_ms"] = steady["median_ttft_ms"]
-        out["first_over_steady"] = first["mean_ttft_ms"] / steady["median_ttft_ms"]
-        r = run_benchmark(
-            num_prompts=num_prompts,
-            request_rate=float("inf"),
-            seed=13,
-            percentile_metrics="ttft,tpot,itl,e2el",
-            metric_percentiles="90",
-            **common,
-        )
-        out.update(
-            {
-                k: r[k]
-                for k in (
-                    "completed",
-                    "output_throughput",
-                    "mean_ttft_ms",
-                    "p90_ttft_ms",
-                    "mean_tpot_ms",
-                    "p90_tpot_ms",
-                )
-            }
-        )
-        paths = {}
-        for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
-            if line.startswith("pdserve:forward_steps_total{"):
-                paths[line.split('path="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
-        out["forward_steps"] = paths
-        decode = paths.get("graph", 0.0) + paths.get("eager:no_graph_for_shape", 0.0)
-        out["graph_share_of_decode_steps"] = paths.get("graph", 0.0) / decode if decode else None
-        return out
-    finally:
-        proc.terminate()
-        proc.wait(60)
+    common = dict(
+        base_url=url,
+        model="m",
+        tokenizer=ckpt,
+        dataset_name="random",
+        random_input_len=input_len,
+        random_output_len=output_len,
+        disable_tqdm=True,
+    )
+
+    def ttft(r0: dict, name: str) -> dict:
+        if not r0["completed"]:
+            raise RuntimeError(f"{name} warm-start requests failed: {r0.get('errors')}")
+        return r0
+
+    out: dict = {"ready_s": [], "first_ttft_ms_each": []}
+    for i in range(starts):
+        t0 = time.perf_counter()
+        with Launcher(topo, log_dir=log_dir / f"serve_{i}"):
+            out["ready_s"].append(time.perf_counter() - t0)
+            first = ttft(run_benchmark(num_prompts=1, seed=11, **common), "first")
+            out["first_ttft_ms_each"].append(first["mean_ttft_ms"])
+            if i < starts - 1:
+                continue
+            steady = ttft(
+                run_benchmark(num_prompts=8, max_concurrency=1, seed=12, **common), "steady"
+            )
+            out["first_ttft_ms"] = statistics.median(out["first_ttft_ms_each"])
+            out["steady_ttft_ms"] = steady["median_ttft_ms"]
+            out["first_over_steady"] = out["first_ttft_ms"] / steady["median_ttft_ms"]
+            r = run_benchmark(
+                num_prompts=num_prompts,
+                request_rate=float("inf"),
+                seed=13,
+                percentile_metrics="ttft,tpot,itl,e2el",
+                metric_percentiles="90",
+                **common,
+            )
+            keys = ("completed", "output_throughput", "mean_ttft_ms", "p90_ttft_ms")
+            out.update({k: r[k] for k in (*keys, "mean_tpot_ms", "p90_tpot_ms")})
+            paths = {}
+            for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+                if line.startswith("pdserve:forward_steps_total{"):
+                    paths[line.split('path="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+            out["forward_steps"] = paths
+            decode = paths.get("graph", 0.0) + paths.get("eager:no_graph_for_shape", 0.0)
+            out["graph_share_of_decode_steps"] = (
+                paths.get("graph", 0.0) / decode if decode else None
+            )
+    return out
 
 
 def main() -> int:
@@ -610,7 +595,10 @@ def print_table(res: dict) -> None:
         )
         print(
             f"warm start: first request TTFT {sv['first_ttft_ms']:.0f} ms vs steady {sv['steady_ttft_ms']:.0f} ms"
-            f" ({sv['first_over_steady']:.2f}x); server ready in {sv['ready_s']:.1f}s"
+            f" ({sv['first_over_steady']:.2f}x; median of the first request after each of "
+            f"{len(sv['first_ttft_ms_each'])} starts: "
+            f"{', '.join(f'{t:.0f}' for t in sv['first_ttft_ms_each'])} ms); server ready in "
+            f"{', '.join(f'{t:.1f}' for t in sv['ready_s'])} s"
         )
     if "prefill" in res and "tok_s" in res["prefill"]:
         p = res["prefill"]

@@ -2,7 +2,7 @@
 # One device call for issue 5's suite: installs the carried wheels, makes the
 # llama-8b-shape checkpoint on the GPU (about 25 s), runs benchmarks/gpu_suite.py (all
 # sections by default: limits, peer, serve, throughput, decode, prefill) and leaves
-# gpu_suite.json, gpu_suite.log and serve.log under $OUT.
+# gpu_suite.json, gpu_suite.log and the servers' logs (serve_0..2/) under $OUT.
 #   device run (carry [".whl"]):  PDSERVE_COMMIT=<sha> bash benchmarks/run_gpu.sh [sections] [attention backend]
 #   (PDSERVE_COMMIT: the commit to record; the device copy of the tree may carry a stale .git)
 #   SERVE_ARGS="--async-scheduling": extra flags for the serve section's server

@@ -77,7 +77,7 @@ def dummy_gemms(r: ModelRunner) -> None:
     from pdserve.layers.embedding import LMHead
     from pdserve.layers.linear import Linear
 
-    shapes: dict[tuple, torch.nn.Module] = {}
+    shapes: dict[tuple, Linear | LMHead] = {}
     for mod in r.model.modules():
         if isinstance(mod, (Linear, LMHead)):
             key = (type(mod), tuple(mod.weight.shape), getattr(mod, "bias", None) is not None)
@@ -87,7 +87,8 @@ def dummy_gemms(r: ModelRunner) -> None:
             for mod in shapes.values():
                 if isinstance(mod, LMHead) and m > r.max_num_reqs:
                     continue
-                mod(torch.empty(m, mod.weight.shape[1], dtype=r.dtype, device=r.device))
+                k = int(mod.weight.shape[1])
+                mod(torch.empty(m, k, dtype=r.dtype, device=r.device))
 
 
 def _forward(
