@@ -127,6 +127,86 @@ def run_decode(bw: float, sweep: bool) -> list[dict[str, object]]:
     return rows
 
 
+def run_decode_configs(bw: float) -> list[dict[str, object]]:
+    """Every (splits, BLOCK_N, warps, stages) of the decode kernel at 1K context, batch
+    1/16/64, next to the heuristic's pick (for the engine's graphs the split bound is
+    max_model_len, 20480 in the suite)."""
+    import pdserve.kernels.decode_attention as da
+
+    orig_config, orig_stages = da._config, da.NUM_STAGES
+    rows: list[dict[str, object]] = []
+    sms = num_sms(torch.device("cuda"))
+    ctx = 1024
+    try:
+        for batch in (1, 16, 64):
+            cache, bt = paged_cache(batch, ctx)
+            q = torch.randn(batch, H, D, device="cuda", dtype=DT)
+            seq = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+            out = torch.empty_like(q)
+            ws = torch.empty(decode_workspace_numel(batch, H, D, MAX_SPLITS), device="cuda")
+            nbytes = 2 * batch * ctx * HKV * D * 2
+            engine_splits = choose_num_splits(batch, HKV, 20480, sms)
+            bm, dot, _, _ = orig_config(H // HKV, D)
+            results = []
+            for splits in (1, 2, 4, 8, 16, 32, 64):
+                for bn in (32, 64, 128):
+                    for warps in (4, 8):
+                        for stages in (1, 2, 3):
+                            da._config = lambda m, d, c=(bm, dot, bn, warps): c
+                            da.NUM_STAGES = stages
+                            fn = partial(
+                                decode_attention,
+                                q,
+                                cache,
+                                seq,
+                                bt,
+                                D**-0.5,
+                                1,
+                                batch,
+                                splits,
+                                out,
+                                ws,
+                            )
+                            try:
+                                ms = bench_graph(fn)
+                            except Exception as e:  # e.g. out of shared memory
+                                results.append({"splits": splits, "error": str(e)[:80]})
+                                continue
+                            results.append(
+                                {
+                                    "splits": splits,
+                                    "block_n": bn,
+                                    "warps": warps,
+                                    "stages": stages,
+                                    "us": ms * 1e3,
+                                }
+                            )
+            ok = [r for r in results if "us" in r]
+            best = min(ok, key=lambda r: r["us"])
+            cur = [
+                r
+                for r in ok
+                if r["splits"] == engine_splits
+                and r["block_n"] == orig_config(H // HKV, D)[2]
+                and r["warps"] == orig_config(H // HKV, D)[3]
+                and r["stages"] == orig_stages
+            ]
+            rows.append(
+                {
+                    "batch": batch,
+                    "engine_splits": engine_splits,
+                    "current_us": cur[0]["us"] if cur else None,
+                    "best": best,
+                    "roofline_us": nbytes / bw * 1e6,
+                    "top5": sorted(ok, key=lambda r: r["us"])[:5],
+                }
+            )
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        da._config, da.NUM_STAGES = orig_config, orig_stages
+    return rows
+
+
 PREFILL_CONFIGS = [
     (64, 64, 4, 3),
     (64, 128, 4, 3),
@@ -231,7 +311,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("kernels_bench.py needs a CUDA GPU")
-    sections = {"decode", "prefill", "sampling", "norm"}
+    sections = {"decode", "decode_configs", "prefill", "sampling", "norm"}
     chosen = sections if args.sections == "all" else set(args.sections.split(","))
     bw = copy_bandwidth()
     result: dict[str, object] = {
@@ -246,8 +326,9 @@ def main() -> None:
         "prefill": lambda: run_prefill(args.sweep),
         "sampling": run_sampling,
         "norm": run_norm,
+        "decode_configs": lambda: run_decode_configs(bw),
     }
-    for name in ("decode", "prefill", "sampling", "norm"):
+    for name in ("decode", "decode_configs", "prefill", "sampling", "norm"):
         if name in chosen:
             rows = runners[name]()
             result[name] = rows
