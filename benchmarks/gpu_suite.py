@@ -424,6 +424,9 @@ def main() -> int:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--attention-backend", default="torch")
     ap.add_argument(
+        "--serve-starts", type=int, default=3, help="server starts for the warm-start median"
+    )
+    ap.add_argument(
         "--serve-args", default="", help='extra `pdserve serve` flags, e.g. "--async-scheduling"'
     )
     args = ap.parse_args()
@@ -454,7 +457,10 @@ def main() -> int:
     if "serve" in sections:  # a server process of its own, also before the in-process engine
         try:
             res["serve"] = bench_serve(
-                args.ckpt, Path(args.out).parent, extra_args=tuple(args.serve_args.split())
+                args.ckpt,
+                Path(args.out).parent,
+                starts=args.serve_starts,
+                extra_args=tuple(args.serve_args.split()),
             )
         except Exception as e:
             res["serve_error"] = f"{type(e).__name__}: {e}"

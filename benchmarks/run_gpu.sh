@@ -6,6 +6,7 @@
 #   device run (carry [".whl"]):  PDSERVE_COMMIT=<sha> bash benchmarks/run_gpu.sh [sections] [attention backend]
 #   (PDSERVE_COMMIT: the commit to record; the device copy of the tree may carry a stale .git)
 #   SERVE_ARGS="--async-scheduling": extra flags for the serve section's server
+#   SERVE_STARTS=5: fresh server starts whose first requests give the warm-start median
 set -uo pipefail
 sections="${1:-limits,peer,serve,throughput,decode,prefill}"
 backend="${2:-auto}"
@@ -19,4 +20,4 @@ if [ ! -f $ck/config.json ]; then
   echo "checkpoint written in $(( $(date +%s) - t0 ))s"
 fi
 timeout "${SUITE_TIMEOUT:-480}" python3 benchmarks/gpu_suite.py --ckpt $ck --out "$OUT/gpu_suite.json" \
-  --sections "$sections" --attention-backend "$backend" --serve-args="${SERVE_ARGS:-}" 2>&1 | tee "$OUT/gpu_suite.log" | grep -vE "^20..-|Loading weights"
+  --sections "$sections" --attention-backend "$backend" --serve-args="${SERVE_ARGS:-}" --serve-starts "${SERVE_STARTS:-3}" 2>&1 | tee "$OUT/gpu_suite.log" | grep -vE "^20..-|Loading weights"

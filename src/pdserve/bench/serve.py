@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import math
 import os
 import sys
@@ -48,6 +47,7 @@ from pdserve.bench.report import (
 from pdserve.bench.request_func import BACKENDS, DEFAULT_ENDPOINTS, check_endpoint
 from pdserve.bench.runner import RunSpec, run_requests
 from pdserve.bench.tokenizer import load_tokenizer
+from pdserve.heap import freeze_startup_heap
 
 DEFAULT_PERCENTILE_METRICS = "ttft,tpot,itl"
 
@@ -376,8 +376,7 @@ async def benchmark_from_args(args: argparse.Namespace, freeze_gc: bool = False)
         request_id_prefix=args.request_id_prefix or "",
     )
     if freeze_gc:  # the prompts live for the whole run; keep them out of GC passes
-        gc.collect()
-        gc.freeze()
+        freeze_startup_heap()
 
     spec = RunSpec(
         backend=args.backend,

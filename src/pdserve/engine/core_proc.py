@@ -22,6 +22,7 @@ from pdserve.engine import messages as M
 from pdserve.engine.engine_core import EngineCore
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler_output import EngineCoreOutput
+from pdserve.heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 _IDLE_POLL_MS = 200
@@ -50,6 +51,7 @@ def run_engine_core(
         out.close(linger=1000)
         ctx.term()
         return
+    freeze_startup_heap()  # before ready: no GC pass walks the start-up heap under traffic
     r = core.runner
     out.send(
         M.encode(

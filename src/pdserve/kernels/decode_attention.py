@@ -16,9 +16,7 @@ matters); with one or two rows (MHA decode) a broadcast multiply-sum is used.
 Split-K: each request's context is cut into ``num_splits`` equal, tile-aligned
 chunks computed *in the kernel* from ``seq_lens[b]``; each split writes its
 normalised partial output and log-sum-exp to a workspace and a second kernel
-combines them. Splits that start past the context (a short request under a split
-count sized for a long one) read and write nothing, and the second kernel, which
-derives the same chunking from ``seq_lens``, skips them. ``num_splits`` comes from host information only (batch size, KV
+combines them. ``num_splits`` comes from host information only (batch size, KV
 heads, multiprocessor count and a static context bound, see
 :func:`choose_num_splits`), never from device values, so the two launches are
 CUDA-graph capturable; any ``num_splits`` gives the same result up to rounding.
@@ -44,7 +42,7 @@ from pdserve.kernels._utils import LOG2E, check_device, dot_precision, dot_upcas
 MAX_SPLITS = 64
 MIN_TOKENS_PER_SPLIT = 64
 CTAS_PER_SM = 4
-NUM_STAGES = 2  # software-pipelining depth of the K/V tile loop
+NUM_STAGES = 2  # software-pipelining depth of the K/V tile loop (kernels_bench sweeps it)
 
 
 # One compile for every split count; the query length QL is a runtime value too (Triton
@@ -98,20 +96,18 @@ def _decode_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_D
     t_idx = (b * QL + tok).to(tl.int64)
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = sp * chunk
-    end = tl.minimum(start + chunk, seq_len)
-    # a split past the context (short requests under a split count sized for long ones)
-    # reads and writes nothing: the reduce only combines the active splits
-    active = start < seq_len
     q = tl.load(
         q_ptr + t_idx[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-        mask=(row_ok & active)[:, None] & d_ok[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
     if UPCAST:
         q = q.to(tl.float32)
     q_pos = seq_len - QL + tok  # absolute position of each row's token
+
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = sp * chunk
+    end = tl.minimum(start + chunk, seq_len)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -161,9 +157,9 @@ def _decode_kernel(
     if SPLIT:
         lse = tl.where(l_i > 0.0, m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0)), float("-inf"))
         row = t_idx * NUM_HEADS + head  # [BLOCK_M]: (token, head) row of the workspace
-        tl.store(ws_lse_ptr + row * num_splits + sp, lse, mask=row_ok & active)
+        tl.store(ws_lse_ptr + row * num_splits + sp, lse, mask=row_ok)
         ws = ws_o_ptr + (row[:, None] * num_splits + sp) * HEAD_D + offs_d[None, :]
-        tl.store(ws, o, mask=(row_ok & active)[:, None] & d_ok[None, :])
+        tl.store(ws, o, mask=row_ok[:, None] & d_ok[None, :])
     else:
         dst = out_ptr + t_idx[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -174,26 +170,19 @@ def _reduce_kernel(
     ws_o_ptr,
     ws_lse_ptr,
     out_ptr,
-    seq_lens_ptr,
     num_splits,
-    QL,
     stride_ot,
     stride_oh,
     NUM_HEADS: tl.constexpr,
     HEAD_D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    BLOCK_N: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     row = t * NUM_HEADS + h
-    # the splits the attention kernel computed: the same chunking, from the request's length
-    seq_len = tl.load(seq_lens_ptr + t // QL)
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    num_active = tl.where(seq_len > 0, tl.cdiv(seq_len, tl.maximum(chunk, 1)), 0)
     offs_s = tl.arange(0, BLOCK_S)
-    s_ok = offs_s < num_active
+    s_ok = offs_s < num_splits
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_D
     lse = tl.load(ws_lse_ptr + row * num_splits + offs_s, mask=s_ok, other=float("-inf"))
@@ -337,16 +326,13 @@ def decode_attention(
             ws_o,
             ws_lse,
             out,
-            seq_lens,
             num_splits,
-            q_len,
             out.stride(0),
             out.stride(1),
             NUM_HEADS=num_heads,
             HEAD_D=head_dim,
             BLOCK_D=next_pow2(head_dim),
             BLOCK_S=next_pow2(num_splits),
-            BLOCK_N=block_n,
             num_warps=4,
         )
     return out

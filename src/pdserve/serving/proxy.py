@@ -39,6 +39,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdserve.heap import freeze_startup_heap
 from pdserve.serving.net import bind_tcp
 from pdserve.serving.proxy_core import ProxyCore, ProxySettings, classify_error, error_body
 from pdserve.serving.proxy_forward import PDResponse
@@ -389,6 +390,7 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"pdserve proxy: error: {e}", file=sys.stderr)
         return 2
+    freeze_startup_heap()
     return asyncio.run(
         serve_proxy(
             app,

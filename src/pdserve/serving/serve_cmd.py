@@ -12,6 +12,7 @@ import asyncio
 import logging
 
 from pdserve.config import EngineConfig, add_engine_args
+from pdserve.heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ async def serve(args: argparse.Namespace) -> int:
             chat_template=args.chat_template,
             chat_template_content_format=args.chat_template_content_format,
         )
+        freeze_startup_heap()
         print(f"pdserve: serving {args.model} on http://{args.host}:{args.port}", flush=True)
         await serve_app(
             app, args.host, args.port, args.shutdown_timeout, log_level=args.uvicorn_log_level
