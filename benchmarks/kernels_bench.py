@@ -20,6 +20,7 @@ Times are medians of ``triton.testing.do_bench``. Prints a table, writes JSON.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from collections.abc import Callable
@@ -86,16 +87,21 @@ def paged_cache(batch: int, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
     return cache, bt
 
 
+def decode_inputs(batch: int, ctx: int) -> tuple[torch.Tensor, ...]:
+    """(cache, block tables, q, seq_lens, out, workspace) of a ``batch`` x ``ctx`` decode."""
+    cache, bt = paged_cache(batch, ctx)
+    q = torch.randn(batch, H, D, device="cuda", dtype=DT)
+    seq = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    ws = torch.empty(decode_workspace_numel(batch, H, D, MAX_SPLITS), device="cuda")
+    return cache, bt, q, seq, torch.empty_like(q), ws
+
+
 def run_decode(bw: float, sweep: bool) -> list[dict[str, object]]:
     rows = []
     sms = num_sms(torch.device("cuda"))
     for ctx in (1024, 16384):
         for batch in (1, 16, 64):
-            cache, bt = paged_cache(batch, ctx)
-            q = torch.randn(batch, H, D, device="cuda", dtype=DT)
-            seq = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-            out = torch.empty_like(q)
-            ws = torch.empty(decode_workspace_numel(batch, H, D, MAX_SPLITS), device="cuda")
+            cache, bt, q, seq, out, ws = decode_inputs(batch, ctx)
             nbytes = 2 * batch * ctx * HKV * D * 2 + 2 * q.numel() * 2 + bt.numel() * 4
             auto = choose_num_splits(batch, HKV, ctx, sms)
 
@@ -128,77 +134,42 @@ def run_decode(bw: float, sweep: bool) -> list[dict[str, object]]:
 
 
 def run_decode_configs(bw: float) -> list[dict[str, object]]:
-    """Every (splits, BLOCK_N, warps, stages) of the decode kernel at 1K context, batch
-    1/16/64, next to the heuristic's pick (for the engine's graphs the split bound is
-    max_model_len, 20480 in the suite)."""
+    """Every (splits, BLOCK_N, warps, stages) of the decode kernel (attention + reduce) at
+    1K context, batch 1/16/64, next to the engine's pick: its graphs size the split count
+    for max_model_len (20480 in the suite), its tile config is ``_config``'s."""
     import pdserve.kernels.decode_attention as da
 
     orig_config, orig_stages = da._config, da.NUM_STAGES
+    bm, dot, bn0, warps0 = orig_config(H // HKV, D)
     rows: list[dict[str, object]] = []
     sms = num_sms(torch.device("cuda"))
     ctx = 1024
     try:
         for batch in (1, 16, 64):
-            cache, bt = paged_cache(batch, ctx)
-            q = torch.randn(batch, H, D, device="cuda", dtype=DT)
-            seq = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-            out = torch.empty_like(q)
-            ws = torch.empty(decode_workspace_numel(batch, H, D, MAX_SPLITS), device="cuda")
-            nbytes = 2 * batch * ctx * HKV * D * 2
-            engine_splits = choose_num_splits(batch, HKV, 20480, sms)
-            bm, dot, _, _ = orig_config(H // HKV, D)
-            results = []
-            for splits in (1, 2, 4, 8, 16, 32, 64):
-                for bn in (32, 64, 128):
-                    for warps in (4, 8):
-                        for stages in (1, 2, 3):
-                            da._config = lambda m, d, c=(bm, dot, bn, warps): c
-                            da.NUM_STAGES = stages
-                            fn = partial(
-                                decode_attention,
-                                q,
-                                cache,
-                                seq,
-                                bt,
-                                D**-0.5,
-                                1,
-                                batch,
-                                splits,
-                                out,
-                                ws,
-                            )
-                            try:
-                                ms = bench_graph(fn)
-                            except Exception as e:  # e.g. out of shared memory
-                                results.append({"splits": splits, "error": str(e)[:80]})
-                                continue
-                            results.append(
-                                {
-                                    "splits": splits,
-                                    "block_n": bn,
-                                    "warps": warps,
-                                    "stages": stages,
-                                    "us": ms * 1e3,
-                                }
-                            )
-            ok = [r for r in results if "us" in r]
-            best = min(ok, key=lambda r: r["us"])
-            cur = [
-                r
-                for r in ok
-                if r["splits"] == engine_splits
-                and r["block_n"] == orig_config(H // HKV, D)[2]
-                and r["warps"] == orig_config(H // HKV, D)[3]
-                and r["stages"] == orig_stages
-            ]
+            cache, bt, q, seq, out, ws = decode_inputs(batch, ctx)
+            pick = (choose_num_splits(batch, HKV, 20480, sms), bn0, warps0, orig_stages)
+            times: dict[tuple[int, int, int, int], float] = {}
+            for cfg in itertools.product(
+                (1, 2, 4, 8, 16, 32, 64), (32, 64, 128), (4, 8), (1, 2, 3)
+            ):
+                splits, bn, warps, stages = cfg
+                da._config = lambda m, d, c=(bm, dot, bn, warps): c
+                da.NUM_STAGES = stages
+                fn = partial(
+                    decode_attention, q, cache, seq, bt, D**-0.5, 1, batch, splits, out, ws
+                )
+                times[cfg] = bench_graph(fn) * 1e3
+            ranked = sorted(times, key=times.__getitem__)
+            keys = ("splits", "block_n", "warps", "stages")
             rows.append(
                 {
                     "batch": batch,
-                    "engine_splits": engine_splits,
-                    "current_us": cur[0]["us"] if cur else None,
-                    "best": best,
-                    "roofline_us": nbytes / bw * 1e6,
-                    "top5": sorted(ok, key=lambda r: r["us"])[:5],
+                    "engine_pick": dict(zip(keys, pick, strict=True)),
+                    "engine_pick_us": times[pick],
+                    "roofline_us": 2 * batch * ctx * HKV * D * 2 / bw * 1e6,
+                    "top5": [
+                        {**dict(zip(keys, c, strict=True)), "us": times[c]} for c in ranked[:5]
+                    ],
                 }
             )
             print(json.dumps(rows[-1]), flush=True)
