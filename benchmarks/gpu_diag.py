@@ -21,6 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from pdserve import LLM, SamplingParams  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_suite import graph_replay_ms  # noqa: E402
+
 
 def _prompt(seed: int, n: int) -> dict:
     g = torch.Generator().manual_seed(seed)
@@ -77,25 +80,14 @@ def decode_split(llm: LLM, batch: int, ctx: int = 1024) -> dict:
         t0 = time.perf_counter()
         eng.step()
         steps.append(time.perf_counter() - t0)
-    graphs = eng.runner.graphs
-    replay = []
-    if graphs is not None:
-        padded = graphs.padded_size(batch, 1)
-        g = graphs.graphs[(padded, 1)] if padded else None
-        for _ in range(15 if g else 0):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            g.replay()  # type: ignore[union-attr]
-            e.record()
-            torch.cuda.synchronize()
-            replay.append(s.elapsed_time(e) / 1e3)
+    replay_ms = graph_replay_ms(llm, batch)
     eng.abort_requests(list(eng.scheduler.requests))
     eng.step()
     return {
         "batch": batch,
         "ctx": ctx,
         "step_ms": statistics.median(steps) * 1e3,
-        "graph_replay_ms": statistics.median(replay) * 1e3 if replay else None,
+        "graph_replay_ms": replay_ms,
     }
 
 

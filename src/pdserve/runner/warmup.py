@@ -37,8 +37,8 @@ def warm_up(r: ModelRunner) -> dict[str, float]:
         torch.cuda.synchronize(r.device)
         phases["gemm_sweep"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    # eager prefill path at every power-of-two size: kernels and library heuristics
-    # are specialised per shape, and the first request must not pay for that
+    # eager prefill path at 16, 64, 256, ... tokens and the full budget: kernels and
+    # library heuristics are specialised per shape, and the first request must not pay
     n = 16
     while n < r.max_num_tokens:
         dummy_prompt_run(r, n)
