@@ -1,4 +1,4 @@
-"""pdserve.tokenizer against transformers.AutoTokenizer on the generated checkpoints."""
+"""pdserve.frontend.tokenizer against transformers.AutoTokenizer on the generated checkpoints."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.tokenizer import Tokenizer
+from pdserve.frontend.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 

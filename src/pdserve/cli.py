@@ -39,8 +39,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     import time
 
     from pdserve.config import EngineConfig
-    from pdserve.engine.llm import LLM
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.core_types.sampling_params import SamplingParams
+    from pdserve.frontend.llm import LLM
 
     cfg = EngineConfig.from_cli(args)
     t0 = time.perf_counter()

@@ -108,6 +108,105 @@ class DeviceConfig:
         )
 
 
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+LOAD_FAILURE_POLICIES = ("fail", "recompute")
+CONNECTORS = ("PdConnector",)
+TRANSPORTS = ("tcp", "cuda_ipc")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """``--kv-transfer-config`` as in vLLM: connector, role and connector-specific extras.
+
+    Extras understood by ``PdConnector`` (``kv_connector_extra_config``):
+    ``transport`` (tcp | cuda_ipc), ``host`` and ``port`` of this instance's KV server
+    (default 127.0.0.1 and an ephemeral port), ``lease_seconds`` (initial lease on
+    prefill-held blocks, default 30), ``handshake_timeout`` (s, default 5),
+    ``transfer_timeout`` (s, default 60).
+    """
+
+    kv_connector: str
+    kv_role: str
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+    kv_load_failure_policy: str = "fail"
+
+    def __post_init__(self) -> None:
+        if self.kv_connector not in CONNECTORS:
+            raise ValueError(
+                f"--kv-transfer-config: kv_connector {self.kv_connector!r} is not supported "
+                f"(supported: {', '.join(CONNECTORS)})"
+            )
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"--kv-transfer-config: kv_role must be one of {', '.join(KV_ROLES)}")
+        if self.kv_load_failure_policy not in LOAD_FAILURE_POLICIES:
+            raise ValueError(
+                "--kv-transfer-config: kv_load_failure_policy must be fail or recompute"
+            )
+        extra = self.kv_connector_extra_config
+        known = {
+            "transport",
+            "host",
+            "port",
+            "lease_seconds",
+            "handshake_timeout",
+            "transfer_timeout",
+        }
+        unknown = set(extra) - known
+        if unknown:
+            raise ValueError(
+                f"--kv-transfer-config: unknown kv_connector_extra_config key(s) "
+                f"{', '.join(sorted(unknown))} (known: {', '.join(sorted(known))})"
+            )
+        if self.transport not in TRANSPORTS:
+            raise ValueError(
+                f"--kv-transfer-config: transport must be one of {', '.join(TRANSPORTS)}"
+            )
+        if self.lease_seconds <= 0:
+            raise ValueError("--kv-transfer-config: lease_seconds must be > 0")
+
+    @classmethod
+    def from_json(cls, value: str | dict | None) -> KVTransferConfig | None:
+        if value is None:
+            return None
+        if isinstance(value, str):
+            try:
+                obj = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--kv-transfer-config is not valid JSON: {e}") from None
+        else:
+            obj = dict(value)
+        if not isinstance(obj, dict):
+            raise ValueError("--kv-transfer-config must be a JSON object")
+        known = {"kv_connector", "kv_role", "kv_connector_extra_config", "kv_load_failure_policy"}
+        unknown = set(obj) - known
+        if unknown:
+            raise ValueError(
+                f"--kv-transfer-config: unknown key(s) {', '.join(sorted(unknown))} "
+                f"(known: {', '.join(sorted(known))})"
+            )
+        for req in ("kv_connector", "kv_role"):
+            if req not in obj:
+                raise ValueError(f"--kv-transfer-config needs {req!r}")
+        obj.setdefault("kv_connector_extra_config", {})
+        return cls(**obj)
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @property
+    def transport(self) -> str:
+        return str(self.kv_connector_extra_config.get("transport", "tcp"))
+
+    @property
+    def lease_seconds(self) -> float:
+        return float(self.kv_connector_extra_config.get("lease_seconds", 30.0))
+
+
 CUDAGRAPH_MODES = ("NONE", "FULL_DECODE_ONLY")
 DEFAULT_CAPTURE_SIZES = (
     1,
@@ -197,7 +296,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
-    kv_transfer: Any = None  # KVTransferConfig | None (``--kv-transfer-config``)
+    kv_transfer: KVTransferConfig | None = None  # ``--kv-transfer-config``
 
     SECTIONS = ("model", "cache", "scheduler", "parallel", "device")
 
@@ -209,8 +308,6 @@ class EngineConfig:
         in vLLM."""
         parts: dict[str, Any] = {}
         left = dict(kwargs)
-        from pdserve.kv_transfer.base import KVTransferConfig
-
         kvt = left.pop("kv_transfer_config", None)
         parts["kv_transfer"] = (
             kvt if isinstance(kvt, KVTransferConfig) else KVTransferConfig.from_json(kvt)

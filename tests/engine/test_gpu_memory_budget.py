@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdserve.runner.model_runner import NON_TORCH_ALLOWANCE, kv_budget_bytes
+from pdserve.runner.memory import NON_TORCH_ALLOWANCE, kv_budget_bytes
 
 GIB = 1 << 30
 TOTAL = 140 * GIB

@@ -1,11 +1,13 @@
+from _requests import make_request
+
+from pdserve.core_types.sampling_params import SamplingParams
 from pdserve.engine.kv_cache.block_pool import BlockPool
 from pdserve.engine.kv_cache.manager import KVCacheManager
 from pdserve.engine.request import Request
-from pdserve.engine.sampling_params import SamplingParams
 
 
 def _req(rid: str, ids: list[int]) -> Request:
-    return Request(rid, ids, SamplingParams())
+    return make_request(rid, ids, SamplingParams())
 
 
 def test_block_pool_reserves_null_block_and_counts_refs():
@@ -57,8 +59,14 @@ def test_allocate_fails_without_side_effects():
     assert kv.num_free_blocks == 2 and kv.block_ids("r") == []
 
 
-def test_new_block_ids_are_drained():
+def test_trim_gives_back_the_blocks_past_the_computed_tokens():
     kv = KVCacheManager(num_blocks=10, block_size=4)
-    kv.allocate_slots(_req("r", list(range(8))), 8)
-    assert len(kv.take_new_block_ids()) == 2
-    assert kv.take_new_block_ids() == []
+    r = _req("r", list(range(8)))
+    kv.allocate_slots(r, 8, num_lookahead_tokens=5)  # 13 tokens: 4 blocks
+    assert kv.num_blocks("r") == 4 and kv.num_free_blocks == 5
+    kv.trim("r", 9)  # tokens 0..8 need 3 blocks
+    assert kv.num_blocks("r") == 3 and kv.num_free_blocks == 6
+    kv.trim("r", 12)  # never grows
+    assert kv.num_blocks("r") == 3
+    kv.free("r")
+    assert kv.num_free_blocks == 9

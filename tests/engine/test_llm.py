@@ -200,7 +200,6 @@ def test_many_short_requests_leave_nothing_behind(tiny_llama):
             "finished_ids": len(s._finished_ids),
             "req_blocks": len(kv.req_blocks),
             "committed": len(kv.num_committed),
-            "new_block_ids": len(kv._new_block_ids),
             "runner_rows": len(eng.runner.batch),
             "generators": len(eng.runner.batch.generators),
             "out_states": len(llm.output_processor.states),

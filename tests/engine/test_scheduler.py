@@ -1,9 +1,11 @@
+from _requests import make_request
+
 from pdserve.config import SchedulerConfig
+from pdserve.core_types.sampling_params import SamplingParams
+from pdserve.core_types.scheduler_output import RunnerOutput
 from pdserve.engine.kv_cache.manager import KVCacheManager
-from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.request import RequestStatus
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.scheduler_output import RunnerOutput
 
 
 def _sched(num_blocks=64, budget=16, max_seqs=8, block_size=4):
@@ -12,14 +14,13 @@ def _sched(num_blocks=64, budget=16, max_seqs=8, block_size=4):
 
 
 def _req(rid, n, max_tokens=4):
-    r = Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens, temperature=0))
-    r.max_output_tokens = max_tokens
-    return r
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0)
+    return make_request(rid, list(range(1, n + 1)), sp, max_tokens)
 
 
 def _run(s, so, tok=7):
     return s.update_from_output(
-        so, RunnerOutput(list(so.num_scheduled_tokens), [tok] * len(so.num_scheduled_tokens))
+        so, RunnerOutput(list(so.num_scheduled_tokens), [[tok]] * len(so.num_scheduled_tokens))
     )
 
 

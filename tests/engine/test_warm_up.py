@@ -21,14 +21,15 @@ def test_warm_up_runs_mixed_batches_with_cached_prefixes(tiny_llama: Path) -> No
     llm = LLM(str(tiny_llama), dtype="float32", block_size=4, max_num_batched_tokens=128)
     runner = llm.engine.runner
     seen = []
-    orig = runner.backend.forward
+    backend = runner.step.backends["attn"]
+    orig = backend.forward
 
     def spy(q, k, v, kv_cache, md, scale):  # type: ignore[no-untyped-def]
         c = getattr(md, "common", md)
         seen.append((c.num_reqs, c.max_query_len, c.max_seq_len, c.block_size))
         return orig(q, k, v, kv_cache, md, scale)
 
-    runner.backend.forward = spy  # type: ignore[method-assign]
+    backend.forward = spy  # type: ignore[method-assign]
     blocks_before = llm.engine.kv.pool.num_free_blocks
     runner.warm_up()
     layers = llm.engine.runner.hf_config.num_hidden_layers
@@ -47,9 +48,10 @@ def test_warm_up_runs_mixed_batches_with_cached_prefixes(tiny_llama: Path) -> No
 
 def test_paged_dummies_leave_real_blocks_untouched(tiny_llama: Path) -> None:
     llm = LLM(str(tiny_llama), dtype="float32", block_size=4)
-    caches = llm.engine.runner.kv_caches
+    runner = llm.engine.runner
+    caches = [c for _, _, c in runner.kv_caches.layers()]
     before = [c[:, 1:].clone() for c in caches]
-    dummy_paged_runs(llm.engine.runner)
+    dummy_paged_runs(runner.step, runner.max_num_tokens)
     for b, c in zip(before, caches, strict=True):
         assert torch.equal(b, c[:, 1:])  # only block 0, the null block, may change
 
@@ -74,7 +76,7 @@ def test_gemm_sweep_runs_each_linear_shape_once_per_count(tiny_llama: Path) -> N
                 calls.append((shape, args[0].shape[0]))
 
             mod.register_forward_pre_hook(hook)
-    dummy_gemms(r)
+    dummy_gemms(r.step, r.max_num_reqs, r.max_num_tokens)
     counts = gemm_warmup_token_counts(160)
     hc = r.hf_config
     lm_head = (hc.vocab_size, hc.hidden_size)

@@ -7,11 +7,12 @@ from pathlib import Path
 
 import torch
 
+from _attn_helper import model_caches
+from pdserve.forward_context import set_forward_context
 from pdserve.layers.attention.backend import AttentionBackend, CommonAttentionMetadata
 from pdserve.layers.attention.torch_ref import TorchReferenceBackend
 from pdserve.layers.attention.triton_backend import TritonAttentionBackend
 from pdserve.models import load_model
-from pdserve.runner.forward_context import set_forward_context
 
 BLOCK = 16
 
@@ -49,15 +50,11 @@ def _metadata(
 
 def test_tiny_llama_backends_agree(tiny_llama: Path, device: torch.device) -> None:
     model, cfg = load_model(tiny_llama, "float32", device)
-    hkv, d, layers = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
     bt = (1 + torch.randperm(12, generator=torch.Generator().manual_seed(0))).view(3, 4)
     bt = bt.to(torch.int32).to(device)
     g = torch.Generator().manual_seed(1)
     backends: list[AttentionBackend] = [TorchReferenceBackend(), TritonAttentionBackend()]
-    caches = {
-        id(be): [torch.zeros(2, 13, BLOCK, hkv, d, device=device) for _ in range(layers)]
-        for be in backends
-    }
+    caches = {id(be): model_caches(model, 13, BLOCK) for be in backends}
     computed = [0, 0, 0]
     # prompts, then a mixed step (one chunk + two decodes), then two uniform decode steps
     for new in ([9, 20, 3], [1, 12, 1], [1, 1, 1], [1, 1, 1]):
@@ -66,7 +63,8 @@ def test_tiny_llama_backends_agree(tiny_llama: Path, device: torch.device) -> No
         md = _metadata(computed, new, bt, device)
         logits = []
         for be in backends:
-            with torch.no_grad(), set_forward_context(be, be.build_metadata(md), caches[id(be)]):
+            ctx = set_forward_context({"attn": be}, {"attn": be.build_metadata(md)}, caches[id(be)])
+            with torch.no_grad(), ctx:
                 logits.append(model.compute_logits(model(ids, pos.to(device))))
         torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
         computed = [c + n for c, n in zip(computed, new, strict=True)]

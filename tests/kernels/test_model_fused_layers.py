@@ -9,9 +9,10 @@ import pytest
 import torch
 from test_model_backends import BLOCK, _metadata
 
+from _attn_helper import model_caches
+from pdserve.forward_context import set_forward_context
 from pdserve.layers.attention.torch_ref import TorchReferenceBackend
 from pdserve.models import load_model
-from pdserve.runner.forward_context import set_forward_context
 
 
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
@@ -26,12 +27,9 @@ def test_fused_layers_match_torch_layers(
     assert not models[0].model.norm.fused and models[1].model.norm.fused
     assert models[1].model.rotary_emb.fused
     assert models[1].model.layers[0].mlp.act_fn.fused
-    hkv, d, layers = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
     bt = (1 + torch.arange(8)).view(2, 4).to(torch.int32).to(device)
     be = TorchReferenceBackend()
-    caches = [
-        [torch.zeros(2, 9, BLOCK, hkv, d, device=device) for _ in range(layers)] for _ in models
-    ]
+    caches = [model_caches(m, 9, BLOCK) for m in models]
     g = torch.Generator().manual_seed(3)
     computed = [0, 0]
     for new in ([11, 30], [1, 1]):  # prompts, then a decode step over the cache
@@ -40,7 +38,7 @@ def test_fused_layers_match_torch_layers(
         md = _metadata(computed, new, bt, device)
         logits = []
         for model, cache in zip(models, caches, strict=True):
-            with torch.no_grad(), set_forward_context(be, md, cache):
+            with torch.no_grad(), set_forward_context({"attn": be}, {"attn": md}, cache):
                 logits.append(model.compute_logits(model(ids, pos.to(device))))
         torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
         computed = [c + n for c, n in zip(computed, new, strict=True)]

@@ -108,7 +108,7 @@ def test_sampled_distribution(device: torch.device) -> None:
 def test_runner_sampler_uses_the_kernel_with_the_same_draws(device: torch.device) -> None:
     """The runner's Sampler on the fused path (the Triton kernel) returns the tokens of its
     torch path for the same seeds: same noise, same filters."""
-    from pdserve.runner.sampler import Sampler, SamplingMetadata
+    from pdserve.layers.sampler import Sampler, SamplingMetadata
 
     b, v = 6, 1000
     g = torch.Generator().manual_seed(11)

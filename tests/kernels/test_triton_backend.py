@@ -6,7 +6,7 @@ import pytest
 import torch
 from _paged import make_paged, tol
 
-from pdserve.layers.attention import get_attn_backend
+from pdserve.layers.attention import gqa_backend
 from pdserve.layers.attention.backend import CommonAttentionMetadata
 from pdserve.layers.attention.torch_ref import TorchReferenceBackend
 from pdserve.layers.attention.triton_backend import (
@@ -101,7 +101,7 @@ def test_graph_padded_decode_batch(device: torch.device) -> None:
     k = torch.randn(4, hkv, d, device=device)
     v = torch.randn(4, hkv, d, device=device)
     tri = TritonAttentionBackend(max_model_len=4096)
-    tri.prepare_for_capture(4, 1, h, hkv, d, device)
+    tri.prepare_workspace(4, 1, h, hkv, d, device)
     c1, c2 = pb.kv_cache.clone(), pb.kv_cache.clone()
     out = _run(tri, padded, c1, q, k, v)
     ref = _run(TorchReferenceBackend(), real, c2, q[:2], k[:2], v[:2])
@@ -110,7 +110,7 @@ def test_graph_padded_decode_batch(device: torch.device) -> None:
 
 
 def test_registry_builds_triton() -> None:
-    assert isinstance(get_attn_backend("triton"), TritonAttentionBackend)
+    assert isinstance(gqa_backend("triton"), TritonAttentionBackend)
 
 
 @pytest.mark.gpu
@@ -125,7 +125,7 @@ def test_decode_captures_in_cuda_graph() -> None:
     k = torch.randn(nreq, hkv, d, device=dev, dtype=torch.bfloat16)
     v = torch.randn(nreq, hkv, d, device=dev, dtype=torch.bfloat16)
     tri = TritonAttentionBackend(max_model_len=4096)
-    tri.prepare_for_capture(nreq, 1, h, hkv, d, dev)
+    tri.prepare_workspace(nreq, 1, h, hkv, d, dev)
     tmd = tri.build_metadata(md)
     cache = pb.kv_cache
     stream = torch.cuda.Stream()

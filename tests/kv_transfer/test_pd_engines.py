@@ -9,10 +9,11 @@ import pytest
 
 from pdserve import LLM, SamplingParams
 from pdserve.config import EngineConfig
+from pdserve.core_types.kv_transfer_params import KVTransferParams
+from pdserve.core_types.scheduler_output import EngineCoreOutput
 from pdserve.engine.engine_core import EngineCore
-from pdserve.engine.processor import InputProcessor
-from pdserve.engine.scheduler_output import EngineCoreOutput
-from pdserve.tokenizer import Tokenizer
+from pdserve.frontend.processor import InputProcessor
+from pdserve.frontend.tokenizer import Tokenizer
 
 PROMPTS = [[(7 * i + j) % 400 + 3 for j in range(n)] for i, n in enumerate((5, 16, 17, 33, 40))]
 
@@ -57,7 +58,7 @@ def _run(
     return got
 
 
-def _prefill(p: EngineCore, pp: InputProcessor, rid: str, ids: list[int]) -> dict:
+def _prefill(p: EngineCore, pp: InputProcessor, rid: str, ids: list[int]) -> KVTransferParams:
     sp = SamplingParams(temperature=0, max_tokens=1)
     p.add_request(
         pp.make_request(rid, ids, sp, {"do_remote_decode": True, "do_remote_prefill": False})
@@ -107,8 +108,8 @@ def test_transferred_kv_gives_identical_outputs(pd, reference) -> None:
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     for i, ids in enumerate(PROMPTS):
         params = _prefill(p, pp, f"r{i}", ids)
-        assert params["remote_request_id"] == f"r{i}" and params["do_remote_prefill"] is True
-        assert len(params["remote_block_ids"]) == -(-len(ids) // 4)
+        assert params.remote_request_id == f"r{i}" and params.do_remote_prefill is True
+        assert len(params.remote_block_ids or []) == -(-len(ids) // 4)
         d.add_request(dp.make_request(f"r{i}", ids, sp, params))
     outs = _run(d, {f"r{i}" for i in range(len(PROMPTS))})
     assert [_tokens(outs[f"r{i}"]) for i in range(len(PROMPTS))] == reference

@@ -2,7 +2,7 @@ import time
 
 import pytest
 
-from pdserve.kv_transfer.base import KVTransferConfig
+from pdserve.config import KVTransferConfig
 from pdserve.kv_transfer.compat import compat_hash, compat_mismatch
 from pdserve.kv_transfer.lease import LeaseTable
 from pdserve.kv_transfer.transports.base import block_runs
@@ -39,7 +39,7 @@ def test_release_during_a_read_frees_only_after_the_read():
 
 
 def test_compat_mismatch_names_each_field():
-    a = {"block_size": 16, "dtype": "bfloat16", "num_layers": 2}
+    a = {"block_size": 16, "dtype": "bfloat16", "num_layers": 2}  # any fields
     assert compat_mismatch(a, dict(a)) is None
     msg = compat_mismatch(a, {**a, "block_size": 32, "dtype": "float16"})
     assert msg is not None

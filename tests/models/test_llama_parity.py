@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from _attn_helper import PagedKV
 
+from _attn_helper import PagedKV
 from pdserve.models import load_model
 from pdserve.models.checkpoint import make_checkpoint
 
@@ -36,7 +36,7 @@ def test_prefill_then_decode_match_transformers(arch: str, loaded_tiny, hf_tiny)
     hf = hf_tiny(arch)
     g = torch.Generator().manual_seed(0)
     seqs = [_random_ids(n, cfg.vocab_size, g) for n in PROMPT_LENS]
-    kv = PagedKV(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, len(seqs), 96)
+    kv = PagedKV(model, len(seqs), 96)
 
     # (a) prefill: all prompts in one flat batch
     ids = torch.cat(seqs)
@@ -69,7 +69,7 @@ def test_mixed_step_chunked_prefill_and_decode(arch: str, loaded_tiny, hf_tiny) 
     hf = hf_tiny(arch)
     g = torch.Generator().manual_seed(1)
     full = [_random_ids(n, cfg.vocab_size, g) for n in (23, 9)]
-    kv = PagedKV(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 2, 32)
+    kv = PagedKV(model, 2, 32)
     first = [13, 8]  # step 1: a 13-token chunk of request 0, all but one token of request 1
     with torch.no_grad(), kv.step([0, 0], first):
         model(
@@ -92,7 +92,7 @@ def test_half_precision_runs(arch: str, dtype: torch.dtype, tiny_ckpts: dict[str
     model, cfg = load_model(tiny_ckpts[arch], dtype=dtype)
     assert all(p.dtype == dtype for p in model.parameters())
     lens = [6, 3]
-    kv = PagedKV(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 2, 16, dtype=dtype)
+    kv = PagedKV(model, 2, 16)
     ids = torch.randint(0, cfg.vocab_size, (sum(lens),), generator=torch.Generator().manual_seed(2))
     with torch.no_grad(), kv.step([0, 0], lens):
         hidden = model(ids, torch.cat([torch.arange(n) for n in lens]))
@@ -129,7 +129,7 @@ def test_llama_variant_with_biases_and_tied_head(tmp_path: Path) -> None:
         d, dtype=torch.float32, attn_implementation="eager"
     ).eval()
     seqs = [_random_ids(n, cfg.vocab_size, torch.Generator().manual_seed(3)) for n in (4, 13)]
-    kv = PagedKV(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 2, 16)
+    kv = PagedKV(model, 2, 16)
     with torch.no_grad(), kv.step([0, 0], [len(s) for s in seqs]):
         logits = model.compute_logits(
             model(torch.cat(seqs), torch.cat([torch.arange(len(s)) for s in seqs]))

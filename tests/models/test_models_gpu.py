@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from _attn_helper import PagedKV
 
+from _attn_helper import PagedKV
 from pdserve.models import load_model
 from pdserve.models.checkpoint import make_checkpoint
 
@@ -25,8 +25,7 @@ def test_cuda_matches_cpu_without_host_syncs(arch: str, tiny_ckpts: dict[str, Pa
     lens = [7, 30]
     ids = torch.randint(0, cfg.vocab_size, (sum(lens),), generator=torch.Generator().manual_seed(0))
     pos = torch.cat([torch.arange(n) for n in lens])
-    shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 2, 40)
-    kv_cpu, kv_gpu = PagedKV(*shape), PagedKV(*shape, device="cuda")
+    kv_cpu, kv_gpu = PagedKV(cpu, 2, 40), PagedKV(gpu, 2, 40)
     ids_gpu, pos_gpu = ids.cuda(), pos.cuda()
     with torch.no_grad(), kv_cpu.step([0, 0], lens):
         ref = cpu.compute_logits(cpu(ids, pos))
@@ -43,15 +42,7 @@ def test_cuda_matches_cpu_without_host_syncs(arch: str, tiny_ckpts: dict[str, Pa
 def test_decode_forward_replays_in_a_cuda_graph(tiny_ckpts: dict[str, Path]) -> None:
     model, cfg = load_model(tiny_ckpts["Qwen3ForCausalLM"], dtype="bfloat16", device="cuda")
     lens = [5, 9, 3]
-    kv = PagedKV(
-        cfg.num_hidden_layers,
-        cfg.num_key_value_heads,
-        cfg.head_dim,
-        3,
-        16,
-        dtype=torch.bfloat16,
-        device="cuda",
-    )
+    kv = PagedKV(model, 3, 16)
     prompt = torch.randint(0, cfg.vocab_size, (sum(lens),), device="cuda")
     with torch.no_grad(), kv.step([0, 0, 0], lens):
         model(prompt, torch.cat([torch.arange(n) for n in lens]).cuda())
@@ -91,15 +82,7 @@ def test_llama_8b_shape_loads_with_one_copy(tmp_path: Path) -> None:
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     assert weights == 8_030_261_248 * 2
     assert torch.cuda.max_memory_allocated() < weights * 1.1  # never two copies
-    kv = PagedKV(
-        cfg.num_hidden_layers,
-        cfg.num_key_value_heads,
-        128,
-        1,
-        64,
-        dtype=torch.bfloat16,
-        device="cuda",
-    )
+    kv = PagedKV(model, 1, 64)
     with torch.no_grad(), kv.step([0], [64]):
         logits = model.compute_logits(
             model(torch.arange(64, device="cuda"), torch.arange(64, device="cuda"))

@@ -16,9 +16,10 @@ from typing import Any
 import jinja2.sandbox
 import pytest
 
-from pdserve.engine.outputs import CompletionOutput, RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.metrics.stats import SchedulerStats
+from pdserve.core_types.kv_transfer_params import KVTransferParams
+from pdserve.core_types.sampling_params import SamplingParams
+from pdserve.core_types.stats import SchedulerStats
+from pdserve.frontend.outputs import CompletionOutput, RequestOutput
 from pdserve.serving.api_serve import ApiServer
 from pdserve.serving.api_server import build_app
 
@@ -106,7 +107,7 @@ class FakeEngineClient:
         prompt: str | None,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        kv_transfer_params: dict | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError("fake engine: prompt too long")
@@ -121,7 +122,7 @@ class FakeEngineClient:
         prompt: str | None,
         prompt_ids: list[int],
         params: SamplingParams,
-        kv: dict | None,
+        kv: KVTransferParams | None,
     ) -> AsyncIterator[RequestOutput]:
         if prompt is not None and "REJECT" in prompt:
             raise ValueError("fake engine rejects this prompt")
@@ -145,7 +146,15 @@ class FakeEngineClient:
                     reason = "stop"
                 elif i == max_tokens - 1:
                     reason = "length"
-                out_kv = {"echo": kv, "request_id": rid} if kv is not None and reason else None
+                out_kv = None
+                if kv is not None and reason:  # as a prefill instance answers
+                    out_kv = KVTransferParams(
+                        do_remote_prefill=True,
+                        remote_block_ids=[1, 2],
+                        remote_request_id=rid,
+                        remote_host="127.0.0.1",
+                        remote_port=9,
+                    )
                 if reason:  # the engine's stats drop a request before its last output is sent
                     self.running.discard(rid)
                 yield self._out(rid, prompt, prompt_ids, [tid], chr(tid), reason, out_kv, params)
@@ -163,7 +172,7 @@ class FakeEngineClient:
         ids: list[int],
         text: str,
         reason: str | None,
-        kv: dict | None,
+        kv: KVTransferParams | None,
         params: SamplingParams,
     ) -> RequestOutput:
         logprobs = [-0.5] * len(ids) if params.logprobs is not None else None

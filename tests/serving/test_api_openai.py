@@ -8,6 +8,8 @@ import httpx
 import openai
 import pytest
 
+from pdserve.core_types.kv_transfer_params import KVTransferParams
+
 from .conftest import MODEL, FakeEngineClient, ServerFactory, ServerThread
 
 
@@ -198,8 +200,35 @@ def test_kv_transfer_params_round_trip(
             headers={"X-Request-Id": "pd-1"},
         )
     assert r.status_code == 200
-    assert server_engine.requests["pd-1"][2] == kv
-    assert r.json()["kv_transfer_params"] == {"echo": kv, "request_id": "pd-1"}
+    assert server_engine.requests["pd-1"][2] == KVTransferParams(**kv)  # typed at the edge
+    assert r.json()["kv_transfer_params"] == {
+        "do_remote_prefill": True,
+        "remote_block_ids": [1, 2],
+        "remote_request_id": "pd-1",
+        "remote_host": "127.0.0.1",
+        "remote_port": 9,
+    }
+
+
+@pytest.mark.parametrize(
+    "kv,field",
+    [
+        ({"remote_port": "x"}, "kv_transfer_params.remote_port"),
+        ({"do_remote_prefill": True, "remote_host": "h"}, "kv_transfer_params.remote_block_ids"),
+        ({"remote_block_ids": [1, -2]}, "kv_transfer_params.remote_block_ids"),
+        ({"bogus": 1}, "unknown field `bogus`"),
+        ([1, 2], "kv_transfer_params"),
+    ],
+)
+def test_bad_kv_transfer_params_get_400_naming_the_field(
+    server: ServerThread, server_engine: FakeEngineClient, kv: object, field: str
+) -> None:
+    with httpx.Client(base_url=server.url, timeout=10) as c:
+        r = c.post(
+            "/v1/completions", json={"prompt": "p", "max_tokens": 1, "kv_transfer_params": kv}
+        )
+    assert r.status_code == 400
+    assert field in r.json()["error"]["message"]
 
 
 def test_x_request_id_passes_through(server: ServerThread, server_engine: FakeEngineClient) -> None:

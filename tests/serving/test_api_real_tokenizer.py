@@ -20,7 +20,7 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_chat_and_tokenize_with_real_tokenizer(llama_dir: Path, make_server: ServerFactory) -> None:
-    from pdserve.tokenizer import Tokenizer
+    from pdserve.frontend.tokenizer import Tokenizer
 
     tok = Tokenizer.from_pretrained(llama_dir)
     engine = FakeEngineClient(tokenizer=tok, max_model_len=256)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.core_types.stats import SchedulerStats
 from pdserve.metrics.prometheus import (
     ITL_BUCKETS,
     TTFT_BUCKETS,
     PrometheusMetrics,
     build_1_2_5_buckets,
 )
-from pdserve.metrics.stats import SchedulerStats
 
 from .conftest import MODEL, FakeEngineClient, ServerFactory
 

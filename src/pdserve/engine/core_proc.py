@@ -18,10 +18,10 @@ import traceback
 import zmq
 
 from pdserve.config import EngineConfig
-from pdserve.engine import messages as M
+from pdserve.core_types import messages as M
+from pdserve.core_types.scheduler_output import EngineCoreOutput
 from pdserve.engine.engine_core import EngineCore
-from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.scheduler_output import EngineCoreOutput
+from pdserve.engine.request import RequestStatus
 from pdserve.heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
@@ -105,19 +105,10 @@ def _loop(core: EngineCore, inp: zmq.Socket, out: zmq.Socket, parent: int) -> No
 
 
 def _handle(core: EngineCore, msg: M.ToEngine) -> list[EngineCoreOutput]:
-    if isinstance(msg, M.AddRequest):
-        req = Request(
-            request_id=msg.request_id,
-            prompt_token_ids=msg.prompt_token_ids,
-            sampling_params=msg.sampling_params,
-            eos_token_ids=frozenset(msg.eos_token_ids),
-            arrival_time=msg.arrival_time,
-            kv_transfer_params=msg.kv_transfer_params,
-            max_output_tokens=msg.max_output_tokens,
-        )
+    if isinstance(msg, M.EngineCoreRequest):
         try:
-            core.add_request(req)
-        except ValueError as e:  # e.g. malformed kv_transfer_params: fail this request only
+            core.add_request(msg)
+        except ValueError as e:  # e.g. a duplicate request id: fail this request only
             return [EngineCoreOutput(msg.request_id, [], finish_reason="error", error=str(e))]
     elif isinstance(msg, M.AbortRequests):
         status = (

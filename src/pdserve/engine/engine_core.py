@@ -3,7 +3,9 @@
 ``step()`` is ``schedule() -> execute() -> update()`` (with async scheduling, one step
 stays in flight between calls; see :meth:`EngineCore.step`). The core is single-threaded:
 requests are added and aborted between steps (in-process by ``LLM``, or by the
-engine-core process loop reading ZMQ messages).
+engine-core process loop reading ZMQ messages). The KV connector's worker half is
+driven here, around the runner: it starts the step's loads before the step launches
+and reports what finished when the step's results are collected.
 """
 
 from __future__ import annotations
@@ -13,29 +15,33 @@ import time
 from dataclasses import replace
 
 from pdserve.config import EngineConfig
+from pdserve.core_types.messages import EngineCoreRequest
+from pdserve.core_types.scheduler_output import EngineCoreOutput, RunnerOutput, SchedulerOutput
+from pdserve.core_types.stats import SchedulerStats, read_rss_bytes
 from pdserve.engine.kv_cache.manager import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.scheduler_output import EngineCoreOutput, SchedulerOutput
+from pdserve.kv_transfer.base import KVConnectorWorker
 from pdserve.kv_transfer.compat import compat_info
 from pdserve.kv_transfer.pd_connector import PdConnectorScheduler, make_pd_connector
-from pdserve.metrics.stats import SchedulerStats, read_rss_bytes
 from pdserve.runner.model_runner import ModelRunner, StepHandle
+from pdserve.spec_decode.proposer import Proposer
 
 logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, proposer: Proposer | None = None) -> None:
         t0 = time.perf_counter()
         self.config = config
-        self.runner = ModelRunner(config)
+        self.runner = ModelRunner(config, proposer)
         num_blocks = self.runner.determine_num_blocks()
         self.runner.initialize_kv_cache(num_blocks)
         self.warmup_phases = self.runner.warm_up()
         self.kv = KVCacheManager(
             num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
+        self.connector_worker: KVConnectorWorker | None = None
         self.connector = self._make_connector()
         kvt = config.kv_transfer
         self.scheduler = Scheduler(
@@ -44,6 +50,7 @@ class EngineCore:
             self.runner.max_model_len,
             self.connector,
             kvt.kv_load_failure_policy if kvt is not None else "fail",
+            num_spec_tokens=self.runner.num_spec,
         )
         self._rss_read_at = 0.0
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
@@ -63,24 +70,21 @@ class EngineCore:
         if kvt is None:
             return None
         r = self.runner
-        hc = r.hf_config
         compat = compat_info(
-            model_config=dict(getattr(hc, "raw", {}) or {}),
-            dtype=str(r.dtype).removeprefix("torch."),
+            model_config=dict(getattr(r.hf_config, "raw", {}) or {}),
+            kv_cache=r.kv_cache_config.describe(),
             block_size=r.block_size,
-            kv_layout=list(r.kv_caches[0].shape[2:]) if r.kv_caches else [],
-            num_layers=len(r.kv_caches),
             speculative=None,
             transport=kvt.transport,
         )
         sched_half, worker_half = make_pd_connector(kvt, r.block_size, compat)
         worker_half.register_kv_caches(r.kv_caches)
-        r.kv_connector = worker_half
+        self.connector_worker = worker_half
         return sched_half
 
     def shutdown(self) -> None:
-        if self.runner.kv_connector is not None:
-            self.runner.kv_connector.shutdown()
+        if self.connector_worker is not None:
+            self.connector_worker.shutdown()
 
     def release_kv(self, request_id: str) -> bool:
         """Free blocks held for a remote decode now (the proxy gave the request up)."""
@@ -94,8 +98,9 @@ class EngineCore:
     def vocab_size(self) -> int:
         return self.runner.vocab_size
 
-    def add_request(self, req: Request) -> None:
-        self.scheduler.add_request(req)
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request the frontend validated (a duplicate id is a ValueError)."""
+        self.scheduler.add_request(Request(request))
 
     def abort_requests(
         self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
@@ -118,7 +123,7 @@ class EngineCore:
         if not on and self._in_flight is not None:
             so, handle = self._in_flight
             self._in_flight = None
-            outputs = self.scheduler.update_from_output(so, self.runner.finish(handle))
+            outputs = self.scheduler.update_from_output(so, self._finish(handle))
         self.scheduler.async_scheduling = on
         return outputs
 
@@ -127,6 +132,17 @@ class EngineCore:
 
     def has_schedulable_work(self) -> bool:
         return self.scheduler.has_schedulable_work()
+
+    def _launch(self, so: SchedulerOutput) -> StepHandle:
+        if self.connector_worker is not None and so.kv_connector_metadata is not None:
+            self.connector_worker.start_load_kv(so.kv_connector_metadata)
+        return self.runner.launch(so)
+
+    def _finish(self, handle: StepHandle) -> RunnerOutput:
+        out = self.runner.finish(handle)
+        if self.connector_worker is not None:
+            out.kv_connector_output = self.connector_worker.get_finished()
+        return out
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule and run one step; returns the outputs of the step that finished.
@@ -138,12 +154,12 @@ class EngineCore:
         so = self.scheduler.schedule()
         # also when empty: the runner drops finished rows and the connector reports
         if not self.scheduler.async_scheduling:
-            return self.scheduler.update_from_output(so, self.runner.execute_model(so))
-        handle = self.runner.launch(so)
+            return self.scheduler.update_from_output(so, self._finish(self._launch(so)))
+        handle = self._launch(so)
         prev, self._in_flight = self._in_flight, (so, handle)
         if prev is None:
             return []
-        return self.scheduler.update_from_output(prev[0], self.runner.finish(prev[1]))
+        return self.scheduler.update_from_output(prev[0], self._finish(prev[1]))
 
     def stats(self) -> SchedulerStats:
         s = self.scheduler.make_stats()

@@ -1,19 +1,22 @@
 """One request's engine-side state and its state machine.
 
 States: WAITING -> [WAITING_FOR_REMOTE_KV] -> RUNNING <-> PREEMPTED -> FINISHED_*.
-A request's progress is ``num_computed_tokens`` over ``all_token_ids`` (prompt +
+A request's progress is ``num_computed_tokens`` over ``all_token_ids()`` (prompt +
 output so far); each step the scheduler gives it some number of tokens to compute
 on top of that. Preemption frees its blocks and resets ``num_computed_tokens`` to 0
 (recompute); its output tokens are kept and recomputed as part of the prefix.
+
+A request is made from the frontend's validated :class:`EngineCoreRequest` and from
+nothing else.
 """
 
 from __future__ import annotations
 
 import enum
-import time
-from dataclasses import dataclass, field
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.core_types.kv_transfer_params import KVTransferParams
+from pdserve.core_types.messages import EngineCoreRequest
+from pdserve.core_types.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -43,29 +46,29 @@ _FINISH_REASON = {
 }
 
 
-@dataclass
 class Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    eos_token_ids: frozenset[int] = frozenset()
-    arrival_time: float = field(default_factory=time.monotonic)
-    kv_transfer_params: dict | None = None
-    # computed limits (set by the processor): absolute cap on output tokens
-    max_output_tokens: int = 16
-
-    status: RequestStatus = RequestStatus.WAITING
-    output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
-    num_computed_tokens: int = 0
-    # tokens sampled by a step still in flight (async scheduling): computed, not yet known
-    num_output_placeholders: int = 0
-    num_cached_tokens: int = -1  # prompt tokens hit in the prefix cache at first schedule
-    num_preemptions: int = 0
-    stop_reason: int | str | None = None
-    error: str | None = None
-    # block hashes of full blocks of all_token_ids, extended lazily by the KV manager
-    block_hashes: list[bytes] = field(default_factory=list)
+    def __init__(self, r: EngineCoreRequest) -> None:
+        self.request_id: str = r.request_id
+        self.prompt_token_ids: list[int] = r.prompt_token_ids
+        self.sampling_params: SamplingParams = r.sampling_params
+        self.eos_token_ids = frozenset(r.eos_token_ids)
+        self.arrival_time = r.arrival_time
+        self.kv_transfer_params: KVTransferParams | None = r.kv_transfer_params
+        self.max_output_tokens = r.max_output_tokens  # absolute cap on output tokens
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        # tokens a step still in flight produces (async scheduling): computed, not yet
+        # known; a verify counts all its drafts plus one until its result lands
+        self.num_output_placeholders = 0
+        self.num_cached_tokens = -1  # prompt tokens hit in the prefix cache at first schedule
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+        # block hashes of full blocks of all_token_ids, extended lazily by the KV manager
+        self.block_hashes: list[bytes] = []
+        # drafts for the next step that the host knows (synchronous scheduling)
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -78,10 +81,6 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
-
-    def token_at(self, idx: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[idx] if idx < n else self.output_token_ids[idx - n]
 
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
@@ -97,3 +96,7 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def finished_normally(self) -> bool:
+        return self.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)

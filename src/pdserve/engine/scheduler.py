@@ -7,8 +7,18 @@ the waiting queue). Waiting requests are admitted in FIFO order while the token
 budget, ``max_num_seqs`` and free blocks allow, prompts chunked to fit the budget.
 No new requests are admitted in a step that preempted.
 
-Every per-step collection (finished ids, new block ids) is handed out and replaced
-each step, so nothing grows with the number of requests served.
+Speculative decoding (``num_spec_tokens`` > 0): a decoding request computes its last
+token plus up to k drafts, capped so that what it could accept stays within its
+``max_tokens`` and ``max_model_len``. The drafts are the ones the last finished step
+proposed (``Request.spec_token_ids``), or, under async scheduling while a step of the
+request is still in flight, ``-1`` placeholders the runner fills on the device. When
+the result lands the request advances by however many tokens were accepted; stops and
+length limits are checked token by token inside that run, and the slots of rejected
+drafts are given back. A request still short of ``min_tokens`` gets no drafts (its
+bans need an exact output count).
+
+Every per-step collection (finished ids) is handed out and replaced each step, so
+nothing grows with the number of requests served.
 """
 
 from __future__ import annotations
@@ -16,19 +26,20 @@ from __future__ import annotations
 from collections import deque
 
 from pdserve.config import SchedulerConfig
-from pdserve.engine.kv_cache.block_pool import KVCacheBlock
-from pdserve.engine.kv_cache.manager import KVCacheManager
-from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.scheduler_output import (
+from pdserve.core_types.kv_connector import KVConnectorOutput
+from pdserve.core_types.kv_transfer_params import KVTransferParams
+from pdserve.core_types.scheduler_output import (
     CachedRequestData,
     EngineCoreOutput,
-    KVConnectorOutput,
     NewRequestData,
     RunnerOutput,
     SchedulerOutput,
 )
+from pdserve.core_types.stats import SchedulerStats
+from pdserve.engine.kv_cache.block_pool import KVCacheBlock
+from pdserve.engine.kv_cache.manager import KVCacheManager
+from pdserve.engine.request import Request, RequestStatus
 from pdserve.kv_transfer.base import KVConnectorScheduler
-from pdserve.metrics.stats import SchedulerStats
 
 
 class Scheduler:
@@ -39,6 +50,7 @@ class Scheduler:
         max_model_len: int,
         connector: KVConnectorScheduler | None = None,
         load_failure_policy: str = "fail",
+        num_spec_tokens: int = 0,
     ) -> None:
         self.config = config
         self.kv = kv
@@ -46,6 +58,7 @@ class Scheduler:
         self.connector = connector
         self.load_failure_policy = load_failure_policy
         self.async_scheduling = config.async_scheduling
+        self.num_spec_tokens = num_spec_tokens
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -82,13 +95,14 @@ class Scheduler:
             done.append(req)
         return done
 
-    def _free(self, req: Request, status: RequestStatus) -> dict | None:
+    def _free(self, req: Request, status: RequestStatus) -> KVTransferParams | None:
         """Finish ``req``; its blocks are freed now unless the connector takes them over
         (prefill holding them for decode). Returns the connector's kv_transfer_params."""
         req.status = status
         delay, params = False, None
         if self.connector is not None:
             delay, params = self.connector.request_finished(req, self.kv.block_ids(req.request_id))
+        req.spec_token_ids = []
         if not delay:
             self.kv.free(req.request_id)
         del self.requests[req.request_id]
@@ -100,6 +114,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_output_placeholders = 0  # a token in flight for it is dropped
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -122,6 +137,7 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         preempted: set[str] = set()
 
+        spec: dict[str, list[int]] = {}
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -129,6 +145,8 @@ class Scheduler:
                 i += 1  # its last token is in flight: it finishes when that lands
                 continue
             n = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, budget)
+            drafts = self._drafts(req, n, budget)
+            n += len(drafts)
             blocks = None
             while True:
                 blocks = self.kv.allocate_slots(req, n)
@@ -142,9 +160,14 @@ class Scheduler:
             if blocks is None:
                 break
             num_sched[req.request_id] = n
+            if drafts:
+                spec[req.request_id] = drafts
             cached_reqs.append(
                 CachedRequestData(
-                    req.request_id, [b.block_id for b in blocks], req.num_computed_tokens
+                    req.request_id,
+                    [b.block_id for b in blocks],
+                    self.kv.num_blocks(req.request_id),
+                    req.num_computed_tokens,
                 )
             )
             budget -= n
@@ -203,14 +226,14 @@ class Scheduler:
             if req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders:
                 will_sample.add(rid)
                 if self.async_scheduling:
-                    req.num_output_placeholders += 1
-        self.kv.take_new_block_ids()  # drained every step; block ids travel per request
+                    req.num_output_placeholders += 1 + len(spec.get(rid, ()))
         finished, self._finished_ids = self._finished_ids, set()
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
             num_scheduled_tokens=num_sched,
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            scheduled_spec_decode_tokens=spec,
             finished_req_ids=finished,
             preempted_req_ids=preempted,
             sampling_req_ids=will_sample,
@@ -218,6 +241,26 @@ class Scheduler:
                 self.connector.build_connector_meta() if self.connector is not None else None
             ),
         )
+
+    def _drafts(self, req: Request, num_new: int, budget: int) -> list[int]:
+        """The drafts ``req`` verifies this step (see the module doc); [] for none."""
+        if not self.num_spec_tokens or num_new != 1:
+            return []
+        if req.num_output_tokens < req.sampling_params.min_tokens:
+            return []
+        in_flight = req.num_output_placeholders
+        if not (in_flight or req.spec_token_ids):
+            return []  # nothing proposed for it yet (its first token comes from elsewhere)
+        room = min(
+            req.max_output_tokens - req.num_output_tokens - in_flight,
+            self.max_model_len - req.num_tokens - in_flight,
+        )
+        d = min(self.num_spec_tokens, room - 1, budget - num_new)
+        if d <= 0:
+            return []
+        if in_flight:  # the step in flight proposes them, on the device
+            return [-1] * d
+        return (req.spec_token_ids + [-1] * d)[:d]
 
     def _start_remote_load(self, req: Request, hits: list[KVCacheBlock], num_hit: int) -> bool:
         """Park ``req`` in WAITING_FOR_REMOTE_KV if its prompt comes from a prefill
@@ -287,21 +330,33 @@ class Scheduler:
                 continue  # a prompt chunk that did not reach the end: nothing sampled
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:
-                continue  # finished, aborted or preempted since: the token is dropped
-            tok = out.sampled_token_ids[i]
-            if req.num_output_placeholders:
-                req.num_output_placeholders -= 1
-            req.output_token_ids.append(tok)
+                continue  # finished, aborted or preempted since: the tokens are dropped
+            new = out.sampled_token_ids[i]
+            num_drafts = len(sched.scheduled_spec_decode_tokens.get(rid, ()))
+            if self.async_scheduling:
+                req.num_output_placeholders -= 1 + num_drafts
+            if len(new) < num_drafts + 1:  # rejected drafts: their slots are recomputed
+                req.num_computed_tokens -= num_drafts + 1 - len(new)
+                self.kv.trim(rid, req.num_computed_tokens)
+            status = None
+            taken = 0
+            for tok in new:
+                req.output_token_ids.append(tok)
+                taken += 1
+                status = self._stop_status(req, tok)
+                if status is not None:
+                    break
             lp = None
             if out.logprobs is not None and req.sampling_params.logprobs is not None:
-                lp = [out.logprobs[i]]
-            status = self._stop_status(req, tok)
-            eo = EngineCoreOutput(rid, [tok], lp, num_cached_tokens=req.num_cached_tokens)
+                lp = out.logprobs[i][:taken]
+            eo = EngineCoreOutput(rid, new[:taken], lp, num_cached_tokens=req.num_cached_tokens)
             if status is not None:
                 any_finished = True
                 eo.finish_reason = status.finish_reason
                 eo.stop_reason = req.stop_reason
                 eo.kv_transfer_params = self._free(req, status)
+            elif out.draft_token_ids is not None:
+                req.spec_token_ids = out.draft_token_ids[i]
             outputs.append(eo)
         if any_finished:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]

@@ -54,6 +54,6 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
 
 def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     """The model's torch form (:class:`pdserve.layers.activation.SiluAndMul`)."""
-    from pdserve.layers.activation import silu_and_mul_torch
+    from pdserve.kernels.reference import silu_and_mul_torch
 
     return silu_and_mul_torch(x)

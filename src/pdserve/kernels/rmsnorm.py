@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels._utils import check_device, next_pow2
-from pdserve.layers.norm import rms_norm
+from pdserve.kernels.reference import rms_norm
 
 
 @triton.jit
@@ -132,7 +132,7 @@ def fused_add_rmsnorm(
 
 
 def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The model's RMSNorm (:func:`pdserve.layers.norm.rms_norm`)."""
+    """The model's RMSNorm (:func:`pdserve.kernels.reference.rms_norm`)."""
     return rms_norm(x, weight, eps)
 
 

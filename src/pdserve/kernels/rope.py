@@ -8,7 +8,7 @@ first ``rot`` dims of every head are rotated (dim ``i < rot/2`` paired with
 ``i + rot/2``), dims past ``rot`` are left as they are (``rot = head_dim`` for
 Llama). Positions out of the table are the caller's bug, as in the torch path.
 
-Numerics match :func:`pdserve.layers.rotary.apply_rotary` bit for bit for bf16
+Numerics match :func:`pdserve.kernels.reference.apply_rotary` bit for bit for bf16
 and fp16 on the compiled path: each product is rounded to the input dtype, then
 the difference/sum is rounded again (what torch does for ``x1*c - x2*s`` in a
 16-bit dtype). No host syncs; the grid depends only on shapes.
@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels._utils import check_device, next_pow2
-from pdserve.layers.rotary import apply_rotary
+from pdserve.kernels.reference import apply_rotary
 
 
 @triton.jit

@@ -1,6 +1,6 @@
 """Sort-free, sync-free sampling: greedy, temperature, top-k, top-p, min-p in one kernel.
 
-Semantics are those of :class:`pdserve.runner.sampler.Sampler` (the sort-based
+Semantics are those of :class:`pdserve.layers.sampler.Sampler` (the sort-based
 reference): ``x = logits / T``; keep the ``k`` largest ``x`` (ties with the k-th
 kept); of those keep the nucleus (a token is kept when the probability mass
 strictly above it, renormalised over the top-k set, is ``<= top_p``); of those
@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels._utils import check_device
-from pdserve.runner.sampler import apply_top_k_top_p
+from pdserve.kernels.reference import apply_top_k_top_p
 
 MAX_ROUNDS = 64
 
@@ -248,7 +248,7 @@ def sample_reference(
     noise: torch.Tensor | None = None,
     greedy_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The runner's sort-based sampler math (:class:`pdserve.runner.sampler.Sampler`)."""
+    """The runner's sort-based sampler math (:class:`pdserve.layers.sampler.Sampler`)."""
     greedy = logits.argmax(dim=-1)
     if temperature is None:
         return greedy

@@ -11,20 +11,20 @@ import hashlib
 import json
 from typing import Any
 
-CONNECTOR_VERSION = 1
+CONNECTOR_VERSION = 2
 
 
 def compat_info(
     *,
     model_config: dict[str, Any],
-    dtype: str,
+    kv_cache: list[dict[str, Any]],
     block_size: int,
-    kv_layout: list[int],
-    num_layers: int,
     speculative: dict[str, Any] | None,
     transport: str,
 ) -> dict[str, Any]:
-    """Fields that must be equal on both ends (``kv_layout`` is one block's cache shape)."""
+    """Fields that must be equal on both ends: ``kv_cache`` describes every cache group
+    (kind, dtype, one block's shape and block axis, its layers), as
+    :meth:`KVCacheConfig.describe` gives it."""
     arch = json.dumps(
         {
             k: model_config.get(k)
@@ -37,10 +37,8 @@ def compat_info(
     return {
         "connector_version": CONNECTOR_VERSION,
         "model_config_hash": hashlib.sha256(arch.encode()).hexdigest()[:16],
-        "dtype": dtype,
         "block_size": block_size,
-        "kv_layout": list(kv_layout),
-        "num_layers": num_layers,
+        "kv_cache": kv_cache,
         "speculative_config": speculative,
         "transport": transport,
     }

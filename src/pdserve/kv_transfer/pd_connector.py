@@ -12,35 +12,34 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from pdserve.engine.kv_cache.manager import cdiv
-from pdserve.engine.request import Request, RequestStatus
-from pdserve.kv_transfer.base import (
+from pdserve.config import KVTransferConfig
+from pdserve.core_types.kv_connector import (
     KVConnectorMetadata,
     KVConnectorOutput,
-    KVConnectorScheduler,
-    KVConnectorWorker,
-    KVTransferConfig,
+    KVLoad,
+    KVNotice,
+    KVPeer,
 )
+from pdserve.core_types.kv_transfer_params import KVTransferParams
+from pdserve.core_types.utils import cdiv
+from pdserve.forward_context import KVCaches
+from pdserve.kv_transfer.base import ConnectorRequest, KVConnectorScheduler, KVConnectorWorker
 from pdserve.kv_transfer.lease import LeaseTable
-from pdserve.kv_transfer.puller import KVPuller, LoadJob
+from pdserve.kv_transfer.puller import KVPuller
 from pdserve.kv_transfer.server import KVServer
 from pdserve.kv_transfer.transports import make_transport
 
 logger = logging.getLogger(__name__)
 
-_REMOTE_FIELDS = ("remote_block_ids", "remote_request_id", "remote_host", "remote_port")
 
-
-def wants_remote_prefill(req: Request) -> bool:
+def wants_remote_prefill(req: ConnectorRequest) -> bool:
     p = req.kv_transfer_params
-    return bool(p and p.get("do_remote_prefill"))
+    return p is not None and p.do_remote_prefill
 
 
-def wants_remote_decode(req: Request) -> bool:
+def wants_remote_decode(req: ConnectorRequest) -> bool:
     p = req.kv_transfer_params
-    return bool(p and p.get("do_remote_decode"))
+    return p is not None and p.do_remote_decode
 
 
 @dataclass
@@ -59,27 +58,25 @@ class PdConnectorScheduler(KVConnectorScheduler):
         self.s = shared
         self.cfg = shared.config
         self.block_size = block_size
-        self._remote: dict[str, Request] = {}  # queued remote-prefill requests (heartbeats)
-        self._pending: dict[str, tuple[dict, list[int], int, int]] = {}  # to load next step
+        # queued remote-prefill requests (heartbeats): id -> its prefill's params
+        self._remote: dict[str, KVTransferParams] = {}
+        self._pending: dict[str, KVLoad] = {}  # to load next step
         self._loading: set[str] = set()
         self._abandoned: set[str] = set()  # finished while their load was in flight
-        self._cancels: list[tuple[dict, str]] = []
+        self._cancels: list[KVNotice] = []
         self._last_heartbeat = 0.0
         self._freeable: list[str] = []
         self.num_failed_transfers = 0
 
     # -- decode side ------------------------------------------------------------------------
-    def on_new_request(self, req: Request) -> None:
-        if not (self.cfg.is_consumer and wants_remote_prefill(req)):
+    def on_new_request(self, req: ConnectorRequest) -> None:
+        p = req.kv_transfer_params
+        if p is None or not (self.cfg.is_consumer and p.do_remote_prefill):
             return
-        p = req.kv_transfer_params or {}
-        missing = [f for f in _REMOTE_FIELDS if p.get(f) is None]
-        if missing:
-            raise ValueError(f"kv_transfer_params with do_remote_prefill lack {', '.join(missing)}")
-        self._remote[req.request_id] = req
+        self._remote[req.request_id] = p  # its remote_* fields were checked at the edge
 
     def get_num_new_matched_tokens(
-        self, req: Request, num_computed_tokens: int
+        self, req: ConnectorRequest, num_computed_tokens: int
     ) -> tuple[int, bool]:
         if req.request_id not in self._remote or req.request_id in self._loading:
             return 0, False
@@ -87,40 +84,41 @@ class PdConnectorScheduler(KVConnectorScheduler):
         return max(0, req.num_prompt_tokens - 1 - num_computed_tokens), True
 
     def update_state_after_alloc(
-        self, req: Request, block_ids: list[int], num_external_tokens: int
+        self, req: ConnectorRequest, block_ids: list[int], num_external_tokens: int
     ) -> None:
         if num_external_tokens <= 0:
             return
-        p = req.kv_transfer_params or {}
+        p = self._remote[req.request_id]
         first = req.num_computed_tokens // self.block_size  # local prefix hits are whole blocks
         last = cdiv(req.num_computed_tokens + num_external_tokens, self.block_size)
         held = cdiv(req.num_prompt_tokens, self.block_size)
-        if len(p.get("remote_block_ids") or []) != held:
+        sent = len(p.remote_block_ids or [])
+        if sent != held:
             logger.warning(
                 "request %s: prefill sent %d block ids for a %d-token prompt (%d expected)",
                 req.request_id,
-                len(p.get("remote_block_ids") or []),
+                sent,
                 req.num_prompt_tokens,
                 held,
             )
-        self._pending[req.request_id] = (p, block_ids[first:last], first, held)
+        assert p.remote_request_id is not None
+        self._pending[req.request_id] = KVLoad(
+            req.request_id, KVPeer.of(p), p.remote_request_id, block_ids[first:last], first, held
+        )
 
     def build_connector_meta(self) -> KVConnectorMetadata:
-        meta = KVConnectorMetadata()
-        for rid, (p, local, first, held) in self._pending.items():
-            meta.loads[rid] = (p, local, first, held)
-            self._loading.add(rid)
+        meta = KVConnectorMetadata(loads=list(self._pending.values()))
+        self._loading.update(self._pending)
         self._pending = {}
         meta.cancels, self._cancels = self._cancels, []
         now = time.monotonic()
         if self._remote and now - self._last_heartbeat >= self.cfg.lease_seconds / 6:
             self._last_heartbeat = now
-            groups: dict[tuple[str, int], tuple[dict, list[str]]] = {}
-            for req in self._remote.values():
-                p = req.kv_transfer_params or {}
-                key = (str(p["remote_host"]), int(p["remote_port"]))
-                groups.setdefault(key, (p, []))[1].append(str(p["remote_request_id"]))
-            meta.heartbeats = list(groups.values())
+            groups: dict[KVPeer, list[str]] = {}
+            for p in self._remote.values():
+                assert p.remote_request_id is not None
+                groups.setdefault(KVPeer.of(p), []).append(p.remote_request_id)
+            meta.heartbeats = [KVNotice(peer, ids) for peer, ids in groups.items()]
         return meta
 
     def update_connector_output(self, out: KVConnectorOutput) -> None:
@@ -132,44 +130,46 @@ class PdConnectorScheduler(KVConnectorScheduler):
                 self._freeable.append(rid)
         self.num_failed_transfers += len(out.failed_recving)
 
-    def give_up(self, req: Request) -> None:
+    def give_up(self, req: ConnectorRequest) -> None:
         """Decode will not read this request's KV (load failed, or recompute instead)."""
         self._remote.pop(req.request_id, None)
-        if req.kv_transfer_params:
-            self._cancels.append(
-                (req.kv_transfer_params, str(req.kv_transfer_params["remote_request_id"]))
-            )
+        self._cancel(req.kv_transfer_params)
+
+    def _cancel(self, p: KVTransferParams | None) -> None:
+        if p is not None and p.do_remote_prefill and p.remote_request_id is not None:
+            self._cancels.append(KVNotice(KVPeer.of(p), [p.remote_request_id]))
 
     # -- both sides -------------------------------------------------------------------------
-    def request_finished(self, req: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+    def request_finished(
+        self, req: ConnectorRequest, block_ids: list[int]
+    ) -> tuple[bool, KVTransferParams | None]:
         rid = req.request_id
         if rid in self._remote:  # decode side, KV not (fully) pulled
-            self._remote.pop(rid)
+            p = self._remote.pop(rid)
             self._pending.pop(rid, None)
             if rid in self._loading:  # a pull is writing into our blocks: free after it stops
                 self._abandoned.add(rid)
                 return True, None
-            p = req.kv_transfer_params or {}
-            self._cancels.append((p, str(p["remote_request_id"])))
+            self._cancel(p)
             return False, None
-        ok = req.status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
+        ok = req.finished_normally
         if not (self.cfg.is_producer and wants_remote_decode(req) and ok and block_ids):
             return False, None
         srv = self.s.server
         assert srv is not None
         self.s.leases.add(rid, block_ids)
-        return True, {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_engine_id": self.s.engine_id,
-            "remote_block_ids": list(block_ids),
-            "remote_request_id": rid,
-            "remote_host": srv.host,
-            "remote_port": srv.port,
-            "tp_size": 1,
-            "remote_num_tokens": req.num_prompt_tokens,
-            "remote_lease_seconds": self.cfg.lease_seconds,
-        }
+        return True, KVTransferParams(
+            do_remote_prefill=True,
+            do_remote_decode=False,
+            remote_engine_id=self.s.engine_id,
+            remote_block_ids=list(block_ids),
+            remote_request_id=rid,
+            remote_host=srv.host,
+            remote_port=srv.port,
+            tp_size=1,
+            remote_num_tokens=req.num_prompt_tokens,
+            remote_lease_seconds=self.cfg.lease_seconds,
+        )
 
     def take_freeable(self) -> list[str]:
         out, self._freeable = self._freeable, []
@@ -191,18 +191,16 @@ class PdConnectorWorker(KVConnectorWorker):
     def __init__(self, shared: _Shared, compat: dict[str, Any]) -> None:
         self.s = shared
         self.compat = compat
-        self._caches: list[torch.Tensor] = []
 
-    def register_kv_caches(self, kv_caches: list[Any]) -> None:
+    def register_kv_caches(self, kv_caches: KVCaches) -> None:
         cfg = self.s.config
         extra = cfg.kv_connector_extra_config
-        self._caches = list(kv_caches)
         server_cls, client_cls = make_transport(cfg.transport)
         if cfg.is_producer:
             self.s.server = KVServer(
                 self.s.engine_id,
                 self.compat,
-                server_cls(self._caches),
+                server_cls(kv_caches),
                 self.s.leases,
                 str(extra.get("host", "127.0.0.1")),
                 int(extra.get("port", 0)),
@@ -215,10 +213,9 @@ class PdConnectorWorker(KVConnectorWorker):
                 cfg.transport,
             )
         if cfg.is_consumer:
-            caches = self._caches
             self.s.puller = KVPuller(
                 self.compat,
-                lambda info: client_cls(caches, info),
+                lambda info: client_cls(kv_caches, info),
                 float(extra.get("handshake_timeout", 5.0)),
                 float(extra.get("transfer_timeout", 60.0)),
             )
@@ -227,12 +224,12 @@ class PdConnectorWorker(KVConnectorWorker):
         puller = self.s.puller
         if puller is None:
             return
-        for p, rids in meta.heartbeats:
-            puller.heartbeat(p, rids)
-        for p, rid in meta.cancels:
-            puller.notify_done(p, [rid])
-        for rid, (p, local, first, held) in meta.loads.items():
-            puller.load(LoadJob(rid, p, local, first, held))
+        for notice in meta.heartbeats:
+            puller.heartbeat(notice)
+        for notice in meta.cancels:
+            puller.notify_done(notice)
+        for load in meta.loads:
+            puller.load(load)
 
     def get_finished(self) -> KVConnectorOutput:
         out = KVConnectorOutput()

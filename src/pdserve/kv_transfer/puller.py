@@ -18,20 +18,12 @@ from typing import Any
 
 import zmq
 
+from pdserve.core_types.kv_connector import KVLoad, KVNotice, KVPeer
 from pdserve.kv_transfer import wire as W
 from pdserve.kv_transfer.compat import compat_mismatch
 from pdserve.kv_transfer.transports.base import ClientTransport
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class LoadJob:
-    request_id: str
-    params: dict
-    local_block_ids: list[int]
-    first_block: int
-    num_blocks: int  # blocks prefill holds for the request (consistency check)
 
 
 @dataclass
@@ -62,7 +54,7 @@ class KVPuller:
         self.handshake_timeout = handshake_timeout
         self.transfer_timeout = transfer_timeout
         self._ctx = zmq.Context()
-        self._peers: dict[tuple[str, int], _Peer] = {}
+        self._peers: dict[tuple[str, int], _Peer] = {}  # (host, port) -> its connection
         self._jobs: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._results: list[LoadResult] = []
         self._lock = threading.Lock()
@@ -70,14 +62,14 @@ class KVPuller:
         self._thread.start()
 
     # -- called from the scheduler thread --------------------------------------------------
-    def load(self, job: LoadJob) -> None:
+    def load(self, job: KVLoad) -> None:
         self._jobs.put(("load", job))
 
-    def notify_done(self, params: dict, request_ids: list[str]) -> None:
-        self._jobs.put(("done", (params, request_ids)))
+    def notify_done(self, notice: KVNotice) -> None:
+        self._jobs.put(("done", notice))
 
-    def heartbeat(self, params: dict, request_ids: list[str]) -> None:
-        self._jobs.put(("heartbeat", (params, request_ids)))
+    def heartbeat(self, notice: KVNotice) -> None:
+        self._jobs.put(("heartbeat", notice))
 
     def take_results(self) -> list[LoadResult]:
         with self._lock:
@@ -101,14 +93,11 @@ class KVPuller:
                 if kind == "load":
                     self._load(arg)
                 elif kind == "done":
-                    self._notify(arg[0], W.Done(arg[1]))
+                    self._notify(arg.peer, W.Done(arg.request_ids))
                 elif kind == "heartbeat":
-                    self._notify(arg[0], W.Heartbeat(arg[1]))
+                    self._notify(arg.peer, W.Heartbeat(arg.request_ids))
             except Exception:  # never let one job kill the thread
                 logger.exception("KV puller: %s job failed", kind)
-
-    def _addr(self, params: dict) -> tuple[str, int]:
-        return str(params["remote_host"]), int(params["remote_port"])
 
     def _drop(self, addr: tuple[str, int]) -> None:
         peer = self._peers.pop(addr, None)
@@ -124,8 +113,8 @@ class KVPuller:
         parts = sock.recv_multipart(copy=False)
         return W.decode_from_server(parts[0].bytes), parts[1:]
 
-    def _peer(self, params: dict) -> _Peer:
-        addr = self._addr(params)
+    def _peer(self, target: KVPeer) -> _Peer:
+        addr = (target.host, target.port)
         peer = self._peers.get(addr)
         if peer is not None:
             return peer
@@ -141,7 +130,7 @@ class KVPuller:
             why = compat_mismatch(self.compat, reply.compat)
             if why:
                 raise RuntimeError(why)
-            expected = params.get("remote_engine_id")
+            expected = target.engine_id
             if expected and expected != reply.engine_id:
                 raise RuntimeError(
                     f"prefill at {addr[0]}:{addr[1]} is engine {reply.engine_id}, not {expected} "
@@ -154,23 +143,23 @@ class KVPuller:
         self._peers[addr] = peer
         return peer
 
-    def _notify(self, params: dict, msg: W.ToServer) -> None:
-        addr = self._addr(params)
+    def _notify(self, target: KVPeer, msg: W.ToServer) -> None:
+        addr = (target.host, target.port)
         try:
-            peer = self._peer(params)
+            peer = self._peer(target)
             self._request(peer.sock, msg, self.handshake_timeout)
         except Exception as e:
             logger.warning("KV side channel to %s:%s: %s", addr[0], addr[1], e)
             self._drop(addr)
 
-    def _load(self, job: LoadJob) -> None:
+    def _load(self, job: KVLoad) -> None:
         t0 = time.perf_counter()
         err: str | None = None
         nbytes = 0
-        addr = self._addr(job.params)
+        addr = (job.peer.host, job.peer.port)
         try:
-            peer = self._peer(job.params)
-            rid = str(job.params["remote_request_id"])
+            peer = self._peer(job.peer)
+            rid = job.remote_request_id
             read = W.Read(rid, job.first_block, len(job.local_block_ids), job.num_blocks)
             reply, frames = self._request(peer.sock, read, self.transfer_timeout)
             if isinstance(reply, W.Error):

@@ -16,7 +16,7 @@ import zmq
 
 from pdserve.kv_transfer import wire as W
 from pdserve.kv_transfer.lease import LeaseTable
-from pdserve.kv_transfer.transports.base import ServerTransport, frame_shape
+from pdserve.kv_transfer.transports.base import ServerTransport
 
 logger = logging.getLogger(__name__)
 
@@ -89,13 +89,7 @@ class KVServer:
                     ), []
                 ids = held[msg.first_block : msg.first_block + msg.num_read]
                 frames = self.transport.read(ids) if ids else []
-                cache = self.transport.kv_caches[0]
-                return W.ReadReply(
-                    ids,
-                    str(cache.dtype).removeprefix("torch."),
-                    frame_shape(cache, len(ids)),
-                    len(frames),
-                ), frames
+                return W.ReadReply(ids, len(frames)), frames
             finally:
                 self.leases.end_read(msg.request_id)
         return W.Error(f"unexpected message {type(msg).__name__}"), []

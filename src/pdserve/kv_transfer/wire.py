@@ -27,9 +27,7 @@ class Read(msgspec.Struct, tag="read"):
 
 class ReadReply(msgspec.Struct, tag="read_reply"):
     block_ids: list[int]  # the prefill-side ids read (cuda_ipc: decode copies them itself)
-    dtype: str
-    shape: list[int]  # one layer's frame shape
-    num_frames: int
+    num_frames: int  # one per cache layer, in KVCaches.layers() order (0: decode copies)
 
 
 class Done(msgspec.Struct, tag="done"):

@@ -3,16 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from pdserve.kernels.reference import silu_and_mul_torch
 from pdserve.layers.fused import use_fused_kernels
-
-
-def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
-    """Reference: ``silu(x[..., :I]) * x[..., I:]`` with torch ops."""
-    d = x.shape[-1] // 2
-    return F.silu(x[..., :d]) * x[..., d:]
 
 
 class SiluAndMul(nn.Module):

@@ -14,14 +14,8 @@ from typing import overload
 import torch
 from torch import nn
 
+from pdserve.kernels.reference import rms_norm
 from pdserve.layers.fused import use_fused_kernels
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Reference RMSNorm over the last dimension."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
 
 
 class RMSNorm(nn.Module):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pdserve.kernels.reference import apply_rotary
 from pdserve.layers.fused import use_fused_kernels
 
 # RoPE types this module implements ("default" means no scaling).
@@ -126,14 +127,3 @@ class RopeInputs:
             r = self.rope
             return apply_rope(q, k, self.positions, r.cos_cache, r.sin_cache, r.head_dim)
         return apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [T, heads, D] by per-token ``cos``/``sin`` [T, D/2] (half-rotation layout).
-
-    Same arithmetic as HF's ``x * cos + rotate_half(x) * sin`` element for element.
-    """
-    d = x.shape[-1] // 2
-    x1, x2 = x[..., :d], x[..., d:]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)

@@ -6,7 +6,7 @@ Two sources feed the series:
   reasons) are measured in the API server, from the moment the HTTP request arrived,
   through a :class:`RequestMetrics` tracker per request.
 * **Engine state** (running/waiting requests, KV-cache usage, and the cumulative
-  counters of :class:`~pdserve.metrics.stats.SchedulerStats`) is read from the engine's
+  counters of :class:`~pdserve.core_types.stats.SchedulerStats`) is read from the engine's
   latest stats snapshot at scrape time by a custom collector, so the values are never
   older than the last engine step and nothing has to be pushed.
 
@@ -31,7 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
-from pdserve.metrics.stats import SchedulerStats, read_rss_bytes
+from pdserve.core_types.stats import SchedulerStats, read_rss_bytes
 
 PREFIX = "pdserve:"
 

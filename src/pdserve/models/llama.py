@@ -39,9 +39,7 @@ _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(
-        self, config: HFModelConfig, layer_idx: int, dtype: torch.dtype, qk_norm: bool
-    ) -> None:
+    def __init__(self, config: HFModelConfig, dtype: torch.dtype, qk_norm: bool) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -59,9 +57,7 @@ class LlamaAttention(nn.Module):
         )
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
-        self.attn = Attention(
-            layer_idx, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5
-        )
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
     def forward(self, x: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -96,13 +92,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(
-        self, config: HFModelConfig, layer_idx: int, dtype: torch.dtype, qk_norm: bool
-    ) -> None:
+    def __init__(self, config: HFModelConfig, dtype: torch.dtype, qk_norm: bool) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        self.self_attn = LlamaAttention(config, layer_idx, dtype, qk_norm)
+        self.self_attn = LlamaAttention(config, dtype, qk_norm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.mlp = LlamaMLP(config, dtype)
 
@@ -135,7 +129,7 @@ class LlamaModel(nn.Module):
             dtype,
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, dtype, qk_norm) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, dtype, qk_norm) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 

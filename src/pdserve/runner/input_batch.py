@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler_output import CachedRequestData, NewRequestData
+from pdserve.core_types.sampling_params import SamplingParams
+from pdserve.core_types.scheduler_output import CachedRequestData, NewRequestData
 
 
 class InputBatch:
@@ -80,11 +80,11 @@ class InputBatch:
     def update(self, cached: CachedRequestData) -> None:
         row = self.row_of[cached.req_id]
         self.num_computed[row] = cached.num_computed_tokens
-        if cached.new_block_ids:
-            nb = int(self.num_blocks[row])
-            k = len(cached.new_block_ids)
-            self.block_table[row, nb : nb + k] = cached.new_block_ids
-            self.num_blocks[row] = nb + k
+        k = len(cached.new_block_ids)
+        start = cached.num_blocks - k
+        if k:
+            self.block_table[row, start : cached.num_blocks] = cached.new_block_ids
+        self.num_blocks[row] = cached.num_blocks
 
     def remove(self, req_id: str) -> None:
         row = self.row_of.pop(req_id, None)

@@ -16,10 +16,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.metrics.stats import SchedulerStats
-from pdserve.tokenizer import Tokenizer
+from pdserve.core_types.kv_transfer_params import KVTransferParams
+from pdserve.core_types.sampling_params import SamplingParams
+from pdserve.core_types.stats import SchedulerStats
+from pdserve.frontend.outputs import RequestOutput
+from pdserve.frontend.tokenizer import Tokenizer
 
 
 class EngineClient(Protocol):
@@ -33,7 +34,7 @@ class EngineClient(Protocol):
         prompt: str | None,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        kv_transfer_params: dict | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
     ) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> None: ...

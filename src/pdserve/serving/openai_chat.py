@@ -14,7 +14,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pdserve.engine.outputs import CompletionOutput
+from pdserve.frontend.outputs import CompletionOutput
 from pdserve.serving.api_chat_template import ChatTemplates
 from pdserve.serving.api_state import ServingContext
 from pdserve.serving.openai_completions import CLIENT_CLOSED
@@ -88,7 +88,7 @@ async def prepare_chat(
         prompt=text,
         prompt_token_ids=ids,
         params=params,
-        kv_transfer_params=req.kv_transfer_params,
+        kv_transfer_params=req.kv_params,
         arrival_time=request.state.arrival_time,
     )
 
@@ -174,6 +174,8 @@ async def create_chat_completion(
             )
         ],
         usage=make_usage(ctx, len(job.prompt_token_ids), len(acc.token_ids), acc.num_cached_tokens),
-        kv_transfer_params=acc.kv_transfer_params,
+        kv_transfer_params=(
+            acc.kv_transfer_params.to_dict() if acc.kv_transfer_params is not None else None
+        ),
     )
     return Response(body.model_dump_json(), media_type="application/json")

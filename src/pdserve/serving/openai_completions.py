@@ -10,7 +10,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pdserve.engine.outputs import CompletionOutput
+from pdserve.frontend.outputs import CompletionOutput
 from pdserve.serving.api_state import ServingContext
 from pdserve.serving.openai_generate import (
     EngineJob,
@@ -64,7 +64,7 @@ async def prepare_completion(
         prompt=text,
         prompt_token_ids=list(ids),
         params=params,
-        kv_transfer_params=req.kv_transfer_params,
+        kv_transfer_params=req.kv_params,
         arrival_time=request.state.arrival_time,
     )
 
@@ -159,6 +159,8 @@ async def create_completion(
             )
         ],
         usage=make_usage(ctx, len(job.prompt_token_ids), len(acc.token_ids), acc.num_cached_tokens),
-        kv_transfer_params=acc.kv_transfer_params,
+        kv_transfer_params=(
+            acc.kv_transfer_params.to_dict() if acc.kv_transfer_params is not None else None
+        ),
     )
     return Response(body.model_dump_json(), media_type="application/json")

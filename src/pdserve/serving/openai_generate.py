@@ -28,8 +28,9 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from pdserve.engine.outputs import CompletionOutput, RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.core_types.kv_transfer_params import KVTransferParams
+from pdserve.core_types.sampling_params import SamplingParams
+from pdserve.frontend.outputs import CompletionOutput, RequestOutput
 from pdserve.metrics.prometheus import RequestMetrics
 from pdserve.serving.api_errors import APIError, error_body
 from pdserve.serving.api_state import ServingContext
@@ -87,7 +88,7 @@ class EngineJob:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    kv_transfer_params: dict[str, Any] | None
+    kv_transfer_params: KVTransferParams | None
     arrival_time: float
 
 
@@ -195,7 +196,7 @@ class Accumulated:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
     error: str | None = None
 
     @property

@@ -18,9 +18,10 @@ import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.core_types.kv_transfer_params import KVTransferParams
+from pdserve.core_types.sampling_params import SamplingParams
 
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
@@ -112,6 +113,7 @@ class _SamplingRequest(_Request):
     service_tier: str | None = None
     # P/D: passed to the engine, returned in the (non-streaming) response
     kv_transfer_params: dict[str, Any] | None = None
+    _kv_params: KVTransferParams | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _check_shared(self) -> _SamplingRequest:
@@ -134,7 +136,17 @@ class _SamplingRequest(_Request):
             raise RequestError("stream_options can only be set when stream=true", "stream_options")
         if self.stop == "" or (isinstance(self.stop, list) and any(not s for s in self.stop)):
             raise RequestError("stop strings must be non-empty", "stop")
+        if self.kv_transfer_params is not None:
+            try:
+                self._kv_params = KVTransferParams.parse(self.kv_transfer_params)
+            except ValueError as e:
+                raise RequestError(str(e), "kv_transfer_params") from None
         return self
+
+    @property
+    def kv_params(self) -> KVTransferParams | None:
+        """``kv_transfer_params``, validated and typed."""
+        return self._kv_params
 
     def _sampling_params(
         self,

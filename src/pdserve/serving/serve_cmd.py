@@ -77,7 +77,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    from pdserve.engine.async_client import AsyncEngineClient
+    from pdserve.frontend.async_client import AsyncEngineClient
     from pdserve.metrics.prometheus import PrometheusMetrics
     from pdserve.serving.api_server import build_app, serve_app
 

@@ -21,13 +21,3 @@ def hash_block(parent: bytes | None, tokens: Sequence[int], extra: bytes = b"") 
     if extra:
         h.update(extra)
     return h.digest()
-
-
-def extend_block_hashes(
-    hashes: list[bytes], tokens: Sequence[int], block_size: int, num_tokens: int
-) -> None:
-    """Append hashes for every full block of ``tokens[:num_tokens]`` not hashed yet."""
-    full = num_tokens // block_size
-    for i in range(len(hashes), full):
-        parent = hashes[i - 1] if i else None
-        hashes.append(hash_block(parent, tokens[i * block_size : (i + 1) * block_size]))

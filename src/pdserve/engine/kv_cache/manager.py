@@ -3,19 +3,16 @@
 Lifecycle per request: ``get_computed_blocks`` (pure lookup, no side effects) when it
 is first scheduled, ``allocate_slots`` every step it runs (takes references on the
 hits, allocates what the step needs, and commits newly full blocks to the prefix
-cache), ``free`` once when it finishes or is preempted. ``take_new_block_ids`` is
-drained by the engine every step, whether or not anyone consumes it.
+cache), ``trim`` after a verify rejected drafts (the blocks past what is computed go
+back to the pool), ``free`` once when it finishes or is preempted.
 """
 
 from __future__ import annotations
 
+from pdserve.core_types.utils import cdiv
 from pdserve.engine.kv_cache.block_pool import BlockPool, KVCacheBlock
 from pdserve.engine.kv_cache.hashing import hash_block
 from pdserve.engine.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class KVCacheManager:
@@ -25,7 +22,6 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_committed: dict[str, int] = {}  # blocks of the request already in the cache index
-        self._new_block_ids: list[int] = []
         # cumulative stats, in tokens
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -104,7 +100,6 @@ class KVCacheManager:
         blocks = self.req_blocks.setdefault(req.request_id, held)
         blocks.extend(hits)
         blocks.extend(new_blocks)
-        self._new_block_ids.extend(b.block_id for b in new_blocks)
         if commit:
             # tokens whose ids are known after this step can be committed (their KV is
             # written by this step's forward before anyone can read it)
@@ -131,10 +126,19 @@ class KVCacheManager:
         if blocks:
             self.pool.free_blocks(reversed(blocks))
 
-    def take_new_block_ids(self) -> list[int]:
-        """Block ids allocated since the last call; drained every step by the engine."""
-        out, self._new_block_ids = self._new_block_ids, []
-        return out
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Give back the blocks past the first ``num_tokens`` tokens (slots of rejected
+        drafts). They hold no committed prefix: only computed tokens are committed."""
+        blocks = self.req_blocks.get(request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if blocks is None or len(blocks) <= keep:
+            return
+        tail = blocks[keep:]
+        del blocks[keep:]
+        self.pool.free_blocks(reversed(tail))
+
+    def num_blocks(self, request_id: str) -> int:
+        return len(self.req_blocks.get(request_id, ()))
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

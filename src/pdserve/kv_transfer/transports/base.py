@@ -1,4 +1,9 @@
-"""The two halves of a transport."""
+"""The two halves of a transport, over every cache layer of every group.
+
+Both ends iterate :meth:`KVCaches.layers` in the same order (the compatibility
+handshake guarantees identical groups and layouts), and each layer's blocks are
+selected along that layer's own block axis, in its own dtype.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +12,13 @@ from typing import Any
 
 import torch
 
+from pdserve.forward_context import KVCaches
+
 
 class ServerTransport(ABC):
-    """Prefill side. ``kv_caches[i]`` is layer i's cache, [2, blocks, block, heads, dim]."""
+    """Prefill side."""
 
-    def __init__(self, kv_caches: list[torch.Tensor]) -> None:
+    def __init__(self, kv_caches: KVCaches) -> None:
         self.kv_caches = kv_caches
 
     def transport_info(self) -> dict[str, Any]:
@@ -26,7 +33,7 @@ class ServerTransport(ABC):
 class ClientTransport(ABC):
     """Decode side."""
 
-    def __init__(self, kv_caches: list[torch.Tensor], transport_info: dict[str, Any]) -> None:
+    def __init__(self, kv_caches: KVCaches, transport_info: dict[str, Any]) -> None:
         self.kv_caches = kv_caches
 
     @abstractmethod
@@ -37,8 +44,17 @@ class ClientTransport(ABC):
         return the bytes moved. Must have completed (synchronised) when it returns."""
 
 
-def frame_shape(cache: torch.Tensor, num_blocks: int) -> list[int]:
-    return [cache.shape[0], num_blocks, *cache.shape[2:]]
+def frame_view(raw: torch.Tensor, like: torch.Tensor, axis: int, num_blocks: int) -> torch.Tensor:
+    """A received frame's bytes viewed as ``num_blocks`` blocks of the layer ``like``
+    (its dtype, its shape with ``num_blocks`` at ``axis``); a size mismatch raises."""
+    shape = list(like.shape)
+    shape[axis] = num_blocks
+    want = like.element_size()
+    for s in shape:
+        want *= s
+    if raw.numel() != want:
+        raise RuntimeError(f"a KV frame of {raw.numel()} bytes where {want} were expected")
+    return raw.view(like.dtype).view(shape)
 
 
 def block_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
+from pdserve.forward_context import KVCaches
 from pdserve.kv_transfer.transports.base import ClientTransport, ServerTransport, block_runs
 
 MAX_SLICE_RUNS = 16  # per layer; past this, one gather + one scatter launch is cheaper
@@ -77,23 +78,23 @@ def import_tensor(d: dict[str, Any], local_device: torch.device) -> torch.Tensor
 
 class CudaIpcServer(ServerTransport):
     def transport_info(self) -> dict[str, Any]:
-        if not self.kv_caches or self.kv_caches[0].device.type != "cuda":
+        if not len(self.kv_caches) or self.kv_caches.device.type != "cuda":
             raise RuntimeError("the cuda_ipc transport needs the KV cache on a CUDA device")
-        return {"layers": [export_tensor(c) for c in self.kv_caches]}
+        return {"layers": [export_tensor(c) for _, _, c in self.kv_caches.layers()]}
 
     def read(self, block_ids: list[int]) -> list[bytes | memoryview]:
         return []  # the client copies from the mapped tensors itself
 
 
 class CudaIpcClient(ClientTransport):
-    def __init__(self, kv_caches: list[torch.Tensor], transport_info: dict[str, Any]) -> None:
+    def __init__(self, kv_caches: KVCaches, transport_info: dict[str, Any]) -> None:
         super().__init__(kv_caches, transport_info)
-        dev = kv_caches[0].device
+        dev = kv_caches.device
         if dev.type != "cuda":
             raise RuntimeError("the cuda_ipc transport needs the KV cache on a CUDA device")
         self.remote = [import_tensor(d, dev) for d in transport_info["layers"]]
         if len(self.remote) != len(kv_caches):
-            raise RuntimeError("prefill and decode have different layer counts")
+            raise RuntimeError("prefill and decode have different cache layer counts")
         self._stream = torch.cuda.Stream(dev)
 
     def write(
@@ -101,19 +102,20 @@ class CudaIpcClient(ClientTransport):
     ) -> int:
         """Few runs of consecutive blocks on both sides (the usual case: both pools hand
         out free blocks in order) are copied slice to slice, one pass over the bytes;
-        a fragmented mapping falls back to a gather into a temporary and a scatter."""
-        dev = self.kv_caches[0].device
+        a fragmented mapping falls back to a gather into a temporary and a scatter. Each
+        layer is sliced along its own block axis."""
+        dev = self.kv_caches.device
         runs = block_runs(remote_block_ids, local_block_ids)
+        layers = [(lay.block_axis, c) for _, lay, c in self.kv_caches.layers()]
         with torch.cuda.stream(self._stream):
             if len(runs) <= MAX_SLICE_RUNS:
-                for local, remote in zip(self.kv_caches, self.remote, strict=True):
+                for (ax, local), remote in zip(layers, self.remote, strict=True):
                     for r0, l0, n in runs:
-                        local[:, l0 : l0 + n].copy_(remote[:, r0 : r0 + n], non_blocking=True)
+                        local.narrow(ax, l0, n).copy_(remote.narrow(ax, r0, n), non_blocking=True)
             else:
                 ridx = torch.tensor(remote_block_ids, dtype=torch.int64, device=dev)
                 lidx = torch.tensor(local_block_ids, dtype=torch.int64, device=dev)
-                for local, remote in zip(self.kv_caches, self.remote, strict=True):
-                    local.index_copy_(1, lidx, remote.index_select(1, ridx))
+                for (ax, local), remote in zip(layers, self.remote, strict=True):
+                    local.index_copy_(ax, lidx, remote.index_select(ax, ridx))
         self._stream.synchronize()
-        per_block = sum(c[:, :1].numel() * c.element_size() for c in self.kv_caches)
-        return per_block * len(local_block_ids)
+        return self.kv_caches.bytes_per_block() * len(local_block_ids)

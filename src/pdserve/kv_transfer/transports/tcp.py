@@ -1,9 +1,10 @@
-"""TCP transport: block contents travel as ZMQ frames, one per layer.
+"""TCP transport: block contents travel as ZMQ frames, one per cache layer.
 
 On a GPU the prefill side gathers the blocks on the device and copies them once into
 pinned host memory (asynchronous DMA on a side stream); the decode side stages each
 frame through pinned memory and copies it to the device the same way. On the CPU the
-frames are views of the gathered tensors (no extra copy before the socket).
+frames are views of the gathered tensors (no extra copy before the socket). Each
+layer's blocks are gathered along its own block axis, in its own dtype.
 """
 
 from __future__ import annotations
@@ -13,41 +14,38 @@ from typing import Any
 
 import torch
 
-from pdserve.kv_transfer.transports.base import ClientTransport, ServerTransport
+from pdserve.forward_context import KVCaches
+from pdserve.kv_transfer.transports.base import ClientTransport, ServerTransport, frame_view
 
 
 class TcpServer(ServerTransport):
-    def __init__(self, kv_caches: list[torch.Tensor]) -> None:
+    def __init__(self, kv_caches: KVCaches) -> None:
         super().__init__(kv_caches)
-        dev = kv_caches[0].device if kv_caches else torch.device("cpu")
+        dev = kv_caches.device
         self._stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
 
     def read(self, block_ids: list[int]) -> list[bytes | memoryview]:
-        if not self.kv_caches:
+        if not len(self.kv_caches):
             return []
-        dev = self.kv_caches[0].device
-        idx = torch.tensor(block_ids, dtype=torch.int64, device=dev)
-        frames: list[bytes | memoryview] = []
+        idx = torch.tensor(block_ids, dtype=torch.int64, device=self.kv_caches.device)
         if self._stream is not None:
             with torch.cuda.stream(self._stream):
                 host = []
-                for c in self.kv_caches:
-                    blocks = c.index_select(1, idx)
+                for _, layout, c in self.kv_caches.layers():
+                    blocks = c.index_select(layout.block_axis, idx)
                     pinned = torch.empty(blocks.shape, dtype=blocks.dtype, pin_memory=True)
                     pinned.copy_(blocks, non_blocking=True)
                     host.append(pinned)
             self._stream.synchronize()
         else:
-            host = [c.index_select(1, idx) for c in self.kv_caches]
-        for t in host:
-            frames.append(t.contiguous().view(torch.uint8).numpy().data)
-        return frames
+            host = [c.index_select(lay.block_axis, idx) for _, lay, c in self.kv_caches.layers()]
+        return [t.contiguous().view(torch.uint8).numpy().data for t in host]
 
 
 class TcpClient(ClientTransport):
-    def __init__(self, kv_caches: list[torch.Tensor], transport_info: dict[str, Any]) -> None:
+    def __init__(self, kv_caches: KVCaches, transport_info: dict[str, Any]) -> None:
         super().__init__(kv_caches, transport_info)
-        dev = kv_caches[0].device if kv_caches else torch.device("cpu")
+        dev = kv_caches.device
         self._stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
 
     def write(
@@ -55,23 +53,24 @@ class TcpClient(ClientTransport):
     ) -> int:
         if len(frames) != len(self.kv_caches):
             raise RuntimeError(f"expected {len(self.kv_caches)} layer frames, got {len(frames)}")
-        dev = self.kv_caches[0].device
-        idx = torch.tensor(local_block_ids, dtype=torch.int64, device=dev)
+        idx = torch.tensor(local_block_ids, dtype=torch.int64, device=self.kv_caches.device)
         moved = 0
-        for cache, frame in zip(self.kv_caches, frames, strict=True):
+        for (_, layout, cache), frame in zip(self.kv_caches.layers(), frames, strict=True):
             buf = frame.buffer if hasattr(frame, "buffer") else frame
             with warnings.catch_warnings():  # read-only socket buffer: we only read it
                 warnings.simplefilter("ignore", UserWarning)
                 raw = torch.frombuffer(buf, dtype=torch.uint8)
-            src = raw.view(cache.dtype).view(cache.shape[0], len(local_block_ids), *cache.shape[2:])
+            src = frame_view(raw, cache, layout.block_axis, len(local_block_ids))
             moved += raw.numel()
             if self._stream is not None:
                 pinned = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
                 pinned.copy_(src)
                 with torch.cuda.stream(self._stream):
-                    cache.index_copy_(1, idx, pinned.to(dev, non_blocking=True))
+                    cache.index_copy_(
+                        layout.block_axis, idx, pinned.to(cache.device, non_blocking=True)
+                    )
             else:
-                cache.index_copy_(1, idx, src)
+                cache.index_copy_(layout.block_axis, idx, src)
         if self._stream is not None:
             self._stream.synchronize()
         return moved

@@ -1,11 +1,13 @@
 """Attention backend interface.
 
-A backend owns (1) the layout of one layer's KV cache tensor, (2) the metadata it
-needs per step, built from the runner's :class:`CommonAttentionMetadata`, and (3)
-the forward: write this step's K/V through the slot mapping, then attend over the
-paged cache. Everything a backend reads during the forward is a device tensor or a
+A backend serves one cache group (the layers that declared the same cache layout,
+see :mod:`pdserve.core_types.cache_spec`). It owns (1) the metadata it needs per
+step, built from the runner's :class:`CommonAttentionMetadata` (one per step, shared
+by every group: all groups use the same block tables), and (2) the forward its
+layers call: write this step's entries through the slot mapping, then attend over
+the paged cache. Everything a backend reads during the forward is a device tensor or a
 host int fixed before the forward starts, so a decode forward can be captured in a
-CUDA graph (backends that support that expose capture hooks later).
+CUDA graph (:meth:`AttentionBackend.prepare_for_capture`).
 
 Slot mapping convention: ``slot = block_id * block_size + offset``. Block 0 is the
 pool's null block: padded tokens write there and nothing ever reads it.
@@ -14,10 +16,12 @@ pool's null block: padded tokens write there and nothing ever reads it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+from torch import nn
 
 
 @dataclass
@@ -43,33 +47,33 @@ class CommonAttentionMetadata:
 
 
 class AttentionBackend(ABC):
+    """One cache group's backend: its per-step metadata and its CUDA-graph hooks. The
+    layers of the group call its family-specific forward (:class:`GQABackend` for K/V
+    attention; MLA and the DSA indexer bring their own)."""
+
     name: ClassVar[str]
     # True when a uniform decode forward can be captured in a CUDA graph: every launch
     # shape comes from host ints fixed at capture, every tensor read is a static buffer
     supports_cuda_graphs: ClassVar[bool] = False
 
+    def build_metadata(self, common: CommonAttentionMetadata) -> Any:
+        """Turn the common metadata into this backend's own (default: use it as is)."""
+        return common
+
     def prepare_for_capture(  # noqa: B027 (an optional hook with a no-op default)
         self,
         max_batch: int,
         query_len: int,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
+        layers: Sequence[nn.Module],
         device: torch.device,
-        max_model_len: int | None = None,
+        max_model_len: int,
     ) -> None:
-        """Allocate whatever workspaces graphs will capture (default: none needed)."""
+        """Allocate whatever workspaces graphs of up to ``max_batch`` requests of
+        ``query_len`` tokens will capture, for the group's ``layers`` (default: none)."""
 
-    @staticmethod
-    def kv_cache_shape(
-        num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
-    ) -> tuple[int, ...]:
-        """Shape of one layer's cache; the default holds K and V as [2, blocks, block, heads, dim]."""
-        return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
-    def build_metadata(self, common: CommonAttentionMetadata) -> Any:
-        """Turn the common metadata into this backend's own (default: use it as is)."""
-        return common
+class GQABackend(AttentionBackend):
+    """Paged attention over K and V per KV head (Llama, Qwen3)."""
 
     @abstractmethod
     def forward(
@@ -77,7 +81,7 @@ class AttentionBackend(ABC):
         q: torch.Tensor,  # [T, num_heads, head_dim]
         k: torch.Tensor,  # [T, num_kv_heads, head_dim]
         v: torch.Tensor,  # [T, num_kv_heads, head_dim]
-        kv_cache: torch.Tensor,
+        kv_cache: torch.Tensor,  # [2, blocks, block_size, num_kv_heads, head_dim]
         metadata: Any,
         scale: float,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]

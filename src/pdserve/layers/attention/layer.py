@@ -1,43 +1,63 @@
-"""The attention layer model code calls: projections happen in the model, this does the rest."""
+"""The GQA attention layer model code calls: projections happen in the model, this does the rest."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from pdserve.runner.forward_context import get_forward_context
+from pdserve.core_types.cache_spec import CacheLayout
+from pdserve.forward_context import get_forward_context
+from pdserve.layers.attention.backend import GQABackend
+from pdserve.layers.attention.registry import gqa_backend
 
 
 class Attention(nn.Module):
-    """Paged attention for layer ``layer_idx``; K/V of this step are written to its cache.
+    """Paged attention; K/V of this step are written to this layer's cache.
 
     Inputs are flat over the step's tokens: q [T, num_heads*head_dim], k and v
     [T, num_kv_heads*head_dim], already rotated. Output is [T, num_heads*head_dim].
+    The layer owns a cache of K and V per KV head (group ``cache_group``, layout
+    ``[2, blocks, block_size, num_kv_heads, head_dim]``); ``layer_name`` is set by the
+    runner when it allocates the caches.
     """
 
     def __init__(
-        self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        cache_group: str = "attn",
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
             )
-        self.layer_idx = layer_idx
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.cache_group = cache_group
+        self.layer_name = ""
+
+    def kv_cache_layout(self, block_size: int, dtype: str) -> CacheLayout:
+        return CacheLayout(
+            "gqa", dtype, (2, 1, block_size, self.num_kv_heads, self.head_dim), block_axis=1
+        )
+
+    def make_backend(self, choice: str, device: torch.device, max_model_len: int) -> GQABackend:
+        return gqa_backend(choice, device, max_model_len)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         t = q.shape[0]
-        out = ctx.attn_backend.forward(
+        out = ctx.backends[self.cache_group].forward(
             q.view(t, self.num_heads, self.head_dim),
             k.view(t, self.num_kv_heads, self.head_dim),
             v.view(t, self.num_kv_heads, self.head_dim),
-            ctx.kv_caches[self.layer_idx],
-            ctx.attn_metadata,
+            ctx.kv_caches[self.layer_name],
+            ctx.attn_metadata[self.cache_group],
             self.scale,
         )
         return out.reshape(t, self.num_heads * self.head_dim)

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.layers.attention.backend import (
-    AttentionBackend,
     CommonAttentionMetadata,
+    GQABackend,
     write_kv_reference,
 )
 
@@ -57,7 +57,7 @@ def paged_attention_reference(
     return out[md.token_req_idx[:t], md.token_q_idx[:t]]
 
 
-class TorchReferenceBackend(AttentionBackend):
+class TorchReferenceBackend(GQABackend):
     name = "torch"
 
     def forward(

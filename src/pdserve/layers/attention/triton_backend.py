@@ -35,7 +35,7 @@ CUDA-graph contract (uniform decode batches):
   the context bound is ``max_model_len`` once known (constructor or
   :meth:`prepare_for_capture`), else the step's host ``max_seq_len``. Set it
   before capturing so the captured split count suits every later context.
-- call :meth:`prepare_for_capture` before capturing: it allocates the split-K
+- call :meth:`prepare_for_capture` (or :meth:`prepare_workspace`) before capturing: it allocates the split-K
   workspace for every batch up to ``max_batch`` and freezes it, so captured
   graphs keep a valid pointer. A frozen workspace is never reallocated; an
   eager batch that needs more gets a temporary buffer.
@@ -43,9 +43,12 @@ CUDA-graph contract (uniform decode batches):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import nn
 
 from pdserve.kernels._utils import num_sms
 from pdserve.kernels.decode_attention import (
@@ -55,7 +58,7 @@ from pdserve.kernels.decode_attention import (
 )
 from pdserve.kernels.kv_cache_write import write_kv_cache
 from pdserve.kernels.prefill_attention import prefill_attention, sdpa_prefill
-from pdserve.layers.attention.backend import AttentionBackend, CommonAttentionMetadata
+from pdserve.layers.attention.backend import CommonAttentionMetadata, GQABackend
 
 MAX_UNIFORM_QUERY_LEN = 8
 
@@ -91,7 +94,7 @@ def _normalize(device: torch.device) -> torch.device:
     return device
 
 
-class TritonAttentionBackend(AttentionBackend):
+class TritonAttentionBackend(GQABackend):
     name = "triton"
     supports_cuda_graphs = True
 
@@ -122,7 +125,7 @@ class TritonAttentionBackend(AttentionBackend):
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 "the Triton decode workspace is too small for this captured batch; "
-                "call TritonAttentionBackend.prepare_for_capture(...) before capturing"
+                "call TritonAttentionBackend.prepare_workspace(...) before capturing"
             )
         fresh = torch.empty(numel, dtype=torch.float32, device=device)
         if not self._frozen:  # grow; a frozen buffer stays (graphs hold its address)
@@ -130,6 +133,20 @@ class TritonAttentionBackend(AttentionBackend):
         return fresh
 
     def prepare_for_capture(
+        self,
+        max_batch: int,
+        query_len: int,
+        layers: Sequence[nn.Module],
+        device: torch.device,
+        max_model_len: int,
+    ) -> None:
+        """Size the decode workspace for the group's layers (all have the same heads)."""
+        a: Any = layers[0]
+        self.prepare_workspace(
+            max_batch, query_len, a.num_heads, a.num_kv_heads, a.head_dim, device, max_model_len
+        )
+
+    def prepare_workspace(
         self,
         max_batch: int,
         query_len: int,

@@ -1,16 +1,20 @@
-"""Input validation and tokenization: the edge where user input becomes a ``Request``.
+"""Input validation and tokenization: the edge where user input becomes the one typed
+request, :class:`~pdserve.core_types.messages.EngineCoreRequest`.
 
 Everything invalid raises ``ValueError`` with a message meant for the user, before the
-request reaches the engine, so a bad request never disturbs the others.
+request reaches the engine, so a bad request never disturbs the others. Nothing after
+this point validates user input again.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
-from pdserve.engine.request import Request
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.tokenizer import Tokenizer
+from pdserve.core_types.kv_transfer_params import KVTransferParams
+from pdserve.core_types.messages import EngineCoreRequest
+from pdserve.core_types.sampling_params import SamplingParams
+from pdserve.frontend.tokenizer import Tokenizer
 
 PromptType = str | dict[str, Any] | list[int]
 
@@ -69,8 +73,8 @@ class InputProcessor:
         request_id: str,
         prompt: PromptType,
         params: SamplingParams,
-        kv_transfer_params: dict | None = None,
-    ) -> Request:
+        kv_transfer_params: KVTransferParams | dict | None = None,
+    ) -> EngineCoreRequest:
         text, ids = self.tokenize(prompt)
         return self.make_request(request_id, ids, params, kv_transfer_params)
 
@@ -79,8 +83,8 @@ class InputProcessor:
         request_id: str,
         ids: list[int],
         params: SamplingParams,
-        kv_transfer_params: dict | None = None,
-    ) -> Request:
+        kv_transfer_params: KVTransferParams | dict | None = None,
+    ) -> EngineCoreRequest:
         self.check_prompt(ids)
         params.verify(self.vocab_size)
         room = self.max_model_len - len(ids)
@@ -89,11 +93,13 @@ class InputProcessor:
                 f"max_tokens ({params.max_tokens}) plus the prompt's {len(ids)} tokens exceed "
                 f"max_model_len ({self.max_model_len})"
             )
-        return Request(
+        kv = KVTransferParams.parse(kv_transfer_params) if kv_transfer_params is not None else None
+        return EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=list(ids),
             sampling_params=params,
-            eos_token_ids=frozenset(self.tokenizer.eos_token_ids),
-            kv_transfer_params=kv_transfer_params,
+            eos_token_ids=sorted(self.tokenizer.eos_token_ids),
             max_output_tokens=params.max_tokens if params.max_tokens is not None else room,
+            arrival_time=time.monotonic(),
+            kv_transfer_params=kv,
         )

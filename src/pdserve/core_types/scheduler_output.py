@@ -2,15 +2,25 @@
 
 The single scheduling vocabulary: ``num_scheduled_tokens[req_id]`` is how many tokens
 that request computes this step on top of ``num_computed_tokens``. A prompt chunk, a
-decode token and (later) a 1+k speculative verify are all just that number.
+decode token and a speculative verify (the last known token plus k drafts) are all
+just that number. ``scheduled_spec_decode_tokens[req_id]`` are the drafts among them
+(the last ``len(drafts)`` of the request's scheduled tokens); a draft id of ``-1`` is
+one the host does not know: under async scheduling the step in flight proposes it on
+the device, and where no step proposes one it is a placeholder the runner never
+accepts.
+
+The runner answers with a ragged list per request: the tokens it accepted (at least
+one for every request that reached its end, more when drafts were accepted), and the
+drafts it proposes for the next step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kv_transfer.base import KVConnectorMetadata, KVConnectorOutput
+from pdserve.core_types.kv_connector import KVConnectorMetadata, KVConnectorOutput
+from pdserve.core_types.kv_transfer_params import KVTransferParams
+from pdserve.core_types.sampling_params import SamplingParams
 
 
 @dataclass
@@ -28,10 +38,14 @@ class NewRequestData:
 
 @dataclass
 class CachedRequestData:
-    """A running request the runner already tracks: only what changed."""
+    """A running request the runner already tracks: only what changed. Its block table
+    holds ``num_blocks`` blocks after this step: the first ``num_blocks - len(new)`` it
+    had (the scheduler may have given back a tail of rejected draft slots), then
+    ``new_block_ids``."""
 
     req_id: str
     new_block_ids: list[int]
+    num_blocks: int
     num_computed_tokens: int
 
 
@@ -41,9 +55,11 @@ class SchedulerOutput:
     scheduled_cached_reqs: list[CachedRequestData]
     num_scheduled_tokens: dict[str, int]  # batch order = insertion order
     total_num_scheduled_tokens: int
+    # drafts among the scheduled tokens, per request that has any (-1: not known here)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     finished_req_ids: set[str] = field(default_factory=set)  # runner drops their state
     preempted_req_ids: set[str] = field(default_factory=set)
-    # requests whose step reaches the end of their known tokens: they sample a token
+    # requests whose step reaches the end of their known tokens: they sample
     sampling_req_ids: set[str] = field(default_factory=set)
     kv_connector_metadata: KVConnectorMetadata | None = None
 
@@ -55,8 +71,11 @@ class SchedulerOutput:
 @dataclass
 class RunnerOutput:
     req_ids: list[str]  # batch order
-    sampled_token_ids: list[int]  # one per request; ignored for partial prefill chunks
-    logprobs: list[float] | None = None  # logprob of each sampled token, when any request asked
+    # per request: the accepted tokens (empty for a prompt chunk that did not reach its end)
+    sampled_token_ids: list[list[int]]
+    logprobs: list[list[float]] | None = None  # of each accepted token, when any request asked
+    # per request: drafts for its next step (-1: no draft), when speculation is on
+    draft_token_ids: list[list[int]] | None = None
     step_path: str = "eager"  # which forward path ran ("graph" or "eager:<reason>")
     kv_connector_output: KVConnectorOutput | None = None
 
@@ -72,4 +91,4 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
-    kv_transfer_params: dict | None = None
+    kv_transfer_params: KVTransferParams | None = None

@@ -7,13 +7,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from pdserve.config import EngineConfig
+from pdserve.core_types.sampling_params import SamplingParams
 from pdserve.engine.engine_core import EngineCore
-from pdserve.engine.output_processor import OutputProcessor
-from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.processor import InputProcessor, PromptType
 from pdserve.engine.request import RequestStatus
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.tokenizer import Tokenizer
+from pdserve.frontend.output_processor import OutputProcessor
+from pdserve.frontend.outputs import RequestOutput
+from pdserve.frontend.processor import InputProcessor, PromptType
+from pdserve.frontend.tokenizer import Tokenizer
 
 
 class LLM:

@@ -12,30 +12,41 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from pdserve.layers.attention import CommonAttentionMetadata, get_attn_backend
-from pdserve.runner.forward_context import set_forward_context
+from pdserve.forward_context import KVCaches, set_forward_context
+from pdserve.layers.attention import CommonAttentionMetadata
+from pdserve.runner.model_step import collect_cache_layers
+
+
+def model_caches(model: torch.nn.Module, num_blocks: int, block_size: int) -> KVCaches:
+    """Zeroed caches for every cache layer ``model`` declares, in its parameters' dtype."""
+    p = next(model.parameters())
+    cfg, _ = collect_cache_layers(model, block_size, str(p.dtype).removeprefix("torch."))
+    return KVCaches.allocate(cfg, num_blocks, p.device)
 
 
 class PagedKV:
-    """KV caches for every layer plus a fixed block table per request."""
+    """The model's KV caches (every cache group it declares) plus a fixed block table
+    per request, and one backend per group (``backend``: the --attention-backend choice)."""
 
     def __init__(
         self,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
+        model: torch.nn.Module,
         num_reqs: int,
         max_seq_len: int,
         block_size: int = 4,
-        dtype: torch.dtype = torch.float32,
-        device: str | torch.device = "cpu",
+        backend: str = "torch",
     ) -> None:
-        self.backend = get_attn_backend("torch")
+        p = next(model.parameters())
+        device = p.device
+        cfg, layers = collect_cache_layers(model, block_size, str(p.dtype).removeprefix("torch."))
+        self.backends = {
+            g: mods[0].make_backend(backend, device, max_seq_len) for g, mods in layers.items()
+        }
         self.block_size = block_size
         self.blocks_per_req = -(-max_seq_len // block_size)
         num_blocks = 1 + num_reqs * self.blocks_per_req
-        shape = self.backend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.caches = KVCaches.allocate(cfg, num_blocks, device)
+        self.kv_caches = [c for _, _, c in self.caches.layers()]
         self.block_tables = (
             1 + torch.arange(num_reqs * self.blocks_per_req, dtype=torch.int32, device=device)
         ).view(num_reqs, self.blocks_per_req)
@@ -75,6 +86,7 @@ class PagedKV:
     @contextlib.contextmanager
     def step(self, num_computed: Sequence[int], num_new: Sequence[int]) -> Iterator[None]:
         """Enter the forward context for one step (see :meth:`metadata`)."""
-        md = self.backend.build_metadata(self.metadata(num_computed, num_new))
-        with set_forward_context(self.backend, md, self.kv_caches):
+        common = self.metadata(num_computed, num_new)
+        md = {g: b.build_metadata(common) for g, b in self.backends.items()}
+        with set_forward_context(self.backends, md, self.caches):
             yield

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.core_types.kv_transfer_params import KVTransferParams
+
 
 @dataclass
 class CompletionOutput:
@@ -31,5 +33,5 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (or transferred)
     error: str | None = None  # set when finish_reason is "error"
-    kv_transfer_params: dict | None = None
+    kv_transfer_params: KVTransferParams | None = None
     metrics: dict = field(default_factory=dict)

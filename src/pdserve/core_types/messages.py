@@ -2,25 +2,30 @@
 
 Encoded with msgspec (msgpack) as a tagged union: the receiver decodes straight into
 one of these classes; nothing is pickled and no method names travel.
+
+:class:`EngineCoreRequest` is the one typed request: the frontend's input processor
+validates a user's request once and builds it; the engine core's ``Request`` is made
+from it and from nothing else.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler_output import EngineCoreOutput
-from pdserve.metrics.stats import SchedulerStats
+from pdserve.core_types.kv_transfer_params import KVTransferParams
+from pdserve.core_types.sampling_params import SamplingParams
+from pdserve.core_types.scheduler_output import EngineCoreOutput
+from pdserve.core_types.stats import SchedulerStats
 
 
-class AddRequest(msgspec.Struct, tag="add"):
+class EngineCoreRequest(msgspec.Struct, tag="add"):
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: list[int]
-    max_output_tokens: int
+    max_output_tokens: int  # absolute cap on output tokens (max_tokens or the room left)
     arrival_time: float
-    kv_transfer_params: dict | None = None
+    kv_transfer_params: KVTransferParams | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -62,7 +67,7 @@ class EngineError(msgspec.Struct, tag="error"):
     message: str
 
 
-ToEngine = AddRequest | AbortRequests | ResetPrefixCache | ReleaseKV | Shutdown
+ToEngine = EngineCoreRequest | AbortRequests | ResetPrefixCache | ReleaseKV | Shutdown
 FromEngine = EngineReady | EngineOutputs | EngineError
 
 _encoder = msgspec.msgpack.Encoder()

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.engine.outputs import CompletionOutput, RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler_output import EngineCoreOutput
-from pdserve.tokenizer import Tokenizer
+from pdserve.core_types.kv_transfer_params import KVTransferParams
+from pdserve.core_types.sampling_params import SamplingParams
+from pdserve.core_types.scheduler_output import EngineCoreOutput
+from pdserve.frontend.outputs import CompletionOutput, RequestOutput
+from pdserve.frontend.tokenizer import Tokenizer
 
 _CONTEXT_TOKENS = 5  # prompt tokens kept as decoding context (leading-space handling)
 
@@ -96,14 +97,8 @@ class OutputProcessor:
             if st is None:
                 continue
             st.num_cached_tokens = eo.num_cached_tokens
-            if eo.new_token_ids:
-                st.token_ids.extend(eo.new_token_ids)
-                if st.logprobs is not None and eo.new_logprobs:
-                    st.logprobs.extend(eo.new_logprobs)
-                new_text = st.detok.add(eo.new_token_ids)
-                st.text += new_text
-                if eo.finish_reason is None and self._check_stop_strings(st, len(new_text)):
-                    stopped.append(st.request_id)
+            if eo.new_token_ids and self._add_tokens(st, eo):
+                stopped.append(st.request_id)
             if st.finish_reason is None and eo.finish_reason is not None:
                 st.finish_reason = eo.finish_reason
                 st.stop_reason = eo.stop_reason
@@ -111,6 +106,26 @@ class OutputProcessor:
             if st.finish_reason is not None:
                 del self.states[st.request_id]
         return results, stopped
+
+    def _add_tokens(self, st: RequestState, eo: EngineCoreOutput) -> bool:
+        """Append a step's tokens (several after a speculative verify) and their text;
+        True when a stop string ended the request. With stop strings the tokens go in
+        one at a time, so none after the one that completed the string is kept."""
+        ids, lps = eo.new_token_ids, eo.new_logprobs
+        chunks = [ids] if not st.params.stop or len(ids) == 1 else [[t] for t in ids]
+        taken = 0
+        for j, chunk in enumerate(chunks):
+            st.token_ids.extend(chunk)
+            if st.logprobs is not None and lps:
+                st.logprobs.extend(lps[taken : taken + len(chunk)])
+            taken += len(chunk)
+            new_text = st.detok.add(chunk)
+            st.text += new_text
+            # the engine's own finish on the last token stands; a stop string before it wins
+            may_stop = j < len(chunks) - 1 or eo.finish_reason is None
+            if may_stop and self._check_stop_strings(st, len(new_text)):
+                return True
+        return False
 
     def _check_stop_strings(self, st: RequestState, new_len: int) -> bool:
         stops = st.params.stop
@@ -132,7 +147,7 @@ class OutputProcessor:
         return True
 
     def _make_output(
-        self, st: RequestState, delta: bool, error: str | None, kv_params: dict | None
+        self, st: RequestState, delta: bool, error: str | None, kv_params: KVTransferParams | None
     ) -> RequestOutput:
         finished = st.finish_reason is not None
         if delta:

@@ -4,7 +4,7 @@ Lifecycle: ``await AsyncEngineClient.start(config)`` spawns the engine-core proc
 waits for ``EngineReady``, and starts one output task that reads every
 ``EngineOutputs`` message, detokenizes (``OutputProcessor``), and routes each delta
 to its request's queue. ``generate`` validates first (``ValueError`` before anything
-is queued), registers a queue, sends ``AddRequest`` and yields deltas until the
+is queued), registers a queue, sends the ``EngineCoreRequest`` and yields deltas until the
 final one; if the consumer goes away early the request is aborted in the engine.
 If the engine process dies, every live request gets a final "error" output and
 ``check_health`` raises from then on.
@@ -25,14 +25,15 @@ import zmq
 import zmq.asyncio
 
 from pdserve.config import EngineConfig
-from pdserve.engine import messages as M
+from pdserve.core_types import messages as M
+from pdserve.core_types.kv_transfer_params import KVTransferParams
+from pdserve.core_types.sampling_params import SamplingParams
+from pdserve.core_types.stats import SchedulerStats
 from pdserve.engine.core_proc import run_engine_core
-from pdserve.engine.output_processor import OutputProcessor
-from pdserve.engine.outputs import CompletionOutput, RequestOutput
-from pdserve.engine.processor import InputProcessor
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.metrics.stats import SchedulerStats
-from pdserve.tokenizer import Tokenizer
+from pdserve.frontend.output_processor import OutputProcessor
+from pdserve.frontend.outputs import CompletionOutput, RequestOutput
+from pdserve.frontend.processor import InputProcessor
+from pdserve.frontend.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ class AsyncEngineClient:
         prompt: str | None,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        kv_transfer_params: dict | None = None,
+        kv_transfer_params: KVTransferParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
         if self._dead:
             raise EngineDeadError(self._dead)
@@ -123,17 +124,7 @@ class AsyncEngineClient:
         self._outputs.add_request(request_id, prompt, req.prompt_token_ids, params)
         finished = False
         try:
-            await self._send(
-                M.AddRequest(
-                    request_id,
-                    req.prompt_token_ids,
-                    params,
-                    sorted(req.eos_token_ids),
-                    req.max_output_tokens,
-                    time.monotonic(),
-                    kv_transfer_params,
-                )
-            )
+            await self._send(req)
             while True:
                 out = await q.get()
                 finished = out.finished

@@ -1,0 +1,60 @@
+"""What the two halves of a KV connector tell each other once per step (typed)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.core_types.kv_transfer_params import KVTransferParams
+
+
+@dataclass(frozen=True)
+class KVPeer:
+    """A prefill engine's KV server, as decode dials it."""
+
+    host: str
+    port: int
+    engine_id: str | None = None
+
+    @classmethod
+    def of(cls, params: KVTransferParams) -> KVPeer:
+        assert params.remote_host is not None and params.remote_port is not None
+        return cls(params.remote_host, params.remote_port, params.remote_engine_id)
+
+
+@dataclass(frozen=True)
+class KVLoad:
+    """Pull ``remote_request_id``'s blocks ``first_block ..`` into ``local_block_ids``."""
+
+    request_id: str  # the local request
+    peer: KVPeer
+    remote_request_id: str
+    local_block_ids: list[int]
+    first_block: int  # blocks before this one decode has from its own prefix cache
+    num_blocks: int  # blocks prefill holds for the request in all (consistency check)
+
+
+@dataclass(frozen=True)
+class KVNotice:
+    """Request ids to renew (heartbeat) or release (done) at one prefill engine."""
+
+    peer: KVPeer
+    request_ids: list[str]
+
+
+@dataclass
+class KVConnectorMetadata:
+    """Scheduler side -> worker side, once per step."""
+
+    loads: list[KVLoad] = field(default_factory=list)
+    cancels: list[KVNotice] = field(default_factory=list)  # aborted before pulling
+    heartbeats: list[KVNotice] = field(default_factory=list)  # lease renewals
+
+
+@dataclass
+class KVConnectorOutput:
+    """Worker side -> scheduler side, once per step (every set drained by its reader)."""
+
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: dict[str, str] = field(default_factory=dict)  # request id -> reason
+    transfer_seconds: list[float] = field(default_factory=list)
+    transfer_bytes: list[int] = field(default_factory=list)

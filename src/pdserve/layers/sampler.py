@@ -1,0 +1,131 @@
+"""Token sampling on the device: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+
+All decisions that depend on request parameters are made on the host from the
+parameters themselves (never by reading device values), so sampling adds no host
+sync; the runner syncs once per step when it reads the sampled ids.
+
+Random sampling uses the exponential race: ``argmax(p / E)`` with ``E ~ Exp(1)`` draws
+from ``p``. Seeded requests draw their ``E`` row from their own generator, so their
+samples do not depend on what else is in the batch.
+
+One row of logits per sampled position: a plain step has one per request, a
+speculative verify one per draft plus one (the rejection sampler in
+:mod:`pdserve.spec_decode.rejection_sampler` uses :meth:`Sampler.probs` and
+:meth:`Sampler.noise` for those).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.kernels.reference import apply_top_k_top_p
+from pdserve.layers.fused import use_fused_kernels
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row parameters for one step (row i = one sampled position)."""
+
+    all_greedy: bool
+    temperature: torch.Tensor | None  # [R] float32 (greedy rows hold 1.0)
+    greedy_rows: torch.Tensor | None  # [R] bool, None when no row is greedy
+    top_k: torch.Tensor | None  # [R] int64, vocab size where disabled; None if none uses it
+    top_p: torch.Tensor | None  # [R] float32, None if none uses it
+    min_p: torch.Tensor | None  # [R] float32, None if none uses it
+    generators: dict[int, torch.Generator]  # row -> generator for seeded rows
+    banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) to mask (min_tokens)
+    need_logprobs: bool
+
+
+class Sampler:
+    """The step's sampler. Random rows go through the sort-free Triton kernel
+    (:func:`pdserve.kernels.sampling.sample`) where fused kernels are on (CUDA, see
+    :mod:`pdserve.layers.fused`), else through the sort-based torch path below, which is
+    the kernel's reference; both take the same Exp(1) noise, so seeded rows draw the
+    same tokens either way up to float rounding at a filter's boundary."""
+
+    def __init__(self, device: torch.device, seed: int = 0) -> None:
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+        self.fused = use_fused_kernels(device)
+
+    def masked(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """``logits`` with the banned ids (min_tokens) at -inf (a copy when any are)."""
+        if md.banned is None:
+            return logits
+        logits = logits.clone()
+        logits[md.banned[0], md.banned[1]] = float("-inf")
+        return logits
+
+    def noise(self, like: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """Exp(1) noise per row; seeded rows draw theirs from their own generators."""
+        q = torch.empty_like(like).exponential_(generator=self.generator)
+        for row, gen in md.generators.items():
+            q[row].exponential_(generator=gen)
+        return q
+
+    def uniform(self, n: int, device: torch.device, md: SamplingMetadata) -> torch.Tensor:
+        """U(0, 1) per row; seeded rows draw theirs from their own generators."""
+        u = torch.rand(n, device=device, generator=self.generator)
+        for row, gen in md.generators.items():
+            u[row] = torch.rand((), device=device, generator=gen)
+        return u
+
+    def probs(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """The distribution each row samples from after temperature, top-k, top-p and
+        min-p (greedy rows: one-hot at their argmax), normalised. ``logits`` are already
+        :meth:`masked`."""
+        if md.all_greedy:
+            return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        assert md.temperature is not None
+        x = apply_top_k_top_p(logits / md.temperature.unsqueeze(1), md.top_k, md.top_p)
+        p = x.softmax(dim=-1)
+        if md.min_p is not None:
+            thresh = p.amax(dim=-1, keepdim=True) * md.min_p.unsqueeze(1)
+            p = p.masked_fill(p < thresh, 0.0)
+            p = p / p.sum(dim=-1, keepdim=True)
+        if md.greedy_rows is not None:
+            hot = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(p.dtype)
+            p = torch.where(md.greedy_rows.unsqueeze(1), hot, p)
+        return p
+
+    def __call__(
+        self, logits: torch.Tensor, md: SamplingMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """logits [R, V] float32 -> (token ids [R] int64, logprob of each sampled token or None)."""
+        raw = logits
+        logits = self.masked(logits, md)
+        greedy = logits.argmax(dim=-1)
+        if md.all_greedy:
+            sampled = greedy
+        else:
+            assert md.temperature is not None
+            q = self.noise(logits, md)
+            if self.fused:
+                from pdserve.kernels.sampling import sample
+
+                sampled = sample(
+                    logits,
+                    md.temperature,
+                    md.top_k,
+                    md.top_p,
+                    md.min_p,
+                    noise=q,
+                    greedy_rows=md.greedy_rows,
+                )
+            else:
+                x = logits / md.temperature.unsqueeze(1)
+                x = apply_top_k_top_p(x, md.top_k, md.top_p)
+                probs = x.softmax(dim=-1)
+                if md.min_p is not None:
+                    thresh = probs.amax(dim=-1, keepdim=True) * md.min_p.unsqueeze(1)
+                    probs = probs.masked_fill(probs < thresh, 0.0)
+                sampled = (probs / q).argmax(dim=-1)
+                if md.greedy_rows is not None:
+                    sampled = torch.where(md.greedy_rows, greedy, sampled)
+        lp = None
+        if md.need_logprobs:
+            lp = raw.log_softmax(dim=-1).gather(1, sampled.unsqueeze(1)).squeeze(1)
+        return sampled, lp

@@ -1,0 +1,72 @@
+"""The model's forward over the runner's static input buffers.
+
+:class:`ModelStep` is what the model runner, CUDA-graph capture and warm-up share:
+the model, the input buffers, one attention backend per cache group, and the KV
+caches. It builds each group's metadata from the step's common metadata and runs the
+model inside the forward context; nothing in it knows about requests or scheduling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from pdserve.core_types.cache_spec import KVCacheConfig
+from pdserve.forward_context import KVCaches, is_cache_owner, set_forward_context
+from pdserve.layers.attention import AttentionBackend, CommonAttentionMetadata
+from pdserve.models.registry import CausalLM
+from pdserve.runner.input_buffers import InputBuffers
+
+
+def collect_cache_layers(
+    model: nn.Module, block_size: int, kv_dtype: str
+) -> tuple[KVCacheConfig, dict[str, list[nn.Module]]]:
+    """Name every cache-owning module by its path in the model, ask it for its cache,
+    and group the answers. Returns the config and each group's layers."""
+    entries = []
+    layers: dict[str, list[nn.Module]] = {}
+    for name, mod in model.named_modules():
+        if not is_cache_owner(mod):
+            continue
+        mod.layer_name = name
+        layout = mod.kv_cache_layout(block_size, kv_dtype)
+        if layout is None:
+            continue
+        entries.append((name, mod.cache_group, layout))
+        layers.setdefault(mod.cache_group, []).append(mod)
+    return KVCacheConfig.from_layers(block_size, entries), layers
+
+
+@dataclass
+class ModelStep:
+    model: CausalLM
+    buffers: InputBuffers
+    kv_cache_config: KVCacheConfig
+    group_layers: dict[str, list[nn.Module]]  # cache group -> its layers
+    backends: dict[str, AttentionBackend]  # cache group -> its backend
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    vocab_size: int
+    kv_caches: KVCaches | None = field(default=None)
+
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        return all(b.supports_cuda_graphs for b in self.backends.values())
+
+    def hidden(
+        self, common: CommonAttentionMetadata, kv_caches: KVCaches | None = None
+    ) -> torch.Tensor:
+        """Final hidden states [T, hidden] of the ``common.num_actual_tokens`` tokens in
+        the input buffers (``kv_caches``: throwaway caches for profiling runs)."""
+        caches = kv_caches if kv_caches is not None else self.kv_caches
+        assert caches is not None, "the KV cache is not allocated yet"
+        md = {g: b.build_metadata(common) for g, b in self.backends.items()}
+        t = common.num_actual_tokens
+        with set_forward_context(self.backends, md, caches):
+            return self.model(self.buffers.input_ids.dev[:t], self.buffers.positions.dev[:t])
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)

@@ -1,0 +1,362 @@
+"""Batch prep: one ``SchedulerOutput`` -> the step's inputs in the static buffers.
+
+Numpy over the batch's rows builds the flat token arrays (ids, positions, slots), the
+attention metadata and the per-row sampling parameters, then uploads them. Under
+async scheduling some inputs exist only on the device, produced by the step still in
+flight: its last accepted token per request, the drafts it proposed, and (when it
+verified drafts) how many it accepted, which moves every position of the request by
+the number rejected. :meth:`StepPreparer.prepare` patches those in on the device after
+the uploads, so the host never waits for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pdserve.core_types.scheduler_output import SchedulerOutput
+from pdserve.core_types.utils import cdiv
+from pdserve.layers.attention import CommonAttentionMetadata
+from pdserve.layers.sampler import SamplingMetadata
+from pdserve.runner.input_batch import InputBatch
+from pdserve.runner.input_buffers import InputBuffers
+
+
+@dataclass
+class StepInputs:
+    req_ids: list[str]
+    rows: np.ndarray  # [B] InputBatch rows
+    num_scheduled: np.ndarray  # [B]
+    num_drafts: np.ndarray  # [B] drafts among each request's scheduled tokens
+    samples: np.ndarray  # [B] bool: the request reaches its end and samples
+    uniform_query_len: int | None  # q when every request computes exactly q tokens
+    num_tokens: int
+    common: CommonAttentionMetadata
+    # logits rows: request b's rows are row_start[b] .. +num_drafts[b]; row r is token
+    # logits_idx[r] (None: rows are tokens 0..num_logit_rows-1, i.e. every token)
+    num_logit_rows: int
+    logits_idx: torch.Tensor | None
+    row_start: torch.Tensor  # [B] int64, device
+    num_rows: torch.Tensor  # [B] int64, device
+    first_token: torch.Tensor  # [B] int64, device: token index of each request's first row
+    drafts: torch.Tensor | None  # [B, k] int64, device, when any request verifies drafts
+    sampling: SamplingMetadata
+    row_gens: np.ndarray  # the rows' generations when the step was prepared
+
+
+@dataclass
+class InFlight:
+    """What the last launched step left on the device for the next one."""
+
+    tokens: torch.Tensor  # [B, k+1] accepted tokens (-1 padded)
+    num: torch.Tensor | None  # [B] accepted counts; None when every count is 1
+    drafts: torch.Tensor | None  # [B, k] proposed drafts
+    index: np.ndarray  # [max_num_reqs] row -> its batch index in that step, -1: sampled none
+    num_rows: np.ndarray  # [max_num_reqs] row -> tokens it verified (drafts + 1)
+
+
+class StepPreparer:
+    def __init__(
+        self,
+        batch: InputBatch,
+        buffers: InputBuffers,
+        device: torch.device,
+        vocab_size: int,
+    ) -> None:
+        self.batch = batch
+        self.buf = buffers
+        self.device = device
+        self.vocab_size = vocab_size
+        self.in_flight: InFlight | None = None
+        # set once a step's host->device copies are enqueued; the next step waits on it
+        # before it rewrites the pinned staging buffers those copies read
+        self._staging_free: torch.cuda.Event | None = None
+
+    def mark_staging_read(self) -> None:
+        """Called once the step's last host->device copy is enqueued."""
+        if self.device.type == "cuda":
+            if self._staging_free is None:
+                self._staging_free = torch.cuda.Event()
+            self._staging_free.record()
+
+    def prepare(self, so: SchedulerOutput) -> StepInputs:
+        b, buf = self.batch, self.buf
+        if self._staging_free is not None:
+            self._staging_free.synchronize()  # the previous step's uploads have been read
+        req_ids = list(so.num_scheduled_tokens)
+        nreq = len(req_ids)
+        rows = np.fromiter((b.row_of[r] for r in req_ids), dtype=np.int64, count=nreq)
+        nsched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=nreq)
+        t = int(nsched.sum())
+        cu = np.zeros(nreq + 1, dtype=np.int64)
+        np.cumsum(nsched, out=cu[1:])
+        req_idx = np.repeat(np.arange(nreq), nsched)
+        q_idx = np.arange(t) - cu[:-1][req_idx]
+        computed = b.num_computed[rows]
+        tok_rows = rows[req_idx]
+        pos = computed[req_idx] + q_idx
+        seq_lens = computed + nsched
+
+        ndraft = np.zeros(nreq, dtype=np.int64)
+        dmat = buf.drafts.np[:nreq]
+        spec = so.scheduled_spec_decode_tokens
+        if spec:
+            dmat[:] = -1
+            index = {rid: i for i, rid in enumerate(req_ids)}
+            for rid, d in spec.items():
+                i = index[rid]
+                ndraft[i] = len(d)
+                dmat[i, : len(d)] = d
+        first_draft = (nsched - ndraft)[req_idx]
+        is_draft = q_idx >= first_draft
+        known = b.token_ids[tok_rows, np.minimum(pos, b.token_ids.shape[1] - 1)]
+        if spec:
+            draft_j = np.clip(q_idx - first_draft, 0, dmat.shape[1] - 1)
+            draft_vals = dmat[req_idx, draft_j]
+            buf.input_ids.np[:t] = np.where(is_draft, np.maximum(draft_vals, 0), known)
+        else:
+            buf.input_ids.np[:t] = known
+        buf.positions.np[:t] = pos
+        bs = buf.block_size
+        buf.slots.np[:t] = b.block_table[tok_rows, pos // bs].astype(np.int64) * bs + pos % bs
+        buf.req_idx.np[:t] = req_idx
+        buf.q_idx.np[:t] = q_idx
+        buf.query_start_loc.np[: nreq + 1] = cu
+        buf.seq_lens.np[:nreq] = seq_lens
+        max_seq = int(seq_lens.max())
+        nblk = cdiv(max_seq, bs)
+        buf.block_tables.np[:nreq, :nblk] = b.block_table[rows, :nblk]
+
+        # logits rows: the last num_drafts + 1 tokens of each request
+        nrows = ndraft + 1
+        row_start = np.zeros(nreq, dtype=np.int64)
+        np.cumsum(nrows[:-1], out=row_start[1:])
+        num_logit_rows = int(nrows.sum())
+        first_tok = cu[1:] - nrows
+        lreq = np.repeat(np.arange(nreq), nrows)
+        if num_logit_rows != t:  # else every token is a row, in order
+            buf.logits_idx.np[:num_logit_rows] = (
+                first_tok[lreq] + np.arange(num_logit_rows) - row_start[lreq]
+            )
+        common = CommonAttentionMetadata(
+            num_reqs=nreq,
+            num_actual_tokens=t,
+            max_query_len=int(nsched.max()),
+            max_seq_len=max_seq,
+            block_size=bs,
+            query_start_loc=buf.query_start_loc.upload(nreq + 1),
+            seq_lens=buf.seq_lens.upload(nreq),
+            block_tables=self._upload_block_tables(nreq, nblk),
+            slot_mapping=buf.slots.upload(t),
+            token_req_idx=buf.req_idx.upload(t),
+            token_q_idx=buf.q_idx.upload(t),
+        )
+        buf.input_ids.upload(t)
+        buf.positions.upload(t)
+        logits_idx = buf.logits_idx.upload(num_logit_rows) if num_logit_rows != t else None
+        drafts = buf.drafts.upload(nreq) if spec else None
+        per_req = buf.per_req.np  # row_start | num_rows | first_token
+        per_req[:nreq] = row_start
+        per_req[nreq : 2 * nreq] = nrows
+        per_req[2 * nreq : 3 * nreq] = first_tok
+        d_per_req = buf.per_req.upload(3 * nreq).view(3, nreq)
+
+        samples = np.fromiter((r in so.sampling_req_ids for r in req_ids), bool, count=nreq)
+        if self.in_flight is not None:
+            self._patch_from_device(
+                req_idx,
+                tok_rows,
+                pos,
+                is_draft,
+                dmat,
+                q_idx - first_draft,
+                rows,
+                t,
+                nreq,
+                drafts,
+            )
+        uniform = int(nsched[0]) if bool((nsched == nsched[0]).all()) else None
+        return StepInputs(
+            req_ids,
+            rows,
+            nsched,
+            ndraft,
+            samples,
+            uniform,
+            t,
+            common,
+            num_logit_rows,
+            logits_idx,
+            d_per_req[0],
+            d_per_req[1],
+            d_per_req[2],
+            drafts,
+            self.sampling_metadata(rows, nsched, ndraft, lreq, row_start),
+            b.row_gen[rows].copy(),
+        )
+
+    def _upload_block_tables(self, nreq: int, nblk: int) -> torch.Tensor:
+        bt = self.buf.block_tables
+        bt.dev[:nreq, :nblk].copy_(bt.host[:nreq, :nblk], non_blocking=True)
+        return bt.dev[:nreq, :nblk]
+
+    def _patch_from_device(
+        self,
+        req_idx: np.ndarray,
+        tok_rows: np.ndarray,
+        pos: np.ndarray,
+        is_draft: np.ndarray,
+        dmat: np.ndarray,
+        draft_j: np.ndarray,
+        rows: np.ndarray,
+        t: int,
+        nreq: int,
+        drafts: torch.Tensor | None,
+    ) -> None:
+        """Fill in the inputs the step in flight produces: each request's last accepted
+        token, its drafts (where the host has none), and (after a verify) the positions,
+        sequence lengths and slots moved back by the drafts it rejected."""
+        prev = self.in_flight
+        assert prev is not None
+        b, buf = self.batch, self.buf
+        src_of_tok = prev.index[tok_rows]
+        bonus = ~is_draft & (pos >= b.num_tokens[tok_rows])
+        pend_draft = np.zeros_like(bonus)
+        if prev.drafts is not None and drafts is not None:
+            unknown = dmat[req_idx, np.clip(draft_j, 0, dmat.shape[1] - 1)] < 0
+            pend_draft = is_draft & (src_of_tok >= 0) & unknown
+        src_of_req = prev.index[rows]
+        corr = (src_of_req >= 0) & (prev.num_rows[rows] > 1)
+        if not (bonus.any() or pend_draft.any() or corr.any()):
+            return
+        b_dst = np.flatnonzero(bonus)
+        b_src = src_of_tok[b_dst]
+        if (b_src < 0).any():
+            raise RuntimeError("a step needs a token that no step in flight samples")
+        d_dst = np.flatnonzero(pend_draft)
+        c_req = np.flatnonzero(corr)
+        parts = [
+            b_dst,
+            b_src,
+            d_dst,
+            src_of_tok[d_dst],
+            draft_j[d_dst],
+            req_idx[d_dst],
+            c_req,
+            src_of_req[c_req],
+            prev.num_rows[rows[c_req]],
+        ]
+        sizes = [len(p) for p in parts]
+        packed = np.concatenate(parts)
+        buf.patch.np[: len(packed)] = packed
+        dev = buf.patch.upload(len(packed))
+        pieces = torch.split(dev, sizes)
+        ids = buf.input_ids.dev
+        last = (
+            prev.tokens[:, 0]
+            if prev.num is None
+            else prev.tokens.gather(1, (prev.num - 1).unsqueeze(1)).squeeze(1)
+        )
+        if sizes[0]:
+            ids.index_copy_(0, pieces[0], last.index_select(0, pieces[1]))
+        if sizes[2]:
+            assert prev.drafts is not None and drafts is not None
+            vals = prev.drafts[pieces[3], pieces[4]]
+            ids.index_copy_(0, pieces[2], vals.clamp(min=0))
+            drafts[pieces[5], pieces[4]] = vals
+        if sizes[6]:
+            assert prev.num is not None
+            delta = torch.zeros(nreq, dtype=torch.int64, device=ids.device)
+            delta.index_copy_(0, pieces[6], prev.num.index_select(0, pieces[7]) - pieces[8])
+            positions = buf.positions.dev[:t]
+            positions += delta[buf.req_idx.dev[:t]]
+            buf.seq_lens.dev[:nreq] += delta.to(torch.int32)
+            bs = buf.block_size
+            bt = buf.block_tables.dev
+            buf.slots.dev[:t] = (
+                bt[buf.req_idx.dev[:t], positions // bs].to(torch.int64) * bs + positions % bs
+            )
+
+    def record_launch(
+        self,
+        inp: StepInputs,
+        tokens: torch.Tensor,
+        num: torch.Tensor | None,
+        drafts: torch.Tensor | None,
+    ) -> None:
+        """Remember what the step just launched leaves on the device for the next one."""
+        n = self.batch.max_num_reqs
+        index = np.full(n, -1, dtype=np.int64)
+        index[inp.rows] = np.where(inp.samples, np.arange(len(inp.rows)), -1)
+        num_rows = np.zeros(n, dtype=np.int64)
+        num_rows[inp.rows] = inp.num_drafts + 1
+        self.in_flight = InFlight(tokens, num, drafts, index, num_rows)
+
+    def sampling_metadata(
+        self,
+        rows: np.ndarray,
+        nsched: np.ndarray,
+        ndraft: np.ndarray,
+        lreq: np.ndarray,
+        row_start: np.ndarray,
+    ) -> SamplingMetadata:
+        """Per logits row (``lreq[r]`` is its request): request ``i``'s rows sample its
+        next ``num_drafts[i] + 1`` positions."""
+        b = self.batch
+        rrows = rows[lreq]
+        offset = np.arange(len(lreq)) - row_start[lreq]
+        params = [b.params[r] for r in rrows]
+        greedy = np.fromiter(
+            (p is not None and p.greedy for p in params), dtype=bool, count=len(rrows)
+        )
+        dev = self.device
+
+        def tensor(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(dev, non_blocking=True)
+
+        all_greedy = bool(greedy.all())
+        temperature = top_k = top_p = min_p = greedy_rows = None
+        generators: dict[int, torch.Generator] = {}
+        if not all_greedy:
+            temperature = tensor(b.temperature[rrows])
+            greedy_rows = tensor(greedy) if greedy.any() else None
+            tk = b.top_k[rrows]
+            if (tk > 0).any():
+                top_k = tensor(np.where(tk > 0, tk, self.vocab_size))
+            tp = b.top_p[rrows]
+            if (tp < 1.0).any():
+                top_p = tensor(tp)
+            mp = b.min_p[rrows]
+            if (mp > 0.0).any():
+                min_p = tensor(mp)
+            for i, r in enumerate(rrows):
+                gen = b.generators.get(int(r))
+                if gen is not None:
+                    generators[i] = gen
+        # min_tokens: ban EOS / stop ids until enough tokens were produced
+        ban_rows: list[int] = []
+        ban_ids: list[int] = []
+        for i, (r, p) in enumerate(zip(rrows, params, strict=True)):
+            if p is not None and p.min_tokens and b.banned_ids[r]:
+                j = lreq[i]
+                # outputs before this row's sample, counting one still in flight
+                done = (
+                    max(b.num_tokens[r], b.num_computed[r] + nsched[j] - ndraft[j])
+                    - b.num_prompt_tokens[r]
+                    + offset[i]
+                )
+                if done < p.min_tokens:
+                    ban_rows.extend([i] * len(b.banned_ids[r]))
+                    ban_ids.extend(b.banned_ids[r])
+        banned = None
+        if ban_rows:
+            banned = (
+                torch.tensor(ban_rows, dtype=torch.int64, device=dev),
+                torch.tensor(ban_ids, dtype=torch.int64, device=dev),
+            )
+        need_lp = any(p is not None and p.logprobs is not None for p in params)
+        return SamplingMetadata(
+            all_greedy, temperature, greedy_rows, top_k, top_p, min_p, generators, banned, need_lp
+        )

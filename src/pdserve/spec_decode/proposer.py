@@ -1,0 +1,52 @@
+"""The one interface every drafter implements (n-gram, MTP, and the tests' drafters).
+
+Lifecycle: the runner calls :meth:`Proposer.propose` once per step, right after the
+step's tokens were sampled, while everything is still on the device; what it returns
+becomes the next step's drafts. Under async scheduling the host never sees them before
+the next step runs (the runner patches them in on the device); in synchronous mode they
+travel through the scheduler as ``scheduled_spec_decode_tokens``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+
+@dataclass
+class DraftBatch:
+    """One step's requests as a drafter sees them (row ``i`` = request ``i`` of the batch).
+
+    ``sampled[i, :num_sampled[i]]`` are the tokens request ``i`` accepted this step; its
+    last one sits at position ``next_positions[i]`` (its KV is computed by the next
+    step). ``hidden`` holds the final hidden state of every token this step computed
+    (``query_start_loc`` delimits each request's rows), for drafters that read them
+    (MTP). ``token_table`` and ``rows`` give the host's view of each request's tokens
+    known before this step (the prompt at least). Requests in ``~samples`` reached no
+    end this step (a prompt chunk): their drafts are ignored.
+    """
+
+    req_ids: list[str]
+    rows: np.ndarray
+    samples: np.ndarray  # [B] bool
+    token_table: np.ndarray
+    num_prompt_tokens: np.ndarray  # [B]
+    sampled: torch.Tensor  # [B, k+1] int64, -1 padded
+    num_sampled: torch.Tensor  # [B] int64
+    next_positions: torch.Tensor  # [B] int64
+    hidden: torch.Tensor  # [T, hidden]
+    query_start_loc: torch.Tensor  # [B+1]
+
+
+class Proposer(Protocol):
+    """Drafts ``num_speculative_tokens`` tokens per request."""
+
+    num_speculative_tokens: int
+
+    def propose(self, batch: DraftBatch) -> torch.Tensor:
+        """[B, num_speculative_tokens] int64 on the batch's device; -1 where there is no
+        draft (the verify step computes it as a placeholder and never accepts it)."""
+        ...
