@@ -20,8 +20,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from pdserve.serving.launcher import Launcher  # noqa: E402
-from pdserve.serving.topology import Topology  # noqa: E402
+from pdserve.serving.launch.launcher import Launcher  # noqa: E402
+from pdserve.serving.launch.topology import Topology  # noqa: E402
 
 
 def ttft_ms(url: str, prompt: list[int], max_tokens: int = 4) -> float:

@@ -47,7 +47,7 @@ def first_request(llm: LLM) -> dict:
 
         return wrapper
 
-    r._prepare_inputs = timed("prepare_inputs", r._prepare_inputs)  # type: ignore[method-assign]
+    r.prep.prepare = timed("prepare_inputs", r.prep.prepare)  # type: ignore[method-assign]
     r._forward = timed("forward", r._forward)  # type: ignore[method-assign]
     r.sampler = timed("sample", r.sampler)  # type: ignore[assignment]
     sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)

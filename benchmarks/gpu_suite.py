@@ -86,7 +86,7 @@ def weight_bytes(llm: LLM) -> int:
 
 
 def kv_bytes_per_token(llm: LLM) -> int:
-    return llm.engine.runner.kv_cache_spec().bytes_per_token
+    return int(llm.engine.runner.kv_cache_config.bytes_per_token)
 
 
 def _add(llm: LLM, rid: str, ids: list[int], max_tokens: int) -> None:
@@ -348,8 +348,8 @@ def bench_serve(
     import httpx
 
     from pdserve.bench.serve import run_benchmark
-    from pdserve.serving.launcher import Launcher
-    from pdserve.serving.topology import Topology
+    from pdserve.serving.launch.launcher import Launcher
+    from pdserve.serving.launch.topology import Topology
 
     serve_args = ["--dtype", dtype, "--max-model-len", str(max_model_len), *extra_args]
     topo = Topology.from_dict(
@@ -484,7 +484,9 @@ def main() -> int:
     res["warmup_phases"] = llm.engine.warmup_phases
     res["num_kv_blocks"] = llm.engine.kv.pool.num_blocks
     res["weight_bytes"] = weight_bytes(llm)
-    res["attention_backend"] = llm.engine.runner.backend.name
+    res["attention_backend"] = ",".join(
+        sorted({b.name for b in llm.engine.runner.step.backends.values()})
+    )
     res["cudagraph_mode"] = llm.engine.runner.graph_mode()
 
     def section(name: str, fn) -> None:  # type: ignore[no-untyped-def]

@@ -25,8 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from pdserve.bench.serve import run_benchmark  # noqa: E402
-from pdserve.serving.launcher import Launcher  # noqa: E402
-from pdserve.serving.topology import Topology  # noqa: E402
+from pdserve.serving.launch.launcher import Launcher  # noqa: E402
+from pdserve.serving.launch.topology import Topology  # noqa: E402
 
 
 def _port() -> int:

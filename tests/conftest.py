@@ -22,7 +22,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def tiny_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """float32 tiny checkpoints of each architecture, keyed by architecture name."""
-    from pdserve.models.checkpoint import make_checkpoint
+    from pdserve.testing.checkpoint import make_checkpoint
 
     out = {}
     for arch in ARCHS:

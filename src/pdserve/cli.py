@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 
 def _add_make_checkpoint(sub: argparse._SubParsersAction) -> None:
-    from pdserve.models import checkpoint
+    from pdserve.testing import checkpoint
 
     p = sub.add_parser("make-checkpoint", help="write a random-initialised HF checkpoint")
     checkpoint.add_cli_args(p)
@@ -89,25 +89,25 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
-    from pdserve.serving import serve_cmd
+    from pdserve.serving.api import cli as serve_cli
 
     p = sub.add_parser("serve", help="OpenAI-compatible server (API process + engine-core process)")
-    serve_cmd.add_cli_args(p)
+    serve_cli.add_cli_args(p)
 
 
 def _add_proxy(sub: argparse._SubParsersAction) -> None:
-    from pdserve.serving import proxy
+    from pdserve.serving.proxy import cli as proxy_cli
 
     p = sub.add_parser("proxy", help="OpenAI-compatible P/D router over prefill and decode pools")
-    proxy.add_cli_args(p)
-    p.set_defaults(func=proxy.main)
+    proxy_cli.add_cli_args(p)
+    p.set_defaults(func=proxy_cli.main)
 
 
 def _add_launch(sub: argparse._SubParsersAction) -> None:
-    from pdserve.serving import launcher
+    from pdserve.serving.launch import cli as launch_cli
 
     p = sub.add_parser("launch", help="start an xPyD topology (instances + proxy) from YAML")
-    launcher.add_cli_args(p)
+    launch_cli.add_cli_args(p)
 
 
 _COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [

@@ -4,8 +4,8 @@ A long-lived process (the engine core, the API server, the proxy) ends its start
 holding hundreds of thousands of objects that live as long as it does: modules, the
 model's modules and parameters, the tokenizer, the KV block pool. A collection of
 the oldest generation walks all of them and stops the process while it does, and the
-first one lands in whichever request happens to allocate past the threshold (a first
-request after start-up took 39 to 58 ms against a steady 33 ms on an H200, run 24).
+first one lands in whichever request happens to allocate past the threshold (the
+first request after start-up paid it: ``benchmarks/RESULTS.md``, session 4).
 ``gc.freeze()`` moves everything alive now to a permanent generation that
 collections skip; objects allocated later are collected as usual.
 """

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 
 from _polling import wait_until
-from pdserve.serving.launcher import Launcher
-from pdserve.serving.topology import Topology
+from pdserve.serving.launch.launcher import Launcher
+from pdserve.serving.launch.topology import Topology
 
 from .conftest import free_ports, metric
 

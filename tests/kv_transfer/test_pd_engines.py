@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from _drafters import OracleDrafter, WrongDrafter
 from pdserve import LLM, SamplingParams
 from pdserve.config import EngineConfig
 from pdserve.core_types.kv_transfer_params import KVTransferParams
@@ -187,6 +188,46 @@ def test_incompatible_block_size_is_refused_naming_the_field(tiny_llama: Path) -
         assert out.finish_reason == "error"
         assert "block_size (prefill 4, decode 8)" in (out.error or "")
         _settle(d)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("drafter", [OracleDrafter, WrongDrafter])
+def test_speculating_decode_instance_gives_identical_outputs(
+    tiny_llama: Path, reference, drafter: type[OracleDrafter], async_scheduling: bool
+) -> None:
+    """1P1D with a drafter on the decode instance: its first step computes the last
+    prompt token alone, later steps verify 1+k tokens; greedy output equals colocated."""
+    seqs = {tuple(p): p + r for p, r in zip(PROMPTS, reference, strict=True)}
+    p = _engine(tiny_llama, "kv_producer")
+    cfg = EngineConfig.from_kwargs(
+        model=str(tiny_llama),
+        dtype="float32",
+        block_size=4,
+        async_scheduling=async_scheduling,
+        kv_transfer_config={
+            "kv_connector": "PdConnector",
+            "kv_role": "kv_consumer",
+            "kv_connector_extra_config": {"transport": "tcp", "handshake_timeout": 1.0},
+        },
+    )
+    d = EngineCore(cfg, drafter(3, seqs, 512))
+    pp, dp = _proc(p, tiny_llama), _proc(d, tiny_llama)
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        for i, ids in enumerate(PROMPTS):
+            d.add_request(dp.make_request(f"s{i}", ids, sp, _prefill(p, pp, f"s{i}", ids)))
+        outs = _run(d, {f"s{i}" for i in range(len(PROMPTS))})
+        assert [_tokens(outs[f"s{i}"]) for i in range(len(PROMPTS))] == reference
+        st = d.stats()
+        assert st.prompt_tokens_by_source["external_kv_transfer"] == sum(
+            len(x) - 1 for x in PROMPTS
+        )
+        assert st.spec_num_drafts > 0
+        assert (st.spec_num_accepted_tokens > 0) == (drafter is OracleDrafter)
+        _settle(p, d)
     finally:
         p.shutdown()
         d.shutdown()

@@ -25,7 +25,7 @@ if not sys.platform.startswith("linux"):
 
 @pytest.fixture(scope="session")
 def launcher_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from pdserve.models.checkpoint import make_checkpoint
+    from pdserve.testing.checkpoint import make_checkpoint
 
     d = tmp_path_factory.mktemp("launcher-tiny-llama")
     make_checkpoint("LlamaForCausalLM", "tiny", d, dtype="float32")

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.serving import launcher
-from pdserve.serving.topology import Topology
+from pdserve.serving.launch import cli as launcher
+from pdserve.serving.launch.topology import Topology
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -135,7 +135,7 @@ def test_module_entry_point_dry_run() -> None:
         [
             sys.executable,
             "-m",
-            "pdserve.serving.launcher",
+            "pdserve.serving.launch",
             str(EXAMPLES / "2p1d-cpu.yaml"),
             "--dry-run",
         ],

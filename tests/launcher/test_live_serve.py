@@ -1,4 +1,4 @@
-"""``python -m pdserve.serving.launcher`` on real ``pdserve serve`` instances (tiny CPU model).
+"""``python -m pdserve.serving.launch`` on real ``pdserve serve`` instances (tiny CPU model).
 
 Only ``colocated`` instances: ``pdserve serve`` refuses ``--kv-transfer-config`` until
 P/D lands (the P/D command lines are covered by the dry-run and supervision tests).
@@ -40,7 +40,7 @@ def write_topology(
 
 def launch(topology: Path) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "pdserve.serving.launcher", str(topology)],
+        [sys.executable, "-m", "pdserve.serving.launch", str(topology)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from pdserve.serving.launcher import LaunchAborted, Launcher, LaunchError
-from pdserve.serving.topology import Topology
+from pdserve.serving.launch.launcher import LaunchAborted, Launcher, LaunchError
+from pdserve.serving.launch.topology import Topology
 
 from .conftest import FAKE_SERVER, MARKER_VAR, free_ports, marked_pids, pids_alive, wait_until
 
@@ -162,7 +162,7 @@ def test_child_death_with_on_failure_stop(
     )
     la = launcher(t)
     la.start()
-    with caplog.at_level(logging.ERROR, logger="pdserve.serving.launcher"):
+    with caplog.at_level(logging.ERROR, logger="pdserve.serving.launch.launcher"):
         assert la.wait() == 1
     assert "colocated-0 (pid" in caplog.text and "exited with code 3" in caplog.text
     assert "fake serve on" in caplog.text  # the child's last log lines
@@ -244,8 +244,8 @@ def test_launcher_crash_takes_its_children_down(tmp_path: Path, marker: str) -> 
     (tmp_path / "rec").mkdir()
     driver = textwrap.dedent(
         f"""
-        from pdserve.serving.launcher import Launcher
-        from pdserve.serving.topology import Topology
+        from pdserve.serving.launch.launcher import Launcher
+        from pdserve.serving.launch.topology import Topology
         la = Launcher(Topology.from_dict({t!r}), serve_cmd={SERVE!r})
         la.start()
         la.wait()

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.serving.topology import Topology, TopologyError
+from pdserve.serving.launch.topology import Topology, TopologyError
 
 
 def base(**over: Any) -> dict[str, Any]:

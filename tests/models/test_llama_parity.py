@@ -15,7 +15,7 @@ import torch
 
 from _attn_helper import PagedKV
 from pdserve.models import load_model
-from pdserve.models.checkpoint import make_checkpoint
+from pdserve.testing.checkpoint import make_checkpoint
 
 ARCHS = ("LlamaForCausalLM", "Qwen3ForCausalLM")
 PROMPT_LENS = (5, 70, 11)  # 70 crosses the tiny llama3 scaling's original context (64)

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pdserve.models import load_model
-from pdserve.models.checkpoint import make_checkpoint
 from pdserve.models.loader import INDEX_FILE, SINGLE_FILE, resolve_dtype
+from pdserve.testing.checkpoint import make_checkpoint
 
 LLAMA = "LlamaForCausalLM"
 

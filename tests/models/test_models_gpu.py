@@ -11,7 +11,7 @@ import torch
 
 from _attn_helper import PagedKV
 from pdserve.models import load_model
-from pdserve.models.checkpoint import make_checkpoint
+from pdserve.testing.checkpoint import make_checkpoint
 
 pytestmark = pytest.mark.gpu
 ARCHS = ("LlamaForCausalLM", "Qwen3ForCausalLM")

@@ -20,8 +20,8 @@ import pytest
 import uvicorn
 from aiohttp import web
 
-from pdserve.serving.proxy import build_proxy_app
-from pdserve.serving.proxy_core import ProxyCore
+from pdserve.serving.proxy.app import build_proxy_app
+from pdserve.serving.proxy.core import ProxyCore
 
 MODEL = "fake-model"
 

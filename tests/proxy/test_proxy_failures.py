@@ -116,7 +116,7 @@ def test_missing_kv_params_is_counted_logged_and_forwarded(
     make_pd: PDFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     pd = make_pd(prefill_knobs={"missing_params": True})
-    with caplog.at_level(logging.WARNING, logger="pdserve.serving.proxy_forward"):
+    with caplog.at_level(logging.WARNING, logger="pdserve.serving.proxy.forward"):
         r = post(pd, dict(BODY, kv_transfer_params={"bogus": 1}), headers={"X-Request-Id": "r-7"})
     assert r.status_code == 200
     assert "kv_transfer_params" not in pd.decode[0].seen[0].body
@@ -242,7 +242,7 @@ def test_decode_error_status_is_returned_and_releases(make_pd: PDFactory) -> Non
 def test_unexpected_proxy_error_is_500_and_releases(
     make_pd: PDFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pdserve.serving.proxy_forward import PDResponse
+    from pdserve.serving.proxy.forward import PDResponse
 
     async def boom(self: PDResponse, kv_params: dict | None) -> None:
         raise RuntimeError("bug")

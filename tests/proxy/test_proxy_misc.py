@@ -18,11 +18,11 @@ import openai
 import pytest
 
 from _polling import wait_until
-from pdserve.serving import proxy as proxy_mod
-from pdserve.serving.proxy import build_proxy_app
-from pdserve.serving.proxy_core import prefill_body
-from pdserve.serving.proxy_pool import InstancePool, normalize_url, normalize_urls
-from pdserve.serving.proxy_sse import SSEMeter
+from pdserve.serving.proxy import cli as proxy_mod
+from pdserve.serving.proxy.app import build_proxy_app
+from pdserve.serving.proxy.core import prefill_body
+from pdserve.serving.proxy.pool import InstancePool, normalize_url, normalize_urls
+from pdserve.serving.proxy.sse_meter import SSEMeter
 
 from .conftest import MODEL, PDFactory, metric_value
 
@@ -244,7 +244,7 @@ def test_cli_bad_url_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 _SCRIPT = """
 import argparse, sys
-from pdserve.serving import proxy
+from pdserve.serving.proxy import cli as proxy
 p = argparse.ArgumentParser()
 proxy.add_cli_args(p)
 a = p.parse_args(sys.argv[1:])

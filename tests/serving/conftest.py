@@ -20,8 +20,8 @@ from pdserve.core_types.kv_transfer_params import KVTransferParams
 from pdserve.core_types.sampling_params import SamplingParams
 from pdserve.core_types.stats import SchedulerStats
 from pdserve.frontend.outputs import CompletionOutput, RequestOutput
-from pdserve.serving.api_serve import ApiServer
-from pdserve.serving.api_server import build_app
+from pdserve.serving.api.app import build_app
+from pdserve.serving.api.server import ApiServer
 
 MODEL = "fake-model"
 FAKE_CHAT_TEMPLATE = (

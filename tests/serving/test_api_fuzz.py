@@ -9,7 +9,7 @@ schemathesis = pytest.importorskip("schemathesis")
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-from pdserve.serving.api_server import build_app  # noqa: E402
+from pdserve.serving.api.app import build_app  # noqa: E402
 
 from .conftest import MODEL, FakeEngineClient  # noqa: E402
 

@@ -122,7 +122,8 @@ _SERVER_SCRIPT = """
 import asyncio, sys
 sys.path[:0] = [{src!r}, {tests!r}]
 from serving.conftest import FakeEngineClient
-from pdserve.serving.api_server import ApiServer, build_app
+from pdserve.serving.api.app import build_app
+from pdserve.serving.api.server import ApiServer
 
 app = build_app(FakeEngineClient(token_delay=0.02), served_model_names=["m"])
 server = ApiServer(app, host="127.0.0.1", port=0, shutdown_timeout=10, log_level="warning")

@@ -13,7 +13,7 @@ from .conftest import MODEL, FakeEngineClient, ServerFactory
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    checkpoint = pytest.importorskip("pdserve.models.checkpoint")
+    checkpoint = pytest.importorskip("pdserve.testing.checkpoint")
     d = tmp_path_factory.mktemp("tiny_llama")
     checkpoint.make_checkpoint("LlamaForCausalLM", "tiny", d, dtype="float32")
     return d

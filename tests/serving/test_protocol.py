@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from pdserve.serving.api_chat_template import ChatTemplates, detect_content_format
-from pdserve.serving.protocol import (
+from pdserve.serving.api.chat_template import ChatTemplates, detect_content_format
+from pdserve.serving.api.protocol import (
     ChatCompletionRequest,
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,

@@ -1,5 +1,5 @@
 """``pdserve bench serve``: an open-loop HTTP load generator with ``vllm bench serve``'s
-flags and metric definitions (see ``shared/reference/bench-sla-metrics.md`` §1).
+flags and metric definitions (TTFT, TPOT, ITL and E2EL computed as vLLM computes them).
 
 Entry points:
 

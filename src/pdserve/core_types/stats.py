@@ -48,5 +48,11 @@ class SchedulerStats:
     kv_held_for_remote_decode: int = 0
     kv_transfer_seconds: list[float] = field(default_factory=list)  # drained per snapshot
     kv_transfer_bytes: list[int] = field(default_factory=list)  # drained per snapshot
+    # speculative decoding, cumulative: verify steps of a request with drafts, drafts
+    # scheduled, drafts accepted, and accepted drafts by position (0 = the first draft)
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     # resident set size of each engine-side process, bytes: {"engine_core": n}
     process_rss_bytes: dict[str, int] = field(default_factory=dict)

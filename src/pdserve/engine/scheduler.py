@@ -335,6 +335,8 @@ class Scheduler:
             num_drafts = len(sched.scheduled_spec_decode_tokens.get(rid, ()))
             if self.async_scheduling:
                 req.num_output_placeholders -= 1 + num_drafts
+            if num_drafts:
+                self._count_spec(num_drafts, len(new) - 1)
             if len(new) < num_drafts + 1:  # rejected drafts: their slots are recomputed
                 req.num_computed_tokens -= num_drafts + 1 - len(new)
                 self.kv.trim(rid, req.num_computed_tokens)
@@ -363,6 +365,17 @@ class Scheduler:
         self.stats.num_steps += 1
         self.stats.step_paths[out.step_path] = self.stats.step_paths.get(out.step_path, 0) + 1
         return outputs
+
+    def _count_spec(self, num_drafts: int, num_accepted: int) -> None:
+        st = self.stats
+        st.spec_num_drafts += 1
+        st.spec_num_draft_tokens += num_drafts
+        st.spec_num_accepted_tokens += num_accepted
+        per_pos = st.spec_num_accepted_tokens_per_pos
+        if len(per_pos) < num_drafts:
+            per_pos.extend([0] * (num_drafts - len(per_pos)))
+        for j in range(num_accepted):
+            per_pos[j] += 1
 
     def _reaches_length(self, req: Request) -> bool:
         """True when the tokens in flight already take ``req`` to its length limit."""

@@ -14,19 +14,22 @@ from pdserve.frontend.output_processor import OutputProcessor
 from pdserve.frontend.outputs import RequestOutput
 from pdserve.frontend.processor import InputProcessor, PromptType
 from pdserve.frontend.tokenizer import Tokenizer
+from pdserve.spec_decode.proposer import Proposer
 
 
 class LLM:
     """An in-process engine. ``kwargs`` are engine options named like the CLI flags
     (``dtype``, ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``,
-    ``block_size``, ``enable_prefix_caching``, ``device``, ...)."""
+    ``block_size``, ``enable_prefix_caching``, ``device``, ...). ``proposer`` plugs in a
+    drafter of one's own for speculative decoding (the protocol in
+    :mod:`pdserve.spec_decode.proposer`)."""
 
-    def __init__(self, model: str, **kwargs: Any) -> None:
+    def __init__(self, model: str, *, proposer: Proposer | None = None, **kwargs: Any) -> None:
         self.config = EngineConfig.from_kwargs(model=str(model), **kwargs)
         self.tokenizer = Tokenizer.from_pretrained(
             self.config.model.tokenizer or self.config.model.model
         )
-        self.engine = EngineCore(self.config)
+        self.engine = EngineCore(self.config, proposer)
         self.processor = InputProcessor(
             self.tokenizer, self.engine.max_model_len, self.engine.vocab_size
         )

@@ -22,13 +22,8 @@ heads, multiprocessor count and a static context bound, see
 CUDA-graph capturable; any ``num_splits`` gives the same result up to rounding.
 
 Requests with ``seq_lens[b] == 0`` (graph padding) read nothing and output zeros.
-
-Measured on an H200 (Llama-3-8B: 32 q / 8 KV heads, D 128, bf16, block 16,
-fragmented block tables; GPU time from CUDA-graph replay, heuristic splits):
-batch 64 x 16K reads 4.3 GB in 1.03 ms (98% of the 4.25 TB/s copy rate),
-16 x 16K 0.26 ms (98%), 64 x 1K 69 us (91%), 1 x 16K 26 us (64 splits),
-1 x 1K 6 us (16 splits); the heuristic's pick was within 1% of the best split
-count in every one of these cases.
+Its speed against the copy bound, by batch and context, is in
+``benchmarks/RESULTS.md`` ("Kernel measurements").
 """
 
 from __future__ import annotations

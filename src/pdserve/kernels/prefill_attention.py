@@ -18,9 +18,9 @@ are read once per KV group, and streams the keys up to its last row's position
 through an online softmax (fp32 accumulation, exp2 domain).
 
 The alternative for a single prompt with no cached prefix is
-:func:`sdpa_prefill` (torch's fused SDPA on this step's contiguous K/V): on an
-H200 with Llama-3-8B heads it runs an 8K prompt in 1.07-1.15 ms (~500 TFLOP/s)
-against ~1.6 ms (~340 TFLOP/s) here, so the backend uses it for that case. A
+:func:`sdpa_prefill` (torch's fused SDPA on this step's contiguous K/V), faster for
+that case (``benchmarks/RESULTS.md``, "Kernel measurements"), so the backend uses
+it there. A
 batch of several prompts would need one SDPA call per request from a host loop
 (host time per request per layer, and per-request lengths on the host); this
 kernel handles any batch in one launch, cached prefixes included.
@@ -193,10 +193,9 @@ PrefillConfig = tuple[int, int, int, int]  # (BLOCK_M, BLOCK_N, num_warps, num_s
 
 
 def _config(max_query_len: int, group: int, head_dim: int) -> PrefillConfig:
-    """Tiles measured on an H200 (Llama-3-8B heads, 8K prompt, with and without a 4K
-    prefix): 128 rows x 64 keys, 4 warps, 3 stages was best of the tried ones (8-warp
-    2-stage 128 x 64 was 15-20% slower). Decode-heavy batches get smaller row tiles
-    (a 1-token request fills only ``group`` rows of its tile)."""
+    """128 rows x 64 keys, 4 warps, 3 stages for head dims up to 128 (the best of the
+    configs tried, ``benchmarks/RESULTS.md``). Decode-heavy batches get smaller row
+    tiles (a 1-token request fills only ``group`` rows of its tile)."""
     cap = 128 if head_dim <= 128 else 64
     block_m = min(cap, max(16, next_pow2(max_query_len * group)))
     block_m = max(block_m, next_pow2(group))  # at least one token per program

@@ -32,11 +32,8 @@ How it avoids the sort (one program per row, streaming the row through L2):
 
 So a top-p row costs about 3-4 passes over its logits (plus 5 for top-k), all
 reading L2-resident data, against a full segmented sort plus softmax, cumsum and
-scatter over [B, V] for the reference. Measured on an H200 (V = 128256, eager
-calls, noise given): top-p 0.9 takes 0.13-0.28 ms for B = 1..128 against
-0.28-2.8 ms for the sort path (2-10x); top-k 50 + top-p takes 0.51-0.62 ms
-against 0.31-2.9 ms (the radix select costs ~0.08 ms a pass), a loss only at
-B = 1. One program per row, so small batches use few SMs. No host sync
+scatter over [B, V] for the reference (timings against it in
+``benchmarks/RESULTS.md``, "Kernel measurements"). One program per row, so small batches use few SMs. No host sync
 anywhere; launch shape is (B,), so it is CUDA-graph capturable when ``E`` lives
 in a static buffer.
 """

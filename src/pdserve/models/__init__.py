@@ -1,8 +1,9 @@
 """Models: HF config parsing, the architecture registry, the safetensors loader, families.
 
-Exports resolve lazily so that ``pdserve.models.checkpoint``'s CLI flags can be
-registered without importing torch; model families (``llama.py`` …) are imported
-by the registry only when a checkpoint names them.
+Exports resolve lazily, so importing the package (or one submodule, such as
+``hf_config``) imports none of the other submodules; model families (``llama.py`` …) are imported
+by the registry only when a checkpoint names them. Random checkpoints of these
+models are written by :mod:`pdserve.testing.checkpoint`.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from pdserve.layers.linear import checkpoint_targets
 from pdserve.models.hf_config import HFModelConfig
 
 # architecture → (module, class name)
@@ -56,6 +57,19 @@ class CausalLM(nn.Module, ABC):
     @abstractmethod
     def checkpoint_tensor_names(self) -> set[str]:
         """The HF tensor names a complete checkpoint provides for this model."""
+
+    def checkpoint_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """HF tensor name → (shape, dtype) of a complete checkpoint, in a fixed order.
+
+        Works on a model built on the meta device: random checkpoints
+        (:mod:`pdserve.testing.checkpoint`) are shaped, typed and drawn in this
+        order. The default is :func:`~pdserve.layers.linear.checkpoint_targets`
+        (named-module order, merged layers as their HF parts, tied tensors once,
+        each in the dtype the model keeps it in). A family whose checkpoint layout
+        differs from its in-memory one overrides this: experts fused in memory but
+        stored per expert, or tensors of a layer it does not build (an MTP layer).
+        """
+        return {name: (tuple(t.shape), t.dtype) for name, t in checkpoint_targets(self).items()}
 
 
 def supported_architectures() -> list[str]:

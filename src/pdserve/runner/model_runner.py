@@ -37,7 +37,7 @@ from pdserve.runner.memory import (
     resolve_device,
 )
 from pdserve.runner.model_step import ModelStep, collect_cache_layers
-from pdserve.runner.step_inputs import StepInputs, StepPreparer
+from pdserve.runner.step_inputs import InFlight, StepInputs, StepPreparer
 from pdserve.runner.warmup import dummy_prompt_run, warm_up
 from pdserve.spec_decode.proposer import DraftBatch, Proposer
 from pdserve.spec_decode.rejection_sampler import rejection_sample, token_logprobs
@@ -68,6 +68,17 @@ class StepHandle:
     has_logprobs: bool = False
     has_drafts: bool = False
     done_event: torch.cuda.Event | None = None
+    flight: InFlight | None = None
+
+
+def _ragged(values: np.ndarray, num: np.ndarray | None, samples: np.ndarray) -> list[list]:
+    """Row ``i``'s first ``num[i]`` values (all counts 1 when ``num`` is None), [] where
+    the request sampled nothing."""
+    if num is None:
+        return [
+            [x] if s else [] for x, s in zip(values[:, 0].tolist(), samples.tolist(), strict=True)
+        ]
+    return [values[i, : num[i]].tolist() if samples[i] else [] for i in range(len(samples))]
 
 
 class ModelRunner:
@@ -130,7 +141,9 @@ class ModelRunner:
         self.batch = InputBatch(
             self.max_num_reqs, self.max_model_len, self.max_blocks_per_req, self.vocab_size
         )
-        self.prep = StepPreparer(self.batch, self.buffers, self.device, self.vocab_size)
+        self.prep = StepPreparer(
+            self.batch, self.buffers, self.device, self.vocab_size, drafting=proposer is not None
+        )
         self.num_blocks = 0
         self.graphs: CudaGraphManager | None = None
         pin = self.device.type == "cuda"
@@ -256,7 +269,7 @@ class ModelRunner:
         hidden, logits, path = self._forward(inp)
         tokens, num, lp = self._sample(inp, logits)
         drafts = self._propose(inp, hidden, tokens, num)
-        self.prep.record_launch(inp, tokens, num, drafts)
+        flight = self.prep.record_launch(inp, tokens, num, drafts)
         n, width = len(inp.req_ids), tokens.shape[1]
         self._slot ^= 1
         host = self._host[self._slot]
@@ -272,7 +285,15 @@ class ModelRunner:
             event = torch.cuda.Event()
             event.record()
         return StepHandle(
-            inp, path, host, width, num is not None, lp is not None, drafts is not None, event
+            inp,
+            path,
+            host,
+            width,
+            num is not None,
+            lp is not None,
+            drafts is not None,
+            event,
+            flight,
         )
 
     def finish(self, handle: StepHandle) -> RunnerOutput:
@@ -284,16 +305,17 @@ class ModelRunner:
         assert host is not None
         if handle.done_event is not None:
             handle.done_event.synchronize()
+        self.prep.landed(handle.flight)
         n, w = len(inp.req_ids), handle.width
         tokens = host.tokens[:n, :w].numpy()
         num = host.num[:n].numpy() if handle.has_num else np.ones(n, dtype=np.int64)
         self._record_sampled(inp, tokens, num)
         samples = inp.samples
-        sampled = [tokens[i, : num[i]].tolist() if samples[i] else [] for i in range(n)]
+        sampled = _ragged(tokens, num if handle.has_num else None, samples)
         logprobs = None
         if handle.has_logprobs:
             lp = host.logprobs[:n, :w].numpy()
-            logprobs = [lp[i, : num[i]].tolist() if samples[i] else [] for i in range(n)]
+            logprobs = _ragged(lp, num if handle.has_num else None, samples)
         drafts = None
         if handle.has_drafts:
             d = host.drafts[:n, : self.num_spec].numpy()
@@ -341,6 +363,7 @@ class ModelRunner:
         if inp.drafts is None:
             sampled, lp = self.sampler(logits, md)
             return sampled.unsqueeze(1), None, lp.unsqueeze(1) if lp is not None else None
+        assert inp.row_start is not None and inp.num_rows is not None
         tokens, num = rejection_sample(
             self.sampler, logits, md, inp.drafts, inp.row_start, inp.num_rows
         )
@@ -357,6 +380,7 @@ class ModelRunner:
         if self.proposer is None:
             return None
         n = len(inp.req_ids)
+        assert inp.first_token is not None
         counts = num if num is not None else torch.ones(n, dtype=torch.int64, device=self.device)
         b = self.batch
         batch = DraftBatch(

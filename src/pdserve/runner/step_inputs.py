@@ -38,9 +38,10 @@ class StepInputs:
     # logits_idx[r] (None: rows are tokens 0..num_logit_rows-1, i.e. every token)
     num_logit_rows: int
     logits_idx: torch.Tensor | None
-    row_start: torch.Tensor  # [B] int64, device
-    num_rows: torch.Tensor  # [B] int64, device
-    first_token: torch.Tensor  # [B] int64, device: token index of each request's first row
+    # per request, on the device, when drafts are verified or a proposer runs (else None):
+    row_start: torch.Tensor | None  # [B] its first logits row
+    num_rows: torch.Tensor | None  # [B] its logits rows
+    first_token: torch.Tensor | None  # [B] token index of its first logits row
     drafts: torch.Tensor | None  # [B, k] int64, device, when any request verifies drafts
     sampling: SamplingMetadata
     row_gens: np.ndarray  # the rows' generations when the step was prepared
@@ -64,7 +65,9 @@ class StepPreparer:
         buffers: InputBuffers,
         device: torch.device,
         vocab_size: int,
+        drafting: bool = False,
     ) -> None:
+        self.drafting = drafting  # a proposer runs after every step (it reads first_token)
         self.batch = batch
         self.buf = buffers
         self.device = device
@@ -157,11 +160,13 @@ class StepPreparer:
         buf.positions.upload(t)
         logits_idx = buf.logits_idx.upload(num_logit_rows) if num_logit_rows != t else None
         drafts = buf.drafts.upload(nreq) if spec else None
-        per_req = buf.per_req.np  # row_start | num_rows | first_token
-        per_req[:nreq] = row_start
-        per_req[nreq : 2 * nreq] = nrows
-        per_req[2 * nreq : 3 * nreq] = first_tok
-        d_per_req = buf.per_req.upload(3 * nreq).view(3, nreq)
+        d_per_req: list[torch.Tensor | None] = [None, None, None]
+        if spec or self.drafting:
+            per_req = buf.per_req.np  # row_start | num_rows | first_token
+            per_req[:nreq] = row_start
+            per_req[nreq : 2 * nreq] = nrows
+            per_req[2 * nreq : 3 * nreq] = first_tok
+            d_per_req = list(buf.per_req.upload(3 * nreq).view(3, nreq))
 
         samples = np.fromiter((r in so.sampling_req_ids for r in req_ids), bool, count=nreq)
         if self.in_flight is not None:
@@ -285,7 +290,7 @@ class StepPreparer:
         tokens: torch.Tensor,
         num: torch.Tensor | None,
         drafts: torch.Tensor | None,
-    ) -> None:
+    ) -> InFlight:
         """Remember what the step just launched leaves on the device for the next one."""
         n = self.batch.max_num_reqs
         index = np.full(n, -1, dtype=np.int64)
@@ -293,6 +298,12 @@ class StepPreparer:
         num_rows = np.zeros(n, dtype=np.int64)
         num_rows[inp.rows] = inp.num_drafts + 1
         self.in_flight = InFlight(tokens, num, drafts, index, num_rows)
+        return self.in_flight
+
+    def landed(self, step: InFlight | None) -> None:
+        """``step``'s results reached the host: nothing needs patching from it any more."""
+        if step is not None and self.in_flight is step:
+            self.in_flight = None
 
     def sampling_metadata(
         self,

@@ -77,8 +77,8 @@ def dummy_gemms(step: ModelStep, max_logit_rows: int, max_num_tokens: int) -> No
     ``max_logit_rows`` rows, what it computes logits for).
 
     cuBLAS picks a kernel per (M, N, K), and the first launch of a kernel it has not run
-    yet costs milliseconds per layer GEMM on an H200 (``benchmarks/RESULTS.md``,
-    session 4): without this sweep the first prompts after start-up paid that once per
+    yet costs milliseconds per layer GEMM (``benchmarks/RESULTS.md``, session 4):
+    without this sweep the first prompts after start-up paid that once per
     new kernel, in every layer shape. One module per distinct shape is enough; the
     inputs are uninitialised and the outputs dropped."""
     from pdserve.layers.embedding import LMHead
@@ -169,8 +169,7 @@ def dummy_paged_runs(step: ModelStep, max_num_tokens: int) -> None:
     """Mixed batches (a chunk with a cached prefix next to a decode token) on the null
     block: they compile the paged prefill kernel, which the single-prompt dummies never
     reach (those take the SDPA path), for each of its tile sizes. Without this, the first
-    chunked prompt or mixed step after start-up paid the kernel's compilation (about
-    1.5 s on an H200)."""
+    chunked prompt or mixed step after start-up paid the kernel's compilation."""
     bs = step.kv_cache_config.block_size
     for q in PAGED_WARMUP_QUERY_LENS:
         q_lens = [min(q, max_num_tokens - 1), 1]
@@ -183,7 +182,7 @@ def dummy_uniform_runs(step: ModelStep, max_num_tokens: int) -> None:
     ``MAX_UNIFORM_QUERY_LEN``, on the null block: a batch in which every request has the
     same short query (a short prompt, or a speculative verify) goes to the decode kernel,
     whose tile config depends on ``q``. Without this the first 8-token prompt after
-    start-up paid a compile (0.88 s on an H200)."""
+    start-up paid a compile."""
     from pdserve.layers.attention.triton_backend import (
         MAX_UNIFORM_QUERY_LEN,
         TritonAttentionBackend,

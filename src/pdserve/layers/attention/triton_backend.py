@@ -13,7 +13,8 @@ Forward, per layer:
    kernel :func:`decode_attention`; every other batch (prompts, chunks, mixed
    prefill + decode) to the varlen paged kernel :func:`prefill_attention`. A
    batch that is one prompt with no cached prefix uses torch's fused SDPA on
-   this step's K/V instead (host-int test, no loop; ~1.4x faster on an H200;
+   this step's K/V instead (host-int test, no loop; faster there, see
+   ``benchmarks/RESULTS.md``;
    ``sdpa_prefill=False`` turns it off).
 3. output rows past ``num_actual_tokens`` are zeros.
 

@@ -1,6 +1,6 @@
 """What the API server needs from an engine: the ``EngineClient`` protocol.
 
-Implementations: ``engine.async_client.AsyncEngineClient`` (talks to an engine-core
+Implementations: ``frontend.async_client.AsyncEngineClient`` (talks to an engine-core
 process over ZMQ). Tests may use an in-process fake with the same surface.
 
 Lifecycle of one request: ``generate`` validates the prompt and params (raising

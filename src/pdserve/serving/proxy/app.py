@@ -1,9 +1,10 @@
-"""``pdserve proxy``: the OpenAI-compatible router of a disaggregated (xPyD) deployment.
+"""The app of ``pdserve proxy``: the OpenAI-compatible router of a disaggregated (xPyD)
+deployment.
 
 Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (two legs each, see
-:mod:`pdserve.serving.proxy_forward`), ``GET /v1/models`` (from a healthy decode
+:mod:`pdserve.serving.proxy.forward`), ``GET /v1/models`` (from a healthy decode
 instance), ``GET /health`` (200 iff each pool has a healthy instance, else 503) and
-``GET /metrics`` (Prometheus text, :mod:`pdserve.serving.proxy_metrics`).
+``GET /metrics`` (Prometheus text, :mod:`pdserve.serving.proxy.metrics`).
 
 With an API key, every ``/v1/*`` route needs ``Authorization: Bearer KEY`` (401
 otherwise). Upstream, the proxy sends ``--upstream-api-key`` if given, else the
@@ -12,49 +13,39 @@ client's own ``Authorization`` header.
 Lifecycle of an app from :func:`build_proxy_app`: lifespan startup opens the shared
 ``aiohttp`` session, runs one health round (so ``/health`` is truthful from the first
 request) and starts the health poller; lifespan shutdown stops the poller, lets
-pending KV-release calls finish (bounded) and closes the session. :func:`main` serves
-the app under uvicorn until SIGTERM/SIGINT, drains in-flight requests for at most
-``--shutdown-timeout`` seconds (then cancels them, which aborts their upstream legs),
-and returns 0. A second signal stops at once.
+pending KV-release calls finish (bounded) and closes the session.
+:func:`pdserve.serving.proxy.cli.main` serves the app.
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import contextlib
 import json
 import logging
-import math
 import secrets
-import signal
-import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import aiohttp
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdserve.heap import freeze_startup_heap
-from pdserve.serving.net import bind_tcp
-from pdserve.serving.proxy_core import ProxyCore, ProxySettings, classify_error, error_body
-from pdserve.serving.proxy_forward import PDResponse
-from pdserve.serving.proxy_metrics import ProxyMetrics
-from pdserve.serving.proxy_pool import HealthChecker, InstancePool, normalize_urls
+from pdserve.serving.http import MAX_REQUEST_ID_LEN, error_response, valid_request_id
+from pdserve.serving.proxy.core import ProxyCore, ProxySettings, classify_error
+from pdserve.serving.proxy.forward import PDResponse
+from pdserve.serving.proxy.metrics import ProxyMetrics
+from pdserve.serving.proxy.pool import HealthChecker, InstancePool, normalize_urls
 
 logger = logging.getLogger(__name__)
 
-_MAX_REQUEST_ID_LEN = 256
 _MODELS_TIMEOUT_S = 30.0
 
 
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+    return error_response(status, message, param, headers=headers)
 
 
 class _ProxyError(Exception):
@@ -219,10 +210,10 @@ def _request_id(header: str | None) -> str:
     """The client's ``X-Request-Id`` (validated) or a fresh one."""
     if header is None or header == "":
         return secrets.token_hex(16)
-    if len(header) > _MAX_REQUEST_ID_LEN or not all(0x21 <= ord(c) <= 0x7E for c in header):
+    if not valid_request_id(header):
         raise _ProxyError(
             400,
-            f"X-Request-Id must be 1-{_MAX_REQUEST_ID_LEN} visible ASCII characters",
+            f"X-Request-Id must be 1-{MAX_REQUEST_ID_LEN} visible ASCII characters",
             "X-Request-Id",
         )
     return header
@@ -251,152 +242,3 @@ async def _forward_models(core: ProxyCore, headers: dict[str, str]) -> Response:
         return _error(502, f"GET /v1/models failed on {', '.join(tried)}")
     core.metrics.unavailable("decode")
     return _error(503, f"no healthy decode instance (0 of {len(core.decode)} healthy)")
-
-
-# -- command line -------------------------------------------------------------------
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
-    return value
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {value}")
-    return value
-
-
-def add_cli_args(p: argparse.ArgumentParser) -> None:
-    """Flags of ``pdserve proxy``; sets ``func=main``."""
-    p.add_argument(
-        "--prefill", nargs="+", required=True, metavar="URL", help="prefill instance URL(s)"
-    )
-    p.add_argument(
-        "--decode", nargs="+", required=True, metavar="URL", help="decode instance URL(s)"
-    )
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=_port, default=8000, help="port to bind (0: any free port)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
-    p.add_argument(
-        "--upstream-api-key",
-        default=None,
-        help="send this key to the instances (default: forward the client's Authorization)",
-    )
-    p.add_argument(
-        "--health-interval", type=_seconds, default=2.0, help="seconds between health polls"
-    )
-    p.add_argument(
-        "--request-timeout",
-        type=_seconds,
-        default=600.0,
-        help="seconds a non-streaming leg may take, and the longest gap within a stream",
-    )
-    p.add_argument(
-        "--connect-timeout", type=_seconds, default=10.0, help="seconds to connect upstream"
-    )
-    p.add_argument(
-        "--shutdown-timeout",
-        type=_seconds,
-        default=30.0,
-        help="seconds in-flight requests get to finish after SIGTERM",
-    )
-    p.add_argument("--uvicorn-log-level", default="warning")
-    p.set_defaults(func=main)
-
-
-class _Uvicorn(uvicorn.Server):
-    """Uvicorn without its own signal capture (it would re-raise the signal at exit)."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        yield
-
-
-async def serve_proxy(
-    app: FastAPI,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    *,
-    shutdown_timeout: float = 30.0,
-    log_level: str = "warning",
-) -> int:
-    """Serve ``app`` until SIGTERM/SIGINT (see the module docstring); 0 after a clean
-    stop, 1 if the port cannot be bound or the app fails to start."""
-    try:
-        sock = bind_tcp(host, port)
-    except OSError as e:
-        print(f"pdserve proxy: cannot bind {host}:{port}: {e}", file=sys.stderr)
-        return 1
-    config = uvicorn.Config(
-        app,
-        log_level=log_level,
-        lifespan="on",
-        timeout_graceful_shutdown=math.ceil(shutdown_timeout),
-    )
-    server = _Uvicorn(config)
-    loop = asyncio.get_running_loop()
-
-    def on_signal(sig: signal.Signals) -> None:
-        if server.should_exit:
-            logger.warning("second %s: stopping now", sig.name)
-            server.force_exit = True
-        else:
-            logger.info("received %s: draining", sig.name)
-            server.should_exit = True
-
-    installed: list[signal.Signals] = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            loop.add_signal_handler(sig, on_signal, sig)
-            installed.append(sig)
-    core: ProxyCore = app.state.proxy
-    print(
-        f"pdserve proxy: http://{host}:{sock.getsockname()[1]} -> "
-        f"prefill {[i.url for i in core.prefill.instances]}, "
-        f"decode {[i.url for i in core.decode.instances]}",
-        flush=True,
-    )
-    try:
-        await server.serve(sockets=[sock])
-    finally:
-        for sig in installed:
-            loop.remove_signal_handler(sig)
-        sock.close()
-    return 0 if server.started else 1
-
-
-def main(args: argparse.Namespace) -> int:
-    """Entry point of ``pdserve proxy``; returns the process exit status."""
-    try:
-        app = build_proxy_app(
-            args.prefill,
-            args.decode,
-            api_key=args.api_key,
-            upstream_api_key=args.upstream_api_key,
-            health_interval=args.health_interval,
-            request_timeout=args.request_timeout,
-            connect_timeout=getattr(args, "connect_timeout", 10.0),
-        )
-    except ValueError as e:
-        print(f"pdserve proxy: error: {e}", file=sys.stderr)
-        return 2
-    freeze_startup_heap()
-    return asyncio.run(
-        serve_proxy(
-            app,
-            args.host,
-            args.port,
-            shutdown_timeout=getattr(args, "shutdown_timeout", 30.0),
-            log_level=getattr(args, "uvicorn_log_level", "warning"),
-        )
-    )

@@ -79,7 +79,8 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 async def serve(args: argparse.Namespace) -> int:
     from pdserve.frontend.async_client import AsyncEngineClient
     from pdserve.metrics.prometheus import PrometheusMetrics
-    from pdserve.serving.api_server import build_app, serve_app
+    from pdserve.serving.api.app import build_app
+    from pdserve.serving.api.server import serve_app
 
     config = EngineConfig.from_cli(args)
     engine = await AsyncEngineClient.start(config, log_level=args.log_level)

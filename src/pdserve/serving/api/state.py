@@ -2,7 +2,7 @@
 middleware that enforces them.
 
 Lifecycle of the app: SERVING → (``begin_drain``, from SIGTERM) DRAINING → stopped by
-the server runner (``api_serve.ApiServer``). While draining, every endpoint except
+the server runner (:class:`~pdserve.serving.api.server.ApiServer`). While draining, every endpoint except
 ``/metrics`` answers 503 and ``/health`` reports 503, so load balancers stop routing here.
 
 Invariants:
@@ -33,18 +33,24 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.metrics.prometheus import PrometheusMetrics
-from pdserve.serving.api_errors import APIError, error_bytes
+from pdserve.serving.api.errors import APIError
+from pdserve.serving.http import (
+    MAX_REQUEST_ID_LEN,
+    REQUEST_ID_HEADER,
+    error_json,
+    valid_request_id,
+)
 
 if TYPE_CHECKING:
-    from pdserve.serving.api_chat_template import ChatTemplates
-    from pdserve.serving.engine_client import EngineClient
+    from fastapi import FastAPI
+
+    from pdserve.serving.api.chat_template import ChatTemplates
+    from pdserve.serving.api.engine_client import EngineClient
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-REQUEST_ID_HEADER = "x-request-id"
-MAX_REQUEST_ID_LEN = 256
 # endpoints that are not "work": never counted as in flight
 _UNTRACKED_PATHS = frozenset({"/metrics", "/health"})
 
@@ -162,8 +168,12 @@ class ServingContext:
             pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _valid_request_id(value: str) -> bool:
-    return 0 < len(value) <= MAX_REQUEST_ID_LEN and all(33 <= ord(c) <= 126 for c in value)
+def serving_context(app: FastAPI) -> ServingContext:
+    """The :class:`ServingContext` of an app made by ``pdserve.serving.api.app.build_app``."""
+    ctx = getattr(app.state, "pdserve", None)
+    if not isinstance(ctx, ServingContext):
+        raise TypeError("app was not built by pdserve.serving.api.app.build_app")
+    return ctx
 
 
 class ServingMiddleware:
@@ -190,7 +200,7 @@ class ServingMiddleware:
         headers = dict(scope.get("headers") or [])
         raw_rid = headers.get(REQUEST_ID_HEADER.encode())
         rid = raw_rid.decode("latin-1") if raw_rid is not None else uuid.uuid4().hex
-        if not _valid_request_id(rid):
+        if not valid_request_id(rid):
             rid_out = uuid.uuid4().hex
             msg = f"X-Request-Id must be 1-{MAX_REQUEST_ID_LEN} printable ASCII characters"
             await _send_error(send, 400, msg, "X-Request-Id", rid_out)
@@ -231,7 +241,7 @@ def _authorized(headers: dict[bytes, bytes], key: bytes) -> bool:
 async def _send_error(
     send: Send, status: int, message: str, param: str | None, request_id: str
 ) -> None:
-    body = error_bytes(status, message, param)
+    body = error_json(status, message, param)
     await send(
         {
             "type": "http.response.start",

@@ -1,7 +1,7 @@
 """``POST /v1/chat/completions``: messages → chat template → one choice.
 
 The prompt is rendered with the tokenizer's ``apply_chat_template`` (see
-:mod:`pdserve.serving.api_chat_template`) and encoded with ``add_special_tokens``
+:mod:`pdserve.serving.api.chat_template`) and encoded with ``add_special_tokens``
 (default false: templates carry their own BOS), both in the tokenizer thread. The
 first streamed chunk carries ``role: "assistant"`` together with the first text, so
 every chunk carries a token (a role-only chunk would skew client TTFT/ITL).
@@ -15,22 +15,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pdserve.frontend.outputs import CompletionOutput
-from pdserve.serving.api_chat_template import ChatTemplates
-from pdserve.serving.api_state import ServingContext
-from pdserve.serving.openai_completions import CLIENT_CLOSED
-from pdserve.serving.openai_generate import (
+from pdserve.serving.api.chat_template import ChatTemplates
+from pdserve.serving.api.generate import (
+    Accumulated,
     EngineJob,
-    SSEResponse,
-    engine_error,
-    make_usage,
-    now_s,
-    open_stream,
-    run_to_completion,
     safe_logprob,
-    sse_events,
     token_strings,
+    whole_response,
 )
-from pdserve.serving.protocol import (
+from pdserve.serving.api.protocol import (
     ChatCompletionLogProbs,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -42,8 +35,9 @@ from pdserve.serving.protocol import (
     ChatMessageParam,
     DeltaMessage,
     RequestError,
-    UsageInfo,
 )
+from pdserve.serving.api.state import ServingContext
+from pdserve.serving.api.streaming import stream_response
 
 
 def render_and_encode(
@@ -115,67 +109,44 @@ async def create_chat_completion(
     want_logprobs = req.logprobs
 
     if req.stream:
-        opened = await open_stream(ctx, job, request)
-        if opened is None:
-            return Response(status_code=CLIENT_CLOSED)
-        er, first = opened
-        created = now_s()
-        options = req.stream_options
         sent_role = False
 
-        def render_delta(c: CompletionOutput, usage: UsageInfo | None) -> str:
+        def stream_choice(c: CompletionOutput) -> ChatCompletionStreamChoice:
             nonlocal sent_role
             delta = DeltaMessage(content=c.text, role=None if sent_role else "assistant")
             sent_role = True
-            choice = ChatCompletionStreamChoice(
+            return ChatCompletionStreamChoice(
                 delta=delta,
                 logprobs=_chat_logprobs(ctx, c.token_ids, c.logprobs) if want_logprobs else None,
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
             )
-            chunk = ChatCompletionStreamResponse(
-                id=response_id, created=created, model=model, choices=[choice], usage=usage
-            )
-            return chunk.to_json()
 
-        def render_usage(usage: UsageInfo) -> str:
-            chunk = ChatCompletionStreamResponse(
-                id=response_id, created=created, model=model, choices=[], usage=usage
-            )
-            return chunk.to_json()
-
-        events = sse_events(
+        return await stream_response(
             ctx,
-            er,
-            first,
-            render_delta=render_delta,
-            render_usage=render_usage if options and options.include_usage else None,
-            continuous_usage=bool(options and options.continuous_usage_stats),
+            job,
+            request,
+            chunk_type=ChatCompletionStreamResponse,
+            response_id=response_id,
+            model=model,
+            options=req.stream_options,
+            make_choice=stream_choice,
         )
-        return SSEResponse(events, on_close=er.close)
 
-    acc = await run_to_completion(ctx, job, request)
-    if acc is None:
-        return Response(status_code=CLIENT_CLOSED)
-    err = engine_error(acc)
-    if err is not None:
-        raise err
-    body = ChatCompletionResponse(
-        id=response_id,
+    def whole_choice(acc: Accumulated) -> ChatCompletionResponseChoice:
+        return ChatCompletionResponseChoice(
+            message=ChatMessage(role="assistant", content=acc.text),
+            logprobs=_chat_logprobs(ctx, acc.token_ids, acc.logprobs) if want_logprobs else None,
+            finish_reason=acc.finish_reason,
+            stop_reason=acc.stop_reason,
+        )
+
+    return await whole_response(
+        ctx,
+        job,
+        request,
+        response_type=ChatCompletionResponse,
+        response_id=response_id,
         model=model,
-        choices=[
-            ChatCompletionResponseChoice(
-                message=ChatMessage(role="assistant", content=acc.text),
-                logprobs=_chat_logprobs(ctx, acc.token_ids, acc.logprobs)
-                if want_logprobs
-                else None,
-                finish_reason=acc.finish_reason,
-                stop_reason=acc.stop_reason,
-            )
-        ],
-        usage=make_usage(ctx, len(job.prompt_token_ids), len(acc.token_ids), acc.num_cached_tokens),
-        kv_transfer_params=(
-            acc.kv_transfer_params.to_dict() if acc.kv_transfer_params is not None else None
-        ),
+        make_choice=whole_choice,
     )
-    return Response(body.model_dump_json(), media_type="application/json")

@@ -1,5 +1,6 @@
 """What completions and chat completions share: one engine request per HTTP request,
-client-disconnect handling, SSE framing, usage and logprobs.
+client-disconnect handling, the non-streaming answer, usage and logprobs. Streaming
+answers are rendered by :mod:`pdserve.serving.api.streaming`.
 
 Ownership and lifecycle of an engine request (:class:`EngineRequest`):
 
@@ -16,7 +17,6 @@ cancelled tasks. A client disconnect cancels the task that consumes the outputs
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import time
@@ -25,16 +25,23 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.responses import Response
+from starlette.types import Receive
 
 from pdserve.core_types.kv_transfer_params import KVTransferParams
 from pdserve.core_types.sampling_params import SamplingParams
-from pdserve.frontend.outputs import CompletionOutput, RequestOutput
+from pdserve.frontend.outputs import RequestOutput
 from pdserve.metrics.prometheus import RequestMetrics
-from pdserve.serving.api_errors import APIError, error_body
-from pdserve.serving.api_state import ServingContext
-from pdserve.serving.protocol import PromptTokenUsageInfo, RequestError, UsageInfo
+from pdserve.serving.api.errors import APIError
+from pdserve.serving.api.protocol import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    PromptTokenUsageInfo,
+    RequestError,
+    UsageInfo,
+)
+from pdserve.serving.api.state import ServingContext
+from pdserve.serving.http import wait_for_disconnect
 
 T = TypeVar("T")
 
@@ -43,16 +50,11 @@ logger = logging.getLogger(__name__)
 # OpenAI clients cannot parse -inf; vLLM clamps the same way.
 _MIN_LOGPROB = -9999.0
 
+CLIENT_CLOSED = 499  # nobody reads it; the status only shows in access logs
+
 
 class ClientDisconnected(Exception):
     """The HTTP client went away before the response was complete."""
-
-
-async def _wait_for_disconnect(receive: Receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 async def run_until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
@@ -60,7 +62,7 @@ async def run_until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
     unwound) and raise :class:`ClientDisconnected`. Only call after the request body
     has been read: from then on the ASGI ``receive`` only reports the disconnect."""
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+    watcher = asyncio.ensure_future(wait_for_disconnect(receive))
     try:
         await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -265,13 +267,44 @@ async def run_to_completion(
         er.close()
 
 
+async def whole_response(
+    ctx: ServingContext,
+    job: EngineJob,
+    request: Request,
+    *,
+    response_type: type[CompletionResponse] | type[ChatCompletionResponse],
+    response_id: str,
+    model: str,
+    make_choice: Callable[[Accumulated], Any],
+) -> Response:
+    """The non-streaming answer of either endpoint: one choice (``make_choice`` of the
+    whole output) in a ``response_type`` body with usage and the engine's
+    ``kv_transfer_params``; 499 when the client went away, 500 when the engine failed."""
+    acc = await run_to_completion(ctx, job, request)
+    if acc is None:
+        return Response(status_code=CLIENT_CLOSED)
+    err = engine_error(acc)
+    if err is not None:
+        raise err
+    body = response_type(
+        id=response_id,
+        model=model,
+        choices=[make_choice(acc)],
+        usage=make_usage(ctx, len(job.prompt_token_ids), len(acc.token_ids), acc.num_cached_tokens),
+        kv_transfer_params=(
+            acc.kv_transfer_params.to_dict() if acc.kv_transfer_params is not None else None
+        ),
+    )
+    return Response(body.model_dump_json(), media_type="application/json")
+
+
 async def open_stream(
     ctx: ServingContext, job: EngineJob, request: Request
 ) -> tuple[EngineRequest, RequestOutput | None] | None:
     """Streaming: start the request and wait for its first output before any byte is
     sent, so that an engine rejection is still a plain HTTP 400. Returns ``None`` when
     the client went away. The caller owns the returned request and must ``close`` it
-    (the :class:`SSEResponse` does)."""
+    (the :class:`~pdserve.serving.api.streaming.SSEResponse` does)."""
     er = EngineRequest(ctx, job)
     try:
         er.start()
@@ -289,103 +322,6 @@ async def open_stream(
         er.close()
         raise
     return er, first
-
-
-RenderDelta = Callable[[CompletionOutput, UsageInfo | None], str]
-
-
-async def sse_events(
-    ctx: ServingContext,
-    er: EngineRequest,
-    first: RequestOutput | None,
-    *,
-    render_delta: RenderDelta,
-    render_usage: Callable[[UsageInfo], str] | None,
-    continuous_usage: bool,
-) -> AsyncIterator[str]:
-    """The SSE body: one ``data:`` event per delta that carries tokens or a finish
-    reason, then (``include_usage``) a usage-only event, then ``data: [DONE]``. Errors
-    after the status line become an in-stream error event followed by ``[DONE]``."""
-    prompt_tokens = len(er.job.prompt_token_ids)
-    completion_tokens = 0
-    cached = 0
-    out = first
-    try:
-        while out is not None:
-            cached = max(cached, out.num_cached_tokens)
-            for c in out.outputs[:1]:
-                if c.finish_reason == "error":
-                    raise APIError(500, f"the engine failed this request: {out.error or 'error'}")
-                if not c.token_ids and not c.text and c.finish_reason is None:
-                    continue
-                completion_tokens += len(c.token_ids)
-                usage = None
-                if continuous_usage:
-                    usage = make_usage(ctx, prompt_tokens, completion_tokens, cached)
-                yield sse(render_delta(c, usage))
-            out = await er.next_output()
-    except Exception as e:
-        if not isinstance(e, ValueError | APIError):
-            logger.error("engine error while streaming %s: %r", er.job.request_id, e)
-        yield sse_error(e)
-        yield SSE_DONE
-        return
-    if render_usage is not None:
-        yield sse(render_usage(make_usage(ctx, prompt_tokens, completion_tokens, cached)))
-    yield SSE_DONE
-
-
-def sse(data: str) -> str:
-    return f"data: {data}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
-
-
-def sse_error(exc: BaseException) -> str:
-    """An in-stream error event (the status line has already been sent)."""
-    if isinstance(exc, RequestError):
-        body = error_body(400, exc.message, exc.param)
-    elif isinstance(exc, ValueError):
-        body = error_body(400, str(exc))
-    elif isinstance(exc, APIError):
-        body = error_body(exc.status, exc.message, exc.param)
-    else:
-        body = error_body(500, f"the engine failed this request: {exc!r}")
-    return sse(json.dumps(body))
-
-
-class SSEResponse(StreamingResponse):
-    """``text/event-stream`` response that aborts its engine request when the client
-    disconnects, and runs ``on_close`` exactly once however the stream ends."""
-
-    def __init__(
-        self,
-        events: AsyncIterator[str],
-        *,
-        on_close: Callable[[], None],
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(
-            events,
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
-        )
-        self._events = events
-        self._on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await run_until_disconnect(receive, self.stream_response(send))
-        except (ClientDisconnected, OSError):
-            pass
-        finally:
-            aclose = getattr(self._events, "aclose", None)
-            try:
-                if aclose is not None:
-                    await aclose()
-            finally:
-                self._on_close()
 
 
 def make_usage(

@@ -1,17 +1,23 @@
-"""Run an app from ``build_app`` under uvicorn, with graceful SIGTERM/SIGINT draining.
+"""The one uvicorn runner of pdserve's HTTP servers (API server and P/D proxy).
 
-Shutdown sequence (first SIGTERM or SIGINT, or :meth:`ApiServer.request_shutdown`):
+Lifecycle of a :class:`UvicornServer`:
 
-1. the app starts draining: new requests on every endpoint except ``/metrics`` get
-   503 with an OpenAI error body, ``/health`` included, so balancers move away;
-2. requests in flight run to completion, for at most ``shutdown_timeout`` seconds;
-3. whatever is still running then is aborted in the engine (streams end with
-   ``finish_reason="abort"`` and ``[DONE]``), with a short grace period;
-4. uvicorn stops and :meth:`ApiServer.serve` returns normally, so the process can
-   exit 0. Uvicorn's own signal capture is disabled (it would re-raise the signal
-   after shutdown and the process would die with 143).
+1. :meth:`~UvicornServer.bind` (or ``serve``, if nobody did) binds the listening socket
+   with :func:`~pdserve.serving.net.bind_tcp`; ``port=0`` binds an ephemeral port and
+   :attr:`~UvicornServer.port` tells which.
+2. :meth:`~UvicornServer.serve` runs uvicorn on that socket; :attr:`started` is set once
+   uvicorn accepts connections.
+3. The first SIGTERM or SIGINT (or :meth:`~UvicornServer.request_shutdown`, from any
+   thread, even before ``serve``) runs :meth:`~UvicornServer.drain` (a subclass hook;
+   by default nothing) and then tells uvicorn to exit: it stops accepting, waits up to
+   ``timeout_graceful_shutdown`` for open connections and cancels the rest.
+4. ``serve`` returns normally (the socket is closed), so the process can exit 0.
+   Uvicorn's own signal capture is disabled: it would re-raise the signal after
+   shutdown and the process would die with 143.
 
-A second signal while draining forces uvicorn to stop at once.
+A second shutdown request while draining forces uvicorn to stop at once (after the
+:meth:`~UvicornServer.on_force_stop` hook). Signal handlers are installed only when
+serving in the main thread.
 """
 
 from __future__ import annotations
@@ -34,24 +40,21 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_ABORT_GRACE_S = 5.0
 _HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class _Uvicorn(uvicorn.Server):
-    """Uvicorn without its own signal handling (``ApiServer`` installs its own)."""
+    """Uvicorn without its own signal handling (``UvicornServer`` installs its own)."""
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
         yield
 
 
-class ApiServer:
+class UvicornServer:
     """One uvicorn server for one app; see the module docstring for the lifecycle.
 
-    ``port=0`` binds an ephemeral port; :attr:`port` tells which after :meth:`bind`
-    (``serve`` binds if nobody did). ``request_shutdown`` may be called from any thread.
-    Signal handlers are installed only when serving in the main thread.
+    ``uvicorn_kwargs`` go to ``uvicorn.Config`` (e.g. ``timeout_graceful_shutdown``).
     """
 
     def __init__(
@@ -60,20 +63,13 @@ class ApiServer:
         *,
         host: str = "127.0.0.1",
         port: int = 8000,
-        shutdown_timeout: float = 30.0,
         log_level: str = "info",
         install_signal_handlers: bool = True,
         **uvicorn_kwargs: Any,
     ) -> None:
-        if shutdown_timeout < 0:
-            raise ValueError(f"shutdown_timeout must be >= 0, got {shutdown_timeout}")
-        from pdserve.serving.api_server import serving_context
-
         self.app = app
-        self.ctx = serving_context(app)
         self.host = host
         self.requested_port = port
-        self.shutdown_timeout = shutdown_timeout
         self.log_level = log_level
         self.install_signal_handlers = install_signal_handlers
         self.uvicorn_kwargs = uvicorn_kwargs
@@ -91,6 +87,7 @@ class ApiServer:
         return int(self._sock.getsockname()[1])
 
     def bind(self) -> socket.socket:
+        """Bind the listening socket (once); raises ``OSError`` if the port is taken."""
         if self._sock is None:
             sock = bind_tcp(self.host, self.requested_port)
             sock.set_inheritable(True)
@@ -101,9 +98,9 @@ class ApiServer:
         """Serve until shut down; returns normally after a graceful shutdown."""
         sock = self.bind()
         self._loop = asyncio.get_running_loop()
-        kwargs: dict[str, Any] = {"timeout_graceful_shutdown": _ABORT_GRACE_S}
-        kwargs.update(self.uvicorn_kwargs)
-        config = uvicorn.Config(self.app, log_level=self.log_level, lifespan="on", **kwargs)
+        config = uvicorn.Config(
+            self.app, log_level=self.log_level, lifespan="on", **self.uvicorn_kwargs
+        )
         self._server = _Uvicorn(config)
         installed = self._install_signal_handlers()
         try:
@@ -139,6 +136,17 @@ class ApiServer:
         else:
             loop.call_soon_threadsafe(self._start_drain)
 
+    # -- hooks --------------------------------------------------------------------------
+
+    async def drain(self) -> None:
+        """Runs between the first shutdown request and uvicorn's exit (default: nothing;
+        uvicorn's graceful shutdown then lets open connections finish)."""
+
+    def on_force_stop(self) -> None:
+        """Runs when a second shutdown request forces the stop (default: nothing)."""
+
+    # -- internals ----------------------------------------------------------------------
+
     def _install_signal_handlers(self) -> list[signal.Signals]:
         if not self.install_signal_handlers:
             return []
@@ -167,41 +175,10 @@ class ApiServer:
             logger.warning("second shutdown request: stopping now")
             server.should_exit = True
             server.force_exit = True
-            self.ctx.abort_all()
+            self.on_force_stop()
             return
         self._drain_task = asyncio.ensure_future(self._drain_then_stop(server))
 
     async def _drain_then_stop(self, server: _Uvicorn) -> None:
-        state = self.ctx.state
-        state.begin_drain()
-        logger.info(
-            "draining %d request(s) in flight (timeout %.1fs)",
-            state.in_flight,
-            self.shutdown_timeout,
-        )
-        if not await state.wait_idle(self.shutdown_timeout):
-            n = self.ctx.abort_all()
-            logger.warning("shutdown timeout: aborted %d engine request(s)", n)
-            await state.wait_idle(_ABORT_GRACE_S)
+        await self.drain()
         server.should_exit = True
-
-
-async def serve_app(
-    app: FastAPI,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    shutdown_timeout: float = 30.0,
-    *,
-    log_level: str = "info",
-    **uvicorn_kwargs: Any,
-) -> None:
-    """Serve ``app`` (from ``build_app``) until SIGTERM/SIGINT, drain, and return."""
-    server = ApiServer(
-        app,
-        host=host,
-        port=port,
-        shutdown_timeout=shutdown_timeout,
-        log_level=log_level,
-        **uvicorn_kwargs,
-    )
-    await server.serve()

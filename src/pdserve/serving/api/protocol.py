@@ -317,6 +317,10 @@ class CompletionStreamResponse(_Response):
     choices: list[CompletionStreamChoice]
     usage: UsageInfo | None = None
 
+    def to_json(self) -> str:
+        """JSON of the chunk (the same call as for a chat chunk)."""
+        return self.model_dump_json()
+
 
 # ---------------------------------------------------------------- /v1/chat/completions
 

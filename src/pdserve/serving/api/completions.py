@@ -11,21 +11,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pdserve.frontend.outputs import CompletionOutput
-from pdserve.serving.api_state import ServingContext
-from pdserve.serving.openai_generate import (
+from pdserve.serving.api.generate import (
+    Accumulated,
     EngineJob,
-    SSEResponse,
     check_token_ids,
-    engine_error,
-    make_usage,
-    now_s,
-    open_stream,
-    run_to_completion,
     safe_logprob,
-    sse_events,
     token_strings,
+    whole_response,
 )
-from pdserve.serving.protocol import (
+from pdserve.serving.api.protocol import (
     CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
@@ -33,10 +27,9 @@ from pdserve.serving.protocol import (
     CompletionStreamChoice,
     CompletionStreamResponse,
     RequestError,
-    UsageInfo,
 )
-
-CLIENT_CLOSED = 499  # nobody reads it; the status only shows in access logs
+from pdserve.serving.api.state import ServingContext
+from pdserve.serving.api.streaming import stream_response
 
 
 async def prepare_completion(
@@ -106,61 +99,40 @@ async def create_completion(
         return lp.build(token_ids, values)
 
     if req.stream:
-        opened = await open_stream(ctx, job, request)
-        if opened is None:
-            return Response(status_code=CLIENT_CLOSED)
-        er, first = opened
-        created = now_s()
-        options = req.stream_options
 
-        def render_delta(c: CompletionOutput, usage: UsageInfo | None) -> str:
-            choice = CompletionStreamChoice(
+        def stream_choice(c: CompletionOutput) -> CompletionStreamChoice:
+            return CompletionStreamChoice(
                 text=c.text,
                 logprobs=logprobs_of(c.token_ids, c.logprobs),
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
             )
-            chunk = CompletionStreamResponse(
-                id=response_id, created=created, model=model, choices=[choice], usage=usage
-            )
-            return chunk.model_dump_json()
 
-        def render_usage(usage: UsageInfo) -> str:
-            chunk = CompletionStreamResponse(
-                id=response_id, created=created, model=model, choices=[], usage=usage
-            )
-            return chunk.model_dump_json()
-
-        events = sse_events(
+        return await stream_response(
             ctx,
-            er,
-            first,
-            render_delta=render_delta,
-            render_usage=render_usage if options and options.include_usage else None,
-            continuous_usage=bool(options and options.continuous_usage_stats),
+            job,
+            request,
+            chunk_type=CompletionStreamResponse,
+            response_id=response_id,
+            model=model,
+            options=req.stream_options,
+            make_choice=stream_choice,
         )
-        return SSEResponse(events, on_close=er.close)
 
-    acc = await run_to_completion(ctx, job, request)
-    if acc is None:
-        return Response(status_code=CLIENT_CLOSED)
-    err = engine_error(acc)
-    if err is not None:
-        raise err
-    body = CompletionResponse(
-        id=response_id,
+    def whole_choice(acc: Accumulated) -> CompletionResponseChoice:
+        return CompletionResponseChoice(
+            text=acc.text,
+            logprobs=logprobs_of(acc.token_ids, acc.logprobs),
+            finish_reason=acc.finish_reason,
+            stop_reason=acc.stop_reason,
+        )
+
+    return await whole_response(
+        ctx,
+        job,
+        request,
+        response_type=CompletionResponse,
+        response_id=response_id,
         model=model,
-        choices=[
-            CompletionResponseChoice(
-                text=acc.text,
-                logprobs=logprobs_of(acc.token_ids, acc.logprobs),
-                finish_reason=acc.finish_reason,
-                stop_reason=acc.stop_reason,
-            )
-        ],
-        usage=make_usage(ctx, len(job.prompt_token_ids), len(acc.token_ids), acc.num_cached_tokens),
-        kv_transfer_params=(
-            acc.kv_transfer_params.to_dict() if acc.kv_transfer_params is not None else None
-        ),
+        make_choice=whole_choice,
     )
-    return Response(body.model_dump_json(), media_type="application/json")

@@ -1,6 +1,6 @@
 """The two legs of one disaggregated request.
 
-One client request becomes (see ``reference/pd-disaggregation.md`` §1.2–1.3):
+One client request becomes (the flow of vLLM's disaggregated-prefill proxy):
 
 1. a **prefill leg**: the client's body with ``max_tokens=1`` (and
    ``max_completion_tokens=1`` if present), ``stream=false``, without ``stream_options``
@@ -43,17 +43,17 @@ import aiohttp
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from pdserve.serving.proxy_core import (
+from pdserve.serving.http import REQUEST_ID_HEADER, sse_error, wait_for_disconnect
+from pdserve.serving.proxy.core import (
     ProxyCore,
     Reply,
     classify_error,
     decode_body,
-    error_body,
     prefill_body,
     status_outcome,
 )
-from pdserve.serving.proxy_pool import Instance, InstancePool
-from pdserve.serving.proxy_sse import SSEMeter
+from pdserve.serving.proxy.pool import Instance, InstancePool
+from pdserve.serving.proxy.sse_meter import SSEMeter
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class PDResponse(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._send = send
         work = asyncio.ensure_future(self._run())
-        gone = asyncio.ensure_future(_wait_for_disconnect(receive))
+        gone = asyncio.ensure_future(wait_for_disconnect(receive))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -324,8 +324,7 @@ class PDResponse(Response):
             self._release("decode_connection_error")
             tail = b""
             if meter.at_event_boundary:
-                err = error_body(502, f"decode stream from {url} broke: {outcome}")
-                tail = b"data: " + json.dumps(err).encode() + b"\n\n"
+                tail = sse_error(502, f"decode stream from {url} broke: {outcome}").encode()
             await self._body(tail, more=False)
             return False
         self._held = None
@@ -370,7 +369,7 @@ class PDResponse(Response):
     ) -> None:
         headers = [
             (b"content-type", content_type.encode("latin-1")),
-            (b"x-request-id", self.request_id.encode("latin-1")),
+            (REQUEST_ID_HEADER.encode(), self.request_id.encode("latin-1")),
         ]
         if length is not None:
             headers.append((b"content-length", str(length).encode()))
@@ -386,13 +385,6 @@ class PDResponse(Response):
             await self._send(message)
         except OSError as e:  # ASGI servers may raise this once the client is gone
             raise _ClientGone() from e
-
-
-async def _wait_for_disconnect(receive: Receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 def _finish_reason(answer: dict[str, Any]) -> str | None:

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP front end of one pdserve instance.
 
-``build_app`` wires an :class:`~pdserve.serving.engine_client.EngineClient` into a
-FastAPI app; ``serve_app`` (from :mod:`pdserve.serving.api_serve`) runs it under
+``build_app`` wires an :class:`~pdserve.serving.api.engine_client.EngineClient` into a
+FastAPI app; ``serve_app`` (from :mod:`pdserve.serving.api.server`) runs it under
 uvicorn with graceful SIGTERM draining.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or SSE),
@@ -27,14 +27,12 @@ from fastapi.responses import Response
 
 import pdserve
 from pdserve.metrics.prometheus import PrometheusMetrics
-from pdserve.serving.api_chat_template import ChatTemplates
-from pdserve.serving.api_errors import APIError, install_exception_handlers
-from pdserve.serving.api_serve import ApiServer, serve_app
-from pdserve.serving.api_state import ServingContext, ServingMiddleware
-from pdserve.serving.openai_chat import create_chat_completion, render_and_encode
-from pdserve.serving.openai_completions import create_completion
-from pdserve.serving.openai_generate import check_token_ids, token_strings
-from pdserve.serving.protocol import (
+from pdserve.serving.api.chat import create_chat_completion, render_and_encode
+from pdserve.serving.api.chat_template import ChatTemplates
+from pdserve.serving.api.completions import create_completion
+from pdserve.serving.api.errors import APIError, install_exception_handlers
+from pdserve.serving.api.generate import check_token_ids, token_strings
+from pdserve.serving.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -48,11 +46,12 @@ from pdserve.serving.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from pdserve.serving.api.state import ServingContext, ServingMiddleware
 
 if TYPE_CHECKING:
-    from pdserve.serving.engine_client import EngineClient
+    from pdserve.serving.api.engine_client import EngineClient
 
-__all__ = ["ApiServer", "build_app", "serve_app", "serving_context"]
+__all__ = ["build_app"]
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "invalid request"},
@@ -61,14 +60,6 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     503: {"model": ErrorResponse, "description": "shutting down"},
 }
 _JSON_OR_SSE: dict[str, Any] = {"content": {"application/json": {}, "text/event-stream": {}}}
-
-
-def serving_context(app: FastAPI) -> ServingContext:
-    """The :class:`ServingContext` of an app made by :func:`build_app`."""
-    ctx = getattr(app.state, "pdserve", None)
-    if not isinstance(ctx, ServingContext):
-        raise TypeError("app was not built by pdserve.serving.api_server.build_app")
-    return ctx
 
 
 def build_app(

@@ -1,13 +1,13 @@
 """Shared state and plumbing of the P/D proxy: settings, the upstream session, the
-bodies of the two legs, error bodies, and KV release calls.
+bodies of the two legs, replies, and KV release calls.
 
-See :mod:`pdserve.serving.proxy_forward` for what one request does with them.
+See :mod:`pdserve.serving.proxy.forward` for what one request does with them. Error
+bodies are :func:`pdserve.serving.http.error_body`, the same as the API server's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
@@ -15,8 +15,9 @@ from typing import Any
 
 import aiohttp
 
-from pdserve.serving.proxy_metrics import ProxyMetrics
-from pdserve.serving.proxy_pool import InstancePool
+from pdserve.serving.http import error_json
+from pdserve.serving.proxy.metrics import ProxyMetrics
+from pdserve.serving.proxy.pool import InstancePool
 
 logger = logging.getLogger(__name__)
 
@@ -31,22 +32,6 @@ PREFILL_KV_PARAMS: dict[str, Any] = {
     "remote_host": None,
     "remote_port": None,
 }
-
-_ERROR_TYPES = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    404: "NotFoundError",
-    500: "InternalServerError",
-    502: "BadGatewayError",
-    503: "ServiceUnavailableError",
-    504: "GatewayTimeoutError",
-}
-
-
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    """The OpenAI error shape used by every pdserve server."""
-    err_type = _ERROR_TYPES.get(status, "BadRequestError" if status < 500 else "ServerError")
-    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -195,4 +180,4 @@ class Reply:
 
     @classmethod
     def error(cls, status: int, message: str) -> Reply:
-        return cls(status, json.dumps(error_body(status, message)).encode())
+        return cls(status, error_json(status, message))

@@ -1,17 +1,17 @@
-"""OpenAI-style error bodies and the app's exception handlers.
+"""The API app's errors and exception handlers.
 
 Every error the server returns has the shape
-``{"error": {"message": str, "type": str, "param": str | None, "code": int}}``.
-Mapping: request validation (pydantic, :class:`RequestError`, engine ``ValueError``)
-→ 400 — never FastAPI's default 422; unknown routes keep their 404/405; anything
-unexpected → 500 with a generic message (the traceback goes to the log only).
+``{"error": {"message": str, "type": str, "param": str | None, "code": int}}``
+(:func:`pdserve.serving.http.error_body`, shared with the proxy). Mapping: request
+validation (pydantic, :class:`RequestError`, engine ``ValueError``) → 400 — never
+FastAPI's default 422; unknown routes keep their 404/405; anything unexpected → 500
+with a generic message (the traceback goes to the log only).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -19,19 +19,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdserve.serving.protocol import RequestError
+from pdserve.serving.api.protocol import RequestError
+from pdserve.serving.http import error_response
 
 logger = logging.getLogger(__name__)
-
-_ERROR_TYPES = {
-    400: "BadRequestError",
-    401: "AuthenticationError",
-    404: "NotFoundError",
-    405: "MethodNotAllowedError",
-    413: "RequestTooLargeError",
-    500: "InternalServerError",
-    503: "ServiceUnavailableError",
-}
 
 
 class APIError(Exception):
@@ -42,24 +33,6 @@ class APIError(Exception):
         self.status = status
         self.message = message
         self.param = param
-
-
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    err_type = _ERROR_TYPES.get(status, "BadRequestError" if status < 500 else "ServerError")
-    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
-
-
-def error_response(
-    status: int,
-    message: str,
-    param: str | None = None,
-    headers: Mapping[str, str] | None = None,
-) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
-
-
-def error_bytes(status: int, message: str, param: str | None = None) -> bytes:
-    return json.dumps(error_body(status, message, param)).encode()
 
 
 _UNION_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})

@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pdserve.serving.protocol import ChatMessageParam, RequestError
+from pdserve.serving.api.protocol import ChatMessageParam, RequestError
 
 ContentFormat = Literal["string", "openai"]
 CONTENT_FORMATS = ("auto", "string", "openai")

@@ -1,4 +1,5 @@
-"""``pdserve launch TOPOLOGY.yaml``: start an xPyD topology, watch it, stop it cleanly.
+"""The launcher of ``pdserve launch TOPOLOGY.yaml``: start an xPyD topology, watch it,
+stop it cleanly (the command line is :mod:`pdserve.serving.launch.cli`).
 
 Lifecycle of a ``Launcher``:
 
@@ -11,7 +12,7 @@ Lifecycle of a ``Launcher``:
    devices, pid, log of every process). A child that exits or times out during start-up
    stops everything and raises ``LaunchError`` with the child's last log lines;
    ``request_stop()`` during start-up stops everything and raises ``LaunchAborted``.
-2. ``wait()`` blocks until ``request_stop()`` (``main`` wires SIGINT/SIGTERM/SIGHUP to it)
+2. ``wait()`` blocks until ``request_stop()`` (``cli.main`` wires SIGINT/SIGTERM/SIGHUP to it)
    or until a child dies. A death is logged with the child's last log lines; with
    ``on_failure: stop`` the rest is stopped and ``wait`` returns 1, with ``keep`` the
    rest keeps running (1 once none is left). A requested stop returns 0.
@@ -27,12 +28,11 @@ the launcher, which stops them in order), and on Linux with ``PR_SET_PDEATHSIG``
 SIGTERM, so if the launcher itself dies they are told to stop (the API server then
 stops its engine core, which also watches its parent). PDEATHSIG fires when the
 *thread* that started the child ends: call ``start()`` from a thread that outlives the
-topology (the main thread in ``main``).
+topology (the main thread in ``cli.main``).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import ctypes
 import ctypes.util
@@ -41,7 +41,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -51,12 +50,12 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from types import FrameType
-from typing import IO, Any, TextIO
+from typing import IO, TextIO
 
-from pdserve.serving.topology import PROXY_CMD, SERVE_CMD, ProcessSpec, Topology, TopologyError
+from pdserve.serving.launch.topology import PROXY_CMD, SERVE_CMD, ProcessSpec, Topology
+from pdserve.serving.net import bind_tcp
 
-logger = logging.getLogger("pdserve.serving.launcher")  # also when run as __main__
+logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 _TAIL_LINES = 20
@@ -124,17 +123,15 @@ def _killpg(pgid: int, sig: int) -> None:
 
 
 def _check_port_free(spec: ProcessSpec) -> None:
-    """Refuse a port something already listens on: its /health would pass for ours."""
-    family = socket.AF_INET6 if ":" in spec.host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-        try:
-            s.bind((spec.host.strip("[]"), spec.port))
-        except OSError as e:
-            raise LaunchError(
-                f"{spec.name}: cannot use {spec.host}:{spec.port} ({e.strerror}); "
-                "is an earlier launch still running?"
-            ) from e
+    """Refuse a port something already listens on: its /health would pass for ours.
+    The check binds the way the servers will (:func:`~pdserve.serving.net.bind_tcp`)."""
+    try:
+        bind_tcp(spec.host, spec.port).close()
+    except OSError as e:
+        raise LaunchError(
+            f"{spec.name}: cannot use {spec.host}:{spec.port} ({e.strerror}); "
+            "is an earlier launch still running?"
+        ) from e
 
 
 def _healthy(url: str) -> bool:
@@ -420,85 +417,3 @@ class Launcher:
 
     def _print(self, text: str) -> None:
         print(text, file=self._out or sys.stdout, flush=True)
-
-
-# -- CLI ----------------------------------------------------------------------------------
-
-
-def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("topology", help="topology YAML file (see examples/*.yaml)")
-    parser.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="print every process's exact command and environment, start nothing",
-    )
-    parser.add_argument("--log-dir", default=None, help="overrides the topology's log_dir")
-    parser.set_defaults(func=main)
-
-
-def dry_run_text(topology: Topology, log_dir: str | None = None) -> str:
-    """What ``--dry-run`` prints: per process a comment line and one shell line."""
-    where = log_dir or topology.log_dir
-    base = Path(where).expanduser() if where else Path("<new temp dir>")
-    specs = topology.plan(base)
-    out = [
-        f"# pdserve launch --dry-run {topology.source}: {len(specs)} process(es), logs in {base}",
-        "# instances start together; the proxy starts once every instance answers "
-        "GET /health with 200",
-    ]
-    out += [f"# warning: {w}" for w in topology.warnings]
-    for s in specs:
-        out += [
-            "",
-            f"# {s.name}: role={s.role} url={s.url} devices={s.devices} "
-            f"startup_timeout={s.startup_timeout:g}s log={s.log_file}",
-            s.shell_line(),
-        ]
-    return "\n".join(out)
-
-
-def main(args: argparse.Namespace) -> int:
-    """Entry point of ``pdserve launch``: 0 after a requested stop, 1 on failure, 2 on a bad file."""
-    try:
-        topology = Topology.load(args.topology)
-    except TopologyError as e:
-        print(f"pdserve launch: error: {e}", file=sys.stderr)
-        return 2
-    if args.dry_run:
-        print(dry_run_text(topology, args.log_dir), flush=True)
-        return 0
-    launcher = Launcher(topology, log_dir=args.log_dir)
-    previous = _install_signal_handlers(launcher)
-    try:
-        launcher.start()
-        return launcher.wait()
-    except LaunchAborted:
-        logger.info("stopped during start-up")
-        return 0
-    except LaunchError as e:
-        print(f"pdserve launch: error: {e}", file=sys.stderr, flush=True)
-        return 1
-    finally:
-        launcher.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def _install_signal_handlers(launcher: Launcher) -> dict[int, Any]:
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        logger.info("got %s", signal.Signals(signum).name)
-        launcher.request_stop()
-
-    sigs = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
-    return {s: signal.signal(s, on_signal) for s in sigs}
-
-
-if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="python -m pdserve.serving.launcher")
-    _parser.add_argument("--log-level", default="INFO")
-    add_cli_args(_parser)
-    _args = _parser.parse_args()
-    logging.basicConfig(
-        level=_args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    sys.exit(main(_args))

@@ -1,0 +1,175 @@
+"""Streaming answers (``stream=true``): the one SSE renderer of completions and chat
+completions.
+
+:func:`stream_response` starts the engine request and waits for its first output
+before any byte is sent (so an engine rejection is still a plain HTTP 400), then
+answers with an :class:`SSEResponse`. Its body (:func:`sse_events`) is one ``data:``
+chunk per delta that carries tokens or a finish reason, then (``include_usage``) a
+usage-only chunk, then ``data: [DONE]``; an error after the status line becomes an
+in-stream error event followed by ``[DONE]``. An endpoint only says how a delta
+becomes its choice and which chunk model carries it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from pdserve.frontend.outputs import CompletionOutput, RequestOutput
+from pdserve.serving.api.errors import APIError
+from pdserve.serving.api.generate import (
+    CLIENT_CLOSED,
+    ClientDisconnected,
+    EngineJob,
+    EngineRequest,
+    make_usage,
+    now_s,
+    open_stream,
+    run_until_disconnect,
+)
+from pdserve.serving.api.protocol import (
+    ChatCompletionStreamResponse,
+    CompletionStreamResponse,
+    RequestError,
+    StreamOptions,
+    UsageInfo,
+)
+from pdserve.serving.api.state import ServingContext
+from pdserve.serving.http import SSE_DONE, sse_error, sse_event
+
+logger = logging.getLogger(__name__)
+
+RenderDelta = Callable[[CompletionOutput, UsageInfo | None], str]
+
+
+async def stream_response(
+    ctx: ServingContext,
+    job: EngineJob,
+    request: Request,
+    *,
+    chunk_type: type[CompletionStreamResponse] | type[ChatCompletionStreamResponse],
+    response_id: str,
+    model: str,
+    options: StreamOptions | None,
+    make_choice: Callable[[CompletionOutput], Any],
+) -> Response:
+    """The streaming answer of either endpoint: ``chunk_type`` chunks, each with the one
+    choice ``make_choice`` makes of a delta (none in the usage chunk); 499 when the
+    client went away before the first output."""
+    opened = await open_stream(ctx, job, request)
+    if opened is None:
+        return Response(status_code=CLIENT_CLOSED)
+    er, first = opened
+    created = now_s()
+
+    def render_chunk(choices: list[Any], usage: UsageInfo | None) -> str:
+        chunk = chunk_type(
+            id=response_id, created=created, model=model, choices=choices, usage=usage
+        )
+        return chunk.to_json()
+
+    def render_delta(c: CompletionOutput, usage: UsageInfo | None) -> str:
+        return render_chunk([make_choice(c)], usage)
+
+    def render_usage(usage: UsageInfo) -> str:
+        return render_chunk([], usage)
+
+    events = sse_events(
+        ctx,
+        er,
+        first,
+        render_delta=render_delta,
+        render_usage=render_usage if options and options.include_usage else None,
+        continuous_usage=bool(options and options.continuous_usage_stats),
+    )
+    return SSEResponse(events, on_close=er.close)
+
+
+async def sse_events(
+    ctx: ServingContext,
+    er: EngineRequest,
+    first: RequestOutput | None,
+    *,
+    render_delta: RenderDelta,
+    render_usage: Callable[[UsageInfo], str] | None,
+    continuous_usage: bool,
+) -> AsyncIterator[str]:
+    """The SSE body: one ``data:`` event per delta that carries tokens or a finish
+    reason, then (``include_usage``) a usage-only event, then ``data: [DONE]``. Errors
+    after the status line become an in-stream error event followed by ``[DONE]``."""
+    prompt_tokens = len(er.job.prompt_token_ids)
+    completion_tokens = 0
+    cached = 0
+    out = first
+    try:
+        while out is not None:
+            cached = max(cached, out.num_cached_tokens)
+            for c in out.outputs[:1]:
+                if c.finish_reason == "error":
+                    raise APIError(500, f"the engine failed this request: {out.error or 'error'}")
+                if not c.token_ids and not c.text and c.finish_reason is None:
+                    continue
+                completion_tokens += len(c.token_ids)
+                usage = None
+                if continuous_usage:
+                    usage = make_usage(ctx, prompt_tokens, completion_tokens, cached)
+                yield sse_event(render_delta(c, usage))
+            out = await er.next_output()
+    except Exception as e:
+        if not isinstance(e, ValueError | APIError):
+            logger.error("engine error while streaming %s: %r", er.job.request_id, e)
+        yield error_event(e)
+        yield SSE_DONE
+        return
+    if render_usage is not None:
+        yield sse_event(render_usage(make_usage(ctx, prompt_tokens, completion_tokens, cached)))
+    yield SSE_DONE
+
+
+class SSEResponse(StreamingResponse):
+    """``text/event-stream`` response that aborts its engine request when the client
+    disconnects, and runs ``on_close`` exactly once however the stream ends."""
+
+    def __init__(
+        self,
+        events: AsyncIterator[str],
+        *,
+        on_close: Callable[[], None],
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(
+            events,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
+        )
+        self._events = events
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await run_until_disconnect(receive, self.stream_response(send))
+        except (ClientDisconnected, OSError):
+            pass
+        finally:
+            aclose = getattr(self._events, "aclose", None)
+            try:
+                if aclose is not None:
+                    await aclose()
+            finally:
+                self._on_close()
+
+
+def error_event(exc: BaseException) -> str:
+    """The in-stream error event for ``exc`` (the status line has already been sent)."""
+    if isinstance(exc, RequestError):
+        return sse_error(400, exc.message, exc.param)
+    if isinstance(exc, ValueError):
+        return sse_error(400, str(exc))
+    if isinstance(exc, APIError):
+        return sse_error(exc.status, exc.message, exc.param)
+    return sse_error(500, f"the engine failed this request: {exc!r}")

@@ -1,0 +1,141 @@
+"""``pdserve proxy``: flags and entry point of the P/D proxy (the app is
+:func:`pdserve.serving.proxy.app.build_proxy_app`).
+
+:func:`main` builds the app and serves it with the shared
+:class:`~pdserve.serving.uvicorn_server.UvicornServer` until SIGTERM/SIGINT: uvicorn
+stops accepting, lets in-flight requests finish for at most ``--shutdown-timeout``
+seconds (then cancels them, which aborts their upstream legs), and :func:`main`
+returns 0. A second signal stops at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import sys
+
+from fastapi import FastAPI
+
+from pdserve.heap import freeze_startup_heap
+from pdserve.serving.proxy.app import build_proxy_app
+from pdserve.serving.proxy.core import ProxyCore
+from pdserve.serving.uvicorn_server import UvicornServer
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 0..65535, got {value}")
+    return value
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    """Flags of ``pdserve proxy``; sets ``func=main``."""
+    p.add_argument(
+        "--prefill", nargs="+", required=True, metavar="URL", help="prefill instance URL(s)"
+    )
+    p.add_argument(
+        "--decode", nargs="+", required=True, metavar="URL", help="decode instance URL(s)"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=_port, default=8000, help="port to bind (0: any free port)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument(
+        "--upstream-api-key",
+        default=None,
+        help="send this key to the instances (default: forward the client's Authorization)",
+    )
+    p.add_argument(
+        "--health-interval", type=_seconds, default=2.0, help="seconds between health polls"
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=_seconds,
+        default=600.0,
+        help="seconds a non-streaming leg may take, and the longest gap within a stream",
+    )
+    p.add_argument(
+        "--connect-timeout", type=_seconds, default=10.0, help="seconds to connect upstream"
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=_seconds,
+        default=30.0,
+        help="seconds in-flight requests get to finish after SIGTERM",
+    )
+    p.add_argument("--uvicorn-log-level", default="warning")
+    p.set_defaults(func=main)
+
+
+async def serve_proxy(
+    app: FastAPI,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    shutdown_timeout: float = 30.0,
+    log_level: str = "warning",
+) -> int:
+    """Serve ``app`` until SIGTERM/SIGINT (see the module docstring); 0 after a clean
+    stop, 1 if the port cannot be bound or the app fails to start."""
+    server = UvicornServer(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=math.ceil(shutdown_timeout),
+    )
+    try:
+        server.bind()
+    except OSError as e:
+        print(f"pdserve proxy: cannot bind {host}:{port}: {e}", file=sys.stderr)
+        return 1
+    core: ProxyCore = app.state.proxy
+    print(
+        f"pdserve proxy: http://{host}:{server.port} -> "
+        f"prefill {[i.url for i in core.prefill.instances]}, "
+        f"decode {[i.url for i in core.decode.instances]}",
+        flush=True,
+    )
+    await server.serve()
+    return 0 if server.started.is_set() else 1
+
+
+def main(args: argparse.Namespace) -> int:
+    """Entry point of ``pdserve proxy``; returns the process exit status."""
+    try:
+        app = build_proxy_app(
+            args.prefill,
+            args.decode,
+            api_key=args.api_key,
+            upstream_api_key=args.upstream_api_key,
+            health_interval=args.health_interval,
+            request_timeout=args.request_timeout,
+            connect_timeout=getattr(args, "connect_timeout", 10.0),
+        )
+    except ValueError as e:
+        print(f"pdserve proxy: error: {e}", file=sys.stderr)
+        return 2
+    freeze_startup_heap()
+    return asyncio.run(
+        serve_proxy(
+            app,
+            args.host,
+            args.port,
+            shutdown_timeout=getattr(args, "shutdown_timeout", 30.0),
+            log_level=getattr(args, "uvicorn_log_level", "warning"),
+        )
+    )

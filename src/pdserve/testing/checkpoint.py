@@ -1,0 +1,371 @@
+"""Random checkpoints in exact Hugging Face format (``pdserve make-checkpoint``).
+
+No model is ever downloaded: tests and benchmarks run on checkpoints this module
+writes. A checkpoint directory holds ``config.json``, ``model.safetensors`` (or
+shards of at most ``max_shard_size`` bytes plus ``model.safetensors.index.json``),
+``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json`` and
+``generation_config.json``; ``transformers`` loads it as it loads a real one.
+
+Shapes come from the model, not from a second description of it: the generated
+``config.json`` is parsed as the loader parses it, the registry's class for its
+architecture is built on the meta device (no memory) in the checkpoint dtype,
+and :meth:`~pdserve.models.registry.CausalLM.checkpoint_tensors` names every
+tensor with its shape and dtype. Each tensor is written in its own dtype, so one
+the model keeps in float32 (an MoE router) stays float32 in a bfloat16 checkpoint.
+
+Values: each tensor is drawn from normal(mean, std), with (mean, std) looked up
+by name suffix in :data:`INIT_RULES` (norm weights 1 + normal(0, 0.05), the MoE
+routing bias normal(0, 0.02); everything else normal(0, 0.02)).
+
+Determinism: for a given (arch, preset, seed, dtype, device) the bytes written
+are the same on every run. Tensors are drawn from one generator in the model's
+order (``checkpoint_tensors``: the order of its named modules), independent of
+sharding, so a sharded and a single-file checkpoint hold identical values. The
+tokenizer comes from :mod:`pdserve.testing.tokenizer_maker` (deterministic).
+
+Memory: tensors are generated and written shard by shard, so the host holds at
+most one shard (≤ ``max_shard_size``) at a time; with ``device="cuda"`` they are
+drawn on the GPU and only copied to the host for writing. torch is imported only
+where tensors are made, so registering the CLI flags needs none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tokenizers import Tokenizer
+
+from pdserve.testing.tokenizer_maker import (
+    ARCHS,
+    build_tokenizer,
+    family,
+    token_id,
+    tokenizer_files,
+)
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    import torch
+
+    # HF tensor name → (shape, dtype), in generation order
+    TensorSpecs: TypeAlias = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+
+__all__ = [
+    "ARCHS",
+    "DTYPES",
+    "INIT_RULES",
+    "PRESETS",
+    "add_cli_args",
+    "build_config",
+    "build_tokenizer",
+    "checkpoint_tensors",
+    "init_rule",
+    "main",
+    "make_checkpoint",
+    "parse_size",
+]
+
+PRESETS = ("tiny", "llama-8b-shape")
+DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
+INIT_STD = 0.02
+NORM_NOISE = 0.05
+
+# Name suffix → (mean, std) of the normal a tensor is drawn from; the longest
+# matching suffix wins, a name matching none gets DEFAULT_INIT. A family whose
+# tensors need other values adds its suffixes here.
+INIT_RULES: dict[str, tuple[float, float]] = {
+    "norm.weight": (1.0, NORM_NOISE),  # RMSNorm/LayerNorm gains: near 1
+    # MoE routing bias: zeros in HF's init, random here so tests exercise it
+    "e_score_correction_bias": (0.0, INIT_STD),
+}
+DEFAULT_INIT = (0.0, INIT_STD)
+
+# Model dimensions per preset.
+_PRESET_DIMS: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=512,
+        max_position_embeddings=2048,
+    ),
+    "llama-8b-shape": dict(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=14336,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+    ),
+}
+
+
+# ------------------------------------------------------------------------ config
+def build_config(
+    arch: str, preset: str, tok: Tokenizer, dtype: str, overrides: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The ``config.json`` dict for ``arch`` at ``preset`` size."""
+    fam = family(arch)
+    if preset not in _PRESET_DIMS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    dims = dict(_PRESET_DIMS[preset])
+    tiny = preset == "tiny"
+    config: dict[str, Any] = {
+        "architectures": [arch],
+        "model_type": fam.model_type,
+        **dims,
+        "hidden_act": "silu",
+        "initializer_range": INIT_STD,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": token_id(tok, fam.bos or fam.pad or fam.eos),
+        "eos_token_id": [token_id(tok, t) for t in fam.generation_eos],
+        "torch_dtype": dtype,
+        "use_cache": True,
+    }
+    if fam.model_type == "llama":
+        config.update(
+            rms_norm_eps=1e-5,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                # tiny: small enough that the test positions cross all three frequency bands
+                "original_max_position_embeddings": 64 if tiny else 8192,
+            },
+            mlp_bias=False,
+            pretraining_tp=1,
+            tie_word_embeddings=False,
+        )
+    else:
+        config.update(
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            rope_scaling=None,
+            sliding_window=None,
+            use_sliding_window=False,
+            max_window_layers=dims["num_hidden_layers"],
+            tie_word_embeddings=tiny,
+        )
+    config.update(overrides or {})
+    if config["vocab_size"] < tok.get_vocab_size(with_added_tokens=True):
+        raise ValueError(
+            f"vocab_size {config['vocab_size']} is smaller than the tokenizer "
+            f"({tok.get_vocab_size(with_added_tokens=True)} tokens)"
+        )
+    return config
+
+
+def checkpoint_tensors(
+    config: Mapping[str, Any], dtype: str | torch.dtype = "bfloat16"
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """HF tensor name → (shape, dtype) of the checkpoint ``config`` describes, in generation order.
+
+    The model of ``config["architectures"][0]`` is built on the meta device in
+    ``dtype`` and asked (:meth:`CausalLM.checkpoint_tensors`); nothing is allocated.
+    """
+    import torch
+
+    from pdserve.models.hf_config import HFModelConfig
+    from pdserve.models.registry import get_model_class
+
+    hf_config = HFModelConfig.from_dict(config)
+    model_cls = get_model_class(hf_config)
+    torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    with torch.device("meta"):
+        model = model_cls(hf_config, torch_dtype)
+    return model.checkpoint_tensors()
+
+
+def init_rule(name: str) -> tuple[float, float]:
+    """(mean, std) of the normal the tensor ``name`` is drawn from (see :data:`INIT_RULES`)."""
+    matches = [suffix for suffix in INIT_RULES if name.endswith(suffix)]
+    return INIT_RULES[max(matches, key=len)] if matches else DEFAULT_INIT
+
+
+# ----------------------------------------------------------------------- weights
+def _plan_shards(specs: TensorSpecs, max_shard_size: int) -> list[list[str]]:
+    """Greedy split in generation order; a tensor larger than the limit gets its own shard."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, (shape, dtype) in specs.items():
+        nbytes = _numel(shape) * dtype.itemsize
+        if shards[-1] and size + nbytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _random_tensors(
+    names: list[str], specs: TensorSpecs, gen: torch.Generator, device: torch.device
+) -> Iterator[tuple[str, torch.Tensor]]:
+    import torch
+
+    for name in names:
+        shape, dtype = specs[name]
+        mean, std = init_rule(name)
+        t = torch.empty(shape, dtype=dtype, device=device)
+        t.normal_(mean, std, generator=gen)
+        yield name, t.cpu()
+
+
+def _write_weights(
+    out: Path, specs: TensorSpecs, seed: int, device: torch.device, max_shard_size: int
+) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
+        stale.unlink(missing_ok=True)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shards = _plan_shards(specs, max_shard_size)
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(
+            dict(_random_tensors(shards[0], specs, gen, device)), out / "model.safetensors", meta
+        )
+        return
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(shards):
+        file_name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = dict(_random_tensors(shard, specs, gen, device))
+        save_file(tensors, out / file_name, meta)
+        weight_map.update((name, file_name) for name in tensors)
+        del tensors
+    total = sum(_numel(shape) * dtype.itemsize for shape, dtype in specs.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    _write_json(out / "model.safetensors.index.json", index)
+
+
+# ---------------------------------------------------------------------- entry
+def make_checkpoint(
+    arch: str,
+    preset: str,
+    out_dir: str | Path,
+    seed: int = 0,
+    dtype: str = "bfloat16",
+    device: str | torch.device = "cpu",
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    config_overrides: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write a random HF checkpoint for ``arch`` at ``preset`` size into ``out_dir``.
+
+    ``config_overrides`` replaces ``config.json`` fields (e.g. ``tie_word_embeddings``)
+    before the model is shaped from it; ``architectures`` among them picks the
+    model class (the tokenizer stays ``arch``'s). Returns the directory.
+    """
+    family(arch)
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    if max_shard_size <= 0:
+        raise ValueError(f"max_shard_size must be positive, got {max_shard_size}")
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"invalid device {device!r}: {e}") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    tok = build_tokenizer(arch)
+    config = build_config(arch, preset, tok, dtype, config_overrides)
+    specs = checkpoint_tensors(config, dtype)  # before anything is written: errors leave no files
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_weights(out, specs, seed, dev, max_shard_size)
+    _write_json(out / "config.json", config)
+    tok.save(str(out / "tokenizer.json"))
+    for file_name, content in tokenizer_files(arch, tok, config["max_position_embeddings"]).items():
+        _write_json(out / file_name, content)
+    return out
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def parse_size(text: str) -> int:
+    """``"5GB"``, ``"200MB"``, ``"1.5GiB"`` or plain bytes → bytes (decimal units as HF uses)."""
+    units = {
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "B": 1,
+    }
+    s = text.strip().upper()
+    number, mult = s, 1
+    for unit, unit_bytes in units.items():
+        if s.endswith(unit):
+            number, mult = s[: -len(unit)].strip(), unit_bytes
+            break
+    try:
+        value = int(float(number) * mult)
+    except ValueError:
+        raise ValueError(f"cannot parse size {text!r}; use bytes or e.g. 5GB, 200MB") from None
+    if value <= 0:
+        raise ValueError(f"size must be positive, got {text!r}")
+    return value
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``pdserve make-checkpoint``."""
+    parser.add_argument("--arch", required=True, choices=ARCHS, help="HF architecture name")
+    parser.add_argument("--preset", required=True, choices=PRESETS, help="model size")
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="weight dtype")
+    parser.add_argument(
+        "--device", default="cpu", help="where tensors are drawn (cuda is much faster for 8B)"
+    )
+    parser.add_argument(
+        "--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)"
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``make-checkpoint``; returns the exit status (2 on invalid input)."""
+    try:
+        out = make_checkpoint(
+            args.arch,
+            args.preset,
+            args.out,
+            seed=args.seed,
+            dtype=args.dtype,
+            device=args.device,
+            max_shard_size=parse_size(str(args.max_shard_size)),
+        )
+    except ValueError as e:
+        print(f"make-checkpoint: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.arch} ({args.preset}, {args.dtype}, seed {args.seed}) to {out}")
+    return 0

@@ -1,0 +1,225 @@
+"""Deterministic tokenizers of the random checkpoints (see :mod:`pdserve.testing.checkpoint`).
+
+Each supported architecture has a *family*: its special tokens (in id order,
+after the trained vocabulary), BOS/EOS/PAD, the EOS ids of its generation config
+and its chat template (Llama 3 headers or ChatML). The tokenizer is a byte-level
+BPE trained offline on a small built-in corpus with Llama 3's pre-tokenizer
+split; the ``tokenizers`` trainer is deterministic, so the same architecture and
+vocabulary size always give the same ``tokenizer.json``. No torch needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer as _Backend
+
+__all__ = [
+    "ARCHS",
+    "FAMILIES",
+    "Family",
+    "build_tokenizer",
+    "family",
+    "token_id",
+    "tokenizer_files",
+]
+
+ARCHS = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+
+_LLAMA3_CHAT_TEMPLATE = r"""{{- bos_token }}
+{%- for message in messages %}
+    {%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}
+        {{- raise_exception('unsupported role: ' + message['role']) }}
+    {%- endif %}
+    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
+{%- endif %}
+"""
+
+_CHATML_CHAT_TEMPLATE = r"""{%- for message in messages %}
+    {%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}
+        {{- raise_exception('unsupported role: ' + message['role']) }}
+    {%- endif %}
+    {{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}
+"""
+
+# Llama 3's pre-tokenizer split (before byte-level mapping).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun.
+A serving engine receives requests, schedules them in batches, and streams tokens back.
+Prefill computes the keys and values of the whole prompt; decode adds one token at a time.
+The scheduler decides how many tokens each request computes in the next step.
+When the cache is full, the engine preempts a request and frees its blocks.
+Every block holds the keys and values of sixteen tokens for every layer of the model.
+Hello, world! How are you doing today? I am fine, thank you, and you?
+What time is it in Paris? It is three o'clock in the afternoon, and it's raining.
+She said that they'll arrive tomorrow morning, but we're not sure they've left yet.
+Numbers like 1, 2, 3, 42, 100, 2024 and 3.14159 appear in many documents.
+Large language models predict the next token given all the tokens that came before.
+Attention lets every position look at every earlier position in the sequence.
+Rotary position embeddings rotate the queries and keys by an angle that grows with position.
+The feed-forward network applies a gated linear unit with a SiLU activation.
+Speculative decoding drafts several tokens cheaply and verifies them in one pass.
+Disaggregated serving runs prefill and decode on different machines and moves the cache.
+Latency targets: the time to first token and the time per output token must stay low.
+Throughput is the number of tokens the system produces every second under load.
+Once upon a time there was a little girl who lived in a village near the forest.
+Water boils at one hundred degrees Celsius at sea level and freezes at zero.
+The library opens at nine in the morning and closes at six in the evening.
+Please write a short poem about the sea, the wind, and the light of the moon.
+def main(): print("hello") # a small program that says hello
+{"role": "user", "content": "What is the capital of France?"} The answer is Paris.
+Mountains, rivers, forests and deserts cover the surface of the continents.
+Good morning! Good evening! Good night! See you soon, my friend.
+"""
+
+
+@dataclass(frozen=True)
+class Family:
+    """What differs between the families besides the network."""
+
+    model_type: str
+    special_tokens: tuple[tuple[str, bool], ...]  # (token, special flag) in id order
+    bos: str | None
+    eos: str
+    pad: str | None
+    generation_eos: tuple[str, ...]
+    chat_template: str
+
+
+FAMILIES = {
+    "LlamaForCausalLM": Family(
+        model_type="llama",
+        special_tokens=tuple(
+            (t, True)
+            for t in (
+                "<|begin_of_text|>",
+                "<|end_of_text|>",
+                "<|reserved_special_token_0|>",
+                "<|reserved_special_token_1|>",
+                "<|finetune_right_pad_id|>",
+                "<|step_id|>",
+                "<|start_header_id|>",
+                "<|end_header_id|>",
+                "<|eom_id|>",
+                "<|eot_id|>",
+                "<|python_tag|>",
+            )
+        ),
+        bos="<|begin_of_text|>",
+        eos="<|eot_id|>",
+        pad=None,
+        generation_eos=("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"),
+        chat_template=_LLAMA3_CHAT_TEMPLATE,
+    ),
+    "Qwen3ForCausalLM": Family(
+        model_type="qwen3",
+        special_tokens=(
+            ("<|endoftext|>", True),
+            ("<|im_start|>", True),
+            ("<|im_end|>", True),
+            ("<tool_call>", False),
+            ("</tool_call>", False),
+            ("<think>", False),
+            ("</think>", False),
+        ),
+        bos=None,
+        eos="<|im_end|>",
+        pad="<|endoftext|>",
+        generation_eos=("<|im_end|>", "<|endoftext|>"),
+        chat_template=_CHATML_CHAT_TEMPLATE,
+    ),
+}
+
+
+def family(arch: str) -> Family:
+    """The family of ``arch``; an unknown architecture is a ValueError listing the known."""
+    if arch not in FAMILIES:
+        raise ValueError(f"unknown architecture {arch!r}; choose one of {', '.join(ARCHS)}")
+    return FAMILIES[arch]
+
+
+def build_tokenizer(arch: str, vocab_size: int = 512) -> _Backend:
+    """A byte-level BPE of at most ``vocab_size`` ids (special tokens last), deterministic."""
+    fam = family(arch)
+    n_special = len(fam.special_tokens)
+    tok = _Backend(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - n_special,
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS.splitlines(), trainer)
+    for token, special in fam.special_tokens:
+        added = AddedToken(token, special=special, normalized=False)
+        if special:
+            tok.add_special_tokens([added])
+        else:
+            tok.add_tokens([added])
+    if fam.bos is not None:
+        bos_id = tok.token_to_id(fam.bos)
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{fam.bos}:0 $A:0",
+            pair=f"{fam.bos}:0 $A:0 {fam.bos}:1 $B:1",
+            special_tokens=[(fam.bos, bos_id)],
+        )
+    else:
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tok
+
+
+def tokenizer_files(arch: str, tok: _Backend, max_len: int) -> dict[str, dict[str, Any]]:
+    """The JSON files next to ``tokenizer.json``: file name → content."""
+    fam = family(arch)
+    named = {"bos_token": fam.bos, "eos_token": fam.eos, "pad_token": fam.pad}
+    named = {k: v for k, v in named.items() if v is not None}
+    tokenizer_config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **named,
+        "add_bos_token": fam.bos is not None,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_len,
+        "chat_template": fam.chat_template,
+    }
+    generation: dict[str, Any] = {}
+    if fam.bos is not None:
+        generation["bos_token_id"] = token_id(tok, fam.bos)
+    generation["eos_token_id"] = [token_id(tok, t) for t in fam.generation_eos]
+    return {
+        "tokenizer_config.json": tokenizer_config,
+        "special_tokens_map.json": dict(named),
+        "generation_config.json": generation,
+    }
+
+
+def token_id(tok: _Backend, token: str) -> int:
+    """The id of ``token``; a ValueError when the tokenizer lacks it."""
+    found = tok.token_to_id(token)
+    if found is None:
+        raise ValueError(f"token {token!r} is not in the generated tokenizer")
+    return int(found)

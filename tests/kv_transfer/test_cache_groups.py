@@ -1,0 +1,167 @@
+"""A model with two cache groups of different dtype and layout (tests/_two_group_model.py:
+float K/V at block axis 1 plus uint8 codes at block axis 0) keeps both groups bit-exact
+through prefix caching and through P/D transfer (tcp on CPU; cuda_ipc on a GPU)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from _two_group_model import ARCH, register
+from pdserve import LLM, SamplingParams
+from pdserve.config import EngineConfig
+from pdserve.core_types.scheduler_output import EngineCoreOutput
+from pdserve.engine.engine_core import EngineCore
+from pdserve.frontend.processor import InputProcessor
+from pdserve.frontend.tokenizer import Tokenizer
+from pdserve.kv_transfer.transports.base import ClientTransport
+from pdserve.kv_transfer.transports.tcp import TcpClient
+
+PROMPTS = [[(11 * i + j) % 400 + 3 for j in range(n)] for i, n in enumerate((6, 17, 30))]
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def two_group(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    d = tmp_path_factory.mktemp("two-group")
+    shutil.copytree(tiny_llama, d, dirs_exist_ok=True)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["architectures"] = [ARCH]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.MonkeyPatch.context() as mp:
+        register(mp)
+        yield d
+
+
+def _tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_layers_declare_two_groups(two_group: Path) -> None:
+    llm = LLM(str(two_group), dtype="float32", block_size=4)
+    cfg = llm.engine.runner.kv_cache_config
+    groups = {g.name: g for g in cfg.groups}
+    assert set(groups) == {"attn", "codes"}
+    assert groups["attn"].layout.dtype == "float32" and groups["attn"].layout.block_axis == 1
+    assert groups["codes"].layout.dtype == "uint8" and groups["codes"].layout.block_axis == 0
+    assert groups["codes"].layer_names == ("codes.0", "codes.1")
+    assert cfg.bytes_per_block == 2 * (2 * 4 * 2 * 16 * 4) + 2 * (4 * 4)
+    kv = llm.engine.runner.kv_caches
+    assert kv["codes.1"].dtype == torch.uint8 and kv["codes.1"].shape[0] == kv.num_blocks
+
+
+def test_codes_change_the_output(tiny_llama: Path, two_group: Path) -> None:
+    """The second group matters: the model's tokens differ from the plain Llama's."""
+    plain = _tokens(LLM(str(tiny_llama), dtype="float32", block_size=4), PROMPTS)
+    assert _tokens(LLM(str(two_group), dtype="float32", block_size=4), PROMPTS) != plain
+
+
+def test_prefix_cache_reuses_both_groups(two_group: Path) -> None:
+    cold = _tokens(
+        LLM(str(two_group), dtype="float32", block_size=4, enable_prefix_caching=False), PROMPTS
+    )
+    llm = LLM(str(two_group), dtype="float32", block_size=4)
+    assert _tokens(llm, PROMPTS) == cold
+    hits = llm.engine.stats().prefix_cache_hits
+    assert _tokens(llm, PROMPTS) == cold  # block-aligned hits on every prompt
+    # a prompt sharing 2.5 blocks of another: the hit stops at the block boundary
+    shared = PROMPTS[2][:10] + [7, 8, 9, 10, 11]
+    ref = _tokens(
+        LLM(str(two_group), dtype="float32", block_size=4, enable_prefix_caching=False), [shared]
+    )
+    assert _tokens(llm, [shared]) == ref
+    assert llm.engine.stats().prefix_cache_hits > hits
+
+
+def _pd_engine(path: Path, role: str, transport: str, device: str) -> EngineCore:
+    cfg = EngineConfig.from_kwargs(
+        model=str(path),
+        dtype="float32",
+        block_size=4,
+        device=device,
+        enforce_eager=True,
+        kv_transfer_config={
+            "kv_connector": "PdConnector",
+            "kv_role": role,
+            "kv_connector_extra_config": {"transport": transport, "handshake_timeout": 2.0},
+        },
+    )
+    return EngineCore(cfg)
+
+
+def _finish(core: EngineCore, rid: str, limit: float = 20.0) -> tuple[list[int], EngineCoreOutput]:
+    toks: list[int] = []
+    deadline = time.monotonic() + limit
+    while True:
+        assert time.monotonic() < deadline, f"{rid} did not finish"
+        for o in core.step():
+            if o.request_id == rid:
+                toks.extend(o.new_token_ids)
+                if o.finish_reason is not None:
+                    return toks, o
+        time.sleep(0.001)
+
+
+def _blocks(c: torch.Tensor, axis: int, ids: list[int]) -> torch.Tensor:
+    return c.index_select(axis, torch.tensor(ids, device=c.device))
+
+
+@pytest.mark.parametrize(
+    "transport,device",
+    [("tcp", "cpu"), pytest.param("cuda_ipc", "cuda", marks=pytest.mark.gpu)],
+)
+def test_pd_transfer_moves_both_groups_bit_exactly(
+    two_group: Path, transport: str, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    colocated = _tokens(LLM(str(two_group), dtype="float32", block_size=4, device=device), PROMPTS)
+    client = TcpClient if transport == "tcp" else _cuda_ipc_client()
+    copies: list[tuple[list[int], list[int]]] = []
+    real = client.write
+
+    def spy(self, remote, local, frames):  # type: ignore[no-untyped-def]
+        copies.append((list(remote), list(local)))
+        return real(self, remote, local, frames)
+
+    monkeypatch.setattr(client, "write", spy)
+    p = _pd_engine(two_group, "kv_producer", transport, device)
+    d = _pd_engine(two_group, "kv_consumer", transport, device)
+    tok = Tokenizer.from_pretrained(two_group)
+    pp = InputProcessor(tok, p.max_model_len, p.vocab_size)
+    dp = InputProcessor(tok, d.max_model_len, d.vocab_size)
+    got = []
+    try:
+        for i, ids in enumerate(PROMPTS):
+            rid = f"r{i}"
+            one = SamplingParams(temperature=0, max_tokens=1)
+            p.add_request(pp.make_request(rid, ids, one, {"do_remote_decode": True}))
+            params = _finish(p, rid)[1].kv_transfer_params
+            assert params is not None and params.do_remote_prefill
+            d.add_request(dp.make_request(rid, ids, GREEDY, params))
+            got.append(_finish(d, rid)[0])
+            # every full block of transferred tokens (all but the prompt's last token) is
+            # byte for byte prefill's, in both groups
+            full = (len(ids) - 1) // 4
+            assert len(copies) == 1 and full > 0
+            remote, local = copies.pop()
+            layers = zip(p.runner.kv_caches.layers(), d.runner.kv_caches.layers(), strict=True)
+            for (name, lay, pc), (_, _, dc) in layers:
+                ax = lay.block_axis
+                a, b = _blocks(pc, ax, remote[:full]), _blocks(dc, ax, local[:full])
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+    finally:
+        p.shutdown()
+        d.shutdown()
+    assert got == colocated
+
+
+def _cuda_ipc_client() -> type[ClientTransport]:
+    from pdserve.kv_transfer.transports.cuda_ipc import CudaIpcClient
+
+    return CudaIpcClient

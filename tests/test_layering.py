@@ -1,0 +1,145 @@
+"""The package map's floors (docs/ARCHITECTURE.md): every import inside ``pdserve`` goes
+to the same package or a lower floor, and there is no import cycle. Imports are read
+statically from the source (``ast``), including imports inside functions and under
+``TYPE_CHECKING``, so a lazy import cannot hide an upward dependency."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+# lowest floor first; a module may import its own top-level package and anything listed
+# before it, nothing after it
+FLOORS = [
+    ("config", "heap"),
+    ("core_types",),
+    ("distributed",),
+    ("forward_context",),
+    ("kernels",),
+    ("layers",),
+    ("models",),
+    ("spec_decode",),
+    ("runner",),
+    ("kv_transfer",),
+    ("engine",),
+    ("frontend",),
+    ("metrics",),
+    ("serving",),
+    ("bench",),
+    ("testing",),
+    ("cli", "__main__", "__init__"),
+]
+FLOOR = {pkg: i for i, names in enumerate(FLOORS) for pkg in names}
+# the three serving roles share serving's own modules and never import each other
+SERVING_ROLES = ("api", "proxy", "launch")
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for p in (SRC / "pdserve").rglob("*.py"):
+        name = ".".join(p.relative_to(SRC).with_suffix("").parts)
+        out[name.removesuffix(".__init__")] = p
+    return out
+
+
+def _imports(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module is not None:
+            base = node.module
+            if node.level:
+                pkg = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+                base = ".".join(pkg[: len(pkg) - node.level + 1] + [node.module])
+            for alias in node.names:
+                cand = f"{base}.{alias.name}"
+                found.add(cand if cand in mods else base)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return {m for m in found if m in mods and m not in (name, "pdserve")}
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    return {m: _imports(m, p, mods) for m, p in mods.items()}
+
+
+def _top(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def test_every_package_has_a_floor() -> None:
+    missing = {_top(m) for m in _graph()} - set(FLOOR)
+    assert not missing, f"add {sorted(missing)} to FLOORS (and to docs/ARCHITECTURE.md)"
+
+
+def test_imports_only_go_down() -> None:
+    bad = []
+    for mod, deps in _graph().items():
+        for dep in deps:
+            if FLOOR[_top(dep)] > FLOOR[_top(mod)]:
+                bad.append(f"{mod} -> {dep}")
+    assert not bad, "imports that go up a floor:\n" + "\n".join(sorted(bad))
+
+
+def test_serving_roles_do_not_import_each_other() -> None:
+    bad = []
+    for mod, deps in _graph().items():
+        parts = mod.split(".")
+        if len(parts) < 2 or parts[1] != "serving":
+            continue
+        role = parts[2] if len(parts) > 2 else None  # None: a shared serving module
+        for dep in deps:
+            dparts = dep.split(".")
+            drole = dparts[2] if len(dparts) > 2 and dparts[1] == "serving" else None
+            if drole in SERVING_ROLES and drole != role:
+                bad.append(f"{mod} -> {dep}")
+    assert not bad, "\n".join(sorted(bad))
+
+
+def test_no_import_cycles() -> None:
+    graph = _graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert not cycles, "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_no_source_file_over_600_lines() -> None:
+    long = {
+        str(p.relative_to(SRC)): n
+        for p in (SRC / "pdserve").rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 600
+    }
+    assert not long, long
