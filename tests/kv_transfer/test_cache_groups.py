@@ -20,7 +20,6 @@ from pdserve.core_types.scheduler_output import EngineCoreOutput
 from pdserve.engine.engine_core import EngineCore
 from pdserve.frontend.processor import InputProcessor
 from pdserve.frontend.tokenizer import Tokenizer
-from pdserve.kv_transfer.transports.base import ClientTransport
 from pdserve.kv_transfer.transports.tcp import TcpClient
 
 PROMPTS = [[(11 * i + j) % 400 + 3 for j in range(n)] for i, n in enumerate((6, 17, 30))]
@@ -113,25 +112,37 @@ def _blocks(c: torch.Tensor, axis: int, ids: list[int]) -> torch.Tensor:
     return c.index_select(axis, torch.tensor(ids, device=c.device))
 
 
-@pytest.mark.parametrize(
-    "transport,device",
-    [("tcp", "cpu"), pytest.param("cuda_ipc", "cuda", marks=pytest.mark.gpu)],
-)
-def test_pd_transfer_moves_both_groups_bit_exactly(
-    two_group: Path, transport: str, device: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    colocated = _tokens(LLM(str(two_group), dtype="float32", block_size=4, device=device), PROMPTS)
-    client = TcpClient if transport == "tcp" else _cuda_ipc_client()
+def _spy_on_writes(cls: type, monkeypatch: pytest.MonkeyPatch) -> list[tuple[list[int], list[int]]]:
+    """Record (remote ids, local ids) of every block copy a transport client makes."""
     copies: list[tuple[list[int], list[int]]] = []
-    real = client.write
+    real = cls.write
 
     def spy(self, remote, local, frames):  # type: ignore[no-untyped-def]
         copies.append((list(remote), list(local)))
         return real(self, remote, local, frames)
 
-    monkeypatch.setattr(client, "write", spy)
-    p = _pd_engine(two_group, "kv_producer", transport, device)
-    d = _pd_engine(two_group, "kv_consumer", transport, device)
+    monkeypatch.setattr(cls, "write", spy)
+    return copies
+
+
+def _same_blocks(want: dict[str, torch.Tensor], d: EngineCore, local: list[int], full: int) -> None:
+    """Every full block of transferred tokens (all but the prompt's last token) holds the
+    prefill's bytes, in both groups (``want``: prefill's held blocks, by layer)."""
+    assert full > 0
+    for name, lay, dc in d.runner.kv_caches.layers():
+        ax = lay.block_axis
+        a = want[name].narrow(ax, 0, full).to(dc.device)
+        b = _blocks(dc, ax, local[:full])
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+
+
+def test_tcp_transfer_moves_both_groups_bit_exactly(
+    two_group: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    colocated = _tokens(LLM(str(two_group), dtype="float32", block_size=4), PROMPTS)
+    copies = _spy_on_writes(TcpClient, monkeypatch)
+    p = _pd_engine(two_group, "kv_producer", "tcp", "cpu")
+    d = _pd_engine(two_group, "kv_consumer", "tcp", "cpu")
     tok = Tokenizer.from_pretrained(two_group)
     pp = InputProcessor(tok, p.max_model_len, p.vocab_size)
     dp = InputProcessor(tok, d.max_model_len, d.vocab_size)
@@ -143,25 +154,49 @@ def test_pd_transfer_moves_both_groups_bit_exactly(
             p.add_request(pp.make_request(rid, ids, one, {"do_remote_decode": True}))
             params = _finish(p, rid)[1].kv_transfer_params
             assert params is not None and params.do_remote_prefill
+            held = torch.tensor(params.remote_block_ids or [])
+            want = {
+                n: c.index_select(lay.block_axis, held) for n, lay, c in p.runner.kv_caches.layers()
+            }
             d.add_request(dp.make_request(rid, ids, GREEDY, params))
             got.append(_finish(d, rid)[0])
-            # every full block of transferred tokens (all but the prompt's last token) is
-            # byte for byte prefill's, in both groups
-            full = (len(ids) - 1) // 4
-            assert len(copies) == 1 and full > 0
-            remote, local = copies.pop()
-            layers = zip(p.runner.kv_caches.layers(), d.runner.kv_caches.layers(), strict=True)
-            for (name, lay, pc), (_, _, dc) in layers:
-                ax = lay.block_axis
-                a, b = _blocks(pc, ax, remote[:full]), _blocks(dc, ax, local[:full])
-                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+            assert len(copies) == 1
+            _same_blocks(want, d, copies.pop()[1], (len(ids) - 1) // 4)
     finally:
         p.shutdown()
         d.shutdown()
     assert got == colocated
 
 
-def _cuda_ipc_client() -> type[ClientTransport]:
+@pytest.mark.gpu
+def test_cuda_ipc_transfer_moves_both_groups_bit_exactly(
+    two_group: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prefill engine runs in a child process (CUDA opens no IPC handle in the
+    process that exported it); it sends back each prompt's params and held blocks."""
+    import multiprocessing as mp
+
+    from _ipc_peer import prefill_engine
     from pdserve.kv_transfer.transports.cuda_ipc import CudaIpcClient
 
-    return CudaIpcClient
+    colocated = _tokens(LLM(str(two_group), dtype="float32", block_size=4, device="cuda"), PROMPTS)
+    copies = _spy_on_writes(CudaIpcClient, monkeypatch)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=prefill_engine, args=(two_group, PROMPTS, child))
+    proc.start()
+    d = _pd_engine(two_group, "kv_consumer", "cuda_ipc", "cuda")
+    dp = InputProcessor(Tokenizer.from_pretrained(two_group), d.max_model_len, d.vocab_size)
+    got = []
+    try:
+        assert parent.poll(300), "the prefill process did not answer"
+        for i, (params, want) in enumerate(parent.recv()):
+            d.add_request(dp.make_request(f"r{i}", PROMPTS[i], GREEDY, params))
+            got.append(_finish(d, f"r{i}")[0])
+            assert len(copies) == 1
+            _same_blocks(want, d, copies.pop()[1], (len(PROMPTS[i]) - 1) // 4)
+    finally:
+        parent.send("stop")
+        proc.join(60)
+        d.shutdown()
+    assert got == colocated

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _ipc_peer import filled_caches
 from pdserve.core_types.cache_spec import CacheLayout, KVCacheConfig
 from pdserve.forward_context import KVCaches
 from pdserve.kv_transfer.transports.tcp import TcpClient, TcpServer
@@ -31,14 +32,7 @@ def _config(dtype: torch.dtype) -> KVCacheConfig:
 
 
 def _filled(cfg: KVCacheConfig, device: str) -> KVCaches:
-    caches = KVCaches.allocate(cfg, NUM_BLOCKS, torch.device(device))
-    g = torch.Generator().manual_seed(0)
-    for _, _, c in caches.layers():
-        if c.dtype == torch.uint8:
-            c.copy_(torch.randint(0, 256, c.shape, generator=g, dtype=torch.uint8))
-        else:
-            c.copy_(torch.randn(c.shape, generator=g).to(c.dtype))
-    return caches
+    return filled_caches(cfg, NUM_BLOCKS, device, 0)
 
 
 def _blocks(c: torch.Tensor, axis: int, ids: list[int]) -> torch.Tensor:
@@ -79,12 +73,24 @@ def test_tcp_refuses_a_frame_of_the_wrong_size() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("remote,local", [([7, 2, 3], [1, 5, 6]), ([2, 3, 4], [5, 6, 7])])
 def test_cuda_ipc_copies_every_group(remote: list[int], local: list[int]) -> None:
-    from pdserve.kv_transfer.transports.cuda_ipc import CudaIpcClient, CudaIpcServer
+    """The exporting side runs in a child process (CUDA opens no IPC handle in the
+    process that made it); both sides draw the same contents from one seed."""
+    import multiprocessing as mp
+
+    from _ipc_peer import export_caches
+    from pdserve.kv_transfer.transports.cuda_ipc import CudaIpcClient
 
     cfg = _config(torch.bfloat16)
-    src = _filled(cfg, "cuda")
-    dst = KVCaches.allocate(cfg, NUM_BLOCKS, torch.device("cuda"))
-    info = CudaIpcServer(src).transport_info()
-    moved = CudaIpcClient(dst, info).write(remote, local, [])
-    assert moved == cfg.bytes_per_block * len(local)
-    _check_copied(src, dst, remote, local)
+    parent, child = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(target=export_caches, args=(cfg, NUM_BLOCKS, 0, child))
+    proc.start()
+    try:
+        assert parent.poll(120), "the exporting process did not answer"
+        info = parent.recv()
+        dst = KVCaches.allocate(cfg, NUM_BLOCKS, torch.device("cuda"))
+        moved = CudaIpcClient(dst, info).write(remote, local, [])
+        assert moved == cfg.bytes_per_block * len(local)
+        _check_copied(filled_caches(cfg, NUM_BLOCKS, "cuda", 0), dst, remote, local)
+    finally:
+        parent.send("stop")
+        proc.join(30)
