@@ -14,16 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from _requests import assert_clean, outputs, random_prompts
 
 from pdserve import LLM, SamplingParams
 from pdserve.engine.request import Request
-
-PROMPT_LENS = (3, 17, 40, 9, 64, 1, 33)
-
-
-def _prompts(vocab: int, lens: tuple[int, ...] = PROMPT_LENS, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
 
 
 def _pair(path: Path, **kw: object) -> tuple[LLM, LLM]:
@@ -33,47 +27,31 @@ def _pair(path: Path, **kw: object) -> tuple[LLM, LLM]:
     return sync, LLM(str(path), async_scheduling=True, **base)  # type: ignore[arg-type]
 
 
-def _outputs(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list[tuple]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    return [
-        (o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason) for o in outs
-    ]
-
-
-def _assert_clean(llm: LLM) -> None:
-    for _ in range(2):  # finish the step in flight, then let the runner drop its rows
-        llm.engine.step()
-    assert llm.engine.kv.num_free_blocks == llm.engine.kv.pool.num_usable_blocks
-    assert not llm.engine.kv.req_blocks
-    assert len(llm.engine.runner.batch) == 0
-    assert not llm.engine.scheduler.requests
-
-
 def test_greedy_chunked_prefix_cached_and_preempted(tiny_llama: Path) -> None:
     sync, asyn = _pair(tiny_llama, max_num_batched_tokens=16)
-    prompts = _prompts(sync.engine.vocab_size)
+    prompts = random_prompts(sync.engine.vocab_size)
     params = [
         SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
         for m in (24, 1, 7, 30, 2, 12, 5)
     ]
-    want = _outputs(sync, prompts, params)
-    assert _outputs(asyn, prompts, params) == want
-    assert _outputs(asyn, prompts, params) == want  # again, through the prefix cache
+    want = outputs(sync, prompts, params)
+    assert outputs(asyn, prompts, params) == want
+    assert outputs(asyn, prompts, params) == want  # again, through the prefix cache
     assert asyn.engine.stats().prefix_cache_hits > 0
-    _assert_clean(asyn)
+    assert_clean(asyn)
     small_sync, small_async = _pair(
         tiny_llama, num_gpu_blocks_override=20, enable_prefix_caching=False
     )
-    want = _outputs(small_sync, prompts, params)
-    assert _outputs(small_async, prompts, params) == want
+    want = outputs(small_sync, prompts, params)
+    assert outputs(small_async, prompts, params) == want
     assert small_async.engine.stats().num_preemptions > 0
-    _assert_clean(small_async)
+    assert_clean(small_async)
 
 
 def test_stops_seeds_min_tokens_and_logprobs(tiny_llama: Path) -> None:
     sync, asyn = _pair(tiny_llama)
-    prompts = _prompts(sync.engine.vocab_size, (5, 12, 20, 8, 30, 15), seed=1)
-    free = _outputs(sync, prompts, [SamplingParams(temperature=0.0, max_tokens=20)] * 6)
+    prompts = random_prompts(sync.engine.vocab_size, (5, 12, 20, 8, 30, 15), seed=1)
+    free = outputs(sync, prompts, [SamplingParams(temperature=0.0, max_tokens=20)] * 6)
     stop_tok = free[0][0][3]  # a token the first request produces: it stops there
     params = [
         SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[stop_tok]),
@@ -83,20 +61,20 @@ def test_stops_seeds_min_tokens_and_logprobs(tiny_llama: Path) -> None:
         SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=0),
         SamplingParams(temperature=0.7, seed=5, max_tokens=11, min_tokens=4),
     ]
-    want = _outputs(sync, prompts, params)
-    got = _outputs(asyn, prompts, params)
+    want = outputs(sync, prompts, params)
+    got = outputs(asyn, prompts, params)
     assert got == want
     assert want[0][1] == "stop" and want[0][2] == stop_tok
     lp_sync = sync.generate({"prompt_token_ids": prompts[4]}, params[4])[0].outputs[0].logprobs
     lp_async = asyn.generate({"prompt_token_ids": prompts[4]}, params[4])[0].outputs[0].logprobs
     assert lp_sync is not None and lp_async is not None
     torch.testing.assert_close(torch.tensor(lp_async), torch.tensor(lp_sync))
-    _assert_clean(asyn)
+    assert_clean(asyn)
 
 
 def test_arrivals_and_aborts_while_a_step_is_in_flight(tiny_llama: Path) -> None:
     sync, asyn = _pair(tiny_llama)
-    prompts = _prompts(sync.engine.vocab_size, (6, 14, 22, 9), seed=2)
+    prompts = random_prompts(sync.engine.vocab_size, (6, 14, 22, 9), seed=2)
     sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
     def drive(llm: LLM) -> dict[str, list[int]]:
@@ -119,17 +97,17 @@ def test_arrivals_and_aborts_while_a_step_is_in_flight(tiny_llama: Path) -> None
     want = drive(sync)
     assert drive(asyn) == want
     assert all(len(v) == 10 for v in want.values()) and set(want) == {"r0", "r2", "r3"}
-    _assert_clean(asyn)
+    assert_clean(asyn)
 
 
 def test_no_request_objects_leak(tiny_llama: Path) -> None:
     llm = LLM(str(tiny_llama), dtype="float32", async_scheduling=True)
-    prompts = _prompts(llm.engine.vocab_size, (4, 9, 13) * 20, seed=3)
+    prompts = random_prompts(llm.engine.vocab_size, (4, 9, 13) * 20, seed=3)
     llm.generate(
         [{"prompt_token_ids": p} for p in prompts],
         SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
     )
-    _assert_clean(llm)
+    assert_clean(llm)
     gc.collect()
     assert sum(1 for o in gc.get_objects() if isinstance(o, Request)) == 0
 
@@ -177,9 +155,9 @@ def test_step_n_plus_1_is_launched_before_step_n_is_finished(tiny_llama: Path) -
 
 def test_switching_modes_mid_generation_keeps_outputs(tiny_llama: Path) -> None:
     sync, _ = _pair(tiny_llama)
-    prompts = _prompts(sync.engine.vocab_size, (7, 19), seed=4)
+    prompts = random_prompts(sync.engine.vocab_size, (7, 19), seed=4)
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    want = _outputs(sync, prompts, [sp, sp])
+    want = outputs(sync, prompts, [sp, sp])
     eng = sync.engine
     got: dict[str, list[int]] = {}
     for i, p in enumerate(prompts):
@@ -194,4 +172,4 @@ def test_switching_modes_mid_generation_keeps_outputs(tiny_llama: Path) -> None:
         if not eng.has_unfinished_requests():
             break
     assert [got["s0"], got["s1"]] == [w[0] for w in want]
-    _assert_clean(sync)
+    assert_clean(sync)

@@ -14,32 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from _requests import assert_clean, outputs, random_prompts
 
 from _drafters import OracleDrafter, WrongDrafter
 from pdserve import LLM, SamplingParams
 
-PROMPT_LENS = (3, 17, 40, 9, 64, 1, 33)
 MAX_TOKENS = (24, 1, 7, 30, 2, 12, 5)
-
-
-def _prompts(vocab: int, lens: tuple[int, ...] = PROMPT_LENS) -> list[list[int]]:
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
-
-
-def _run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list[tuple]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    return [
-        (o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason) for o in outs
-    ]
-
-
-def _assert_clean(llm: LLM) -> None:
-    for _ in range(2):  # finish the step in flight, then let the runner drop its rows
-        llm.engine.step()
-    kv = llm.engine.kv
-    assert kv.num_free_blocks == kv.pool.num_usable_blocks and not kv.req_blocks
-    assert len(llm.engine.runner.batch) == 0 and not llm.engine.scheduler.requests
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +27,9 @@ def reference(tiny_llama: Path) -> tuple[list[list[int]], dict[tuple[int, ...], 
     """Prompts, each prompt's greedy sequence (prompt + 64 tokens), and the vocab size."""
     llm = LLM(str(tiny_llama), dtype="float32", block_size=4)
     vocab = llm.engine.vocab_size
-    prompts = _prompts(vocab)
+    prompts = random_prompts(vocab)
     sp = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
-    outs = _run(llm, prompts, [sp] * len(prompts))
+    outs = outputs(llm, prompts, [sp] * len(prompts))
     return prompts, {tuple(p): p + o[0] for p, o in zip(prompts, outs, strict=True)}, vocab
 
 
@@ -78,10 +58,10 @@ def test_greedy_output_is_identical_to_no_speculation(
     params[3] = SamplingParams(temperature=0.0, max_tokens=30, min_tokens=9, ignore_eos=True)
     kw = dict(async_scheduling=async_scheduling, max_num_batched_tokens=16)
     base = LLM(str(tiny_llama), dtype="float32", block_size=4, **kw)  # type: ignore[arg-type]
-    want = _run(base, prompts, params)
+    want = outputs(base, prompts, params)
     spec = _spec(tiny_llama, drafter, k, reference, **kw)
-    assert _run(spec, prompts, params) == want
-    assert _run(spec, prompts, params) == want  # again, through the prefix cache
+    assert outputs(spec, prompts, params) == want
+    assert outputs(spec, prompts, params) == want  # again, through the prefix cache
     st = spec.engine.stats()
     assert st.prefix_cache_hits > 0 and st.spec_num_drafts > 0
     if drafter is WrongDrafter:
@@ -95,7 +75,7 @@ def test_greedy_output_is_identical_to_no_speculation(
     lp_base = base.generate([{"prompt_token_ids": prompts[2]}], params[2])[0].outputs[0].logprobs
     assert lp is not None and lp_base is not None
     torch.testing.assert_close(torch.tensor(lp), torch.tensor(lp_base), rtol=1e-5, atol=1e-5)
-    _assert_clean(spec)
+    assert_clean(spec)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -106,11 +86,11 @@ def test_preemption_and_small_pool(tiny_llama: Path, reference, async_scheduling
         async_scheduling=async_scheduling, num_gpu_blocks_override=20, enable_prefix_caching=False
     )
     base = LLM(str(tiny_llama), dtype="float32", block_size=4, **kw)  # type: ignore[arg-type]
-    want = _run(base, prompts, params)
+    want = outputs(base, prompts, params)
     spec = _spec(tiny_llama, OracleDrafter, 3, reference, **kw)
-    assert _run(spec, prompts, params) == want
+    assert outputs(spec, prompts, params) == want
     assert spec.engine.stats().num_preemptions > 0
-    _assert_clean(spec)
+    assert_clean(spec)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -125,7 +105,7 @@ def test_steps_fall_by_the_accepted_count(
     for p in prompts[:3]:  # one request at a time: each step is that request's
         s0, n0 = base.engine.stats().num_steps, spec.engine.stats().num_steps
         a0 = spec.engine.stats().spec_num_accepted_tokens
-        assert _run(spec, [p], [sp]) == _run(base, [p], [sp])
+        assert outputs(spec, [p], [sp]) == outputs(base, [p], [sp])
         steps_base = base.engine.stats().num_steps - s0
         steps_spec = spec.engine.stats().num_steps - n0
         accepted = spec.engine.stats().spec_num_accepted_tokens - a0
@@ -153,7 +133,9 @@ def test_placeholders_are_never_accepted(tiny_llama: Path, reference) -> None:
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     base = LLM(str(tiny_llama), dtype="float32", block_size=4)
     spec = _spec(tiny_llama, NoDrafts, 2, reference)
-    assert _run(spec, prompts, [sp] * len(prompts)) == _run(base, prompts, [sp] * len(prompts))
+    assert outputs(spec, prompts, [sp] * len(prompts)) == outputs(
+        base, prompts, [sp] * len(prompts)
+    )
     st = spec.engine.stats()
     assert st.spec_num_draft_tokens > 0 and st.spec_num_accepted_tokens == 0
 
@@ -196,11 +178,11 @@ def test_uniform_verify_batches_replay_graphs(
         compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8]},
     )
     base = LLM(str(tiny_llama), dtype="float32", block_size=4, **kw)  # type: ignore[arg-type]
-    want = _run(base, prompts[:4], params)
+    want = outputs(base, prompts[:4], params)
     spec = _spec(tiny_llama, OracleDrafter, 3, reference, **kw)
     graphs = spec.engine.runner.graphs
     assert graphs is not None
     assert set(graphs.graphs) == {(s, q) for q in (1, 4) for s in (1, 2, 4, 8)}
-    assert _run(spec, prompts[:4], params) == want
+    assert outputs(spec, prompts[:4], params) == want
     st = spec.engine.stats()
     assert st.step_paths.get("graph", 0) >= 4 and st.spec_num_accepted_tokens > 0

@@ -145,8 +145,9 @@ class Scheduler:
                 i += 1  # its last token is in flight: it finishes when that lands
                 continue
             n = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, budget)
-            drafts = self._drafts(req, n, budget)
-            n += len(drafts)
+            drafts = self._drafts(req, n, budget) if self.num_spec_tokens else None
+            if drafts:
+                n += len(drafts)
             blocks = None
             while True:
                 blocks = self.kv.allocate_slots(req, n)
@@ -244,7 +245,7 @@ class Scheduler:
 
     def _drafts(self, req: Request, num_new: int, budget: int) -> list[int]:
         """The drafts ``req`` verifies this step (see the module doc); [] for none."""
-        if not self.num_spec_tokens or num_new != 1:
+        if num_new != 1:
             return []
         if req.num_output_tokens < req.sampling_params.min_tokens:
             return []

@@ -406,6 +406,11 @@ class ModelRunner:
         if not len(rows):
             return
         start = b.num_tokens[rows]
+        if (n == 1).all():  # one token each (no drafts, or all rejected)
+            keep1 = start < self.max_model_len
+            b.token_ids[rows[keep1], start[keep1]] = tokens[ok][keep1, 0]
+            b.num_tokens[rows] = np.minimum(start + 1, self.max_model_len)
+            return
         which = np.repeat(np.arange(len(rows)), n)
         off = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
         pos = start[which] + off

@@ -55,7 +55,8 @@ class InFlight:
     num: torch.Tensor | None  # [B] accepted counts; None when every count is 1
     drafts: torch.Tensor | None  # [B, k] proposed drafts
     index: np.ndarray  # [max_num_reqs] row -> its batch index in that step, -1: sampled none
-    num_rows: np.ndarray  # [max_num_reqs] row -> tokens it verified (drafts + 1)
+    # [max_num_reqs] row -> tokens it verified (drafts + 1); None when no row had drafts
+    num_rows: np.ndarray | None
 
 
 class StepPreparer:
@@ -105,6 +106,8 @@ class StepPreparer:
         ndraft = np.zeros(nreq, dtype=np.int64)
         dmat = buf.drafts.np[:nreq]
         spec = so.scheduled_spec_decode_tokens
+        known = b.token_ids[tok_rows, np.minimum(pos, b.token_ids.shape[1] - 1)]
+        is_draft = draft_j = None
         if spec:
             dmat[:] = -1
             index = {rid: i for i, rid in enumerate(req_ids)}
@@ -112,12 +115,9 @@ class StepPreparer:
                 i = index[rid]
                 ndraft[i] = len(d)
                 dmat[i, : len(d)] = d
-        first_draft = (nsched - ndraft)[req_idx]
-        is_draft = q_idx >= first_draft
-        known = b.token_ids[tok_rows, np.minimum(pos, b.token_ids.shape[1] - 1)]
-        if spec:
-            draft_j = np.clip(q_idx - first_draft, 0, dmat.shape[1] - 1)
-            draft_vals = dmat[req_idx, draft_j]
+            draft_j = q_idx - (nsched - ndraft)[req_idx]  # >= 0 on draft slots
+            is_draft = draft_j >= 0
+            draft_vals = dmat[req_idx, np.clip(draft_j, 0, dmat.shape[1] - 1)]
             buf.input_ids.np[:t] = np.where(is_draft, np.maximum(draft_vals, 0), known)
         else:
             buf.input_ids.np[:t] = known
@@ -133,15 +133,20 @@ class StepPreparer:
         buf.block_tables.np[:nreq, :nblk] = b.block_table[rows, :nblk]
 
         # logits rows: the last num_drafts + 1 tokens of each request
-        nrows = ndraft + 1
-        row_start = np.zeros(nreq, dtype=np.int64)
-        np.cumsum(nrows[:-1], out=row_start[1:])
-        num_logit_rows = int(nrows.sum())
+        if spec:
+            nrows = ndraft + 1
+            row_start = np.zeros(nreq, dtype=np.int64)
+            np.cumsum(nrows[:-1], out=row_start[1:])
+            num_logit_rows = int(nrows.sum())
+            lreq = np.repeat(np.arange(nreq), nrows)
+        else:  # one row per request
+            nrows = np.ones(nreq, dtype=np.int64)
+            row_start = lreq = np.arange(nreq)
+            num_logit_rows = nreq
         first_tok = cu[1:] - nrows
-        lreq = np.repeat(np.arange(nreq), nrows)
         if num_logit_rows != t:  # else every token is a row, in order
             buf.logits_idx.np[:num_logit_rows] = (
-                first_tok[lreq] + np.arange(num_logit_rows) - row_start[lreq]
+                first_tok[lreq] + np.arange(num_logit_rows) - row_start[lreq] if spec else first_tok
             )
         common = CommonAttentionMetadata(
             num_reqs=nreq,
@@ -171,16 +176,7 @@ class StepPreparer:
         samples = np.fromiter((r in so.sampling_req_ids for r in req_ids), bool, count=nreq)
         if self.in_flight is not None:
             self._patch_from_device(
-                req_idx,
-                tok_rows,
-                pos,
-                is_draft,
-                dmat,
-                q_idx - first_draft,
-                rows,
-                t,
-                nreq,
-                drafts,
+                req_idx, tok_rows, pos, is_draft, dmat, draft_j, rows, t, nreq, drafts
             )
         uniform = int(nsched[0]) if bool((nsched == nsched[0]).all()) else None
         return StepInputs(
@@ -212,9 +208,9 @@ class StepPreparer:
         req_idx: np.ndarray,
         tok_rows: np.ndarray,
         pos: np.ndarray,
-        is_draft: np.ndarray,
+        is_draft: np.ndarray | None,  # None: no drafts this step
         dmat: np.ndarray,
-        draft_j: np.ndarray,
+        draft_j: np.ndarray | None,
         rows: np.ndarray,
         t: int,
         nreq: int,
@@ -227,31 +223,40 @@ class StepPreparer:
         assert prev is not None
         b, buf = self.batch, self.buf
         src_of_tok = prev.index[tok_rows]
-        bonus = ~is_draft & (pos >= b.num_tokens[tok_rows])
-        pend_draft = np.zeros_like(bonus)
-        if prev.drafts is not None and drafts is not None:
-            unknown = dmat[req_idx, np.clip(draft_j, 0, dmat.shape[1] - 1)] < 0
-            pend_draft = is_draft & (src_of_tok >= 0) & unknown
+        bonus = pos >= b.num_tokens[tok_rows]
+        pend_draft = None
+        if is_draft is not None and draft_j is not None:
+            bonus &= ~is_draft
+            if prev.drafts is not None and drafts is not None:
+                unknown = dmat[req_idx, np.clip(draft_j, 0, dmat.shape[1] - 1)] < 0
+                pend_draft = is_draft & (src_of_tok >= 0) & unknown
         src_of_req = prev.index[rows]
-        corr = (src_of_req >= 0) & (prev.num_rows[rows] > 1)
-        if not (bonus.any() or pend_draft.any() or corr.any()):
+        corr = None
+        if prev.num_rows is not None:  # the step in flight verified drafts
+            corr = (src_of_req >= 0) & (prev.num_rows[rows] > 1)
+        if not (
+            bonus.any()
+            or (pend_draft is not None and pend_draft.any())
+            or (corr is not None and corr.any())
+        ):
             return
         b_dst = np.flatnonzero(bonus)
         b_src = src_of_tok[b_dst]
         if (b_src < 0).any():
             raise RuntimeError("a step needs a token that no step in flight samples")
-        d_dst = np.flatnonzero(pend_draft)
-        c_req = np.flatnonzero(corr)
+        none = np.zeros(0, dtype=np.int64)
+        d_dst = np.flatnonzero(pend_draft) if pend_draft is not None else none
+        c_req = np.flatnonzero(corr) if corr is not None else none
         parts = [
             b_dst,
             b_src,
             d_dst,
             src_of_tok[d_dst],
-            draft_j[d_dst],
+            draft_j[d_dst] if draft_j is not None else none,
             req_idx[d_dst],
             c_req,
             src_of_req[c_req],
-            prev.num_rows[rows[c_req]],
+            prev.num_rows[rows[c_req]] if prev.num_rows is not None else none,
         ]
         sizes = [len(p) for p in parts]
         packed = np.concatenate(parts)
@@ -295,8 +300,10 @@ class StepPreparer:
         n = self.batch.max_num_reqs
         index = np.full(n, -1, dtype=np.int64)
         index[inp.rows] = np.where(inp.samples, np.arange(len(inp.rows)), -1)
-        num_rows = np.zeros(n, dtype=np.int64)
-        num_rows[inp.rows] = inp.num_drafts + 1
+        num_rows = None
+        if inp.drafts is not None:
+            num_rows = np.zeros(n, dtype=np.int64)
+            num_rows[inp.rows] = inp.num_drafts + 1
         self.in_flight = InFlight(tokens, num, drafts, index, num_rows)
         return self.in_flight
 
