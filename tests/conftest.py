@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+from pdserve.core_types.pd_auth import SECRET_ENV, new_secret
+
+# One P/D secret for the whole session (set at import, so every child process a test
+# starts inherits it), as `pdserve launch` gives one to a topology.
+os.environ.setdefault(SECRET_ENV, new_secret())
 
 ARCHS = ("LlamaForCausalLM", "Qwen3ForCausalLM")
 
