@@ -42,3 +42,24 @@ def tiny_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_ckpts: dict[str, Path]) -> Path:
     return tiny_ckpts["LlamaForCausalLM"]
+
+
+DEEPSEEK_ARCHS = ("GlmMoeDsaForCausalLM", "DeepseekV32ForCausalLM", "DeepseekV3ForCausalLM")
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """float32 tiny checkpoints of the GLM-5 / DeepSeek family (MTP layer included)."""
+    from pdserve.testing.checkpoint import make_checkpoint
+
+    out = {}
+    for arch in DEEPSEEK_ARCHS:
+        d = tmp_path_factory.mktemp(arch)
+        make_checkpoint(arch, "tiny", d, seed=2, dtype="float32")
+        out[arch] = d
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_glm5(tiny_deepseek: dict[str, Path]) -> Path:
+    return tiny_deepseek["GlmMoeDsaForCausalLM"]

@@ -30,6 +30,17 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
+def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [T, heads, D] where dimensions (2i, 2i+1) form pair i (GPT-J /
+    DeepSeek layout), by ``cos``/``sin`` [T, D/2]. The output holds the rotated even
+    dimensions, then the rotated odd ones (HF's ``apply_rotary_pos_emb_interleave``):
+    a fixed permutation of the GPT-J output, so dot products between two rotated
+    vectors are the same, and both ends of a KV transfer agree on it."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
 def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[..., :I]) * x[..., I:]`` with torch ops."""
     d = x.shape[-1] // 2

@@ -52,3 +52,20 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with weight and bias (the DSA indexer's ``k_norm``); loaded, not
+    initialised. Computed by torch's ``layer_norm`` (float32 statistics)."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"

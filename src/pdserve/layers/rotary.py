@@ -1,7 +1,10 @@
-"""Rotary position embedding (Su et al., 2021), half-rotation ("neox") layout as in HF Llama.
+"""Rotary position embedding (Su et al., 2021).
 
-Dimension ``i < D/2`` of a head is paired with dimension ``i + D/2`` and the pair
-is rotated by ``position * inv_freq[i]``. The cos/sin tables are computed once,
+Two layouts: half-rotation ("neox", HF Llama), where dimension ``i < D/2`` is paired
+with dimension ``i + D/2``; and interleaved (GPT-J, DeepSeek's MLA, GLM-5), where
+dimensions ``2i`` and ``2i+1`` form a pair (:func:`~pdserve.kernels.reference.
+apply_rotary_interleaved`). Either way pair ``i`` is rotated by ``position * inv_freq[i]``.
+Frequencies: plain, linear, llama3 or YaRN (DeepSeek-V3) scaling. The cos/sin tables are computed once,
 in float32 on the CPU (so every device and every instance of a P/D pair gets
 bit-identical tables), for positions ``[0, max_position)``, cast to the model
 dtype exactly as HF casts them, and moved to the default device. The forward only
@@ -18,22 +21,55 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pdserve.kernels.reference import apply_rotary
+from pdserve.kernels.reference import apply_rotary, apply_rotary_interleaved
 from pdserve.layers.fused import use_fused_kernels
 
 # RoPE types this module implements ("default" means no scaling).
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling. ``llama3`` uses all four fields, ``linear`` only ``factor``."""
+    """RoPE frequency scaling. ``linear`` uses ``factor``; ``llama3`` adds the two
+    frequency factors and ``original_max_position_embeddings``; ``yarn`` (Peng et al.,
+    2023) adds ``beta_fast``/``beta_slow`` and the attention factors, as HF computes them."""
 
     rope_type: str
     factor: float
     low_freq_factor: float | None = None
     high_freq_factor: float | None = None
     original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+
+def _yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_attention_factor(scaling: RopeScaling | None) -> float:
+    """What YaRN multiplies cos and sin by (1 for every other type)."""
+    if scaling is None or scaling.rope_type != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+    if scaling.mscale and scaling.mscale_all_dim:
+        return _yarn_get_mscale(scaling.factor, scaling.mscale) / _yarn_get_mscale(
+            scaling.factor, scaling.mscale_all_dim
+        )
+    return _yarn_get_mscale(scaling.factor)
+
+
+def yarn_softmax_mscale(scaling: RopeScaling | None) -> float:
+    """DeepSeek's MLA multiplies its softmax scale by ``mscale(factor, mscale_all_dim)**2``
+    under a scaled RoPE (HF ``yarn_apply_mscale``)."""
+    if scaling is None or not scaling.mscale_all_dim:
+        return 1.0
+    return _yarn_get_mscale(scaling.factor, scaling.mscale_all_dim) ** 2
 
 
 def rope_inv_freq(head_dim: int, base: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -46,7 +82,33 @@ def rope_inv_freq(head_dim: int, base: float, scaling: RopeScaling | None) -> to
         return inv_freq / scaling.factor
     if scaling.rope_type == "llama3":
         return _llama3_scale(inv_freq, scaling)
-    raise ValueError(f"unsupported rope type {scaling.rope_type!r}; supported: linear, llama3")
+    if scaling.rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, base, scaling)
+    raise ValueError(f"unsupported rope type {scaling.rope_type!r}; supported: {ROPE_TYPES}")
+
+
+def _yarn_inv_freq(dim: int, base: float, s: RopeScaling) -> torch.Tensor:
+    """YaRN: extrapolate high frequencies, interpolate low ones by ``factor``, with a
+    linear ramp between the correction dimensions of ``beta_fast`` and ``beta_slow``."""
+    original = s.original_max_position_embeddings
+    if original is None:
+        raise ValueError("yarn rope scaling needs original_max_position_embeddings")
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no singular ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(
+        0, 1
+    )
+    pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
+    extrapolation = 1 - ramp
+    return (1.0 / (s.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
 def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
@@ -90,10 +152,14 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(max_position, dtype=torch.int64, device="cpu").float()
         freqs = positions[:, None] * inv_freq[None, :]
         device = torch.get_default_device()
+        factor = rope_attention_factor(scaling)
         self.cos_cache: torch.Tensor
         self.sin_cache: torch.Tensor
-        self.register_buffer("cos_cache", freqs.cos().to(dtype).to(device), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin().to(dtype).to(device), persistent=False)
+        cos, sin = freqs.cos(), freqs.sin()
+        if factor != 1.0:
+            cos, sin = cos * factor, sin * factor
+        self.register_buffer("cos_cache", cos.to(dtype).to(device), persistent=False)
+        self.register_buffer("sin_cache", sin.to(dtype).to(device), persistent=False)
         self.fused = use_fused_kernels(device)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,3 +193,13 @@ class RopeInputs:
             r = self.rope
             return apply_rope(q, k, self.positions, r.cos_cache, r.sin_cache, r.head_dim)
         return apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
+
+    def apply(self, x: torch.Tensor, interleaved: bool) -> torch.Tensor:
+        """Rotate one tensor x [T, heads, D] out of place, in either layout (the torch
+        path: MLA and the DSA indexer rotate only part of their heads)."""
+        cos, sin = self.cos, self.sin
+        if cos is None or sin is None:
+            cos, sin = self.rope(self.positions)
+        if interleaved:
+            return apply_rotary_interleaved(x, cos, sin)
+        return apply_rotary(x, cos, sin)

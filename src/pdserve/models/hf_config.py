@@ -238,12 +238,32 @@ def _parse_rope(d: Mapping[str, Any], path: Path) -> tuple[float, RopeScaling | 
         raise ValueError(f"{path}: {key}.factor must be >= 1, got {factor}")
     if rope_type == "linear":
         return float(theta), RopeScaling("linear", factor)
-    low, high = num("low_freq_factor"), num("high_freq_factor")
-    if not 0 < low < high:
-        raise ValueError(
-            f"{path}: {key} needs 0 < low_freq_factor < high_freq_factor, got {low} and {high}"
-        )
+    if rope_type == "llama3":
+        low, high = num("low_freq_factor"), num("high_freq_factor")
+        if not 0 < low < high:
+            raise ValueError(
+                f"{path}: {key} needs 0 < low_freq_factor < high_freq_factor, got {low} and {high}"
+            )
     original = int(num("original_max_position_embeddings"))
     if original <= 0:
         raise ValueError(f"{path}: {key}.original_max_position_embeddings must be positive")
+    if rope_type == "yarn":
+
+        def opt(name: str, default: float | None) -> float | None:
+            return num(name) if spec.get(name) is not None else default
+
+        truncate = spec.get("truncate", True)
+        if not isinstance(truncate, bool):
+            raise ValueError(f"{path}: {key}.truncate must be true or false, got {truncate!r}")
+        return float(theta), RopeScaling(
+            "yarn",
+            factor,
+            original_max_position_embeddings=original,
+            beta_fast=opt("beta_fast", 32.0) or 32.0,
+            beta_slow=opt("beta_slow", 1.0) or 1.0,
+            mscale=opt("mscale", None),
+            mscale_all_dim=opt("mscale_all_dim", None),
+            attention_factor=opt("attention_factor", None),
+            truncate=truncate,
+        )
     return float(theta), RopeScaling("llama3", factor, low, high, original)

@@ -94,15 +94,17 @@ def load_model(
     model_dir: str | Path,
     dtype: torch.dtype | str = "auto",
     device: str | torch.device = "cpu",
+    **model_options: Any,
 ) -> tuple[CausalLM, HFModelConfig]:
-    """Construct the model named by ``config.json`` and load its safetensors weights."""
+    """Construct the model named by ``config.json`` and load its safetensors weights.
+    ``model_options`` go to the model's constructor (e.g. ``with_mtp=True``)."""
     config = load_hf_config(model_dir)
     model_cls = get_model_class(config)
     torch_dtype = resolve_dtype(dtype, config)
     target = torch.device(device)
     source, files = checkpoint_files(model_dir)  # validate before allocating anything
     with torch.device(target):
-        model = model_cls(config, torch_dtype)
+        model = model_cls(config, torch_dtype, **model_options)
     loaded: set[str] = set()
     for path, names in sorted(files.items()):
         loaded |= _load_file(model, path, names, target)

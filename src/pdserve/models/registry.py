@@ -21,6 +21,9 @@ from pdserve.models.hf_config import HFModelConfig
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("pdserve.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("pdserve.models.llama", "Qwen3ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("pdserve.models.glm_moe_dsa", "DeepseekV3ForCausalLM"),
+    "DeepseekV32ForCausalLM": ("pdserve.models.glm_moe_dsa", "DeepseekV32ForCausalLM"),
+    "GlmMoeDsaForCausalLM": ("pdserve.models.glm_moe_dsa", "GlmMoeDsaForCausalLM"),
 }
 
 

@@ -71,7 +71,17 @@ __all__ = [
     "parse_size",
 ]
 
-PRESETS = ("tiny", "llama-8b-shape")
+PRESETS = (
+    "tiny",
+    "llama-8b-shape",
+    "glm5-s4-e16",
+    "glm5-m12-e64",
+    "glm5-d24-e32",
+    "glm52-s4-e16",
+    "glm52-m12-e64",
+    "glm52-d24-e32",
+)
+DEEPSEEK_ARCHS = ("GlmMoeDsaForCausalLM", "DeepseekV32ForCausalLM", "DeepseekV3ForCausalLM")
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
 INIT_STD = 0.02
@@ -112,15 +122,121 @@ _PRESET_DIMS: dict[str, dict[str, Any]] = {
 }
 
 
+# The GLM-5 / DeepSeek family. tiny: small enough for CPU tests, yet 16 index heads
+# (no exact top-k ties) and index_topk 16 (prompts exceed it), an MTP layer, a first
+# dense layer. The H200 presets keep GLM-5's per-layer shapes with fewer layers and
+# experts (layers, dense layers, experts); "glm52" adds GLM-5.2's index sharing.
+_DEEPSEEK_TINY: dict[str, Any] = dict(
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=512,
+    moe_intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    q_lora_rank=128,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    head_dim=16,
+    first_k_dense_replace=1,
+    max_position_embeddings=4096,
+    num_nextn_predict_layers=1,
+)
+_DSA_TINY = dict(index_n_heads=16, index_head_dim=32, index_topk=16)
+_GLM5_LAYER: dict[str, Any] = dict(
+    vocab_size=154880,
+    hidden_size=6144,
+    intermediate_size=12288,
+    moe_intermediate_size=2048,
+    num_attention_heads=64,
+    num_key_value_heads=64,
+    n_shared_experts=1,
+    num_experts_per_tok=8,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    n_group=1,
+    topk_group=1,
+    q_lora_rank=2048,
+    kv_lora_rank=512,
+    qk_nope_head_dim=192,
+    qk_rope_head_dim=64,
+    v_head_dim=256,
+    head_dim=64,
+    index_n_heads=32,
+    index_head_dim=128,
+    index_topk=2048,
+    max_position_embeddings=202752,
+    num_nextn_predict_layers=1,
+)
+_GLM5_SIZES = {"s4-e16": (4, 1, 16), "m12-e64": (12, 3, 64), "d24-e32": (24, 3, 32)}
+_GLM52 = dict(index_topk_freq=4, index_skip_topk_offset=3, index_share_for_mtp_iteration=True)
+
+
+def _deepseek_config(arch: str, preset: str) -> dict[str, Any]:
+    """The family's fields for ``preset`` (GLM-5 presets exist for GlmMoeDsaForCausalLM only)."""
+    if preset == "tiny":
+        cfg = dict(_DEEPSEEK_TINY, rms_norm_eps=1e-5)
+        if arch == "GlmMoeDsaForCausalLM":
+            return {
+                **cfg,
+                **_DSA_TINY,
+                "n_group": 1,
+                "topk_group": 1,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+                "rope_interleave": True,
+                "indexer_rope_interleave": True,
+            }
+        # DeepSeek: grouped routing and YaRN, as the published V3 / V3.2 configs have them
+        yarn = {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 1024,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        }
+        cfg.update(n_group=2, topk_group=1, rope_parameters=yarn, rope_interleave=True)
+        return {**cfg, **_DSA_TINY} if arch == "DeepseekV32ForCausalLM" else cfg
+    if arch != "GlmMoeDsaForCausalLM" or not preset.startswith(("glm5-", "glm52-")):
+        raise ValueError(f"preset {preset!r} is not a {arch} preset (try tiny, or glm5-*)")
+    layers, dense, experts = _GLM5_SIZES[preset.split("-", 1)[1]]
+    cfg = {
+        **_GLM5_LAYER,
+        "num_hidden_layers": layers,
+        "first_k_dense_replace": dense,
+        "n_routed_experts": experts,
+        "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        "rope_interleave": True,
+        "indexer_rope_interleave": True,
+    }
+    return {**cfg, **_GLM52} if preset.startswith("glm52-") else cfg
+
+
 # ------------------------------------------------------------------------ config
 def build_config(
     arch: str, preset: str, tok: Tokenizer, dtype: str, overrides: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
     """The ``config.json`` dict for ``arch`` at ``preset`` size."""
     fam = family(arch)
-    if preset not in _PRESET_DIMS:
+    if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    dims = dict(_PRESET_DIMS[preset])
+    deepseek = arch in DEEPSEEK_ARCHS
+    if deepseek:
+        dims = _deepseek_config(arch, preset)
+    elif preset in _PRESET_DIMS:
+        dims = dict(_PRESET_DIMS[preset])
+    else:
+        raise ValueError(f"preset {preset!r} is not a {arch} preset (tiny or llama-8b-shape)")
     tiny = preset == "tiny"
     config: dict[str, Any] = {
         "architectures": [arch],
@@ -135,7 +251,9 @@ def build_config(
         "torch_dtype": dtype,
         "use_cache": True,
     }
-    if fam.model_type == "llama":
+    if deepseek:
+        config.update(tie_word_embeddings=False, scoring_func="sigmoid", topk_method="noaux_tc")
+    elif fam.model_type == "llama":
         config.update(
             rms_norm_eps=1e-5,
             rope_theta=500000.0,
@@ -186,8 +304,10 @@ def checkpoint_tensors(
     hf_config = HFModelConfig.from_dict(config)
     model_cls = get_model_class(hf_config)
     torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    # a model with MTP layers writes them too (at layer index num_hidden_layers)
+    options = {"with_mtp": True} if config.get("num_nextn_predict_layers") else {}
     with torch.device("meta"):
-        model = model_cls(hf_config, torch_dtype)
+        model = model_cls(hf_config, torch_dtype, **options)
     return model.checkpoint_tensors()
 
 

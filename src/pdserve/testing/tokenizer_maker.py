@@ -10,7 +10,7 @@ vocabulary size always give the same ``tokenizer.json``. No torch needed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors, trainers
@@ -26,7 +26,13 @@ __all__ = [
     "tokenizer_files",
 ]
 
-ARCHS = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+ARCHS = (
+    "LlamaForCausalLM",
+    "Qwen3ForCausalLM",
+    "GlmMoeDsaForCausalLM",
+    "DeepseekV32ForCausalLM",
+    "DeepseekV3ForCausalLM",
+)
 
 _LLAMA3_CHAT_TEMPLATE = r"""{{- bos_token }}
 {%- for message in messages %}
@@ -51,6 +57,41 @@ _CHATML_CHAT_TEMPLATE = r"""{%- for message in messages %}
     {%- if enable_thinking is defined and enable_thinking is false %}
         {{- '<think>\n\n</think>\n\n' }}
     {%- endif %}
+{%- endif %}
+"""
+
+# GLM-4.5+/GLM-5's chat format (role tags after [gMASK]<sop>; thinking switchable).
+_GLM_CHAT_TEMPLATE = r"""[gMASK]<sop>
+{%- for message in messages %}
+    {%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}
+        {{- raise_exception('unsupported role: ' + message['role']) }}
+    {%- endif %}
+    {%- set tag = '<|observation|>' if message['role'] == 'tool' else '<|' + message['role'] + '|>' %}
+    {{- tag + '\n' + message['content'] }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|assistant|>' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think></think>' }}
+    {%- endif %}
+{%- endif %}
+"""
+
+# DeepSeek-V3's chat format (full-width bars and the U+2581 separator, as published).
+_DEEPSEEK_CHAT_TEMPLATE = r"""{{- bos_token }}
+{%- for message in messages %}
+    {%- if message['role'] == 'system' %}
+        {{- message['content'] }}
+    {%- elif message['role'] == 'user' %}
+        {{- '<｜User｜>' + message['content'] }}
+    {%- elif message['role'] == 'assistant' %}
+        {{- '<｜Assistant｜>' + message['content'] + '<｜end▁of▁sentence｜>' }}
+    {%- else %}
+        {{- raise_exception('unsupported role: ' + message['role']) }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<｜Assistant｜>' }}
 {%- endif %}
 """
 
@@ -145,7 +186,49 @@ FAMILIES = {
         generation_eos=("<|im_end|>", "<|endoftext|>"),
         chat_template=_CHATML_CHAT_TEMPLATE,
     ),
+    "GlmMoeDsaForCausalLM": Family(
+        model_type="glm_moe_dsa",
+        special_tokens=(
+            ("<|endoftext|>", True),
+            ("[MASK]", True),
+            ("[gMASK]", True),
+            ("[sMASK]", True),
+            ("<sop>", True),
+            ("<eop>", True),
+            ("<|system|>", True),
+            ("<|user|>", True),
+            ("<|assistant|>", True),
+            ("<|observation|>", True),
+            ("<think>", False),
+            ("</think>", False),
+            ("<tool_call>", False),
+            ("</tool_call>", False),
+        ),
+        bos=None,
+        eos="<|endoftext|>",
+        pad="<|endoftext|>",
+        generation_eos=("<|endoftext|>", "<|user|>", "<|observation|>"),
+        chat_template=_GLM_CHAT_TEMPLATE,
+    ),
 }
+_DEEPSEEK = Family(
+    model_type="deepseek_v3",
+    special_tokens=(
+        ("<｜begin▁of▁sentence｜>", True),
+        ("<｜end▁of▁sentence｜>", True),
+        ("<｜User｜>", True),
+        ("<｜Assistant｜>", True),
+        ("<think>", False),
+        ("</think>", False),
+    ),
+    bos="<｜begin▁of▁sentence｜>",
+    eos="<｜end▁of▁sentence｜>",
+    pad="<｜end▁of▁sentence｜>",
+    generation_eos=("<｜end▁of▁sentence｜>",),
+    chat_template=_DEEPSEEK_CHAT_TEMPLATE,
+)
+FAMILIES["DeepseekV3ForCausalLM"] = _DEEPSEEK
+FAMILIES["DeepseekV32ForCausalLM"] = replace(_DEEPSEEK, model_type="deepseek_v32")
 
 
 def family(arch: str) -> Family:

@@ -1,0 +1,230 @@
+"""Mixture of experts as DeepSeek-V3 and GLM-5 use it: a sigmoid router with a correction
+bias and grouped top-k (``noaux_tc``), routed experts, and shared experts.
+
+Router (in float32 whatever the model dtype, as vLLM forces for these models):
+
+    s = sigmoid(x W^T)                         scores, [T, E]
+    c = s + e_score_correction_bias            used only to choose
+    keep the topk_group groups whose two best c sum highest (n_group groups of E/n_group)
+    experts = top-k of c within the kept groups
+    weights = s[experts] / sum (if norm_topk_prob) * routed_scaling_factor
+
+Experts are SwiGLU MLPs stored stacked: ``w13`` [E, 2I, H] (gate rows, then up rows, as
+HF fuses them) and ``w2`` [E, H, I]; the checkpoint keeps them per expert and the model's
+loader stacks them. The layer's output is the weighted sum of its token's experts plus
+the shared experts' output.
+
+Two reference paths compute the experts: eagerly, tokens are sorted by expert and each
+expert runs one GEMM over its tokens (the expert counts are read on the host); while a
+CUDA graph is being captured, every expert runs over every token and unchosen ones get
+weight 0 (static shapes, no host sync; it reads each expert's weights once, as a decode
+step of a large batch does anyway). The fused kernels that replace both belong to the
+kernels package.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.layers.activation import SiluAndMul
+from pdserve.layers.linear import Linear, MergedLinear
+
+
+def grouped_topk(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, expert ids [T, k] int64) for tokens ``x`` [T, H]."""
+    scores = F.linear(x.float(), weight.float()).sigmoid()
+    choice = scores + bias.float()
+    num_experts = scores.shape[-1]
+    if n_group > 1:
+        per_group = num_experts // n_group
+        group_scores = choice.view(-1, n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = group_scores.topk(topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
+        keep = group_mask.unsqueeze(-1).expand(-1, n_group, per_group).reshape(-1, num_experts)
+        choice = choice.masked_fill(keep == 0, float("-inf"))
+    ids = choice.topk(top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids
+
+
+class TopKRouter(nn.Module):
+    """The gate: ``weight`` [E, H] and ``e_score_correction_bias`` [E], both float32."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        n_group: int,
+        topk_group: int,
+        norm_topk_prob: bool,
+        routed_scaling_factor: float,
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.empty(num_experts, hidden_size, dtype=torch.float32), requires_grad=False
+        )
+        self.e_score_correction_bias = nn.Parameter(
+            torch.empty(num_experts, dtype=torch.float32), requires_grad=False
+        )
+        self.top_k = top_k
+        self.n_group = n_group
+        self.topk_group = topk_group
+        self.norm_topk_prob = norm_topk_prob
+        self.routed_scaling_factor = routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grouped_topk(
+            x,
+            self.weight,
+            self.e_score_correction_bias,
+            self.top_k,
+            self.n_group,
+            self.topk_group,
+            self.norm_topk_prob,
+            self.routed_scaling_factor,
+        )
+
+
+def experts_sorted(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """Eager reference: sort (token, expert) pairs by expert, one GEMM pair per expert
+    over its tokens, weighted, summed back per token (HF's arithmetic and order)."""
+    t, k = ids.shape
+    out = torch.zeros_like(x)
+    flat = ids.flatten()
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()  # the host sync
+    tokens = order // k
+    slot = order % k
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        tok = tokens[start : start + n]
+        gate, up = F.linear(x[tok], w13[e]).chunk(2, dim=-1)
+        h = F.linear(F.silu(gate) * up, w2[e])
+        h = h * weights[tok, slot[start : start + n], None]
+        out.index_add_(0, tok, h.to(out.dtype))
+        start += n
+    return out
+
+
+def experts_dense(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """Graph-capturable reference: every expert over every token, unchosen ones weighted 0."""
+    dense = torch.zeros(ids.shape[0], w13.shape[0], dtype=torch.float32, device=x.device)
+    dense.scatter_(1, ids, weights)
+    gate, up = torch.einsum("th,eih->eti", x, w13).chunk(2, dim=-1)
+    h = torch.einsum("eti,ehi->eth", F.silu(gate) * up, w2)  # [E, T, H]
+    return (h.float() * dense.t().unsqueeze(-1)).sum(dim=0).to(x.dtype)
+
+
+class RoutedExperts(nn.Module):
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.w13 = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype),
+            requires_grad=False,
+        )
+        self.w2 = nn.Parameter(
+            torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype),
+            requires_grad=False,
+        )
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        fn = experts_dense if capturing else experts_sorted
+        return fn(x, self.w13, self.w2, weights, ids)
+
+    def expert_views(self, e: int) -> dict[str, torch.Tensor]:
+        """HF's per-expert names (relative to ``experts.{e}.``) -> views of the stacks."""
+        i = self.intermediate_size
+        return {
+            "gate_proj.weight": self.w13.data[e, :i],
+            "up_proj.weight": self.w13.data[e, i:],
+            "down_proj.weight": self.w2.data[e],
+        }
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU MLP with HF names (``gate_proj``/``up_proj`` merged, ``down_proj``)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(
+            hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, dtype=dtype
+        )
+        self.act_fn = SiluAndMul()
+        self.down_proj = Linear(intermediate_size, hidden_size, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class MoE(nn.Module):
+    """Router (``gate``), routed ``experts`` and ``shared_experts``, named as HF names them."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        moe_intermediate_size: int,
+        n_shared_experts: int,
+        n_group: int,
+        topk_group: int,
+        norm_topk_prob: bool,
+        routed_scaling_factor: float,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        if n_group < 1 or num_experts % n_group or not 1 <= topk_group <= n_group:
+            raise ValueError(
+                f"n_group {n_group} must divide n_routed_experts {num_experts}, "
+                f"and topk_group {topk_group} must be in 1..n_group"
+            )
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok {top_k} must be in 1..{num_experts}")
+        self.gate = TopKRouter(
+            hidden_size,
+            num_experts,
+            top_k,
+            n_group,
+            topk_group,
+            norm_topk_prob,
+            routed_scaling_factor,
+        )
+        self.experts = RoutedExperts(num_experts, hidden_size, moe_intermediate_size, dtype)
+        self.shared_experts = (
+            DenseMLP(hidden_size, moe_intermediate_size * n_shared_experts, dtype)
+            if n_shared_experts
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = self.experts(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out

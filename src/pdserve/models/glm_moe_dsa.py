@@ -1,0 +1,344 @@
+"""GLM-5 and DeepSeek-V3 / V3.2: MLA, DeepSeek Sparse Attention, MoE, and the MTP layer.
+
+    h = embed(tokens)
+    for each layer i:
+        qr      = rmsnorm(q_a_proj(x))                 x = rmsnorm(h), the q-LoRA latent
+        q       = q_b_proj(qr)                         per head: [nope | rope]
+        c, k_pe = kv_a_proj_with_mqa(x)                c normed: the cached latent
+        topk    = indexer(x, qr)   if layer i runs its indexer ("full"; DSA models)
+                  the previous full layer's topk       ("shared", GLM-5.2 index sharing)
+        h      += o_proj(MLA(q, c, k_pe | topk))       MLA: absorbed attention over the cache
+        h      += moe(rmsnorm(h))  or  mlp(...)        dense for the first layers
+    out = rmsnorm(h)
+
+MTP (``num_nextn_predict_layers``; weights at layer index ``num_hidden_layers``): slot i
+takes the target's post-norm hidden state h_i and the embedding of token t_{i+1}
+(zeroed at position 0), runs ``eh_proj([enorm(e), hnorm(h)])`` through one full decoder
+block (with its own indexer and caches), and ``shared_head.norm`` gives the hidden state
+it returns and recycles; the target's LM head gives its draft logits.
+
+One file for the family: ``GlmMoeDsaForCausalLM`` (GLM-5, GLM-5.2), ``DeepseekV32ForCausalLM``
+and ``DeepseekV3ForCausalLM`` (no indexer) differ only in config (see
+:mod:`pdserve.models.deepseek_config`). Tensor names are the published ones: experts
+per expert in the checkpoint, stacked in memory; the router in float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pdserve.layers.attention.dsa import Indexer
+from pdserve.layers.attention.mla import MLAAttention
+from pdserve.layers.embedding import LMHead, VocabEmbedding
+from pdserve.layers.linear import Linear, checkpoint_targets, copy_checked
+from pdserve.layers.moe import DenseMLP, MoE
+from pdserve.layers.norm import RMSNorm
+from pdserve.layers.rotary import RopeInputs, RotaryEmbedding, yarn_softmax_mscale
+from pdserve.models.deepseek_config import DeepseekConfig, read_deepseek_config
+from pdserve.models.hf_config import HFModelConfig
+from pdserve.models.registry import CausalLM
+
+# the MTP layer's tensors that may come with a checkpoint and are the target's own
+_MTP_SHARED = ("shared_head.head.weight", "embed_tokens.weight")
+_LORA_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm (HF's default)
+
+
+class MLASelfAttention(nn.Module):
+    def __init__(
+        self, hc: HFModelConfig, dc: DeepseekConfig, dtype: torch.dtype, full_indexer: bool
+    ) -> None:
+        super().__init__()
+        h, heads = hc.hidden_size, hc.num_attention_heads
+        self.num_heads = heads
+        self.dc = dc
+        bias = hc.attention_bias
+        if dc.q_lora_rank is not None:
+            self.q_a_proj = Linear(h, dc.q_lora_rank, bias=bias, dtype=dtype)
+            self.q_a_layernorm = RMSNorm(dc.q_lora_rank, _LORA_EPS, dtype)
+            self.q_b_proj = Linear(dc.q_lora_rank, heads * dc.qk_head_dim, dtype=dtype)
+        else:
+            self.q_proj = Linear(h, heads * dc.qk_head_dim, dtype=dtype)
+        self.kv_a_proj_with_mqa = Linear(
+            h, dc.kv_lora_rank + dc.qk_rope_head_dim, bias=bias, dtype=dtype
+        )
+        self.kv_a_layernorm = RMSNorm(dc.kv_lora_rank, _LORA_EPS, dtype)
+        self.kv_b_proj = Linear(
+            dc.kv_lora_rank, heads * (dc.qk_nope_head_dim + dc.v_head_dim), dtype=dtype
+        )
+        self.o_proj = Linear(heads * dc.v_head_dim, h, bias=bias, dtype=dtype)
+        scale = dc.qk_head_dim**-0.5 * yarn_softmax_mscale(hc.rope_scaling)
+        self.attn = MLAAttention(
+            heads, dc.kv_lora_rank, dc.qk_nope_head_dim, dc.qk_rope_head_dim, dc.v_head_dim, scale
+        )
+        self.indexer: Indexer | None = None
+        if full_indexer:
+            if dc.q_lora_rank is None or dc.index_topk is None:
+                raise ValueError(f"{hc.path}: the DSA indexer needs q_lora_rank and index_topk")
+            self.indexer = Indexer(
+                h,
+                dc.q_lora_rank,
+                dc.index_n_heads,
+                dc.index_head_dim,
+                dc.qk_rope_head_dim,
+                dc.index_topk,
+                dc.indexer_rope_interleave,
+                dtype,
+            )
+
+    def forward(
+        self, x: torch.Tensor, rope: RopeInputs, prev_topk: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(output [T, hidden], this layer's top-k or the one it reused)."""
+        dc, t = self.dc, x.shape[0]
+        if dc.q_lora_rank is not None:
+            qr = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(qr)
+        else:
+            qr, q = x, self.q_proj(x)
+        q = q.view(t, self.num_heads, dc.qk_head_dim)
+        q_nope, q_pe = q.split([dc.qk_nope_head_dim, dc.qk_rope_head_dim], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split(
+            [dc.kv_lora_rank, dc.qk_rope_head_dim], dim=-1
+        )
+        latent = self.kv_a_layernorm(latent)
+        q_pe = rope.apply(q_pe, dc.rope_interleave)
+        k_pe = rope.apply(k_pe.unsqueeze(1), dc.rope_interleave)[:, 0]
+        topk = self.indexer(x, qr, rope) if self.indexer is not None else prev_topk
+        out = self.attn(q_nope, q_pe, latent, k_pe, self.kv_b_proj.weight, topk)
+        return self.o_proj(out), topk
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        hc: HFModelConfig,
+        dc: DeepseekConfig,
+        dtype: torch.dtype,
+        sparse_mlp: bool,
+        full_indexer: bool,
+    ) -> None:
+        super().__init__()
+        eps = hc.rms_norm_eps
+        self.input_layernorm = RMSNorm(hc.hidden_size, eps, dtype)
+        self.self_attn = MLASelfAttention(hc, dc, dtype, full_indexer)
+        self.post_attention_layernorm = RMSNorm(hc.hidden_size, eps, dtype)
+        self.mlp: nn.Module
+        if sparse_mlp:
+            self.mlp = MoE(
+                hc.hidden_size,
+                dc.n_routed_experts,
+                dc.num_experts_per_tok,
+                dc.moe_intermediate_size,
+                dc.n_shared_experts,
+                dc.n_group,
+                dc.topk_group,
+                dc.norm_topk_prob,
+                dc.routed_scaling_factor,
+                dtype,
+            )
+        else:
+            self.mlp = DenseMLP(hc.hidden_size, hc.intermediate_size, dtype)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: RopeInputs,
+        prev_topk: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(MLP output, the residual stream before it is added, the layer's top-k)."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, topk = self.self_attn(hidden, rope, prev_topk)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual, topk
+
+
+class SharedHead(nn.Module):
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.norm = RMSNorm(hidden, eps, dtype)
+
+
+class MTPLayer(DeepseekDecoderLayer):
+    """One multi-token-prediction layer: a full MoE decoder block (always with its own
+    indexer) plus ``enorm``, ``hnorm``, ``eh_proj`` and ``shared_head.norm``; it shares the
+    target's embedding and LM head."""
+
+    def __init__(self, hc: HFModelConfig, dc: DeepseekConfig, dtype: torch.dtype) -> None:
+        super().__init__(hc, dc, dtype, sparse_mlp=True, full_indexer=dc.has_indexer)
+        h, eps = hc.hidden_size, hc.rms_norm_eps
+        self.enorm = RMSNorm(h, eps, dtype)
+        self.hnorm = RMSNorm(h, eps, dtype)
+        self.eh_proj = Linear(2 * h, h, dtype=dtype)
+        self.shared_head = SharedHead(h, eps, dtype)
+
+    def predict(
+        self,
+        embeds: torch.Tensor,  # [T, H]: embeddings of the next tokens (zeroed at position 0)
+        prev_hidden: torch.Tensor,  # [T, H]: post-norm hidden states to condition on
+        rope: RopeInputs,
+    ) -> torch.Tensor:
+        """The post-norm hidden state [T, H] (its logits: the target's LM head)."""
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(prev_hidden)], dim=-1))
+        out, residual, _ = self(x, None, rope, None)
+        return self.shared_head.norm(out + residual)
+
+
+class DeepseekModel(nn.Module):
+    def __init__(
+        self, hc: HFModelConfig, dc: DeepseekConfig, dtype: torch.dtype, with_mtp: bool
+    ) -> None:
+        super().__init__()
+        self.num_layers = hc.num_hidden_layers
+        self.embed_tokens = VocabEmbedding(hc.vocab_size, hc.hidden_size, dtype)
+        self.rotary_emb = RotaryEmbedding(
+            dc.qk_rope_head_dim,
+            hc.max_position_embeddings,
+            hc.rope_theta,
+            hc.rope_scaling,
+            dtype,
+        )
+        layers: list[nn.Module] = [
+            DeepseekDecoderLayer(
+                hc,
+                dc,
+                dtype,
+                sparse_mlp=dc.mlp_layer_types[i] == "sparse",
+                full_indexer=dc.has_indexer and dc.indexer_types[i] == "full",
+            )
+            for i in range(hc.num_hidden_layers)
+        ]
+        if with_mtp:  # at the checkpoint's index: model.layers.{num_hidden_layers + j}
+            layers += [MTPLayer(hc, dc, dtype) for _ in range(dc.num_nextn_predict_layers)]
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(hc.hidden_size, hc.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        rope = self.rotary_emb.prepare(positions)
+        residual: torch.Tensor | None = None
+        topk: torch.Tensor | None = None
+        for layer in self.layers[: self.num_layers]:
+            hidden, residual, topk = layer(hidden, residual, rope, topk)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class DeepseekV3ForCausalLM(CausalLM):
+    """DeepSeek-V3 (MLA + MoE); with the config's ``index_topk``, DeepSeek-V3.2 and GLM-5
+    (plus DSA). ``with_mtp`` builds the MTP layers (speculative decoding uses them)."""
+
+    def __init__(
+        self, config: HFModelConfig, dtype: torch.dtype = torch.bfloat16, with_mtp: bool = False
+    ) -> None:
+        super().__init__(config, dtype)
+        if config.hidden_act != "silu":
+            raise ValueError(f"{config.path}: hidden_act {config.hidden_act!r} is not supported")
+        self.dc = read_deepseek_config(config)
+        if with_mtp and not self.dc.num_nextn_predict_layers:
+            raise ValueError(
+                f"{config.path}: the model has no MTP layer (num_nextn_predict_layers)"
+            )
+        self.with_mtp = with_mtp
+        self.model = DeepseekModel(config, self.dc, dtype, with_mtp)
+        tied = self.model.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype, tied=tied)
+
+    @property
+    def mtp_layers(self) -> list[MTPLayer]:
+        return [m for m in self.model.layers[self.model.num_layers :] if isinstance(m, MTPLayer)]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def mtp_forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        prev_hidden: torch.Tensor,
+        step: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One MTP draft pass: (draft logits [T, V], post-norm hidden [T, H]). Slot i gets
+        token t_{i+1} and the hidden state h_i it follows; draft step ``step`` uses MTP
+        layer ``step % num_nextn_predict_layers``."""
+        layers = self.mtp_layers
+        if not layers:
+            raise RuntimeError("the model was built without its MTP layers (with_mtp=False)")
+        embeds = self.model.embed_tokens(input_ids)
+        embeds = embeds.masked_fill((positions == 0).unsqueeze(-1), 0.0)
+        rope = self.model.rotary_emb.prepare(positions)
+        hidden = layers[step % len(layers)].predict(embeds, prev_hidden, rope)
+        return self.compute_logits(hidden), hidden
+
+    # -- checkpoint ------------------------------------------------------------------------
+    def _targets(self) -> dict[str, torch.Tensor]:
+        """Checkpoint name -> tensor, with the stacked experts as per-expert names."""
+        out: dict[str, torch.Tensor] = {}
+        experts = {name: mod for name, mod in self.named_modules() if isinstance(mod, MoE)}
+        for name, t in checkpoint_targets(self).items():
+            head, _, leaf = name.rpartition(".experts.")
+            if head in experts and leaf in ("w13", "w2"):
+                if leaf == "w13":
+                    moe = experts[head]
+                    for e in range(moe.experts.num_experts):
+                        for part, view in moe.experts.expert_views(e).items():
+                            out[f"{head}.experts.{e}.{part}"] = view
+                continue
+            out[name] = t
+        return out
+
+    def checkpoint_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {n: (tuple(t.shape), t.dtype) for n, t in self._targets().items()}
+
+    def checkpoint_tensor_names(self) -> set[str]:
+        return set(self._targets())
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        targets = self._targets()
+        n = self.config.num_hidden_layers
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith(".rotary_emb.inv_freq"):
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            if _is_mtp(name, n) and (not self.with_mtp or name.split(".", 3)[3] in _MTP_SHARED):
+                continue  # MTP not built, or a copy of the target's own head/embedding
+            target = targets.get(name)
+            if target is None:
+                raise ValueError(
+                    f"unexpected tensor {name!r}: {type(self).__name__} has no such weight"
+                )
+            copy_checked(target, tensor, name)
+            loaded.add(name)
+        return loaded
+
+
+def _is_mtp(name: str, num_layers: int) -> bool:
+    parts = name.split(".")
+    return (
+        len(parts) > 3
+        and parts[0] == "model"
+        and parts[1] == "layers"
+        and parts[2].isdigit()
+        and int(parts[2]) >= num_layers
+    )
+
+
+class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
+    """DeepSeek-V3.2: V3 plus the DSA indexer (half-split RoPE in the indexer)."""
+
+
+class GlmMoeDsaForCausalLM(DeepseekV3ForCausalLM):
+    """GLM-5 / GLM-5.2: DeepSeek-V3.2's shape with interleaved indexer RoPE and (5.2)
+    index sharing across layers."""
