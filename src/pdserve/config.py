@@ -34,6 +34,11 @@ class ModelConfig:
     )
     seed: int = _f(0, "random seed for sampling without an explicit per-request seed")
     tokenizer: str | None = _f(None, "tokenizer folder (default: the model folder)")
+    load_format: str = _f(
+        "auto",
+        "auto: the safetensors in the model folder; dummy: random weights drawn on the "
+        "device from config.json alone, the values make-checkpoint writes (benchmarks)",
+    )
 
     def __post_init__(self) -> None:
         _check(
@@ -41,6 +46,10 @@ class ModelConfig:
             f"--dtype must be one of auto, float32, bfloat16, float16 (got {self.dtype!r})",
         )
         _check(self.max_model_len is None or self.max_model_len > 1, "--max-model-len must be > 1")
+        _check(
+            self.load_format in ("auto", "dummy"),
+            f"--load-format must be auto or dummy (got {self.load_format!r})",
+        )
 
 
 @dataclass(frozen=True)
@@ -123,6 +132,25 @@ class KVTransferConfig:
     (default 127.0.0.1 and an ephemeral port), ``lease_seconds`` (initial lease on
     prefill-held blocks, default 30), ``handshake_timeout`` (s, default 5),
     ``transfer_timeout`` (s, default 60).
+
+    Bounds on the KV side channel (every message on it is authenticated with the
+    topology's secret, ``PDSERVE_PD_SECRET``; these bound what an authenticated peer
+    may do):
+
+    - ``max_reads_per_lease`` (prefill, default 3): reads of one held request's KV;
+      later reads are refused.
+    - ``max_reads_per_second`` (prefill, default 1000): reads per second from one decode
+      connection (a token bucket with a burst of the same size); excess reads are refused.
+    - ``max_ids_per_message`` (both, default 1024): request ids in one heartbeat or done
+      notice; prefill refuses a larger one, decode splits its notices to fit (give both
+      roles the same value).
+    - ``allowed_prefill`` (decode, default: any): a list of ``"host:port"`` KV server
+      endpoints this instance may pull from; a request naming another endpoint fails
+      without it being dialled (hosts compare as written: use the form prefill
+      advertises as ``remote_host``).
+    - ``max_prefill_peers`` (decode, default 64): prefill endpoints with a connection
+      (and a worker thread) at once; a load for one more fails at once. Idle peers are
+      closed after a minute.
     """
 
     kv_connector: str
@@ -150,6 +178,11 @@ class KVTransferConfig:
             "lease_seconds",
             "handshake_timeout",
             "transfer_timeout",
+            "max_reads_per_lease",
+            "max_reads_per_second",
+            "max_ids_per_message",
+            "allowed_prefill",
+            "max_prefill_peers",
         }
         unknown = set(extra) - known
         if unknown:
@@ -163,6 +196,16 @@ class KVTransferConfig:
             )
         if self.lease_seconds <= 0:
             raise ValueError("--kv-transfer-config: lease_seconds must be > 0")
+        for key in (
+            "max_reads_per_lease",
+            "max_reads_per_second",
+            "max_ids_per_message",
+            "max_prefill_peers",
+        ):
+            v = extra.get(key, 1)
+            if isinstance(v, bool) or not isinstance(v, int | float) or v < 1:
+                raise ValueError(f"--kv-transfer-config: {key} must be a number >= 1 (got {v!r})")
+        _ = self.allowed_prefill  # validates the list
 
     @classmethod
     def from_json(cls, value: str | dict | None) -> KVTransferConfig | None:
@@ -205,6 +248,40 @@ class KVTransferConfig:
     @property
     def lease_seconds(self) -> float:
         return float(self.kv_connector_extra_config.get("lease_seconds", 30.0))
+
+    @property
+    def max_reads_per_lease(self) -> int:
+        return int(self.kv_connector_extra_config.get("max_reads_per_lease", 3))
+
+    @property
+    def max_reads_per_second(self) -> float:
+        return float(self.kv_connector_extra_config.get("max_reads_per_second", 1000.0))
+
+    @property
+    def max_ids_per_message(self) -> int:
+        return int(self.kv_connector_extra_config.get("max_ids_per_message", 1024))
+
+    @property
+    def max_prefill_peers(self) -> int:
+        return int(self.kv_connector_extra_config.get("max_prefill_peers", 64))
+
+    @property
+    def allowed_prefill(self) -> frozenset[tuple[str, int]] | None:
+        """The ``allowed_prefill`` endpoints as (host, port), or None (any endpoint)."""
+        value = self.kv_connector_extra_config.get("allowed_prefill")
+        if value is None:
+            return None
+        bad = '--kv-transfer-config: allowed_prefill must be a list of "host:port" strings'
+        if not isinstance(value, list | tuple):
+            raise ValueError(f"{bad} (got {value!r})")
+        out = set()
+        for item in value:
+            host, sep, port = str(item).rpartition(":") if isinstance(item, str) else ("", "", "")
+            host = host.removeprefix("[").removesuffix("]")  # [::1]:5000
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"{bad} (got {item!r})")
+            out.add((host, int(port)))
+        return frozenset(out)
 
 
 CUDAGRAPH_MODES = ("NONE", "FULL_DECODE_ONLY")

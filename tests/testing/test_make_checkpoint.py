@@ -15,15 +15,12 @@ from torch import nn
 from pdserve.layers.linear import Linear
 from pdserve.models import HFModelConfig, get_model_class, load_hf_config, load_model, registry
 from pdserve.models.llama import LlamaForCausalLM
+from pdserve.models.random_init import DEFAULT_INIT, INIT_STD, NORM_NOISE, init_rule
 from pdserve.testing.checkpoint import (
-    DEFAULT_INIT,
-    INIT_STD,
-    NORM_NOISE,
     add_cli_args,
     build_config,
     build_tokenizer,
     checkpoint_tensors,
-    init_rule,
     main,
     make_checkpoint,
     parse_size,
@@ -243,3 +240,21 @@ def test_float32_tensors_stay_float32(tmp_path: Path, monkeypatch: pytest.Monkey
     assert gate.dtype == torch.float32 and torch.equal(
         gate, written["model.layers.1.mlp.gate.weight"]
     )
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "GlmMoeDsaForCausalLM"])
+def test_dummy_load_format_draws_the_checkpoints_values(arch: str, tmp_path: Path) -> None:
+    """--load-format dummy from a config-only folder gives, tensor for tensor, the model
+    make-checkpoint writes with the same seed (MTP layers drawn in order, built or not)."""
+    from pdserve.models import load_model
+
+    full = make_checkpoint(arch, "tiny", tmp_path / "full", seed=3, dtype="float32")
+    bare = make_checkpoint(
+        arch, "tiny", tmp_path / "bare", seed=3, dtype="float32", config_only=True
+    )
+    assert not list(bare.glob("*.safetensors")) and (bare / "tokenizer.json").is_file()
+    loaded, _ = load_model(full, "float32")
+    dummy, _ = load_model(bare, "float32", load_format="dummy", seed=3)
+    want = dict(loaded.named_parameters())
+    for name, p in dummy.named_parameters():
+        assert torch.equal(p, want[name]), name

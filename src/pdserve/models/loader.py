@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 
 from pdserve.models.hf_config import HFModelConfig, load_hf_config
+from pdserve.models.random_init import full_checkpoint_specs, random_tensors
 from pdserve.models.registry import CausalLM, get_model_class
 
 SINGLE_FILE = "model.safetensors"
@@ -94,14 +95,27 @@ def load_model(
     model_dir: str | Path,
     dtype: torch.dtype | str = "auto",
     device: str | torch.device = "cpu",
+    load_format: str = "auto",
+    seed: int = 0,
     **model_options: Any,
 ) -> tuple[CausalLM, HFModelConfig]:
-    """Construct the model named by ``config.json`` and load its safetensors weights.
+    """Construct the model named by ``config.json`` and load its safetensors weights
+    (``load_format="dummy"``: draw random ones on the device instead, from ``seed``, the
+    values ``make-checkpoint`` would write with that seed on that device).
     ``model_options`` go to the model's constructor (e.g. ``with_mtp=True``)."""
     config = load_hf_config(model_dir)
     model_cls = get_model_class(config)
     torch_dtype = resolve_dtype(dtype, config)
     target = torch.device(device)
+    if load_format == "dummy":
+        with torch.device(target):
+            model = model_cls(config, torch_dtype, **model_options)
+        specs = full_checkpoint_specs(config, torch_dtype)  # the order make-checkpoint draws in
+        gen = torch.Generator(device=target).manual_seed(seed)
+        model.load_weights(random_tensors(list(specs), specs, gen, target))
+        return model.eval(), config
+    if load_format != "auto":
+        raise ValueError(f"load_format must be auto or dummy, got {load_format!r}")
     source, files = checkpoint_files(model_dir)  # validate before allocating anything
     with torch.device(target):
         model = model_cls(config, torch_dtype, **model_options)

@@ -92,7 +92,13 @@ class ModelRunner:
             torch.cuda.init()
             self._free_at_start = torch.cuda.mem_get_info(self.device)[0]
         t0 = time.perf_counter()
-        self.model, self.hf_config = load_model(config.model.model, config.model.dtype, self.device)
+        self.model, self.hf_config = load_model(
+            config.model.model,
+            config.model.dtype,
+            self.device,
+            load_format=config.model.load_format,
+            seed=config.model.seed,
+        )
         self.model.eval()
         self.dtype = next(self.model.parameters()).dtype
         self.load_seconds = time.perf_counter() - t0

@@ -34,12 +34,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer
 
+from pdserve.models.random_init import (
+    INIT_RULES,
+    INIT_STD,
+    init_rule,
+    random_tensors,
+)
 from pdserve.testing.tokenizer_maker import (
     ARCHS,
     build_tokenizer,
@@ -84,18 +90,6 @@ PRESETS = (
 DEEPSEEK_ARCHS = ("GlmMoeDsaForCausalLM", "DeepseekV32ForCausalLM", "DeepseekV3ForCausalLM")
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
-INIT_STD = 0.02
-NORM_NOISE = 0.05
-
-# Name suffix → (mean, std) of the normal a tensor is drawn from; the longest
-# matching suffix wins, a name matching none gets DEFAULT_INIT. A family whose
-# tensors need other values adds its suffixes here.
-INIT_RULES: dict[str, tuple[float, float]] = {
-    "norm.weight": (1.0, NORM_NOISE),  # RMSNorm/LayerNorm gains: near 1
-    # MoE routing bias: zeros in HF's init, random here so tests exercise it
-    "e_score_correction_bias": (0.0, INIT_STD),
-}
-DEFAULT_INIT = (0.0, INIT_STD)
 
 # Model dimensions per preset.
 _PRESET_DIMS: dict[str, dict[str, Any]] = {
@@ -299,22 +293,10 @@ def checkpoint_tensors(
     import torch
 
     from pdserve.models.hf_config import HFModelConfig
-    from pdserve.models.registry import get_model_class
+    from pdserve.models.random_init import full_checkpoint_specs
 
-    hf_config = HFModelConfig.from_dict(config)
-    model_cls = get_model_class(hf_config)
     torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    # a model with MTP layers writes them too (at layer index num_hidden_layers)
-    options = {"with_mtp": True} if config.get("num_nextn_predict_layers") else {}
-    with torch.device("meta"):
-        model = model_cls(hf_config, torch_dtype, **options)
-    return model.checkpoint_tensors()
-
-
-def init_rule(name: str) -> tuple[float, float]:
-    """(mean, std) of the normal the tensor ``name`` is drawn from (see :data:`INIT_RULES`)."""
-    matches = [suffix for suffix in INIT_RULES if name.endswith(suffix)]
-    return INIT_RULES[max(matches, key=len)] if matches else DEFAULT_INIT
+    return full_checkpoint_specs(HFModelConfig.from_dict(config), torch_dtype)
 
 
 # ----------------------------------------------------------------------- weights
@@ -339,19 +321,6 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _random_tensors(
-    names: list[str], specs: TensorSpecs, gen: torch.Generator, device: torch.device
-) -> Iterator[tuple[str, torch.Tensor]]:
-    import torch
-
-    for name in names:
-        shape, dtype = specs[name]
-        mean, std = init_rule(name)
-        t = torch.empty(shape, dtype=dtype, device=device)
-        t.normal_(mean, std, generator=gen)
-        yield name, t.cpu()
-
-
 def _write_weights(
     out: Path, specs: TensorSpecs, seed: int, device: torch.device, max_shard_size: int
 ) -> None:
@@ -365,13 +334,15 @@ def _write_weights(
     meta = {"format": "pt"}
     if len(shards) == 1:
         save_file(
-            dict(_random_tensors(shards[0], specs, gen, device)), out / "model.safetensors", meta
+            {n: t.cpu() for n, t in random_tensors(shards[0], specs, gen, device)},
+            out / "model.safetensors",
+            meta,
         )
         return
     weight_map: dict[str, str] = {}
     for i, shard in enumerate(shards):
         file_name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = dict(_random_tensors(shard, specs, gen, device))
+        tensors = {n: t.cpu() for n, t in random_tensors(shard, specs, gen, device)}
         save_file(tensors, out / file_name, meta)
         weight_map.update((name, file_name) for name in tensors)
         del tensors
@@ -390,12 +361,15 @@ def make_checkpoint(
     device: str | torch.device = "cpu",
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
     config_overrides: Mapping[str, Any] | None = None,
+    config_only: bool = False,
 ) -> Path:
     """Write a random HF checkpoint for ``arch`` at ``preset`` size into ``out_dir``.
 
     ``config_overrides`` replaces ``config.json`` fields (e.g. ``tie_word_embeddings``)
     before the model is shaped from it; ``architectures`` among them picks the
-    model class (the tokenizer stays ``arch``'s). Returns the directory.
+    model class (the tokenizer stays ``arch``'s). ``config_only`` writes everything but
+    the weights (serve it with ``--load-format dummy``: the same values, drawn on the
+    device). Returns the directory.
     """
     family(arch)
     if preset not in PRESETS:
@@ -419,7 +393,8 @@ def make_checkpoint(
     specs = checkpoint_tensors(config, dtype)  # before anything is written: errors leave no files
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    _write_weights(out, specs, seed, dev, max_shard_size)
+    if not config_only:
+        _write_weights(out, specs, seed, dev, max_shard_size)
     _write_json(out / "config.json", config)
     tok.save(str(out / "tokenizer.json"))
     for file_name, content in tokenizer_files(arch, tok, config["max_position_embeddings"]).items():
@@ -470,6 +445,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)"
     )
+    parser.add_argument(
+        "--config-only",
+        action="store_true",
+        help="write config and tokenizer but no weights (serve with --load-format dummy)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -483,6 +463,7 @@ def main(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             device=args.device,
             max_shard_size=parse_size(str(args.max_shard_size)),
+            config_only=args.config_only,
         )
     except ValueError as e:
         print(f"make-checkpoint: error: {e}", file=sys.stderr)
