@@ -268,3 +268,17 @@ def test_bad_checkpoints_are_refused_naming_the_tensor_or_field(
     bad = _broken(tiny_glm5, tmp_path / "bad", edit)
     with pytest.raises(ValueError, match=needle.replace(".", r"\.")):
         load_model(bad, "float32")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["GlmMoeDsaForCausalLM", "DeepseekV3ForCausalLM"])
+def test_uniform_decode_replays_graphs_on_cuda(arch: str, tiny_deepseek: dict[str, Path]) -> None:
+    """MLA, the indexer and the MoE's capture path in full CUDA graphs: the same greedy
+    tokens as the eager engine, and the decode steps on graphs."""
+    path = str(tiny_deepseek[arch])
+    prompts = _prompts((3 * TOPK, 2 * TOPK + 3, 5, 40))
+    kw = dict(dtype="float32", block_size=16, device="cuda", max_model_len=256)
+    eager = LLM(path, enforce_eager=True, **kw)  # type: ignore[arg-type]
+    graphs = LLM(path, compilation_config={"cudagraph_capture_sizes": [1, 2, 4]}, **kw)  # type: ignore[arg-type]
+    assert _tokens(graphs, prompts) == _tokens(eager, prompts)
+    assert graphs.engine.stats().step_paths.get("graph", 0) >= 8
