@@ -87,6 +87,64 @@ def test_kv_transfer_config_is_validated(cfg, match):
         KVTransferConfig.from_json(cfg)
 
 
+@pytest.mark.parametrize(
+    "extra,match",
+    [
+        ({"allowed_prefill": "127.0.0.1:5000"}, "allowed_prefill must be a list"),
+        ({"allowed_prefill": ["127.0.0.1"]}, "allowed_prefill must be a list"),
+        ({"allowed_prefill": ["h:0"]}, "allowed_prefill must be a list"),
+        ({"allowed_prefill": [5000]}, "allowed_prefill must be a list"),
+        ({"max_reads_per_lease": 0}, "max_reads_per_lease must be a number >= 1"),
+        ({"max_reads_per_second": "fast"}, "max_reads_per_second"),
+        ({"max_ids_per_message": True}, "max_ids_per_message"),
+        ({"max_prefill_peers": -1}, "max_prefill_peers"),
+    ],
+)
+def test_side_channel_limits_are_validated(extra, match):
+    cfg = {"kv_connector": "PdConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
+    with pytest.raises(ValueError, match=match):
+        KVTransferConfig.from_json(cfg)
+
+
+def test_side_channel_limits_have_defaults_and_can_be_set():
+    c = KVTransferConfig.from_json({"kv_connector": "PdConnector", "kv_role": "kv_both"})
+    assert c is not None and c.allowed_prefill is None
+    assert (c.max_reads_per_lease, c.max_ids_per_message, c.max_prefill_peers) == (3, 1024, 64)
+    assert c.max_reads_per_second == 1000.0
+    extra = {
+        "allowed_prefill": ["10.0.0.1:7000", "[::1]:7001"],
+        "max_reads_per_lease": 1,
+        "max_reads_per_second": 50,
+        "max_ids_per_message": 64,
+        "max_prefill_peers": 4,
+    }
+    c = KVTransferConfig.from_json(
+        {"kv_connector": "PdConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
+    )
+    assert c is not None and c.allowed_prefill == {("10.0.0.1", 7000), ("::1", 7001)}
+    assert (c.max_reads_per_lease, c.max_ids_per_message, c.max_prefill_peers) == (1, 64, 4)
+    assert c.max_reads_per_second == 50.0
+
+
+def test_side_channel_health_is_exported():
+    from pdserve.core_types.stats import SchedulerStats
+    from pdserve.metrics.prometheus import PrometheusMetrics
+
+    stats = SchedulerStats(
+        kv_transfer_healthy=False,
+        kv_transfer_restarts=2,
+        kv_side_channel_rejected={"unauthenticated": 5, "malformed": 1, "limit": 0},
+    )
+    reg = PrometheusMetrics("m", stats_provider=lambda: stats, max_model_len=10).registry
+    lab = {"model_name": "m", "engine": "0"}
+    assert reg.get_sample_value("pdserve:kv_transfer_healthy", lab) == 0.0
+    assert reg.get_sample_value("pdserve:kv_transfer_restarts_total", lab) == 2.0
+    got = reg.get_sample_value(
+        "pdserve:kv_side_channel_rejected_total", {**lab, "kind": "unauthenticated"}
+    )
+    assert got == 5.0
+
+
 def test_kv_transfer_config_from_json_string():
     c = KVTransferConfig.from_json('{"kv_connector": "PdConnector", "kv_role": "kv_consumer"}')
     assert c is not None and c.is_consumer and not c.is_producer and c.transport == "tcp"

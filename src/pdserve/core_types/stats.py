@@ -48,6 +48,14 @@ class SchedulerStats:
     kv_held_for_remote_decode: int = 0
     kv_transfer_seconds: list[float] = field(default_factory=list)  # drained per snapshot
     kv_transfer_bytes: list[int] = field(default_factory=list)  # drained per snapshot
+    # P/D side channel: False while a KV server (or puller) thread is down; the API
+    # server's /health answers 503 meanwhile, quoting the reason
+    kv_transfer_healthy: bool = True
+    kv_transfer_unhealthy_reason: str = ""
+    kv_transfer_restarts: int = 0  # cumulative: side-channel threads restarted after dying
+    # cumulative: side-channel messages the KV server refused, by kind
+    # (unauthenticated, malformed, limit)
+    kv_side_channel_rejected: dict[str, int] = field(default_factory=dict)
     # speculative decoding, cumulative: verify steps of a request with drafts, drafts
     # scheduled, drafts accepted, and accepted drafts by position (0 = the first draft)
     spec_num_drafts: int = 0

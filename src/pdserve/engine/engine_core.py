@@ -21,19 +21,28 @@ from pdserve.core_types.stats import SchedulerStats, read_rss_bytes
 from pdserve.engine.kv_cache.manager import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler
-from pdserve.kv_transfer.base import KVConnectorWorker
+from pdserve.kv_transfer.base import KVConnectorWorker, KVHealth
 from pdserve.kv_transfer.compat import compat_info
-from pdserve.kv_transfer.pd_connector import PdConnectorScheduler, make_pd_connector
+from pdserve.kv_transfer.pd_connector import (
+    PdConnectorScheduler,
+    make_pd_connector,
+    require_secret,
+)
 from pdserve.runner.model_runner import ModelRunner, StepHandle
 from pdserve.spec_decode.proposer import Proposer
 
 logger = logging.getLogger(__name__)
+_SUPERVISE_EVERY_S = 0.1
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig, proposer: Proposer | None = None) -> None:
         t0 = time.perf_counter()
         self.config = config
+        if config.kv_transfer is not None:
+            require_secret()  # before the weights load: a P/D role without it cannot run
+        self.kv_health = KVHealth()
+        self._supervised_at = 0.0
         self.runner = ModelRunner(config, proposer)
         num_blocks = self.runner.determine_num_blocks()
         self.runner.initialize_kv_cache(num_blocks)
@@ -144,6 +153,18 @@ class EngineCore:
             out.kv_connector_output = self.connector_worker.get_finished()
         return out
 
+    def supervise_connector(self) -> KVHealth:
+        """Have the connector check (and restart) its threads; log health changes."""
+        if self.connector_worker is None:
+            return self.kv_health
+        before = self.kv_health
+        now = self.kv_health = self.connector_worker.supervise()
+        if before.healthy and not now.healthy:
+            logger.error("KV transfer unhealthy: %s", now.reason)
+        elif now.healthy and not before.healthy:
+            logger.warning("KV transfer healthy again (%d restart(s) so far)", now.restarts)
+        return now
+
     def step(self) -> list[EngineCoreOutput]:
         """Schedule and run one step; returns the outputs of the step that finished.
 
@@ -151,6 +172,11 @@ class EngineCore:
         launched by the previous call is finished instead: the host schedules and
         prepares step N+1 while the device still runs step N (the scheduler counts
         N's tokens as placeholders until they land)."""
+        if self.connector_worker is not None:
+            t = time.monotonic()
+            if t - self._supervised_at >= _SUPERVISE_EVERY_S:
+                self._supervised_at = t
+                self.supervise_connector()
         so = self.scheduler.schedule()
         # also when empty: the runner drops finished rows and the connector reports
         if not self.scheduler.async_scheduling:
@@ -165,6 +191,11 @@ class EngineCore:
         s = self.scheduler.make_stats()
         # transfers are reported once: the snapshot takes the lists, the scheduler starts anew
         self.scheduler.stats = replace(s, kv_transfer_seconds=[], kv_transfer_bytes=[])
+        h = self.kv_health
+        s.kv_transfer_healthy = h.healthy
+        s.kv_transfer_unhealthy_reason = h.reason
+        s.kv_transfer_restarts = h.restarts
+        s.kv_side_channel_rejected = dict(h.rejected)
         now = time.monotonic()
         if now - self._rss_read_at > 1.0:  # /proc read at most once a second
             s.process_rss_bytes["engine_core"] = read_rss_bytes()

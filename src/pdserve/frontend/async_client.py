@@ -7,7 +7,9 @@ to its request's queue. ``generate`` validates first (``ValueError`` before anyt
 is queued), registers a queue, sends the ``EngineCoreRequest`` and yields deltas until the
 final one; if the consumer goes away early the request is aborted in the engine.
 If the engine process dies, every live request gets a final "error" output and
-``check_health`` raises from then on.
+``check_health`` raises from then on. ``check_health`` also raises while the latest
+stats snapshot says the engine's KV transfer side channel is down (the engine core
+restarts it; the next healthy snapshot clears it).
 """
 
 from __future__ import annotations
@@ -40,6 +42,18 @@ logger = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     pass
+
+
+class EngineUnhealthyError(RuntimeError):
+    """The engine runs but part of it is down (e.g. its KV transfer side channel)."""
+
+
+def check_stats_health(stats: SchedulerStats) -> None:
+    """Raise :class:`EngineUnhealthyError` if a stats snapshot reports a fault."""
+    if not stats.kv_transfer_healthy:
+        raise EngineUnhealthyError(
+            f"KV transfer is down: {stats.kv_transfer_unhealthy_reason or 'no reason given'}"
+        )
 
 
 class AsyncEngineClient:
@@ -150,6 +164,7 @@ class AsyncEngineClient:
             raise EngineDeadError(self._dead)
         if self._proc is None or not self._proc.is_alive():
             raise EngineDeadError("the engine process is not running")
+        check_stats_health(self._stats)
 
     async def reset_prefix_cache(self) -> None:
         await self._send(M.ResetPrefixCache())

@@ -30,4 +30,19 @@ Request lifecycle, decode side (kv_consumer or kv_both):
      or ``recompute`` (the prompt is prefilled locally).
   4. A request aborted while waiting tells prefill to free its blocks; one aborted
      during a pull keeps its local blocks until the pull has stopped writing them.
+
+The side channel (decode's puller ↔ prefill's KV server, ZMQ) is hostile ground:
+  - Every message carries an HMAC with the topology's secret (``PDSERVE_PD_SECRET``;
+    a P/D role refuses to start without it) and every reply one bound to its request
+    (``wire``). The server verifies before it decodes; anything else gets an
+    unsigned "not authenticated" / malformed error, is counted and never acted upon,
+    and no byte sequence stops the server thread (``handler``, ``server``).
+  - Authenticated peers are bounded: reads per lease, reads per second per
+    connection, request ids per heartbeat / done notice (``KVTransferConfig``).
+  - Decode runs one worker per prefill endpoint with per-job deadlines, so a dead or
+    fake peer delays only its own requests; an optional ``allowed_prefill`` list
+    keeps it from dialling anything else (``puller``, ``peer_link``).
+  - The engine core has the worker half supervise its threads each step: a dead KV
+    server marks the instance unhealthy (``/health`` answers 503) until it is
+    restarted on the same port after a back-off (``supervisor``).
 """

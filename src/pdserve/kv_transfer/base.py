@@ -7,6 +7,7 @@ reads, never the engine's ``Request`` class.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from pdserve.core_types.kv_connector import KVConnectorMetadata, KVConnectorOutput
@@ -96,6 +97,16 @@ class KVConnectorScheduler(ABC):
         """Stop background threads and sockets."""
 
 
+@dataclass
+class KVHealth:
+    """The worker half's background machinery, as the engine reports it."""
+
+    healthy: bool = True
+    reason: str = ""  # why not healthy (empty when healthy)
+    restarts: int = 0  # threads restarted after they died, since start
+    rejected: dict[str, int] = field(default_factory=dict)  # side-channel refusals by kind
+
+
 class KVConnectorWorker(ABC):
     """Worker-side half: owns the transport and touches the KV cache tensors."""
 
@@ -109,6 +120,11 @@ class KVConnectorWorker(ABC):
     @abstractmethod
     def get_finished(self) -> KVConnectorOutput:
         """Everything that completed since the last call."""
+
+    def supervise(self) -> KVHealth:
+        """Check the background threads, restart dead ones (each when its back-off
+        allows), and say how healthy the connector is. Called from the engine's thread."""
+        return KVHealth()
 
     def shutdown(self) -> None:  # noqa: B027
         """Stop background threads and sockets."""

@@ -11,7 +11,7 @@ import hashlib
 import json
 from typing import Any
 
-CONNECTOR_VERSION = 2
+CONNECTOR_VERSION = 3  # 3: authenticated side channel (wire.py envelope)
 
 
 def compat_info(

@@ -3,6 +3,10 @@
 Thread-safety: the KV server thread (reads, heartbeats, done notices) and the
 scheduler thread (registration, expiry sweeps, proxy releases) share one table under
 a lock. An entry being read is never expired, so blocks cannot be freed under a read.
+
+A lease may be read at most ``max_reads`` times (decode reads once; a retry after a
+broken connection is the only reason for a second): past that :meth:`begin_read`
+raises :class:`ReadLimitError`, so no peer can keep re-reading (and pinning) held KV.
 """
 
 from __future__ import annotations
@@ -17,12 +21,18 @@ class Lease:
     block_ids: list[int]
     expiry: float
     reading: int = 0  # reads in progress
+    reads: int = 0  # reads begun, in all
     finished: bool = False  # done/released while a read was in flight: free after it
 
 
+class ReadLimitError(RuntimeError):
+    """The lease was read as often as it may be."""
+
+
 class LeaseTable:
-    def __init__(self, initial_seconds: float) -> None:
+    def __init__(self, initial_seconds: float, max_reads: int = 3) -> None:
         self.initial = initial_seconds
+        self.max_reads = max_reads
         self.extension = initial_seconds * 2 / 3
         self._leases: dict[str, Lease] = {}
         self._lock = threading.Lock()
@@ -46,11 +56,18 @@ class LeaseTable:
                     lease.expiry = max(lease.expiry, now + self.extension)
 
     def begin_read(self, request_id: str) -> list[int] | None:
-        """The held blocks of ``request_id`` (pinned against expiry), or None if not held."""
+        """The held blocks of ``request_id`` (pinned against expiry until :meth:`end_read`),
+        or None if not held; :class:`ReadLimitError` once it was read ``max_reads`` times."""
         with self._lock:
             lease = self._leases.get(request_id)
             if lease is None or lease.finished:
                 return None
+            if lease.reads >= self.max_reads:
+                raise ReadLimitError(
+                    f"the KV of request {request_id!r} was read {lease.reads} times already "
+                    f"(max_reads_per_lease {self.max_reads})"
+                )
+            lease.reads += 1
             lease.reading += 1
             return lease.block_ids
 

@@ -21,12 +21,20 @@ from pdserve.core_types.kv_connector import (
     KVPeer,
 )
 from pdserve.core_types.kv_transfer_params import KVTransferParams
+from pdserve.core_types.pd_auth import SECRET_ENV, load_secret
 from pdserve.core_types.utils import cdiv
 from pdserve.forward_context import KVCaches
-from pdserve.kv_transfer.base import ConnectorRequest, KVConnectorScheduler, KVConnectorWorker
+from pdserve.kv_transfer.base import (
+    ConnectorRequest,
+    KVConnectorScheduler,
+    KVConnectorWorker,
+    KVHealth,
+)
+from pdserve.kv_transfer.handler import KVRequestHandler, ServerLimits
 from pdserve.kv_transfer.lease import LeaseTable
 from pdserve.kv_transfer.puller import KVPuller
 from pdserve.kv_transfer.server import KVServer
+from pdserve.kv_transfer.supervisor import Supervisor
 from pdserve.kv_transfer.transports import make_transport
 
 logger = logging.getLogger(__name__)
@@ -42,13 +50,32 @@ def wants_remote_decode(req: ConnectorRequest) -> bool:
     return p is not None and p.do_remote_decode
 
 
+def require_secret() -> bytes:
+    """The topology's P/D secret from the environment, or a RuntimeError saying how to
+    give one (a P/D role never runs its KV side channel unauthenticated)."""
+    try:
+        secret = load_secret()
+    except ValueError as e:
+        raise RuntimeError(f"--kv-transfer-config: {e}") from None
+    if secret is None:
+        raise RuntimeError(
+            f"--kv-transfer-config needs the topology's P/D secret in the environment "
+            f"variable {SECRET_ENV} (it authenticates the KV side channel and the proxy's "
+            f"kv_transfer_params): pdserve launch sets one; for a hand-made topology give "
+            f"every instance and the proxy the same value, e.g. from "
+            f"python -c 'import secrets; print(secrets.token_hex(32))'"
+        )
+    return secret
+
+
 @dataclass
 class _Shared:
-    """State both halves see: identity, leases, the server address and the puller."""
+    """State both halves see: identity, secret, leases, the server and the puller."""
 
     config: KVTransferConfig
     engine_id: str
     leases: LeaseTable
+    secret: bytes
     server: KVServer | None = None
     puller: KVPuller | None = None
 
@@ -191,19 +218,23 @@ class PdConnectorWorker(KVConnectorWorker):
     def __init__(self, shared: _Shared, compat: dict[str, Any]) -> None:
         self.s = shared
         self.compat = compat
+        self.supervisor = Supervisor(None, None)
 
     def register_kv_caches(self, kv_caches: KVCaches) -> None:
         cfg = self.s.config
         extra = cfg.kv_connector_extra_config
         server_cls, client_cls = make_transport(cfg.transport)
         if cfg.is_producer:
-            self.s.server = KVServer(
+            handler = KVRequestHandler(
+                self.s.secret,
                 self.s.engine_id,
                 self.compat,
                 server_cls(kv_caches),
                 self.s.leases,
-                str(extra.get("host", "127.0.0.1")),
-                int(extra.get("port", 0)),
+                ServerLimits(cfg.max_ids_per_message, cfg.max_reads_per_second),
+            )
+            self.s.server = KVServer(
+                handler, str(extra.get("host", "127.0.0.1")), int(extra.get("port", 0))
             )
             logger.info(
                 "KV server for engine %s on %s:%d (%s)",
@@ -218,7 +249,12 @@ class PdConnectorWorker(KVConnectorWorker):
                 lambda info: client_cls(kv_caches, info),
                 float(extra.get("handshake_timeout", 5.0)),
                 float(extra.get("transfer_timeout", 60.0)),
+                self.s.secret,
+                max_ids_per_message=cfg.max_ids_per_message,
+                allowed=cfg.allowed_prefill,
+                max_peers=cfg.max_prefill_peers,
             )
+        self.supervisor = Supervisor(self.s.server, self.s.puller)
 
     def start_load_kv(self, meta: KVConnectorMetadata) -> None:
         puller = self.s.puller
@@ -244,6 +280,9 @@ class PdConnectorWorker(KVConnectorWorker):
                 out.failed_recving[r.request_id] = r.error
         return out
 
+    def supervise(self) -> KVHealth:
+        return self.supervisor.check()
+
     def shutdown(self) -> None:
         if self.s.server is not None:
             self.s.server.close()
@@ -252,7 +291,13 @@ class PdConnectorWorker(KVConnectorWorker):
 
 
 def make_pd_connector(
-    config: KVTransferConfig, block_size: int, compat: dict[str, Any]
+    config: KVTransferConfig,
+    block_size: int,
+    compat: dict[str, Any],
+    secret: bytes | None = None,
 ) -> tuple[PdConnectorScheduler, PdConnectorWorker]:
-    shared = _Shared(config, uuid.uuid4().hex[:12], LeaseTable(config.lease_seconds))
+    """Both halves; ``secret`` defaults to the environment's (:func:`require_secret`)."""
+    leases = LeaseTable(config.lease_seconds, config.max_reads_per_lease)
+    secret = require_secret() if secret is None else secret
+    shared = _Shared(config, uuid.uuid4().hex[:12], leases, secret)
     return PdConnectorScheduler(shared, block_size), PdConnectorWorker(shared, compat)

@@ -1,101 +1,152 @@
 """The prefill instance's KV server: a ZMQ ROUTER thread answering decode instances.
 
 It answers handshakes (compatibility info + transport payload), reads of leased blocks,
-heartbeats (lease renewals) and done notices (read complete or never-to-be-read). It
-never frees blocks itself: done notices are queued in the lease table and the
-scheduler frees them on its next step.
+heartbeats (lease renewals) and done notices (read complete or never-to-be-read), each
+authenticated with the topology's secret (see ``wire`` for the frames and
+``handler`` for the checks and bounds). It never frees blocks itself: done notices are
+queued in the lease table and the scheduler frees them on its next step.
+
+Lifecycle: the constructor binds (``port`` 0: an ephemeral port, kept from then on) and
+starts the thread. Every receive and send is inside the thread's error handling, so no
+input stops it; should the thread die anyway (:attr:`alive` false, :attr:`death` says
+why; it also gives up on a socket that failed 100 times in a row), :meth:`restart`
+re-binds the same port and starts a new one (the connector's supervisor calls it).
+:meth:`close` stops it for good.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+import time
 
 import zmq
 
-from pdserve.kv_transfer import wire as W
-from pdserve.kv_transfer.lease import LeaseTable
-from pdserve.kv_transfer.transports.base import ServerTransport
+from pdserve.kv_transfer.handler import KVRequestHandler
 
 logger = logging.getLogger(__name__)
 
+_POLL_MS = 100
+_BASE_MESSAGE_BYTES = 1 << 20
+_BYTES_PER_ID = 512  # room per request id in a heartbeat / done notice
+_RCVHWM = 64  # messages queued per connection before libzmq stops reading it
+_KEEP_FRAMES = 4  # identity + tag + payload, and one more to see it is too many
+_BIND_TRIES = 10
+_MAX_FAILURES_IN_A_ROW = 100
+
 
 class KVServer:
-    def __init__(
-        self,
-        engine_id: str,
-        compat: dict[str, Any],
-        transport: ServerTransport,
-        leases: LeaseTable,
-        host: str,
-        port: int,
-    ) -> None:
-        self.engine_id = engine_id
-        self.compat = compat
-        self.transport = transport
-        self.leases = leases
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        if port:
-            self._sock.bind(f"tcp://{host}:{port}")
-            self.port = port
-        else:
-            self.port = self._sock.bind_to_random_port(f"tcp://{host}")
+    def __init__(self, handler: KVRequestHandler, host: str, port: int) -> None:
+        self.handler = handler
         self.host = host
+        self.port = port
+        self.death: str | None = None  # why the last thread died
+        self._ctx = zmq.Context()
+        self._sock: zmq.Socket | None = None
         self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._open()
+        self._start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def closed(self) -> bool:
+        """:meth:`close` was called (stopped for good: nothing to restart)."""
+        return self._stop.is_set()
+
+    def _open(self) -> None:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        # control messages are small: a peer sending a bigger one is disconnected
+        limit = _BASE_MESSAGE_BYTES + _BYTES_PER_ID * self.handler.limits.max_ids_per_message
+        sock.setsockopt(zmq.MAXMSGSIZE, limit)  # (per frame)
+        sock.setsockopt(zmq.RCVHWM, _RCVHWM)
+        try:
+            if self.port:
+                sock.bind(f"tcp://{self.host}:{self.port}")
+            else:
+                self.port = sock.bind_to_random_port(f"tcp://{self.host}")
+        except Exception:
+            sock.close(linger=0)
+            raise
+        self._sock = sock
+
+    def _start(self) -> None:
+        self.death = None
         self._thread = threading.Thread(target=self._run, name="pdserve-kv-server", daemon=True)
         self._thread.start()
 
-    def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        while not self._stop.is_set():
-            if not poller.poll(100):
-                continue
-            ident, payload = self._sock.recv_multipart()
-            try:
-                reply, frames = self._handle(W.decode_to_server(payload))
-            except Exception as e:  # a bad message must not kill the server
-                logger.exception("KV server: request failed")
-                reply, frames = W.Error(f"{type(e).__name__}: {e}"), []
-            self._sock.send_multipart([ident, W.encode(reply), *frames], copy=False)
+    def release_port(self) -> None:
+        """Close a dead thread's socket, so that the port is free again by the time
+        :meth:`restart` binds it (libzmq closes a listener asynchronously)."""
+        if not self.alive and self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
 
-    def _handle(self, msg: W.ToServer) -> tuple[W.FromServer, list[Any]]:
-        if isinstance(msg, W.Handshake):
-            return W.HandshakeReply(
-                self.engine_id, self.compat, self.transport.transport_info()
-            ), []
-        if isinstance(msg, W.Heartbeat):
-            self.leases.renew(msg.request_ids)
-            return W.Ack(), []
-        if isinstance(msg, W.Done):
-            for rid in msg.request_ids:
-                self.leases.finish(rid)
-            return W.Ack(), []
-        if isinstance(msg, W.Read):
-            held = self.leases.begin_read(msg.request_id)
-            if held is None:
-                return W.Error(
-                    f"prefill no longer holds the KV of request {msg.request_id!r} "
-                    "(its lease expired or it was released)"
-                ), []
+    def restart(self) -> None:
+        """Re-bind the same port and start a new thread (after the last one died)."""
+        if self.alive:
+            return
+        if self.closed:
+            raise RuntimeError("the KV server was closed")
+        self.release_port()
+        for attempt in range(_BIND_TRIES):
             try:
-                if len(held) != msg.num_blocks:
-                    return W.Error(
-                        f"request {msg.request_id!r}: prefill holds {len(held)} blocks, decode expects "
-                        f"{msg.num_blocks} (do both instances tokenize the prompt the same way?)"
-                    ), []
-                ids = held[msg.first_block : msg.first_block + msg.num_read]
-                frames = self.transport.read(ids) if ids else []
-                return W.ReadReply(ids, len(frames)), frames
-            finally:
-                self.leases.end_read(msg.request_id)
-        return W.Error(f"unexpected message {type(msg).__name__}"), []
+                self._open()
+                break
+            except zmq.ZMQError as e:
+                if e.errno != zmq.EADDRINUSE or attempt == _BIND_TRIES - 1:
+                    raise
+                time.sleep(0.02)  # the old listener is still being closed
+        self._start()
+        logger.warning("KV server restarted on %s:%d", self.host, self.port)
+
+    def _run(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        failures = 0  # in a row: a socket that keeps failing is replaced (by a restart)
+        try:
+            while not self._stop.is_set():
+                try:
+                    if poller.poll(_POLL_MS):
+                        self._serve_one(sock)
+                    failures = 0
+                except zmq.ContextTerminated:
+                    return
+                except zmq.Again:  # polled readable, nothing there after all
+                    continue
+                except Exception:  # never let one message (or a socket hiccup) stop the loop
+                    logger.exception("KV server: failed to serve a message")
+                    failures += 1
+                    if failures >= _MAX_FAILURES_IN_A_ROW:
+                        self.death = f"its socket failed {failures} times in a row"
+                        return
+                    time.sleep(0.01)
+        except BaseException as e:
+            self.death = f"{type(e).__name__}: {e}"
+            raise
+
+    def _serve_one(self, sock: zmq.Socket) -> None:
+        frames = [sock.recv(zmq.NOBLOCK)]
+        while sock.getsockopt(zmq.RCVMORE):  # the parts of a message arrive together
+            part = sock.recv()
+            if len(frames) < _KEEP_FRAMES:  # more is malformed anyway: do not hoard them
+                frames.append(part)
+        reply = self.handler.handle_frames(frames)
+        if reply:
+            sock.send_multipart(reply, zmq.NOBLOCK, copy=False)
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=2)
-        self._sock.close(linger=0)
-        self._ctx.term()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+            if self._thread.is_alive():  # its socket is still in use: leave it to the exit
+                logger.warning("KV server thread did not stop in time")
+                return
+        self._sock = None
+        self._ctx.destroy(linger=0)  # closes the socket too

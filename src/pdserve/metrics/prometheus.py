@@ -127,6 +127,11 @@ class EngineStatsCollector(Collector):
                 "Prefill side: finished requests whose KV is held for a decode instance.",
                 "kv_held_for_remote_decode",
             ),
+            (
+                "kv_transfer_healthy",
+                "1 while the KV transfer side channel's threads run, 0 while one is down.",
+                "kv_transfer_healthy",
+            ),
         ]
         for name, doc, attr in gauges:
             g = GaugeMetricFamily(PREFIX + name, doc, labels=base)
@@ -140,6 +145,7 @@ class EngineStatsCollector(Collector):
             ("engine_steps", "Cumulative number of engine steps.", "num_steps"),
             ("kv_transfer_failures", "Decode side: KV pulls that failed.", "kv_transfer_failures"),
             ("kv_leases_expired", "Prefill side: held KV freed because decode never read it.", "kv_leases_expired"),
+            ("kv_transfer_restarts", "KV side-channel threads restarted after they died.", "kv_transfer_restarts"),
         ]  # fmt: skip
         for name, doc, attr in counters:
             c = CounterMetricFamily(PREFIX + name, doc, labels=base)
@@ -156,13 +162,22 @@ class EngineStatsCollector(Collector):
             "Engine forward steps by execution path (graph or eager:<reason>).",
             labels=[*base, "path"],
         )
+        rejected = CounterMetricFamily(
+            PREFIX + "kv_side_channel_rejected",
+            "Prefill side: KV side-channel messages refused, by kind "
+            "(unauthenticated, malformed, limit).",
+            labels=[*base, "kind"],
+        )
         if stats is not None:
             for source, n in sorted(stats.prompt_tokens_by_source.items()):
                 by_source.add_metric([*self._labels, source], float(n))
             for path, n in sorted(stats.step_paths.items()):
                 steps.add_metric([*self._labels, path], float(n))
+            for kind, n in sorted(stats.kv_side_channel_rejected.items()):
+                rejected.add_metric([*self._labels, kind], float(n))
         yield by_source
         yield steps
+        yield rejected
         rss = GaugeMetricFamily(
             PREFIX + "process_rss_bytes",
             "Resident memory of each pdserve process.",

@@ -1,0 +1,104 @@
+"""Helpers for the KV side-channel tests: a raw (possibly hostile) peer, a real KV server
+over small CPU caches, a peer that accepts TCP and never answers, a port nobody uses."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import zmq
+
+from _ipc_peer import filled_caches
+from pdserve.core_types.cache_spec import CacheLayout, KVCacheConfig
+from pdserve.forward_context import KVCaches
+from pdserve.kv_transfer import wire as W
+from pdserve.kv_transfer.handler import KVRequestHandler, ServerLimits
+from pdserve.kv_transfer.lease import LeaseTable
+from pdserve.kv_transfer.server import KVServer
+from pdserve.kv_transfer.transports.tcp import TcpServer
+
+NUM_BLOCKS = 8
+COMPAT = {"connector_version": 3, "block_size": 4, "model_config_hash": "test"}
+
+
+def cache_config() -> KVCacheConfig:
+    return KVCacheConfig.from_layers(
+        4, [("l0.attn", "attn", CacheLayout("gqa", "float32", (2, 1, 4, 1, 4), block_axis=1))]
+    )
+
+
+def caches(seed: int | None = 0) -> KVCaches:
+    cfg = cache_config()
+    if seed is None:
+        return KVCaches.allocate(cfg, NUM_BLOCKS, torch.device("cpu"))
+    return filled_caches(cfg, NUM_BLOCKS, "cpu", seed)
+
+
+def kv_server(
+    secret: bytes, leases: LeaseTable, limits: ServerLimits | None = None, port: int = 0
+) -> KVServer:
+    handler = KVRequestHandler(
+        secret, "prefill-0", COMPAT, TcpServer(caches()), leases, limits or ServerLimits()
+    )
+    return KVServer(handler, "127.0.0.1", port)
+
+
+class RawPeer:
+    """A DEALER that sends whatever frames it is given (no MAC unless asked)."""
+
+    def __init__(self, port: int) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(f"tcp://127.0.0.1:{port}")
+
+    def send(self, frames: list[bytes]) -> None:
+        self.sock.send_multipart(frames)
+
+    def recv(self, timeout: float = 2.0) -> list[bytes] | None:
+        if not self.sock.poll(int(timeout * 1000)):
+            return None
+        return self.sock.recv_multipart()
+
+    def ask(self, frames: list[bytes], timeout: float = 2.0) -> list[bytes] | None:
+        self.send(frames)
+        return self.recv(timeout)
+
+    def call(self, secret: bytes, msg: W.ToServer) -> tuple[W.FromServer, list]:
+        """An authenticated request; the verified reply."""
+        tag, payload = W.seal_request(secret, msg)
+        parts = self.ask([tag, payload])
+        assert parts is not None, "no reply"
+        return W.open_reply(secret, tag, parts)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+def error_of(parts: list[bytes] | None) -> str:
+    """The message of an (unsigned) error reply."""
+    assert parts is not None, "no reply"
+    assert len(parts) == 2 and parts[0] == b"", parts
+    msg = W.decode_from_server(parts[1])
+    assert isinstance(msg, W.Error), msg
+    return msg.message
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on (a dead peer)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def silent_listener() -> Iterator[int]:
+    """A port that accepts TCP connections (the kernel completes them) and never
+    says a word: a peer that hangs."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(64)
+        yield int(s.getsockname()[1])
