@@ -10,6 +10,10 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pdserve.config import EngineConfig
 
 
 def _add_make_checkpoint(sub: argparse._SubParsersAction) -> None:
@@ -68,12 +72,20 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _flat(cfg: object) -> dict:
+def _flat(cfg: EngineConfig) -> dict[str, Any]:
+    """``LLM`` keyword arguments that rebuild ``cfg``: the flat fields of the plain
+    sections, and every other part (compilation, KV transfer, speculative decoding, ...)
+    as its config object under ``<part>_config``. (``dataclasses.asdict`` cannot take
+    those: they may be ``None``.)"""
     import dataclasses
 
-    out: dict = {}
-    for sec in dataclasses.fields(cfg):  # type: ignore[arg-type]
-        out.update(dataclasses.asdict(getattr(cfg, sec.name)))
+    out: dict[str, Any] = {}
+    for part in dataclasses.fields(cfg):
+        value = getattr(cfg, part.name)
+        if part.name in cfg.SECTIONS:
+            out.update(dataclasses.asdict(value))
+        else:
+            out[f"{part.name}_config"] = value
     out.pop("model")
     return out
 

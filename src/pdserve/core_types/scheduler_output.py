@@ -57,6 +57,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     # drafts among the scheduled tokens, per request that has any (-1: not known here)
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # requests whose drafts this step are only placeholders padding a P/D decode's first
+    # step to the uniform 1+k shape (never accepted, not counted as drafts)
+    padded_spec_decode_req_ids: set[str] = field(default_factory=set)
     finished_req_ids: set[str] = field(default_factory=set)  # runner drops their state
     preempted_req_ids: set[str] = field(default_factory=set)
     # requests whose step reaches the end of their known tokens: they sample

@@ -62,5 +62,42 @@ class SchedulerStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    # P/D decode: first steps padded with placeholder drafts to the uniform 1+k shape
+    spec_num_padded_steps: int = 0
+    num_generated_tokens: int = 0  # cumulative: output tokens the engine produced
     # resident set size of each engine-side process, bytes: {"engine_core": n}
     process_rss_bytes: dict[str, int] = field(default_factory=dict)
+
+
+def stats_line(prev: SchedulerStats, cur: SchedulerStats, seconds: float) -> str:
+    """The engine's periodic log line: throughput over the ``seconds`` between two
+    snapshots, the queue, KV usage and prefix hits, and speculative acceptance (mean
+    acceptance length = 1 + accepted / verifies, as vLLM reports it)."""
+    dt = max(seconds, 1e-9)
+    prompt = sum(cur.prompt_tokens_by_source.values()) - sum(prev.prompt_tokens_by_source.values())
+    gen = cur.num_generated_tokens - prev.num_generated_tokens
+    q = cur.prefix_cache_queries - prev.prefix_cache_queries
+    hits = cur.prefix_cache_hits - prev.prefix_cache_hits
+    line = (
+        f"Avg prompt throughput: {prompt / dt:.1f} tokens/s, "
+        f"Avg generation throughput: {gen / dt:.1f} tokens/s, "
+        f"Running: {cur.num_running_reqs} reqs, Waiting: {cur.num_waiting_reqs} reqs, "
+        f"KV cache usage: {100 * cur.kv_cache_usage:.1f}%, "
+        f"Prefix cache hit rate: {100 * hits / q if q else 0.0:.1f}%"
+    )
+    verifies = cur.spec_num_drafts - prev.spec_num_drafts
+    if verifies > 0:
+        drafted = cur.spec_num_draft_tokens - prev.spec_num_draft_tokens
+        accepted = cur.spec_num_accepted_tokens - prev.spec_num_accepted_tokens
+        old = prev.spec_num_accepted_tokens_per_pos
+        per_pos = [
+            (n - (old[i] if i < len(old) else 0)) / verifies
+            for i, n in enumerate(cur.spec_num_accepted_tokens_per_pos)
+        ]
+        line += (
+            f"; SpecDecoding: mean acceptance length {1 + accepted / verifies:.2f}, "
+            f"acceptance rate {100 * accepted / drafted if drafted else 0.0:.1f}%, "
+            f"accepted {accepted} / drafted {drafted} tokens, per-position acceptance "
+            + ", ".join(f"{r:.3f}" for r in per_pos)
+        )
+    return line

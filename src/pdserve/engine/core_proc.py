@@ -20,6 +20,7 @@ import zmq
 from pdserve.config import EngineConfig
 from pdserve.core_types import messages as M
 from pdserve.core_types.scheduler_output import EngineCoreOutput
+from pdserve.core_types.stats import SchedulerStats, stats_line
 from pdserve.engine.engine_core import EngineCore
 from pdserve.engine.request import RequestStatus
 from pdserve.heap import freeze_startup_heap
@@ -28,6 +29,7 @@ logger = logging.getLogger(__name__)
 _IDLE_POLL_MS = 200
 _REMOTE_POLL_MS = 2
 _STATS_EVERY_S = 0.1
+_LOG_STATS_EVERY_S = 10.0
 
 
 def run_engine_core(
@@ -78,6 +80,8 @@ def _loop(core: EngineCore, inp: zmq.Socket, out: zmq.Socket, parent: int) -> No
     poller = zmq.Poller()
     poller.register(inp, zmq.POLLIN)
     last_sent = 0.0
+    log_stats = not core.config.scheduler.disable_log_stats
+    logged, logged_at = SchedulerStats(), time.monotonic()
     while True:
         if core.has_schedulable_work():
             timeout = 0
@@ -100,8 +104,13 @@ def _loop(core: EngineCore, inp: zmq.Socket, out: zmq.Socket, parent: int) -> No
         outputs.extend(core.step())
         now = time.monotonic()
         if outputs or now - last_sent >= _STATS_EVERY_S:
-            out.send(M.encode(M.EngineOutputs(outputs, core.stats(), time.time())))
+            stats = core.stats()
+            out.send(M.encode(M.EngineOutputs(outputs, stats, time.time())))
             last_sent = now
+            if log_stats and now - logged_at >= _LOG_STATS_EVERY_S:
+                if stats.num_steps != logged.num_steps:  # quiet while idle
+                    logger.info("%s", stats_line(logged, stats, now - logged_at))
+                logged, logged_at = stats, now
 
 
 def _handle(core: EngineCore, msg: M.ToEngine) -> list[EngineCoreOutput]:

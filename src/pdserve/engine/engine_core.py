@@ -53,6 +53,7 @@ class EngineCore:
         self.connector_worker: KVConnectorWorker | None = None
         self.connector = self._make_connector()
         kvt = config.kv_transfer
+        spec = config.speculative
         self.scheduler = Scheduler(
             config.scheduler,
             self.kv,
@@ -60,6 +61,8 @@ class EngineCore:
             self.connector,
             kvt.kv_load_failure_policy if kvt is not None else "fail",
             num_spec_tokens=self.runner.num_spec,
+            num_lookahead_tokens=self.runner.lookahead,
+            pad_first_step=spec.pad_first_decode_step if spec is not None else False,
         )
         self._rss_read_at = 0.0
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
@@ -83,7 +86,7 @@ class EngineCore:
             model_config=dict(getattr(r.hf_config, "raw", {}) or {}),
             kv_cache=r.kv_cache_config.describe(),
             block_size=r.block_size,
-            speculative=None,
+            speculative=self.config.speculative.describe() if self.config.speculative else None,
             transport=kvt.transport,
         )
         sched_half, worker_half = make_pd_connector(kvt, r.block_size, compat)
@@ -189,8 +192,16 @@ class EngineCore:
 
     def stats(self) -> SchedulerStats:
         s = self.scheduler.make_stats()
-        # transfers are reported once: the snapshot takes the lists, the scheduler starts anew
-        self.scheduler.stats = replace(s, kv_transfer_seconds=[], kv_transfer_bytes=[])
+        # transfers are reported once: the snapshot takes the lists, the scheduler starts
+        # anew; the snapshot owns its containers (a later step must not change it)
+        self.scheduler.stats = replace(
+            s,
+            kv_transfer_seconds=[],
+            kv_transfer_bytes=[],
+            prompt_tokens_by_source=dict(s.prompt_tokens_by_source),
+            step_paths=dict(s.step_paths),
+            spec_num_accepted_tokens_per_pos=list(s.spec_num_accepted_tokens_per_pos),
+        )
         h = self.kv_health
         s.kv_transfer_healthy = h.healthy
         s.kv_transfer_unhealthy_reason = h.reason

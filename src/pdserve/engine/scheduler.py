@@ -8,14 +8,24 @@ budget, ``max_num_seqs`` and free blocks allow, prompts chunked to fit the budge
 No new requests are admitted in a step that preempted.
 
 Speculative decoding (``num_spec_tokens`` > 0): a decoding request computes its last
-token plus up to k drafts, capped so that what it could accept stays within its
-``max_tokens`` and ``max_model_len``. The drafts are the ones the last finished step
+token plus up to k drafts, capped so that its positions stay within ``max_model_len``
+but not by its ``max_tokens`` (tokens accepted past it are dropped; a shorter verify
+near the end would break the batch's uniform 1+k shape and its CUDA graph). The drafts are the ones the last finished step
 proposed (``Request.spec_token_ids``), or, under async scheduling while a step of the
 request is still in flight, ``-1`` placeholders the runner fills on the device. When
 the result lands the request advances by however many tokens were accepted; stops and
 length limits are checked token by token inside that run, and the slots of rejected
 drafts are given back. A request still short of ``min_tokens`` gets no drafts (its
 bans need an exact output count).
+
+MTP drafting writes the draft layer's KV up to k positions past a step, so with
+``num_lookahead_tokens`` every allocation reserves that many slots beyond the step
+(capped at ``max_model_len``) and trimming keeps them. On a P/D decode instance a
+request's first step (its last prompt token, recomputed after the KV pull) carries no
+drafts; with ``pad_first_step`` it verifies k ``-1`` placeholders instead, so that step
+is the same (1+k)-token shape as every other decode (``padded_spec_decode_req_ids``;
+placeholders are never accepted and are left out of the acceptance counts). Lookahead
+slots are not reserved while a KV pull is in flight, only once the request runs.
 
 Every per-step collection (finished ids) is handed out and replaced each step, so
 nothing grows with the number of requests served.
@@ -51,6 +61,8 @@ class Scheduler:
         connector: KVConnectorScheduler | None = None,
         load_failure_policy: str = "fail",
         num_spec_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
+        pad_first_step: bool = False,
     ) -> None:
         self.config = config
         self.kv = kv
@@ -59,6 +71,8 @@ class Scheduler:
         self.load_failure_policy = load_failure_policy
         self.async_scheduling = config.async_scheduling
         self.num_spec_tokens = num_spec_tokens
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.pad_first_step = pad_first_step and num_spec_tokens > 0
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -138,6 +152,7 @@ class Scheduler:
         preempted: set[str] = set()
 
         spec: dict[str, list[int]] = {}
+        padded: set[str] = set()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -150,7 +165,7 @@ class Scheduler:
                 n += len(drafts)
             blocks = None
             while True:
-                blocks = self.kv.allocate_slots(req, n)
+                blocks = self.kv.allocate_slots(req, n, num_lookahead_tokens=self._ahead(req, n))
                 if blocks is not None:
                     break
                 victim = self.running.pop()  # the latest admitted; never one already scheduled
@@ -192,8 +207,14 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and n > budget:
                 break
             n = min(n, budget)
-            if self.kv.allocate_slots(req, n, hits) is None:
+            pad = self._padding(req, n, budget)
+            if self.kv.allocate_slots(req, n + len(pad), hits, self._ahead(req, n)) is None:
                 break
+            if pad:
+                spec[req.request_id] = pad
+                padded.add(req.request_id)
+                self.stats.spec_num_padded_steps += 1
+                n += len(pad)
             self.waiting.popleft()
             self.kv.record_lookup(req.num_tokens, num_hit)
             if req.num_cached_tokens < 0:  # first admission: account the prompt's sources
@@ -235,6 +256,7 @@ class Scheduler:
             num_scheduled_tokens=num_sched,
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             scheduled_spec_decode_tokens=spec,
+            padded_spec_decode_req_ids=padded,
             finished_req_ids=finished,
             preempted_req_ids=preempted,
             sampling_req_ids=will_sample,
@@ -252,16 +274,31 @@ class Scheduler:
         in_flight = req.num_output_placeholders
         if not (in_flight or req.spec_token_ids):
             return []  # nothing proposed for it yet (its first token comes from elsewhere)
-        room = min(
-            req.max_output_tokens - req.num_output_tokens - in_flight,
-            self.max_model_len - req.num_tokens - in_flight,
-        )
+        # not capped by max_tokens: drafts past it are computed and dropped, so a request
+        # near its end keeps the batch's uniform 1+k shape (and its CUDA graph)
+        room = self.max_model_len - req.num_tokens - in_flight
         d = min(self.num_spec_tokens, room - 1, budget - num_new)
         if d <= 0:
             return []
         if in_flight:  # the step in flight proposes them, on the device
             return [-1] * d
         return (req.spec_token_ids + [-1] * d)[:d]
+
+    def _ahead(self, req: Request, num_new: int) -> int:
+        """Lookahead slots to reserve past ``num_new`` tokens (never past max_model_len)."""
+        room = self.max_model_len - req.num_computed_tokens - num_new
+        return max(0, min(self.num_lookahead_tokens, room))
+
+    def _padding(self, req: Request, num_new: int, budget: int) -> list[int]:
+        """Placeholder drafts for a P/D decode's first step (see the module doc), [] for none."""
+        if not (self.pad_first_step and req.num_output_tokens == 0 and num_new == 1):
+            return []
+        if self._remote_tokens.get(req.request_id, (0, 0))[1] <= 0:
+            return []  # not a request whose prompt KV came from a prefill instance
+        k = self.num_spec_tokens
+        if self.max_model_len - req.num_tokens < 1 + k or budget < 1 + k:
+            return []  # a shorter verify would not be the uniform shape anyway
+        return [-1] * k
 
     def _start_remote_load(self, req: Request, hits: list[KVCacheBlock], num_hit: int) -> bool:
         """Park ``req`` in WAITING_FOR_REMOTE_KV if its prompt comes from a prefill
@@ -336,11 +373,11 @@ class Scheduler:
             num_drafts = len(sched.scheduled_spec_decode_tokens.get(rid, ()))
             if self.async_scheduling:
                 req.num_output_placeholders -= 1 + num_drafts
-            if num_drafts:
-                self._count_spec(num_drafts, len(new) - 1)
+            counted = num_drafts and rid not in sched.padded_spec_decode_req_ids
+            real = self._num_real_drafts(req, sched, rid) if counted else 0
             if len(new) < num_drafts + 1:  # rejected drafts: their slots are recomputed
                 req.num_computed_tokens -= num_drafts + 1 - len(new)
-                self.kv.trim(rid, req.num_computed_tokens)
+                self.kv.trim(rid, req.num_computed_tokens + self.num_lookahead_tokens)
             status = None
             taken = 0
             for tok in new:
@@ -349,9 +386,12 @@ class Scheduler:
                 status = self._stop_status(req, tok)
                 if status is not None:
                     break
+            if counted:  # drafts accepted past a stop or max_tokens were of no use
+                self._count_spec(real, taken - 1)
             lp = None
             if out.logprobs is not None and req.sampling_params.logprobs is not None:
                 lp = out.logprobs[i][:taken]
+            self.stats.num_generated_tokens += taken
             eo = EngineCoreOutput(rid, new[:taken], lp, num_cached_tokens=req.num_cached_tokens)
             if status is not None:
                 any_finished = True
@@ -367,7 +407,21 @@ class Scheduler:
         self.stats.step_paths[out.step_path] = self.stats.step_paths.get(out.step_path, 0) + 1
         return outputs
 
+    @staticmethod
+    def _num_real_drafts(req: Request, sched: SchedulerOutput, rid: str) -> int:
+        """Drafts a verify actually had: the scheduled ids, where a placeholder stands for
+        the proposal that filled it on the device (the request's latest landed drafts, -1
+        where the drafter found none)."""
+        known = req.spec_token_ids
+        return sum(
+            1
+            for j, d in enumerate(sched.scheduled_spec_decode_tokens[rid])
+            if d >= 0 or (j < len(known) and known[j] >= 0)
+        )
+
     def _count_spec(self, num_drafts: int, num_accepted: int) -> None:
+        if num_drafts <= 0:
+            return
         st = self.stats
         st.spec_num_drafts += 1
         st.spec_num_draft_tokens += num_drafts

@@ -184,12 +184,15 @@ class PdConnectorScheduler(KVConnectorScheduler):
             return False, None
         srv = self.s.server
         assert srv is not None
-        self.s.leases.add(rid, block_ids)
+        # the prompt's blocks only: lookahead slots past it (MTP drafting) hold no prompt
+        # KV (they are freed with the rest when the lease ends)
+        prompt_blocks = block_ids[: cdiv(req.num_prompt_tokens, self.block_size)]
+        self.s.leases.add(rid, prompt_blocks)
         return True, KVTransferParams(
             do_remote_prefill=True,
             do_remote_decode=False,
             remote_engine_id=self.s.engine_id,
-            remote_block_ids=list(block_ids),
+            remote_block_ids=list(prompt_blocks),
             remote_request_id=rid,
             remote_host=srv.host,
             remote_port=srv.port,

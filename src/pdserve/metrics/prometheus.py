@@ -146,6 +146,10 @@ class EngineStatsCollector(Collector):
             ("kv_transfer_failures", "Decode side: KV pulls that failed.", "kv_transfer_failures"),
             ("kv_leases_expired", "Prefill side: held KV freed because decode never read it.", "kv_leases_expired"),
             ("kv_transfer_restarts", "KV side-channel threads restarted after they died.", "kv_transfer_restarts"),
+            ("spec_decode_num_drafts", "Verify steps of a request with drafts.", "spec_num_drafts"),
+            ("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", "spec_num_draft_tokens"),
+            ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", "spec_num_accepted_tokens"),
+            ("spec_decode_num_padded_steps", "P/D decode first steps padded to 1+k with placeholder drafts.", "spec_num_padded_steps"),
         ]  # fmt: skip
         for name, doc, attr in counters:
             c = CounterMetricFamily(PREFIX + name, doc, labels=base)
@@ -168,7 +172,14 @@ class EngineStatsCollector(Collector):
             "(unauthenticated, malformed, limit).",
             labels=[*base, "kind"],
         )
+        per_pos = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by position in the draft (0 = the first).",
+            labels=[*base, "position"],
+        )
         if stats is not None:
+            for pos, n in enumerate(stats.spec_num_accepted_tokens_per_pos):
+                per_pos.add_metric([*self._labels, str(pos)], float(n))
             for source, n in sorted(stats.prompt_tokens_by_source.items()):
                 by_source.add_metric([*self._labels, source], float(n))
             for path, n in sorted(stats.step_paths.items()):
@@ -176,6 +187,7 @@ class EngineStatsCollector(Collector):
             for kind, n in sorted(stats.kv_side_channel_rejected.items()):
                 rejected.add_metric([*self._labels, kind], float(n))
         yield by_source
+        yield per_pos
         yield steps
         yield rejected
         rss = GaugeMetricFamily(

@@ -89,9 +89,16 @@ class MLASelfAttention(nn.Module):
             )
 
     def forward(
-        self, x: torch.Tensor, rope: RopeInputs, prev_topk: torch.Tensor | None
+        self,
+        x: torch.Tensor,
+        rope: RopeInputs,
+        prev_topk: torch.Tensor | None,
+        reuse_topk: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(output [T, hidden], this layer's top-k or the one it reused)."""
+        """(output [T, hidden], this layer's top-k or the one it reused). ``reuse_topk``:
+        attend within ``prev_topk`` even though this layer has an indexer, which then
+        neither scores nor writes its keys (MTP draft steps after the first, with
+        ``index_share_for_mtp_iteration``)."""
         dc, t = self.dc, x.shape[0]
         if dc.q_lora_rank is not None:
             qr = self.q_a_layernorm(self.q_a_proj(x))
@@ -106,7 +113,10 @@ class MLASelfAttention(nn.Module):
         latent = self.kv_a_layernorm(latent)
         q_pe = rope.apply(q_pe, dc.rope_interleave)
         k_pe = rope.apply(k_pe.unsqueeze(1), dc.rope_interleave)[:, 0]
-        topk = self.indexer(x, qr, rope) if self.indexer is not None else prev_topk
+        if self.indexer is not None and not reuse_topk:
+            topk = self.indexer(x, qr, rope)
+        else:
+            topk = prev_topk
         out = self.attn(q_nope, q_pe, latent, k_pe, self.kv_b_proj.weight, topk)
         return self.o_proj(out), topk
 
@@ -148,6 +158,7 @@ class DeepseekDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         rope: RopeInputs,
         prev_topk: torch.Tensor | None,
+        reuse_topk: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(MLP output, the residual stream before it is added, the layer's top-k)."""
         if residual is None:
@@ -155,7 +166,7 @@ class DeepseekDecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden, topk = self.self_attn(hidden, rope, prev_topk)
+        hidden, topk = self.self_attn(hidden, rope, prev_topk, reuse_topk)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual, topk
 
@@ -184,11 +195,13 @@ class MTPLayer(DeepseekDecoderLayer):
         embeds: torch.Tensor,  # [T, H]: embeddings of the next tokens (zeroed at position 0)
         prev_hidden: torch.Tensor,  # [T, H]: post-norm hidden states to condition on
         rope: RopeInputs,
-    ) -> torch.Tensor:
-        """The post-norm hidden state [T, H] (its logits: the target's LM head)."""
+        shared_topk: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the post-norm hidden state [T, H], the top-k its indexer chose). With
+        ``shared_topk`` the indexer is skipped and attention stays within that selection."""
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(prev_hidden)], dim=-1))
-        out, residual, _ = self(x, None, rope, None)
-        return self.shared_head.norm(out + residual)
+        out, residual, topk = self(x, None, rope, shared_topk, shared_topk is not None)
+        return self.shared_head.norm(out + residual), topk
 
 
 class DeepseekModel(nn.Module):
@@ -235,6 +248,8 @@ class DeepseekV3ForCausalLM(CausalLM):
     """DeepSeek-V3 (MLA + MoE); with the config's ``index_topk``, DeepSeek-V3.2 and GLM-5
     (plus DSA). ``with_mtp`` builds the MTP layers (speculative decoding uses them)."""
 
+    has_mtp = True  # the architecture defines MTP layers (num_nextn_predict_layers of them)
+
     def __init__(
         self, config: HFModelConfig, dtype: torch.dtype = torch.bfloat16, with_mtp: bool = False
     ) -> None:
@@ -271,14 +286,26 @@ class DeepseekV3ForCausalLM(CausalLM):
         """One MTP draft pass: (draft logits [T, V], post-norm hidden [T, H]). Slot i gets
         token t_{i+1} and the hidden state h_i it follows; draft step ``step`` uses MTP
         layer ``step % num_nextn_predict_layers``."""
+        hidden, _ = self.mtp_hidden(input_ids, positions, prev_hidden, step)
+        return self.compute_logits(hidden), hidden
+
+    def mtp_hidden(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        prev_hidden: torch.Tensor,
+        step: int = 0,
+        shared_topk: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`mtp_forward` without the logits: (post-norm hidden, the top-k used).
+        Input ids below 0 (placeholders) are embedded as token 0."""
         layers = self.mtp_layers
         if not layers:
             raise RuntimeError("the model was built without its MTP layers (with_mtp=False)")
-        embeds = self.model.embed_tokens(input_ids)
+        embeds = self.model.embed_tokens(input_ids.clamp(min=0))
         embeds = embeds.masked_fill((positions == 0).unsqueeze(-1), 0.0)
         rope = self.model.rotary_emb.prepare(positions)
-        hidden = layers[step % len(layers)].predict(embeds, prev_hidden, rope)
-        return self.compute_logits(hidden), hidden
+        return layers[step % len(layers)].predict(embeds, prev_hidden, rope, shared_topk)
 
     # -- checkpoint ------------------------------------------------------------------------
     def _targets(self) -> dict[str, torch.Tensor]:

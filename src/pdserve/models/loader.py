@@ -105,6 +105,11 @@ def load_model(
     ``model_options`` go to the model's constructor (e.g. ``with_mtp=True``)."""
     config = load_hf_config(model_dir)
     model_cls = get_model_class(config)
+    if model_options.get("with_mtp") and not getattr(model_cls, "has_mtp", False):
+        raise ValueError(
+            f"--speculative-config: method mtp needs a model with MTP layers "
+            f"({config.architecture} has none)"
+        )
     torch_dtype = resolve_dtype(dtype, config)
     target = torch.device(device)
     if load_format == "dummy":

@@ -66,6 +66,8 @@ class CudaGraphManager:
                 )
         for q_len in self.query_lens:
             for size in reversed(self.sizes):
+                if size * q_len > s.buffers.max_num_tokens:
+                    continue  # more tokens than a step may hold: such a batch never comes
                 s.buffers.fill_padding(0, 0, size, q_len)
                 self._forward(size, q_len)  # warm-up: compiles kernels, settles allocations
                 torch.cuda.synchronize(s.device)

@@ -64,8 +64,10 @@ class InputBuffers:
         self.logits_idx = BufferPair(t, i64, device)
         # draft ids of each request this step (-1: none or a placeholder)
         self.drafts = BufferPair((r, max(num_spec, 1)), i64, device)
-        # per request: first logits row | logits rows | token index of the first row
-        self.per_req = BufferPair(3 * r, i64, device)
+        # per request: first logits row | logits rows | token index of the first row |
+        # the known token after its last one (-1: none)
+        self.per_req = BufferPair(4 * r, i64, device)
+        self.samples = BufferPair(r, torch.bool, device)  # per request: it samples this step
         # index arrays of the device-side fix-ups (async scheduling), packed in one upload
         self.patch = BufferPair(5 * r + 4 * t, i64, device)
 

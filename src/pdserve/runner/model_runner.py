@@ -22,13 +22,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pdserve.config import EngineConfig
+from pdserve.config import EngineConfig, SpeculativeConfig
 from pdserve.core_types.cache_spec import KVCacheConfig
 from pdserve.core_types.scheduler_output import RunnerOutput, SchedulerOutput
 from pdserve.core_types.utils import cdiv
 from pdserve.forward_context import KVCaches
 from pdserve.layers.sampler import Sampler
 from pdserve.runner.cuda_graph import CudaGraphManager
+from pdserve.runner.draft_graph import DraftGraphManager
 from pdserve.runner.input_batch import InputBatch
 from pdserve.runner.input_buffers import InputBuffers
 from pdserve.runner.memory import (
@@ -39,6 +40,8 @@ from pdserve.runner.memory import (
 from pdserve.runner.model_step import ModelStep, collect_cache_layers
 from pdserve.runner.step_inputs import InFlight, StepInputs, StepPreparer
 from pdserve.runner.warmup import dummy_prompt_run, warm_up
+from pdserve.spec_decode.mtp import MTPProposer
+from pdserve.spec_decode.ngram import NgramProposer
 from pdserve.spec_decode.proposer import DraftBatch, Proposer
 from pdserve.spec_decode.rejection_sampler import rejection_sample, token_logprobs
 
@@ -92,12 +95,15 @@ class ModelRunner:
             torch.cuda.init()
             self._free_at_start = torch.cuda.mem_get_info(self.device)[0]
         t0 = time.perf_counter()
+        spec = config.speculative
+        mtp = {"with_mtp": True} if spec is not None and spec.method == "mtp" else {}
         self.model, self.hf_config = load_model(
             config.model.model,
             config.model.dtype,
             self.device,
             load_format=config.model.load_format,
             seed=config.model.seed,
+            **mtp,
         )
         self.model.eval()
         self.dtype = next(self.model.parameters()).dtype
@@ -114,8 +120,13 @@ class ModelRunner:
         self.max_num_reqs = config.scheduler.max_num_seqs
         self.max_num_tokens = config.scheduler.max_num_batched_tokens
         self.max_blocks_per_req = cdiv(self.max_model_len, self.block_size)
-        self.proposer = proposer
-        self.num_spec = proposer.num_speculative_tokens if proposer is not None else 0
+        self.proposer = proposer  # an injected drafter; else built from the config below
+        if proposer is not None:
+            self.num_spec = proposer.num_speculative_tokens
+        else:
+            self.num_spec = spec.num_speculative_tokens if spec is not None else 0
+        self.rejection_method = spec.rejection_sample_method if spec else "probabilistic"
+        self.synthetic_rate = (spec.synthetic_acceptance_rate or 0.0) if spec else 0.0
         kv_dtype = str(self.dtype).removeprefix("torch.")
         cache_config, group_layers = collect_cache_layers(self.model, self.block_size, kv_dtype)
         choice = config.device.attention_backend
@@ -143,18 +154,54 @@ class ModelRunner:
             self.max_model_len,
             self.vocab_size,
         )
+        if self.proposer is None and spec is not None:
+            self.proposer = self._build_proposer(spec)
+        # MTP drafts write their KV up to k positions past the step (lookahead slots)
+        self.lookahead = self.num_spec if spec is not None and spec.method == "mtp" else 0
         self.sampler = Sampler(self.device, config.model.seed)
         self.batch = InputBatch(
             self.max_num_reqs, self.max_model_len, self.max_blocks_per_req, self.vocab_size
         )
         self.prep = StepPreparer(
-            self.batch, self.buffers, self.device, self.vocab_size, drafting=proposer is not None
+            self.batch,
+            self.buffers,
+            self.device,
+            self.vocab_size,
+            drafting=self.proposer is not None,
+            lookahead=self.lookahead,
         )
         self.num_blocks = 0
         self.graphs: CudaGraphManager | None = None
+        self.draft_graphs: DraftGraphManager | None = None
+        self._graph_key: tuple[int, int] | None = None  # the graph the last step replayed
         pin = self.device.type == "cuda"
         self._host = [_HostOutputs(self.max_num_reqs, self.num_spec + 1, pin) for _ in range(2)]
         self._slot = 0
+
+    def _build_proposer(self, spec: SpeculativeConfig) -> Proposer:
+        if spec.method == "ngram":
+            return NgramProposer(
+                spec.num_speculative_tokens,
+                spec.prompt_lookup_min,
+                spec.prompt_lookup_max,
+                self.max_num_reqs,
+                self.max_model_len,
+                self.device,
+            )
+        dc = getattr(self.model, "dc", None)
+        if not getattr(self.model, "mtp_layers", None) or dc is None:
+            raise ValueError(
+                f"--speculative-config: method mtp needs a model with MTP layers "
+                f"({self.hf_config.architecture} has none)"
+            )
+        return MTPProposer(
+            self.model,
+            spec.num_speculative_tokens,
+            self.step.backends,
+            lambda: self.kv_caches,
+            self.max_model_len,
+            share_topk=bool(dc.index_share_for_mtp_iteration),
+        )
 
     @property
     def kv_cache_config(self) -> KVCacheConfig:
@@ -193,6 +240,10 @@ class ModelRunner:
             capture_sizes=sizes if self.graph_mode() == "FULL_DECODE_ONLY" else None,
             query_lens=query_lens,
         )
+        if self.graphs is not None and isinstance(self.proposer, MTPProposer):
+            self.draft_graphs = DraftGraphManager(self.proposer, self.graphs, self.num_spec)
+            self.draft_graphs.capture_all()
+            phases["capture_draft_graphs"] = self.draft_graphs.capture_seconds
         return phases
 
     # -- KV cache --------------------------------------------------------------------------
@@ -337,12 +388,14 @@ class ModelRunner:
         capture)."""
         nreq, t = len(inp.req_ids), inp.num_tokens
         q = inp.uniform_query_len
+        self._graph_key = None
         if self.graphs is None:
             path = "eager:graphs_off"
         elif q is None or q not in self.graphs.query_lens:
             path = "eager:not_uniform_decode"  # prompts, chunks, mixed batches
         else:
             padded = self.graphs.padded_size(nreq, q)
+            self._graph_key = (padded, q) if padded is not None else None
             if padded is not None:
                 self.buffers.fill_padding(nreq, t, padded, q)
                 self.prep.mark_staging_read()
@@ -371,7 +424,14 @@ class ModelRunner:
             return sampled.unsqueeze(1), None, lp.unsqueeze(1) if lp is not None else None
         assert inp.row_start is not None and inp.num_rows is not None
         tokens, num = rejection_sample(
-            self.sampler, logits, md, inp.drafts, inp.row_start, inp.num_rows
+            self.sampler,
+            logits,
+            md,
+            inp.drafts,
+            inp.row_start,
+            inp.num_rows,
+            self.rejection_method,
+            self.synthetic_rate,
         )
         lp = token_logprobs(logits, tokens, inp.row_start) if md.need_logprobs else None
         return tokens, num, lp
@@ -388,6 +448,11 @@ class ModelRunner:
         n = len(inp.req_ids)
         assert inp.first_token is not None
         counts = num if num is not None else torch.ones(n, dtype=torch.int64, device=self.device)
+        dg = self.draft_graphs
+        if dg is not None and self._graph_key in dg.graphs:
+            assert inp.next_ids is not None and inp.sample_mask is not None
+            padded, q = self._graph_key
+            return dg.run(padded, q, tokens, counts, inp.first_token, inp.next_ids, inp.sample_mask)
         b = self.batch
         batch = DraftBatch(
             req_ids=inp.req_ids,
@@ -395,11 +460,21 @@ class ModelRunner:
             samples=inp.samples,
             token_table=b.token_ids,
             num_prompt_tokens=b.num_prompt_tokens[inp.rows],
+            num_known=b.num_tokens[inp.rows],
+            max_context=inp.common.max_seq_len + 1,
             sampled=tokens,
             num_sampled=counts,
             next_positions=self.buffers.positions.dev.index_select(0, inp.first_token) + counts,
             hidden=hidden,
             query_start_loc=inp.common.query_start_loc,
+            input_ids=self.buffers.input_ids.dev[: inp.num_tokens],
+            positions=self.buffers.positions.dev[: inp.num_tokens],
+            common=inp.common,
+            first_token=inp.first_token,
+            num_rows=inp.num_rows,
+            last_next_ids=inp.next_ids,
+            block_tables=self.buffers.block_tables.dev[:n],
+            sample_mask=inp.sample_mask,
         )
         return self.proposer.propose(batch)
 

@@ -42,6 +42,8 @@ class StepInputs:
     row_start: torch.Tensor | None  # [B] its first logits row
     num_rows: torch.Tensor | None  # [B] its logits rows
     first_token: torch.Tensor | None  # [B] token index of its first logits row
+    next_ids: torch.Tensor | None  # [B] the known token after its last one, -1: none yet
+    sample_mask: torch.Tensor | None  # [B] bool, device: ``samples`` (when a proposer runs)
     drafts: torch.Tensor | None  # [B, k] int64, device, when any request verifies drafts
     sampling: SamplingMetadata
     row_gens: np.ndarray  # the rows' generations when the step was prepared
@@ -67,8 +69,11 @@ class StepPreparer:
         device: torch.device,
         vocab_size: int,
         drafting: bool = False,
+        lookahead: int = 0,
     ) -> None:
         self.drafting = drafting  # a proposer runs after every step (it reads first_token)
+        # block-table columns past the step that a drafter writes (MTP's lookahead slots)
+        self.lookahead = lookahead
         self.batch = batch
         self.buf = buffers
         self.device = device
@@ -129,7 +134,7 @@ class StepPreparer:
         buf.query_start_loc.np[: nreq + 1] = cu
         buf.seq_lens.np[:nreq] = seq_lens
         max_seq = int(seq_lens.max())
-        nblk = cdiv(max_seq, bs)
+        nblk = min(cdiv(max_seq + self.lookahead, bs), b.block_table.shape[1])
         buf.block_tables.np[:nreq, :nblk] = b.block_table[rows, :nblk]
 
         # logits rows: the last num_drafts + 1 tokens of each request
@@ -165,15 +170,23 @@ class StepPreparer:
         buf.positions.upload(t)
         logits_idx = buf.logits_idx.upload(num_logit_rows) if num_logit_rows != t else None
         drafts = buf.drafts.upload(nreq) if spec else None
-        d_per_req: list[torch.Tensor | None] = [None, None, None]
+        samples = np.fromiter((r in so.sampling_req_ids for r in req_ids), bool, count=nreq)
+        sample_mask = None
+        if self.drafting:
+            buf.samples.np[:nreq] = samples
+            sample_mask = buf.samples.upload(nreq)
+        d_per_req: list[torch.Tensor | None] = [None, None, None, None]
         if spec or self.drafting:
-            per_req = buf.per_req.np  # row_start | num_rows | first_token
+            per_req = buf.per_req.np  # row_start | num_rows | first_token | next id
             per_req[:nreq] = row_start
             per_req[nreq : 2 * nreq] = nrows
             per_req[2 * nreq : 3 * nreq] = first_tok
-            d_per_req = list(buf.per_req.upload(3 * nreq).view(3, nreq))
+            nxt = np.minimum(seq_lens, b.token_ids.shape[1] - 1)
+            per_req[3 * nreq : 4 * nreq] = np.where(
+                seq_lens < b.num_tokens[rows], b.token_ids[rows, nxt], -1
+            )
+            d_per_req = list(buf.per_req.upload(4 * nreq).view(4, nreq))
 
-        samples = np.fromiter((r in so.sampling_req_ids for r in req_ids), bool, count=nreq)
         if self.in_flight is not None:
             self._patch_from_device(
                 req_idx, tok_rows, pos, is_draft, dmat, draft_j, rows, t, nreq, drafts
@@ -193,6 +206,8 @@ class StepPreparer:
             d_per_req[0],
             d_per_req[1],
             d_per_req[2],
+            d_per_req[3],
+            sample_mask,
             drafts,
             self.sampling_metadata(rows, nsched, ndraft, lreq, row_start),
             b.row_gen[rows].copy(),

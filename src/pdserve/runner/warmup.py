@@ -24,6 +24,7 @@ from pdserve.runner.model_step import ModelStep
 # Query lengths of the mixed batches :func:`dummy_paged_runs` runs: each pairs a chunk
 # with a one-token request, one batch per tile size of the paged prefill kernel.
 PAGED_WARMUP_QUERY_LENS = (4, 8, 16, 64)
+CPU_WARMUP_TOKENS = 256  # the largest dummy forward of a CPU warm-up
 
 
 def warm_up(
@@ -45,14 +46,16 @@ def warm_up(
         torch.cuda.synchronize(step.device)
         phases["gemm_sweep"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    # eager prefill path at 16, 64, 256, ... tokens and the full budget
+    # eager prefill path at 16, 64, 256, ... tokens and the full budget; on the CPU
+    # nothing is compiled, so a few hundred tokens only check that the paths run
+    top = max_num_tokens if cuda else min(max_num_tokens, CPU_WARMUP_TOKENS)
     n = 16
-    while n < max_num_tokens:
+    while n < top:
         dummy_prompt_run(step, n, max_num_reqs)
         n *= 4
-    dummy_prompt_run(step, max_num_tokens, max_num_reqs)
-    dummy_paged_runs(step, max_num_tokens)
-    dummy_uniform_runs(step, max_num_tokens)
+    dummy_prompt_run(step, top, max_num_reqs)
+    dummy_paged_runs(step, top)
+    dummy_uniform_runs(step, top)
     dummy_samples(sampler, step.vocab_size, step.device)
     if cuda:
         torch.cuda.synchronize(step.device)

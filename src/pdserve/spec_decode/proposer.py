@@ -15,6 +15,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from pdserve.layers.attention import CommonAttentionMetadata
+
 
 @dataclass
 class DraftBatch:
@@ -34,11 +36,22 @@ class DraftBatch:
     samples: np.ndarray  # [B] bool
     token_table: np.ndarray
     num_prompt_tokens: np.ndarray  # [B]
+    num_known: np.ndarray  # [B] tokens of each row the host table holds
+    max_context: int  # an upper bound on next_positions + 1 over the batch
     sampled: torch.Tensor  # [B, k+1] int64, -1 padded
     num_sampled: torch.Tensor  # [B] int64
     next_positions: torch.Tensor  # [B] int64
     hidden: torch.Tensor  # [T, hidden]
     query_start_loc: torch.Tensor  # [B+1]
+    # the step itself, for drafters that run the model over it (MTP)
+    input_ids: torch.Tensor | None = None  # [T] as the step computed them
+    positions: torch.Tensor | None = None  # [T]
+    common: CommonAttentionMetadata | None = None
+    first_token: torch.Tensor | None = None  # [B] token index of each request's first row
+    num_rows: torch.Tensor | None = None  # [B] its logits rows (drafts + 1)
+    last_next_ids: torch.Tensor | None = None  # [B] the token after its last one, -1: unknown
+    block_tables: torch.Tensor | None = None  # [B, max blocks], lookahead blocks included
+    sample_mask: torch.Tensor | None = None  # [B] bool on the device: ``samples``
 
 
 class Proposer(Protocol):

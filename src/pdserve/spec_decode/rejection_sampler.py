@@ -16,6 +16,13 @@ each draft (row ``j`` judges draft ``j``; row ``d_b`` gives the bonus token).
   generators.
 - a draft id below 0 (a placeholder, or no draft) is never accepted.
 
+``method`` (``--speculative-config``'s ``rejection_sample_method``): ``probabilistic`` is
+the above; ``strict`` accepts a draft only when it equals the target's own sample at its
+row (exact too, lower acceptance at high temperature; greedy rows are the same either
+way); ``synthetic`` accepts each draft with probability ``synthetic_rate`` whatever the
+target says and emits a target sample at the first rejection: for timing random weights
+at a chosen acceptance only (its output is not the model's distribution).
+
 Output: ``tokens [B, k+1]`` (-1 past each request's count) and ``num [B]`` in
 ``1 .. d_b + 1``.
 """
@@ -34,6 +41,8 @@ def rejection_sample(
     drafts: torch.Tensor,  # [B, k] int64, -1 where none
     row_start: torch.Tensor,  # [B] int64
     num_rows: torch.Tensor,  # [B] int64 (d_b + 1)
+    method: str = "probabilistic",
+    synthetic_rate: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     nreq, k = drafts.shape
     r = logits.shape[0]
@@ -48,10 +57,16 @@ def rejection_sample(
     judged = judged[:r]
     has_draft = judged >= 0
     logits = sampler.masked(logits, md)
-    if md.all_greedy:
+    if method == "synthetic":
+        candidate = _samples(sampler, logits, md)
+        accept = has_draft & (sampler.uniform(r, dev, md) < synthetic_rate)
+    elif md.all_greedy:
         target = logits.argmax(dim=-1)
         accept = has_draft & (judged == target)
         candidate = target
+    elif method == "strict":
+        candidate = _samples(sampler, logits, md)
+        accept = has_draft & (judged == candidate)
     else:
         p = sampler.probs(logits, md)
         col = judged.clamp(min=0).unsqueeze(1)
@@ -69,6 +84,14 @@ def rejection_sample(
     tokens = torch.cat([tokens, tokens.new_full((nreq, 1), -1)], dim=1)
     tokens.scatter_(1, num_acc.unsqueeze(1), last)
     return tokens, num_acc + 1
+
+
+def _samples(sampler: Sampler, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """One sample of each row's distribution (its argmax for greedy rows)."""
+    if md.all_greedy:
+        return logits.argmax(dim=-1)
+    p = sampler.probs(logits, md)
+    return (p / sampler.noise(p, md)).argmax(dim=-1)
 
 
 def token_logprobs(

@@ -3,6 +3,10 @@
 Flags keep ``vllm serve``'s names where the meaning is the same. A vLLM flag that
 pdserve does not support yet is accepted by the parser only to be refused with a
 message that says so, so a user never gets a silently different server.
+
+The P/D secret comes from the environment (``PDSERVE_PD_SECRET``, never a flag: a
+command line is visible to every user of the host); without it the instance refuses
+every ``kv_transfer_params`` (403).
 """
 
 from __future__ import annotations
@@ -12,13 +16,14 @@ import asyncio
 import logging
 
 from pdserve.config import EngineConfig, add_engine_args
+from pdserve.core_types.pd_auth import load_secret
 from pdserve.heap import freeze_startup_heap
+from pdserve.serving.api.middleware import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 logger = logging.getLogger(__name__)
 
 # vLLM flags a user may carry over, each refused with the reason.
 UNSUPPORTED_VLLM_FLAGS: dict[str, str] = {
-    "--speculative-config": "speculative decoding is not implemented yet",
     "--quantization": "quantized checkpoints are not supported yet",
     "--enable-lora": "LoRA adapters are not supported",
     "--pipeline-parallel-size": "pipeline parallelism is not supported",
@@ -52,7 +57,20 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="model name(s) the API answers to (default: the model path)",
     )
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every endpoint except /health, "
+        "/metrics, /version and the OpenAPI docs",
+    )
+    p.add_argument(
+        "--max-request-body-bytes",
+        type=_body_limit,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="answer 413 to a request body larger than this, before reading it; 0 for no "
+        f"limit (default {DEFAULT_MAX_REQUEST_BODY_BYTES} = 32 MiB: about 4 million prompt "
+        "token ids)",
+    )
     p.add_argument(
         "--enable-prompt-tokens-details",
         action="store_true",
@@ -72,8 +90,21 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--uvicorn-log-level", default="warning")
     for flag in UNSUPPORTED_VLLM_FLAGS:
-        p.add_argument(flag, nargs="?", action=_Refuse, help=argparse.SUPPRESS)
+        try:
+            p.add_argument(flag, nargs="?", action=_Refuse, help=argparse.SUPPRESS)
+        except argparse.ArgumentError:  # the engine's flags implement it now
+            continue
     p.set_defaults(func=main)
+
+
+def _body_limit(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of bytes: {value!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError("must be >= 0 (0: no limit)")
+    return n
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -83,6 +114,9 @@ async def serve(args: argparse.Namespace) -> int:
     from pdserve.serving.api.server import serve_app
 
     config = EngineConfig.from_cli(args)
+    pd_secret = load_secret()  # ValueError (a too-short secret) before anything starts
+    if pd_secret is None:
+        logger.info("no P/D secret (PDSERVE_PD_SECRET): kv_transfer_params will be refused")
     engine = await AsyncEngineClient.start(config, log_level=args.log_level)
     try:
         ready = engine.ready
@@ -107,6 +141,8 @@ async def serve(args: argparse.Namespace) -> int:
             enable_prompt_tokens_details=args.enable_prompt_tokens_details,
             chat_template=args.chat_template,
             chat_template_content_format=args.chat_template_content_format,
+            pd_secret=pd_secret,
+            max_request_body_bytes=args.max_request_body_bytes or None,
         )
         freeze_startup_heap()
         print(f"pdserve: serving {args.model} on http://{args.host}:{args.port}", flush=True)

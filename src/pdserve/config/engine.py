@@ -15,6 +15,9 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
+from pdserve.config.kv_transfer import KVTransferConfig
+from pdserve.config.speculative import SpeculativeConfig
+
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
@@ -87,6 +90,11 @@ class SchedulerConfig:
         "schedule and prepare step N+1 while step N runs on the device (one step in "
         "flight); a request that stops on a sampled token computes one discarded token",
     )
+    disable_log_stats: bool = _f(
+        False,
+        "no periodic stats line (throughput, queue, KV usage, prefix hits, speculative "
+        "acceptance) in the engine's log every 10 s",
+    )
 
     def __post_init__(self) -> None:
         _check(self.max_num_seqs >= 1, "--max-num-seqs must be >= 1")
@@ -115,173 +123,6 @@ class DeviceConfig:
             self.attention_backend in ("auto", "triton", "torch"),
             f"--attention-backend must be auto, triton or torch (got {self.attention_backend!r})",
         )
-
-
-KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
-LOAD_FAILURE_POLICIES = ("fail", "recompute")
-CONNECTORS = ("PdConnector",)
-TRANSPORTS = ("tcp", "cuda_ipc")
-
-
-@dataclass(frozen=True)
-class KVTransferConfig:
-    """``--kv-transfer-config`` as in vLLM: connector, role and connector-specific extras.
-
-    Extras understood by ``PdConnector`` (``kv_connector_extra_config``):
-    ``transport`` (tcp | cuda_ipc), ``host`` and ``port`` of this instance's KV server
-    (default 127.0.0.1 and an ephemeral port), ``lease_seconds`` (initial lease on
-    prefill-held blocks, default 30), ``handshake_timeout`` (s, default 5),
-    ``transfer_timeout`` (s, default 60).
-
-    Bounds on the KV side channel (every message on it is authenticated with the
-    topology's secret, ``PDSERVE_PD_SECRET``; these bound what an authenticated peer
-    may do):
-
-    - ``max_reads_per_lease`` (prefill, default 3): reads of one held request's KV;
-      later reads are refused.
-    - ``max_reads_per_second`` (prefill, default 1000): reads per second from one decode
-      connection (a token bucket with a burst of the same size); excess reads are refused.
-    - ``max_ids_per_message`` (both, default 1024): request ids in one heartbeat or done
-      notice; prefill refuses a larger one, decode splits its notices to fit (give both
-      roles the same value).
-    - ``allowed_prefill`` (decode, default: any): a list of ``"host:port"`` KV server
-      endpoints this instance may pull from; a request naming another endpoint fails
-      without it being dialled (hosts compare as written: use the form prefill
-      advertises as ``remote_host``).
-    - ``max_prefill_peers`` (decode, default 64): prefill endpoints with a connection
-      (and a worker thread) at once; a load for one more fails at once. Idle peers are
-      closed after a minute.
-    """
-
-    kv_connector: str
-    kv_role: str
-    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
-    kv_load_failure_policy: str = "fail"
-
-    def __post_init__(self) -> None:
-        if self.kv_connector not in CONNECTORS:
-            raise ValueError(
-                f"--kv-transfer-config: kv_connector {self.kv_connector!r} is not supported "
-                f"(supported: {', '.join(CONNECTORS)})"
-            )
-        if self.kv_role not in KV_ROLES:
-            raise ValueError(f"--kv-transfer-config: kv_role must be one of {', '.join(KV_ROLES)}")
-        if self.kv_load_failure_policy not in LOAD_FAILURE_POLICIES:
-            raise ValueError(
-                "--kv-transfer-config: kv_load_failure_policy must be fail or recompute"
-            )
-        extra = self.kv_connector_extra_config
-        known = {
-            "transport",
-            "host",
-            "port",
-            "lease_seconds",
-            "handshake_timeout",
-            "transfer_timeout",
-            "max_reads_per_lease",
-            "max_reads_per_second",
-            "max_ids_per_message",
-            "allowed_prefill",
-            "max_prefill_peers",
-        }
-        unknown = set(extra) - known
-        if unknown:
-            raise ValueError(
-                f"--kv-transfer-config: unknown kv_connector_extra_config key(s) "
-                f"{', '.join(sorted(unknown))} (known: {', '.join(sorted(known))})"
-            )
-        if self.transport not in TRANSPORTS:
-            raise ValueError(
-                f"--kv-transfer-config: transport must be one of {', '.join(TRANSPORTS)}"
-            )
-        if self.lease_seconds <= 0:
-            raise ValueError("--kv-transfer-config: lease_seconds must be > 0")
-        for key in (
-            "max_reads_per_lease",
-            "max_reads_per_second",
-            "max_ids_per_message",
-            "max_prefill_peers",
-        ):
-            v = extra.get(key, 1)
-            if isinstance(v, bool) or not isinstance(v, int | float) or v < 1:
-                raise ValueError(f"--kv-transfer-config: {key} must be a number >= 1 (got {v!r})")
-        _ = self.allowed_prefill  # validates the list
-
-    @classmethod
-    def from_json(cls, value: str | dict | None) -> KVTransferConfig | None:
-        if value is None:
-            return None
-        if isinstance(value, str):
-            try:
-                obj = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--kv-transfer-config is not valid JSON: {e}") from None
-        else:
-            obj = dict(value)
-        if not isinstance(obj, dict):
-            raise ValueError("--kv-transfer-config must be a JSON object")
-        known = {"kv_connector", "kv_role", "kv_connector_extra_config", "kv_load_failure_policy"}
-        unknown = set(obj) - known
-        if unknown:
-            raise ValueError(
-                f"--kv-transfer-config: unknown key(s) {', '.join(sorted(unknown))} "
-                f"(known: {', '.join(sorted(known))})"
-            )
-        for req in ("kv_connector", "kv_role"):
-            if req not in obj:
-                raise ValueError(f"--kv-transfer-config needs {req!r}")
-        obj.setdefault("kv_connector_extra_config", {})
-        return cls(**obj)
-
-    @property
-    def is_producer(self) -> bool:
-        return self.kv_role in ("kv_producer", "kv_both")
-
-    @property
-    def is_consumer(self) -> bool:
-        return self.kv_role in ("kv_consumer", "kv_both")
-
-    @property
-    def transport(self) -> str:
-        return str(self.kv_connector_extra_config.get("transport", "tcp"))
-
-    @property
-    def lease_seconds(self) -> float:
-        return float(self.kv_connector_extra_config.get("lease_seconds", 30.0))
-
-    @property
-    def max_reads_per_lease(self) -> int:
-        return int(self.kv_connector_extra_config.get("max_reads_per_lease", 3))
-
-    @property
-    def max_reads_per_second(self) -> float:
-        return float(self.kv_connector_extra_config.get("max_reads_per_second", 1000.0))
-
-    @property
-    def max_ids_per_message(self) -> int:
-        return int(self.kv_connector_extra_config.get("max_ids_per_message", 1024))
-
-    @property
-    def max_prefill_peers(self) -> int:
-        return int(self.kv_connector_extra_config.get("max_prefill_peers", 64))
-
-    @property
-    def allowed_prefill(self) -> frozenset[tuple[str, int]] | None:
-        """The ``allowed_prefill`` endpoints as (host, port), or None (any endpoint)."""
-        value = self.kv_connector_extra_config.get("allowed_prefill")
-        if value is None:
-            return None
-        bad = '--kv-transfer-config: allowed_prefill must be a list of "host:port" strings'
-        if not isinstance(value, list | tuple):
-            raise ValueError(f"{bad} (got {value!r})")
-        out = set()
-        for item in value:
-            host, sep, port = str(item).rpartition(":") if isinstance(item, str) else ("", "", "")
-            host = host.removeprefix("[").removesuffix("]")  # [::1]:5000
-            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"{bad} (got {item!r})")
-            out.add((host, int(port)))
-        return frozenset(out)
 
 
 CUDAGRAPH_MODES = ("NONE", "FULL_DECODE_ONLY")
@@ -374,6 +215,7 @@ class EngineConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
     kv_transfer: KVTransferConfig | None = None  # ``--kv-transfer-config``
+    speculative: SpeculativeConfig | None = None  # ``--speculative-config``
 
     SECTIONS = ("model", "cache", "scheduler", "parallel", "device")
 
@@ -389,6 +231,7 @@ class EngineConfig:
         parts["kv_transfer"] = (
             kvt if isinstance(kvt, KVTransferConfig) else KVTransferConfig.from_json(kvt)
         )
+        parts["speculative"] = SpeculativeConfig.from_json(left.pop("speculative_config", None))
         comp = left.pop("compilation_config", None)
         parts["compilation"] = (
             comp
@@ -410,6 +253,7 @@ class EngineConfig:
             "compilation_config",
             "enforce_eager",
             "kv_transfer_config",
+            "speculative_config",
         ]
         return cls.from_kwargs(**{k: getattr(args, k) for k in names if hasattr(args, k)})
 
@@ -470,6 +314,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--enforce-eager", action="store_true", help="never use CUDA graphs (cudagraph_mode NONE)"
+    )
+    parser.add_argument(
+        "--speculative-config",
+        default=None,
+        help='JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 3}\' or '
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\'',
     )
     parser.add_argument(
         "--kv-transfer-config",

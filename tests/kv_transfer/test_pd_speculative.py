@@ -1,0 +1,95 @@
+"""Speculative decoding across a P/D hand-off (in-process engines, tcp on loopback).
+
+The prefill instance drafts k=1 and the decode instance k=3 (per-pool depth, as in
+examples/4p1d-glm5.yaml). With MTP the prefill runs the MTP layer over the prompt, so
+the MTP layer's caches travel with the target's (one more layer in the same cache
+groups); the decode instance recomputes the last prompt token, and with padding its
+first step verifies k placeholders (never accepted) so it has the (1+k)-token shape of
+every other decode step. Greedy output equals the colocated engine without speculation.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from _pd_engines import PROMPTS, engine, prefill, proc, run, settle, tokens
+from pdserve import LLM, SamplingParams
+
+SP = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+def _reference(path: Path) -> list[list[int]]:
+    llm = LLM(str(path), dtype="float32", block_size=4)
+    return [
+        o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SP)
+    ]
+
+
+def _pd_run(path: Path, p_spec: dict, d_spec: dict, async_scheduling: bool):  # type: ignore[no-untyped-def, type-arg]
+    p = engine(path, "kv_producer", speculative_config=p_spec)
+    d = engine(path, "kv_consumer", speculative_config=d_spec, async_scheduling=async_scheduling)
+    pp, dp = proc(p, path), proc(d, path)
+    try:
+        for i, ids in enumerate(PROMPTS):
+            params = prefill(p, pp, f"r{i}", ids)
+            # the prompt's blocks only, not the lookahead slots MTP drafting reserved
+            assert len(params.remote_block_ids or []) == -(-len(ids) // 4)
+            d.add_request(dp.make_request(f"r{i}", ids, SP, params))
+        outs = run(d, {f"r{i}" for i in range(len(PROMPTS))})
+        got = [tokens(outs[f"r{i}"]) for i in range(len(PROMPTS))]
+        st = d.stats()
+        assert st.kv_transfer_failures == 0
+        assert st.prompt_tokens_by_source["external_kv_transfer"] == sum(
+            len(x) - 1 for x in PROMPTS
+        )
+        settle(p, d)
+        return got, st
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+@pytest.mark.parametrize(("pad", "async_scheduling"), [(True, True), (False, False), (True, False)])
+def test_mtp_1p1d_greedy_output_is_identical(
+    tiny_glm5: Path, pad: bool, async_scheduling: bool
+) -> None:
+    want = _reference(tiny_glm5)
+    p_spec = {"method": "mtp", "num_speculative_tokens": 1}
+    d_spec = {"method": "mtp", "num_speculative_tokens": 3, "pad_first_decode_step": pad}
+    got, st = _pd_run(tiny_glm5, p_spec, d_spec, async_scheduling)
+    assert got == want
+    # every request's first decode step was padded (or none was), and the padding is
+    # not counted as drafts: each counted verify carried real drafts
+    assert st.spec_num_padded_steps == (len(PROMPTS) if pad else 0)
+    assert st.spec_num_drafts > 0 and st.spec_num_draft_tokens <= 3 * st.spec_num_drafts
+
+
+def test_ngram_1p1d_greedy_output_is_identical(tiny_llama: Path) -> None:
+    want = _reference(tiny_llama)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}
+    got, st = _pd_run(tiny_llama, {**spec, "num_speculative_tokens": 1}, spec, True)
+    assert got == want
+    assert st.spec_num_padded_steps == len(PROMPTS)
+    assert sum(st.spec_num_accepted_tokens_per_pos) == st.spec_num_accepted_tokens
+
+
+def test_speculative_method_mismatch_is_refused(tiny_llama: Path) -> None:
+    p = engine(
+        tiny_llama,
+        "kv_producer",
+        speculative_config={"method": "ngram", "num_speculative_tokens": 1},
+    )
+    d = engine(tiny_llama, "kv_consumer")
+    try:
+        pp, dp = proc(p, tiny_llama), proc(d, tiny_llama)
+        params = prefill(p, pp, "m", PROMPTS[2])
+        d.add_request(dp.make_request("m", PROMPTS[2], SamplingParams(max_tokens=2), params))
+        out = run(d, {"m"})["m"][-1]
+        assert out.finish_reason == "error"
+        assert "speculative_config" in (out.error or "")
+        settle(d)
+    finally:
+        p.shutdown()
+        d.shutdown()
