@@ -186,3 +186,74 @@ def test_errors(tiny_ckpts: dict[str, Path], tmp_path: Path) -> None:
     _edit_config(d, add_bos_token="yes")
     with pytest.raises(ValueError, match="add_bos_token"):
         Tokenizer.from_pretrained(d)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_max_chars_per_token_bounds_the_token_count(arch: str, tiny_ckpts: dict[str, Path]) -> None:
+    """``ceil(len(text) / max_chars_per_token)`` never exceeds the real token count, even
+    for texts made of the longest tokens."""
+    import random
+
+    from pdserve.frontend.processor import min_token_count
+
+    tok = Tokenizer.from_pretrained(tiny_ckpts[arch])
+    per = tok.max_chars_per_token
+    assert isinstance(per, int) and per >= 1
+    vocab = tok.backend.get_vocab(with_added_tokens=True)
+    decoded_longest = max(
+        (tok.decode([i], skip_special_tokens=False) for i in vocab.values()), key=len
+    )
+    rng = random.Random(0)
+    alphabet = "ab c\n\t.,!漢字ünï🙂<|>" + "".join(vocab)
+    texts = [
+        *TEXTS,
+        decoded_longest * 40,
+        max(vocab, key=len) * 40,
+        " " * 4000,
+        "\n" * 500,
+        "a" * 5000,
+        "🙂" * 500,
+        *("".join(rng.choice(alphabet) for _ in range(rng.randint(1, 3000))) for _ in range(20)),
+    ]
+    for text in texts:
+        n = len(tok.encode(text, add_special_tokens=False))
+        assert min_token_count(tok, text) <= n, (text[:40], n, per)
+    assert min_token_count(tok, decoded_longest * 40) >= 40 * len(decoded_longest) // per
+
+
+def test_max_chars_per_token_is_none_where_text_can_vanish() -> None:
+    """No bound where a normalizer, pre-tokenizer or model can drop characters or fold an
+    unbounded run into one token; a factor where a normalizer composes characters."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models, normalizers, pre_tokenizers
+
+    from pdserve.frontend.tokenizer import max_chars_per_token
+
+    byte_tokens = {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    fallback = Backend(
+        models.BPE({"a": 0, "b": 1, "ab": 2, **byte_tokens}, [("a", "b")], byte_fallback=True)
+    )
+    assert max_chars_per_token(fallback) == 6  # "<0x41>"
+    fallback.normalizer = normalizers.NFC()
+    assert max_chars_per_token(fallback) == 24  # NFC composes up to 4 characters into one
+    fallback.normalizer = normalizers.Replace(" ", "▁")
+    assert max_chars_per_token(fallback) == 6
+    for norm in (normalizers.Strip(), normalizers.Replace("ab", ""), normalizers.BertNormalizer()):
+        fallback.normalizer = norm
+        assert max_chars_per_token(fallback) is None, norm
+    fallback.normalizer = None
+    fallback.pre_tokenizer = pre_tokenizers.Split(" ", "isolated")
+    assert max_chars_per_token(fallback) == 6
+    for pre in (pre_tokenizers.Whitespace(), pre_tokenizers.Split(" ", "removed")):
+        fallback.pre_tokenizer = pre
+        assert max_chars_per_token(fallback) is None, pre
+    dropping = Backend(models.BPE({"a": 0, "b": 1, "ab": 2}, [("a", "b")]))
+    assert dropping.encode("abxxxxab").ids == [2, 2]  # unknown characters vanish
+    assert max_chars_per_token(dropping) is None
+    vocab = {"a": 0, "b": 1, "ab": 2, "<unk>": 3}
+    fused = Backend(models.BPE(vocab, [("a", "b")], unk_token="<unk>", fuse_unk=True))
+    assert max_chars_per_token(fused) is None
+    unfused = Backend(models.BPE(vocab, [("a", "b")], unk_token="<unk>", fuse_unk=False))
+    assert max_chars_per_token(unfused) == 5
+    wordpiece = Backend(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+    assert max_chars_per_token(wordpiece) is None

@@ -17,6 +17,7 @@ import jinja2.sandbox
 import pytest
 
 from pdserve.core_types.kv_transfer_params import KVTransferParams
+from pdserve.core_types.pd_auth import load_secret, sign_kv_params
 from pdserve.core_types.sampling_params import SamplingParams
 from pdserve.core_types.stats import SchedulerStats
 from pdserve.frontend.outputs import CompletionOutput, RequestOutput
@@ -28,6 +29,18 @@ FAKE_CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
+
+
+def pd_secret() -> bytes:
+    """The session's P/D secret (tests/conftest.py sets ``PDSERVE_PD_SECRET``)."""
+    secret = load_secret()
+    assert secret is not None, "tests/conftest.py sets PDSERVE_PD_SECRET"
+    return secret
+
+
+def signed(kv: dict[str, Any], **kw: Any) -> dict[str, Any]:
+    """``kv`` signed as this topology's proxy signs it."""
+    return sign_kv_params(kv, pd_secret(), **kw)
 
 
 class FakeTokenizer:
@@ -97,9 +110,13 @@ class FakeEngineClient:
         self.num_cached_tokens = num_cached_tokens
         self.healthy = True
         self.aborted: list[str] = []
+        self.released: list[str] = []  # release_kv calls (the prefill side of P/D)
         self.requests: dict[str, tuple[list[int], SamplingParams, dict | None]] = {}
         self.running: set[str] = set()
         self._abort_events: dict[str, asyncio.Event] = {}
+
+    async def release_kv(self, request_id: str) -> None:
+        self.released.append(request_id)
 
     def generate(
         self,
@@ -257,13 +274,15 @@ ServerFactory = Callable[..., ServerThread]
 
 @pytest.fixture
 def make_server() -> Iterator[ServerFactory]:
-    """``make_server(engine, shutdown_timeout=..., **build_app_kwargs)`` → running server."""
+    """``make_server(engine, shutdown_timeout=..., **build_app_kwargs)`` → running server
+    (with the session's P/D secret unless ``pd_secret`` is given)."""
     servers: list[ServerThread] = []
 
     def factory(
         engine: FakeEngineClient, *, shutdown_timeout: float = 5.0, **kwargs: Any
     ) -> ServerThread:
         kwargs.setdefault("served_model_names", [MODEL])
+        kwargs.setdefault("pd_secret", pd_secret())
         srv = ServerThread(build_app(engine, **kwargs), shutdown_timeout=shutdown_timeout)
         servers.append(srv.start())
         return srv
@@ -281,9 +300,14 @@ def server_engine() -> FakeEngineClient:
 
 @pytest.fixture(scope="module")
 def server(server_engine: FakeEngineClient) -> Iterator[ServerThread]:
-    """One server per test module, with ``enable_prompt_tokens_details``."""
+    """One server per test module, with ``enable_prompt_tokens_details`` and the P/D secret."""
     srv = ServerThread(
-        build_app(server_engine, served_model_names=[MODEL], enable_prompt_tokens_details=True)
+        build_app(
+            server_engine,
+            served_model_names=[MODEL],
+            enable_prompt_tokens_details=True,
+            pd_secret=pd_secret(),
+        )
     ).start()
     yield srv
     srv.stop()

@@ -62,6 +62,9 @@ COMPLETION_400 = [
     ({"max_tokens": 3}, "prompt", "required"),
     ({"prompt": "x", "top_p": 0}, "top_p", ""),
     ({"prompt": "x", "logprobs": 50}, "logprobs", ""),
+    # only the sampled token's logprob is returned: asking for alternatives is refused
+    ({"prompt": "x", "logprobs": 1}, "logprobs", "sampled token's logprob"),
+    ({"prompt": "x", "logprobs": 3, "stream": True}, "logprobs", "logprobs=3"),
 ]
 
 
@@ -72,7 +75,8 @@ def test_completion_400(server: ServerThread, body: dict, param: str | None, tex
 
 CHAT_400 = [
     ({"n": 3}, "n", "n=3"),
-    ({"top_logprobs": 2, "logprobs": True}, "top_logprobs", "top_logprobs"),
+    ({"top_logprobs": 2, "logprobs": True}, "top_logprobs", "top_logprobs=2"),
+    ({"top_logprobs": 1}, "top_logprobs", "sampled token's logprob"),
     ({"response_format": {"type": "json_object"}}, "response_format", "json_object"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tools"),
     ({"tool_choice": "required"}, "tool_choice", "tool_choice"),

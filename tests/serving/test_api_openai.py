@@ -10,7 +10,7 @@ import pytest
 
 from pdserve.core_types.kv_transfer_params import KVTransferParams
 
-from .conftest import MODEL, FakeEngineClient, ServerFactory, ServerThread
+from .conftest import MODEL, FakeEngineClient, ServerFactory, ServerThread, signed
 
 
 def client_for(srv: ServerThread, api_key: str = "unused") -> openai.OpenAI:
@@ -177,11 +177,11 @@ def test_max_tokens_none_uses_rest_of_context(
 
 def test_logprobs(server: ServerThread) -> None:
     c = client_for(server)
-    r = c.completions.create(model=MODEL, prompt="q", max_tokens=2, logprobs=1)
+    r = c.completions.create(model=MODEL, prompt="q", max_tokens=2, logprobs=0)
     lp = r.choices[0].logprobs
     assert lp is not None
     assert lp.tokens == ["a", "b"] and lp.token_logprobs == [-0.5, -0.5]
-    assert lp.text_offset == [0, 1] and lp.top_logprobs == [{"a": -0.5}, {"b": -0.5}]
+    assert lp.text_offset == [0, 1] and lp.top_logprobs is None
     chat = c.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "q"}], max_tokens=2, logprobs=True
     )
@@ -196,7 +196,7 @@ def test_kv_transfer_params_round_trip(
     with httpx.Client(base_url=server.url, timeout=10) as c:
         r = c.post(
             "/v1/completions",
-            json={"prompt": "p", "max_tokens": 1, "kv_transfer_params": kv},
+            json={"prompt": "p", "max_tokens": 1, "kv_transfer_params": signed(kv)},
             headers={"X-Request-Id": "pd-1"},
         )
     assert r.status_code == 200
@@ -223,9 +223,11 @@ def test_kv_transfer_params_round_trip(
 def test_bad_kv_transfer_params_get_400_naming_the_field(
     server: ServerThread, server_engine: FakeEngineClient, kv: object, field: str
 ) -> None:
+    """Signed by the proxy but malformed: 400 (a non-object cannot be signed at all)."""
+    body_kv = signed(kv) if isinstance(kv, dict) else kv
     with httpx.Client(base_url=server.url, timeout=10) as c:
         r = c.post(
-            "/v1/completions", json={"prompt": "p", "max_tokens": 1, "kv_transfer_params": kv}
+            "/v1/completions", json={"prompt": "p", "max_tokens": 1, "kv_transfer_params": body_kv}
         )
     assert r.status_code == 400
     assert field in r.json()["error"]["message"]

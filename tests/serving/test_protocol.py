@@ -149,3 +149,20 @@ def test_any_json_is_a_clean_error_or_valid_params(body: dict, prompt_len: int) 
         return
     params.verify(50)
     assert params.max_tokens is not None and prompt_len + params.max_tokens <= 128
+
+
+def test_lone_surrogates_are_found_anywhere_and_named() -> None:
+    from pdserve.serving.api.unicode_check import find_lone_surrogate
+
+    assert find_lone_surrogate({"prompt": "ok", "ids": list(range(1000))}) is None
+    assert find_lone_surrogate({"prompt": "smile \U0001f642"}) is None  # a proper pair
+    assert find_lone_surrogate("\udc00") == (None, 0, "U+DC00")
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "ab\ud800"}]}]}
+    assert find_lone_surrogate(body) == ("messages.0.content.0.text", 2, "U+D800")
+    assert find_lone_surrogate({"metadata": {"k\udfff": 1}}) == ("metadata.k\\udfff", 1, "U+DFFF")
+    deep: list = []
+    for _ in range(5000):  # no recursion
+        deep = [deep]
+    assert find_lone_surrogate({"x": deep}) is None
+    with pytest.raises(ValidationError, match="lone surrogate"):
+        CompletionRequest.model_validate({"prompt": "x", "stop": ["\ud800"]})

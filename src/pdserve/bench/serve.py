@@ -323,11 +323,17 @@ def _check_args(args: argparse.Namespace) -> None:
         raise BenchError("--request-rate and --burstiness must be > 0")
 
 
-def _redacted(args: argparse.Namespace) -> argparse.Namespace:
-    shown = argparse.Namespace(**vars(args))
-    if getattr(shown, "api_key", None):
-        shown.api_key = "***"
-    return shown
+def _redacted(args: argparse.Namespace) -> str:
+    """The run's settings as one ``key=value`` line: the API key masked, the CLI's
+    dispatch fields (functions, sub-command names) left out."""
+    shown = []
+    for key, value in sorted(vars(args).items()):
+        if callable(value) or key in ("command", "bench_cmd", "func"):
+            continue
+        if key == "api_key" and value:
+            value = "***"
+        shown.append(f"{key}={value!r}")
+    return "bench serve: " + " ".join(shown)
 
 
 async def benchmark_from_args(args: argparse.Namespace, freeze_gc: bool = False) -> dict[str, Any]:

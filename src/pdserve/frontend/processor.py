@@ -4,6 +4,11 @@ request, :class:`~pdserve.core_types.messages.EngineCoreRequest`.
 Everything invalid raises ``ValueError`` with a message meant for the user, before the
 request reaches the engine, so a bad request never disturbs the others. Nothing after
 this point validates user input again.
+
+A text prompt is checked against ``max_model_len`` twice: first without tokenizing it
+(:func:`min_token_count`: its characters divided by the most characters one token can
+stand for, when the tokenizer has such a bound), so a huge text is refused at once;
+then exactly, on its token ids.
 """
 
 from __future__ import annotations
@@ -17,6 +22,25 @@ from pdserve.core_types.sampling_params import SamplingParams
 from pdserve.frontend.tokenizer import Tokenizer
 
 PromptType = str | dict[str, Any] | list[int]
+
+
+def min_token_count(tokenizer: Any, text: str) -> int:
+    """A lower bound on ``len(tokenizer.encode(text))``, found without encoding: the
+    characters of ``text`` divided by the tokenizer's ``max_chars_per_token`` (0 when
+    the tokenizer has no such bound)."""
+    per_token = getattr(tokenizer, "max_chars_per_token", None)
+    if not isinstance(per_token, int) or per_token < 1:
+        return 0
+    return -(-len(text) // per_token)
+
+
+def too_long_text_message(text: str, min_tokens: int, max_model_len: int) -> str:
+    """What to tell a user whose text is refused by :func:`min_token_count`."""
+    return (
+        f"This model's maximum context length is {max_model_len} tokens, but the prompt "
+        f"has {len(text)} characters, which is at least {min_tokens} tokens for this "
+        "tokenizer. Please reduce the length of the prompt."
+    )
 
 
 class InputProcessor:
@@ -47,12 +71,19 @@ class InputProcessor:
         if ids is None:
             if not isinstance(text, str) or not text:
                 raise ValueError("the prompt is empty")
+            self.check_text_length(text)
             ids = self.tokenizer.encode(text)
         if not isinstance(ids, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in ids
         ):
             raise ValueError("prompt_token_ids must be a list of integers")
         return text, ids
+
+    def check_text_length(self, text: str) -> None:
+        """Refuse a text that cannot fit ``max_model_len`` without tokenizing it."""
+        low = min_token_count(self.tokenizer, text)
+        if low >= self.max_model_len:
+            raise ValueError(too_long_text_message(text, low, self.max_model_len))
 
     def check_prompt(self, ids: list[int]) -> None:
         if not ids:

@@ -22,7 +22,12 @@ Behaviour matches ``transformers.AutoTokenizer`` for fast tokenizers:
   ``trim_blocks``/``lstrip_blocks``, ``raise_exception``, ``strftime_now``, a
   non-escaping ``tojson`` and the named special tokens as variables.
 
-Instances are immutable after construction and safe to share between threads.
+``max_chars_per_token`` bounds how many characters of input one token can stand for
+(when the tokenizer has such a bound), so a caller can refuse a text that cannot fit a
+context without encoding it.
+
+Instances are immutable after construction (apart from that lazily computed bound) and
+safe to share between threads; ``encode`` releases the GIL while the backend works.
 """
 
 from __future__ import annotations
@@ -152,7 +157,10 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise ValueError(f"encode takes a string, got {type(text).__name__}")
-        return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        # the batch entry points release the GIL for the whole encode (``encode`` holds it
+        # for part of it), and the fast one skips the offsets we never read
+        fast = getattr(self._backend, "encode_batch_fast", None) or self._backend.encode_batch
+        return list(fast([text], add_special_tokens=add_special_tokens)[0].ids)
 
     def decode(self, ids: Sequence[int] | int, skip_special_tokens: bool = True) -> str:
         id_list = [ids] if isinstance(ids, int) else list(ids)
@@ -170,6 +178,13 @@ class Tokenizer:
 
     def convert_tokens_to_ids(self, tokens: Sequence[str]) -> list[int | None]:
         return [self._backend.token_to_id(t) for t in tokens]
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int | None:
+        """An upper bound on the characters of input text one token stands for, or
+        ``None`` when there is none (see :func:`max_chars_per_token`).
+        ``ceil(len(text) / bound)`` is then a lower bound on ``len(encode(text))``."""
+        return max_chars_per_token(self._backend)
 
     # ---------------------------------------------------------------- properties
     @property
@@ -281,6 +296,114 @@ class Tokenizer:
             )
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template failed: {e}") from e
+
+
+# ------------------------------------------------------- characters per token
+# How much a normalizer can shrink text: NFC/NFKC compose at most 4 characters into one
+# (U+1F82 is 4 code points in NFD; Hangul LVT syllables are 3); the others never shrink
+# it. Any other normalizer (Strip, StripAccents, BertNormalizer, Precompiled, ...) can
+# drop characters: no bound.
+_NORMALIZER_SHRINK = {
+    "NFC": 4,
+    "NFKC": 4,
+    "NFD": 1,
+    "NFKD": 1,
+    "Lowercase": 1,
+    "Prepend": 1,
+    "ByteLevel": 1,
+}
+# pre-tokenizers that keep every character (Split and Punctuation unless "Removed")
+_KEEPING_PRE_TOKENIZERS = frozenset(
+    {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Split", "Punctuation", "FixedLength"}
+)
+
+
+def _state(component: Any) -> dict[str, Any] | None:
+    """The JSON description of a normalizer / pre-tokenizer (``None`` when unset)."""
+    if component is None:
+        return None
+    data = json.loads(component.__getstate__())
+    return data if isinstance(data, dict) else {}
+
+
+def _shrink_factor(norm: dict[str, Any] | None) -> int | None:
+    if norm is None:
+        return 1
+    kind = norm.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for child in norm.get("normalizers", []):
+            f = _shrink_factor(child)
+            if f is None:
+                return None
+            factor *= f
+        return factor
+    if kind == "Replace":
+        pattern = norm.get("pattern", {})
+        content = norm.get("content", "")
+        if "String" in pattern and len(content) >= len(pattern["String"]) > 0:
+            return 1
+        return None
+    return _NORMALIZER_SHRINK.get(str(kind))
+
+
+def _pre_tokenizer_types(pre: dict[str, Any] | None) -> list[str] | None:
+    """The pre-tokenizer types in order, or ``None`` if one of them drops characters."""
+    if pre is None:
+        return []
+    kind = str(pre.get("type"))
+    if kind == "Sequence":
+        out: list[str] = []
+        for child in pre.get("pretokenizers", []):
+            sub = _pre_tokenizer_types(child)
+            if sub is None:
+                return None
+            out += sub
+        return out
+    if kind not in _KEEPING_PRE_TOKENIZERS or pre.get("behavior") == "Removed":
+        return None
+    return [kind]
+
+
+def max_chars_per_token(backend: _Backend) -> int | None:
+    """An upper bound on the characters of input text that one token of ``backend``
+    stands for, or ``None`` when the tokenizer has none.
+
+    The bound is the longest token string (added tokens included) times what the
+    normalizer can shrink text by. It holds for a BPE model whose pipeline never drops
+    a character: a normalizer of known shrink, pre-tokenizers that keep everything, no
+    added token that swallows the whitespace around it, and every character reaching
+    the model as known symbols (byte-level with the whole byte alphabet in the vocabulary,
+    byte fallback with all 256 byte tokens, or an unknown token that is not fused). A
+    byte-level token's string has one character per byte, and a character is at least
+    one byte, so it stands for at most that many characters. Anything else (WordPiece,
+    Unigram, WordLevel, fused unknowns, Strip or Bert normalizers, whitespace-removing
+    pre-tokenizers) can turn an unbounded run of text into one token or none: ``None``.
+    """
+    model = backend.model
+    if type(model).__name__ != "BPE":
+        return None
+    factor = _shrink_factor(_state(backend.normalizer))
+    pre_types = _pre_tokenizer_types(_state(backend.pre_tokenizer))
+    if factor is None or pre_types is None:
+        return None
+    added = backend.get_added_tokens_decoder().values()
+    if any(t.lstrip or t.rstrip or t.single_word for t in added):
+        return None
+    vocab = backend.get_vocab(with_added_tokens=True)
+    if "ByteLevel" in pre_types:
+        from tokenizers.pre_tokenizers import ByteLevel
+
+        covered = all(c in vocab for c in ByteLevel.alphabet())
+    elif getattr(model, "byte_fallback", False):
+        covered = all(f"<0x{b:02X}>" in vocab for b in range(256))
+    else:
+        covered = getattr(model, "unk_token", None) in vocab and not getattr(
+            model, "fuse_unk", True
+        )
+    if not covered or not vocab:
+        return None
+    return max(len(t) for t in vocab) * factor
 
 
 # ---------------------------------------------------------------------- helpers

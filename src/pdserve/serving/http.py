@@ -20,6 +20,7 @@ from starlette.types import Receive
 ERROR_TYPES: dict[int, str] = {
     400: "BadRequestError",
     401: "AuthenticationError",
+    403: "PermissionDeniedError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
     413: "RequestTooLargeError",

@@ -6,11 +6,15 @@ uvicorn with graceful SIGTERM draining.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or SSE),
 ``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``, ``GET /health``,
-``GET /metrics``, ``GET /version``. With an API key, every ``/v1/*`` route needs
-``Authorization: Bearer <key>``; the others stay open.
+``GET /metrics``, ``GET /version``. With an API key, every route except ``/health``,
+``/metrics``, ``/version`` and the OpenAPI docs needs ``Authorization: Bearer <key>``
+(``/tokenize`` and ``/detokenize`` included). Request bodies over
+``max_request_body_bytes`` get 413 before they are read; ``kv_transfer_params`` not
+signed with ``pd_secret`` get 403 (:mod:`.middleware`, :mod:`.pd_params`).
 
-The app never runs model work and never blocks its event loop: tokenization and
-chat-template rendering run in a one-thread pool owned by the app (closed at lifespan
+The app never runs model work and never blocks its event loop on a large input:
+tokenization, chat-template rendering, detokenization and large ``/tokenize`` answers
+run in a bounded thread pool owned by the app (:mod:`.workers`, closed at lifespan
 shutdown); the engine is only awaited. The app does not own the engine: whoever built
 the engine shuts it down after ``serve_app`` returns.
 """
@@ -26,12 +30,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 import pdserve
+from pdserve.frontend.processor import min_token_count, too_long_text_message
 from pdserve.metrics.prometheus import PrometheusMetrics
-from pdserve.serving.api.chat import create_chat_completion, render_and_encode
+from pdserve.serving.api.chat import chat_size, create_chat_completion, render_and_encode
 from pdserve.serving.api.chat_template import ChatTemplates
 from pdserve.serving.api.completions import create_completion
 from pdserve.serving.api.errors import APIError, install_exception_handlers
 from pdserve.serving.api.generate import check_token_ids, token_strings
+from pdserve.serving.api.middleware import DEFAULT_MAX_REQUEST_BODY_BYTES, ServingMiddleware
+from pdserve.serving.api.pd_params import verify_release
 from pdserve.serving.api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -41,12 +48,14 @@ from pdserve.serving.api.protocol import (
     ModelCard,
     ModelList,
     ReleaseKVRequest,
+    RequestError,
     TokenizeChatRequest,
     TokenizeRequest,
     TokenizeResponse,
     VersionResponse,
 )
-from pdserve.serving.api.state import ServingContext, ServingMiddleware
+from pdserve.serving.api.state import ServingContext
+from pdserve.serving.api.workers import DEFAULT_THREADS, BlockingPool
 
 if TYPE_CHECKING:
     from pdserve.serving.api.engine_client import EngineClient
@@ -57,7 +66,13 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "invalid request"},
     401: {"model": ErrorResponse, "description": "missing or wrong API key"},
     404: {"model": ErrorResponse, "description": "unknown model"},
+    413: {"model": ErrorResponse, "description": "request body over the size limit"},
     503: {"model": ErrorResponse, "description": "shutting down"},
+}
+# routes that take kv_transfer_params
+_PD_ERRORS: dict[int | str, dict[str, Any]] = {
+    **_ERRORS,
+    403: {"model": ErrorResponse, "description": "kv_transfer_params not signed by the proxy"},
 }
 _JSON_OR_SSE: dict[str, Any] = {"content": {"application/json": {}, "text/event-stream": {}}}
 
@@ -72,9 +87,15 @@ def build_app(
     chat_template_content_format: str = "auto",
     metrics: PrometheusMetrics | None = None,
     health_check_timeout: float = 5.0,
+    pd_secret: bytes | None = None,
+    max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    tokenizer_threads: int = DEFAULT_THREADS,
 ) -> FastAPI:
-    """A FastAPI app serving ``engine``. Raises ``ValueError`` for bad settings
-    (no model name, unreadable ``chat_template`` file, unknown content format)."""
+    """A FastAPI app serving ``engine``. ``pd_secret`` is the topology's P/D secret
+    (``pd_auth.load_secret()``); without it every ``kv_transfer_params`` is refused.
+    ``max_request_body_bytes=None`` lifts the body limit. Raises ``ValueError`` for bad
+    settings (no model name, unreadable ``chat_template`` file, unknown content format,
+    a limit or thread count below the minimum)."""
     names = [n for n in served_model_names if n]
     if not names:
         raise ValueError("served_model_names must name at least one model")
@@ -90,7 +111,11 @@ def build_app(
         chat=chat,
         enable_prompt_tokens_details=enable_prompt_tokens_details,
         version=pdserve.__version__,
+        pd_secret=pd_secret,
+        pool=BlockingPool(tokenizer_threads),
     )
+    if max_request_body_bytes is not None and max_request_body_bytes < 1:
+        raise ValueError(f"max_request_body_bytes must be >= 1, got {max_request_body_bytes}")
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -102,7 +127,12 @@ def build_app(
     app = FastAPI(title="pdserve", version=ctx.version, lifespan=lifespan)
     app.state.pdserve = ctx
     install_exception_handlers(app)
-    app.add_middleware(ServingMiddleware, state=ctx.state, api_key=api_key)
+    app.add_middleware(
+        ServingMiddleware,
+        state=ctx.state,
+        api_key=api_key,
+        max_body_bytes=max_request_body_bytes,
+    )
     _add_routes(app, ctx, health_check_timeout)
     _document_400_not_422(app)
     return app
@@ -128,11 +158,11 @@ def _document_400_not_422(app: FastAPI) -> None:
 def _add_routes(app: FastAPI, ctx: ServingContext, health_timeout: float) -> None:
     engine = ctx.engine
 
-    @app.post("/v1/completions", responses={**_ERRORS, 200: _JSON_OR_SSE})
+    @app.post("/v1/completions", responses={**_PD_ERRORS, 200: _JSON_OR_SSE})
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await create_completion(ctx, body, request)
 
-    @app.post("/v1/chat/completions", responses={**_ERRORS, 200: _JSON_OR_SSE})
+    @app.post("/v1/chat/completions", responses={**_PD_ERRORS, 200: _JSON_OR_SSE})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(ctx, body, request)
 
@@ -145,35 +175,26 @@ def _add_routes(app: FastAPI, ctx: ServingContext, health_timeout: float) -> Non
         return ModelList(data=cards)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
-    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+    async def tokenize(body: TokenizeRequest) -> Response:
+        """Token ids of a prompt or a chat; a text that cannot fit ``max_model_len`` by
+        its length alone is refused (400) without being tokenized."""
         ctx.check_model(body.model)
-        tok = engine.tokenizer
         if isinstance(body, TokenizeChatRequest):
-            _, ids = await ctx.run_blocking(
-                render_and_encode,
-                ctx.chat,
-                tok,
-                body.messages,
-                add_generation_prompt=body.add_generation_prompt,
-                add_special_tokens=body.add_special_tokens,
-                template_kwargs=body.chat_template_kwargs,
-            )
+            size = chat_size(body.messages)
         else:
-            ids = list(
-                await ctx.run_blocking(
-                    tok.encode, body.prompt, add_special_tokens=body.add_special_tokens
-                )
-            )
-        strs = await ctx.run_blocking(token_strings, tok, ids) if body.return_token_strs else None
-        return TokenizeResponse(
-            count=len(ids), max_model_len=engine.max_model_len, tokens=ids, token_strs=strs
-        )
+            size = len(body.prompt)
+            low = min_token_count(engine.tokenizer, body.prompt)
+            if low >= engine.max_model_len:
+                msg = too_long_text_message(body.prompt, low, engine.max_model_len)
+                raise RequestError(msg, "prompt")
+        # tokenizing, token strings and the JSON of a long answer: all off the loop
+        data = await ctx.run_blocking(_tokenize_json, ctx, body, job_size=size)
+        return Response(data, media_type="application/json")
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         ctx.check_model(body.model)
-        check_token_ids(body.tokens, engine.vocab_size, "tokens")
-        text = await ctx.run_blocking(engine.tokenizer.decode, body.tokens)
+        text = await ctx.run_blocking(_detokenize, ctx, body.tokens, job_size=len(body.tokens))
         return DetokenizeResponse(prompt=text)
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
@@ -192,6 +213,7 @@ def _add_routes(app: FastAPI, ctx: ServingContext, health_timeout: float) -> Non
     @app.post("/v1/kv_transfer/release", responses=_ERRORS)
     async def release_kv(body: ReleaseKVRequest) -> dict[str, str]:
         """Prefill side: the proxy gave a request up; free the KV held for its decode."""
+        verify_release(body.model_dump(exclude_none=True), ctx.pd_secret)
         release = getattr(engine, "release_kv", None)
         if release is None:
             raise APIError(404, "this engine holds no KV for remote decode")
@@ -201,3 +223,31 @@ def _add_routes(app: FastAPI, ctx: ServingContext, health_timeout: float) -> Non
     @app.get("/version", response_model=VersionResponse)
     async def version() -> VersionResponse:
         return VersionResponse(version=ctx.version)
+
+
+def _tokenize_json(ctx: ServingContext, body: TokenizeRequest) -> bytes:
+    """Blocking: the ``/tokenize`` answer as JSON."""
+    tok, engine = ctx.engine.tokenizer, ctx.engine
+    if isinstance(body, TokenizeChatRequest):
+        _, ids = render_and_encode(
+            ctx.chat,
+            tok,
+            body.messages,
+            add_generation_prompt=body.add_generation_prompt,
+            add_special_tokens=body.add_special_tokens,
+            template_kwargs=body.chat_template_kwargs,
+            max_model_len=engine.max_model_len,
+        )
+    else:
+        ids = list(tok.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+    strs = token_strings(tok, ids) if body.return_token_strs else None
+    answer = TokenizeResponse(
+        count=len(ids), max_model_len=engine.max_model_len, tokens=ids, token_strs=strs
+    )
+    return answer.model_dump_json().encode()
+
+
+def _detokenize(ctx: ServingContext, tokens: list[int]) -> str:
+    """Blocking: the text of ``tokens`` (400 for ids outside the vocabulary)."""
+    check_token_ids(tokens, ctx.engine.vocab_size, "tokens")
+    return str(ctx.engine.tokenizer.decode(tokens))

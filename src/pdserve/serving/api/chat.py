@@ -2,7 +2,9 @@
 
 The prompt is rendered with the tokenizer's ``apply_chat_template`` (see
 :mod:`pdserve.serving.api.chat_template`) and encoded with ``add_special_tokens``
-(default false: templates carry their own BOS), both in the tokenizer thread. The
+(default false: templates carry their own BOS), both in the blocking pool; a rendered
+prompt whose length alone shows it cannot fit ``max_model_len`` is refused before it is
+encoded. ``kv_transfer_params`` are verified first (403, :mod:`.pd_params`). The
 first streamed chunk carries ``role: "assistant"`` together with the first text, so
 every chunk carries a token (a role-only chunk would skew client TTFT/ITL).
 """
@@ -15,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pdserve.frontend.outputs import CompletionOutput
+from pdserve.frontend.processor import min_token_count, too_long_text_message
 from pdserve.serving.api.chat_template import ChatTemplates
 from pdserve.serving.api.generate import (
     Accumulated,
@@ -23,6 +26,7 @@ from pdserve.serving.api.generate import (
     token_strings,
     whole_response,
 )
+from pdserve.serving.api.pd_params import verified_kv_params
 from pdserve.serving.api.protocol import (
     ChatCompletionLogProbs,
     ChatCompletionRequest,
@@ -48,21 +52,39 @@ def render_and_encode(
     add_generation_prompt: bool,
     add_special_tokens: bool,
     template_kwargs: dict[str, Any] | None,
+    max_model_len: int | None = None,
 ) -> tuple[str, list[int]]:
-    """Blocking: the rendered prompt and its token ids."""
+    """Blocking: the rendered prompt and its token ids. With ``max_model_len``, a prompt
+    that cannot fit it by its length alone is refused (:class:`RequestError`) unencoded."""
     text = chat.render(
         tokenizer,
         messages,
         add_generation_prompt=add_generation_prompt,
         template_kwargs=template_kwargs,
     )
+    if max_model_len is not None:
+        low = min_token_count(tokenizer, text)
+        if low >= max_model_len:
+            raise RequestError(too_long_text_message(text, low, max_model_len), "messages")
     return text, list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+def chat_size(messages: list[ChatMessageParam]) -> int:
+    """Characters of message content: what rendering and encoding them costs."""
+    total = 0
+    for m in messages:
+        if isinstance(m.content, str):
+            total += len(m.content)
+        elif m.content is not None:
+            total += sum(len(part.text) for part in m.content)
+    return total
 
 
 async def prepare_chat(
     ctx: ServingContext, req: ChatCompletionRequest, request: Request
 ) -> EngineJob:
     engine = ctx.engine
+    kv_params = verified_kv_params(req.kv_transfer_params, ctx.pd_secret)
     text, ids = await ctx.run_blocking(
         render_and_encode,
         ctx.chat,
@@ -71,6 +93,8 @@ async def prepare_chat(
         add_generation_prompt=req.add_generation_prompt,
         add_special_tokens=req.add_special_tokens,
         template_kwargs=req.chat_template_kwargs,
+        max_model_len=engine.max_model_len,
+        job_size=chat_size(req.messages),
     )
     if not ids:
         raise RequestError("the rendered chat prompt is empty", "messages")
@@ -82,7 +106,7 @@ async def prepare_chat(
         prompt=text,
         prompt_token_ids=ids,
         params=params,
-        kv_transfer_params=req.kv_params,
+        kv_transfer_params=kv_params,
         arrival_time=request.state.arrival_time,
     )
 

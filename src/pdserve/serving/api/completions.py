@@ -3,6 +3,11 @@
 The engine request id is the HTTP request's id (``X-Request-Id`` or a minted one); the
 response ``id`` is ``cmpl-<request id>``. ``kv_transfer_params`` from the engine's final
 output are returned in the non-streaming response (the P/D proxy reads them there).
+
+Order of the checks: the request's ``kv_transfer_params`` signature (403); a text
+prompt that cannot fit ``max_model_len`` judged by its length alone (400, without
+tokenizing it); tokenization in the blocking pool; the exact length and ``max_tokens``
+checks; for a token-id prompt, the vocabulary.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pdserve.frontend.outputs import CompletionOutput
+from pdserve.frontend.processor import min_token_count, too_long_text_message
 from pdserve.serving.api.generate import (
     Accumulated,
     EngineJob,
@@ -19,6 +25,7 @@ from pdserve.serving.api.generate import (
     token_strings,
     whole_response,
 )
+from pdserve.serving.api.pd_params import verified_kv_params
 from pdserve.serving.api.protocol import (
     CompletionLogProbs,
     CompletionRequest,
@@ -35,39 +42,49 @@ from pdserve.serving.api.streaming import stream_response
 async def prepare_completion(
     ctx: ServingContext, req: CompletionRequest, request: Request
 ) -> EngineJob:
-    """Tokenize (off the event loop) and validate; raises :class:`RequestError`."""
+    """Verify, tokenize (off the event loop) and validate, in the order of the module
+    docstring; raises :class:`APIError` (403) or :class:`RequestError` (400)."""
     engine = ctx.engine
+    kv_params = verified_kv_params(req.kv_transfer_params, ctx.pd_secret)
     prompt = req.single_prompt()
     text: str | None
     if isinstance(prompt, str):
+        low = min_token_count(engine.tokenizer, prompt)
+        if low >= engine.max_model_len:
+            raise RequestError(too_long_text_message(prompt, low, engine.max_model_len), "prompt")
         ids = await ctx.run_blocking(
-            engine.tokenizer.encode, prompt, add_special_tokens=req.add_special_tokens
+            engine.tokenizer.encode,
+            prompt,
+            add_special_tokens=req.add_special_tokens,
+            job_size=len(prompt),
         )
         text = prompt
     else:
-        check_token_ids(prompt, engine.vocab_size, "prompt")
         ids, text = prompt, None
     if not ids:
         raise RequestError("prompt is empty (it has no tokens)", "prompt")
     params = req.to_sampling_params(
         prompt_len=len(ids), max_model_len=engine.max_model_len, vocab_size=engine.vocab_size
     )
+    if text is None:  # after the length check, so this scans at most max_model_len ids
+        check_token_ids(ids, engine.vocab_size, "prompt")
     return EngineJob(
         request_id=request.state.request_id,
         prompt=text,
         prompt_token_ids=list(ids),
         params=params,
-        kv_transfer_params=req.kv_params,
+        kv_transfer_params=kv_params,
         arrival_time=request.state.arrival_time,
     )
 
 
 class _LogprobsBuilder:
-    """OpenAI completion logprobs; ``text_offset`` continues across stream deltas."""
+    """OpenAI completion logprobs of the sampled tokens (``logprobs=0``: no
+    ``top_logprobs``, larger values are refused); ``text_offset`` continues across
+    stream deltas."""
 
-    def __init__(self, ctx: ServingContext, with_top: bool) -> None:
+    def __init__(self, ctx: ServingContext) -> None:
         self._tokenizer = ctx.engine.tokenizer
-        self._with_top = with_top
         self._offset = 0
 
     def build(self, token_ids: list[int], logprobs: list[float]) -> CompletionLogProbs:
@@ -77,11 +94,8 @@ class _LogprobsBuilder:
         for t in tokens:
             offsets.append(self._offset)
             self._offset += len(t)
-        top: list[dict[str, float] | None] | None = None
-        if self._with_top:
-            top = [{t: v} for t, v in zip(tokens, values, strict=False)]
         return CompletionLogProbs(
-            text_offset=offsets, token_logprobs=list(values), tokens=tokens, top_logprobs=top
+            text_offset=offsets, token_logprobs=list(values), tokens=tokens, top_logprobs=None
         )
 
 
@@ -91,7 +105,7 @@ async def create_completion(
     model = ctx.check_model(req.model)
     job = await prepare_completion(ctx, req, request)
     response_id = f"cmpl-{job.request_id}"
-    lp = _LogprobsBuilder(ctx, with_top=bool(req.logprobs)) if req.logprobs is not None else None
+    lp = _LogprobsBuilder(ctx) if req.logprobs is not None else None
 
     def logprobs_of(token_ids: list[int], values: list[float] | None) -> CompletionLogProbs | None:
         if lp is None or values is None:

@@ -9,7 +9,16 @@ bookkeeping (``user``, ``metadata``, ``store``, ``service_tier``,
 ``parallel_tool_calls``) are accepted and ignored.
 
 Validators raise :class:`RequestError` (a ``ValueError`` carrying the offending
-parameter name); the server maps it to HTTP 400 with an OpenAI error body.
+parameter name); the server maps it to HTTP 400 with an OpenAI error body. Before any
+other check, a request body holding a lone UTF-16 surrogate in any string (``"\\ud800"``)
+is refused, naming the field (:mod:`pdserve.serving.api.unicode_check`).
+
+Logprobs: pdserve returns the sampled token's logprob only, so completions
+``logprobs`` > 0 and chat ``top_logprobs`` > 0 (requests for alternatives) are refused.
+
+``kv_transfer_params`` stays a plain JSON object here: its signature is checked first
+(403 when it does not verify) and its fields are parsed after that
+(:mod:`pdserve.serving.api.pd_params`), so this model checks only that it is an object.
 """
 
 from __future__ import annotations
@@ -18,10 +27,10 @@ import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pdserve.core_types.kv_transfer_params import KVTransferParams
 from pdserve.core_types.sampling_params import SamplingParams
+from pdserve.serving.api.unicode_check import find_lone_surrogate, lone_surrogate_message
 
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
@@ -39,6 +48,18 @@ class RequestError(ValueError):
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class _CheckedRequest(_Request):
+    """A top-level request body: refuses lone surrogates anywhere in it, first."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        hit = find_lone_surrogate(data)
+        if hit is not None:
+            raise RequestError(lone_surrogate_message(*hit), hit[0])
+        return data
 
 
 class _Response(BaseModel):
@@ -83,7 +104,7 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False
 
 
-class _SamplingRequest(_Request):
+class _SamplingRequest(_CheckedRequest):
     """Sampling fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -111,9 +132,9 @@ class _SamplingRequest(_Request):
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    # P/D: passed to the engine, returned in the (non-streaming) response
+    # P/D: verified and parsed by the handlers (pd_params), passed to the engine;
+    # the engine's are returned in the (non-streaming) response
     kv_transfer_params: dict[str, Any] | None = None
-    _kv_params: KVTransferParams | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _check_shared(self) -> _SamplingRequest:
@@ -136,17 +157,7 @@ class _SamplingRequest(_Request):
             raise RequestError("stream_options can only be set when stream=true", "stream_options")
         if self.stop == "" or (isinstance(self.stop, list) and any(not s for s in self.stop)):
             raise RequestError("stop strings must be non-empty", "stop")
-        if self.kv_transfer_params is not None:
-            try:
-                self._kv_params = KVTransferParams.parse(self.kv_transfer_params)
-            except ValueError as e:
-                raise RequestError(str(e), "kv_transfer_params") from None
         return self
-
-    @property
-    def kv_params(self) -> KVTransferParams | None:
-        """``kv_transfer_params``, validated and typed."""
-        return self._kv_params
 
     def _sampling_params(
         self,
@@ -240,6 +251,12 @@ class CompletionRequest(_SamplingRequest):
             raise RequestError("suffix is not supported", "suffix")
         if self.best_of not in (None, 1):
             raise RequestError(f"best_of={self.best_of} is not supported (only 1)", "best_of")
+        if self.logprobs:
+            raise RequestError(
+                f"logprobs={self.logprobs} is not supported: only the sampled token's logprob "
+                "is returned (set logprobs=0)",
+                "logprobs",
+            )
         return self
 
     def single_prompt(self) -> str | list[int]:
@@ -357,7 +374,7 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
 )
 
 
-class _ChatTemplateFields(_Request):
+class _ChatTemplateFields(_CheckedRequest):
     messages: list[ChatMessageParam] = Field(min_length=1)
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
@@ -391,8 +408,8 @@ class ChatCompletionRequest(_SamplingRequest, _ChatTemplateFields):
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs:
             raise RequestError(
-                "top_logprobs > 0 is not supported: only the sampled token's logprob is "
-                "returned (set logprobs=true, top_logprobs=0)",
+                f"top_logprobs={self.top_logprobs} is not supported: only the sampled token's "
+                "logprob is returned (set logprobs=true, top_logprobs=0)",
                 "top_logprobs",
             )
         if self.response_format is not None and self.response_format.type != "text":
@@ -499,7 +516,7 @@ class ChatCompletionStreamResponse(_Response):
 # ---------------------------------------------------------------- /tokenize, /detokenize
 
 
-class TokenizeCompletionRequest(_Request):
+class TokenizeCompletionRequest(_CheckedRequest):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
@@ -521,7 +538,7 @@ class TokenizeResponse(_Response):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(_CheckedRequest):
     model: str | None = None
     tokens: list[int]
 
@@ -534,9 +551,11 @@ class VersionResponse(_Response):
     version: str
 
 
-class ReleaseKVRequest(BaseModel):
-    """``POST /v1/kv_transfer/release``: free the KV a prefill instance holds for ``request_id``."""
-
-    model_config = ConfigDict(extra="forbid")
+class ReleaseKVRequest(_CheckedRequest):
+    """``POST /v1/kv_transfer/release``: free the KV a prefill instance holds for
+    ``request_id``. Signed by the proxy like ``kv_transfer_params`` (``pd_expires``,
+    ``pd_signature``; :mod:`pdserve.serving.api.pd_params`)."""
 
     request_id: str = Field(min_length=1, max_length=512)
+    pd_expires: float | None = None
+    pd_signature: str | None = Field(default=None, max_length=256)

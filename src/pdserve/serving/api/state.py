@@ -1,5 +1,6 @@
-"""Per-app serving state: in-flight accounting, draining, request ids, and the ASGI
-middleware that enforces them.
+"""Per-app serving state: in-flight accounting, draining, request ids, and what the
+handlers share (:class:`ServingContext`). The ASGI middleware that enforces the
+request-level rules is :mod:`pdserve.serving.api.middleware`.
 
 Lifecycle of the app: SERVING → (``begin_drain``, from SIGTERM) DRAINING → stopped by
 the server runner (:class:`~pdserve.serving.api.server.ApiServer`). While draining, every endpoint except
@@ -20,26 +21,14 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
-import time
-import uuid
 from collections.abc import Callable, Coroutine
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
-
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.metrics.prometheus import PrometheusMetrics
 from pdserve.serving.api.errors import APIError
-from pdserve.serving.http import (
-    MAX_REQUEST_ID_LEN,
-    REQUEST_ID_HEADER,
-    error_json,
-    valid_request_id,
-)
+from pdserve.serving.api.workers import BlockingPool
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -50,9 +39,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-# endpoints that are not "work": never counted as in flight
-_UNTRACKED_PATHS = frozenset({"/metrics", "/health"})
 
 
 class ServerState:
@@ -129,9 +115,10 @@ class ServingContext:
     enable_prompt_tokens_details: bool
     version: str
     state: ServerState = field(default_factory=ServerState)
-    # one worker: tokenizers are not guaranteed thread-safe, and order is preserved.
-    # Made on first use and closed at lifespan shutdown (a restarted lifespan remakes it).
-    _tokenizer_pool: ThreadPoolExecutor | None = None
+    # the P/D secret kv_transfer_params must be signed with (None: refuse them all)
+    pd_secret: bytes | None = None
+    # tokenizer / template work; threads started on first use, closed at lifespan end
+    pool: BlockingPool = field(default_factory=BlockingPool)
 
     @property
     def default_model(self) -> str:
@@ -145,12 +132,12 @@ class ServingContext:
             raise APIError(404, f"The model `{model}` does not exist.", param="model")
         return model
 
-    async def run_blocking(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run tokenizer / template work off the event loop."""
-        if self._tokenizer_pool is None:
-            self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="pdserve-tokenizer")
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenizer_pool, partial(fn, *args, **kwargs))
+    async def run_blocking(
+        self, fn: Callable[..., T], *args: Any, job_size: int = 0, **kwargs: Any
+    ) -> T:
+        """Run tokenizer / template work off the event loop, in the bounded pool;
+        ``job_size`` (characters or token ids) tells a large job from a small one."""
+        return await self.pool.run(fn, *args, job_size=job_size, **kwargs)
 
     def abort_soon(self, request_id: str) -> None:
         """Abort an engine request without awaiting (safe inside ``finally`` under cancel)."""
@@ -163,9 +150,7 @@ class ServingContext:
         return len(ids)
 
     def close(self) -> None:
-        pool, self._tokenizer_pool = self._tokenizer_pool, None
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.close()
 
 
 def serving_context(app: FastAPI) -> ServingContext:
@@ -174,83 +159,3 @@ def serving_context(app: FastAPI) -> ServingContext:
     if not isinstance(ctx, ServingContext):
         raise TypeError("app was not built by pdserve.serving.api.app.build_app")
     return ctx
-
-
-class ServingMiddleware:
-    """Pure ASGI middleware (works with SSE, unlike ``BaseHTTPMiddleware``).
-
-    Per HTTP request, in order: validate ``X-Request-Id`` (or mint one) and echo it on
-    the response; refuse with 503 while draining (``/metrics`` stays open); require the
-    API key on ``/v1/*`` when one is set; count the request as in flight until the app
-    returns. Puts ``request_id`` and ``arrival_time`` (``time.monotonic``) in
-    ``scope["state"]`` for the handlers.
-    """
-
-    def __init__(self, app: ASGIApp, *, state: ServerState, api_key: str | None) -> None:
-        self.app = app
-        self.state = state
-        self._api_key = api_key.encode() if api_key else None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        arrival = time.monotonic()
-        path: str = scope.get("path", "")
-        headers = dict(scope.get("headers") or [])
-        raw_rid = headers.get(REQUEST_ID_HEADER.encode())
-        rid = raw_rid.decode("latin-1") if raw_rid is not None else uuid.uuid4().hex
-        if not valid_request_id(rid):
-            rid_out = uuid.uuid4().hex
-            msg = f"X-Request-Id must be 1-{MAX_REQUEST_ID_LEN} printable ASCII characters"
-            await _send_error(send, 400, msg, "X-Request-Id", rid_out)
-            return
-        if self.state.draining and path != "/metrics":
-            await _send_error(send, 503, "server is shutting down", None, rid)
-            return
-        key = self._api_key
-        if key is not None and path.startswith("/v1") and not _authorized(headers, key):
-            await _send_error(send, 401, "invalid or missing API key", None, rid)
-            return
-        scope.setdefault("state", {})
-        scope["state"]["request_id"] = rid
-        scope["state"]["arrival_time"] = arrival
-        rid_header = (REQUEST_ID_HEADER.encode(), rid.encode("latin-1"))
-
-        async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message = dict(message)
-                message["headers"] = [*message.get("headers", []), rid_header]
-            await send(message)
-
-        tracked = path not in _UNTRACKED_PATHS
-        if tracked:
-            self.state.request_started()
-        try:
-            await self.app(scope, receive, send_with_id)
-        finally:
-            if tracked:
-                self.state.request_finished()
-
-
-def _authorized(headers: dict[bytes, bytes], key: bytes) -> bool:
-    scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
-    return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key)
-
-
-async def _send_error(
-    send: Send, status: int, message: str, param: str | None, request_id: str
-) -> None:
-    body = error_json(status, message, param)
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (REQUEST_ID_HEADER.encode(), request_id.encode("latin-1")),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,139 @@
+"""kv_transfer_params only from the proxy: unsigned, forged, tampered or expired params get
+403 before anything reaches the engine; an instance without the P/D secret refuses them
+all; signed params pass, and signed but malformed ones are a 400 naming the field."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from pdserve.core_types.kv_transfer_params import KVTransferParams
+from pdserve.core_types.pd_auth import new_secret, sign_kv_params
+
+from .conftest import FakeEngineClient, ServerFactory, ServerThread, signed
+
+DECODE_KV: dict[str, Any] = {
+    "do_remote_prefill": True,
+    "remote_block_ids": [1, 2],
+    "remote_request_id": "p-1",
+    "remote_host": "10.0.0.99",  # a host the client would like the decode to dial
+    "remote_port": 7777,
+}
+
+
+def _tampered() -> dict[str, Any]:
+    kv = signed(DECODE_KV)
+    kv["remote_host"] = "203.0.113.5"
+    return kv
+
+
+REFUSED: list[tuple[str, Any, str]] = [
+    ("unsigned", dict(DECODE_KV), "unsigned"),
+    ("prefill-hold", {"do_remote_decode": True}, "unsigned"),
+    ("forged", sign_kv_params(DECODE_KV, new_secret().encode()), "did not make"),
+    ("tampered", _tampered(), "did not make"),
+    ("expired", signed(DECODE_KV, now=time.time() - 3600), "expired"),
+    ("bad-signature", {**signed(DECODE_KV), "pd_signature": "zz"}, "malformed signature"),
+]
+
+
+def _body(path: str, kv: Any, stream: bool = False) -> dict[str, Any]:
+    body: dict[str, Any] = {"max_tokens": 2, "kv_transfer_params": kv, "stream": stream}
+    if "chat" in path:
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    else:
+        body["prompt"] = "hi"
+    return body
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize(("name", "kv", "reason"), REFUSED, ids=[r[0] for r in REFUSED])
+def test_unverified_kv_params_are_403_and_never_reach_the_engine(
+    server: ServerThread,
+    server_engine: FakeEngineClient,
+    path: str,
+    name: str,
+    kv: Any,
+    reason: str,
+) -> None:
+    rid = f"forged-{name}-{path.rsplit('/', 1)[-1]}"
+    with httpx.Client(base_url=server.url, timeout=10) as c:
+        for stream in (False, True):
+            r = c.post(
+                path, json=_body(path, kv, stream), headers={"X-Request-Id": f"{rid}-{stream}"}
+            )
+            assert r.status_code == 403, r.text
+            err = r.json()["error"]
+            assert err["code"] == 403 and err["param"] == "kv_transfer_params"
+            assert err["type"] == "PermissionDeniedError"
+            assert reason in err["message"], err
+            assert f"{rid}-{stream}" not in server_engine.requests
+
+
+def test_instance_without_secret_refuses_all_kv_params(
+    engine: FakeEngineClient, make_server: ServerFactory
+) -> None:
+    srv = make_server(engine, pd_secret=None)
+    with httpx.Client(base_url=srv.url, timeout=10) as c:
+        r = c.post("/v1/completions", json=_body("/v1/completions", signed(DECODE_KV)))
+        assert r.status_code == 403
+        assert "PDSERVE_PD_SECRET" in r.json()["error"]["message"]
+        assert c.post("/v1/completions", json=_body("/v1/completions", None)).status_code == 200
+    assert len(engine.requests) == 1
+
+
+def test_signed_kv_params_reach_the_engine_typed(
+    server: ServerThread, server_engine: FakeEngineClient
+) -> None:
+    with httpx.Client(base_url=server.url, timeout=10) as c:
+        r = c.post(
+            "/v1/chat/completions",
+            json=_body("/v1/chat/completions", signed(DECODE_KV)),
+            headers={"X-Request-Id": "signed-chat-1"},
+        )
+    assert r.status_code == 200, r.text
+    assert server_engine.requests["signed-chat-1"][2] == KVTransferParams(**DECODE_KV)
+
+
+def test_signed_but_malformed_is_400(server: ServerThread, server_engine: FakeEngineClient) -> None:
+    kv = signed({"do_remote_prefill": True, "remote_host": "h"})
+    with httpx.Client(base_url=server.url, timeout=10) as c:
+        r = c.post(
+            "/v1/completions",
+            json=_body("/v1/completions", kv),
+            headers={"X-Request-Id": "malformed-1"},
+        )
+    assert r.status_code == 400
+    assert "kv_transfer_params.remote_block_ids" in r.json()["error"]["message"]
+    assert "malformed-1" not in server_engine.requests
+
+
+def test_kv_release_only_from_the_proxy(
+    server: ServerThread,
+    server_engine: FakeEngineClient,
+    engine: FakeEngineClient,
+    make_server: ServerFactory,
+) -> None:
+    """Releasing a request's held KV is signed like kv_transfer_params: otherwise anyone
+    who learned a request id could free another client's KV before its decode read it."""
+    with httpx.Client(base_url=server.url, timeout=10) as c:
+        for body in (
+            {"request_id": "victim"},
+            sign_kv_params({"request_id": "victim"}, new_secret().encode()),
+            {**signed({"request_id": "other"}), "request_id": "victim"},  # re-targeted
+            signed({"request_id": "victim"}, now=time.time() - 3600),
+        ):
+            r = c.post("/v1/kv_transfer/release", json=body)
+            assert r.status_code == 403, (body, r.text)
+            assert "KV releases" in r.json()["error"]["message"]
+        assert server_engine.released == []
+        r = c.post("/v1/kv_transfer/release", json=signed({"request_id": "victim"}))
+        assert r.status_code == 200, r.text
+        assert server_engine.released == ["victim"]
+    srv = make_server(engine, pd_secret=None)
+    r = httpx.post(f"{srv.url}/v1/kv_transfer/release", json=signed({"request_id": "x"}))
+    assert r.status_code == 403 and "PDSERVE_PD_SECRET" in r.json()["error"]["message"]
+    assert engine.released == []
