@@ -5,7 +5,10 @@ with 200 (after ``FAKE_READY_DELAY`` seconds), appends JSON events (start, ready
 grandchild) to ``$FAKE_RECORD_DIR/<kind>-<port>.jsonl``, exits 0 on SIGTERM unless
 ``FAKE_IGNORE_TERM=1``, exits 3 after ``FAKE_EXIT_AFTER`` seconds if set, and with
 ``FAKE_GRANDCHILD=1`` leaves a sleeping child behind in its process group (as an
-engine-core process would be).
+engine-core process would be). A run that finds an earlier ``start`` in its record file
+(a restart) waits ``FAKE_RESTART_READY_DELAY`` seconds (if set) instead of
+``FAKE_READY_DELAY``. The start event records the environment variables named
+``FAKE_*``, ``CUDA_*``, ``PYTHON*`` and ``PDSERVE_PD_SECRET``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ def main() -> None:
     port = int(argv[argv.index("--port") + 1])
     record = Path(os.environ["FAKE_RECORD_DIR"]) / f"{kind}-{port}.jsonl"
     lock = threading.Lock()
+    restarted = record.exists() and '"event": "start"' in record.read_text()
 
     def log(event: str, **kw: object) -> None:
         with lock, open(record, "a") as f:
@@ -36,7 +40,11 @@ def main() -> None:
         "start",
         argv=argv,
         pid=os.getpid(),
-        env={k: v for k, v in os.environ.items() if k.startswith(("FAKE_", "CUDA_", "PYTHON"))},
+        env={
+            k: v
+            for k, v in os.environ.items()
+            if k.startswith(("FAKE_", "CUDA_", "PYTHON", "PDSERVE_PD_SECRET"))
+        },
     )
     if os.environ.get("FAKE_GRANDCHILD") == "1":
         g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
@@ -48,7 +56,10 @@ def main() -> None:
             os._exit(0)
 
     signal.signal(signal.SIGTERM, on_term)
-    ready_at = time.monotonic() + float(os.environ.get("FAKE_READY_DELAY", "0"))
+    delay = os.environ.get("FAKE_READY_DELAY", "0")
+    if restarted:
+        delay = os.environ.get("FAKE_RESTART_READY_DELAY", delay)
+    ready_at = time.monotonic() + float(delay)
     exit_after = os.environ.get("FAKE_EXIT_AFTER")
     if exit_after:
         threading.Timer(float(exit_after), lambda: os._exit(3)).start()

@@ -159,6 +159,7 @@ def test_child_death_with_on_failure_stop(
             {"role": "colocated", "port": a, "devices": "cpu", "env": {"FAKE_EXIT_AFTER": "0.5"}},
             {"role": "colocated", "port": b, "devices": "cpu"},
         ],
+        on_failure="stop",
     )
     la = launcher(t)
     la.start()

@@ -20,6 +20,7 @@ import pytest
 import uvicorn
 from aiohttp import web
 
+from pdserve.core_types.pd_auth import SignatureError, load_secret, verify_kv_params
 from pdserve.serving.proxy.app import build_proxy_app
 from pdserve.serving.proxy.core import ProxyCore
 
@@ -45,11 +46,13 @@ class LoopThread:
 
 @dataclass
 class Seen:
-    """One completion request a fake received."""
+    """One completion request a fake received; ``kv`` is its ``kv_transfer_params`` once
+    verified (without the signature fields), ``None`` if it had none."""
 
     path: str
     body: dict[str, Any]
     headers: dict[str, str]
+    kv: dict[str, Any] | None = None
 
 
 @dataclass
@@ -57,11 +60,17 @@ class FakeUpstream:
     """A fake OpenAI server acting as a prefill or a decode instance.
 
     Prefill: answers JSON with ``kv_transfer_params`` (``kv_params`` plus the request id),
-    or without them when ``missing_params``. Decode: streams ``num_chunks`` SSE chunks
+    or without them when ``missing_params``. Both verify ``kv_transfer_params`` as an
+    instance does (signed with the session's ``PDSERVE_PD_SECRET``, else 403). Decode:
+    streams ``num_chunks`` SSE chunks
     ``chunk_delay`` apart, then ``data: [DONE]`` (or answers JSON when not streaming).
     Knobs: ``fail_status`` answers every completion request with that status and an
     OpenAI error body; ``delay`` sleeps before answering; ``drop`` closes the connection
-    without answering; ``break_after`` closes it mid-stream after that many chunks. Handlers are cancelled when the peer disconnects
+    without answering; ``break_after`` closes it mid-stream after that many chunks;
+    ``close_idle_after`` closes, without answering, a connection whose request (health
+    probes included) comes more than that many seconds after its previous answer: what
+    a server does when its keep-alive timer fires just as the request arrives (counted
+    in ``stale_drops``). Handlers are cancelled when the peer disconnects
     (``handler_cancellation``), which ``disconnects`` counts.
     """
 
@@ -75,6 +84,10 @@ class FakeUpstream:
     break_after: int | None = None
     health_status: int = 200
     release_status: int = 200
+    close_idle_after: float | None = None
+    metrics_text: str = ""  # served at /metrics
+    stale_drops: int = 0
+    health_probes: int = 0
     seen: list[Seen] = field(default_factory=list)
     releases: list[dict[str, Any]] = field(default_factory=list)
     release_headers: list[dict[str, str]] = field(default_factory=list)
@@ -83,6 +96,7 @@ class FakeUpstream:
     sent_bytes: list[bytes] = field(default_factory=list)
     url: str = ""
     _runner: web.AppRunner | None = None
+    _last_answer: dict[int, float] = field(default_factory=dict)  # id(transport) -> time
 
     def kv_params(self, request_id: str) -> dict[str, Any]:
         return {
@@ -104,6 +118,7 @@ class FakeUpstream:
         app.router.add_post("/v1/kv_transfer/release", self._release)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -117,23 +132,57 @@ class FakeUpstream:
             await self._runner.cleanup()
             self._runner = None
 
-    async def _health(self, _: web.Request) -> web.Response:
+    def _stale(self, request: web.Request) -> bool:
+        """Apply ``close_idle_after``; True if the connection was closed unanswered."""
+        key, now = id(request.transport), asyncio.get_running_loop().time()
+        last = self._last_answer.get(key)
+        self._last_answer[key] = now
+        if self.close_idle_after is None or last is None or now - last <= self.close_idle_after:
+            return False
+        self.stale_drops += 1
+        assert request.transport is not None
+        request.transport.close()
+        return True
+
+    async def _health(self, request: web.Request) -> web.Response:
+        if self._stale(request):
+            return web.Response(status=500)
+        self.health_probes += 1
         return web.Response(status=self.health_status, text="")
 
     async def _models(self, _: web.Request) -> web.Response:
         data = [{"id": MODEL, "object": "model", "created": 0, "owned_by": self.role}]
         return web.json_response({"object": "list", "data": data})
 
+    async def _metrics(self, _: web.Request) -> web.Response:
+        return web.Response(text=self.metrics_text, content_type="text/plain")
+
     async def _release(self, request: web.Request) -> web.Response:
-        self.releases.append(await request.json())
+        secret = load_secret()
+        assert secret is not None, "PDSERVE_PD_SECRET is not set"
+        try:  # an instance takes releases signed by the proxy only
+            body = verify_kv_params(await request.json(), secret)
+        except SignatureError as e:
+            err = {"message": str(e), "type": "PermissionError", "param": None, "code": 403}
+            return web.json_response({"error": err}, status=403)
+        self.releases.append(body)
         self.release_headers.append({k.lower(): v for k, v in request.headers.items()})
         return web.json_response({}, status=self.release_status)
 
     async def _completion(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
-        self.seen.append(
-            Seen(request.path, body, {k.lower(): v for k, v in request.headers.items()})
-        )
+        if self._stale(request):
+            return web.Response(status=500)
+        seen = Seen(request.path, body, {k.lower(): v for k, v in request.headers.items()})
+        self.seen.append(seen)
+        if "kv_transfer_params" in body:
+            secret = load_secret()
+            assert secret is not None  # tests/conftest.py sets it for the session
+            try:
+                seen.kv = verify_kv_params(body["kv_transfer_params"], secret)
+            except SignatureError as e:
+                err = {"message": str(e), "type": "PermissionError", "param": None, "code": 403}
+                return web.json_response({"error": err}, status=403)
         try:
             if self.delay:
                 await asyncio.sleep(self.delay)
@@ -155,6 +204,8 @@ class FakeUpstream:
         except (asyncio.CancelledError, ConnectionResetError):
             self.disconnects += 1
             raise
+        finally:
+            self._last_answer[id(request.transport)] = asyncio.get_running_loop().time()
 
     def _answer(self, request: web.Request, body: dict[str, Any], chat: bool) -> dict[str, Any]:
         rid = request.headers.get("X-Request-Id", "none")
@@ -285,10 +336,12 @@ PDFactory = Callable[..., PD]
 
 @pytest.fixture
 def make_pd() -> Iterator[PDFactory]:
-    """``make_pd(n_prefill=1, n_decode=1, prefill_knobs=..., decode_knobs=..., **app_kwargs)``.
+    """``make_pd(n_prefill=1, n_decode=1, prefill_knobs=..., decode_knobs=...,
+    decode_urls=..., **app_kwargs)``.
 
     ``*_knobs`` is a dict of :class:`FakeUpstream` fields applied to every fake of the
-    pool, or a list with one dict per fake.
+    pool, or a list with one dict per fake. ``decode_urls`` adds decode instances the
+    test runs itself (e.g. ``fake_instance.py`` processes).
     """
     loop = LoopThread()
     started: list[PD] = []
@@ -304,6 +357,7 @@ def make_pd() -> Iterator[PDFactory]:
         *,
         prefill_knobs: dict[str, Any] | list[dict[str, Any]] | None = None,
         decode_knobs: dict[str, Any] | list[dict[str, Any]] | None = None,
+        decode_urls: list[str] | None = None,
         **app_kwargs: Any,
     ) -> PD:
         prefill = [FakeUpstream("prefill", **knobs_for(prefill_knobs, i)) for i in range(n_prefill)]
@@ -311,7 +365,8 @@ def make_pd() -> Iterator[PDFactory]:
         for fake in prefill + decode:
             loop.call(fake.start())
         app_kwargs.setdefault("health_interval", 30.0)
-        app = build_proxy_app([f.url for f in prefill], [f.url for f in decode], **app_kwargs)
+        urls = [f.url for f in decode] + (decode_urls or [])
+        app = build_proxy_app([f.url for f in prefill], urls, **app_kwargs)
         proxy = ProxyServer(app)
         loop.call(proxy.start())
         pd = PD(loop, prefill, decode, proxy)

@@ -38,7 +38,7 @@ def test_bodies_and_request_id_on_both_legs(make_pd: PDFactory) -> None:
     assert p.body["stream"] is False
     assert "stream_options" not in p.body and "min_tokens" not in p.body
     assert p.body["prompt"] == "hello" and p.body["temperature"] == 0.0
-    assert p.body["kv_transfer_params"] == {
+    assert p.kv == {
         "do_remote_decode": True,
         "do_remote_prefill": False,
         "remote_engine_id": None,
@@ -46,11 +46,11 @@ def test_bodies_and_request_id_on_both_legs(make_pd: PDFactory) -> None:
         "remote_host": None,
         "remote_port": None,
     }
-    # decode leg: the client's body plus the prefill's params, verbatim
+    # decode leg: the client's body plus the prefill's params, signed by the proxy
     rid = p.headers["x-request-id"]
     assert rid and d.headers["x-request-id"] == rid == r.headers["x-request-id"]
-    expected = dict(body, kv_transfer_params=pd.prefill[0].kv_params(rid))
-    assert d.body == expected
+    assert d.kv == pd.prefill[0].kv_params(rid)
+    assert d.body == dict(body, kv_transfer_params=d.body["kv_transfer_params"])
     assert body["max_tokens"] == 7  # the client's dict is untouched
 
 
@@ -65,7 +65,7 @@ def test_client_request_id_is_used_on_both_legs(make_pd: PDFactory) -> None:
     assert r.status_code == 200
     assert pd.prefill[0].seen[0].headers["x-request-id"] == "client-id-42"
     assert pd.decode[0].seen[0].headers["x-request-id"] == "client-id-42"
-    assert pd.decode[0].seen[0].body["kv_transfer_params"]["remote_request_id"] == "client-id-42"
+    assert pd.decode[0].seen[0].kv["remote_request_id"] == "client-id-42"  # type: ignore[index]
     assert r.headers["x-request-id"] == "client-id-42"
 
 
@@ -91,7 +91,7 @@ def test_chat_non_streaming_with_max_completion_tokens(make_pd: PDFactory) -> No
     assert p.body["max_tokens"] == 1 and p.body["max_completion_tokens"] == 1
     d = pd.decode[0].seen[0]
     assert d.body["max_completion_tokens"] == 9 and "max_tokens" not in d.body
-    assert d.body["kv_transfer_params"]["remote_block_ids"] == [3, 1, 4, 1, 5]
+    assert d.kv is not None and d.kv["remote_block_ids"] == [3, 1, 4, 1, 5]
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])

@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from _polling import wait_until
+from pdserve.core_types.pd_auth import new_secret, verify_kv_params
 from pdserve.serving.proxy import cli as proxy_mod
 from pdserve.serving.proxy.app import build_proxy_app
 from pdserve.serving.proxy.core import prefill_body
@@ -120,7 +121,7 @@ def test_broken_decode_stream_ends_with_an_error_event(make_pd: PDFactory) -> No
             texts.extend(c.text for c in chunk.choices)
     assert texts == ["t0", "t1"]
     assert wait_until(lambda: pd.prefill[0].releases == [{"request_id": "b1"}])
-    assert pd.core.decode.instances[0].healthy is False
+    assert pd.core.decode.instances[0].failures == 1  # one failure: not marked down
 
 
 # -- metrics ----------------------------------------------------------------------------
@@ -160,6 +161,55 @@ def test_metrics_series_and_sla_buckets(make_pd: PDFactory) -> None:
         == 0
     )
     assert "pdserve:proxy_kv_released_total" in text
+
+
+def _spec_text(drafts: int, tokens: int, accepted: int) -> str:
+    """An instance's /metrics with its spec-decode counters split over two engines."""
+    lines = ["# TYPE pdserve:spec_decode_num_drafts_total counter"]
+    for engine in ("0", "1"):
+        for name, value in (
+            ("num_drafts", drafts),
+            ("num_draft_tokens", tokens),
+            ("num_accepted_tokens", accepted),
+        ):
+            lines.append(f'pdserve:spec_decode_{name}_total{{engine="{engine}"}} {value / 2}')
+    lines.append('pdserve:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 99')
+    return "\n".join(lines) + "\n"
+
+
+def test_spec_decode_per_pool(make_pd: PDFactory) -> None:
+    """The proxy re-exports each instance's draft counters by pool and derives the pool's
+    acceptance rate and mean acceptance length."""
+    pd = make_pd(
+        n_decode=2,
+        prefill_knobs={"metrics_text": _spec_text(10, 10, 4)},  # k=1
+        decode_knobs=[
+            {"metrics_text": _spec_text(20, 60, 30)},  # k=3
+            {"metrics_text": _spec_text(20, 60, 42)},
+        ],
+        spec_scrape_interval=0.1,
+    )
+
+    def text() -> str:
+        return httpx.get(pd.url + "/metrics", timeout=5).text
+
+    name = "pdserve:proxy_spec_decode_num_accepted_tokens_total"
+    d0 = pd.decode[0].url
+    assert wait_until(lambda: metric_value(text(), name, pool="decode", instance=d0) == 30, 5)
+    t = text()
+    p0 = pd.prefill[0].url
+    assert (
+        metric_value(t, "pdserve:proxy_spec_decode_num_drafts_total", pool="prefill", instance=p0)
+        == 10
+    )
+    assert metric_value(t, "pdserve:proxy_spec_decode_acceptance_rate", pool="prefill") == 0.4
+    assert metric_value(t, "pdserve:proxy_spec_decode_acceptance_rate", pool="decode") == 0.6
+    assert metric_value(t, "pdserve:proxy_spec_decode_mean_acceptance_length", pool="decode") == 2.8
+    # an instance without speculation reads as zeros, not as an error
+    pd.decode[1].metrics_text = "pdserve:num_requests_running 0\n"
+    d1 = pd.decode[1].url
+    assert wait_until(lambda: metric_value(text(), name, pool="decode", instance=d1) == 0, 5)
+    assert metric_value(text(), "pdserve:proxy_spec_decode_acceptance_rate", pool="decode") == 0.5
 
 
 # -- helpers ----------------------------------------------------------------------------
@@ -204,11 +254,13 @@ def test_url_validation() -> None:
 
 
 def test_prefill_body_rules() -> None:
+    secret = new_secret().encode()
     chat = {"messages": [], "max_completion_tokens": 50, "stream": True, "n": 1}
-    out = prefill_body(chat)
+    out = prefill_body(chat, secret)
     assert out["max_tokens"] == 1 and out["max_completion_tokens"] == 1 and out["n"] == 1
     assert out["stream"] is False and chat["stream"] is True
-    assert "max_completion_tokens" not in prefill_body({"prompt": "x"})
+    assert "max_completion_tokens" not in prefill_body({"prompt": "x"}, secret)
+    assert verify_kv_params(out["kv_transfer_params"], secret)["do_remote_decode"] is True
 
 
 def test_sse_meter() -> None:

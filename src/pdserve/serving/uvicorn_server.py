@@ -18,6 +18,14 @@ Lifecycle of a :class:`UvicornServer`:
 A second shutdown request while draining forces uvicorn to stop at once (after the
 :meth:`~UvicornServer.on_force_stop` hook). Signal handlers are installed only when
 serving in the main thread.
+
+Keep-alive: an idle connection stays open :data:`KEEP_ALIVE_S` (75 s) instead of
+uvicorn's 5 s. A client that pools connections must close an idle one before the server
+does, or its next request can race the server's close and fail; 75 s is longer than the
+pools of the clients that talk to pdserve servers (the P/D proxy keeps idle upstream
+connections 60 s, ``pdserve.serving.proxy.upstream``; browsers, aiohttp and common load
+balancers keep them 60 s or less). An idle connection costs a file descriptor and a few
+KB, so holding it longer is cheap. ``timeout_keep_alive`` in ``uvicorn_kwargs`` overrides it.
 """
 
 from __future__ import annotations
@@ -42,6 +50,10 @@ logger = logging.getLogger(__name__)
 
 _HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
+# Seconds an idle keep-alive connection stays open (uvicorn's default is 5); see the
+# module docstring for why it is longer than any client pool in front of it.
+KEEP_ALIVE_S = 75
+
 
 class _Uvicorn(uvicorn.Server):
     """Uvicorn without its own signal handling (``UvicornServer`` installs its own)."""
@@ -54,7 +66,8 @@ class _Uvicorn(uvicorn.Server):
 class UvicornServer:
     """One uvicorn server for one app; see the module docstring for the lifecycle.
 
-    ``uvicorn_kwargs`` go to ``uvicorn.Config`` (e.g. ``timeout_graceful_shutdown``).
+    ``uvicorn_kwargs`` go to ``uvicorn.Config`` (e.g. ``timeout_graceful_shutdown``,
+    ``timeout_keep_alive``, which defaults to :data:`KEEP_ALIVE_S`).
     """
 
     def __init__(
@@ -72,7 +85,7 @@ class UvicornServer:
         self.requested_port = port
         self.log_level = log_level
         self.install_signal_handlers = install_signal_handlers
-        self.uvicorn_kwargs = uvicorn_kwargs
+        self.uvicorn_kwargs = {"timeout_keep_alive": KEEP_ALIVE_S, **uvicorn_kwargs}
         self.started = threading.Event()  # set once uvicorn accepts connections
         self._sock: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None

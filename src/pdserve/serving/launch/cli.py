@@ -18,6 +18,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from pdserve.core_types.pd_auth import SECRET_ENV
 from pdserve.serving.launch.launcher import LaunchAborted, Launcher, LaunchError
 from pdserve.serving.launch.topology import Topology, TopologyError
 
@@ -40,10 +41,21 @@ def dry_run_text(topology: Topology, log_dir: str | None = None) -> str:
     where = log_dir or topology.log_dir
     base = Path(where).expanduser() if where else Path("<new temp dir>")
     specs = topology.plan(base)
+    policy = topology.restart
+    on_failure = topology.on_failure
+    if on_failure == "restart":
+        on_failure += (
+            f" (at most {policy.max_restarts} restarts of a process within "
+            f"{policy.window:g}s, back-off {policy.backoff:g}s doubling to "
+            f"{policy.max_backoff:g}s)"
+        )
     out = [
         f"# pdserve launch --dry-run {topology.source}: {len(specs)} process(es), logs in {base}",
         "# instances start together; the proxy starts once every instance answers "
         "GET /health with 200",
+        f"# on_failure: {on_failure}",
+        f"# every process also gets {SECRET_ENV} in its environment (the launcher's own, "
+        "else a new one per launch); it is not shown",
     ]
     out += [f"# warning: {w}" for w in topology.warnings]
     for s in specs:

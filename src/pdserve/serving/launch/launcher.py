@@ -1,21 +1,31 @@
 """The launcher of ``pdserve launch TOPOLOGY.yaml``: start an xPyD topology, watch it,
-stop it cleanly (the command line is :mod:`pdserve.serving.launch.cli`).
+restart what dies, stop it cleanly (the command line is :mod:`pdserve.serving.launch.cli`;
+child processes are :mod:`pdserve.serving.launch.children`).
 
 Lifecycle of a ``Launcher``:
 
-1. ``start()`` makes the log dir, starts every instance at once (each a
-   ``pdserve serve`` process in its own process group, stdout+stderr to
-   ``<log_dir>/<name>.log``, overwritten on each launch) after checking that no port is
-   taken already, waits until each answers ``GET /health`` with 200 within its
-   ``startup_timeout``, then starts the proxy and waits for it the same way. It then
-   prints the endpoint table and writes ``<log_dir>/launch.json`` (name, role, url,
-   devices, pid, log of every process). A child that exits or times out during start-up
-   stops everything and raises ``LaunchError`` with the child's last log lines;
-   ``request_stop()`` during start-up stops everything and raises ``LaunchAborted``.
-2. ``wait()`` blocks until ``request_stop()`` (``cli.main`` wires SIGINT/SIGTERM/SIGHUP to it)
-   or until a child dies. A death is logged with the child's last log lines; with
-   ``on_failure: stop`` the rest is stopped and ``wait`` returns 1, with ``keep`` the
-   rest keeps running (1 once none is left). A requested stop returns 0.
+1. ``start()`` makes the log dir, picks the topology's P/D secret (the launcher's own
+   ``PDSERVE_PD_SECRET`` if set, else a new one), starts every instance at once (each
+   a ``pdserve serve`` process in its own process group, stdout+stderr to
+   ``<log_dir>/<name>.log``, overwritten on each launch, with the secret in its
+   environment) after checking that no port is taken already, waits until each
+   answers ``GET /health`` with 200 within its ``startup_timeout``, then starts the
+   proxy and waits for it the same way. It then prints the endpoint table and writes
+   ``<log_dir>/launch.json`` (name, role, url, devices, pid, restarts, log of every
+   process; rewritten after each restart). A child that exits or times out during
+   start-up stops everything and raises ``LaunchError`` with the child's last log
+   lines; ``request_stop()`` during start-up stops everything and raises
+   ``LaunchAborted``.
+2. ``wait()`` blocks until ``request_stop()`` (``cli.main`` wires SIGINT/SIGTERM/SIGHUP to
+   it) or until the topology fails. A child's death is logged with its last log lines,
+   then ``on_failure`` decides (see :mod:`pdserve.serving.launch.topology`):
+   ``restart`` (the default) SIGTERMs what is left of its process group, waits the
+   back-off, SIGKILLs any leftover and starts it again (log appended), then watches
+   it come up (a restart that does not answer ``/health`` within ``startup_timeout``
+   is killed and counts as another death); past ``restart.max_restarts`` restarts
+   within ``restart.window`` seconds it gives up and, like ``stop``, stops the rest
+   and returns 1. ``keep`` lets the rest run (1 once none is left). A requested stop
+   returns 0.
 3. ``stop()`` (idempotent; also run by ``wait`` and on start-up failure): SIGTERM to the
    proxy, then to every instance at once. SIGTERM goes to the group leader only (the API
    server, which drains and then stops its own engine core); once a leader has exited,
@@ -23,20 +33,13 @@ Lifecycle of a ``Launcher``:
    seconds in all, then the whole process group gets SIGKILL. A second
    ``request_stop()`` skips the grace period.
 
-Orphans: children are started in their own session (so a terminal's Ctrl-C reaches only
-the launcher, which stops them in order), and on Linux with ``PR_SET_PDEATHSIG`` =
-SIGTERM, so if the launcher itself dies they are told to stop (the API server then
-stops its engine core, which also watches its parent). PDEATHSIG fires when the
-*thread* that started the child ends: call ``start()`` from a thread that outlives the
-topology (the main thread in ``cli.main``).
+The secret travels only in the children's environment: never on a command line, in
+``launch.json``, in a log line or in ``--dry-run`` output.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
-import functools
 import json
 import logging
 import os
@@ -46,155 +49,45 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TextIO
+from typing import TextIO
 
+from pdserve.core_types.pd_auth import SECRET_ENV, load_secret, new_secret
+from pdserve.serving.launch.children import (
+    Child,
+    LaunchAborted,
+    LaunchError,
+    check_port_free,
+    group_alive,
+    healthy,
+    killpg,
+)
 from pdserve.serving.launch.topology import PROXY_CMD, SERVE_CMD, ProcessSpec, Topology
-from pdserve.serving.net import bind_tcp
+
+__all__ = ["Launcher", "LaunchError", "LaunchAborted", "topology_secret"]
 
 logger = logging.getLogger(__name__)
 
-_PR_SET_PDEATHSIG = 1
-_TAIL_LINES = 20
-_HEALTH_TIMEOUT_S = 2.0
-_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
-
-class LaunchError(RuntimeError):
-    """The topology could not be brought up; everything started has been stopped."""
-
-
-class LaunchAborted(LaunchError):
-    """A stop was requested during start-up; everything started has been stopped."""
-
-
-# -- child processes ----------------------------------------------------------------------
-
-
-def _load_prctl() -> Callable[..., int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
+def topology_secret(env: dict[str, str] | None = None) -> str:
+    """The launcher's own ``PDSERVE_PD_SECRET`` if set (checked), else a new one."""
+    env = dict(os.environ) if env is None else env
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        return libc.prctl
-    except (OSError, AttributeError):
-        return None
+        inherited = load_secret(env)
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
+    return inherited.decode() if inherited is not None else new_secret()
 
 
-_PRCTL = _load_prctl()  # loaded in the parent: no dlopen between fork and exec
+@dataclass
+class _Restart:
+    """A restart of ``children[index]``, due at ``at`` (``time.monotonic()``)."""
 
-
-def _die_with_parent(prctl: Callable[..., int], parent_pid: int) -> None:
-    """Runs in the child between fork and exec: SIGTERM us when the launcher dies."""
-    prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    if os.getppid() != parent_pid:  # the launcher died before prctl took effect
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
-def _group_alive(pgid: int) -> bool:
-    """True while any non-zombie process is in process group ``pgid``."""
-    proc = Path("/proc")
-    if not proc.is_dir():
-        try:
-            os.killpg(pgid, 0)
-        except (ProcessLookupError, PermissionError):
-            return False
-        return True
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # "pid (comm) state ppid pgrp ..."; comm may hold spaces and parentheses
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid:
-            return True
-    return False
-
-
-def _killpg(pgid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-
-
-def _check_port_free(spec: ProcessSpec) -> None:
-    """Refuse a port something already listens on: its /health would pass for ours.
-    The check binds the way the servers will (:func:`~pdserve.serving.net.bind_tcp`)."""
-    try:
-        bind_tcp(spec.host, spec.port).close()
-    except OSError as e:
-        raise LaunchError(
-            f"{spec.name}: cannot use {spec.host}:{spec.port} ({e.strerror}); "
-            "is an earlier launch still running?"
-        ) from e
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with _NO_PROXY.open(f"{url}/health", timeout=_HEALTH_TIMEOUT_S) as r:
-            return int(r.status) == 200
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
-
-
-class Child:
-    """A started process of the plan. The launcher owns it and its log file handle."""
-
-    def __init__(self, spec: ProcessSpec) -> None:
-        self.spec = spec
-        spec.log_file.parent.mkdir(parents=True, exist_ok=True)
-        self._log: IO[bytes] = open(spec.log_file, "wb")  # noqa: SIM115 (closed in close())
-        preexec = functools.partial(_die_with_parent, _PRCTL, os.getpid()) if _PRCTL else None
-        try:
-            self.popen = subprocess.Popen(
-                spec.cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=self._log,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **spec.env},
-                start_new_session=True,
-                preexec_fn=preexec,  # prctl only: safe between fork and exec
-            )
-        except OSError as e:
-            self._log.close()
-            raise LaunchError(f"{spec.name}: cannot start {spec.cmd[0]!r}: {e}") from e
-        self.started_at = time.monotonic()
-        self.ready_after: float | None = None
-        self.death_reported = False
-
-    @property
-    def pid(self) -> int:
-        return int(self.popen.pid)
-
-    def exit_code(self) -> int | None:
-        return self.popen.poll()
-
-    def tail(self, n: int = _TAIL_LINES) -> str:
-        """The last ``n`` lines of the log, indented for an error message."""
-        self._log.flush()
-        try:
-            lines = self.spec.log_file.read_text(errors="replace").splitlines()[-n:]
-        except OSError:
-            return "    (log unreadable)"
-        return "\n".join("    " + ln for ln in lines) or "    (log is empty)"
-
-    def describe_exit(self, code: int) -> str:
-        how = f"signal {-code}" if code < 0 else f"code {code}"
-        return (
-            f"{self.spec.name} (pid {self.pid}) exited with {how}; last lines of "
-            f"{self.spec.log_file}:\n{self.tail()}"
-        )
-
-    def close(self) -> None:
-        self._log.close()
-
-
-# -- the launcher -------------------------------------------------------------------------
+    index: int
+    at: float
 
 
 class Launcher:
@@ -221,7 +114,11 @@ class Launcher:
         self._out = out
         self._poll = poll_interval
         self.log_dir: Path | None = None
-        self.children: list[Child] = []
+        self.children: list[Child] = []  # the current run of each process, in plan order
+        self._retired: list[Child] = []  # earlier runs of restarted processes
+        self._restarts: dict[str, deque[float]] = {}  # name -> recent restart times
+        self._pending: dict[int, _Restart] = {}
+        self._child_env: dict[str, str] = {}
         self._stop_requested = threading.Event()
         self._force = threading.Event()
         self._started = False
@@ -245,7 +142,8 @@ class Launcher:
             logger.warning("%s", w)
         logger.info("logs in %s", self.log_dir)
         for spec in specs:
-            _check_port_free(spec)
+            check_port_free(spec)
+        self._child_env = {SECRET_ENV: topology_secret()}
         try:
             instances = [s for s in specs if s.role != "proxy"]
             proxy = [s for s in specs if s.role == "proxy"]
@@ -258,12 +156,13 @@ class Launcher:
         self._print(self.endpoint_table())
 
     def wait(self) -> int:
-        """Block until a stop is requested (0) or a child dies (1); everything is stopped."""
+        """Block until a stop is requested (0) or the topology fails (1); everything is
+        stopped when it returns."""
         if not self.children:
             raise RuntimeError("Launcher.wait() needs a successful start() first")
         code = 0
         while not self._stop_requested.wait(self._poll):
-            if self._check_deaths():
+            if self._supervise():
                 code = 1
                 break
         if code == 0:
@@ -283,9 +182,10 @@ class Launcher:
             return
         self._stopped = True
         self._stop_requested.set()
+        self._pending.clear()
         self._terminate([c for c in self.children if c.spec.role == "proxy"])
         self._terminate([c for c in self.children if c.spec.role != "proxy"])
-        for c in self.children:
+        for c in self.children + self._retired:
             c.close()
 
     def __enter__(self) -> Launcher:
@@ -301,7 +201,7 @@ class Launcher:
         started = []
         for spec in specs:
             logger.info("starting %s on %s (devices %s)", spec.name, spec.url, spec.devices)
-            child = Child(spec)
+            child = Child(spec, self._child_env)
             self.children.append(child)
             started.append(child)
         pending = list(started)
@@ -314,7 +214,7 @@ class Launcher:
                     c.death_reported = True
                     raise LaunchError(f"start-up failed: {c.describe_exit(code)}")
                 elapsed = time.monotonic() - c.started_at
-                if _healthy(c.spec.url):
+                if healthy(c.spec.url):
                     c.ready_after = elapsed
                     logger.info("%s is ready after %.1fs", c.spec.name, elapsed)
                     pending.remove(c)
@@ -328,21 +228,104 @@ class Launcher:
             if pending:
                 self._stop_requested.wait(self._poll)
 
-    def _check_deaths(self) -> bool:
-        """Log newly dead children; True when the launcher should stop with an error."""
-        for c in self.children:
+    def _supervise(self) -> bool:
+        """One round of watching: notice deaths and restarted children coming up, start
+        due restarts. True when the topology has failed (the caller stops the rest)."""
+        now = time.monotonic()
+        for i, c in enumerate(self.children):
+            if i in self._pending or c.death_reported:
+                continue
             code = c.exit_code()
-            if code is None or c.death_reported:
+            if code is None and not c.ready:
+                code = self._watch_restarted(c, now)
+            if code is None:
                 continue
             c.death_reported = True
             logger.error("%s", c.describe_exit(code))
-            if self.topology.on_failure == "stop":
+            policy = self.topology.on_failure
+            if policy == "stop":
                 logger.error("on_failure is stop: stopping the rest of the topology")
                 return True
-        if all(c.exit_code() is not None for c in self.children):
+            if policy == "restart" and not self._schedule_restart(i, c, now):
+                return True
+        for i, r in sorted(self._pending.items()):
+            if now >= r.at and not self._stop_requested.is_set():
+                del self._pending[i]
+                if not self._restart(i):
+                    return True
+        if not self._pending and all(c.exit_code() is not None for c in self.children):
             logger.error("every process has exited")
             return True
         return False
+
+    def _watch_restarted(self, c: Child, now: float) -> int | None:
+        """A restarted child still coming up: mark it ready once healthy; past its
+        ``startup_timeout`` kill it and return its exit code (a death)."""
+        if healthy(c.spec.url):
+            c.ready_after = now - c.started_at
+            logger.info("%s is ready again after %.1fs", c.spec.name, c.ready_after)
+            return None
+        if now - c.started_at <= c.spec.startup_timeout:
+            return None
+        logger.error(
+            "%s (pid %d) did not answer GET %s/health with 200 within %gs after its restart",
+            c.spec.name,
+            c.pid,
+            c.spec.url,
+            c.spec.startup_timeout,
+        )
+        killpg(c.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            c.popen.wait(timeout=10)
+        return c.exit_code() if c.exit_code() is not None else -signal.SIGKILL
+
+    def _schedule_restart(self, i: int, c: Child, now: float) -> bool:
+        """Plan the restart of a dead child after its back-off; False past the limit."""
+        policy = self.topology.restart
+        recent = self._restarts.setdefault(c.spec.name, deque())
+        while recent and now - recent[0] > policy.window:
+            recent.popleft()
+        if len(recent) >= policy.max_restarts:
+            logger.error(
+                "%s died after %d restart(s) within %gs (restart.max_restarts: %d): giving up; "
+                "stopping the rest of the topology",
+                c.spec.name,
+                len(recent),
+                policy.window,
+                policy.max_restarts,
+            )
+            return False
+        delay = policy.delay(len(recent))
+        killpg(c.pid, signal.SIGTERM)  # what is left of its group (an engine core) goes
+        self._pending[i] = _Restart(i, now + delay)
+        logger.warning(
+            "on_failure is restart: restarting %s in %.1fs (restart %d of at most %d within %gs)",
+            c.spec.name,
+            delay,
+            len(recent) + 1,
+            policy.max_restarts,
+            policy.window,
+        )
+        return True
+
+    def _restart(self, i: int) -> bool:
+        """Start ``children[i]`` again; False when that failed past the restart limit."""
+        old = self.children[i]
+        killpg(old.pid, signal.SIGKILL)  # anything of the dead run still in its group
+        recent = self._restarts.setdefault(old.spec.name, deque())
+        recent.append(time.monotonic())
+        try:
+            new = Child(old.spec, self._child_env, restart=old.restart + 1)
+        except LaunchError as e:
+            logger.error("%s", e)
+            new = None
+        if new is None:  # it could not even start: a death again, with its back-off
+            return self._schedule_restart(i, old, time.monotonic())
+        self._retired.append(old)
+        self.children[i] = new
+        logger.info("restarted %s (pid %d, restart %d)", new.spec.name, new.pid, new.restart)
+        self._write_state()
+        return True
 
     def _terminate(self, group: list[Child]) -> None:
         for c in group:
@@ -354,11 +337,11 @@ class Launcher:
         left = list(group)
         told: set[int] = set()
         while left and time.monotonic() < deadline and not self._force.is_set():
-            left = [c for c in left if c.exit_code() is None or _group_alive(c.pid)]
+            left = [c for c in left if c.exit_code() is None or group_alive(c.pid)]
             for c in left:
                 if c.exit_code() is not None and c.pid not in told:
                     told.add(c.pid)  # the leader is gone: ask the rest of its group to go too
-                    _killpg(c.pid, signal.SIGTERM)
+                    killpg(c.pid, signal.SIGTERM)
             if left:
                 time.sleep(0.05)
         for c in left:
@@ -366,11 +349,11 @@ class Launcher:
                 logger.warning(
                     "%s did not exit in %gs: SIGKILL", c.spec.name, self.topology.grace_period
                 )
-            _killpg(c.pid, signal.SIGKILL)
+            killpg(c.pid, signal.SIGKILL)
         for c in group:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 c.popen.wait(timeout=10)
-            _killpg(c.pid, signal.SIGKILL)  # anything the leader left behind in its group
+            killpg(c.pid, signal.SIGKILL)  # anything the leader left behind in its group
 
     def _write_state(self) -> None:
         assert self.log_dir is not None
@@ -384,6 +367,7 @@ class Launcher:
                     "url": c.spec.url,
                     "devices": c.spec.devices,
                     "pid": c.pid,
+                    "restarts": c.restart,
                     "log": str(c.spec.log_file),
                 }
                 for c in self.children

@@ -1,10 +1,13 @@
 """The topology file of ``pdserve launch``: schema, validation, and the process plan.
 
 A topology is read once (``Topology.load``), validated completely (every error names
-the field, e.g. ``instances[1].port``; unknown keys are refused), and then turned into
-a *plan*: one ``ProcessSpec`` per OS process (instances expanded by ``replicas``, then
-the proxy). The plan holds the exact argv and the environment overrides, so
-``--dry-run`` prints what the launcher would run, byte for byte.
+the field, e.g. ``instances[1].port``; unknown keys are refused; the field readers are
+:mod:`pdserve.serving.launch.fields`), and then turned into a *plan*: one
+``ProcessSpec`` per OS process (instances expanded by ``replicas``, then the proxy).
+The plan holds the exact argv and the environment overrides, so ``--dry-run`` prints
+what the launcher would run, byte for byte (all but the P/D secret, which the launcher
+adds to every child's environment and never prints). ``docs/LAUNCH.md`` is the
+user's guide to this format.
 
 Schema (YAML)::
 
@@ -15,11 +18,20 @@ Schema (YAML)::
     common_args: [FLAG, ...]    # optional; extra `pdserve serve` flags, every instance
     startup_timeout: 600        # seconds to answer GET /health with 200 (per process)
     grace_period: 30            # seconds between SIGTERM and SIGKILL on stop
-    on_failure: stop            # stop | keep: what a child's death at run time does
+    on_failure: restart         # restart | stop | keep: what a child's death at run time does
+    restart:                    # optional; the limits of on_failure: restart
+      max_restarts: 5           #   restarts of one process allowed within `window`...
+      window: 600               #   ...seconds; one more death is a failure (as `stop`)
+      backoff: 1                #   seconds before the first restart, doubling each time
+      max_backoff: 30           #   the longest wait before a restart
     kv_transfer:                # required when a prefill or decode instance exists
       connector: PdConnector
       extra_config: {transport: tcp}
-    proxy: {host: 127.0.0.1, port: 8000, startup_timeout: 60}   # optional
+    proxy:                      # optional
+      host: 127.0.0.1
+      port: 8000
+      startup_timeout: 60
+      args: [FLAG, ...]         # extra `pdserve proxy` flags, e.g. ["--api-key", "K"]
     instances:
       - role: prefill           # prefill | decode | colocated
         host: 127.0.0.1         # bind address (default 127.0.0.1)
@@ -34,6 +46,21 @@ Schema (YAML)::
 Argument values may be strings or numbers; a mapping is passed as its JSON text (handy
 for ``--speculative-config``). With ``replicas: N`` and GPU devices, the ids are split
 evenly into N consecutive groups, one per replica.
+
+``on_failure`` decides what happens when a process (an instance or the proxy) dies
+after the topology came up (a death during start-up always fails the launch):
+
+* ``restart`` (the default): the launcher kills what is left of the dead process's
+  group, waits ``backoff`` seconds (doubling after each restart of that process, at
+  most ``max_backoff``), and starts it again with the same command, port and log
+  (appended). The proxy's health probes route to a restarted instance again once it
+  answers ``/health``. A process that would need more than ``max_restarts`` restarts
+  within ``window`` seconds (or that does not come up within its
+  ``startup_timeout`` after a restart, which counts as a death) is a failure: then
+  the launcher does what ``stop`` does.
+* ``stop``: the launcher stops every other process and exits 1.
+* ``keep``: the others keep running (the proxy routes around a dead instance); the
+  launcher exits 1 once none is left.
 """
 
 from __future__ import annotations
@@ -41,16 +68,22 @@ from __future__ import annotations
 import json
 import shlex
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from pdserve.serving.launch import fields as f
+from pdserve.serving.launch.fields import TopologyError
+
+__all__ = ["Topology", "TopologyError", "ProcessSpec", "RestartPolicy"]
+
 ROLES = ("prefill", "decode", "colocated")
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
-ON_FAILURE = ("stop", "keep")
+ON_FAILURE = ("restart", "stop", "keep")
+DEFAULT_ON_FAILURE = "restart"
 DEFAULT_STARTUP_TIMEOUT = 600.0
 DEFAULT_GRACE_PERIOD = 30.0
 SERVE_CMD: tuple[str, ...] = (sys.executable, "-m", "pdserve", "serve")
@@ -65,6 +98,7 @@ _TOP_KEYS = (
     "startup_timeout",
     "grace_period",
     "on_failure",
+    "restart",
     "kv_transfer",
     "proxy",
     "instances",
@@ -80,169 +114,14 @@ _INSTANCE_KEYS = (
     "env",
     "startup_timeout",
 )
-_PROXY_KEYS = ("host", "port", "startup_timeout")
+_PROXY_KEYS = ("host", "port", "startup_timeout", "args")
 _KV_KEYS = ("connector", "extra_config")
-# Flags the launcher sets itself; a user value would silently lose or win.
-_MANAGED_FLAGS = ("--host", "--port", "--device", "--kv-transfer-config")
-_MANAGED_ENV = ("CUDA_VISIBLE_DEVICES",)
-_REQUIRED = object()
+_RESTART_KEYS = ("max_restarts", "window", "backoff", "max_backoff")
 
 
-class TopologyError(ValueError):
-    """A topology that cannot be launched; the message starts with the field's path."""
-
-
-# -- YAML loading ------------------------------------------------------------------------
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """A safe loader that refuses duplicate mapping keys (PyYAML keeps the last one)."""
-
-
-def _construct_unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict:
-    seen: set[Any] = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node)
-        if key in seen:
-            raise TopologyError(f"duplicate key {key!r} (line {key_node.start_mark.line + 1})")
-        seen.add(key)
-    return loader.construct_mapping(node)
-
-
-_UniqueKeyLoader.add_constructor(
-    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping
-)
-
-
-# -- field readers (each error names the field) -------------------------------------------
-
-
-def _mapping(value: Any, path: str, allowed: Sequence[str]) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise TopologyError(f"{path}: expected a mapping, got {type(value).__name__}")
-    unknown = sorted(str(k) for k in value if k not in allowed)
-    if unknown:
-        raise TopologyError(
-            f"{path}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(allowed)}"
-        )
-    return value
-
-
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
-
-
-def _get(d: Mapping[str, Any], key: str, path: str, default: Any) -> Any:
-    if key not in d or d[key] is None:
-        if default is _REQUIRED:
-            raise TopologyError(f"{_join(path, key)}: required")
-        return default
-    return d[key]
-
-
-def _str(d: Mapping[str, Any], key: str, path: str, default: Any = _REQUIRED) -> Any:
-    v = _get(d, key, path, default)
-    if v is default and default is not _REQUIRED:
-        return v
-    if not isinstance(v, str) or not v.strip():
-        raise TopologyError(f"{_join(path, key)}: expected a non-empty string, got {v!r}")
-    return v
-
-
-def _int(d: Mapping[str, Any], key: str, path: str, lo: int, hi: int, default: Any) -> Any:
-    v = _get(d, key, path, default)
-    if v is default and default is not _REQUIRED:
-        return v
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise TopologyError(f"{_join(path, key)}: expected an integer in [{lo}, {hi}], got {v!r}")
-    return v
-
-
-def _seconds(d: Mapping[str, Any], key: str, path: str, default: Any) -> Any:
-    v = _get(d, key, path, default)
-    if v is default:
-        return v
-    if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
-        raise TopologyError(f"{_join(path, key)}: expected a number of seconds > 0, got {v!r}")
-    return float(v)
-
-
-def _scalar_text(v: Any, path: str) -> str:
-    if isinstance(v, bool) or v is None:
-        raise TopologyError(f"{path}: expected a string or a number, got {v!r} (quote it)")
-    if isinstance(v, str | int | float):
-        return str(v)
-    if isinstance(v, dict):
-        try:
-            return json.dumps(v)
-        except (TypeError, ValueError) as e:
-            raise TopologyError(f"{path}: cannot be written as JSON: {e}") from e
-    raise TopologyError(f"{path}: expected a string, a number or a mapping, got {v!r}")
-
-
-def _args(d: Mapping[str, Any], key: str, path: str, served_name: bool) -> tuple[str, ...]:
-    p = _join(path, key)
-    v = _get(d, key, path, [])
-    if not isinstance(v, list):
-        raise TopologyError(f'{p}: expected a list of flags, e.g. ["--max-num-seqs", "64"]')
-    out = tuple(_scalar_text(a, f"{p}[{i}]") for i, a in enumerate(v))
-    managed = _MANAGED_FLAGS + (("--served-model-name",) if served_name else ())
-    for i, a in enumerate(out):
-        flag = a.split("=", 1)[0]
-        if flag in managed:
-            raise TopologyError(f"{p}[{i}]: {flag} is set by the launcher; {_MANAGED_WHY[flag]}")
-    return out
-
-
-_MANAGED_WHY = {
-    "--host": "use the instance's `host`",
-    "--port": "use the instance's `port`",
-    "--device": 'use the instance\'s `devices` ("cpu" or GPU ids)',
-    "--kv-transfer-config": "use the top-level `kv_transfer` (the role picks kv_role)",
-    "--served-model-name": "the top-level `served_model_name` already sets it",
-}
-
-
-def _env(d: Mapping[str, Any], key: str, path: str) -> dict[str, str]:
-    p = _join(path, key)
-    v = _get(d, key, path, {})
-    if not isinstance(v, dict):
-        raise TopologyError(f"{p}: expected a mapping of NAME: value")
-    out: dict[str, str] = {}
-    for k, val in v.items():
-        if not isinstance(k, str) or not k or "=" in k or "\0" in k:
-            raise TopologyError(f"{p}: invalid variable name {k!r}")
-        if k in _MANAGED_ENV:
-            raise TopologyError(f"{p}.{k}: is set by the launcher from each instance's `devices`")
-        out[k] = _scalar_text(val, f"{p}.{k}")
-    return out
-
-
-def _devices(v: Any, path: str) -> tuple[int, ...] | None:
-    """``None`` for CPU, else the GPU ids in the order given."""
-    hint = 'expected "cpu" or GPU ids like "0", "0,1,2,3" or "0-3"'
-    if isinstance(v, bool) or v is None:
-        raise TopologyError(f"{path}: {hint} (got {v!r})")
-    if isinstance(v, int):
-        v = str(v)
-    if not isinstance(v, str):
-        raise TopologyError(f"{path}: {hint} (got {v!r})")
-    if v.strip().lower() == "cpu":
-        return None
-    ids: list[int] = []
-    try:
-        for part in v.split(","):
-            lo, _, hi = part.strip().partition("-")
-            a, b = int(lo), int(hi) if hi else int(lo)
-            if a < 0 or b < a:
-                raise ValueError(part)
-            ids.extend(range(a, b + 1))
-    except ValueError:
-        raise TopologyError(f"{path}: {hint} (got {v!r})") from None
-    dup = sorted({i for i in ids if ids.count(i) > 1})
-    if dup:
-        raise TopologyError(f"{path}: GPU id(s) {dup} listed twice in {v!r}")
-    return tuple(ids)
+def _instance_flags(served_name: bool) -> tuple[str, ...]:
+    """Flags of ``pdserve serve`` a topology may not set in ``args``/``common_args``."""
+    return f.INSTANCE_FLAGS + (("--served-model-name",) if served_name else ())
 
 
 # -- the schema ---------------------------------------------------------------------------
@@ -270,6 +149,22 @@ class ProxySpec:
     host: str
     port: int
     startup_timeout: float | None = None
+    args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """``restart``: how ``on_failure: restart`` restarts a process, and when it gives up."""
+
+    max_restarts: int = 5
+    window: float = 600.0
+    backoff: float = 1.0
+    max_backoff: float = 30.0
+
+    def delay(self, recent: int) -> float:
+        """Seconds to wait before a restart that follows ``recent`` restarts of the same
+        process within the window."""
+        return float(min(self.backoff * 2**recent, self.max_backoff))
 
 
 @dataclass(frozen=True)
@@ -342,7 +237,8 @@ class Topology:
     common_args: tuple[str, ...] = ()
     startup_timeout: float = DEFAULT_STARTUP_TIMEOUT
     grace_period: float = DEFAULT_GRACE_PERIOD
-    on_failure: str = "stop"
+    on_failure: str = DEFAULT_ON_FAILURE
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
     kv_transfer: KVTransferSpec | None = None
     proxy: ProxySpec | None = None
     warnings: tuple[str, ...] = ()
@@ -356,7 +252,7 @@ class Topology:
         except OSError as e:
             raise TopologyError(f"{p}: cannot read the topology file: {e.strerror}") from e
         try:
-            data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass
+            data = f.load_yaml(text)
         except TopologyError as e:
             raise TopologyError(f"{p}: {e}") from e
         except yaml.YAMLError as e:
@@ -370,27 +266,30 @@ class Topology:
     def from_dict(cls, data: Any, source: str = "<topology>") -> Topology:
         if data is None:
             raise TopologyError("the topology is empty; `instances` is required")
-        d = _mapping(data, "(top level)", _TOP_KEYS)
-        served = _str(d, "served_model_name", "", None)
-        raw_instances = _get(d, "instances", "", _REQUIRED)
+        d = f.mapping(data, "(top level)", _TOP_KEYS)
+        served = f.text(d, "served_model_name", "", None)
+        raw_instances = f.get(d, "instances", "", f.REQUIRED)
         if not isinstance(raw_instances, list) or not raw_instances:
             raise TopologyError("instances: expected a non-empty list of instances")
         top = cls(
             instances=(),
-            model=_str(d, "model", "", None),
+            model=f.text(d, "model", "", None),
             served_model_name=served,
-            log_dir=_str(d, "log_dir", "", None),
-            env=_env(d, "env", ""),
-            common_args=_args(d, "common_args", "", served is not None),
-            startup_timeout=_seconds(d, "startup_timeout", "", DEFAULT_STARTUP_TIMEOUT),
-            grace_period=_seconds(d, "grace_period", "", DEFAULT_GRACE_PERIOD),
-            on_failure=_str(d, "on_failure", "", "stop"),
+            log_dir=f.text(d, "log_dir", "", None),
+            env=f.env_vars(d, "env", ""),
+            common_args=f.flags(d, "common_args", "", _instance_flags(served is not None)),
+            startup_timeout=f.seconds(d, "startup_timeout", "", DEFAULT_STARTUP_TIMEOUT),
+            grace_period=f.seconds(d, "grace_period", "", DEFAULT_GRACE_PERIOD),
+            on_failure=f.text(d, "on_failure", "", DEFAULT_ON_FAILURE),
+            restart=_restart(d.get("restart")),
             kv_transfer=_kv_transfer(d.get("kv_transfer")),
             proxy=_proxy(d.get("proxy")),
             source=source,
         )
         if top.on_failure not in ON_FAILURE:
-            raise TopologyError(f"on_failure: expected stop or keep, got {top.on_failure!r}")
+            raise TopologyError(
+                f"on_failure: expected restart, stop or keep, got {top.on_failure!r}"
+            )
         instances = tuple(
             _instance(raw, f"instances[{i}]", top) for i, raw in enumerate(raw_instances)
         )
@@ -426,6 +325,7 @@ class Topology:
                 self.proxy.host,
                 "--port",
                 str(self.proxy.port),
+                *self.proxy.args,
             )
             specs.append(
                 ProcessSpec(
@@ -473,44 +373,64 @@ class Topology:
 def _kv_transfer(raw: Any) -> KVTransferSpec | None:
     if raw is None:
         return None
-    d = _mapping(raw, "kv_transfer", _KV_KEYS)
-    extra = _get(d, "extra_config", "kv_transfer", {})
+    d = f.mapping(raw, "kv_transfer", _KV_KEYS)
+    extra = f.get(d, "extra_config", "kv_transfer", {})
     if not isinstance(extra, dict):
         raise TopologyError("kv_transfer.extra_config: expected a mapping")
     try:
         json.dumps(extra)
     except (TypeError, ValueError) as e:
         raise TopologyError(f"kv_transfer.extra_config: cannot be written as JSON: {e}") from e
-    return KVTransferSpec(_str(d, "connector", "kv_transfer"), extra)
+    return KVTransferSpec(f.text(d, "connector", "kv_transfer"), extra)
 
 
 def _proxy(raw: Any) -> ProxySpec | None:
     if raw is None:
         return None
-    d = _mapping(raw, "proxy", _PROXY_KEYS)
+    d = f.mapping(raw, "proxy", _PROXY_KEYS)
     return ProxySpec(
-        host=_str(d, "host", "proxy", "127.0.0.1"),
-        port=_int(d, "port", "proxy", 1, 65535, _REQUIRED),
-        startup_timeout=_seconds(d, "startup_timeout", "proxy", None),
+        host=f.text(d, "host", "proxy", "127.0.0.1"),
+        port=f.integer(d, "port", "proxy", 1, 65535, f.REQUIRED),
+        startup_timeout=f.seconds(d, "startup_timeout", "proxy", None),
+        args=f.flags(d, "args", "proxy", f.PROXY_FLAGS),
     )
 
 
+def _restart(raw: Any) -> RestartPolicy:
+    if raw is None:
+        return RestartPolicy()
+    d = f.mapping(raw, "restart", _RESTART_KEYS)
+    default = RestartPolicy()
+    policy = RestartPolicy(
+        max_restarts=f.integer(d, "max_restarts", "restart", 0, 1000, default.max_restarts),
+        window=f.seconds(d, "window", "restart", default.window),
+        backoff=f.seconds(d, "backoff", "restart", default.backoff),
+        max_backoff=f.seconds(d, "max_backoff", "restart", default.max_backoff),
+    )
+    if policy.max_backoff < policy.backoff:
+        raise TopologyError(
+            f"restart.max_backoff: {policy.max_backoff:g}s is shorter than "
+            f"restart.backoff ({policy.backoff:g}s)"
+        )
+    return policy
+
+
 def _instance(raw: Any, path: str, top: Topology) -> InstanceSpec:
-    d = _mapping(raw, path, _INSTANCE_KEYS)
-    role = _str(d, "role", path)
+    d = f.mapping(raw, path, _INSTANCE_KEYS)
+    role = f.text(d, "role", path)
     if role not in ROLES:
         raise TopologyError(f"{path}.role: expected one of {', '.join(ROLES)}, got {role!r}")
-    replicas = _int(d, "replicas", path, 1, 1024, 1)
-    port = _int(d, "port", path, 1, 65535, _REQUIRED)
+    replicas = f.integer(d, "replicas", path, 1, 1024, 1)
+    port = f.integer(d, "port", path, 1, 65535, f.REQUIRED)
     if port + replicas - 1 > 65535:
         raise TopologyError(f"{path}.port: {replicas} replicas from port {port} pass 65535")
-    devices = _devices(_get(d, "devices", path, _REQUIRED), f"{path}.devices")
+    devices = f.devices(f.get(d, "devices", path, f.REQUIRED), f"{path}.devices")
     if devices is not None and len(devices) % replicas:
         raise TopologyError(
             f"{path}.devices: {len(devices)} GPU id(s) cannot be split evenly over "
             f"replicas: {replicas} (each replica gets len(devices) / replicas GPUs)"
         )
-    model = _str(d, "model", path, None)
+    model = f.text(d, "model", path, None)
     if model is None and top.model is None:
         raise TopologyError(
             f"{path}.model: no model given; set the top-level `model` or {path}.model"
@@ -523,14 +443,14 @@ def _instance(raw: Any, path: str, top: Topology) -> InstanceSpec:
         )
     return InstanceSpec(
         role=role,
-        host=_str(d, "host", path, "127.0.0.1"),
+        host=f.text(d, "host", path, "127.0.0.1"),
         port=port,
         devices=devices,
         replicas=replicas,
-        args=_args(d, "args", path, top.served_model_name is not None),
+        args=f.flags(d, "args", path, _instance_flags(top.served_model_name is not None)),
         model=model,
-        env=_env(d, "env", path),
-        startup_timeout=_seconds(d, "startup_timeout", path, None),
+        env=f.env_vars(d, "env", path),
+        startup_timeout=f.seconds(d, "startup_timeout", path, None),
     )
 
 

@@ -10,10 +10,16 @@ With an API key, every ``/v1/*`` route needs ``Authorization: Bearer KEY`` (401
 otherwise). Upstream, the proxy sends ``--upstream-api-key`` if given, else the
 client's own ``Authorization`` header.
 
-Lifecycle of an app from :func:`build_proxy_app`: lifespan startup opens the shared
-``aiohttp`` session, runs one health round (so ``/health`` is truthful from the first
-request) and starts the health poller; lifespan shutdown stops the poller, lets
-pending KV-release calls finish (bounded) and closes the session.
+The proxy signs the ``kv_transfer_params`` of both legs with the topology's secret
+(``PDSERVE_PD_SECRET``, :mod:`pdserve.core_types.pd_auth`); without it the app refuses
+to be built, since every instance would refuse the legs.
+
+Lifecycle of an app from :func:`build_proxy_app`: lifespan startup opens the upstream
+client (:mod:`pdserve.serving.proxy.upstream`), runs one health round (so ``/health`` is
+truthful from the first request) and starts the health probes
+(:mod:`pdserve.serving.proxy.health`) and the heap trimmer
+(:mod:`pdserve.serving.proxy.heap_trim`); lifespan shutdown stops them, lets pending
+KV-release calls finish (bounded) and closes the client.
 :func:`pdserve.serving.proxy.cli.main` serves the app.
 """
 
@@ -32,11 +38,20 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdserve.core_types.pd_auth import SECRET_ENV, load_secret
 from pdserve.serving.http import MAX_REQUEST_ID_LEN, error_response, valid_request_id
 from pdserve.serving.proxy.core import ProxyCore, ProxySettings, classify_error
 from pdserve.serving.proxy.forward import PDResponse
+from pdserve.serving.proxy.health import (
+    DEFAULT_HEALTH_INTERVAL_S,
+    DEFAULT_HEALTH_TIMEOUT_S,
+    HealthChecker,
+)
+from pdserve.serving.proxy.heap_trim import HeapTrimmer
 from pdserve.serving.proxy.metrics import ProxyMetrics
-from pdserve.serving.proxy.pool import HealthChecker, InstancePool, normalize_urls
+from pdserve.serving.proxy.pool import DEFAULT_FAILURE_THRESHOLD, InstancePool, normalize_urls
+from pdserve.serving.proxy.spec_stats import DEFAULT_SPEC_SCRAPE_INTERVAL_S, SpecScraper, SpecStats
+from pdserve.serving.proxy.upstream import POOL_KEEP_ALIVE_S
 
 logger = logging.getLogger(__name__)
 
@@ -60,58 +75,106 @@ def _positive(name: str, value: float) -> float:
     return float(value)
 
 
+def _secret(secret: bytes | None) -> bytes:
+    if secret is None:
+        secret = load_secret()  # ValueError if set but too short
+    if secret is None:
+        raise ValueError(
+            f"{SECRET_ENV} is not set: instances accept kv_transfer_params only when "
+            "they are signed with the topology's secret, so the proxy needs the same "
+            f"{SECRET_ENV} as every prefill and decode instance (pdserve launch "
+            "generates one and passes it to all of them; by hand: python -c "
+            "'import secrets; print(secrets.token_hex(32))')"
+        )
+    return secret
+
+
 def build_proxy_app(
     prefill_urls: Sequence[str],
     decode_urls: Sequence[str],
     *,
     api_key: str | None = None,
     upstream_api_key: str | None = None,
-    health_interval: float = 2.0,
-    health_timeout: float = 2.0,
+    health_interval: float = DEFAULT_HEALTH_INTERVAL_S,
+    spec_scrape_interval: float = DEFAULT_SPEC_SCRAPE_INTERVAL_S,
+    health_timeout: float = DEFAULT_HEALTH_TIMEOUT_S,
+    failure_threshold: int = DEFAULT_FAILURE_THRESHOLD,
     request_timeout: float = 600.0,
     connect_timeout: float = 10.0,
     release_timeout: float = 5.0,
+    queue_timeout: float = 30.0,
+    pool_keep_alive: float = POOL_KEEP_ALIVE_S,
     pool_name: str = "pdserve",
+    secret: bytes | None = None,
 ) -> FastAPI:
     """The proxy app. Raises ``ValueError`` with a clear message for bad arguments.
 
     URLs may be ``http(s)://host:port[/prefix]`` or ``host:port``; each pool needs at
     least one and no duplicates. The app's :class:`ProxyCore` is ``app.state.proxy``.
+    ``secret`` signs ``kv_transfer_params`` (default: ``PDSERVE_PD_SECRET``, required).
+    ``queue_timeout`` may be 0 (answer 503 at once when a pool has no healthy instance).
     """
     prefill = normalize_urls(prefill_urls, what="--prefill")
     decode = normalize_urls(decode_urls, what="--decode")
     for name, key in (("--api-key", api_key), ("--upstream-api-key", upstream_api_key)):
         if key is not None and not key.strip():
             raise ValueError(f"{name} must not be empty")
+    if isinstance(failure_threshold, bool) or not (
+        isinstance(failure_threshold, int) and failure_threshold >= 1
+    ):
+        raise ValueError(f"--failure-threshold must be an integer >= 1, got {failure_threshold}")
+    if not queue_timeout >= 0:
+        raise ValueError(f"--queue-timeout must be >= 0 seconds, got {queue_timeout}")
     settings = ProxySettings(
         request_timeout=_positive("--request-timeout", request_timeout),
-        connect_timeout=_positive("connect timeout", connect_timeout),
+        connect_timeout=_positive("--connect-timeout", connect_timeout),
         release_timeout=_positive("release timeout", release_timeout),
+        queue_timeout=float(queue_timeout),
+        failure_threshold=failure_threshold,
+        pool_keep_alive=_positive("pool keep-alive", pool_keep_alive),
         upstream_api_key=upstream_api_key,
     )
     metrics = ProxyMetrics(prefill, decode, pool_name=pool_name)
+
+    def pool(role: str, urls: list[str]) -> InstancePool:
+        return InstancePool(
+            role,
+            urls,
+            failure_threshold=failure_threshold,
+            on_in_flight=lambda url, n: metrics.set_in_flight(role, url, n),
+            on_health=lambda url, ok: metrics.set_healthy(role, url, ok),
+        )
+
     core = ProxyCore(
-        prefill=InstancePool(
-            "prefill",
-            prefill,
-            on_in_flight=lambda url, n: metrics.set_in_flight("prefill", url, n),
-            on_health=lambda url, ok: metrics.set_healthy("prefill", url, ok),
-        ),
-        decode=InstancePool(
-            "decode",
-            decode,
-            on_in_flight=lambda url, n: metrics.set_in_flight("decode", url, n),
-            on_health=lambda url, ok: metrics.set_healthy("decode", url, ok),
-        ),
+        prefill=pool("prefill", prefill),
+        decode=pool("decode", decode),
         metrics=metrics,
         settings=settings,
+        secret=_secret(secret),
     )
     health = HealthChecker(
         [core.prefill, core.decode],
-        lambda: core.session,
+        core.upstream,
         interval=_positive("--health-interval", health_interval),
-        timeout=_positive("health timeout", health_timeout),
+        timeout=_positive("--health-timeout", health_timeout),
     )
+
+    spec_stats = SpecStats({"prefill": prefill, "decode": decode})
+    metrics.registry.register(spec_stats)
+
+    def scrape_headers() -> dict[str, str]:
+        key = settings.upstream_api_key
+        return {"Authorization": f"Bearer {key}"} if key is not None else {}
+
+    spec_scraper = SpecScraper(
+        [core.prefill, core.decode],
+        core.upstream,
+        spec_stats,
+        scrape_headers,
+        interval=_positive("--spec-scrape-interval", spec_scrape_interval),
+        timeout=_positive("--health-timeout", health_timeout),
+    )
+    trimmer = HeapTrimmer()
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -122,14 +185,19 @@ def build_proxy_app(
                 if pool.num_healthy == 0:
                     logger.warning("no healthy %s instance yet (of %d)", pool.role, len(pool))
             health.start()
+            spec_scraper.start()
+            trimmer.start()
             yield
         finally:
+            await trimmer.stop()
+            await spec_scraper.stop()
             await health.stop()
             await core.close()
 
     app = FastAPI(title="pdserve proxy", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.proxy = core
     app.state.health = health
+    app.state.spec_stats = spec_stats
 
     @app.exception_handler(_ProxyError)
     async def _proxy_error(_: Request, exc: _ProxyError) -> JSONResponse:
@@ -221,22 +289,24 @@ def _request_id(header: str | None) -> str:
 
 async def _forward_models(core: ProxyCore, headers: dict[str, str]) -> Response:
     """``GET /v1/models`` of the least-loaded healthy decode instance; on a connection
-    failure the instance is marked unhealthy and the next one is tried."""
+    failure (one more failure of that instance) the next one is tried."""
     tried: list[str] = []
     timeout = aiohttp.ClientTimeout(total=_MODELS_TIMEOUT_S)
     while (inst := core.decode.pick(exclude=tried)) is not None:
         tried.append(inst.url)
         try:
-            async with core.session.get(
-                inst.url + "/v1/models", headers=headers, timeout=timeout
-            ) as resp:
+            resp = await core.upstream.request(
+                "GET", inst.url + "/v1/models", instance=inst.url, headers=headers, timeout=timeout
+            )
+            async with resp:
                 data = await resp.read()
                 ctype = resp.headers.get("Content-Type", "application/json")
-                return Response(data, status_code=resp.status, media_type=ctype)
+            core.decode.record_success(inst)
+            return Response(data, status_code=resp.status, media_type=ctype)
         except Exception as e:
             _, unreachable = classify_error(e)
             if unreachable:
-                core.decode.set_healthy(inst, False, f"{type(e).__name__}: {e}")
+                core.decode.record_failure(inst, f"{type(e).__name__}: {e}")
             logger.warning("GET /v1/models on %s failed: %r", inst.url, e)
     if tried:
         return _error(502, f"GET /v1/models failed on {', '.join(tried)}")

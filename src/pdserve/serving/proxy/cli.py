@@ -6,14 +6,22 @@
 stops accepting, lets in-flight requests finish for at most ``--shutdown-timeout``
 seconds (then cancels them, which aborts their upstream legs), and :func:`main`
 returns 0. A second signal stops at once.
+
+The proxy needs the topology's secret in ``PDSERVE_PD_SECRET`` (to sign the legs'
+``kv_transfer_params``); without it :func:`main` exits 2 saying so. ``pdserve launch``
+passes it, and any of these flags through the topology's ``proxy: args``.
+``python -m pdserve.serving.proxy`` runs the same command without the rest of the
+``pdserve`` CLI.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import math
 import sys
+from collections.abc import Sequence
 
 from fastapi import FastAPI
 
@@ -30,6 +38,26 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return value
+
+
+def _seconds_or_zero(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
     return value
 
 
@@ -60,7 +88,33 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         help="send this key to the instances (default: forward the client's Authorization)",
     )
     p.add_argument(
-        "--health-interval", type=_seconds, default=2.0, help="seconds between health polls"
+        "--health-interval", type=_seconds, default=2.0, help="seconds between health probes"
+    )
+    p.add_argument(
+        "--spec-scrape-interval",
+        type=_seconds,
+        default=10.0,
+        help="seconds between reads of each instance's /metrics for the per-pool "
+        "speculative-decoding series (pdserve:proxy_spec_decode_*)",
+    )
+    p.add_argument(
+        "--health-timeout",
+        type=_seconds,
+        default=2.0,
+        help="seconds a health probe may take before it counts as a failure",
+    )
+    p.add_argument(
+        "--failure-threshold",
+        type=_count,
+        default=3,
+        help="consecutive failures (probes or legs) that mark an instance down (default 3)",
+    )
+    p.add_argument(
+        "--queue-timeout",
+        type=_seconds_or_zero,
+        default=30.0,
+        help="seconds a request waits for an instance when a pool has none healthy "
+        "(e.g. while one restarts); then 503. 0: answer 503 at once",
     )
     p.add_argument(
         "--request-timeout",
@@ -123,6 +177,10 @@ def main(args: argparse.Namespace) -> int:
             api_key=args.api_key,
             upstream_api_key=args.upstream_api_key,
             health_interval=args.health_interval,
+            spec_scrape_interval=getattr(args, "spec_scrape_interval", 10.0),
+            health_timeout=getattr(args, "health_timeout", 2.0),
+            failure_threshold=getattr(args, "failure_threshold", 3),
+            queue_timeout=getattr(args, "queue_timeout", 30.0),
             request_timeout=args.request_timeout,
             connect_timeout=getattr(args, "connect_timeout", 10.0),
         )
@@ -139,3 +197,15 @@ def main(args: argparse.Namespace) -> int:
             log_level=getattr(args, "uvicorn_log_level", "warning"),
         )
     )
+
+
+def module_main(argv: Sequence[str] | None = None) -> int:
+    """``python -m pdserve.serving.proxy``: the same command, with its own logging."""
+    parser = argparse.ArgumentParser(prog="python -m pdserve.serving.proxy")
+    parser.add_argument("--log-level", default="INFO")
+    add_cli_args(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return main(args)

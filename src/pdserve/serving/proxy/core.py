@@ -1,8 +1,14 @@
-"""Shared state and plumbing of the P/D proxy: settings, the upstream session, the
-bodies of the two legs, replies, and KV release calls.
+"""Shared state and plumbing of the P/D proxy: settings, the upstream client, the
+bodies of the two legs (with signed ``kv_transfer_params``), replies, and KV release
+calls.
 
 See :mod:`pdserve.serving.proxy.forward` for what one request does with them. Error
 bodies are :func:`pdserve.serving.http.error_body`, the same as the API server's.
+
+Signing: instances accept ``kv_transfer_params`` only when this topology's proxy signed
+them (:mod:`pdserve.core_types.pd_auth`). The proxy signs the params it puts on every
+prefill leg and re-signs the prefill's answer it puts on the decode leg, each time with
+a fresh expiry; whatever ``kv_transfer_params`` a client sent never reaches an instance.
 """
 
 from __future__ import annotations
@@ -15,9 +21,11 @@ from typing import Any
 
 import aiohttp
 
+from pdserve.core_types.pd_auth import sign_kv_params
 from pdserve.serving.http import error_json
 from pdserve.serving.proxy.metrics import ProxyMetrics
-from pdserve.serving.proxy.pool import InstancePool
+from pdserve.serving.proxy.pool import DEFAULT_FAILURE_THRESHOLD, InstanceDown, InstancePool
+from pdserve.serving.proxy.upstream import POOL_KEEP_ALIVE_S, Upstream
 
 logger = logging.getLogger(__name__)
 
@@ -34,34 +42,46 @@ PREFILL_KV_PARAMS: dict[str, Any] = {
 }
 
 
-def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The prefill leg's body (a new dict; ``body`` is not modified)."""
+def prefill_body(body: dict[str, Any], secret: bytes) -> dict[str, Any]:
+    """The prefill leg's body (a new dict; ``body`` is not modified), with signed
+    :data:`PREFILL_KV_PARAMS`."""
     out = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
     out["max_tokens"] = 1
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
     out["stream"] = False
-    out["kv_transfer_params"] = dict(PREFILL_KV_PARAMS)
+    out["kv_transfer_params"] = sign_kv_params(PREFILL_KV_PARAMS, secret)
     return out
 
 
-def decode_body(body: dict[str, Any], kv_params: dict[str, Any] | None) -> dict[str, Any]:
-    """The decode leg's body: the client's, with the prefill's params (or none)."""
+def decode_body(
+    body: dict[str, Any], kv_params: dict[str, Any] | None, secret: bytes
+) -> dict[str, Any]:
+    """The decode leg's body: the client's, with the prefill's params signed by the proxy
+    (or without any)."""
     out = dict(body)
     if kv_params is None:
         out.pop("kv_transfer_params", None)
     else:
-        out["kv_transfer_params"] = kv_params
+        out["kv_transfer_params"] = sign_kv_params(kv_params, secret)
     return out
 
 
 @dataclass(frozen=True)
 class ProxySettings:
-    """Per-app settings of the legs (seconds). Validated by ``build_proxy_app``."""
+    """Per-app settings (seconds unless said otherwise). Validated by ``build_proxy_app``.
+
+    ``queue_timeout``: how long a request waits for an instance of a pool when none is
+    eligible (none healthy, or the only ones refused its connection), e.g. while the
+    launcher restarts the pool's one instance; then 503.
+    """
 
     request_timeout: float = 600.0
     connect_timeout: float = 10.0
     release_timeout: float = 5.0
+    queue_timeout: float = 30.0
+    failure_threshold: int = DEFAULT_FAILURE_THRESHOLD
+    pool_keep_alive: float = POOL_KEEP_ALIVE_S
     upstream_api_key: str | None = None
 
 
@@ -69,30 +89,35 @@ class ProxySettings:
 class ProxyCore:
     """What every request of one proxy app shares.
 
-    Lifecycle: built with the app; :meth:`open` (lifespan startup) creates the one
-    ``aiohttp.ClientSession``; :meth:`close` (lifespan shutdown) waits up to
-    ``release_timeout`` for background release calls, cancels the rest and closes the
-    session. ``background`` is owned here: tasks remove themselves when done.
+    Lifecycle: built with the app; :meth:`open` (lifespan startup) opens the
+    :class:`~pdserve.serving.proxy.upstream.Upstream` client; :meth:`close` (lifespan
+    shutdown) waits up to ``release_timeout`` for background release calls, cancels the
+    rest and closes the client. ``background`` is owned here: tasks remove themselves
+    when done. ``secret`` signs ``kv_transfer_params``.
     """
 
     prefill: InstancePool
     decode: InstancePool
     metrics: ProxyMetrics
     settings: ProxySettings
-    _session: aiohttp.ClientSession | None = None
+    secret: bytes
+    upstream: Upstream = field(init=False)
     background: set[asyncio.Task[None]] = field(default_factory=set)
 
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            raise RuntimeError("proxy session is not open (app not started)")
-        return self._session
+    def __post_init__(self) -> None:
+        def on_retry(url: str) -> None:
+            for pool in (self.prefill, self.decode):
+                if any(i.url == url for i in pool.instances):
+                    self.metrics.stale_connection_retry(pool.role)
+
+        self.upstream = Upstream(
+            connect_timeout=self.settings.connect_timeout,
+            keep_alive=self.settings.pool_keep_alive,
+            on_retry=on_retry,
+        )
 
     async def open(self) -> None:
-        if self._session is None:
-            connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
-            timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.settings.connect_timeout)
-            self._session = aiohttp.ClientSession(connector=connector, timeout=timeout)
+        self.upstream.open()
 
     async def close(self) -> None:
         if self.background:
@@ -102,9 +127,7 @@ class ProxyCore:
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
-        session, self._session = self._session, None
-        if session is not None:
-            await session.close()
+        await self.upstream.close()
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -130,15 +153,20 @@ class ProxyCore:
         )
 
     async def release_kv(self, prefill_url: str, request_id: str, headers: dict[str, str]) -> None:
-        """Ask a prefill instance to free the KV it holds for ``request_id``. Never raises."""
+        """Ask a prefill instance to free the KV it holds for ``request_id`` (a body signed
+        like ``kv_transfer_params``: instances take releases from this proxy only). Never
+        raises."""
         timeout = aiohttp.ClientTimeout(total=self.settings.release_timeout)
         try:
-            async with self.session.post(
+            resp = await self.upstream.request(
+                "POST",
                 prefill_url + RELEASE_PATH,
-                json={"request_id": request_id},
+                instance=prefill_url,
+                json=sign_kv_params({"request_id": request_id}, self.secret),
                 headers=headers,
                 timeout=timeout,
-            ) as resp:
+            )
+            async with resp:
                 await resp.read()
                 if resp.status == 404:
                     logger.debug("%s has no %s (request %s)", prefill_url, RELEASE_PATH, request_id)
@@ -155,6 +183,8 @@ class ProxyCore:
 
 def classify_error(exc: BaseException) -> tuple[str, bool]:
     """``(outcome, instance_is_unreachable)`` for an exception raised by a leg."""
+    if isinstance(exc, InstanceDown):
+        return "instance_down", False  # already marked down
     if isinstance(exc, aiohttp.ConnectionTimeoutError):
         return "timeout", True
     if isinstance(exc, TimeoutError):
@@ -162,6 +192,12 @@ def classify_error(exc: BaseException) -> tuple[str, bool]:
     if isinstance(exc, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError)):
         return "connection_error", True
     return "bad_response", False
+
+
+def not_sent(exc: BaseException) -> bool:
+    """True if the request cannot have reached the instance: the connection was never
+    established (refused, unreachable, connect timeout)."""
+    return isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError)
 
 
 def status_outcome(status: int) -> str:

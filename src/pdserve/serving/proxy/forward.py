@@ -4,25 +4,44 @@ One client request becomes (the flow of vLLM's disaggregated-prefill proxy):
 
 1. a **prefill leg**: the client's body with ``max_tokens=1`` (and
    ``max_completion_tokens=1`` if present), ``stream=false``, without ``stream_options``
-   and ``min_tokens``, plus ``kv_transfer_params`` asking for a remote decode; sent to
-   the least-loaded healthy prefill instance. A connection error, timeout, 5xx or
-   malformed 200 is retried once on another healthy prefill instance; a 4xx is the
-   client's fault and is returned as is.
+   and ``min_tokens``, plus signed ``kv_transfer_params`` asking for a remote decode;
+   sent to the least-loaded healthy prefill instance. A connection error, timeout, 5xx,
+   malformed 200 or the instance being marked down is retried once on another healthy
+   prefill instance; a 4xx is the client's fault and is returned as is.
 2. a **decode leg**: the client's original body plus the prefill's
-   ``kv_transfer_params`` copied verbatim, sent to the least-loaded healthy decode
-   instance; its status, headers' content type and body go back to the client, a stream
-   chunk by chunk as it arrives (no buffering; the client's reading paces the upstream).
+   ``kv_transfer_params``, re-signed by the proxy, sent to the least-loaded healthy
+   decode instance; its status, headers' content type and body go back to the client, a
+   stream chunk by chunk as it arrives (no buffering; the client's reading paces the
+   upstream).
 
 Both legs carry the same ``X-Request-Id``. A 200 prefill answer without
 ``kv_transfer_params`` is counted and logged (decode will then recompute the prompt).
 
+Choosing an instance: a connection that could not be established (refused,
+unreachable, connect timeout) means the request never reached the instance, so it does
+not use up the leg's attempt: the leg goes to another instance of the pool. When a pool
+has no eligible instance (none healthy, or the only ones refused this request), the
+request waits for one to come (back) up, for at most ``queue_timeout`` seconds (e.g.
+while the launcher restarts a pool's one instance), then gets 503 (or the last
+connection error, 502). Before the prefill leg the decode pool must have a healthy
+instance too (waiting the same way), so no prefill work is spent for nothing.
+
+Deadlines follow health: each leg runs under its instance's guard
+(:meth:`pdserve.serving.proxy.pool.InstancePool.guard`). When the instance is marked
+down (probes time out: it hangs; or connections fail: it died), the leg is failed at
+once with outcome ``instance_down``: a prefill leg is retried on another instance; a
+decode leg is answered 502 (or, mid-stream, ends with an error event). A decode leg is
+not re-sent to another instance: the instance that was marked down may already be
+pulling the prompt's KV, and a second pull would race it.
+
 KV ownership: once the prefill leg returned parameters, the prefill instance holds the
 prompt's KV until decode pulls it. If the decode leg does not end normally (client
-disconnect, no decode instance, connection error or timeout, error status), the proxy
-asks the prefill instance to release it: ``POST {prefill}/v1/kv_transfer/release``
-``{"request_id": <id>}``, fire-and-forget on a tracked background task (a 404 from
-servers without the endpoint is ignored). A release after decode already pulled the KV
-is a no-op on a correct server, so the rule errs on the side of releasing.
+disconnect, no decode instance, connection error or timeout, instance marked down, error
+status), the proxy asks the prefill instance to release it: ``POST
+{prefill}/v1/kv_transfer/release`` ``{"request_id": <id>}``, fire-and-forget on a
+tracked background task (a 404 from servers without the endpoint is ignored). A release
+after decode already pulled the KV is a no-op on a correct server, so the rule errs on
+the side of releasing.
 
 Client disconnect: :class:`PDResponse` watches the ASGI ``receive`` channel while the
 legs run; on ``http.disconnect`` it cancels them, which closes the upstream connection
@@ -49,6 +68,7 @@ from pdserve.serving.proxy.core import (
     Reply,
     classify_error,
     decode_body,
+    not_sent,
     prefill_body,
     status_outcome,
 )
@@ -62,6 +82,13 @@ logger = logging.getLogger(__name__)
 class _PrefillDone:
     instance: Instance
     kv_params: dict[str, Any] | None
+
+
+@dataclass
+class _NotSent:
+    """An attempt whose connection was never established; ``reply`` if it is the last."""
+
+    reply: Reply
 
 
 class _ClientGone(Exception):
@@ -96,6 +123,8 @@ class PDResponse(Response):
         self._send: Send | None = None
         self._held: str | None = None  # prefill URL holding this request's KV
         self._decode_counted = False  # the decode leg's outcome is counted once
+        self._response_started = False  # the status line went to the client
+        self._meter: SSEMeter | None = None  # the decode stream's, once it started
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._send = send
@@ -128,8 +157,8 @@ class PDResponse(Response):
 
     async def _both_legs(self) -> None:
         core = self.core
-        if core.decode.num_healthy == 0:  # fail fast: don't spend prefill work for nothing
-            await self._reply(self._unavailable(core.decode))
+        if core.decode.num_healthy == 0 and not await self._wait_healthy(core.decode):
+            await self._reply(self._unavailable(core.decode))  # no prefill work for nothing
             return
         pre = await self._prefill_leg()
         if isinstance(pre, Reply):
@@ -139,61 +168,77 @@ class PDResponse(Response):
             self._held = pre.instance.url
         await self._decode_leg(pre.kv_params)
 
+    async def _wait_healthy(self, pool: InstancePool) -> bool:
+        deadline = asyncio.get_running_loop().time() + self.core.settings.queue_timeout
+        return await pool.wait_healthy(deadline)
+
     # -- prefill ------------------------------------------------------------------
     async def _prefill_leg(self) -> _PrefillDone | Reply:
+        """Up to two attempts that reached an instance (see the module docstring)."""
         pool = self.core.prefill
-        body = prefill_body(self.client_body)
-        tried: list[str] = []
-        failure: Reply | None = None
-        for attempt in range(2):
-            inst = pool.pick(exclude=tried)
+        deadline = asyncio.get_running_loop().time() + self.core.settings.queue_timeout
+        tried: dict[str, int] = {}  # URL -> generation when tried
+        failure: Reply | None = None  # the answer if no attempt succeeds
+        attempts = 0
+        while attempts < 2:
+            if attempts == 0:
+                inst = await pool.wait_pick(tried, deadline)
+            else:
+                inst = pool.pick(u for u, g in tried.items() if pool.get(u).generation == g)
             if inst is None:
                 break
-            if attempt:
+            if tried:
                 self.core.metrics.retried("prefill")
                 logger.warning(
                     "request %s: retrying the prefill leg on %s after failure on %s",
                     self.request_id,
                     inst.url,
-                    tried[-1],
+                    next(reversed(tried)),
                 )
-            tried.append(inst.url)
-            result = await self._prefill_once(inst, body)
+            tried[inst.url] = inst.generation
+            result = await self._prefill_once(inst)
             if isinstance(result, _PrefillDone):
                 return result
+            if isinstance(result, _NotSent):
+                failure = result.reply
+                continue
             if 400 <= result.status < 500:
                 return result  # the client's fault: as is, no retry
             failure = result
-        if failure is None:
-            return self._unavailable(pool)
-        return failure
+            attempts += 1
+        return failure if failure is not None else self._unavailable(pool)
 
-    async def _prefill_once(self, inst: Instance, body: dict[str, Any]) -> _PrefillDone | Reply:
+    async def _prefill_once(
+        self,
+        inst: Instance,
+    ) -> _PrefillDone | Reply | _NotSent:
         """One attempt; a :class:`Reply` is the answer to give if it is the last."""
         core, url = self.core, inst.url
         t0 = time.perf_counter()
         with core.prefill.lease(inst):
             try:
-                async with core.session.post(
-                    url + self.path,
-                    json=body,
-                    headers=self.upstream_headers,
-                    timeout=core.leg_timeout(streaming=False),
-                ) as resp:
-                    data = await resp.read()
-                    status = resp.status
-                    ctype = resp.headers.get("Content-Type", "application/json")
+                async with core.prefill.guard(inst):
+                    resp = await core.upstream.request(
+                        "POST",
+                        url + self.path,
+                        instance=url,
+                        json=prefill_body(self.client_body, core.secret),
+                        headers=self.upstream_headers,
+                        timeout=core.leg_timeout(streaming=False),
+                    )
+                    async with resp:
+                        data = await resp.read()
+                        status = resp.status
+                        ctype = resp.headers.get("Content-Type", "application/json")
             except asyncio.CancelledError:
                 core.metrics.leg_done("prefill", url, "client_disconnect")
                 raise
             except Exception as e:
-                outcome, unreachable = classify_error(e)
-                core.metrics.leg_done("prefill", url, outcome)
-                if unreachable:
-                    core.prefill.set_healthy(inst, False, f"{type(e).__name__}: {e}")
-                logger.warning("request %s: prefill leg on %s failed: %r", self.request_id, url, e)
+                outcome = self._leg_error(core.prefill, inst, e)
                 code = 504 if outcome == "timeout" else 502
-                return Reply.error(code, f"prefill leg failed on {url}: {outcome}")
+                reply = Reply.error(code, f"prefill leg failed on {url}: {outcome}")
+                return _NotSent(reply) if not_sent(e) else reply
+        core.prefill.record_success(inst)
         if status != 200:
             outcome = status_outcome(status) if status >= 400 else "bad_response"
             core.metrics.leg_done("prefill", url, outcome)
@@ -228,112 +273,128 @@ class PDResponse(Response):
 
     # -- decode -------------------------------------------------------------------
     async def _decode_leg(self, kv_params: dict[str, Any] | None) -> None:
-        core = self.core
-        inst = core.decode.pick()
-        if inst is None:
-            self._release("no_decode_instance")
-            await self._reply(self._unavailable(core.decode))
-            return
-        url = inst.url
-        with core.decode.lease(inst):
-            try:
-                resp = await core.session.post(
-                    url + self.path,
-                    json=decode_body(self.client_body, kv_params),
-                    headers=self.upstream_headers,
-                    timeout=core.leg_timeout(streaming=self.streaming),
-                )
-            except asyncio.CancelledError:
-                self._decode_outcome(url, "client_disconnect")
-                raise
-            except Exception as e:
-                outcome, unreachable = classify_error(e)
-                self._decode_outcome(url, outcome)
-                if unreachable:
-                    core.decode.set_healthy(inst, False, f"{type(e).__name__}: {e}")
-                logger.warning("request %s: decode leg on %s failed: %r", self.request_id, url, e)
-                self._release("decode_connection_error")
-                code = 504 if outcome == "timeout" else 502
-                await self._reply(Reply.error(code, f"decode leg failed on {url}: {outcome}"))
+        pool = self.core.decode
+        deadline = asyncio.get_running_loop().time() + self.core.settings.queue_timeout
+        tried: dict[str, int] = {}
+        last: Reply | None = None  # the last connection that could not be established
+        while (inst := await pool.wait_pick(tried, deadline)) is not None:
+            tried[inst.url] = inst.generation
+            last = await self._decode_once(inst, kv_params)
+            if last is None:
                 return
-            clean = False
+        self._release("no_decode_instance")
+        await self._reply(last if last is not None else self._unavailable(pool))
+
+    async def _decode_once(self, inst: Instance, kv_params: dict[str, Any] | None) -> Reply | None:
+        """One attempt: ``None`` once the client has its answer, else the error to give
+        if no other instance takes the request (its connection was never established)."""
+        core, pool, url = self.core, self.core.decode, inst.url
+        resp: aiohttp.ClientResponse | None = None
+        clean = False
+        reply: Reply | None = None  # a whole answer, sent once the leg is over
+        with pool.lease(inst):
             try:
-                if resp.status == 200 and self.streaming:
-                    clean = await self._stream(inst, resp)
-                else:
-                    clean = await self._decode_whole(inst, resp)
+                async with pool.guard(inst):
+                    resp = await core.upstream.request(
+                        "POST",
+                        url + self.path,
+                        instance=url,
+                        json=decode_body(self.client_body, kv_params, core.secret),
+                        headers=self.upstream_headers,
+                        timeout=core.leg_timeout(streaming=self.streaming),
+                    )
+                    pool.record_success(inst)
+                    if resp.status == 200 and self.streaming:
+                        await self._stream(url, resp)
+                    else:
+                        reply = await self._decode_whole(url, resp)
+                    clean = True
             except (asyncio.CancelledError, _ClientGone):
                 self._decode_outcome(url, "client_disconnect")
                 raise
+            except Exception as e:
+                if resp is None and not_sent(e):
+                    outcome = self._leg_error(pool, inst, e, count=False)
+                    core.metrics.leg_done("decode", url, outcome)
+                    return Reply.error(502, f"decode leg failed on {url}: {outcome}")
+                await self._decode_failed(inst, e)
             finally:
-                if clean:
-                    resp.release()  # fully read: the connection can be reused
-                else:
-                    resp.close()  # abort the upstream request
+                if resp is not None:
+                    if clean:
+                        resp.release()  # fully read: the connection can be reused
+                    else:
+                        resp.close()  # abort the upstream request
+        if reply is not None:
+            await self._reply(reply)
+        return None
 
-    async def _decode_whole(self, inst: Instance, resp: aiohttp.ClientResponse) -> bool:
-        """Read the whole answer and pass it on; ``False`` if the upstream broke."""
-        core, url = self.core, inst.url
-        try:
-            data = await resp.read()
-        except Exception as e:
-            outcome, unreachable = classify_error(e)
-            self._decode_outcome(url, outcome)
-            if unreachable:
-                core.decode.set_healthy(inst, False, f"{type(e).__name__}: {e}")
-            self._release("decode_connection_error")
-            code = 504 if outcome == "timeout" else 502
-            await self._reply(Reply.error(code, f"decode leg failed on {url}: {outcome}"))
-            return False
+    async def _decode_whole(self, url: str, resp: aiohttp.ClientResponse) -> Reply:
+        """Read the whole answer: the reply to pass on."""
+        data = await resp.read()
         self._decode_outcome(url, status_outcome(resp.status))
         if resp.status == 200:
             self._held = None
-            core.metrics.observe_ttft(url, time.perf_counter() - self.arrival)
+            self.core.metrics.observe_ttft(url, time.perf_counter() - self.arrival)
         else:
             logger.warning(
                 "request %s: decode leg on %s answered %d", self.request_id, url, resp.status
             )
             self._release("decode_error")
         ctype = resp.headers.get("Content-Type", "application/json")
-        await self._reply(Reply(resp.status, data, ctype))
-        return True
+        return Reply(resp.status, data, ctype)
 
-    async def _stream(self, inst: Instance, resp: aiohttp.ClientResponse) -> bool:
-        """Pass the SSE stream through; ``False`` if the upstream broke mid-stream (the
-        client then gets an error event if the break fell between events, and the end
-        of the response without ``[DONE]``)."""
-        core, url = self.core, inst.url
+    async def _stream(self, url: str, resp: aiohttp.ClientResponse) -> None:
+        """Pass the SSE stream through (a break is handled by :meth:`_decode_failed`)."""
+        core = self.core
         ctype = resp.headers.get("Content-Type", "text/event-stream")
         await self._start(200, ctype, extra=[(b"cache-control", b"no-cache")])
-        meter = SSEMeter()
-        try:
-            async for chunk in resp.content.iter_any():
-                had_first = meter.first is not None
-                meter.feed(chunk, time.perf_counter())
-                if not had_first and meter.first is not None:
-                    core.metrics.observe_ttft(url, meter.first - self.arrival)
-                await self._body(chunk, more=True)
-        except (asyncio.CancelledError, _ClientGone):
-            raise
-        except Exception as e:
-            outcome, unreachable = classify_error(e)
-            self._decode_outcome(url, outcome)
-            if unreachable:
-                core.decode.set_healthy(inst, False, f"{type(e).__name__}: {e}")
-            logger.warning("request %s: decode stream from %s broke: %r", self.request_id, url, e)
-            self._release("decode_connection_error")
-            tail = b""
-            if meter.at_event_boundary:
-                tail = sse_error(502, f"decode stream from {url} broke: {outcome}").encode()
-            await self._body(tail, more=False)
-            return False
+        meter = self._meter = SSEMeter()
+        async for chunk in resp.content.iter_any():
+            had_first = meter.first is not None
+            meter.feed(chunk, time.perf_counter())
+            if not had_first and meter.first is not None:
+                core.metrics.observe_ttft(url, meter.first - self.arrival)
+            await self._body(chunk, more=True)
         self._held = None
         self._decode_outcome(url, "success")
         tpot = meter.tpot()
         if tpot is not None:
             core.metrics.observe_tpot(url, tpot)
         await self._body(b"", more=False)
-        return True
+
+    async def _decode_failed(self, inst: Instance, exc: Exception) -> None:
+        """The decode leg broke after it may have reached the instance: count it, free
+        the KV, and tell the client (a 502/504, or mid-stream: an error event if the
+        break fell between events, then the end of the response without ``[DONE]``)."""
+        url = inst.url
+        outcome = self._leg_error(self.core.decode, inst, exc, count=False)
+        self._decode_outcome(url, outcome)
+        down = outcome == "instance_down"
+        self._release("decode_instance_down" if down else "decode_connection_error")
+        if self._response_started:
+            meter = self._meter
+            tail = b""
+            if meter is None or meter.at_event_boundary:
+                tail = sse_error(502, f"decode stream from {url} broke: {outcome}").encode()
+            await self._body(tail, more=False)
+            return
+        code = 504 if outcome == "timeout" else 502
+        await self._reply(Reply.error(code, f"decode leg failed on {url}: {outcome}"))
+
+    def _leg_error(
+        self, pool: InstancePool, inst: Instance, exc: Exception, *, count: bool = True
+    ) -> str:
+        """Classify a leg's exception, log it, count a failure of an unreachable instance;
+        with ``count``, also the leg's outcome. Returns the outcome."""
+        outcome, unreachable = classify_error(exc)
+        if count:
+            self.core.metrics.leg_done(pool.role, inst.url, outcome)
+        if unreachable:
+            pool.record_failure(inst, f"{type(exc).__name__}: {exc}")
+        logger.warning(
+            "request %s: %s leg on %s failed: %r", self.request_id, pool.role, inst.url, exc
+        )
+        return outcome
 
     # -- helpers ------------------------------------------------------------------
     def _decode_outcome(self, url: str, outcome: str) -> None:
@@ -374,6 +435,7 @@ class PDResponse(Response):
         if length is not None:
             headers.append((b"content-length", str(length).encode()))
         headers.extend(extra or [])
+        self._response_started = True
         await self._emit({"type": "http.response.start", "status": status, "headers": headers})
 
     async def _body(self, data: bytes, *, more: bool) -> None:

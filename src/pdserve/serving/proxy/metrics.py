@@ -40,6 +40,7 @@ OUTCOMES: tuple[str, ...] = (
     "timeout",  # no (further) answer within the request timeout
     "bad_response",  # 200 whose body is not what the protocol says
     "client_disconnect",  # the client went away while this leg ran
+    "instance_down",  # the instance was marked down while this leg ran
 )
 
 # Why the proxy asked a prefill instance to release a request's KV.
@@ -47,6 +48,7 @@ RELEASE_REASONS: tuple[str, ...] = (
     "client_disconnect",  # the client went away after the prefill leg returned
     "decode_connection_error",  # the decode leg could not connect, timed out or broke
     "decode_error",  # the decode instance answered an error status
+    "decode_instance_down",  # the decode instance was marked down during the leg
     "no_decode_instance",  # no healthy decode instance was left after the prefill leg
     "proxy_error",  # the proxy itself failed unexpectedly
 )
@@ -68,6 +70,7 @@ class ProxyMetrics:
     ) -> None:
         self.registry = CollectorRegistry()
         self.pool_name = pool_name
+        self._health_state: dict[tuple[str, str], bool] = {}
         reg = self.registry
         urls = {"prefill": list(prefill_urls), "decode": list(decode_urls)}
 
@@ -87,6 +90,19 @@ class ProxyMetrics:
             PREFIX + "proxy_no_healthy_instance",
             "Requests answered 503 because a pool had no healthy instance.",
             ["pool"],
+            registry=reg,
+        )
+        self._stale = Counter(
+            PREFIX + "proxy_stale_connection_retries",
+            "Requests re-sent on a new connection because the pooled one was closed "
+            "by the instance before any answer.",
+            ["pool"],
+            registry=reg,
+        )
+        self._marked_down = Counter(
+            PREFIX + "proxy_instance_marked_down",
+            "Times an instance went from healthy to unhealthy.",
+            ["pool", "instance"],
             registry=reg,
         )
         self._missing_kv = Counter(
@@ -139,10 +155,12 @@ class ProxyMetrics:
             for url in pool_urls:
                 self._in_flight.labels(pool, url).set(0)
                 self._healthy.labels(pool, url).set(0)
+                self._marked_down.labels(pool, url)
                 for outcome in OUTCOMES:
                     self._requests.labels(pool, url, outcome)
             self._retries.labels(pool)
             self._unavailable.labels(pool)
+            self._stale.labels(pool)
         for url in urls["prefill"]:
             self._missing_kv.labels(url)
             self._prefill_leg.labels(pool_name, url)
@@ -164,6 +182,9 @@ class ProxyMetrics:
     def unavailable(self, pool: str) -> None:
         self._unavailable.labels(pool).inc()
 
+    def stale_connection_retry(self, pool: str) -> None:
+        self._stale.labels(pool).inc()
+
     def missing_kv_params(self, prefill_instance: str) -> None:
         self._missing_kv.labels(prefill_instance).inc()
 
@@ -177,6 +198,10 @@ class ProxyMetrics:
         self._in_flight.labels(pool, instance).set(value)
 
     def set_healthy(self, pool: str, instance: str, healthy: bool) -> None:
+        was = self._health_state.get((pool, instance), False)
+        self._health_state[(pool, instance)] = healthy
+        if was and not healthy:
+            self._marked_down.labels(pool, instance).inc()
         self._healthy.labels(pool, instance).set(1 if healthy else 0)
 
     # -- histograms ---------------------------------------------------------------
