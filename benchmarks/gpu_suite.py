@@ -12,7 +12,10 @@ Sections (``--sections``, comma separated; default all):
   prefill     one 8K prompt: tokens/s and achieved TFLOP/s vs the measured matmul rate
   peer        the same decode and prefill workloads through transformers
   serve       pdserve serve + pdserve bench serve random 1024/128, 500 prompts at rate inf:
-              output tok/s, mean TTFT/TPOT, graph share of decode steps, warm start
+              output tok/s, mean TTFT/TPOT, graph share of decode steps, warm start,
+              and the run's prefix-cache hits (random prompts from a checkpoint whose
+              tokenizer has the model's full vocabulary share no prefix; a checkpoint
+              made before 2026-12-01 had a 512-token tokenizer and 41% hits)
 Prints a table last and writes every number to the JSON file.
 """
 
@@ -392,6 +395,7 @@ def bench_serve(
             out["first_ttft_ms"] = statistics.median(out["first_ttft_ms_each"])
             out["steady_ttft_ms"] = steady["median_ttft_ms"]
             out["first_over_steady"] = out["first_ttft_ms"] / steady["median_ttft_ms"]
+            before = _prefix_counters(url)
             r = run_benchmark(
                 num_prompts=num_prompts,
                 request_rate=float("inf"),
@@ -402,6 +406,13 @@ def bench_serve(
             )
             keys = ("completed", "output_throughput", "mean_ttft_ms", "p90_ttft_ms")
             out.update({k: r[k] for k in (*keys, "mean_tpot_ms", "p90_tpot_ms")})
+            after = _prefix_counters(url)  # how much of the run was prefix-cache hits
+            queries = after["queries"] - before["queries"]
+            out["prefix_cache"] = {
+                "queries": queries,
+                "hits": after["hits"] - before["hits"],
+                "hit_rate": (after["hits"] - before["hits"]) / queries if queries else None,
+            }
             paths = {}
             for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
                 if line.startswith("pdserve:forward_steps_total{"):
@@ -411,6 +422,18 @@ def bench_serve(
             out["graph_share_of_decode_steps"] = (
                 paths.get("graph", 0.0) / decode if decode else None
             )
+    return out
+
+
+def _prefix_counters(url: str) -> dict[str, float]:
+    """The server's prefix-cache token counters (summed over engines)."""
+    import httpx
+
+    out = {"queries": 0.0, "hits": 0.0}
+    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+        for key in out:
+            if line.startswith(f"pdserve:prefix_cache_{key}_total"):
+                out[key] += float(line.rsplit(" ", 1)[1])
     return out
 
 
@@ -599,7 +622,8 @@ def print_table(res: dict) -> None:
         print(
             f"serve 500 x 1024/128 rate inf: {sv['output_throughput']:.0f} output tok/s, mean TTFT "
             f"{sv['mean_ttft_ms']:.0f} ms (p90 {sv['p90_ttft_ms']:.0f}), mean TPOT {sv['mean_tpot_ms']:.1f} ms "
-            f"(p90 {sv['p90_tpot_ms']:.1f}); graph share of decode steps {sv['graph_share_of_decode_steps']}"
+            f"(p90 {sv['p90_tpot_ms']:.1f}); graph share of decode steps {sv['graph_share_of_decode_steps']}; "
+            f"prefix-cache hits {sv['prefix_cache']['hits']:.0f} of {sv['prefix_cache']['queries']:.0f} prompt tokens"
         )
         print(
             f"warm start: first request TTFT {sv['first_ttft_ms']:.0f} ms vs steady {sv['steady_ttft_ms']:.0f} ms"

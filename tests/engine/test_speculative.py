@@ -190,6 +190,10 @@ def test_stats_line_and_metrics_report_acceptance(tiny_llama: Path, llama_case) 
     st = llm.engine.stats()
     line = stats_line(SchedulerStats(), st, 2.0)
     verifies, accepted = st.spec_num_drafts, st.spec_num_accepted_tokens
+    per_pos = st.spec_num_accepted_tokens_per_pos
+    assert accepted > 0 and sum(per_pos) == accepted  # per-position counts add up
+    assert len(per_pos) == 3 and all(a >= b for a, b in zip(per_pos, per_pos[1:], strict=False))
+    assert per_pos[0] <= verifies
     assert f"mean acceptance length {1 + accepted / verifies:.2f}" in line
     assert f"accepted {accepted} / drafted {st.spec_num_draft_tokens} tokens" in line
     assert f"Avg generation throughput: {sum(p.max_tokens for p in params) / 2:.1f}" in line

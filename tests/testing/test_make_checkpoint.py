@@ -6,6 +6,7 @@ import argparse
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -258,3 +259,46 @@ def test_dummy_load_format_draws_the_checkpoints_values(arch: str, tmp_path: Pat
     want = dict(loaded.named_parameters())
     for name, p in dummy.named_parameters():
         assert torch.equal(p, want[name]), name
+
+
+def test_benchmark_sizes_get_the_models_full_vocabulary(tmp_path: Path, tiny_llama: Path) -> None:
+    """Above SMALL_VOCAB the tokenizer has exactly the model's vocabulary, special tokens
+    last, so vLLM-style random prompts do not repeat (each block of ids is distinct)."""
+    from transformers import AutoTokenizer
+
+    from pdserve.bench.datasets import sample_random_requests
+    from pdserve.testing.tokenizer_maker import SMALL_VOCAB
+
+    vocab = 2 * SMALL_VOCAB
+    d = make_checkpoint(
+        "LlamaForCausalLM",
+        "tiny",
+        tmp_path,
+        config_only=True,
+        config_overrides={"vocab_size": vocab},
+    )
+    tok = AutoTokenizer.from_pretrained(d)
+    cfg = json.loads((d / "config.json").read_text())
+    assert len(tok) == cfg["vocab_size"] == vocab
+    assert cfg["bos_token_id"] == tok.bos_token_id >= vocab - 300  # special tokens last
+    assert (
+        make_checkpoint(  # deterministic
+            "LlamaForCausalLM",
+            "tiny",
+            tmp_path / "again",
+            config_only=True,
+            config_overrides={"vocab_size": vocab},
+        )
+        .joinpath("tokenizer.json")
+        .read_bytes()
+        == (d / "tokenizer.json").read_bytes()
+    )
+
+    def distinct_first_blocks(t: Any) -> int:
+        reqs = sample_random_requests(t, 200, input_len=64, output_len=4, seed=0)
+        return len({tuple(t.encode(r.prompt, add_special_tokens=False)[:16]) for r in reqs})
+
+    small = distinct_first_blocks(AutoTokenizer.from_pretrained(tiny_llama))  # 512 tokens
+    full = distinct_first_blocks(tok)
+    print(f"distinct first blocks of 200 prompts: {small} (512 tokens), {full} ({vocab})")
+    assert full >= 190 and small < full - 50

@@ -48,6 +48,7 @@ from pdserve.models.random_init import (
 )
 from pdserve.testing.tokenizer_maker import (
     ARCHS,
+    SMALL_VOCAB,
     build_tokenizer,
     family,
     token_id,
@@ -390,6 +391,9 @@ def make_checkpoint(
         raise ValueError(f"device {device!r} requested but CUDA is not available")
     tok = build_tokenizer(arch)
     config = build_config(arch, preset, tok, dtype, config_overrides)
+    if config["vocab_size"] > SMALL_VOCAB:  # a benchmark size: the model's full vocabulary
+        tok = build_tokenizer(arch, config["vocab_size"])
+        config = build_config(arch, preset, tok, dtype, config_overrides)
     specs = checkpoint_tensors(config, dtype)  # before anything is written: errors leave no files
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
