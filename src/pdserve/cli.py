@@ -98,6 +98,29 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     ps = bsub.add_parser("serve", help="open-loop load generator (vllm bench serve semantics)")
     bench_serve.add_cli_args(ps)
     ps.set_defaults(func=bench_serve.main)
+    from pdserve.bench import sla as bench_sla
+
+    pl = bsub.add_parser("sla", help="largest load that meets a TTFT/TPOT SLA (bench serve runs)")
+    bench_sla.add_cli_args(pl)
+    pl.set_defaults(func=bench_sla.main)
+
+
+def _add_soak(sub: argparse._SubParsersAction) -> None:
+    from pdserve.bench import soak
+
+    p = sub.add_parser("soak", help="fixed-rate load while sampling RSS; fails on a memory leak")
+    soak.add_cli_args(p)
+    p.set_defaults(func=soak.main)
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    from pdserve.bench import plan
+
+    p = sub.add_parser(
+        "plan", help="predict the best colocated / xPyD split of N GPUs from measured curves"
+    )
+    plan.add_cli_args(p)
+    p.set_defaults(func=plan.main)
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
@@ -129,6 +152,8 @@ _COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_proxy,
     _add_launch,
     _add_bench,
+    _add_soak,
+    _add_plan,
 ]
 
 

@@ -5,6 +5,14 @@ with its own event loop, so both ``asyncio.run`` based code (``main``) and
 direct coroutine tests can talk to it. Every request is answered with a bounded,
 deterministic stream; behaviour per request is chosen by the integer suffix of
 its ``x-request-id`` header.
+
+``GET /metrics`` answers like a pdserve instance: prefix-cache counters (each prompt
+word is one query token, ``prefix_hit_ratio`` of them hits), ``num_requests_running``
+(streams open now), ``kv_cache_usage_perc`` and the API process's RSS, which grows by
+``rss_bytes_per_request`` per finished request. ``latency_of(in_flight)`` (optional)
+picks ``(ttft_s, itl_s)`` before each token from the number of streams open then (a
+stream leaves the count before its last token is sent), a load-dependent server for the
+SLA search.
 """
 
 from __future__ import annotations
@@ -81,6 +89,10 @@ class FakeBehavior:
     prompt_token_bonus: int = 1  # usage.prompt_tokens = words in prompt + bonus
     mode_of: Callable[[int], str] = lambda i: "ok"
     health_failures: int = 0  # /health and /v1/models answer 503 this many times first
+    prefix_hit_ratio: float = 0.0
+    metrics: bool = True  # False: /metrics is 404 (an OpenAI server without it)
+    rss_bytes_per_request: int = 0
+    latency_of: Callable[[int], tuple[float, float]] | None = None
 
 
 @dataclass
@@ -90,6 +102,10 @@ class FakeServer:
     payloads: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
     health_calls: int = 0  # /health and /v1/models calls
+    in_flight: int = 0
+    finished: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
 
 
 def _index(request: web.Request) -> int:
@@ -125,6 +141,37 @@ def _make_app(state: FakeServer) -> web.Application:
         prompt = body["messages"][0]["content"] if chat else body["prompt"]
         max_tokens = body["max_completion_tokens"] if chat else body["max_tokens"]
         n = b.num_tokens if b.num_tokens is not None else int(max_tokens)
+        words = len(prompt.split())
+        state.prefix_queries += words
+        state.prefix_hits += int(words * b.prefix_hit_ratio)
+        state.in_flight += 1
+        held = [True]  # this request still counts as in flight
+
+        def leave() -> None:
+            if held[0]:
+                held[0] = False
+                state.in_flight -= 1
+
+        try:
+            return await _answer(request, chat, mode, prompt, n, leave)
+        finally:
+            leave()
+            state.finished += 1
+
+    async def _answer(
+        request: web.Request,
+        chat: bool,
+        mode: str,
+        prompt: str,
+        n: int,
+        leave: Callable[[], None],
+    ) -> web.StreamResponse:
+        def delay(k: int) -> float:
+            if b.latency_of is None:
+                return b.ttft_s if k == 0 else b.itl_s
+            ttft_s, itl_s = b.latency_of(state.in_flight)
+            return ttft_s if k == 0 else itl_s
+
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
 
@@ -134,7 +181,9 @@ def _make_app(state: FakeServer) -> web.Application:
         await resp.write(b": keep-alive ping\n\n")
         if mode == "ok":
             for k in range(n):
-                await asyncio.sleep(b.ttft_s if k == 0 else b.itl_s)
+                await asyncio.sleep(delay(k))
+                if k == n - 1:  # leave the count before the client can see the end
+                    leave()
                 if chat:
                     if k == 0:
                         await send({"choices": [{"index": 0, "delta": {"role": "assistant"}}]})
@@ -159,6 +208,22 @@ def _make_app(state: FakeServer) -> web.Application:
         await resp.write_eof()
         return resp
 
+    async def metrics(request: web.Request) -> web.Response:
+        if not b.metrics:
+            return web.Response(status=404)
+        lab = 'engine="0",model_name="fake-model"'
+        lines = [
+            f"pdserve:prefix_cache_queries_total{{{lab}}} {float(state.prefix_queries)}",
+            f"pdserve:prefix_cache_hits_total{{{lab}}} {float(state.prefix_hits)}",
+            f"pdserve:num_requests_running{{{lab}}} {float(state.in_flight)}",
+            f"pdserve:num_requests_waiting{{{lab}}} 0.0",
+            f"pdserve:kv_cache_usage_perc{{{lab}}} {min(1.0, state.in_flight / 100)}",
+            f'pdserve:process_rss_bytes{{{lab},process="api_server"}} '
+            f"{float(100_000_000 + b.rss_bytes_per_request * state.finished)}",
+            f'pdserve:process_rss_bytes{{{lab},process="engine_core"}} 200000000.0',
+        ]
+        return web.Response(text="\n".join(lines) + "\n")
+
     async def completions(request: web.Request) -> web.StreamResponse:
         return await stream(request, chat=False)
 
@@ -168,6 +233,7 @@ def _make_app(state: FakeServer) -> web.Application:
     app = web.Application()
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/metrics", metrics)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     return app

@@ -2,10 +2,10 @@
 
 Lifecycle of one run: open one pooled session -> optional warmups (the first
 prompt, ``num_warmups`` times, same concurrency cap, results discarded) ->
-``t0 = perf_counter()`` -> for each request in order, wait until its due time
-(``arrival_offsets``), then spawn a task that waits for a concurrency slot and
-streams the request -> gather all -> ``duration = perf_counter() - t0`` -> close
-the session. A request's arrival time is when its task was spawned; its
+``before_main()`` -> ``t0 = perf_counter()`` -> for each request in order, wait until
+its due time (``arrival_offsets``), then spawn a task that waits for a concurrency slot
+and streams the request (``on_complete(output)`` when it ends) -> gather all ->
+``duration = perf_counter() - t0`` -> close the session. A request's arrival time is when its task was spawned; its
 ``client_queue_time`` is ``start_time - arrival`` (time spent waiting for a slot).
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -45,6 +45,11 @@ class RunSpec:
     headers: dict[str, str] = field(default_factory=dict)
     num_warmups: int = 0
     disable_tqdm: bool = False
+    # awaited after the warm-ups, right before the clock starts (``bench serve`` reads
+    # the server's counters there, so warm-up requests do not count)
+    before_main: Callable[[], Awaitable[None]] | None = None
+    # called with each finished request's output as it finishes (``soak`` counts them)
+    on_complete: Callable[[RequestOutput], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -103,6 +108,8 @@ async def run_requests(spec: RunSpec) -> RunOutcome:
     async with make_session(spec.max_concurrency) as session:
         if spec.num_warmups > 0:
             await _warmup(spec, session)
+        if spec.before_main is not None:
+            await spec.before_main()
         print("Starting main benchmark run...", flush=True)
         distribution = "Poisson process" if spec.burstiness == 1.0 else "Gamma distribution"
         print(f"Traffic request rate: {spec.request_rate}", flush=True)
@@ -117,6 +124,8 @@ async def run_requests(spec: RunSpec) -> RunOutcome:
             async with limiter:
                 out = await func(inp, session, progress)
             out.client_queue_time = out.start_time - arrival
+            if spec.on_complete is not None:
+                spec.on_complete(out)
             return out
 
         t0 = time.perf_counter()

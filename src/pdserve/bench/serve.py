@@ -10,6 +10,13 @@ Entry points:
 * ``await benchmark_from_args(args)`` for an already-parsed namespace.
 
 Only flags that are implemented exist; argparse refuses the rest of vLLM's.
+
+Beyond vLLM: every result carries the run's prefix-cache hit rate
+(``prefix_cache_hit_rate``, ``prefix_cache_hits``, ``prefix_cache_queries`` in prompt
+tokens), from the ``/metrics`` counters scraped after the warm-ups and after the run;
+``--metrics-url`` (repeatable) names the instances to scrape (default: the server
+itself; a P/D proxy has no prefix cache, so name its instances). Without counters the
+rate is ``null`` and ``prefix_cache_note`` says why.
 """
 
 from __future__ import annotations
@@ -46,6 +53,13 @@ from pdserve.bench.report import (
 )
 from pdserve.bench.request_func import BACKENDS, DEFAULT_ENDPOINTS, check_endpoint
 from pdserve.bench.runner import RunSpec, run_requests
+from pdserve.bench.scrape import (
+    PrefixCacheCounters,
+    format_prefix_cache,
+    metrics_url,
+    prefix_cache_result,
+    read_prefix_cache,
+)
 from pdserve.bench.tokenizer import load_tokenizer
 from pdserve.heap import freeze_startup_heap
 
@@ -122,6 +136,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="Poll /health or /v1/models until the server answers, up to this many "
         "seconds; 0 skips the check.",
+    )
+    srv.add_argument(
+        "--metrics-url",
+        action="append",
+        default=None,
+        metavar="URL",
+        help="Prometheus endpoint to read prefix-cache counters from (repeatable, one per "
+        "instance; summed); default: the server's own /metrics.",
     )
     srv.add_argument(
         "--request-id-prefix",
@@ -384,6 +406,13 @@ async def benchmark_from_args(args: argparse.Namespace, freeze_gc: bool = False)
     if freeze_gc:  # the prompts live for the whole run; keep them out of GC passes
         freeze_startup_heap()
 
+    scrape_urls = [metrics_url(u) for u in (args.metrics_url or [base_url])]
+    cache_before = PrefixCacheCounters(None, None, "not read")
+
+    async def read_before() -> None:  # after the warm-ups: they do not count
+        nonlocal cache_before
+        cache_before = await read_prefix_cache(scrape_urls)
+
     spec = RunSpec(
         backend=args.backend,
         api_url=api_url,
@@ -398,8 +427,10 @@ async def benchmark_from_args(args: argparse.Namespace, freeze_gc: bool = False)
         headers=headers,
         num_warmups=args.num_warmups,
         disable_tqdm=args.disable_tqdm,
+        before_main=read_before,
     )
     outcome = await run_requests(spec)
+    cache = prefix_cache_result(cache_before, await read_prefix_cache(scrape_urls))
 
     def count_tokens(text: str) -> int:
         return len(tokenizer.encode(text, add_special_tokens=False))
@@ -424,6 +455,7 @@ async def benchmark_from_args(args: argparse.Namespace, freeze_gc: bool = False)
             goodput_enabled=bool(goodput),
         )
     )
+    print_block(format_prefix_cache(cache))
 
     date = datetime.now().strftime("%Y%m%d-%H%M%S")
     settings: dict[str, Any] = {
@@ -449,6 +481,7 @@ async def benchmark_from_args(args: argparse.Namespace, freeze_gc: bool = False)
         goodput_enabled=bool(goodput),
         detailed=bool(args.save_detailed),
     )
+    result.update(cache)
     if args.save_result:
         name = default_result_filename(
             args.label, args.backend, spec.request_rate, args.max_concurrency, model_id, date

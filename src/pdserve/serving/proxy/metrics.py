@@ -18,6 +18,10 @@ non-streaming requests) add no TPOT sample. Buckets include the SLA edges, 20 ms
 
 Every series of a known instance exists from the start (zero-valued), so dashboards and
 alerts see them before the first request.
+
+Like every pdserve process, the proxy exports its resident memory as
+``pdserve:process_rss_bytes{process="proxy"}`` (read at scrape time; ``pdserve soak``
+samples it).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from collections.abc import Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from pdserve.core_types.stats import read_rss_bytes
 from pdserve.metrics.prometheus import ITL_BUCKETS, PREFIX, TTFT_BUCKETS
 
 POOLS: tuple[str, ...] = ("prefill", "decode")
@@ -151,6 +156,12 @@ class ProxyMetrics:
             buckets=TTFT_BUCKETS,
             registry=reg,
         )
+        Gauge(
+            PREFIX + "process_rss_bytes",
+            "Resident memory of each pdserve process.",
+            ["process"],
+            registry=reg,
+        ).labels("proxy").set_function(read_rss_bytes)
         for pool, pool_urls in urls.items():
             for url in pool_urls:
                 self._in_flight.labels(pool, url).set(0)
