@@ -102,12 +102,18 @@ class FakeEngineClient:
         max_model_len: int = 128,
         token_delay: float = 0.001,
         num_cached_tokens: int = 3,
+        script: str | None = None,
+        script_chunk: int = 3,
     ) -> None:
         self.tokenizer = tokenizer if tokenizer is not None else FakeTokenizer()
         self.vocab_size = int(self.tokenizer.vocab_size)
         self.max_model_len = max_model_len
         self.token_delay = token_delay
         self.num_cached_tokens = num_cached_tokens
+        # scripted output: this text in deltas of script_chunk characters (one "token"
+        # per character), then finish_reason "stop"; None: the 'abc...' tokens
+        self.script = script
+        self.script_chunk = script_chunk
         self.healthy = True
         self.aborted: list[str] = []
         self.released: list[str] = []  # release_kv calls (the prefill side of P/D)
@@ -147,6 +153,15 @@ class FakeEngineClient:
         self.running.add(rid)
         max_tokens = params.max_tokens or (self.max_model_len - len(prompt_ids))
         try:
+            if self.script is not None:
+                text, n = self.script, self.script_chunk
+                pieces = [text[i : i + n] for i in range(0, len(text), n)] or [""]
+                for j, piece in enumerate(pieces):
+                    await asyncio.sleep(self.token_delay)
+                    reason = "stop" if j == len(pieces) - 1 else None
+                    ids = [min(ord(ch), 255) for ch in piece]
+                    yield self._out(rid, prompt, prompt_ids, ids, piece, reason, None, params)
+                return
             for i in range(max_tokens):
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(event.wait(), timeout=self.token_delay)

@@ -78,8 +78,19 @@ CHAT_400 = [
     ({"top_logprobs": 2, "logprobs": True}, "top_logprobs", "top_logprobs=2"),
     ({"top_logprobs": 1}, "top_logprobs", "sampled token's logprob"),
     ({"response_format": {"type": "json_object"}}, "response_format", "json_object"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tools"),
-    ({"tool_choice": "required"}, "tool_choice", "tool_choice"),
+    (
+        {"tools": [{"type": "function", "function": {"name": "f"}}]},
+        "tool_choice",
+        "--enable-auto-tool-choice",
+    ),
+    (
+        {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+        "tool_choice",
+        "structured output",
+    ),
+    ({"tool_choice": "auto"}, "tool_choice", "needs tools"),
+    ({"tools": [{"type": "retrieval"}]}, "tools", "only 'function'"),
+    ({"priority": 1}, "priority", "priority=1"),
     ({"messages": []}, "messages", ""),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role", ""),
     (

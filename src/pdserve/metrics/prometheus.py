@@ -16,6 +16,11 @@ several apps can live in one process (tests, multi-instance launchers).
 All series carry ``model_name`` and ``engine`` labels. Histogram buckets follow vLLM's
 and always include the SLA edges: 20 ms (ITL/TPOT) and 2.5 s (TTFT).
 
+vLLM aliases (``vllm_aliases=True``, ``--metrics-vllm-aliases``): the key series are
+exported a second time under vLLM's names (``vllm:`` prefix, :data:`VLLM_ALIASES`, with
+``vllm:gpu_cache_usage_perc`` and ``vllm:time_per_output_token_seconds`` for vLLM's
+older names), same labels and values, so dashboards built for vLLM read pdserve.
+
 Process RSS: this process is exported as ``pdserve:process_rss_bytes{process="api_server"}``.
 Other processes (the engine core, workers) are exported too when the stats snapshot
 carries a ``process_rss_bytes: dict[str, int]`` attribute (process name -> bytes).
@@ -86,6 +91,55 @@ KV_TRANSFER_TIME_BUCKETS = (
 KV_TRANSFER_BYTES_BUCKETS = tuple(float(2**k) for k in range(11, 35, 2))  # 2 KiB .. 16 GiB
 
 StatsProvider = Callable[[], SchedulerStats | None]
+
+# pdserve: name (without the prefix) -> the vLLM names it is also exported as
+VLLM_ALIASES: dict[str, tuple[str, ...]] = {
+    "num_requests_running": ("num_requests_running",),
+    "num_requests_waiting": ("num_requests_waiting",),
+    "kv_cache_usage_perc": ("kv_cache_usage_perc", "gpu_cache_usage_perc"),
+    "prompt_tokens": ("prompt_tokens",),
+    "generation_tokens": ("generation_tokens",),
+    "request_success": ("request_success",),
+    "time_to_first_token_seconds": ("time_to_first_token_seconds",),
+    "inter_token_latency_seconds": ("inter_token_latency_seconds", "time_per_output_token_seconds"),
+    "request_time_per_output_token_seconds": ("request_time_per_output_token_seconds",),
+    "e2e_request_latency_seconds": ("e2e_request_latency_seconds",),
+    "request_prompt_tokens": ("request_prompt_tokens",),
+    "request_generation_tokens": ("request_generation_tokens",),
+    "prefix_cache_queries": ("prefix_cache_queries",),
+    "prefix_cache_hits": ("prefix_cache_hits",),
+    "num_preemptions": ("num_preemptions",),
+    "spec_decode_num_drafts": ("spec_decode_num_drafts",),
+    "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens",),
+    "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens",),
+    "spec_decode_num_accepted_tokens_per_pos": ("spec_decode_num_accepted_tokens_per_pos",),
+}
+VLLM_PREFIX = "vllm:"
+
+
+def vllm_alias_families(families: Iterable[Metric]) -> list[Metric]:
+    """Copies of the families named in :data:`VLLM_ALIASES`, under their vLLM names."""
+    out = []
+    for fam in families:
+        if not fam.name.startswith(PREFIX):
+            continue
+        base = fam.name[len(PREFIX) :]
+        for alias in VLLM_ALIASES.get(base, ()):
+            new = VLLM_PREFIX + alias
+            copy = Metric(new, fam.documentation, fam.type, fam.unit)
+            copy.samples = [s._replace(name=new + s.name[len(fam.name) :]) for s in fam.samples]
+            out.append(copy)
+    return out
+
+
+class _Families(Collector):
+    """Already collected families, for one exposition."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families
 
 
 class EngineStatsCollector(Collector):
@@ -220,8 +274,10 @@ class PrometheusMetrics:
         stats_provider: StatsProvider,
         max_model_len: int,
         engine: str = "0",
+        vllm_aliases: bool = False,
     ) -> None:
         self.registry = CollectorRegistry()
+        self.vllm_aliases = vllm_aliases
         self.model_name = model_name
         labels = {"model_name": model_name, "engine": engine}
         names = list(labels)
@@ -298,7 +354,11 @@ class PrometheusMetrics:
 
     def render(self) -> tuple[bytes, str]:
         """``(body, content_type)`` of the Prometheus text exposition."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        if not self.vllm_aliases:
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        families = list(self.registry.collect())  # one read of the engine's stats
+        body = generate_latest(_Families(families + vllm_alias_families(families)))
+        return body, CONTENT_TYPE_LATEST
 
 
 class RequestMetrics:

@@ -19,6 +19,10 @@ A second shutdown request while draining forces uvicorn to stop at once (after t
 :meth:`~UvicornServer.on_force_stop` hook). Signal handlers are installed only when
 serving in the main thread.
 
+Access log: ``access_log=True`` logs one line per request on the ``uvicorn.access``
+logger at INFO, whatever ``log_level`` says (``log_level`` then governs uvicorn's other
+messages); ``access_log=False`` (the default here; the API server turns it on) logs none.
+
 Keep-alive: an idle connection stays open :data:`KEEP_ALIVE_S` (75 s) instead of
 uvicorn's 5 s. A client that pools connections must close an idle one before the server
 does, or its next request can race the server's close and fail; 75 s is longer than the
@@ -78,9 +82,11 @@ class UvicornServer:
         port: int = 8000,
         log_level: str = "info",
         install_signal_handlers: bool = True,
+        access_log: bool = False,
         **uvicorn_kwargs: Any,
     ) -> None:
         self.app = app
+        self.access_log = access_log
         self.host = host
         self.requested_port = port
         self.log_level = log_level
@@ -112,8 +118,14 @@ class UvicornServer:
         sock = self.bind()
         self._loop = asyncio.get_running_loop()
         config = uvicorn.Config(
-            self.app, log_level=self.log_level, lifespan="on", **self.uvicorn_kwargs
+            self.app,
+            log_level=self.log_level,
+            lifespan="on",
+            access_log=self.access_log,
+            **self.uvicorn_kwargs,
         )
+        if self.access_log:  # Config set it to log_level; access lines are INFO
+            logging.getLogger("uvicorn.access").setLevel(logging.INFO)
         self._server = _Uvicorn(config)
         installed = self._install_signal_handlers()
         try:

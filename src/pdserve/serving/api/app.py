@@ -4,9 +4,12 @@
 FastAPI app; ``serve_app`` (from :mod:`pdserve.serving.api.server`) runs it under
 uvicorn with graceful SIGTERM draining.
 
-Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or SSE),
-``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``, ``GET /health``,
-``GET /metrics``, ``GET /version``. With an API key, every route except ``/health``,
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST
+/v1/responses`` (JSON or SSE), ``GET /v1/models``, ``GET /v1/models/{id}`` (404 for a
+model not served), ``POST /tokenize``, ``POST /detokenize``, ``GET /health``,
+``GET /metrics``, ``GET /version``. Chat output parsing (reasoning, tool calls) follows
+``reasoning_parser``, ``tool_call_parser`` and ``enable_auto_tool_choice``
+(:mod:`.chat_output`). With an API key, every route except ``/health``,
 ``/metrics``, ``/version`` and the OpenAPI docs needs ``Authorization: Bearer <key>``
 (``/tokenize`` and ``/detokenize`` included). Request bodies over
 ``max_request_body_bytes`` get 413 before they are read; ``kv_transfer_params`` not
@@ -33,10 +36,12 @@ import pdserve
 from pdserve.frontend.processor import min_token_count, too_long_text_message
 from pdserve.metrics.prometheus import PrometheusMetrics
 from pdserve.serving.api.chat import chat_size, create_chat_completion, render_and_encode
+from pdserve.serving.api.chat_output import OutputParsing
 from pdserve.serving.api.chat_template import ChatTemplates
 from pdserve.serving.api.completions import create_completion
 from pdserve.serving.api.errors import APIError, install_exception_handlers
 from pdserve.serving.api.generate import check_token_ids, token_strings
+from pdserve.serving.api.leak_plant import install_leak_plant
 from pdserve.serving.api.middleware import DEFAULT_MAX_REQUEST_BODY_BYTES, ServingMiddleware
 from pdserve.serving.api.pd_params import verify_release
 from pdserve.serving.api.protocol import (
@@ -54,6 +59,8 @@ from pdserve.serving.api.protocol import (
     TokenizeResponse,
     VersionResponse,
 )
+from pdserve.serving.api.protocol_responses import ResponsesRequest
+from pdserve.serving.api.responses import create_response
 from pdserve.serving.api.state import ServingContext
 from pdserve.serving.api.workers import DEFAULT_THREADS, BlockingPool
 
@@ -90,19 +97,29 @@ def build_app(
     pd_secret: bytes | None = None,
     max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES,
     tokenizer_threads: int = DEFAULT_THREADS,
+    reasoning_parser: str | None = None,
+    tool_call_parser: str | None = None,
+    enable_auto_tool_choice: bool = False,
+    metrics_vllm_aliases: bool = False,
 ) -> FastAPI:
     """A FastAPI app serving ``engine``. ``pd_secret`` is the topology's P/D secret
     (``pd_auth.load_secret()``); without it every ``kv_transfer_params`` is refused.
     ``max_request_body_bytes=None`` lifts the body limit. Raises ``ValueError`` for bad
     settings (no model name, unreadable ``chat_template`` file, unknown content format,
-    a limit or thread count below the minimum)."""
+    a limit or thread count below the minimum, an unknown parser,
+    ``enable_auto_tool_choice`` without a tool-call parser). ``metrics_vllm_aliases``
+    adds ``vllm:`` copies of the key series when the app builds its own metrics."""
     names = [n for n in served_model_names if n]
     if not names:
         raise ValueError("served_model_names must name at least one model")
     chat = ChatTemplates(chat_template, chat_template_content_format)
+    parsing = OutputParsing(reasoning_parser, tool_call_parser, enable_auto_tool_choice)
     if metrics is None:
         metrics = PrometheusMetrics(
-            names[0], stats_provider=engine.latest_stats, max_model_len=engine.max_model_len
+            names[0],
+            stats_provider=engine.latest_stats,
+            max_model_len=engine.max_model_len,
+            vllm_aliases=metrics_vllm_aliases,
         )
     ctx = ServingContext(
         engine=engine,
@@ -113,6 +130,7 @@ def build_app(
         version=pdserve.__version__,
         pd_secret=pd_secret,
         pool=BlockingPool(tokenizer_threads),
+        parsing=parsing,
     )
     if max_request_body_bytes is not None and max_request_body_bytes < 1:
         raise ValueError(f"max_request_body_bytes must be >= 1, got {max_request_body_bytes}")
@@ -135,6 +153,7 @@ def build_app(
     )
     _add_routes(app, ctx, health_check_timeout)
     _document_400_not_422(app)
+    install_leak_plant(app)  # test-only; a no-op unless its variable is set (leak_plant.py)
     return app
 
 
@@ -166,13 +185,22 @@ def _add_routes(app: FastAPI, ctx: ServingContext, health_timeout: float) -> Non
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(ctx, body, request)
 
+    @app.post("/v1/responses", responses={**_ERRORS, 200: _JSON_OR_SSE})
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return await create_response(ctx, body, request)
+
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, root=ctx.default_model, max_model_len=engine.max_model_len)
+
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def models() -> ModelList:
-        cards = [
-            ModelCard(id=name, root=ctx.default_model, max_model_len=engine.max_model_len)
-            for name in ctx.served_model_names
-        ]
-        return ModelList(data=cards)
+        return ModelList(data=[card(name) for name in ctx.served_model_names])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
+    async def model_card(model_id: str) -> ModelCard:
+        if model_id not in ctx.served_model_names:
+            raise APIError(404, f"The model `{model_id}` does not exist.", param="model")
+        return card(model_id)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: TokenizeRequest) -> Response:
@@ -237,6 +265,7 @@ def _tokenize_json(ctx: ServingContext, body: TokenizeRequest) -> bytes:
             add_special_tokens=body.add_special_tokens,
             template_kwargs=body.chat_template_kwargs,
             max_model_len=engine.max_model_len,
+            tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
         )
     else:
         ids = list(tok.encode(body.prompt, add_special_tokens=body.add_special_tokens))

@@ -7,6 +7,11 @@ prompt whose length alone shows it cannot fit ``max_model_len`` is refused befor
 encoded. ``kv_transfer_params`` are verified first (403, :mod:`.pd_params`). The
 first streamed chunk carries ``role: "assistant"`` together with the first text, so
 every chunk carries a token (a role-only chunk would skew client TTFT/ITL).
+
+Request ``tools`` reach the template; reasoning and tool calls are parsed out of the
+output as :mod:`.chat_output` describes (a delta whose text a parser holds back sends
+no chunk, unless it carries logprobs or the finish reason). ``truncate_prompt_tokens``
+keeps the last N tokens of the rendered prompt.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ def render_and_encode(
     add_special_tokens: bool,
     template_kwargs: dict[str, Any] | None,
     max_model_len: int | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[str, list[int]]:
     """Blocking: the rendered prompt and its token ids. With ``max_model_len``, a prompt
     that cannot fit it by its length alone is refused (:class:`RequestError`) unencoded."""
@@ -61,6 +67,7 @@ def render_and_encode(
         messages,
         add_generation_prompt=add_generation_prompt,
         template_kwargs=template_kwargs,
+        tools=tools,
     )
     if max_model_len is not None:
         low = min_token_count(tokenizer, text)
@@ -85,6 +92,8 @@ async def prepare_chat(
 ) -> EngineJob:
     engine = ctx.engine
     kv_params = verified_kv_params(req.kv_transfer_params, ctx.pd_secret)
+    ctx.parsing.check_request(req)
+    truncating = req.truncate_prompt_tokens is not None
     text, ids = await ctx.run_blocking(
         render_and_encode,
         ctx.chat,
@@ -93,11 +102,14 @@ async def prepare_chat(
         add_generation_prompt=req.add_generation_prompt,
         add_special_tokens=req.add_special_tokens,
         template_kwargs=req.chat_template_kwargs,
-        max_model_len=engine.max_model_len,
+        max_model_len=None if truncating else engine.max_model_len,
+        tools=req.tool_dicts(),
         job_size=chat_size(req.messages),
     )
     if not ids:
         raise RequestError("the rendered chat prompt is empty", "messages")
+    if truncating:
+        ids = req.truncated(ids, engine.max_model_len)
     params = req.to_sampling_params(
         prompt_len=len(ids), max_model_len=engine.max_model_len, vocab_size=engine.vocab_size
     )
@@ -131,20 +143,39 @@ async def create_chat_completion(
     job = await prepare_chat(ctx, req, request)
     response_id = f"chatcmpl-{job.request_id}"
     want_logprobs = req.logprobs
+    parser = ctx.parsing.for_request(req, job.prompt)
 
     if req.stream:
         sent_role = False
 
-        def stream_choice(c: CompletionOutput) -> ChatCompletionStreamChoice:
+        def stream_choice(c: CompletionOutput) -> list[ChatCompletionStreamChoice]:
             nonlocal sent_role
-            delta = DeltaMessage(content=c.text, role=None if sent_role else "assistant")
-            sent_role = True
-            return ChatCompletionStreamChoice(
-                delta=delta,
-                logprobs=_chat_logprobs(ctx, c.token_ids, c.logprobs) if want_logprobs else None,
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
-            )
+            last = c.finish_reason is not None
+            if parser.active:
+                deltas = parser.feed(c.text, last=last)
+                if not deltas and (last or (want_logprobs and c.token_ids)):
+                    deltas = [DeltaMessage()]
+            else:
+                deltas = [DeltaMessage(content=c.text)]
+            choices = []
+            for i, delta in enumerate(deltas):
+                if not sent_role:
+                    delta.role = "assistant"
+                    sent_role = True
+                is_last = i == len(deltas) - 1
+                choices.append(
+                    ChatCompletionStreamChoice(
+                        delta=delta,
+                        logprobs=(
+                            _chat_logprobs(ctx, c.token_ids, c.logprobs)
+                            if want_logprobs and i == 0
+                            else None
+                        ),
+                        finish_reason=parser.finish_reason(c.finish_reason) if is_last else None,
+                        stop_reason=c.stop_reason if is_last else None,
+                    )
+                )
+            return choices
 
         return await stream_response(
             ctx,
@@ -158,10 +189,14 @@ async def create_chat_completion(
         )
 
     def whole_choice(acc: Accumulated) -> ChatCompletionResponseChoice:
+        if parser.active:
+            message = parser.whole(acc.text)
+        else:
+            message = ChatMessage(role="assistant", content=acc.text)
         return ChatCompletionResponseChoice(
-            message=ChatMessage(role="assistant", content=acc.text),
+            message=message,
             logprobs=_chat_logprobs(ctx, acc.token_ids, acc.logprobs) if want_logprobs else None,
-            finish_reason=acc.finish_reason,
+            finish_reason=parser.finish_reason(acc.finish_reason),
             stop_reason=acc.stop_reason,
         )
 

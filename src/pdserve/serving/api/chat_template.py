@@ -12,7 +12,9 @@ Content format of message ``content`` given as a list of ``{"type": "text"}`` pa
   else ``"string"`` (decided once per template text and cached).
 
 Rendering runs the tokenizer's ``apply_chat_template`` (blocking; callers run it in
-the tokenizer thread). A template that fails on the given messages (for example one
+the tokenizer thread). Request ``tools`` go to the template as ``tools``; an assistant
+message's ``tool_calls`` go with ``arguments`` decoded to an object (templates iterate
+them), a ``tool`` message keeps its ``tool_call_id``. A template that fails on the given messages (for example one
 that raises "roles must alternate") is a client error: :class:`RequestError`.
 """
 
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pdserve.serving.api.protocol import ChatMessageParam, RequestError
+from pdserve.serving.api.protocol_chat import template_tool_calls
 
 ContentFormat = Literal["string", "openai"]
 CONTENT_FORMATS = ("auto", "string", "openai")
@@ -91,7 +94,7 @@ class ChatTemplates:
     @staticmethod
     def conversation(messages: list[ChatMessageParam], fmt: ContentFormat) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
-        for m in messages:
+        for i, m in enumerate(messages):
             content: Any
             if m.content is None:
                 content = "" if fmt == "string" else []
@@ -107,7 +110,7 @@ class ChatTemplates:
             if m.tool_call_id is not None:
                 msg["tool_call_id"] = m.tool_call_id
             if m.tool_calls is not None:
-                msg["tool_calls"] = m.tool_calls
+                msg["tool_calls"] = template_tool_calls(m.tool_calls, f"messages.{i}")
             out.append(msg)
         return out
 
@@ -118,8 +121,10 @@ class ChatTemplates:
         *,
         add_generation_prompt: bool,
         template_kwargs: dict[str, Any] | None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """The prompt text; blocking (Jinja), so run it off the event loop."""
+        """The prompt text; blocking (Jinja), so run it off the event loop. ``tools``
+        (OpenAI function tools, as dicts) are passed to the template as ``tools``."""
         template = self.template_for(tokenizer)
         conversation = self.conversation(messages, self.content_format(template))
         try:
@@ -127,6 +132,7 @@ class ChatTemplates:
                 conversation,
                 add_generation_prompt=add_generation_prompt,
                 chat_template=template,
+                **({"tools": tools} if tools else {}),
                 **(template_kwargs or {}),
             )
         except Exception as e:  # the template rejected these messages

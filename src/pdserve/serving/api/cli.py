@@ -17,7 +17,9 @@ import logging
 
 from pdserve.config import EngineConfig, add_engine_args
 from pdserve.core_types.pd_auth import load_secret
+from pdserve.frontend.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from pdserve.heap import freeze_startup_heap
+from pdserve.serving.api.chat_output import OutputParsing
 from pdserve.serving.api.middleware import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 logger = logging.getLogger(__name__)
@@ -89,6 +91,35 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         "--chat-template-content-format", default="auto", choices=["auto", "string", "openai"]
     )
     p.add_argument("--uvicorn-log-level", default="warning")
+    p.add_argument(
+        "--disable-uvicorn-access-log",
+        action="store_true",
+        help="no access log line per HTTP request (it is on by default, at INFO level on "
+        "the uvicorn.access logger, whatever --uvicorn-log-level says)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=list(REASONING_PARSERS),
+        help="split <think>...</think> output into reasoning_content and content",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="parse tool calls out of chat output when a request has tools and "
+        "tool_choice 'auto' (needs --tool-call-parser)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=list(TOOL_CALL_PARSERS),
+        help="the tool-call format the model writes",
+    )
+    p.add_argument(
+        "--metrics-vllm-aliases",
+        action="store_true",
+        help="also export the key /metrics series under vLLM's vllm: names",
+    )
     for flag in UNSUPPORTED_VLLM_FLAGS:
         try:
             p.add_argument(flag, nargs="?", action=_Refuse, help=argparse.SUPPRESS)
@@ -114,6 +145,8 @@ async def serve(args: argparse.Namespace) -> int:
     from pdserve.serving.api.server import serve_app
 
     config = EngineConfig.from_cli(args)
+    # refuse bad parser settings before the engine starts
+    OutputParsing(args.reasoning_parser, args.tool_call_parser, args.enable_auto_tool_choice)
     pd_secret = load_secret()  # ValueError (a too-short secret) before anything starts
     if pd_secret is None:
         logger.info("no P/D secret (PDSERVE_PD_SECRET): kv_transfer_params will be refused")
@@ -131,6 +164,7 @@ async def serve(args: argparse.Namespace) -> int:
             (args.served_model_name or [args.model])[0],
             stats_provider=engine.latest_stats,
             max_model_len=engine.max_model_len,
+            vllm_aliases=args.metrics_vllm_aliases,
         )
         engine.on_stats = metrics.observe_stats
         app = build_app(
@@ -143,11 +177,19 @@ async def serve(args: argparse.Namespace) -> int:
             chat_template_content_format=args.chat_template_content_format,
             pd_secret=pd_secret,
             max_request_body_bytes=args.max_request_body_bytes or None,
+            reasoning_parser=args.reasoning_parser,
+            tool_call_parser=args.tool_call_parser,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
         )
         freeze_startup_heap()
         print(f"pdserve: serving {args.model} on http://{args.host}:{args.port}", flush=True)
         await serve_app(
-            app, args.host, args.port, args.shutdown_timeout, log_level=args.uvicorn_log_level
+            app,
+            args.host,
+            args.port,
+            args.shutdown_timeout,
+            log_level=args.uvicorn_log_level,
+            access_log=not args.disable_uvicorn_access_log,
         )
     finally:
         await engine.shutdown()

@@ -6,8 +6,9 @@ output are returned in the non-streaming response (the P/D proxy reads them ther
 
 Order of the checks: the request's ``kv_transfer_params`` signature (403); a text
 prompt that cannot fit ``max_model_len`` judged by its length alone (400, without
-tokenizing it); tokenization in the blocking pool; the exact length and ``max_tokens``
-checks; for a token-id prompt, the vocabulary.
+tokenizing it; skipped with ``truncate_prompt_tokens``, which keeps the last N tokens
+after tokenization); tokenization in the blocking pool; the exact length and
+``max_tokens`` checks; for a token-id prompt, the vocabulary.
 """
 
 from __future__ import annotations
@@ -47,10 +48,11 @@ async def prepare_completion(
     engine = ctx.engine
     kv_params = verified_kv_params(req.kv_transfer_params, ctx.pd_secret)
     prompt = req.single_prompt()
+    truncating = req.truncate_prompt_tokens is not None
     text: str | None
     if isinstance(prompt, str):
         low = min_token_count(engine.tokenizer, prompt)
-        if low >= engine.max_model_len:
+        if low >= engine.max_model_len and not truncating:
             raise RequestError(too_long_text_message(prompt, low, engine.max_model_len), "prompt")
         ids = await ctx.run_blocking(
             engine.tokenizer.encode,
@@ -63,6 +65,9 @@ async def prepare_completion(
         ids, text = prompt, None
     if not ids:
         raise RequestError("prompt is empty (it has no tokens)", "prompt")
+    if truncating:
+        ids = req.truncated(list(ids), engine.max_model_len)
+        text = None  # the engine gets the kept tokens only
     params = req.to_sampling_params(
         prompt_len=len(ids), max_model_len=engine.max_model_len, vocab_size=engine.vocab_size
     )

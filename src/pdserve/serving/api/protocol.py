@@ -3,10 +3,20 @@
 Validation policy: a request is checked completely here, at the edge, and every
 rejection names the field. Fields pdserve does not implement are **rejected**, never
 silently ignored, when they would change the output (``n``/``best_of`` > 1, penalties,
-``logit_bias``, ``echo``, ``suffix``, non-text ``response_format``, tools, batched
-prompts); unknown fields are rejected too (``extra="forbid"``). Fields that only carry
-bookkeeping (``user``, ``metadata``, ``store``, ``service_tier``,
-``parallel_tool_calls``) are accepted and ignored.
+``logit_bias``, ``echo``, ``suffix``, non-text ``response_format``, ``tool_choice``
+``required`` or a named tool, ``priority`` other than 0, batched prompts); unknown
+fields are rejected too (``extra="forbid"``). Fields that only carry bookkeeping
+(``user``, ``metadata``, ``store``, ``service_tier``) are accepted and ignored.
+``parallel_tool_calls=false`` keeps the first parsed tool call only
+(:mod:`pdserve.serving.api.chat_output`).
+
+vLLM extras: ``truncate_prompt_tokens`` (keep the last N prompt tokens; ``-1``: the last
+``max_model_len``) is implemented. ``cache_salt`` is accepted and has no effect: the
+engine's prefix cache is not partitioned by salt, so requests with different salts can
+still share cached prefixes (the isolation the salt asks for is not provided).
+``spaces_between_special_tokens`` is accepted and has no effect: pdserve decodes with
+the fast tokenizer's own decoder, which never inserts spaces between added tokens (so
+both values give the same text).
 
 Validators raise :class:`RequestError` (a ``ValueError`` carrying the offending
 parameter name); the server maps it to HTTP 400 with an OpenAI error body. Before any
@@ -23,47 +33,54 @@ Logprobs: pdserve returns the sampled token's logprob only, so completions
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from pdserve.core_types.sampling_params import SamplingParams
-from pdserve.serving.api.unicode_check import find_lone_surrogate, lone_surrogate_message
+from pdserve.serving.api.protocol_base import CheckedModel as _CheckedRequest
+from pdserve.serving.api.protocol_base import (
+    PromptTokenUsageInfo,
+    RequestError,
+    UsageInfo,
+)
+from pdserve.serving.api.protocol_base import ResponseModel as _Response
+from pdserve.serving.api.protocol_base import StrictModel as _Request
+from pdserve.serving.api.protocol_chat import (
+    ChatCompletionLogProbs,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatLogProb,
+    ChatLogProbsContent,
+    ChatMessage,
+    ChatTool,
+    DeltaMessage,
+    ToolCallParam,
+    ToolChoice,
+    check_tool_choice,
+)
+
+__all__ = [
+    "ChatCompletionLogProbs",
+    "ChatCompletionResponse",
+    "ChatCompletionResponseChoice",
+    "ChatCompletionStreamChoice",
+    "ChatCompletionStreamResponse",
+    "ChatLogProb",
+    "ChatLogProbsContent",
+    "ChatMessage",
+    "DeltaMessage",
+    "PromptTokenUsageInfo",
+    "RequestError",
+    "UsageInfo",
+]
 
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
 MAX_LOGPROBS = 20
-
-
-class RequestError(ValueError):
-    """Invalid user input; becomes HTTP 400. ``param`` names the offending field."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-
-
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-
-class _CheckedRequest(_Request):
-    """A top-level request body: refuses lone surrogates anywhere in it, first."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        hit = find_lone_surrogate(data)
-        if hit is not None:
-            raise RequestError(lone_surrogate_message(*hit), hit[0])
-        return data
-
-
-class _Response(BaseModel):
-    model_config = ConfigDict(extra="allow")
 
 
 # ---------------------------------------------------------------- errors, models
@@ -132,6 +149,11 @@ class _SamplingRequest(_CheckedRequest):
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     service_tier: str | None = None
+    # vLLM extras (see the module docstring)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    cache_salt: str | None = Field(None, min_length=1)
+    priority: int = 0
+    spaces_between_special_tokens: bool = True
     # P/D: verified and parsed by the handlers (pd_params), passed to the engine;
     # the engine's are returned in the (non-streaming) response
     kv_transfer_params: dict[str, Any] | None = None
@@ -153,11 +175,36 @@ class _SamplingRequest(_CheckedRequest):
             )
         if self.logit_bias:
             raise RequestError("logit_bias is not supported", "logit_bias")
+        if self.truncate_prompt_tokens == 0:
+            raise RequestError(
+                "truncate_prompt_tokens must be >= 1 (or -1 for max_model_len)",
+                "truncate_prompt_tokens",
+            )
+        if self.priority != 0:
+            raise RequestError(
+                f"priority={self.priority} is not supported: pdserve schedules first come, "
+                "first served (only 0)",
+                "priority",
+            )
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options can only be set when stream=true", "stream_options")
         if self.stop == "" or (isinstance(self.stop, list) and any(not s for s in self.stop)):
             raise RequestError("stop strings must be non-empty", "stop")
         return self
+
+    def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
+        """``ids`` cut to their last ``truncate_prompt_tokens`` (when set)."""
+        n = self.truncate_prompt_tokens
+        if n is None:
+            return ids
+        if n == -1:
+            n = max_model_len
+        elif n > max_model_len:
+            raise RequestError(
+                f"truncate_prompt_tokens={n} is larger than max_model_len={max_model_len}",
+                "truncate_prompt_tokens",
+            )
+        return ids[-n:]
 
     def _sampling_params(
         self,
@@ -288,17 +335,6 @@ class CompletionLogProbs(_Response):
     top_logprobs: list[dict[str, float] | None] | None = None
 
 
-class PromptTokenUsageInfo(_Response):
-    cached_tokens: int | None = None
-
-
-class UsageInfo(_Response):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    prompt_tokens_details: PromptTokenUsageInfo | None = None
-
-
 class CompletionResponseChoice(_Response):
     index: int = 0
     text: str
@@ -361,7 +397,7 @@ class ChatMessageParam(_Request):
     content: str | list[TextContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCallParam] | None = None
 
 
 class ResponseFormat(_Request):
@@ -400,9 +436,10 @@ class ChatCompletionRequest(_SamplingRequest, _ChatTemplateFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    include_reasoning: bool = True
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
@@ -418,11 +455,19 @@ class ChatCompletionRequest(_SamplingRequest, _ChatTemplateFields):
                 "(only 'text')",
                 "response_format",
             )
-        if self.tools:
-            raise RequestError("tools are not supported", "tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise RequestError("tool_choice is not supported", "tool_choice")
+        check_tool_choice(self.tools, self.tool_choice)
         return self
+
+    @property
+    def effective_tool_choice(self) -> str:
+        """``"none"`` or ``"auto"`` (the rest is refused by validation)."""
+        return check_tool_choice(self.tools, self.tool_choice)
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """The tools as plain dicts (what chat templates and tool parsers read)."""
+        if not self.tools:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
     def to_sampling_params(
         self, *, prompt_len: int, max_model_len: int, vocab_size: int
@@ -441,78 +486,6 @@ class ChatCompletionRequest(_SamplingRequest, _ChatTemplateFields):
         )
 
 
-class ChatMessage(_Response):
-    role: str = "assistant"
-    content: str | None = None
-
-
-class DeltaMessage(_Response):
-    """A streamed delta; ``None`` fields are left out of the JSON."""
-
-    role: str | None = None
-    content: str | None = None
-
-    def to_json_dict(self) -> dict[str, Any]:
-        return self.model_dump(exclude_none=True)
-
-
-class ChatLogProb(_Response):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatLogProbsContent(ChatLogProb):
-    top_logprobs: list[ChatLogProb] = Field(default_factory=list)
-
-
-class ChatCompletionLogProbs(_Response):
-    content: list[ChatLogProbsContent] | None = None
-
-
-class ChatCompletionResponseChoice(_Response):
-    index: int = 0
-    message: ChatMessage
-    logprobs: ChatCompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionResponse(_Response):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatCompletionResponseChoice]
-    usage: UsageInfo
-    system_fingerprint: str | None = None
-    kv_transfer_params: dict[str, Any] | None = None
-
-
-class ChatCompletionStreamChoice(_Response):
-    index: int = 0
-    delta: DeltaMessage
-    logprobs: ChatCompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionStreamResponse(_Response):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatCompletionStreamChoice]
-    usage: UsageInfo | None = None
-
-    def to_json(self) -> str:
-        """JSON of the chunk, with ``None`` fields of each delta left out (OpenAI's shape)."""
-        data = self.model_dump(mode="json")
-        for choice, raw in zip(self.choices, data["choices"], strict=True):
-            raw["delta"] = choice.delta.to_json_dict()
-        return json.dumps(data, separators=(",", ":"), ensure_ascii=False)
-
-
 # ---------------------------------------------------------------- /tokenize, /detokenize
 
 
@@ -526,6 +499,7 @@ class TokenizeCompletionRequest(_CheckedRequest):
 class TokenizeChatRequest(_ChatTemplateFields):
     model: str | None = None
     return_token_strs: bool = False
+    tools: list[ChatTool] | None = None  # rendered by the template, as for chat
 
 
 TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest

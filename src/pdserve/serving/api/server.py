@@ -39,7 +39,8 @@ class ApiServer(UvicornServer):
 
     ``port=0`` binds an ephemeral port; :attr:`port` tells which after :meth:`bind`
     (``serve`` binds if nobody did). ``request_shutdown`` may be called from any thread.
-    Signal handlers are installed only when serving in the main thread.
+    Signal handlers are installed only when serving in the main thread. The access
+    log is on by default (as in vLLM); ``access_log=False`` turns it off.
     """
 
     def __init__(
@@ -51,6 +52,7 @@ class ApiServer(UvicornServer):
         shutdown_timeout: float = 30.0,
         log_level: str = "info",
         install_signal_handlers: bool = True,
+        access_log: bool = True,
         **uvicorn_kwargs: Any,
     ) -> None:
         if shutdown_timeout < 0:
@@ -65,6 +67,7 @@ class ApiServer(UvicornServer):
             port=port,
             log_level=log_level,
             install_signal_handlers=install_signal_handlers,
+            access_log=access_log,
             **kwargs,
         )
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pdserve.metrics.prometheus import PrometheusMetrics
+from pdserve.serving.api.chat_output import OutputParsing
 from pdserve.serving.api.errors import APIError
 from pdserve.serving.api.workers import BlockingPool
 
@@ -119,6 +120,8 @@ class ServingContext:
     pd_secret: bytes | None = None
     # tokenizer / template work; threads started on first use, closed at lifespan end
     pool: BlockingPool = field(default_factory=BlockingPool)
+    # reasoning and tool-call parsing of chat output (--reasoning-parser, ...)
+    parsing: OutputParsing = field(default_factory=OutputParsing)
 
     @property
     def default_model(self) -> str:

@@ -7,7 +7,8 @@ answers with an :class:`SSEResponse`. Its body (:func:`sse_events`) is one ``dat
 chunk per delta that carries tokens or a finish reason, then (``include_usage``) a
 usage-only chunk, then ``data: [DONE]``; an error after the status line becomes an
 in-stream error event followed by ``[DONE]``. An endpoint only says how a delta
-becomes its choice and which chunk model carries it.
+becomes its choice (or choices: several chunks, or none while a parser holds text
+back) and which chunk model carries it.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from pdserve.serving.http import SSE_DONE, sse_error, sse_event
 
 logger = logging.getLogger(__name__)
 
-RenderDelta = Callable[[CompletionOutput, UsageInfo | None], str]
+RenderDelta = Callable[[CompletionOutput, UsageInfo | None], list[str]]
 
 
 async def stream_response(
@@ -58,9 +59,10 @@ async def stream_response(
     options: StreamOptions | None,
     make_choice: Callable[[CompletionOutput], Any],
 ) -> Response:
-    """The streaming answer of either endpoint: ``chunk_type`` chunks, each with the one
+    """The streaming answer of either endpoint: ``chunk_type`` chunks, each with one
     choice ``make_choice`` makes of a delta (none in the usage chunk); 499 when the
-    client went away before the first output."""
+    client went away before the first output. ``make_choice`` may return a list of
+    choices (one chunk each; an empty list sends nothing for that delta)."""
     opened = await open_stream(ctx, job, request)
     if opened is None:
         return Response(status_code=CLIENT_CLOSED)
@@ -73,8 +75,10 @@ async def stream_response(
         )
         return chunk.to_json()
 
-    def render_delta(c: CompletionOutput, usage: UsageInfo | None) -> str:
-        return render_chunk([make_choice(c)], usage)
+    def render_delta(c: CompletionOutput, usage: UsageInfo | None) -> list[str]:
+        made = make_choice(c)
+        choices = made if isinstance(made, list) else [made]
+        return [render_chunk([choice], usage) for choice in choices]
 
     def render_usage(usage: UsageInfo) -> str:
         return render_chunk([], usage)
@@ -118,7 +122,8 @@ async def sse_events(
                 usage = None
                 if continuous_usage:
                     usage = make_usage(ctx, prompt_tokens, completion_tokens, cached)
-                yield sse_event(render_delta(c, usage))
+                for chunk in render_delta(c, usage):
+                    yield sse_event(chunk)
             out = await er.next_output()
     except Exception as e:
         if not isinstance(e, ValueError | APIError):

@@ -3,8 +3,9 @@ deployment.
 
 Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (two legs each, see
 :mod:`pdserve.serving.proxy.forward`), ``GET /v1/models`` (from a healthy decode
-instance), ``GET /health`` (200 iff each pool has a healthy instance, else 503) and
-``GET /metrics`` (Prometheus text, :mod:`pdserve.serving.proxy.metrics`).
+instance), ``GET /health`` (200 iff each pool has a healthy instance, else 503),
+``GET /version`` (pdserve's version, open like ``/health``) and ``GET /metrics``
+(Prometheus text, :mod:`pdserve.serving.proxy.metrics`).
 
 With an API key, every ``/v1/*`` route needs ``Authorization: Bearer KEY`` (401
 otherwise). Upstream, the proxy sends ``--upstream-api-key`` if given, else the
@@ -38,6 +39,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import pdserve
 from pdserve.core_types.pd_auth import SECRET_ENV, load_secret
 from pdserve.serving.http import MAX_REQUEST_ID_LEN, error_response, valid_request_id
 from pdserve.serving.proxy.core import ProxyCore, ProxySettings, classify_error
@@ -257,6 +259,10 @@ def build_proxy_app(
     async def metrics_route() -> Response:
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
+
+    @app.get("/version")
+    async def version_route() -> JSONResponse:
+        return JSONResponse({"version": pdserve.__version__})
 
     return app
 

@@ -1,0 +1,266 @@
+"""``POST /v1/responses``: OpenAI's Responses API over the chat path.
+
+A request becomes the chat request that renders the same messages
+(:meth:`~pdserve.serving.api.protocol_responses.ResponsesRequest.as_chat`), so the
+template, length checks and sampling are the chat endpoint's. The answer is one
+``response`` object whose ``output`` holds a ``reasoning`` item (only when the server
+runs a ``--reasoning-parser`` and the model reasoned) and one assistant ``message``
+item with one ``output_text`` part. ``status`` is ``completed``, or ``incomplete`` with
+``incomplete_details.reason="max_output_tokens"`` when the length limit ended it, or
+``cancelled`` when the server aborted it (shutdown).
+
+Streaming sends typed SSE events (``event: <type>`` and ``data: {"type": <type>, …}``,
+each with a ``sequence_number``): ``response.created``, ``response.in_progress``;
+per item ``response.output_item.added``, ``response.content_part.added``, the text
+deltas (``response.reasoning_text.delta`` / ``response.output_text.delta``), their
+``….done``, ``response.content_part.done``, ``response.output_item.done``; then
+``response.completed`` (or ``response.incomplete``) with the whole response. No
+``[DONE]`` line (the Responses API has none). An engine failure after the status line
+is an ``error`` event.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from pdserve.serving.api.chat import prepare_chat
+from pdserve.serving.api.chat_output import ChatOutputParser
+from pdserve.serving.api.generate import (
+    CLIENT_CLOSED,
+    EngineRequest,
+    engine_error,
+    open_stream,
+    run_to_completion,
+)
+from pdserve.serving.api.protocol_responses import ResponsesRequest
+from pdserve.serving.api.state import ServingContext
+from pdserve.serving.api.streaming import SSEResponse, error_event
+
+logger = logging.getLogger(__name__)
+
+
+class _Answer:
+    """The response object of one request, built as the output arrives."""
+
+    def __init__(self, ctx: ServingContext, req: ResponsesRequest, rid: str, model: str) -> None:
+        self.ctx, self.req, self.rid, self.model = ctx, req, rid, model
+        self.created_at = int(time.time())
+        self.reasoning = ""
+        self.content = ""
+        self.prompt_tokens = 0
+        self.output_tokens = 0
+        self.cached_tokens = 0
+        self.finish_reason: str | None = None
+
+    def reasoning_item(self, status: str) -> dict[str, Any]:
+        return {
+            "type": "reasoning",
+            "id": f"rs_{self.rid}",
+            "summary": [],
+            "content": [{"type": "reasoning_text", "text": self.reasoning}],
+            "status": status,
+        }
+
+    def text_part(self) -> dict[str, Any]:
+        return {"type": "output_text", "text": self.content, "annotations": [], "logprobs": []}
+
+    def message_item(self, status: str) -> dict[str, Any]:
+        return {
+            "type": "message",
+            "id": f"msg_{self.rid}",
+            "status": status,
+            "role": "assistant",
+            "content": [self.text_part()],
+        }
+
+    def status(self) -> str:
+        if self.finish_reason is None:
+            return "in_progress"
+        if self.finish_reason == "abort":  # the server gave it up (shutdown)
+            return "cancelled"
+        return "incomplete" if self.finish_reason == "length" else "completed"
+
+    def body(self) -> dict[str, Any]:
+        status = self.status()
+        done = status != "in_progress"  # a final body: output items and usage
+        output = []
+        if done and self.reasoning:
+            output.append(self.reasoning_item("completed"))
+        if done:
+            output.append(self.message_item(status))
+        req = self.req
+        return {
+            "id": f"resp_{self.rid}",
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "model": self.model,
+            "output": output,
+            "error": None,
+            "incomplete_details": (
+                {"reason": "max_output_tokens"} if status == "incomplete" else None
+            ),
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "metadata": req.metadata or {},
+            "parallel_tool_calls": False,
+            "previous_response_id": None,
+            "reasoning": None,
+            "store": False,
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "text": {"format": {"type": "text"}},
+            "tool_choice": "none",
+            "tools": [],
+            "top_p": 1.0 if req.top_p is None else req.top_p,
+            "truncation": "disabled",
+            "user": req.user,
+            "usage": {
+                "input_tokens": self.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": self.cached_tokens},
+                "output_tokens": self.output_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": self.prompt_tokens + self.output_tokens,
+            }
+            if done
+            else None,
+        }
+
+
+def _split(parser: ChatOutputParser, text: str, last: bool) -> tuple[str, str]:
+    reasoning, content = "", ""
+    for d in parser.feed(text, last=last):
+        reasoning += d.reasoning_content or ""
+        content += d.content or ""
+    return reasoning, content
+
+
+async def create_response(ctx: ServingContext, req: ResponsesRequest, request: Request) -> Response:
+    model = ctx.check_model(req.model)
+    chat_req = req.as_chat()
+    job = await prepare_chat(ctx, chat_req, request)
+    parser = ctx.parsing.for_request(chat_req, job.prompt)
+    answer = _Answer(ctx, req, job.request_id, model)
+    answer.prompt_tokens = len(job.prompt_token_ids)
+    if req.stream:
+        opened = await open_stream(ctx, job, request)
+        if opened is None:
+            return Response(status_code=CLIENT_CLOSED)
+        er, first = opened
+        return SSEResponse(_events(er, first, answer, parser), on_close=er.close)
+    acc = await run_to_completion(ctx, job, request)
+    if acc is None:
+        return Response(status_code=CLIENT_CLOSED)
+    err = engine_error(acc)
+    if err is not None:
+        raise err
+    answer.reasoning, answer.content = _split(parser, acc.text, True)
+    answer.output_tokens = len(acc.token_ids)
+    answer.cached_tokens = acc.num_cached_tokens
+    answer.finish_reason = acc.finish_reason
+    return Response(json.dumps(answer.body(), ensure_ascii=False), media_type="application/json")
+
+
+class _Events:
+    """Typed SSE events with increasing sequence numbers."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+
+    def __call__(self, type_: str, **fields: Any) -> str:
+        data = {"type": type_, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return f"event: {type_}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def _events(
+    er: EngineRequest, first: Any, answer: _Answer, parser: ChatOutputParser
+) -> AsyncIterator[str]:
+    ev = _Events()
+    yield ev("response.created", response=answer.body())
+    yield ev("response.in_progress", response=answer.body())
+    open_kind: str | None = None  # "reasoning" or "message": the item being written
+    index = -1
+
+    def open_item(kind: str) -> list[str]:
+        nonlocal open_kind, index
+        out = close_item() if open_kind is not None else []
+        open_kind, index = kind, index + 1
+        if kind == "reasoning":
+            item, part = (
+                answer.reasoning_item("in_progress"),
+                {"type": "reasoning_text", "text": ""},
+            )
+        else:
+            item, part = answer.message_item("in_progress"), {**answer.text_part(), "text": ""}
+        item["content"] = []
+        out.append(ev("response.output_item.added", output_index=index, item=item))
+        out.append(
+            ev("response.content_part.added", item_id=item["id"], output_index=index,
+               content_index=0, part=part)
+        )  # fmt: skip
+        return out
+
+    def close_item() -> list[str]:
+        nonlocal open_kind
+        if open_kind == "reasoning":
+            item, kind = answer.reasoning_item("completed"), "reasoning_text"
+            part: dict[str, Any] = {"type": "reasoning_text", "text": answer.reasoning}
+            done = ev(f"response.{kind}.done", item_id=item["id"], output_index=index,
+                      content_index=0, text=answer.reasoning)  # fmt: skip
+        else:
+            item, part = answer.message_item("completed"), answer.text_part()
+            done = ev("response.output_text.done", item_id=item["id"], output_index=index,
+                      content_index=0, text=answer.content, logprobs=[])  # fmt: skip
+        open_kind = None
+        return [
+            done,
+            ev("response.content_part.done", item_id=item["id"], output_index=index,
+               content_index=0, part=part),
+            ev("response.output_item.done", output_index=index, item=item),
+        ]  # fmt: skip
+
+    out = first
+    try:
+        while out is not None:
+            answer.cached_tokens = max(answer.cached_tokens, out.num_cached_tokens)
+            for c in out.outputs[:1]:
+                if c.finish_reason == "error":
+                    raise RuntimeError(out.error or "error")
+                answer.output_tokens += len(c.token_ids)
+                reasoning, content = _split(parser, c.text, c.finish_reason is not None)
+                if reasoning:
+                    if open_kind != "reasoning":
+                        for event in open_item("reasoning"):
+                            yield event
+                    answer.reasoning += reasoning
+                    yield ev("response.reasoning_text.delta", item_id=f"rs_{answer.rid}",
+                             output_index=index, content_index=0, delta=reasoning)  # fmt: skip
+                if content:
+                    if open_kind != "message":
+                        for event in open_item("message"):
+                            yield event
+                    answer.content += content
+                    yield ev("response.output_text.delta", item_id=f"msg_{answer.rid}",
+                             output_index=index, content_index=0, delta=content,
+                             logprobs=[])  # fmt: skip
+                if c.finish_reason is not None:
+                    answer.finish_reason = c.finish_reason
+            out = await er.next_output()
+    except Exception as exc:
+        logger.warning("responses stream %s failed: %r", answer.rid, exc)
+        yield "event: error\n" + error_event(exc)
+        return
+    if answer.finish_reason is None:
+        answer.finish_reason = "abort"
+    tail = open_item("message") if open_kind != "message" else []
+    for event in tail + close_item():
+        yield event
+    final = "response.incomplete" if answer.status() == "incomplete" else "response.completed"
+    yield ev(final, response=answer.body())
