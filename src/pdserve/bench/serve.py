@@ -27,6 +27,7 @@ import math
 import os
 import sys
 import uuid
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -242,16 +243,24 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--disable-tqdm", action="store_true")
 
 
-def default_args(**overrides: Any) -> argparse.Namespace:
-    """CLI defaults with ``overrides`` (by ``dest`` name) applied; unknown names raise."""
+def defaults_with(
+    add_args: Callable[[argparse.ArgumentParser], None], what: str, overrides: dict[str, Any]
+) -> argparse.Namespace:
+    """The defaults of the flags ``add_args`` defines, with ``overrides`` (by ``dest``
+    name) applied; an unknown name raises ``TypeError`` naming ``what``."""
     parser = argparse.ArgumentParser(add_help=False)
-    add_cli_args(parser)
+    add_args(parser)
     args = parser.parse_args([])
     for key, value in overrides.items():
         if not hasattr(args, key):
-            raise TypeError(f"unknown benchmark option {key!r}")
+            raise TypeError(f"unknown {what} option {key!r}")
         setattr(args, key, value)
     return args
+
+
+def default_args(**overrides: Any) -> argparse.Namespace:
+    """CLI defaults with ``overrides`` (by ``dest`` name) applied; unknown names raise."""
+    return defaults_with(add_cli_args, "benchmark", overrides)
 
 
 def parse_goodput(pairs: list[str] | None) -> dict[str, float]:

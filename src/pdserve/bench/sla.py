@@ -95,14 +95,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def default_args(**overrides: Any) -> argparse.Namespace:
     """This command's CLI defaults with ``overrides`` (by ``dest``); unknown names raise."""
-    parser = argparse.ArgumentParser(add_help=False)
-    add_cli_args(parser)
-    args = parser.parse_args([])
-    for key, value in overrides.items():
-        if not hasattr(args, key):
-            raise TypeError(f"unknown bench sla option {key!r}")
-        setattr(args, key, value)
-    return args
+    return serve.defaults_with(add_cli_args, "bench sla", overrides)
 
 
 def _bounds(args: argparse.Namespace) -> tuple[float, float, float]:

@@ -127,14 +127,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 def default_args(**overrides: Any) -> argparse.Namespace:
     """The CLI defaults with ``overrides`` (by ``dest``); unknown names raise."""
-    parser = argparse.ArgumentParser(add_help=False)
-    add_cli_args(parser)
-    args = parser.parse_args([])
-    for key, value in overrides.items():
-        if not hasattr(args, key):
-            raise TypeError(f"unknown soak option {key!r}")
-        setattr(args, key, value)
-    return args
+    return serve.defaults_with(add_cli_args, "soak", overrides)
 
 
 def _num_requests(args: argparse.Namespace) -> int:
