@@ -169,6 +169,15 @@ def test_dashboard_and_rules_return_data_from_a_live_topology(
             proc,
             log,
         )
+        # a first scrape of every target before the load, so the counters' rates see
+        # the increase (a counter first seen after the load is flat: rate 0, ratio NaN)
+        _wait(
+            lambda: len(_query(prom, 'up{job=~"pdserve.*"} == 1')) == 3,
+            30,
+            "first scrapes",
+            proc,
+            log,
+        )
         proxy = f"http://127.0.0.1:{ports['proxy']}"
         assert asyncio.run(_load(proxy)) == [200] * NUM_REQUESTS
         # every target up, and scraped (the proxy's spec counters included) after the load
