@@ -208,11 +208,18 @@ class FakeEngineClient:
         params: SamplingParams,
     ) -> RequestOutput:
         logprobs = [-0.5] * len(ids) if params.logprobs is not None else None
+        # top-N alternatives: the sampled id at -0.5, then the ids after it at -1.5, -2.5...
+        top = None
+        if params.logprobs:
+            top = [{t + j: -0.5 - j for j in range(params.logprobs)} for t in ids]
+        comp = CompletionOutput(
+            0, text, ids, logprobs=logprobs, top_logprobs=top, finish_reason=reason
+        )
         return RequestOutput(
             request_id=rid,
             prompt=prompt,
             prompt_token_ids=prompt_ids,
-            outputs=[CompletionOutput(0, text, ids, logprobs=logprobs, finish_reason=reason)],
+            outputs=[comp],
             finished=reason is not None,
             num_cached_tokens=self.num_cached_tokens,
             kv_transfer_params=kv,

@@ -72,8 +72,8 @@ def test_chat_max_tokens_precedence_and_logprobs() -> None:
     "extra",
     [
         {"n": 2},
-        {"presence_penalty": 1.0},
-        {"logit_bias": {"5": 1}},
+        {"presence_penalty": 3.0},
+        {"logit_bias": {"5": 101}},
         {"top_logprobs": 1},
         {"tools": [{"type": "function"}]},
         {"response_format": {"type": "json_schema"}},

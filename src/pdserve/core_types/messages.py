@@ -55,6 +55,7 @@ class EngineReady(msgspec.Struct, tag="ready"):
     block_size: int
     device: str
     startup_seconds: float
+    speculative: bool = False  # penalties are refused with speculative decoding
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs"):

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20  # most alternatives (top logprobs) a request may ask for per token
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass
@@ -24,7 +26,17 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: int | None = None  # only the sampled token's logprob is returned (0 or more)
+    # the sampled token's logprob, plus the top-N alternatives when N > 0 (both under the
+    # raw model distribution: before bias, bans, temperature and filters)
+    logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    # vLLM's penalties: presence / frequency over the output tokens (subtracted from the
+    # logits once / once per occurrence), repetition over prompt and output tokens
+    # (positive logits divided by it, negative ones multiplied)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    allowed_token_ids: list[int] | None = None  # every other id is masked out
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -37,6 +49,12 @@ class SamplingParams:
             self.stop_token_ids = []
         if self.top_k == -1:
             self.top_k = 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )
 
     @property
     def greedy(self) -> bool:
@@ -64,8 +82,22 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
             )
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for tid, bias in (self.logit_bias or {}).items():
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(
+                    f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                    f"got {bias} for token {tid}"
+                )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
         if vocab_size is not None:
@@ -74,3 +106,12 @@ class SamplingParams:
                 raise ValueError(
                     f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})"
                 )
+            for name, ids in (
+                ("logit_bias", list(self.logit_bias or {})),
+                ("allowed_token_ids", self.allowed_token_ids or []),
+            ):
+                bad = [t for t in ids if not 0 <= t < vocab_size]
+                if bad:
+                    raise ValueError(
+                        f"{name} token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})"
+                    )

@@ -81,6 +81,9 @@ class RunnerOutput:
     draft_token_ids: list[list[int]] | None = None
     step_path: str = "eager"  # which forward path ran ("graph" or "eager:<reason>")
     kv_connector_output: KVConnectorOutput | None = None
+    # per request, per accepted token: the step's top-N (largest N asked) ids and logprobs
+    top_token_ids: list[list[list[int]]] | None = None
+    top_logprobs: list[list[list[float]]] | None = None
 
 
 @dataclass
@@ -95,3 +98,6 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     kv_transfer_params: KVTransferParams | None = None
+    # per new token: the request's top-N alternatives (ids, logprobs), when N > 0
+    new_top_token_ids: list[list[int]] | None = None
+    new_top_logprobs: list[list[float]] | None = None

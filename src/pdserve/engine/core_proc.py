@@ -64,6 +64,7 @@ def run_engine_core(
                 r.block_size,
                 str(r.device),
                 core.startup_seconds,
+                core.config.speculative is not None,
             )
         )
     )

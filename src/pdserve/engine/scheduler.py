@@ -393,6 +393,10 @@ class Scheduler:
                 lp = out.logprobs[i][:taken]
             self.stats.num_generated_tokens += taken
             eo = EngineCoreOutput(rid, new[:taken], lp, num_cached_tokens=req.num_cached_tokens)
+            ntop = req.sampling_params.logprobs
+            if ntop and out.top_token_ids is not None and out.top_logprobs is not None:
+                eo.new_top_token_ids = [t[:ntop] for t in out.top_token_ids[i][:taken]]
+                eo.new_top_logprobs = [t[:ntop] for t in out.top_logprobs[i][:taken]]
             if status is not None:
                 any_finished = True
                 eo.finish_reason = status.finish_reason

@@ -114,7 +114,9 @@ class AsyncEngineClient:
                 raise RuntimeError("the engine did not become ready in time")
         self.max_model_len = self.ready.max_model_len
         self.vocab_size = self.ready.vocab_size
-        self._processor = InputProcessor(tok, self.max_model_len, self.vocab_size)
+        self._processor = InputProcessor(
+            tok, self.max_model_len, self.vocab_size, speculative=self.ready.speculative
+        )
         self._task = asyncio.create_task(self._output_loop())
         return self
 

@@ -31,7 +31,10 @@ class LLM:
         )
         self.engine = EngineCore(self.config, proposer)
         self.processor = InputProcessor(
-            self.tokenizer, self.engine.max_model_len, self.engine.vocab_size
+            self.tokenizer,
+            self.engine.max_model_len,
+            self.engine.vocab_size,
+            speculative=self.config.speculative is not None,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()

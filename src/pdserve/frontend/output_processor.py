@@ -50,6 +50,7 @@ class RequestState:
     detok: IncrementalDetokenizer
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
     text: str = ""
     sent_text: int = 0  # chars of ``text`` already emitted (delta mode)
     sent_tokens: int = 0
@@ -81,6 +82,7 @@ class OutputProcessor:
             params,
             IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens),
             logprobs=[] if params.logprobs is not None else None,
+            top_logprobs=[] if params.logprobs else None,
         )
 
     def remove(self, request_id: str) -> None:
@@ -118,6 +120,14 @@ class OutputProcessor:
             st.token_ids.extend(chunk)
             if st.logprobs is not None and lps:
                 st.logprobs.extend(lps[taken : taken + len(chunk)])
+            if st.top_logprobs is not None and eo.new_top_token_ids and eo.new_top_logprobs:
+                end = taken + len(chunk)
+                st.top_logprobs.extend(
+                    dict(zip(ids_, lps_, strict=True))
+                    for ids_, lps_ in zip(
+                        eo.new_top_token_ids[taken:end], eo.new_top_logprobs[taken:end], strict=True
+                    )
+                )
             taken += len(chunk)
             new_text = st.detok.add(chunk)
             st.text += new_text
@@ -157,16 +167,19 @@ class OutputProcessor:
             text = st.text[st.sent_text : end]
             ids = st.token_ids[st.sent_tokens :]
             lps = st.logprobs[st.sent_tokens :] if st.logprobs is not None else None
+            tops = st.top_logprobs[st.sent_tokens :] if st.top_logprobs is not None else None
             st.sent_text, st.sent_tokens = end, len(st.token_ids)
         else:
             text, ids = st.text, list(st.token_ids)
             lps = list(st.logprobs) if st.logprobs is not None else None
+            tops = list(st.top_logprobs) if st.top_logprobs is not None else None
         comp = CompletionOutput(
             index=0,
             text=text,
             token_ids=ids,
             cumulative_logprob=st.cumulative_logprob,
             logprobs=lps,
+            top_logprobs=tops,
             finish_reason=st.finish_reason,
             stop_reason=st.stop_reason,
         )

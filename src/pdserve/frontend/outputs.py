@@ -19,6 +19,9 @@ class CompletionOutput:
     logprobs: list[float] | None = None  # logprob of each sampled token, when asked
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # per sampled token: its top-N alternatives, token id -> logprob (most likely first),
+    # when N > 0 was asked
+    top_logprobs: list[dict[int, float]] | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -44,8 +44,11 @@ def too_long_text_message(text: str, min_tokens: int, max_model_len: int) -> str
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int, speculative: bool = False
+    ) -> None:
         self.tokenizer = tokenizer
+        self.speculative = speculative
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
 
@@ -118,6 +121,8 @@ class InputProcessor:
     ) -> EngineCoreRequest:
         self.check_prompt(ids)
         params.verify(self.vocab_size)
+        if self.speculative and params.has_penalties:
+            raise ValueError("penalties with speculative decoding are not supported yet")
         room = self.max_model_len - len(ids)
         if params.max_tokens is not None and params.max_tokens > room:
             raise ValueError(

@@ -25,6 +25,30 @@ from pdserve.layers.fused import use_fused_kernels
 
 
 @dataclass
+class Penalties:
+    """vLLM's penalties of the rows that have any: ``counts`` of each id among the row's
+    output tokens so far, ``prompt`` marks the ids of its prompt."""
+
+    rows: torch.Tensor  # [P] int64 logits rows
+    counts: torch.Tensor  # [P, V] float32
+    prompt: torch.Tensor  # [P, V] bool
+    presence: torch.Tensor  # [P] float32
+    frequency: torch.Tensor  # [P] float32
+    repetition: torch.Tensor  # [P] float32
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Penalise ``logits`` [R, V] in place."""
+        x = logits[self.rows]
+        out = self.counts > 0
+        rep = self.repetition.unsqueeze(1)
+        seen = self.prompt | out
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+        x = x - self.frequency.unsqueeze(1) * self.counts
+        x = x - self.presence.unsqueeze(1) * out.to(x.dtype)
+        logits[self.rows] = x
+
+
+@dataclass
 class SamplingMetadata:
     """Per-row parameters for one step (row i = one sampled position)."""
 
@@ -37,6 +61,13 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator]  # row -> generator for seeded rows
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) to mask (min_tokens)
     need_logprobs: bool
+    num_top_logprobs: int = 0  # top-N alternatives to return per row (the batch's largest N)
+    # logit_bias: (rows, token ids, values) added to the logits
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # allowed_token_ids: (restricted [R] bool, rows, token ids); a restricted row keeps
+    # only its listed ids
+    allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    penalties: Penalties | None = None
 
 
 class Sampler:
@@ -52,11 +83,25 @@ class Sampler:
         self.fused = use_fused_kernels(device)
 
     def masked(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """``logits`` with the banned ids (min_tokens) at -inf (a copy when any are)."""
-        if md.banned is None:
+        """``logits`` plus each row's ``logit_bias``, then penalised (presence, frequency,
+        repetition), then with the ids outside its ``allowed_token_ids`` and the banned
+        ids (min_tokens) at -inf; a copy when any of these applies."""
+        if md.banned is None and md.bias is None and md.allowed is None and md.penalties is None:
             return logits
         logits = logits.clone()
-        logits[md.banned[0], md.banned[1]] = float("-inf")
+        if md.bias is not None:
+            rows, ids, values = md.bias
+            logits.index_put_((rows, ids), values, accumulate=True)
+        if md.penalties is not None:
+            md.penalties.apply(logits)
+        if md.allowed is not None:
+            restricted, rows, ids = md.allowed
+            keep = torch.zeros_like(logits, dtype=torch.bool)
+            keep[rows, ids] = True
+            keep |= ~restricted.unsqueeze(1)
+            logits.masked_fill_(~keep, float("-inf"))
+        if md.banned is not None:
+            logits[md.banned[0], md.banned[1]] = float("-inf")
         return logits
 
     def noise(self, like: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -129,3 +174,11 @@ class Sampler:
         if md.need_logprobs:
             lp = raw.log_softmax(dim=-1).gather(1, sampled.unsqueeze(1)).squeeze(1)
         return sampled, lp
+
+
+def top_logprobs(raw: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``n`` most likely ids of each row of the raw logits [R, V] under the raw
+    model distribution (what the sampled token's logprob is taken from too):
+    (token ids [R, n] int64, logprobs [R, n] float32), most likely first."""
+    values, ids = raw.float().log_softmax(dim=-1).topk(n, dim=-1)
+    return ids, values

@@ -33,6 +33,13 @@ class InputBatch:
         self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
         self.banned_ids: list[list[int]] = [[] for _ in range(max_num_reqs)]
+        # logit_bias (ids, values) and allowed_token_ids of each row, None where unset
+        self.bias: list[tuple[np.ndarray, np.ndarray] | None] = [None] * max_num_reqs
+        self.allowed_ids: list[np.ndarray | None] = [None] * max_num_reqs
+        # which rows use each (so a step where none does costs one numpy check)
+        self.has_bias = np.zeros(max_num_reqs, dtype=bool)
+        self.has_allowed = np.zeros(max_num_reqs, dtype=bool)
+        self.has_penalties = np.zeros(max_num_reqs, dtype=bool)
         self.generators: dict[int, torch.Generator] = {}
         self.row_of: dict[str, int] = {}
         # bumped whenever a row changes hands, so results of a step still in flight
@@ -68,6 +75,20 @@ class InputBatch:
         self.banned_ids[row] = sorted(
             set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(new.eos_token_ids))
         )
+        lb = sp.logit_bias
+        self.bias[row] = (
+            (
+                np.fromiter(lb.keys(), dtype=np.int64, count=len(lb)),
+                np.fromiter(lb.values(), dtype=np.float32, count=len(lb)),
+            )
+            if lb
+            else None
+        )
+        al = sp.allowed_token_ids
+        self.allowed_ids[row] = np.asarray(al, dtype=np.int64) if al is not None else None
+        self.has_bias[row] = self.bias[row] is not None
+        self.has_allowed[row] = al is not None
+        self.has_penalties[row] = sp.has_penalties
         if sp.seed is not None and not sp.greedy:
             gen = torch.Generator(device=device)
             gen.manual_seed(sp.seed)
@@ -91,6 +112,9 @@ class InputBatch:
         if row is None:
             return
         self.params[row] = None
+        self.bias[row] = None
+        self.allowed_ids[row] = None
+        self.has_bias[row] = self.has_allowed[row] = self.has_penalties[row] = False
         self.row_gen[row] += 1
         self.generators.pop(row, None)
         self.num_blocks[row] = 0

@@ -24,10 +24,11 @@ import torch
 
 from pdserve.config import EngineConfig, SpeculativeConfig
 from pdserve.core_types.cache_spec import KVCacheConfig
+from pdserve.core_types.sampling_params import MAX_LOGPROBS
 from pdserve.core_types.scheduler_output import RunnerOutput, SchedulerOutput
 from pdserve.core_types.utils import cdiv
 from pdserve.forward_context import KVCaches
-from pdserve.layers.sampler import Sampler
+from pdserve.layers.sampler import Sampler, top_logprobs
 from pdserve.runner.cuda_graph import CudaGraphManager
 from pdserve.runner.draft_graph import DraftGraphManager
 from pdserve.runner.input_batch import InputBatch
@@ -57,6 +58,9 @@ class _HostOutputs:
         self.num = torch.zeros(max_reqs, dtype=torch.int64, pin_memory=pin)
         self.logprobs = torch.zeros((max_reqs, width), dtype=torch.float32, pin_memory=pin)
         self.drafts = torch.zeros((max_reqs, max(width - 1, 1)), dtype=torch.int64, pin_memory=pin)
+        top = (max_reqs, width, MAX_LOGPROBS)
+        self.top_ids = torch.zeros(top, dtype=torch.int64, pin_memory=pin)
+        self.top_lps = torch.zeros(top, dtype=torch.float32, pin_memory=pin)
 
 
 @dataclass
@@ -70,6 +74,7 @@ class StepHandle:
     has_num: bool = False
     has_logprobs: bool = False
     has_drafts: bool = False
+    num_top: int = 0  # top logprobs per token copied to the host
     done_event: torch.cuda.Event | None = None
     flight: InFlight | None = None
 
@@ -325,6 +330,7 @@ class ModelRunner:
         inp = self.prep.prepare(so)
         hidden, logits, path = self._forward(inp)
         tokens, num, lp = self._sample(inp, logits)
+        top = self._top_logprobs(inp, logits, tokens.shape[1])
         drafts = self._propose(inp, hidden, tokens, num)
         flight = self.prep.record_launch(inp, tokens, num, drafts)
         n, width = len(inp.req_ids), tokens.shape[1]
@@ -337,6 +343,11 @@ class ModelRunner:
             host.logprobs[:n, :width].copy_(lp, non_blocking=True)
         if drafts is not None:
             host.drafts[:n, : drafts.shape[1]].copy_(drafts, non_blocking=True)
+        num_top = 0
+        if top is not None:
+            num_top = top[0].shape[2]
+            host.top_ids[:n, :width, :num_top].copy_(top[0], non_blocking=True)
+            host.top_lps[:n, :width, :num_top].copy_(top[1], non_blocking=True)
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
@@ -349,6 +360,7 @@ class ModelRunner:
             num is not None,
             lp is not None,
             drafts is not None,
+            num_top,
             event,
             flight,
         )
@@ -377,7 +389,13 @@ class ModelRunner:
         if handle.has_drafts:
             d = host.drafts[:n, : self.num_spec].numpy()
             drafts = [d[i].tolist() if samples[i] else [] for i in range(n)]
-        return RunnerOutput(inp.req_ids, sampled, logprobs, drafts, step_path=handle.path)
+        out = RunnerOutput(inp.req_ids, sampled, logprobs, drafts, step_path=handle.path)
+        if handle.num_top:
+            k = handle.num_top
+            per = num if handle.has_num else None
+            out.top_token_ids = _ragged(host.top_ids[:n, :w, :k].numpy(), per, samples)
+            out.top_logprobs = _ragged(host.top_lps[:n, :w, :k].numpy(), per, samples)
+        return out
 
     def _forward(self, inp: StepInputs) -> tuple[torch.Tensor, torch.Tensor, str]:
         """(hidden states of every scheduled token, logits of the sampled rows, path),
@@ -435,6 +453,22 @@ class ModelRunner:
         )
         lp = token_logprobs(logits, tokens, inp.row_start) if md.need_logprobs else None
         return tokens, num, lp
+
+    def _top_logprobs(
+        self, inp: StepInputs, logits: torch.Tensor, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(ids, logprobs) [B, width, N] of each sampled position's top-N, when asked."""
+        n = inp.sampling.num_top_logprobs
+        if not n:
+            return None
+        if inp.drafts is None:
+            ids, lps = top_logprobs(logits, n)
+            return ids.unsqueeze(1), lps.unsqueeze(1)
+        assert inp.row_start is not None
+        ar = torch.arange(width, device=logits.device)
+        rows = (inp.row_start[:, None] + ar[None, :]).clamp(max=logits.shape[0] - 1)
+        ids, lps = top_logprobs(logits, n)
+        return ids[rows], lps[rows]
 
     def _propose(
         self,

@@ -19,7 +19,7 @@ import torch
 from pdserve.core_types.scheduler_output import SchedulerOutput
 from pdserve.core_types.utils import cdiv
 from pdserve.layers.attention import CommonAttentionMetadata
-from pdserve.layers.sampler import SamplingMetadata
+from pdserve.layers.sampler import Penalties, SamplingMetadata
 from pdserve.runner.input_batch import InputBatch
 from pdserve.runner.input_buffers import InputBuffers
 
@@ -390,6 +390,112 @@ class StepPreparer:
                 torch.tensor(ban_ids, dtype=torch.int64, device=dev),
             )
         need_lp = any(p is not None and p.logprobs is not None for p in params)
+        num_top = max((p.logprobs or 0 for p in params if p is not None), default=0)
         return SamplingMetadata(
-            all_greedy, temperature, greedy_rows, top_k, top_p, min_p, generators, banned, need_lp
+            all_greedy,
+            temperature,
+            greedy_rows,
+            top_k,
+            top_p,
+            min_p,
+            generators,
+            banned,
+            need_lp,
+            num_top_logprobs=num_top,
+            bias=self._bias(rrows),
+            allowed=self._allowed(rrows),
+            penalties=self._penalties(rrows, params, lreq, nsched, ndraft),
+        )
+
+    def _penalties(
+        self,
+        rrows: np.ndarray,
+        params: list,
+        lreq: np.ndarray,
+        nsched: np.ndarray,
+        ndraft: np.ndarray,
+    ) -> Penalties | None:
+        """Output-token counts and prompt-token marks [P, V] of the rows with penalties.
+        A row's outputs are those before its sample; the host knows them up to
+        ``num_tokens``, and under async scheduling the one the step in flight samples is
+        read on the device from this step's (patched) input ids."""
+        b, dev = self.batch, self.device
+        sel = np.flatnonzero(b.has_penalties[rrows])
+        if not len(sel):
+            return None
+        prow, req = rrows[sel], lreq[sel]
+        computed, plen = b.num_computed[prow], b.num_prompt_tokens[prow]
+        upto = computed + nsched[req] - ndraft[req]  # the sampled token's position
+        host_end = np.maximum(np.minimum(b.num_tokens[prow], upto), plen)
+        k = np.arange(len(sel))
+        out_ids = np.concatenate(
+            [b.token_ids[r, p:e] for r, p, e in zip(prow, plen, host_end, strict=True)]
+        ).astype(np.int64)
+        prompt_ids = np.concatenate(
+            [b.token_ids[r, :p] for r, p in zip(prow, plen, strict=True)]
+        ).astype(np.int64)
+
+        def up(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(dev, non_blocking=True)
+
+        shape = (len(sel), self.vocab_size)
+        counts = torch.zeros(shape, dtype=torch.float32, device=dev)
+        out_rows = up(np.repeat(k, host_end - plen))
+        counts.index_put_(
+            (out_rows, up(out_ids)), torch.ones(len(out_ids), device=dev), accumulate=True
+        )
+        miss = np.maximum(upto - np.maximum(host_end, computed), 0)
+        if miss.any():
+            cu = np.cumsum(nsched) - nsched
+            first = cu[req] + np.maximum(host_end, computed) - computed
+            off = np.arange(int(miss.sum())) - np.repeat(np.cumsum(miss) - miss, miss)
+            flat = np.repeat(first, miss) + off
+            toks = self.buf.input_ids.dev.index_select(0, up(flat)).to(torch.int64)
+            counts.index_put_(
+                (up(np.repeat(k, miss)), toks), torch.ones(len(flat), device=dev), accumulate=True
+            )
+        prompt = torch.zeros(shape, dtype=torch.bool, device=dev)
+        prompt[up(np.repeat(k, plen)), up(prompt_ids)] = True
+        ps = [params[i] for i in sel]
+        return Penalties(
+            up(sel),
+            counts,
+            prompt,
+            up(np.array([p.presence_penalty for p in ps], dtype=np.float32)),
+            up(np.array([p.frequency_penalty for p in ps], dtype=np.float32)),
+            up(np.array([p.repetition_penalty for p in ps], dtype=np.float32)),
+        )
+
+    def _bias(self, rrows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(logits rows, token ids, values) of the rows' ``logit_bias``; every logits row
+        of a request (a verify has several) gets the request's bias."""
+        hit = np.flatnonzero(self.batch.has_bias[rrows])
+        if not len(hit):
+            return None
+        parts = [(int(i), bv) for i in hit if (bv := self.batch.bias[rrows[i]]) is not None]
+        rows = np.concatenate([np.full(len(bv[0]), i, dtype=np.int64) for i, bv in parts])
+        ids = np.concatenate([bv[0] for _, bv in parts])
+        vals = np.concatenate([bv[1] for _, bv in parts])
+        dev = self.device
+        return (
+            torch.from_numpy(rows).to(dev, non_blocking=True),
+            torch.from_numpy(ids).to(dev, non_blocking=True),
+            torch.from_numpy(vals).to(dev, non_blocking=True),
+        )
+
+    def _allowed(self, rrows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(restricted rows mask, logits rows, allowed ids) of ``allowed_token_ids``."""
+        hit = np.flatnonzero(self.batch.has_allowed[rrows])
+        if not len(hit):
+            return None
+        parts = [(int(i), a) for i in hit if (a := self.batch.allowed_ids[rrows[i]]) is not None]
+        restricted = np.zeros(len(rrows), dtype=bool)
+        restricted[[i for i, _ in parts]] = True
+        rows = np.concatenate([np.full(len(a), i, dtype=np.int64) for i, a in parts])
+        ids = np.concatenate([a for _, a in parts])
+        dev = self.device
+        return (
+            torch.from_numpy(restricted).to(dev, non_blocking=True),
+            torch.from_numpy(rows).to(dev, non_blocking=True),
+            torch.from_numpy(ids).to(dev, non_blocking=True),
         )

@@ -39,6 +39,7 @@ from pdserve.serving.api.protocol import (
     ChatCompletionResponseChoice,
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
+    ChatLogProb,
     ChatLogProbsContent,
     ChatMessage,
     ChatMessageParam,
@@ -124,15 +125,32 @@ async def prepare_chat(
 
 
 def _chat_logprobs(
-    ctx: ServingContext, token_ids: list[int], values: list[float] | None
+    ctx: ServingContext,
+    token_ids: list[int],
+    values: list[float] | None,
+    top: list[dict[int, float]] | None = None,
 ) -> ChatCompletionLogProbs | None:
     if values is None:
         return None
-    tokens = token_strings(ctx.engine.tokenizer, token_ids)
-    content = [
-        ChatLogProbsContent(token=t, logprob=safe_logprob(v), bytes=list(t.encode("utf-8")))
-        for t, v in zip(tokens, values, strict=False)
-    ]
+    tokenizer = ctx.engine.tokenizer
+    tokens = token_strings(tokenizer, token_ids)
+    content = []
+    for j, (t, v) in enumerate(zip(tokens, values, strict=False)):
+        alts = []
+        if top is not None and j < len(top):
+            names = token_strings(tokenizer, list(top[j]))
+            alts = [
+                ChatLogProb(token=n, logprob=safe_logprob(a), bytes=list(n.encode("utf-8")))
+                for n, a in zip(names, top[j].values(), strict=True)
+            ]
+        content.append(
+            ChatLogProbsContent(
+                token=t,
+                logprob=safe_logprob(v),
+                bytes=list(t.encode("utf-8")),
+                top_logprobs=alts,
+            )
+        )
     return ChatCompletionLogProbs(content=content)
 
 
@@ -167,7 +185,7 @@ async def create_chat_completion(
                     ChatCompletionStreamChoice(
                         delta=delta,
                         logprobs=(
-                            _chat_logprobs(ctx, c.token_ids, c.logprobs)
+                            _chat_logprobs(ctx, c.token_ids, c.logprobs, c.top_logprobs)
                             if want_logprobs and i == 0
                             else None
                         ),
@@ -195,7 +213,9 @@ async def create_chat_completion(
             message = ChatMessage(role="assistant", content=acc.text)
         return ChatCompletionResponseChoice(
             message=message,
-            logprobs=_chat_logprobs(ctx, acc.token_ids, acc.logprobs) if want_logprobs else None,
+            logprobs=_chat_logprobs(ctx, acc.token_ids, acc.logprobs, acc.top_logprobs)
+            if want_logprobs
+            else None,
             finish_reason=parser.finish_reason(acc.finish_reason),
             stop_reason=acc.stop_reason,
         )

@@ -84,23 +84,38 @@ async def prepare_completion(
 
 
 class _LogprobsBuilder:
-    """OpenAI completion logprobs of the sampled tokens (``logprobs=0``: no
-    ``top_logprobs``, larger values are refused); ``text_offset`` continues across
-    stream deltas."""
+    """OpenAI completion logprobs of the sampled tokens, with ``top_logprobs`` (token
+    text -> logprob of the N most likely tokens, plus the sampled one as OpenAI and vLLM
+    return it) when ``logprobs=N`` > 0; ``text_offset`` continues across stream deltas."""
 
     def __init__(self, ctx: ServingContext) -> None:
         self._tokenizer = ctx.engine.tokenizer
         self._offset = 0
 
-    def build(self, token_ids: list[int], logprobs: list[float]) -> CompletionLogProbs:
+    def build(
+        self,
+        token_ids: list[int],
+        logprobs: list[float],
+        top: list[dict[int, float]] | None = None,
+    ) -> CompletionLogProbs:
         tokens = token_strings(self._tokenizer, token_ids)
         values = [safe_logprob(v) for v in logprobs]
         offsets = []
         for t in tokens:
             offsets.append(self._offset)
             self._offset += len(t)
+        top_lps: list[dict[str, float] | None] | None = None
+        if top is not None:
+            top_lps = []
+            for tok, value, alts in zip(tokens, values, top, strict=False):
+                names = token_strings(self._tokenizer, list(alts))
+                entry = {
+                    name: safe_logprob(v) for name, v in zip(names, alts.values(), strict=True)
+                }
+                entry.setdefault(tok, value)
+                top_lps.append(entry)
         return CompletionLogProbs(
-            text_offset=offsets, token_logprobs=list(values), tokens=tokens, top_logprobs=None
+            text_offset=offsets, token_logprobs=list(values), tokens=tokens, top_logprobs=top_lps
         )
 
 
@@ -112,17 +127,19 @@ async def create_completion(
     response_id = f"cmpl-{job.request_id}"
     lp = _LogprobsBuilder(ctx) if req.logprobs is not None else None
 
-    def logprobs_of(token_ids: list[int], values: list[float] | None) -> CompletionLogProbs | None:
+    def logprobs_of(
+        token_ids: list[int], values: list[float] | None, top: list[dict[int, float]] | None
+    ) -> CompletionLogProbs | None:
         if lp is None or values is None:
             return None
-        return lp.build(token_ids, values)
+        return lp.build(token_ids, values, top if req.logprobs else None)
 
     if req.stream:
 
         def stream_choice(c: CompletionOutput) -> CompletionStreamChoice:
             return CompletionStreamChoice(
                 text=c.text,
-                logprobs=logprobs_of(c.token_ids, c.logprobs),
+                logprobs=logprobs_of(c.token_ids, c.logprobs, c.top_logprobs),
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
             )
@@ -141,7 +158,7 @@ async def create_completion(
     def whole_choice(acc: Accumulated) -> CompletionResponseChoice:
         return CompletionResponseChoice(
             text=acc.text,
-            logprobs=logprobs_of(acc.token_ids, acc.logprobs),
+            logprobs=logprobs_of(acc.token_ids, acc.logprobs, acc.top_logprobs),
             finish_reason=acc.finish_reason,
             stop_reason=acc.stop_reason,
         )

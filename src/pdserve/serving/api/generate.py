@@ -195,6 +195,7 @@ class Accumulated:
     parts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
@@ -216,6 +217,8 @@ class Accumulated:
             self.token_ids.extend(c.token_ids)
             if c.logprobs is not None:
                 self.logprobs = (self.logprobs or []) + list(c.logprobs)
+            if c.top_logprobs is not None:
+                self.top_logprobs = (self.top_logprobs or []) + list(c.top_logprobs)
             if c.finish_reason is not None:
                 self.finish_reason = c.finish_reason
                 self.stop_reason = c.stop_reason

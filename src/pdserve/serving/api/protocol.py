@@ -2,8 +2,8 @@
 
 Validation policy: a request is checked completely here, at the edge, and every
 rejection names the field. Fields pdserve does not implement are **rejected**, never
-silently ignored, when they would change the output (``n``/``best_of`` > 1, penalties,
-``logit_bias``, ``echo``, ``suffix``, non-text ``response_format``, ``tool_choice``
+silently ignored, when they would change the output (``n``/``best_of`` > 1,
+``echo``, ``suffix``, non-text ``response_format``, ``tool_choice``
 ``required`` or a named tool, ``priority`` other than 0, batched prompts); unknown
 fields are rejected too (``extra="forbid"``). Fields that only carry bookkeeping
 (``user``, ``metadata``, ``store``, ``service_tier``) are accepted and ignored.
@@ -23,8 +23,15 @@ parameter name); the server maps it to HTTP 400 with an OpenAI error body. Befor
 other check, a request body holding a lone UTF-16 surrogate in any string (``"\\ud800"``)
 is refused, naming the field (:mod:`pdserve.serving.api.unicode_check`).
 
-Logprobs: pdserve returns the sampled token's logprob only, so completions
-``logprobs`` > 0 and chat ``top_logprobs`` > 0 (requests for alternatives) are refused.
+Logprobs: the sampled token's logprob and, for completions ``logprobs=N`` / chat
+``top_logprobs=N`` (N <= 20), the N most likely tokens at each position, all under the
+model's raw distribution (before ``logit_bias``, temperature and filters), as vLLM
+returns them by default. Chat ``top_logprobs`` > 0 needs ``logprobs=true``.
+``logit_bias`` (token id -> bias in [-100, 100], added to the logits) and the vLLM extra
+``allowed_token_ids`` (every other id masked out) are applied on the device, and so are
+``presence_penalty`` / ``frequency_penalty`` (over the output tokens) and
+``repetition_penalty`` (over prompt and output tokens) with vLLM's definitions;
+penalties are refused (400) on an engine with speculative decoding.
 
 ``kv_transfer_params`` stays a plain JSON object here: its signature is checked first
 (403 when it does not verify) and its fields are parsed after that
@@ -38,7 +45,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from pdserve.core_types.sampling_params import SamplingParams
+from pdserve.core_types.sampling_params import MAX_LOGPROBS, SamplingParams
 from pdserve.serving.api.protocol_base import CheckedModel as _CheckedRequest
 from pdserve.serving.api.protocol_base import (
     PromptTokenUsageInfo,
@@ -80,7 +87,6 @@ __all__ = [
 
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
-MAX_LOGPROBS = 20
 
 
 # ---------------------------------------------------------------- errors, models
@@ -138,12 +144,13 @@ class _SamplingRequest(_CheckedRequest):
     min_tokens: int = Field(0, ge=0)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # accepted only at their no-op values
+    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(1.0, gt=0.0, le=2.0)
+    # accepted only at its no-op value
     n: int | None = 1
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    repetition_penalty: float | None = 1.0
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
     # bookkeeping, ignored
     user: str | None = None
     metadata: dict[str, Any] | None = None
@@ -164,17 +171,20 @@ class _SamplingRequest(_CheckedRequest):
             raise RequestError(
                 f"n={self.n} is not supported: pdserve returns one choice per request", "n"
             )
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if value not in (None, 0.0):
-                raise RequestError(f"{name}={value} is not supported (only 0)", name)
-        if self.repetition_penalty not in (None, 1.0):
-            raise RequestError(
-                f"repetition_penalty={self.repetition_penalty} is not supported (only 1.0)",
-                "repetition_penalty",
-            )
-        if self.logit_bias:
-            raise RequestError("logit_bias is not supported", "logit_bias")
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                int(key)
+            except ValueError:
+                raise RequestError(
+                    f"logit_bias keys must be token ids, got {key!r}", "logit_bias"
+                ) from None
+            if not -100.0 <= value <= 100.0:
+                raise RequestError(
+                    f"logit_bias values must be in [-100, 100], got {value} for token {key}",
+                    "logit_bias",
+                )
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise RequestError("allowed_token_ids must not be empty", "allowed_token_ids")
         if self.truncate_prompt_tokens == 0:
             raise RequestError(
                 "truncate_prompt_tokens must be >= 1 (or -1 for max_model_len)",
@@ -250,6 +260,15 @@ class _SamplingRequest(_CheckedRequest):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias={int(k): float(v) for k, v in self.logit_bias.items()}
+            if self.logit_bias
+            else None,
+            allowed_token_ids=list(self.allowed_token_ids)
+            if self.allowed_token_ids is not None
+            else None,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
         )
@@ -298,12 +317,6 @@ class CompletionRequest(_SamplingRequest):
             raise RequestError("suffix is not supported", "suffix")
         if self.best_of not in (None, 1):
             raise RequestError(f"best_of={self.best_of} is not supported (only 1)", "best_of")
-        if self.logprobs:
-            raise RequestError(
-                f"logprobs={self.logprobs} is not supported: only the sampled token's logprob "
-                "is returned (set logprobs=0)",
-                "logprobs",
-            )
         return self
 
     def single_prompt(self) -> str | list[int]:
@@ -443,11 +456,9 @@ class ChatCompletionRequest(_SamplingRequest, _ChatTemplateFields):
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
-        if self.top_logprobs:
+        if self.top_logprobs and not self.logprobs:
             raise RequestError(
-                f"top_logprobs={self.top_logprobs} is not supported: only the sampled token's "
-                "logprob is returned (set logprobs=true, top_logprobs=0)",
-                "top_logprobs",
+                f"top_logprobs={self.top_logprobs} needs logprobs=true", "top_logprobs"
             )
         if self.response_format is not None and self.response_format.type != "text":
             raise RequestError(
@@ -481,7 +492,7 @@ class ChatCompletionRequest(_SamplingRequest, _ChatTemplateFields):
             prompt_len=prompt_len,
             max_model_len=max_model_len,
             vocab_size=vocab_size,
-            logprobs=0 if self.logprobs else None,
+            logprobs=(self.top_logprobs or 0) if self.logprobs else None,
             length_param="messages",
         )
 
