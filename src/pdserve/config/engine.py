@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import types
 from dataclasses import dataclass, field
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
+from pdserve.config.json_arg import parse_json_arg
 from pdserve.config.kv_transfer import KVTransferConfig
 from pdserve.config.speculative import SpeculativeConfig
 
@@ -176,11 +176,7 @@ class CompilationConfig:
 
     @classmethod
     def from_json(cls, value: str | dict | None, enforce_eager: bool = False) -> CompilationConfig:
-        obj = (
-            parse_json_arg(value, "--compilation-config")
-            if isinstance(value, str)
-            else dict(value or {})
-        )
+        obj = parse_json_arg(value or {}, "--compilation-config")
         known = {"cudagraph_mode", "cudagraph_capture_sizes"}
         unknown = set(obj) - known
         if unknown:
@@ -328,12 +324,3 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         '"kv_connector_extra_config": {"transport": "tcp"}}\'',
     )
 
-
-def parse_json_arg(value: str, flag: str) -> dict:
-    try:
-        obj = json.loads(value)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{flag} is not valid JSON: {e}") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"{flag} must be a JSON object")
-    return obj

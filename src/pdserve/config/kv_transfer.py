@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
+
+from pdserve.config.json_arg import parse_json_arg
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 LOAD_FAILURE_POLICIES = ("fail", "recompute")
@@ -100,15 +101,7 @@ class KVTransferConfig:
     def from_json(cls, value: str | dict | None) -> KVTransferConfig | None:
         if value is None:
             return None
-        if isinstance(value, str):
-            try:
-                obj = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--kv-transfer-config is not valid JSON: {e}") from None
-        else:
-            obj = dict(value)
-        if not isinstance(obj, dict):
-            raise ValueError("--kv-transfer-config must be a JSON object")
+        obj = parse_json_arg(value, "--kv-transfer-config")
         known = {"kv_connector", "kv_role", "kv_connector_extra_config", "kv_load_failure_policy"}
         unknown = set(obj) - known
         if unknown:

@@ -22,9 +22,10 @@ Anything else is refused with the list of the keys pdserve understands.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
+
+from pdserve.config.json_arg import parse_json_arg
 
 SPEC_METHODS = ("mtp", "ngram")
 REJECTION_METHODS = ("probabilistic", "strict", "synthetic")
@@ -84,15 +85,7 @@ class SpeculativeConfig:
     def from_json(cls, value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                obj: Any = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
-        else:
-            obj = dict(value)
-        if not isinstance(obj, dict):
-            raise ValueError("--speculative-config must be a JSON object")
+        obj = parse_json_arg(value, "--speculative-config")
         unknown = set(obj) - set(_KEYS)
         if unknown:
             raise ValueError(
