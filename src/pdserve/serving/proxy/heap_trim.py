@@ -18,13 +18,13 @@ A no-op where the C library has no ``malloc_trim`` (not glibc, not Linux).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import ctypes
 import ctypes.util
 import logging
 import sys
 from collections.abc import Callable
+
+from pdserve.serving.proxy.periodic import Periodic
 
 logger = logging.getLogger(__name__)
 
@@ -54,29 +54,16 @@ def trim_heap() -> bool:
     return True
 
 
-class HeapTrimmer:
-    """Calls :func:`trim_heap` every ``interval`` seconds: :meth:`start` in the app's
-    lifespan startup, :meth:`stop` at shutdown."""
+class HeapTrimmer(Periodic):
+    """Calls :func:`trim_heap` every ``interval`` seconds (a no-op task where the C
+    library has no ``malloc_trim``)."""
 
     def __init__(self, interval: float = TRIM_INTERVAL_S) -> None:
-        self.interval = interval
-        self._task: asyncio.Task[None] | None = None
+        super().__init__("proxy-heap-trim", interval, self._trim, wait_first=True)
 
     def start(self) -> None:
-        if self._task is None and _MALLOC_TRIM is not None:
-            self._task = asyncio.create_task(self._loop(), name="pdserve-proxy-heap-trim")
+        if _MALLOC_TRIM is not None:
+            super().start()
 
-    async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval)
-            try:
-                trim_heap()
-            except Exception:  # never let it take the proxy down
-                logger.exception("malloc_trim failed")
+    async def _trim(self) -> None:
+        trim_heap()

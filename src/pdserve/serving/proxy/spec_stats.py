@@ -21,7 +21,6 @@ checker's business). Scrapes are bounded by ``timeout`` and never overlap.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
@@ -29,6 +28,7 @@ import aiohttp
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pdserve.serving.proxy.periodic import Periodic
 from pdserve.serving.proxy.pool import InstancePool
 from pdserve.serving.proxy.upstream import Upstream
 
@@ -110,7 +110,7 @@ class SpecStats(Collector):
         yield length
 
 
-class SpecScraper:
+class SpecScraper(Periodic):
     """Reads every instance's ``/metrics`` each ``interval`` seconds into ``stats``."""
 
     def __init__(
@@ -129,9 +129,8 @@ class SpecScraper:
         self.upstream = upstream
         self.stats = stats
         self.headers = headers
-        self.interval = interval
         self.timeout = timeout
-        self._task: asyncio.Task[None] | None = None
+        super().__init__("spec-scrape", interval, self.scrape_all)
 
     async def scrape_all(self) -> None:
         await asyncio.gather(
@@ -155,21 +154,3 @@ class SpecScraper:
         if ok:
             self.stats.update(pool, url, parse_spec_counters(text))
 
-    def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._loop(), name="pdserve-spec-scrape")
-
-    async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    async def _loop(self) -> None:
-        while True:
-            try:
-                await self.scrape_all()
-            except Exception:  # never let the loop die; the next round retries
-                logger.exception("spec-decode scrape failed")
-            await asyncio.sleep(self.interval)
