@@ -2,6 +2,7 @@
 
 import sys
 
-from pdserve.serving.launch.cli import module_main
+from pdserve.serving.launch.cli import add_cli_args, main
+from pdserve.serving.module_cli import module_main
 
-sys.exit(module_main())
+sys.exit(module_main("python -m pdserve.serving.launch", add_cli_args, main))

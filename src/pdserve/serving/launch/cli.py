@@ -13,7 +13,6 @@ import argparse
 import logging
 import signal
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -102,15 +101,3 @@ def _install_signal_handlers(launcher: Launcher) -> dict[int, Any]:
 
     sigs = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
     return {s: signal.signal(s, on_signal) for s in sigs}
-
-
-def module_main(argv: Sequence[str] | None = None) -> int:
-    """``python -m pdserve.serving.launch``: the same command, with its own logging."""
-    parser = argparse.ArgumentParser(prog="python -m pdserve.serving.launch")
-    parser.add_argument("--log-level", default="INFO")
-    add_cli_args(parser)
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    return main(args)

@@ -3,6 +3,7 @@
 
 import sys
 
-from pdserve.serving.proxy.cli import module_main
+from pdserve.serving.module_cli import module_main
+from pdserve.serving.proxy.cli import add_cli_args, main
 
-sys.exit(module_main())
+sys.exit(module_main("python -m pdserve.serving.proxy", add_cli_args, main))

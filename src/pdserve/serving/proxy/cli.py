@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import math
 import sys
-from collections.abc import Sequence
 
 from fastapi import FastAPI
 
@@ -197,15 +195,3 @@ def main(args: argparse.Namespace) -> int:
             log_level=getattr(args, "uvicorn_log_level", "warning"),
         )
     )
-
-
-def module_main(argv: Sequence[str] | None = None) -> int:
-    """``python -m pdserve.serving.proxy``: the same command, with its own logging."""
-    parser = argparse.ArgumentParser(prog="python -m pdserve.serving.proxy")
-    parser.add_argument("--log-level", default="INFO")
-    add_cli_args(parser)
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    return main(args)
