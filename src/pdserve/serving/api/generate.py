@@ -233,13 +233,6 @@ async def collect(er: EngineRequest) -> Accumulated:
     return acc
 
 
-def engine_error(acc: Accumulated) -> APIError | None:
-    """The HTTP error for a request the engine failed (not the client's fault)."""
-    if acc.finish_reason == "error":
-        return APIError(500, f"the engine failed this request: {acc.error or 'unknown error'}")
-    return None
-
-
 async def engine_failure(ctx: ServingContext, exc: BaseException) -> APIError:
     """The 500 for an engine that raised something other than ``ValueError``."""
     logger.error("engine error: %r", exc, exc_info=exc)
@@ -255,11 +248,11 @@ async def run_to_completion(
 ) -> Accumulated | None:
     """Non-streaming: the whole output, or ``None`` when the client went away (the
     engine request is aborted). Engine ``ValueError`` propagates (→ 400); any other
-    engine exception becomes an :class:`APIError` 500."""
+    engine exception, or a request the engine failed, becomes an :class:`APIError` 500."""
     er = EngineRequest(ctx, job)
     try:
         er.start()
-        return await run_until_disconnect(request.receive, collect(er))
+        acc = await run_until_disconnect(request.receive, collect(er))
     except ClientDisconnected:
         return None
     except (ValueError, APIError):
@@ -268,6 +261,9 @@ async def run_to_completion(
         raise await engine_failure(ctx, e) from e
     finally:
         er.close()
+    if acc.finish_reason == "error":  # the engine failed it: not the client's fault
+        raise APIError(500, f"the engine failed this request: {acc.error or 'unknown error'}")
+    return acc
 
 
 async def whole_response(
@@ -286,9 +282,6 @@ async def whole_response(
     acc = await run_to_completion(ctx, job, request)
     if acc is None:
         return Response(status_code=CLIENT_CLOSED)
-    err = engine_error(acc)
-    if err is not None:
-        raise err
     body = response_type(
         id=response_id,
         model=model,

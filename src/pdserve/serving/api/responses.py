@@ -35,7 +35,6 @@ from pdserve.serving.api.chat_output import ChatOutputParser
 from pdserve.serving.api.generate import (
     CLIENT_CLOSED,
     EngineRequest,
-    engine_error,
     open_stream,
     run_to_completion,
 )
@@ -157,9 +156,6 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, request: R
     acc = await run_to_completion(ctx, job, request)
     if acc is None:
         return Response(status_code=CLIENT_CLOSED)
-    err = engine_error(acc)
-    if err is not None:
-        raise err
     answer.reasoning, answer.content = _split(parser, acc.text, True)
     answer.output_tokens = len(acc.token_ids)
     answer.cached_tokens = acc.num_cached_tokens
