@@ -26,17 +26,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="session")
-def tiny_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """float32 tiny checkpoints of each architecture, keyed by architecture name."""
+def _tiny_checkpoints(
+    factory: pytest.TempPathFactory, archs: tuple[str, ...], seed: int
+) -> dict[str, Path]:
     from pdserve.testing.checkpoint import make_checkpoint
 
     out = {}
-    for arch in ARCHS:
-        d = tmp_path_factory.mktemp(arch)
-        make_checkpoint(arch, "tiny", d, seed=1, dtype="float32")
+    for arch in archs:
+        d = factory.mktemp(arch)
+        make_checkpoint(arch, "tiny", d, seed=seed, dtype="float32")
         out[arch] = d
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """float32 tiny checkpoints of each architecture, keyed by architecture name."""
+    return _tiny_checkpoints(tmp_path_factory, ARCHS, seed=1)
 
 
 @pytest.fixture(scope="session")
@@ -50,14 +56,7 @@ DEEPSEEK_ARCHS = ("GlmMoeDsaForCausalLM", "DeepseekV32ForCausalLM", "DeepseekV3F
 @pytest.fixture(scope="session")
 def tiny_deepseek(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """float32 tiny checkpoints of the GLM-5 / DeepSeek family (MTP layer included)."""
-    from pdserve.testing.checkpoint import make_checkpoint
-
-    out = {}
-    for arch in DEEPSEEK_ARCHS:
-        d = tmp_path_factory.mktemp(arch)
-        make_checkpoint(arch, "tiny", d, seed=2, dtype="float32")
-        out[arch] = d
-    return out
+    return _tiny_checkpoints(tmp_path_factory, DEEPSEEK_ARCHS, seed=2)
 
 
 @pytest.fixture(scope="session")
