@@ -81,3 +81,19 @@ def settle(*cores: EngineCore, timeout: float = 5.0) -> None:
             return
         time.sleep(0.01)
     raise AssertionError([c.kv.usage() for c in cores])
+
+
+def handoff_error(p: EngineCore, d: EngineCore, path: Path) -> str:
+    """The error the decode instance ``d`` reports for one request prefilled on ``p``
+    (the pair is expected to refuse the hand-off); both are shut down."""
+    try:
+        pp, dp = proc(p, path), proc(d, path)
+        params = prefill(p, pp, "m", PROMPTS[2])
+        d.add_request(dp.make_request("m", PROMPTS[2], SamplingParams(max_tokens=2), params))
+        out = run(d, {"m"})["m"][-1]
+        assert out.finish_reason == "error"
+        settle(d)
+        return out.error or ""
+    finally:
+        p.shutdown()
+        d.shutdown()

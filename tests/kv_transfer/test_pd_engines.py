@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from _drafters import OracleDrafter, WrongDrafter
-from _pd_engines import PROMPTS, engine, prefill, proc, run, settle, tokens
+from _pd_engines import PROMPTS, engine, handoff_error, prefill, proc, run, settle, tokens
 from pdserve import LLM, SamplingParams
 from pdserve.config import EngineConfig
 from pdserve.engine.engine_core import EngineCore
@@ -109,17 +109,7 @@ def test_incompatible_block_size_is_refused_naming_the_field(tiny_llama: Path) -
         },
     )
     d = EngineCore(cfg)
-    try:
-        pp, dp = proc(p, tiny_llama), proc(d, tiny_llama)
-        params = prefill(p, pp, "m", PROMPTS[2])
-        d.add_request(dp.make_request("m", PROMPTS[2], SamplingParams(max_tokens=2), params))
-        out = run(d, {"m"})["m"][-1]
-        assert out.finish_reason == "error"
-        assert "block_size (prefill 4, decode 8)" in (out.error or "")
-        settle(d)
-    finally:
-        p.shutdown()
-        d.shutdown()
+    assert "block_size (prefill 4, decode 8)" in handoff_error(p, d, tiny_llama)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from _pd_engines import PROMPTS, engine, prefill, proc, run, settle, tokens
+from _pd_engines import PROMPTS, engine, handoff_error, prefill, proc, run, settle, tokens
 from pdserve import LLM, SamplingParams
 
 SP = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -82,14 +82,4 @@ def test_speculative_method_mismatch_is_refused(tiny_llama: Path) -> None:
         speculative_config={"method": "ngram", "num_speculative_tokens": 1},
     )
     d = engine(tiny_llama, "kv_consumer")
-    try:
-        pp, dp = proc(p, tiny_llama), proc(d, tiny_llama)
-        params = prefill(p, pp, "m", PROMPTS[2])
-        d.add_request(dp.make_request("m", PROMPTS[2], SamplingParams(max_tokens=2), params))
-        out = run(d, {"m"})["m"][-1]
-        assert out.finish_reason == "error"
-        assert "speculative_config" in (out.error or "")
-        settle(d)
-    finally:
-        p.shutdown()
-        d.shutdown()
+    assert "speculative_config" in handoff_error(p, d, tiny_llama)
