@@ -9,7 +9,10 @@ Sections (``--sections``, comma separated; default all):
   throughput  offline generation: 256 prompts x 512 in / 128 out, output tok/s
   decode      decode step time at several batch sizes and contexts vs the roofline
               (weight bytes + KV bytes read) / measured copy bandwidth
-  prefill     one 8K prompt: tokens/s and achieved TFLOP/s vs the measured matmul rate
+  prefill     one 8K prompt: tokens/s and achieved TFLOP/s vs the measured matmul rate;
+              then prefill_curve: tokens/s by prompt length (--prefill-lens), short
+              prompts packed into 8K-token steps as the scheduler packs them (the
+              prefill curve `pdserve plan` reads)
   peer        the same decode and prefill workloads through transformers
   serve       pdserve serve + pdserve bench serve random 1024/128, 500 prompts at rate inf:
               output tok/s, mean TTFT/TPOT, graph share of decode steps, warm start,
@@ -269,6 +272,39 @@ def bench_prefill(llm: LLM, limits: dict, n: int = 8192) -> dict:
     }
 
 
+def bench_prefill_curve(llm: LLM, lens: list[int], budget: int = 8192) -> list[dict]:
+    """Prefill throughput by prompt length as a serving engine sees it: prompts no longer
+    than the step budget are packed ``budget // L`` to a step (as the scheduler packs a
+    queue of short prompts); longer ones are chunked over several steps. Each point is the
+    median of 3 timed rounds after one untimed round; ``pdserve plan`` reads the list."""
+    eng = llm.engine
+    g = torch.Generator().manual_seed(2)
+    out = []
+    for n in lens:
+        if n >= eng.max_model_len:
+            out.append({"tokens": n, "skipped": "max_model_len below the prompt"})
+            continue
+        k = max(1, budget // n)
+        times, steps = [], 0
+        for rnd in range(4):
+            for i in range(k):
+                _add(
+                    llm, f"c{n}-{rnd}-{i}", torch.randint(10, 30000, (n,), generator=g).tolist(), 1
+                )
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            steps = 0
+            while eng.has_unfinished_requests():
+                eng.step()
+                steps += 1
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        t = statistics.median(times[1:])
+        out.append({"tokens": n, "prompts_per_round": k, "steps_per_round": steps,
+                    "seconds_per_prompt": t / k, "tok_s": n * k / t})  # fmt: skip
+    return out
+
+
 def bench_peer(ckpt: str, limits: dict, batches: list[int], ctx: int = 1024) -> dict:
     """The same decode and prefill workloads through transformers (the side-by-side peer)."""
     from transformers import AutoModelForCausalLM
@@ -444,6 +480,9 @@ def main() -> int:
     ap.add_argument("--sections", default="limits,peer,serve,throughput,decode,prefill")
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--contexts", default="1024,16384")
+    ap.add_argument(
+        "--prefill-lens", default="1024,4096,8192,16384", help="prompt lengths of prefill_curve"
+    )
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--attention-backend", default="torch")
     ap.add_argument(
@@ -545,6 +584,9 @@ def main() -> int:
     if "prefill" in sections:
         section("prefill", lambda: bench_prefill(llm, res["limits"]))
         print(json.dumps(res.get("prefill")), flush=True)
+        lens = [int(x) for x in args.prefill_lens.split(",") if x]
+        section("prefill_curve", lambda: bench_prefill_curve(llm, lens))
+        print(json.dumps(res.get("prefill_curve")), flush=True)
     res["step_paths"] = dict(llm.engine.stats().step_paths)
     Path(args.out).write_text(json.dumps(res, indent=2))
     print_table(res)

@@ -90,6 +90,24 @@ def test_interpolation() -> None:
     assert c.step_s(17, 1000) == pytest.approx(0.012)  # extrapolated in batch
 
 
+def test_prefill_curve_wins_over_the_single_prefill_point() -> None:
+    """The suite's ``prefill_curve`` (prompts packed into full steps, one point per length)
+    is read in place of its one-prompt ``prefill`` point; skipped lengths are left out."""
+    c = P.Curves.from_json(
+        {
+            "prefill": {"tokens": 8192, "tok_s": 30_000},
+            "prefill_curve": [
+                {"tokens": 1024, "tok_s": 40_000},
+                {"tokens": 8192, "tok_s": 30_000},
+                {"tokens": 65536, "skipped": "max_model_len below the prompt"},
+            ],
+            "decode": [{"batch": 1, "ctx": 1000, "step_ms": 4}],
+        }
+    )
+    assert c.prefill == [(1024, 1024 / 40_000), (8192, 8192 / 30_000)]
+    assert c.prefill_s(1024) == pytest.approx(1024 / 40_000)
+
+
 def test_cli_on_a_gpu_suite_result(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The gpu_suite JSON of run 29 (llama-8b-shape on the H200) is a valid curves file."""
     p = argparse.ArgumentParser()

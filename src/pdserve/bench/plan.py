@@ -5,8 +5,9 @@ request shape (input/output length) and an SLA on mean TTFT and mean TPOT.
 Curves (a JSON file; ``benchmarks/gpu_suite.py`` writes this shape, so its result file
 can be passed as is):
 
-* ``prefill``: ``{"tokens": L, "tok_s": T}`` or a list of them: prefill throughput of one
-  GPU at prompt length ``L``. Between points, the time per prompt is interpolated
+* ``prefill_curve`` (preferred where present) or ``prefill``: ``{"tokens": L, "tok_s": T}``
+  or a list of them: prefill throughput of one GPU at prompt length ``L`` (the suite's
+  ``prefill_curve`` packs short prompts into full steps, as a serving engine does). Between points, the time per prompt is interpolated
   linearly in ``L``; with one point, throughput is taken as constant in ``L``.
 * ``decode``: a list of ``{"batch": B, "ctx": C, "step_ms": S}``: the decode step time of
   one GPU at batch ``B`` and context ``C`` (``async_step_ms`` is preferred where present:
@@ -61,9 +62,10 @@ class Curves:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Curves:
-        raw_p = data.get("prefill")
+        raw_p = data.get("prefill_curve") or data.get("prefill")
         if isinstance(raw_p, dict):
             raw_p = [raw_p]
+        raw_p = [p for p in raw_p or [] if "tok_s" in p]  # points the suite skipped have none
         if not raw_p:
             raise BenchError("curves: 'prefill' needs at least one {tokens, tok_s} point")
         prefill = sorted((int(p["tokens"]), int(p["tokens"]) / float(p["tok_s"])) for p in raw_p)
