@@ -20,9 +20,9 @@ pdserve serve $ck --host 127.0.0.1 --port 8000 ${SERVE_ARGS:-} > "$OUT/server.lo
 server=$!
 common=(--base-url http://127.0.0.1:8000 --model $ck --ignore-eos --ready-check-timeout-sec 300
         --result-dir "$OUT" --sla-ttft-ms 2500 --sla-tpot-ms 20 --num-gpus 1 --disable-tqdm)
-timeout "${T_SHORT:-200}" pdserve bench sla "${common[@]}" --random-input-len 1024 --random-output-len 128 \
+timeout "${T_SHORT:-200}" python3 -m pdserve.cli bench sla "${common[@]}" --random-input-len 1024 --random-output-len 128 \
   --num-prompts 300 --num-warmups 4 --start 16 --tolerance 0.1 --result-filename sla-1024-128.json
-timeout "${T_LONG:-330}" pdserve bench sla "${common[@]}" --random-input-len 16384 --random-output-len 1000 \
+timeout "${T_LONG:-330}" python3 -m pdserve.cli bench sla "${common[@]}" --random-input-len 16384 --random-output-len 1000 \
   --num-prompts 32 --num-warmups 1 --start 0.5 --tolerance 0.2 --result-filename sla-16384-1000.json
 curl -s http://127.0.0.1:8000/metrics > "$OUT/metrics.txt"
 grep -E "^pdserve:(forward_steps_total|prefix_cache_(queries|hits)_total)" "$OUT/metrics.txt"
