@@ -10,7 +10,7 @@ from pdserve.config.json_arg import parse_json_arg
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 LOAD_FAILURE_POLICIES = ("fail", "recompute")
 CONNECTORS = ("PdConnector",)
-TRANSPORTS = ("tcp", "cuda_ipc")
+TRANSPORTS = ("tcp", "cuda_ipc", "nixl")
 
 
 @dataclass(frozen=True)
@@ -18,7 +18,8 @@ class KVTransferConfig:
     """``--kv-transfer-config`` as in vLLM: connector, role and connector-specific extras.
 
     Extras understood by ``PdConnector`` (``kv_connector_extra_config``):
-    ``transport`` (tcp | cuda_ipc), ``host`` and ``port`` of this instance's KV server
+    ``transport`` (tcp | cuda_ipc | nixl; nixl needs the optional ``nixl-cu13`` or
+    ``nixl-cu12`` package), ``host`` and ``port`` of this instance's KV server
     (default 127.0.0.1 and an ephemeral port), ``lease_seconds`` (initial lease on
     prefill-held blocks, default 30), ``handshake_timeout`` (s, default 5),
     ``transfer_timeout`` (s, default 60).

@@ -35,7 +35,7 @@ from pdserve.kv_transfer.lease import LeaseTable
 from pdserve.kv_transfer.puller import KVPuller
 from pdserve.kv_transfer.server import KVServer
 from pdserve.kv_transfer.supervisor import Supervisor
-from pdserve.kv_transfer.transports import make_transport
+from pdserve.kv_transfer.transports import Transport, open_transport
 
 logger = logging.getLogger(__name__)
 
@@ -222,17 +222,21 @@ class PdConnectorWorker(KVConnectorWorker):
         self.s = shared
         self.compat = compat
         self.supervisor = Supervisor(None, None)
+        self.transport: Transport | None = None
 
     def register_kv_caches(self, kv_caches: KVCaches) -> None:
         cfg = self.s.config
         extra = cfg.kv_connector_extra_config
-        server_cls, client_cls = make_transport(cfg.transport)
+        transfer_timeout = float(extra.get("transfer_timeout", 60.0))
+        transport = self.transport = open_transport(
+            cfg.transport, kv_caches, transfer_timeout=transfer_timeout
+        )
         if cfg.is_producer:
             handler = KVRequestHandler(
                 self.s.secret,
                 self.s.engine_id,
                 self.compat,
-                server_cls(kv_caches),
+                transport.server(),
                 self.s.leases,
                 ServerLimits(cfg.max_ids_per_message, cfg.max_reads_per_second),
             )
@@ -249,9 +253,9 @@ class PdConnectorWorker(KVConnectorWorker):
         if cfg.is_consumer:
             self.s.puller = KVPuller(
                 self.compat,
-                lambda info: client_cls(kv_caches, info),
+                transport.client,
                 float(extra.get("handshake_timeout", 5.0)),
-                float(extra.get("transfer_timeout", 60.0)),
+                transfer_timeout,
                 self.s.secret,
                 max_ids_per_message=cfg.max_ids_per_message,
                 allowed=cfg.allowed_prefill,
@@ -291,6 +295,8 @@ class PdConnectorWorker(KVConnectorWorker):
             self.s.server.close()
         if self.s.puller is not None:
             self.s.puller.close()
+        if self.transport is not None:
+            self.transport.close()
 
 
 def make_pd_connector(

@@ -21,7 +21,7 @@ import zmq
 from pdserve.core_types.kv_connector import KVPeer
 from pdserve.kv_transfer import wire as W
 from pdserve.kv_transfer.compat import compat_mismatch
-from pdserve.kv_transfer.transports.base import ClientTransport
+from pdserve.kv_transfer.transports.base import ClientTransport, PendingWrite
 
 _POLL_SLICE_MS = 50  # a wait checks the stop flag this often
 
@@ -52,6 +52,9 @@ class PeerLink:
         return f"{self.target.host}:{self.target.port}"
 
     def close(self) -> None:
+        if self.transport is not None:
+            transport, self.transport = self.transport, None
+            transport.close()
         self.sock.close(linger=0)
 
     def handshake(self, timeout: float) -> None:
@@ -93,6 +96,12 @@ class PeerLink:
 
     def read(self, msg: W.Read, local_block_ids: list[int], timeout: float) -> int:
         """Read blocks and write them into ``local_block_ids``; the bytes moved."""
+        return self.start_read(msg, local_block_ids, timeout).wait()
+
+    def start_read(self, msg: W.Read, local_block_ids: list[int], timeout: float) -> PendingWrite:
+        """Read blocks and start writing them into ``local_block_ids`` (transports that
+        copy asynchronously are still writing when this returns; the socket is free)."""
+        t0 = time.monotonic()
         reply, frames = self.request(msg, timeout)
         if isinstance(reply, W.Error):
             raise RuntimeError(reply.message)
@@ -104,7 +113,8 @@ class PeerLink:
                 f"({reply.num_frames} frames, {msg.num_read} blocks announced/asked)"
             )
         assert self.transport is not None
-        return self.transport.write(reply.block_ids, local_block_ids, frames)
+        left = max(0.001, timeout - (time.monotonic() - t0))
+        return self.transport.begin_write(reply.block_ids, local_block_ids, frames, left)
 
     def notify(self, msg: W.Done | W.Heartbeat, timeout: float) -> None:
         reply, _ = self.request(msg, timeout)

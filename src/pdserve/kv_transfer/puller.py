@@ -42,13 +42,14 @@ import zmq
 from pdserve.core_types.kv_connector import KVLoad, KVNotice, KVPeer
 from pdserve.kv_transfer import wire as W
 from pdserve.kv_transfer.peer_link import PeerLink
-from pdserve.kv_transfer.transports.base import ClientTransport
+from pdserve.kv_transfer.transports.base import ClientTransport, PendingWrite
 
 logger = logging.getLogger(__name__)
 
 _STOP, _HEARTBEAT, _DONE, _LOAD = range(4)  # job kinds, in priority order
 _KIND_NAME = {_HEARTBEAT: "heartbeat", _DONE: "done", _LOAD: "read"}
 _IDLE_CHECK_S = 1.0
+_LANDING_POLL_S = 0.00005  # while a write lands: how often to look for notices to send
 
 
 @dataclass
@@ -282,9 +283,8 @@ class KVPuller:
         if left <= 0:
             logger.info("KV %s to %s dropped: past its deadline", _KIND_NAME[job.kind], w.name)
             return
-        msg = W.Done(job.arg.request_ids) if job.kind == _DONE else W.Heartbeat(job.arg.request_ids)
         try:
-            self._link(w, job).notify(msg, min(self.handshake_timeout, left))
+            self._link(w, job).notify(_notice_msg(job), min(self.handshake_timeout, left))
         except Exception as e:
             logger.warning("KV side channel to %s: %s", w.name, e)
             self._drop(w)
@@ -323,6 +323,7 @@ class KVPuller:
     def _load(self, w: _Worker, job: _Job) -> None:
         load: KVLoad = job.arg
         t0 = time.perf_counter()
+        link_ok = True
         try:
             if time.monotonic() >= job.deadline:
                 raise TimeoutError("it waited in the queue past its deadline")
@@ -330,7 +331,9 @@ class KVPuller:
             rid = load.remote_request_id
             read = W.Read(rid, load.first_block, len(load.local_block_ids), load.num_blocks)
             left = max(0.001, job.deadline - time.monotonic())
-            nbytes = link.read(read, load.local_block_ids, min(self.transfer_timeout, left))
+            pending = link.start_read(read, load.local_block_ids, min(self.transfer_timeout, left))
+            link_ok = self._notices_while(w, link, pending, job.deadline)
+            nbytes = pending.wait()
         except Exception as e:
             err = f"KV transfer from prefill {w.name} failed: {e}"
             logger.warning("request %s: %s", load.request_id, err)
@@ -339,10 +342,54 @@ class KVPuller:
             return
         self._result(load.request_id, None, time.perf_counter() - t0, nbytes, w=w)
         try:  # read complete: prefill may free now (the request need not wait for this)
+            if not link_ok:  # a notice failed on it meanwhile: dial again
+                self._drop(w)
+                link = self._link(w, job)
             link.notify(W.Done([rid]), self.handshake_timeout)
         except Exception as e:
             logger.warning("KV side channel to %s: done notice failed: %s", w.name, e)
             self._drop(w)
+
+    def _notices_while(
+        self, w: _Worker, link: PeerLink, pending: PendingWrite, deadline: float
+    ) -> bool:
+        """Until a write has landed (or the read's deadline), send this peer's heartbeats
+        and done notices as they are queued, on the (idle) link; False if one failed
+        (the link is then unusable)."""
+        while not pending.ready() and time.monotonic() < deadline:
+            job = _next_notice(w.jobs)
+            if job is None:
+                time.sleep(_LANDING_POLL_S)
+                continue
+            left = job.deadline - time.monotonic()
+            if left <= 0:
+                continue  # past its deadline: superseded by the next heartbeat or expiry
+            try:
+                link.notify(_notice_msg(job), min(self.handshake_timeout, left))
+            except Exception as e:
+                logger.warning("KV side channel to %s: %s", w.name, e)
+                return False
+        return True
+
+
+def _next_notice(jobs: queue.PriorityQueue[_Job]) -> _Job | None:
+    """The queue's first job if it is a heartbeat or done notice (they sort before
+    reads; a stop or a read stays queued)."""
+    with jobs.mutex:
+        if not jobs.queue or jobs.queue[0].kind not in (_HEARTBEAT, _DONE):
+            return None
+    try:
+        job = jobs.get_nowait()  # (this thread is the queue's only consumer)
+    except queue.Empty:
+        return None
+    if job.kind not in (_HEARTBEAT, _DONE):  # a stop was queued in between: keep it
+        jobs.put(job)
+        return None
+    return job
+
+
+def _notice_msg(job: _Job) -> W.Done | W.Heartbeat:
+    return W.Done(job.arg.request_ids) if job.kind == _DONE else W.Heartbeat(job.arg.request_ids)
 
 
 def _name(peer: KVPeer) -> str:

@@ -2,22 +2,58 @@
 
 Each is a small plug-in with two halves. The server half runs in the prefill's KV
 server thread and answers a read of held blocks; the client half runs in the decode's
-transfer thread and writes what it got into local blocks. The control messages
-(handshake, read, done, heartbeat) always travel over the ZMQ side channel.
+transfer thread and writes what it got into local blocks (one client per handshaken
+connection). The control messages (handshake, read, done, heartbeat) always travel
+over the ZMQ side channel.
+
+- ``tcp``: the blocks travel as ZMQ frames (staged through pinned host memory on a GPU).
+- ``cuda_ipc``: decode maps prefill's cache tensors and copies on the device (one host).
+- ``nixl``: decode READs the blocks with NIXL into its own (optional package).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.forward_context import KVCaches
 from pdserve.kv_transfer.transports.base import ClientTransport, ServerTransport
 
+TRANSPORTS = ("tcp", "cuda_ipc", "nixl")
 
-def make_transport(name: str) -> tuple[type[ServerTransport], type[ClientTransport]]:
+
+@dataclass
+class Transport:
+    """One instance's transport over its caches: what the KV server answers with, a
+    client per handshake, and what to release at shutdown."""
+
+    name: str
+    server: Callable[[], ServerTransport]
+    client: Callable[[dict[str, Any]], ClientTransport]
+    close: Callable[[], None] = field(default=lambda: None)
+
+
+def open_transport(name: str, kv_caches: KVCaches, *, transfer_timeout: float = 60.0) -> Transport:
+    """Open transport ``name`` over ``kv_caches`` (nixl: its agent registers them now)."""
     if name == "tcp":
         from pdserve.kv_transfer.transports.tcp import TcpClient, TcpServer
 
-        return TcpServer, TcpClient
+        return Transport(name, lambda: TcpServer(kv_caches), lambda i: TcpClient(kv_caches, i))
     if name == "cuda_ipc":
         from pdserve.kv_transfer.transports.cuda_ipc import CudaIpcClient, CudaIpcServer
 
-        return CudaIpcServer, CudaIpcClient
-    raise ValueError(f"unknown KV transport {name!r} (tcp | cuda_ipc)")
+        return Transport(
+            name, lambda: CudaIpcServer(kv_caches), lambda i: CudaIpcClient(kv_caches, i)
+        )
+    if name == "nixl":
+        from pdserve.kv_transfer.transports.nixl import NixlClient, NixlEndpoint, NixlServer
+
+        ep = NixlEndpoint(kv_caches, transfer_timeout=transfer_timeout)
+        return Transport(
+            name,
+            lambda: NixlServer(kv_caches, ep),
+            lambda i: NixlClient(kv_caches, i, ep),
+            ep.close,
+        )
+    raise ValueError(f"unknown KV transport {name!r} ({' | '.join(TRANSPORTS)})")

@@ -8,6 +8,7 @@ selected along that layer's own block axis, in its own dtype.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,11 +31,42 @@ class ServerTransport(ABC):
         """Frames carrying these blocks of every layer (may be empty: the client copies)."""
 
 
+class PendingWrite:
+    """A write under way: :meth:`ready` polls it, :meth:`wait` completes it (the bytes
+    moved, or the transfer's exception). The puller sends the peer's queued notices
+    while a write is not ready."""
+
+    def __init__(self, wait: Callable[[], int], ready: Callable[[], bool] | None = None) -> None:
+        self._wait = wait
+        self._ready = ready
+
+    def ready(self) -> bool:
+        return self._ready is None or self._ready()
+
+    def wait(self) -> int:
+        return self._wait()
+
+
 class ClientTransport(ABC):
     """Decode side."""
 
     def __init__(self, kv_caches: KVCaches, transport_info: dict[str, Any]) -> None:
         self.kv_caches = kv_caches
+
+    def begin_write(
+        self,
+        remote_block_ids: list[int],
+        local_block_ids: list[int],
+        frames: list[Any],
+        timeout: float = 60.0,
+    ) -> PendingWrite:
+        """Start :meth:`write`; transports that copy asynchronously return before the
+        bytes have landed (the default writes at once)."""
+        n = self.write(remote_block_ids, local_block_ids, frames)
+        return PendingWrite(lambda: n)
+
+    def close(self) -> None:  # noqa: B027 (optional hook)
+        """The connection this client served is gone (release what the handshake set up)."""
 
     @abstractmethod
     def write(

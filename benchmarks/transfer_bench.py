@@ -1,0 +1,390 @@
+"""KV transfer time per transport next to the copy bound, and 1P1D equality over nixl.
+
+Part 1 (transfer): a spawned "prefill" process holds a KV cache of Llama-3-8B geometry
+(32 layers, 8 KV heads, head_dim 128, bf16, blocks of 16 tokens) filled at random, and
+serves it over each transport's real KV server (authenticated side channel, leases).
+This process is "decode": for each prompt length it reads one leased request's blocks
+into its own cache through a handshaken ``PeerLink`` and times
+
+- ``copy``: the transport's write alone (cuda_ipc: one kernel launch; nixl: one READ);
+- ``transfer``: read request + copy + done notice (what the engine's
+  ``pdserve:kv_transfer_time_seconds`` measures);
+- ``bound``: a device-to-device copy of the same bytes, measured here in the same call.
+
+Each point is the median of ``--reps`` reads after one warm-up read per transport (the
+handshake, mapping and kernel compile). The copied blocks are checked against prefill's.
+
+Part 2 (equality, unless ``--no-equality``): a prefill engine (spawned) and a decode
+engine (here) on ``transport: nixl`` serve greedy requests; the tokens must equal a
+colocated engine's. A tiny random Llama checkpoint is made unless ``--ckpt`` is given.
+
+    # H200 (about 1-2 minutes):
+    python3 benchmarks/transfer_bench.py --out $OUT/transfer.json
+    # CPU smoke run (tcp and nixl, small geometry):
+    python3 benchmarks/transfer_bench.py --device cpu --layers 2 --lens 64,256 \\
+        --transports tcp,nixl --out /tmp/transfer.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import torch  # noqa: E402
+
+from pdserve.core_types.cache_spec import CacheLayout, KVCacheConfig  # noqa: E402
+from pdserve.core_types.kv_connector import KVPeer  # noqa: E402
+from pdserve.core_types.pd_auth import SECRET_ENV, new_secret  # noqa: E402
+from pdserve.forward_context import KVCaches  # noqa: E402
+from pdserve.kv_transfer import wire as W  # noqa: E402
+
+SECRET = b"transfer-bench-secret-0123456789abcdef"
+COMPAT = {"bench": 1}
+BLOCK = 16
+
+
+def cache_config(layers: int, heads: int, head_dim: int) -> KVCacheConfig:
+    lay = CacheLayout("gqa", "bfloat16", (2, 1, BLOCK, heads, head_dim), block_axis=1)
+    return KVCacheConfig.from_layers(
+        BLOCK, [(f"layers.{i}.attn", "attn", lay) for i in range(layers)]
+    )
+
+
+def held_blocks(length: int) -> list[int]:
+    return list(range(1, 1 + -(-length // BLOCK)))
+
+
+def prefill_side(args: argparse.Namespace, conn) -> None:  # type: ignore[no-untyped-def]
+    """The prefill process: caches, one KV server per transport, leases for every read."""
+    from pdserve.kv_transfer.handler import KVRequestHandler, ServerLimits
+    from pdserve.kv_transfer.lease import LeaseTable
+    from pdserve.kv_transfer.server import KVServer
+    from pdserve.kv_transfer.transports import open_transport
+
+    dev = torch.device(args.device)
+    caches = KVCaches.allocate(
+        cache_config(args.layers, args.heads, args.head_dim), args.blocks, dev
+    )
+    g = torch.Generator(device=dev).manual_seed(0)
+    for _, _, c in caches.layers():
+        c.normal_(generator=g)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    ports, servers, transports = {}, [], []
+    for name in args.transports.split(","):
+        leases = LeaseTable(600.0, max_reads=1000)
+        leases.add(f"{name}/warm", held_blocks(1024))
+        for n in args.lens:
+            for r in range(args.reps):
+                leases.add(f"{name}/{n}-{r}", held_blocks(n))
+        try:
+            t = open_transport(name, caches)
+            transports.append(t)
+            limits = ServerLimits()
+            handler = KVRequestHandler(
+                SECRET, f"prefill-{name}", COMPAT, t.server(), leases, limits
+            )
+            srv = KVServer(handler, "127.0.0.1", 0)
+        except Exception as e:  # report it, measure the others
+            ports[name] = f"{type(e).__name__}: {e}"
+            continue
+        servers.append(srv)
+        ports[name] = srv.port
+    last = max(held_blocks(max(args.lens)))
+    sample = {n: c.narrow(1, last, 1).cpu() for n, _, c in caches.layers()}
+    conn.send((ports, sample))
+    conn.recv()  # until the decode side is done
+    for srv in servers:
+        srv.close()
+    for t in transports:
+        t.close()
+
+
+def _timed_copy_bound(nbytes: int, dev: torch.device) -> float:
+    """Seconds of one device-to-device copy of ``nbytes`` (best of 3)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    best = float("inf")
+    for _ in range(3):
+        if dev.type == "cuda":
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            b.copy_(a)
+            e.record()
+            e.synchronize()
+            best = min(best, s.elapsed_time(e) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            b.copy_(a)
+            best = min(best, time.perf_counter() - t0)
+    del a, b
+    return best
+
+
+def _measure(args, name, port, caches, sample, zctx, stop) -> list[dict]:  # type: ignore[no-untyped-def]
+    """Warm-up read, then ``--reps`` timed reads of every length over transport ``name``."""
+    from pdserve.kv_transfer.peer_link import PeerLink
+    from pdserve.kv_transfer.transports import open_transport
+
+    t = open_transport(name, caches)
+    link = PeerLink(zctx, SECRET, COMPAT, t.client, KVPeer("127.0.0.1", port), stop)
+    try:
+        link.handshake(30.0)
+        return _reads(args, name, link, caches, sample)
+    finally:
+        link.close()
+        t.close()
+
+
+def _reads(args, name, link, caches, sample) -> list[dict]:  # type: ignore[no-untyped-def]
+    from pdserve.kv_transfer.peer_link import PeerLink
+
+    dev = torch.device(args.device)
+    cfg = caches.config
+    rows: list[dict] = []
+
+    def read(rid: str, n: int, link: PeerLink = link, name: str = name) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        reply, frames = link.request(W.Read(f"{name}/{rid}", 0, n, n), 60.0)
+        assert isinstance(reply, W.ReadReply), reply
+        t1 = time.perf_counter()
+        assert link.transport is not None
+        local = list(range(2, 2 + n))  # not the prefill ids: a real remap
+        link.transport.begin_write(reply.block_ids, local, frames, 60.0).wait()
+        t2 = time.perf_counter()
+        link.notify(W.Done([f"{name}/{rid}"]), 10.0)
+        return t2 - t1, time.perf_counter() - t0
+
+    read("warm", len(held_blocks(1024)))
+    for length in args.lens:
+        n = len(held_blocks(length))
+        got = [read(f"{length}-{r}", n) for r in range(args.reps)]
+        nbytes = n * cfg.bytes_per_block
+        bound = _timed_copy_bound(nbytes, dev)
+        copy = statistics.median(c for c, _ in got)
+        total = statistics.median(x for _, x in got)
+        rows.append(
+            {
+                "transport": name,
+                "prompt": length,
+                "bytes": nbytes,
+                "copy_ms": copy * 1e3,
+                "transfer_ms": total * 1e3,
+                "bound_ms": bound * 1e3,
+                "copy_ratio": copy / bound,
+                "transfer_ratio": total / bound,
+            }
+        )
+    last = 2 + len(held_blocks(max(args.lens))) - 1
+    for lname, _, c in caches.layers():  # the last read's last block arrived intact
+        assert torch.equal(c.narrow(1, last, 1).cpu(), sample[lname]), (name, lname)
+    return rows
+
+
+def transfers(args: argparse.Namespace) -> list[dict]:
+    import zmq
+
+    dev = torch.device(args.device)
+    cfg = cache_config(args.layers, args.heads, args.head_dim)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=prefill_side, args=(args, child))
+    proc.start()
+    rows: list[dict] = []
+    try:
+        assert parent.poll(300), "the prefill process did not answer"
+        ports, sample = parent.recv()
+        caches = KVCaches.allocate(cfg, args.blocks, dev)
+        zctx, stop = zmq.Context(), threading.Event()
+        for name, port in ports.items():
+            if isinstance(port, str):
+                rows.append({"transport": name, "error": f"prefill side: {port}"})
+                continue
+            try:
+                rows.extend(_measure(args, name, port, caches, sample, zctx, stop))
+            except Exception as e:  # report it, measure the others
+                rows.append({"transport": name, "error": f"{type(e).__name__}: {e}"})
+            caches = KVCaches.allocate(cfg, args.blocks, dev)  # fresh zeros for the next
+        zctx.destroy(linger=0)
+    finally:
+        parent.send("stop")
+        proc.join(60)
+    return rows
+
+
+def _engine(ckpt: str, role: str | None, device: str):  # type: ignore[no-untyped-def]
+    from pdserve.config import EngineConfig
+    from pdserve.engine.engine_core import EngineCore
+
+    kw: dict = {"model": ckpt, "dtype": "bfloat16", "block_size": BLOCK, "device": device}
+    kw["enforce_eager"] = True
+    if device != "cpu":
+        kw["gpu_memory_utilization"] = 0.15
+    if role is not None:
+        kw["kv_transfer_config"] = {
+            "kv_connector": "PdConnector",
+            "kv_role": role,
+            "kv_connector_extra_config": {"transport": "nixl", "lease_seconds": 120},
+        }
+    return EngineCore(EngineConfig.from_kwargs(**kw))
+
+
+def _prompts() -> list[list[int]]:
+    return [
+        [(13 * i + 7 * j) % 500 + 3 for j in range(n)] for i, n in enumerate((17, 100, 333, 1000))
+    ]
+
+
+def prefill_engine(ckpt: str, device: str, conn) -> None:  # type: ignore[no-untyped-def]
+    from pdserve import SamplingParams
+    from pdserve.frontend.processor import InputProcessor
+    from pdserve.frontend.tokenizer import Tokenizer
+
+    core = _engine(ckpt, "kv_producer", device)
+    proc = InputProcessor(Tokenizer.from_pretrained(ckpt), core.max_model_len, core.vocab_size)
+    one = SamplingParams(temperature=0, max_tokens=1)
+    out = []
+    for i, ids in enumerate(_prompts()):
+        core.add_request(proc.make_request(f"r{i}", ids, one, {"do_remote_decode": True}))
+        params = None
+        while params is None:
+            for o in core.step():
+                params = o.kv_transfer_params or params
+        out.append(params)
+    conn.send(out)
+    while not conn.poll(0.01):
+        core.step()
+        time.sleep(0.002)
+    core.shutdown()
+
+
+def equality(args: argparse.Namespace) -> dict:
+    from pdserve import LLM, SamplingParams
+    from pdserve.frontend.processor import InputProcessor
+    from pdserve.frontend.tokenizer import Tokenizer
+
+    ckpt = args.ckpt
+    if ckpt is None:
+        from pdserve.testing.checkpoint import make_checkpoint
+
+        ckpt = str(make_checkpoint("LlamaForCausalLM", "tiny", tempfile.mkdtemp(), seed=3))
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    llm = LLM(
+        ckpt,
+        dtype="bfloat16",
+        block_size=BLOCK,
+        device=args.device,
+        enforce_eager=True,
+        **({"gpu_memory_utilization": 0.15} if args.device != "cpu" else {}),
+    )
+    want = [
+        o.outputs[0].token_ids
+        for o in llm.generate([{"prompt_token_ids": p} for p in _prompts()], sp)
+    ]
+    llm.engine.shutdown()
+    del llm
+    gc.collect()
+    if args.device != "cpu":
+        torch.cuda.empty_cache()  # the KV pools below are sized from what is free
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=prefill_engine, args=(ckpt, args.device, child))
+    proc.start()
+    d = _engine(ckpt, "kv_consumer", args.device)
+    dp = InputProcessor(Tokenizer.from_pretrained(ckpt), d.max_model_len, d.vocab_size)
+    got: dict[str, list[int]] = {}
+    try:
+        assert parent.poll(300), "the prefill engine did not answer"
+        for i, params in enumerate(parent.recv()):
+            d.add_request(dp.make_request(f"r{i}", _prompts()[i], sp, params))
+        deadline, done = time.monotonic() + 120, set()
+        while len(done) < len(_prompts()):
+            assert time.monotonic() < deadline, f"decode did not finish: {done}"
+            for o in d.step():
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.finish_reason is not None:
+                    done.add(o.request_id)
+        st = d.stats()
+        tokens = [got[f"r{i}"] for i in range(len(_prompts()))]
+        return {
+            "identical": tokens == want,
+            "prompts": [len(p) for p in _prompts()],
+            "transfer_failures": st.kv_transfer_failures,
+            "external_kv_tokens": st.prompt_tokens_by_source["external_kv_transfer"],
+        }
+    finally:
+        parent.send("stop")
+        proc.join(60)
+        d.shutdown()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="JSON results path")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument(
+        "--transports", default=None, help="default: cuda_ipc,nixl (nixl if importable)"
+    )
+    ap.add_argument("--lens", default="1024,16384,65536")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--ckpt", default=None, help="equality model (default: a tiny random Llama)")
+    ap.add_argument("--no-equality", action="store_true")
+    args = ap.parse_args()
+    os.environ.setdefault(SECRET_ENV, new_secret())  # the engines' side channel (inherited)
+    args.lens = sorted(int(x) for x in args.lens.split(","))
+    args.blocks = len(held_blocks(max(args.lens))) + 64
+    res: dict = {"device": torch.cuda.get_device_name() if args.device != "cpu" else "cpu"}
+    try:
+        from pdserve.kv_transfer.transports.nixl import load_nixl
+
+        load_nixl()
+        has_nixl = True
+    except RuntimeError as e:
+        has_nixl, res["nixl_missing"] = False, str(e)
+    if args.transports is None:
+        args.transports = ",".join(["cuda_ipc", "nixl"] if has_nixl else ["cuda_ipc"])
+    t0 = time.perf_counter()
+    res["transfers"] = transfers(args)
+    print(
+        f"{'transport':>9} {'prompt':>7} {'GB':>6} {'copy ms':>8} {'xfer ms':>8} "
+        f"{'bound ms':>8} {'copy/bd':>7} {'xfer/bd':>7}"
+    )
+    for r in res["transfers"]:
+        if "error" in r:
+            print(f"{r['transport']:>9} failed: {r['error']}", flush=True)
+            continue
+        print(
+            f"{r['transport']:>9} {r['prompt']:>7} {r['bytes'] / 1e9:>6.2f} {r['copy_ms']:>8.2f} "
+            f"{r['transfer_ms']:>8.2f} {r['bound_ms']:>8.3f} {r['copy_ratio']:>7.2f} "
+            f"{r['transfer_ratio']:>7.2f}",
+            flush=True,
+        )
+    if has_nixl and not args.no_equality:
+        try:
+            res["nixl_equality"] = equality(args)
+        except Exception as e:
+            res["nixl_equality"] = {"error": f"{type(e).__name__}: {e}"}
+        print("1P1D over nixl vs colocated:", res["nixl_equality"], flush=True)
+    res["seconds"] = time.perf_counter() - t0
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=2))
+    print(f"wrote {args.out} ({res['seconds']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

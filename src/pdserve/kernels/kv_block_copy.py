@@ -1,0 +1,79 @@
+"""Copy KV blocks between two sets of cache segments by address, all in one launch.
+
+The cuda_ipc transport moves a request's blocks out of every layer of the prefill
+instance's cache (mapped into this process) into the decode instance's own. A segment
+is a contiguous run of ``num_blocks`` equal blocks (one layer, or one of a layer's K
+and V halves); the tables give, per segment, its start address on each side and its
+block size in units of ``UNIT`` bytes, and ``pairs`` ([2, B] int64) the source and
+destination block ids. Program ``(k, s)`` copies block ``pairs[0, k]`` of source
+segment ``s`` to block ``pairs[1, k]`` of destination segment ``s``. The address math
+is ``transports.block_copy`` 's; its torch reference there (``reference_copy``) is
+what the parity tests compare against. Every id was range-checked on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pdserve.kernels._utils import check_device
+
+_STEP_BYTES = 8192  # bytes one program moves per loop step
+
+
+@triton.jit
+def _copy_blocks_kernel(
+    src_addr_ptr,
+    dst_addr_ptr,
+    units_ptr,
+    pairs_ptr,
+    num_pairs,
+    UNIT: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    k = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1).to(tl.int64)
+    n = tl.load(units_ptr + s)
+    src_byte = tl.load(src_addr_ptr + s) + tl.load(pairs_ptr + k) * n * UNIT
+    dst_byte = tl.load(dst_addr_ptr + s) + tl.load(pairs_ptr + num_pairs + k) * n * UNIT
+    if UNIT == 8:
+        src = src_byte.to(tl.pointer_type(tl.int64))
+        dst = dst_byte.to(tl.pointer_type(tl.int64))
+    elif UNIT == 4:
+        src = src_byte.to(tl.pointer_type(tl.int32))
+        dst = dst_byte.to(tl.pointer_type(tl.int32))
+    elif UNIT == 2:
+        src = src_byte.to(tl.pointer_type(tl.int16))
+        dst = dst_byte.to(tl.pointer_type(tl.int16))
+    else:
+        src = src_byte.to(tl.pointer_type(tl.int8))
+        dst = dst_byte.to(tl.pointer_type(tl.int8))
+    for off in range(0, n, CHUNK):
+        o = off + tl.arange(0, CHUNK)
+        m = o < n
+        tl.store(dst + o, tl.load(src + o, mask=m), mask=m)
+
+
+def copy_blocks_by_address(
+    src_addrs: torch.Tensor,
+    dst_addrs: torch.Tensor,
+    units: torch.Tensor,
+    pairs: torch.Tensor,
+    unit: int,
+) -> None:
+    """Launch the copy on the current stream (asynchronous). ``src_addrs``,
+    ``dst_addrs``, ``units``: int64 [S]; ``pairs``: int64 [2, B]; ``unit``: 1, 2, 4
+    or 8 bytes (dividing every address and block size)."""
+    check_device(units, "copy_blocks_by_address")
+    if unit not in (1, 2, 4, 8):
+        raise ValueError(f"unit must be 1, 2, 4 or 8 bytes, got {unit}")
+    num_pairs, num_segments = pairs.shape[1], units.numel()
+    if num_pairs == 0 or num_segments == 0:
+        return
+    if num_segments > 65535:
+        raise ValueError(f"{num_segments} cache segments (at most 65535 in one launch)")
+    pairs = pairs.contiguous()
+    _copy_blocks_kernel[(num_pairs, num_segments)](
+        src_addrs, dst_addrs, units, pairs, num_pairs, UNIT=unit, CHUNK=_STEP_BYTES // unit
+    )
