@@ -18,8 +18,13 @@ Two reference paths compute the experts: eagerly, tokens are sorted by expert an
 expert runs one GEMM over its tokens (the expert counts are read on the host); while a
 CUDA graph is being captured, every expert runs over every token and unchosen ones get
 weight 0 (static shapes, no host sync; it reads each expert's weights once, as a decode
-step of a large batch does anyway). The fused kernels that replace both belong to the
-kernels package.
+step of a large batch does anyway). Where the fused kernels are on (see
+:mod:`pdserve.layers.fused`: CUDA, or ``PDSERVE_FUSED_KERNELS=1`` under the Triton
+interpreter), :func:`pdserve.kernels.moe_router.router_select` does the router's
+selection after its float32 GEMM, and :func:`pdserve.kernels.fused_moe.fused_experts`
+replaces both expert paths: tokens aligned by expert on the device, a grouped gate/up
+GEMM with SiLU-and-mul fused, a grouped down GEMM with the routing weights applied; no
+host sync at any batch size. The shared experts stay a dense MLP (fused layers too).
 """
 
 from __future__ import annotations
@@ -29,7 +34,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.layers.activation import SiluAndMul
+from pdserve.layers.fused import use_fused_kernels
 from pdserve.layers.linear import Linear, MergedLinear
+
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def grouped_topk(
@@ -85,8 +93,22 @@ class TopKRouter(nn.Module):
         self.topk_group = topk_group
         self.norm_topk_prob = norm_topk_prob
         self.routed_scaling_factor = routed_scaling_factor
+        self.fused = use_fused_kernels()
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused:  # the float32 GEMM, then one kernel for the whole selection
+            from pdserve.kernels.moe_router import router_select
+
+            logits = F.linear(x.float(), self.weight.float())
+            return router_select(
+                logits,
+                self.e_score_correction_bias,
+                self.top_k,
+                self.n_group,
+                self.topk_group,
+                self.norm_topk_prob,
+                self.routed_scaling_factor,
+            )
         return grouped_topk(
             x,
             self.weight,
@@ -151,8 +173,13 @@ class RoutedExperts(nn.Module):
             torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype),
             requires_grad=False,
         )
+        self.fused = use_fused_kernels()
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.fused and self.w13.dtype in _FUSED_DTYPES:
+            from pdserve.kernels.fused_moe import fused_experts
+
+            return fused_experts(x, self.w13, self.w2, weights, ids)
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         fn = experts_dense if capturing else experts_sorted
         return fn(x, self.w13, self.w2, weights, ids)

@@ -106,6 +106,11 @@ class Indexer(nn.Module):
         return CacheLayout("indexer", dtype, (1, block_size, self.head_dim), block_axis=0)
 
     def make_backend(self, choice: str, device: torch.device, max_model_len: int) -> Any:
+        """``triton`` (``auto`` on CUDA): :class:`IndexerTritonBackend`; else the reference."""
+        if choice == "triton" or (choice == "auto" and device.type == "cuda"):
+            from pdserve.layers.attention.dsa_triton import IndexerTritonBackend
+
+            return IndexerTritonBackend()
         return IndexerTorchBackend()
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, rope: RopeInputs) -> torch.Tensor:

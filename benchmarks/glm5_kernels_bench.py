@@ -1,0 +1,318 @@
+"""GPU micro-benchmarks of the GLM-5 family's Triton kernels (issue 15) at GLM-5 shapes,
+each against its torch reference path and its memory / compute bound.
+
+Run on the GPU machine (about 2 minutes; ``--quick`` for a smoke run in seconds):
+
+    PYTHONPATH=src python3 benchmarks/glm5_kernels_bench.py --out $OUT/glm5_kernels.json \
+        [--sections mla,indexer,moe,router] [--block-size 64] [--quick]
+
+Sections (default: all):
+  mla      absorbed sparse MLA decode (64 heads, latent 512 + rope 64, bf16, top-k 2048)
+           over the paged latent cache: batch 1/16/64 at 16K context with one query row
+           per request, batch 16 with 1+3 verify rows, and the dense path (context 1K);
+           MLATritonBackend vs MLATorchBackend, both writing this step's latents
+  indexer  DSA indexer scores + top-2048 select (32 heads x 128, bf16 keys): batch
+           1/16/64 at 16K context and batch 8 at 128K; IndexerTritonBackend (radix
+           select up to 32K keys a row, torch.topk beyond) vs IndexerTorchBackend, plus
+           the score kernel, the radix select and torch.topk alone
+  moe      routed experts (hidden 6144, moe_intermediate 2048, top-8, bf16) for 64
+           experts at 1/16/64/512/4096 tokens and 256 experts at 1/64 tokens:
+           fused_experts vs the eager sorted reference (and the graph reference,
+           every expert over every token, where it fits)
+  router   the float32 router's selection for 256 experts, top-8 (n_group 1, and 8/4 as
+           DeepSeek-V3.2 has it): router_select vs grouped_topk's tail, 64 and 4096 tokens
+
+Bounds use the copy bandwidth and the bf16 matmul rate measured in the same call:
+bound = max(bytes that must move / bandwidth, FLOPs / matmul rate). Bytes: MLA, the
+selected latent rows (576 bf16 a key a query row) plus queries and outputs; indexer, every
+context key once per query row; MoE, the weights of the experts the batch routes to plus
+activations. Decode-sized cases are timed replayed from CUDA graphs (no launch overhead,
+what a captured step pays) where the path is capturable; others with
+``triton.testing.do_bench`` (medians). Prints a table per section, writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from pdserve.kernels.dsa_indexer import indexer_logits, topk_select  # noqa: E402
+from pdserve.kernels.fused_moe import fused_experts  # noqa: E402
+from pdserve.kernels.moe_router import router_select  # noqa: E402
+from pdserve.layers.attention.backend import CommonAttentionMetadata  # noqa: E402
+from pdserve.layers.attention.dsa import IndexerTorchBackend  # noqa: E402
+from pdserve.layers.attention.dsa_triton import IndexerTritonBackend  # noqa: E402
+from pdserve.layers.attention.mla import MLATorchBackend  # noqa: E402
+from pdserve.layers.attention.mla_triton import MLATritonBackend  # noqa: E402
+from pdserve.layers.moe import experts_dense, experts_sorted, grouped_topk  # noqa: E402
+
+DT = torch.bfloat16
+HEADS, LAT, ROPE, TOPK = 64, 512, 64, 2048
+IDX_HEADS, IDX_DIM = 32, 128
+HIDDEN, MOE_INTER, TOP_K = 6144, 2048, 8
+
+
+def bench(fn: Callable[[], object]) -> float:
+    """Median milliseconds of ``fn``."""
+    return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
+
+
+def bench_graph(fn: Callable[[], object], reps: int = 10) -> float:
+    """Median milliseconds of one ``fn`` call replayed from a CUDA graph of ``reps`` calls."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compile and settle allocations outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    return bench(graph.replay) / reps
+
+
+def measure_limits() -> tuple[float, float]:
+    """(copy bandwidth in bytes/s counting read + write, bf16 matmul FLOP/s)."""
+    src = torch.empty(1 << 29, dtype=DT, device="cuda")
+    dst = torch.empty_like(src)
+    bw = 2 * src.numel() * 2 / (bench(partial(dst.copy_, src)) * 1e-3)
+    a = torch.randn(8192, 8192, dtype=DT, device="cuda")
+    flops = 2 * 8192**3 / (bench(partial(torch.matmul, a, a)) * 1e-3)
+    torch.cuda.empty_cache()
+    return bw, flops
+
+
+def decode_metadata(batch: int, ctx: int, q_len: int, page: int) -> CommonAttentionMetadata:
+    """``batch`` requests of ``ctx`` tokens (the last ``q_len`` computed now), shuffled blocks."""
+    dev = torch.device("cuda")
+    nblk = -(-ctx // page)
+    bt = (1 + torch.randperm(batch * nblk, device=dev)).view(batch, nblk).to(torch.int32)
+    pos = ctx - q_len + torch.arange(q_len, device=dev)
+    slots = (bt[:, pos // page].long() * page + (pos % page)[None, :]).reshape(-1)
+    return CommonAttentionMetadata(
+        num_reqs=batch,
+        num_actual_tokens=batch * q_len,
+        max_query_len=q_len,
+        max_seq_len=ctx,
+        block_size=page,
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=dev) * q_len,
+        seq_lens=torch.full((batch,), ctx, dtype=torch.int32, device=dev),
+        block_tables=bt,
+        slot_mapping=slots,
+        token_req_idx=torch.arange(batch, device=dev).repeat_interleave(q_len),
+        token_q_idx=torch.arange(q_len, device=dev).repeat(batch),
+    )
+
+
+def _row(name: str, ms: float, ref_ms: float | None, nbytes: float, flops: float,
+         bw: float, peak: float, **extra: Any) -> dict[str, Any]:  # fmt: skip
+    bound = max(nbytes / bw, flops / peak) * 1e3
+    row: dict[str, Any] = {"case": name, "triton_ms": ms, "torch_ms": ref_ms, "bound_ms": bound,
+                           "x_bound": ms / bound, "GB/s": nbytes / (ms * 1e-3) / 1e9}  # fmt: skip
+    if ref_ms is not None:
+        row["speedup"] = ref_ms / ms
+    row.update(extra)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+# ------------------------------------------------------------------------------- MLA
+def run_mla(bw: float, peak: float, page: int, quick: bool) -> list[dict[str, Any]]:
+    cases = [(1, 16384, 1), (16, 16384, 1), (64, 16384, 1), (16, 16384, 4), (16, 1024, 1)]
+    if quick:
+        cases = [(2, 4096, 1), (2, 1024, 1)]
+    rows = []
+    scale = (192 + 64) ** -0.5
+    for batch, ctx, q_len in cases:
+        md = decode_metadata(batch, ctx, q_len, page)
+        t = md.num_actual_tokens
+        cache = torch.randn(1 + batch * -(-ctx // page), page, LAT + ROPE, device="cuda", dtype=DT)
+        q_lat = torch.randn(t, HEADS, LAT, device="cuda", dtype=DT)
+        q_pe = torch.randn(t, HEADS, ROPE, device="cuda", dtype=DT)
+        latent = torch.randn(t, LAT, device="cuda", dtype=DT)
+        k_pe = torch.randn(t, ROPE, device="cuda", dtype=DT)
+        topk = None
+        if ctx > TOPK:  # each query row's own 2048 causal positions
+            topk = torch.rand(t, ctx - q_len + 1, device="cuda").topk(TOPK).indices
+        keys = min(ctx, TOPK)
+        fast, ref = MLATritonBackend(max_model_len=ctx), MLATorchBackend()
+        args = (q_lat, q_pe, latent, k_pe, cache, md, scale, topk)
+        ms = bench_graph(partial(fast.forward, *args))
+        ref_ms = bench_graph(partial(ref.forward, *args))
+        nbytes = t * keys * (LAT + ROPE) * 2 + t * HEADS * (2 * LAT + ROPE) * 2
+        flops = 2 * t * HEADS * keys * (2 * LAT + ROPE)
+        name = f"b{batch} ctx{ctx} q{q_len}" + (" dense" if topk is None else "")
+        rows.append(_row(name, ms, ref_ms, nbytes, flops, bw, peak))
+        torch.cuda.empty_cache()
+    return rows
+
+
+# --------------------------------------------------------------------------- indexer
+def run_indexer(bw: float, peak: float, page: int, quick: bool) -> list[dict[str, Any]]:
+    cases = [(1, 16384), (16, 16384), (64, 16384), (8, 131072)]
+    if quick:
+        cases = [(2, 8192)]
+    rows = []
+    for batch, ctx in cases:
+        md = decode_metadata(batch, ctx, 1, page)
+        t = md.num_actual_tokens
+        cache = torch.randn(1 + batch * -(-ctx // page), page, IDX_DIM, device="cuda", dtype=DT)
+        q = torch.randn(t, IDX_HEADS, IDX_DIM, device="cuda", dtype=DT)
+        k = torch.randn(t, IDX_DIM, device="cuda", dtype=DT)
+        w = torch.randn(t, IDX_HEADS, device="cuda") * IDX_HEADS**-0.5
+        fast, ref = IndexerTritonBackend(), IndexerTorchBackend()
+        args = (q, k, w, cache, md, TOPK, IDX_DIM**-0.5)
+        ms = bench_graph(partial(fast.forward, *args))
+        ref_ms = bench_graph(partial(ref.forward, *args))
+        place = (md.seq_lens, md.query_start_loc, md.token_req_idx, md.token_q_idx)
+        score = partial(
+            indexer_logits, q, w, cache, md.block_tables, *place, IDX_DIM**-0.5, t, ctx, TOPK
+        )
+        logits = score()
+        score_ms = bench_graph(score)
+        select_ms = bench_graph(partial(topk_select, logits, *place, TOPK, t))
+        full = score(for_select=False)  # -inf past each position, as torch.topk needs
+        torch_topk_ms = bench_graph(partial(torch.topk, full, TOPK, dim=-1, sorted=False))
+        nbytes = t * ctx * IDX_DIM * 2
+        flops = 2 * t * ctx * IDX_HEADS * IDX_DIM
+        rows.append(
+            _row(f"b{batch} ctx{ctx}", ms, ref_ms, nbytes, flops, bw, peak,
+                 score_ms=score_ms, select_ms=select_ms, torch_topk_ms=torch_topk_ms)
+        )  # fmt: skip
+        torch.cuda.empty_cache()
+    return rows
+
+
+# ------------------------------------------------------------------------------- MoE
+def _experts(e: int, inter: int) -> tuple[torch.Tensor, torch.Tensor]:
+    w13 = torch.empty(e, 2 * inter, HIDDEN, device="cuda", dtype=DT).normal_(0, HIDDEN**-0.5)
+    w2 = torch.empty(e, HIDDEN, inter, device="cuda", dtype=DT).normal_(0, inter**-0.5)
+    return w13, w2
+
+
+def run_moe(bw: float, peak: float, quick: bool) -> list[dict[str, Any]]:
+    cases = [(64, 1), (64, 16), (64, 64), (64, 512), (64, 4096), (256, 1), (256, 64)]
+    inter = MOE_INTER
+    if quick:
+        cases, inter = [(16, 1), (16, 64)], 256
+    rows = []
+    loaded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for e, t in cases:
+        if e not in loaded:
+            loaded.clear()
+            torch.cuda.empty_cache()
+            loaded[e] = _experts(e, inter)
+        w13, w2 = loaded[e]
+        x = torch.randn(t, HIDDEN, device="cuda", dtype=DT)
+        ids = torch.rand(t, e, device="cuda").topk(TOP_K).indices
+        weights = torch.rand(t, TOP_K, device="cuda")
+        graph = t <= 64
+        timer = bench_graph if graph else bench
+        routed = (x, w13, w2, weights, ids)
+        ms = timer(partial(fused_experts, *routed))
+        ref_ms = bench(partial(experts_sorted, *routed))
+        dense_ms = None
+        if t <= 64:  # the graph reference runs every expert over every token
+            dense_ms = bench_graph(partial(experts_dense, *routed))
+        active = int(torch.unique(ids).numel())
+        nbytes = active * 3 * HIDDEN * inter * 2 + t * HIDDEN * 2 * 2
+        flops = 2 * t * TOP_K * 3 * HIDDEN * inter
+        rows.append(
+            _row(f"E{e} T{t}", ms, ref_ms, nbytes, flops, bw, peak,
+                 active_experts=active, graph_ref_ms=dense_ms, graphed=graph)
+        )  # fmt: skip
+    return rows
+
+
+def run_router(bw: float, peak: float, quick: bool) -> list[dict[str, Any]]:
+    e = 256
+    rows = []
+    for t in (64,) if quick else (64, 4096):
+        for n_group, topk_group in ((1, 1), (8, 4)):
+            logits = torch.randn(t, e, device="cuda")
+            bias = torch.randn(e, device="cuda") * 0.1
+            x = torch.randn(t, HIDDEN, device="cuda")
+            w = torch.randn(e, HIDDEN, device="cuda") * HIDDEN**-0.5
+            ms = bench_graph(
+                partial(router_select, logits, bias, TOP_K, n_group, topk_group, True, 2.5)
+            )
+            ref_full = bench_graph(
+                partial(grouped_topk, x, w, bias, TOP_K, n_group, topk_group, True, 2.5)
+            )
+            gemm = bench_graph(partial(F.linear, x, w))
+            nbytes = t * e * 4 + t * TOP_K * 12
+            rows.append(
+                _row(f"T{t} groups {n_group}/{topk_group}", ms, ref_full - gemm, nbytes, 0.0,
+                     bw, peak, gemm_ms=gemm, torch_with_gemm_ms=ref_full)
+            )  # fmt: skip
+    return rows
+
+
+def table(title: str, rows: list[dict[str, Any]]) -> None:
+    print(f"\n== {title}")
+    if not rows:
+        return
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    print(" | ".join(f"{k:>14}" for k in keys))
+    for row in rows:
+        vals = [row.get(k, "") for k in keys]
+        cells = [f"{v:14.4g}" if isinstance(v, float) else f"{v!s:>14}" for v in vals]
+        print(" | ".join(cells))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="JSON output path")
+    ap.add_argument("--sections", default="mla,indexer,moe,router")
+    ap.add_argument("--block-size", type=int, default=64, help="KV cache block size")
+    ap.add_argument("--quick", action="store_true", help="small shapes: a smoke run")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("glm5_kernels_bench.py needs a CUDA GPU")
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    bw, peak = measure_limits()
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "copy_bandwidth_GBps": bw / 1e9,
+        "bf16_matmul_TFLOPs": peak / 1e12,
+        "block_size": args.block_size,
+        "quick": args.quick,
+    }
+    print(f"{result['device']}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s")
+    runners: dict[str, Callable[[], list[dict[str, Any]]]] = {
+        "mla": lambda: run_mla(bw, peak, args.block_size, args.quick),
+        "indexer": lambda: run_indexer(bw, peak, args.block_size, args.quick),
+        "moe": lambda: run_moe(bw, peak, args.quick),
+        "router": lambda: run_router(bw, peak, args.quick),
+    }
+    chosen = args.sections.split(",")
+    for name in chosen:
+        if name not in runners:
+            sys.exit(f"unknown section {name!r}; choose from {', '.join(runners)}")
+    for name in chosen:
+        with torch.inference_mode():
+            result[name] = runners[name]()
+    result["seconds"] = time.perf_counter() - t0
+    for name in chosen:
+        table(name, result[name])
+    print(f"\n{result['seconds']:.0f} s")
+    Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

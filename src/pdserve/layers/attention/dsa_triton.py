@@ -1,0 +1,71 @@
+"""The Triton DSA indexer backend (``--attention-backend triton``, or ``auto`` on CUDA).
+
+Same cache layout and contract as :class:`~pdserve.layers.attention.dsa.IndexerTorchBackend`:
+write this step's keys through the slot mapping, then per token the ``index_topk`` best
+causal key positions ([T, K] int64, -1 pads). Scores come from
+:func:`~pdserve.kernels.dsa_indexer.indexer_logits` into a float32 buffer as wide as the
+step's ``max_seq_len`` (``max_model_len`` under a CUDA graph), chunked over tokens to
+bound it. Up to ``SORT_FREE_MAX_WIDTH`` keys a row,
+:func:`~pdserve.kernels.dsa_indexer.topk_select` picks the top-k without a sort, and
+tokens whose request's context is at most ``index_topk`` are not scored (they select
+every causal key; MLA attends densely there). Wider rows go to ``torch.topk`` (a
+multi-block radix select, faster on few long rows) over fully written scores. The choice
+is a host int (the width), so a captured graph keeps one path. No host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.kernels.dsa_indexer import SORT_FREE_MAX_WIDTH, indexer_logits, topk_select
+from pdserve.layers.attention.backend import AttentionBackend, CommonAttentionMetadata
+from pdserve.layers.attention.paged_gather import token_chunks
+
+_CHUNK_BYTES = 1 << 30  # the score buffer of one chunk of tokens
+
+
+class IndexerTritonBackend(AttentionBackend):
+    name = "indexer_triton"
+    supports_cuda_graphs = True
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, n_heads, D]
+        k: torch.Tensor,  # [T, D]
+        weights: torch.Tensor,  # [T, n_heads] float32 (already / sqrt(n_heads))
+        cache: torch.Tensor,  # [blocks, block_size, D]
+        md: CommonAttentionMetadata,
+        topk: int,
+        scale: float,
+    ) -> torch.Tensor:  # [T, topk] int64
+        t = md.num_actual_tokens
+        cache.view(-1, cache.shape[-1]).index_copy_(0, md.slot_mapping[:t], k[:t].to(cache.dtype))
+        out = torch.full((q.shape[0], topk), -1, dtype=torch.int64, device=q.device)
+        width = -(-md.max_seq_len // md.block_size) * md.block_size
+        q = q.contiguous()
+        weights = weights.float().contiguous()
+        for a, b in token_chunks(t, width * 4, _CHUNK_BYTES):
+            req, qi = md.token_req_idx[a:b], md.token_q_idx[a:b]
+            sort_free = width <= SORT_FREE_MAX_WIDTH
+            logits = indexer_logits(
+                q[a:b],
+                weights[a:b],
+                cache,
+                md.block_tables,
+                md.seq_lens,
+                md.query_start_loc,
+                req,
+                qi,
+                scale,
+                b - a,
+                width,
+                topk,
+                for_select=sort_free,
+            )
+            if sort_free:
+                topk_select(logits, md.seq_lens, md.query_start_loc, req, qi, topk, b - a, out[a:b])
+            else:
+                kk = min(topk, width)
+                vals, idx = logits.topk(kk, dim=-1, sorted=False)
+                out[a:b, :kk] = torch.where(vals > float("-inf"), idx, -1)
+        return out

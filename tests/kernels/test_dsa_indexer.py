@@ -1,0 +1,107 @@
+"""Parity of the DSA indexer kernels (paged scores, radix top-k select) with torch, and
+of the Triton indexer backend with the torch one. Selections are compared as sets of
+scores: on exact ties either side may keep a different key of the same score."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _sparse_batch import SparseBatch, sparse_batch
+
+from pdserve.kernels.dsa_indexer import indexer_logits, indexer_topk_reference, topk_select
+from pdserve.layers.attention import dsa_triton
+from pdserve.layers.attention.dsa import IndexerTorchBackend
+from pdserve.layers.attention.dsa_triton import IndexerTritonBackend
+
+NH, D, PAGE = 16, 32, 4
+
+
+def _keys(sb: SparseBatch, cache: torch.Tensor) -> torch.Tensor:
+    bt = sb.md.block_tables.long()
+    return cache[bt].reshape(bt.shape[0], -1, cache.shape[-1])  # [B, S, D] by position
+
+
+def _assert_same_selection(
+    got: torch.Tensor, want: torch.Tensor, scores: torch.Tensor, tol: float
+) -> None:
+    """Per row: as many keys, causal, distinct, with the same multiset of scores."""
+    for t in range(got.shape[0]):
+        g, w = got[t][got[t] >= 0], want[t][want[t] >= 0]
+        assert g.numel() == w.numel() == torch.unique(g).numel(), t
+        gs, ws = scores[t][g].sort().values, scores[t][w].sort().values
+        torch.testing.assert_close(gs, ws, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(
+    "seq_lens,q_lens,k,dtype",
+    [
+        ([5, 40, 300], [1, 1, 1], 16, torch.float32),  # decode: within top-k, beyond it
+        ([30, 9], [7, 9], 16, torch.float32),  # prompt chunks: rows on both sides of k
+        ([50, 1500], [2, 2], 64, torch.bfloat16),  # verify rows, a long context
+    ],
+)
+def test_indexer_kernels_match_reference(
+    device: torch.device, seq_lens: list[int], q_lens: list[int], k: int, dtype: torch.dtype
+) -> None:
+    g = torch.Generator().manual_seed(sum(seq_lens))
+    sb = sparse_batch(seq_lens, q_lens, PAGE, g, device)
+    md, t = sb.md, sb.md.num_actual_tokens
+    cache = torch.randn(sb.num_blocks, PAGE, D, generator=g).to(dtype).to(device)
+    q = torch.randn(t, NH, D, generator=g).to(dtype).to(device)
+    w = torch.randn(t, NH, generator=g).to(device)
+    width = max(seq_lens)
+    args = (md.seq_lens, md.query_start_loc, md.token_req_idx, md.token_q_idx)
+    sparse = indexer_logits(q, w, cache, md.block_tables, *args, 0.2, t, width, k)
+    got = topk_select(sparse, *args, k, t)
+    full = indexer_logits(q, w, cache, md.block_tables, *args, 0.2, t, width, k, for_select=False)
+    scores, want = indexer_topk_reference(q, w, _keys(sb, cache), sb.positions, sb.req, 0.2, k)
+    scores = scores[:, :width]
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(full, scores, atol=tol, rtol=tol)  # -inf past each position
+    _assert_same_selection(got, want, scores, tol)
+
+
+def test_select_breaks_ties_to_exactly_k(device: torch.device) -> None:
+    """Many equal scores (ReLU zeros, repeated values): exactly k keys, the best ones."""
+    g = torch.Generator().manual_seed(3)
+    rows, n, k = 4, 700, 64
+    logits = torch.randint(0, 5, (rows, n), generator=g).float()
+    logits[1] = 0.0  # all tied
+    logits[2, :k] = -torch.arange(k, dtype=torch.float32) - 1.0  # negatives in the mix
+    logits = logits.to(device)
+    seq = torch.tensor([n], dtype=torch.int32, device=device)
+    qsl = torch.tensor([0, rows], dtype=torch.int32, device=device)
+    req = torch.zeros(rows, dtype=torch.int64, device=device)
+    qidx = torch.arange(rows, device=device)  # the last rows: positions n-4 .. n-1
+    got = topk_select(logits, seq, qsl, req, qidx, k, rows)
+    for t in range(rows):
+        pos = n - rows + t
+        ref = logits[t, : pos + 1].topk(k).values.sort().values
+        sel = got[t]
+        assert sel.min() >= 0 and sel.max() <= pos and torch.unique(sel).numel() == k
+        assert torch.equal(logits[t][sel].sort().values, ref)
+
+
+@pytest.mark.parametrize("sort_free_max_width", [32768, 16])
+def test_triton_indexer_backend_matches_torch_backend(
+    device: torch.device, sort_free_max_width: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both selection paths: the radix select, and torch.topk for wide rows."""
+    monkeypatch.setattr(dsa_triton, "SORT_FREE_MAX_WIDTH", sort_free_max_width)
+    g = torch.Generator().manual_seed(11)
+    sb = sparse_batch([12, 45, 20], [2, 2, 2], PAGE, g, device, pad_to=8)
+    t, rows, k = sb.md.num_actual_tokens, 8, 16
+    q = torch.randn(rows, NH, D, generator=g).to(device)
+    key = torch.randn(rows, D, generator=g).to(device)
+    w = torch.randn(rows, NH, generator=g).to(device)
+    start = torch.randn(sb.num_blocks, PAGE, D, generator=g).to(device)
+    outs, caches = [], []
+    for be in (IndexerTorchBackend(), IndexerTritonBackend()):
+        caches.append(start.clone())
+        outs.append(be.forward(q, key, w, caches[-1], sb.md, k, D**-0.5))
+    assert torch.equal(caches[1], caches[0])
+    assert outs[1].shape == outs[0].shape == (rows, k) and outs[1].dtype == torch.int64
+    scores, _ = indexer_topk_reference(
+        q[:t], w[:t], _keys(sb, caches[0]), sb.positions, sb.req, D**-0.5, k
+    )
+    _assert_same_selection(outs[1][:t], outs[0][:t], scores, 1e-5)
