@@ -83,10 +83,13 @@ class KVCaches:
 
     def layers(self) -> Iterator[tuple[str, CacheLayout, torch.Tensor]]:
         """(layer name, layout, tensor) of every layer, groups in order: the order every
-        transport iterates, on both ends of a transfer."""
+        transport iterates, on both ends of a transfer. Transports move bytes, so an fp8
+        cache comes as its uint8 view (the same storage): index ops on fp8 tensors are
+        not implemented everywhere (CPU ``index_copy_``)."""
         for g in self.config.groups:
             for name in g.layer_names:
-                yield name, g.layout, self._tensors[name]
+                t = self._tensors[name]
+                yield name, g.layout, t.view(torch.uint8) if t.element_size() == 1 else t
 
     @property
     def device(self) -> torch.device:

@@ -11,6 +11,7 @@ import functools
 
 import torch
 import triton
+import triton.language as tl
 
 LOG2E = 1.4426950408889634
 
@@ -59,3 +60,17 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@triton.jit
+def round_to_e4m3(x):
+    """``x`` (float32, within +-448) rounded to the nearest float8_e4m3fn value, ties to
+    even, still in float32. Only for the interpreter: Triton 3.6's interpreter casts to
+    fp8 by truncating the carry of a rounding that reaches the next power of two (1.97
+    becomes 1.0), so kernels round first and its cast is then exact. Compiled kernels
+    cast with the hardware instruction instead."""
+    mag = tl.maximum(tl.abs(x), 1e-30)
+    e = tl.maximum(tl.floor(tl.log2(mag)), -6.0)  # below 2^-6: the subnormal quantum 2^-9
+    quantum = tl.exp2(e - 3.0)
+    y = x / quantum
+    return ((y + 12582912.0) - 12582912.0) * quantum  # 1.5 * 2^23: fp32 round-to-even

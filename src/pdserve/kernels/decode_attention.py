@@ -120,8 +120,7 @@ def _decode_kernel(
             mask=n_ok[None, :] & d_ok[:, None],
             other=0.0,
         )  # [BLOCK_D, BLOCK_N]
-        if UPCAST:
-            kt = kt.to(tl.float32)
+        kt = kt.to(q.dtype)  # no-op unless the cache is fp8 (or bf16 upcast)
         if USE_DOT:
             s = tl.dot(q, kt, input_precision=DOT_PREC)
         else:
@@ -139,8 +138,7 @@ def _decode_kernel(
             mask=n_ok[:, None] & d_ok[None, :],
             other=0.0,
         )  # [BLOCK_N, BLOCK_D]
-        if UPCAST:
-            v = v.to(tl.float32)
+        v = v.to(q.dtype)
         acc = acc * alpha[:, None]
         if USE_DOT:
             acc = tl.dot(p.to(v.dtype), v, acc=acc, input_precision=DOT_PREC)

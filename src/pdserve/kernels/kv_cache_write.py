@@ -18,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels._utils import check_device, next_pow2
+from pdserve.kernels._utils import check_device, interpret_mode, next_pow2, round_to_e4m3
+from pdserve.kernels.reference import FP8_DTYPE, FP8_MAX, write_paged
 
 
 @triton.jit
@@ -43,6 +44,8 @@ def _kv_cache_write_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr,
     PAGE: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    ROUND_FIRST: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
@@ -55,10 +58,18 @@ def _kv_cache_write_kernel(
         mask = (heads[:, None] < num_kv_heads) & (offs_d[None, :] < HEAD_D)
         src = heads[:, None] * stride_kh + offs_d[None, :]
         k = tl.load(k_ptr + t * stride_kt + src, mask=mask)
+        if FP8_MAX > 0:  # an fp8 cache: saturate (a plain cast turns overflow into NaN)
+            k = tl.clamp(k.to(tl.float32), -FP8_MAX, FP8_MAX)
+            if ROUND_FIRST:
+                k = round_to_e4m3(k)
         dst = blk * stride_kcb + off * stride_kcs + heads[:, None] * stride_kch + offs_d[None, :]
         tl.store(kc_ptr + dst, k.to(kc_ptr.dtype.element_ty), mask=mask)
         src = heads[:, None] * stride_vh + offs_d[None, :]
         v = tl.load(v_ptr + t * stride_vt + src, mask=mask)
+        if FP8_MAX > 0:
+            v = tl.clamp(v.to(tl.float32), -FP8_MAX, FP8_MAX)
+            if ROUND_FIRST:
+                v = round_to_e4m3(v)
         dst = blk * stride_vcb + off * stride_vcs + heads[:, None] * stride_vch + offs_d[None, :]
         tl.store(vc_ptr + dst, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
@@ -109,6 +120,8 @@ def write_kv_cache(
         BLOCK_D=block_d,
         BLOCK_H=block_h,
         PAGE=page,
+        FP8_MAX=FP8_MAX if kv_cache.dtype == FP8_DTYPE else 0.0,
+        ROUND_FIRST=interpret_mode(),
         num_warps=4 if block_h * block_d >= 1024 else 2,
     )
 
@@ -121,5 +134,5 @@ def write_kv_cache_reference(
     n = slot_mapping.shape[0]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    kv_cache[0].view(-1, hkv, d).index_copy_(0, slots, k[:n][keep].to(kv_cache.dtype))
-    kv_cache[1].view(-1, hkv, d).index_copy_(0, slots, v[:n][keep].to(kv_cache.dtype))
+    write_paged(kv_cache[0].view(-1, hkv, d), slots, k[:n][keep])
+    write_paged(kv_cache[1].view(-1, hkv, d), slots, v[:n][keep])

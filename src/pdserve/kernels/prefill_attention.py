@@ -80,8 +80,7 @@ def _tile(
     kt = tl.load(
         k_ptr + k_off[None, :] + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0
     )
-    if UPCAST:
-        kt = kt.to(tl.float32)
+    kt = kt.to(q.dtype)  # no-op unless the cache is fp8 (or bf16 upcast)
     s = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale
     if MASKED:
         keep = n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
@@ -94,8 +93,7 @@ def _tile(
     v = tl.load(
         v_ptr + v_off[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0
     )
-    if UPCAST:
-        v = v.to(tl.float32)
+    v = v.to(q.dtype)
     acc = tl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None], input_precision=DOT_PREC)
     return m_new, l_i, acc
 

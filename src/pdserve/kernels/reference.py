@@ -63,3 +63,89 @@ def apply_top_k_top_p(
         cum = probs.cumsum(dim=-1) - probs  # mass strictly before each token
         sorted_logits = sorted_logits.masked_fill(cum > top_p.unsqueeze(1), float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, idx, sorted_logits)
+
+
+# ---------------------------------------------------------------- block-scaled FP8
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_GROUP = 128  # activation group and weight block width along K
+_MIN_SCALE = 1e-12
+
+
+def to_fp8(x: torch.Tensor) -> torch.Tensor:
+    """Saturating cast to float8_e4m3fn (torch's plain cast turns overflow into NaN)."""
+    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def write_paged(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """``cache[slots] = values`` along dim 0, cast to the cache dtype (saturating for fp8,
+    through a byte view: CPU torch has no fp8 ``index_copy_``)."""
+    if cache.dtype == FP8_DTYPE:
+        cache.view(torch.uint8).index_copy_(0, slots, to_fp8(values).view(torch.uint8))
+    else:
+        cache.index_copy_(0, slots, values.to(cache.dtype))
+
+
+def quantize_fp8_blocks(
+    w: torch.Tensor, block: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` [N, K] → (fp8 [N, K], ``scale_inv`` float32 [ceil(N/bn), ceil(K/bk)]) with one
+    scale per ``block`` (partial edge blocks allowed), ``w ≈ q * scale_inv`` block by block."""
+    bn, bk = block
+    n, k = w.shape
+    nb, kb = -(-n // bn), -(-k // bk)
+    padded = w.new_zeros(nb * bn, kb * bk, dtype=torch.float32)
+    padded[:n, :k] = w.float()
+    tiles = padded.view(nb, bn, kb, bk)
+    scale = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=_MIN_SCALE)  # [nb, kb]
+    q = to_fp8(tiles / scale[:, None, :, None]).view(nb * bn, kb * bk)[:n, :k]
+    return q.contiguous(), scale
+
+
+def dequantize_fp8_blocks(
+    q: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: tuple[int, int],
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Inverse of :func:`quantize_fp8_blocks` for ``block`` (rows, columns) per scale."""
+    n, k = q.shape
+    bn, bk = block
+    full = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return (q.float() * full).to(dtype)
+
+
+def quantize_fp8_groups(
+    x: torch.Tensor, group: int = FP8_GROUP
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token, per-``group``-channel quantization of activations ``x`` [M, K]:
+    (fp8 [M, K], scales float32 [M, ceil(K/group)]), ``x ≈ q * scale`` group by group."""
+    m, k = x.shape
+    kb = -(-k // group)
+    padded = x.new_zeros(m, kb * group, dtype=torch.float32)
+    padded[:, :k] = x.float()
+    groups = padded.view(m, kb, group)
+    scale = (groups.abs().amax(dim=-1) / FP8_MAX).clamp(min=_MIN_SCALE)
+    q = to_fp8(groups / scale[..., None]).view(m, kb * group)[:, :k]
+    return q.contiguous(), scale
+
+
+def block_fp8_matmul_reference(
+    x: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale_inv: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    scale_rows: int = FP8_GROUP,
+) -> torch.Tensor:
+    """``x W^T (+ bias)`` with ``x`` [..., K] quantized per token per 128 channels and ``W``
+    block-quantized (``w_q`` [N, K] fp8, ``w_scale_inv`` [ceil(N/scale_rows), ceil(K/128)]
+    as :func:`quantize_fp8_blocks` gives it); both dequantized, one float32 matmul, cast to
+    ``out_dtype`` (default: ``x``'s dtype). The reference every FP8 GEMM is tested against."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x_q, x_scale = quantize_fp8_groups(x.reshape(-1, k))
+    x_deq = dequantize_fp8_blocks(x_q, x_scale, (1, FP8_GROUP))
+    out = x_deq @ dequantize_fp8_blocks(w_q, w_scale_inv, (scale_rows, FP8_GROUP)).t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype or x.dtype).view(*lead, w_q.shape[0])

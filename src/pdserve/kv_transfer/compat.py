@@ -24,7 +24,9 @@ def compat_info(
 ) -> dict[str, Any]:
     """Fields that must be equal on both ends: ``kv_cache`` describes every cache group
     (kind, dtype, one block's shape and block axis, its layers), as
-    :meth:`KVCacheConfig.describe` gives it."""
+    :meth:`KVCacheConfig.describe` gives it; ``kv_cache_dtype`` repeats each group's
+    dtype on its own so a ``--kv-cache-dtype`` mismatch (fp8 against bf16: the same
+    bytes would be read as other numbers) is refused under that name."""
     arch = json.dumps(
         {
             k: model_config.get(k)
@@ -39,6 +41,7 @@ def compat_info(
         "model_config_hash": hashlib.sha256(arch.encode()).hexdigest()[:16],
         "block_size": block_size,
         "kv_cache": kv_cache,
+        "kv_cache_dtype": {g.get("group"): g.get("dtype") for g in kv_cache},
         "speculative_config": speculative,
         "transport": transport,
     }

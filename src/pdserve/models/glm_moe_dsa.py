@@ -249,6 +249,7 @@ class DeepseekV3ForCausalLM(CausalLM):
     (plus DSA). ``with_mtp`` builds the MTP layers (speculative decoding uses them)."""
 
     has_mtp = True  # the architecture defines MTP layers (num_nextn_predict_layers of them)
+    fp8_dense_modules = ("kv_b_proj",)  # MLA absorbs its weight into attention
 
     def __init__(
         self, config: HFModelConfig, dtype: torch.dtype = torch.bfloat16, with_mtp: bool = False

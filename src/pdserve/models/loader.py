@@ -21,6 +21,13 @@ import torch
 from safetensors import safe_open
 
 from pdserve.models.hf_config import HFModelConfig, load_hf_config
+from pdserve.models.quantization import (
+    Fp8Config,
+    Fp8WeightStream,
+    checkpoint_fp8_weights,
+    quantize_model_linears,
+    resolve_quantization,
+)
 from pdserve.models.random_init import full_checkpoint_specs, random_tensors
 from pdserve.models.registry import CausalLM, get_model_class
 
@@ -97,13 +104,18 @@ def load_model(
     device: str | torch.device = "cpu",
     load_format: str = "auto",
     seed: int = 0,
+    quantization: str | None = None,
     **model_options: Any,
 ) -> tuple[CausalLM, HFModelConfig]:
     """Construct the model named by ``config.json`` and load its safetensors weights
     (``load_format="dummy"``: draw random ones on the device instead, from ``seed``, the
     values ``make-checkpoint`` would write with that seed on that device).
-    ``model_options`` go to the model's constructor (e.g. ``with_mtp=True``)."""
+    A checkpoint with an FP8 ``quantization_config`` loads with FP8 linears; with
+    ``quantization="fp8"`` an unquantized one is quantized as it loads
+    (:mod:`pdserve.models.quantization`). ``model_options`` go to the model's
+    constructor (e.g. ``with_mtp=True``)."""
     config = load_hf_config(model_dir)
+    fp8 = resolve_quantization(config, quantization)
     model_cls = get_model_class(config)
     if model_options.get("with_mtp") and not getattr(model_cls, "has_mtp", False):
         raise ValueError(
@@ -115,18 +127,21 @@ def load_model(
     if load_format == "dummy":
         with torch.device(target):
             model = model_cls(config, torch_dtype, **model_options)
+        stream = _weight_stream(model, fp8)
         specs = full_checkpoint_specs(config, torch_dtype)  # the order make-checkpoint draws in
         gen = torch.Generator(device=target).manual_seed(seed)
-        model.load_weights(random_tensors(list(specs), specs, gen, target))
+        model.load_weights(stream(random_tensors(list(specs), specs, gen, target)))
         return model.eval(), config
     if load_format != "auto":
         raise ValueError(f"load_format must be auto or dummy, got {load_format!r}")
     source, files = checkpoint_files(model_dir)  # validate before allocating anything
     with torch.device(target):
         model = model_cls(config, torch_dtype, **model_options)
+    stream = _weight_stream(model, fp8)
     loaded: set[str] = set()
     for path, names in sorted(files.items()):
-        loaded |= _load_file(model, path, names, target)
+        loaded |= _load_file(model, path, names, target, stream)
+    stream.finish(source)
     missing = model.checkpoint_tensor_names() - loaded
     if missing:
         shown = ", ".join(repr(n) for n in sorted(missing)[:8])
@@ -135,8 +150,22 @@ def load_model(
     return model.eval(), config
 
 
+def _weight_stream(model: CausalLM, fp8: Fp8Config | None) -> Fp8WeightStream:
+    """With ``fp8``: swap the model's FP8 linears in, then adapt tensors to them (a plain
+    model's stream still dequantizes an FP8 tensor it meets, scales permitting)."""
+    if fp8 is None:
+        return Fp8WeightStream(model.checkpoint_tensors())
+    names = frozenset(checkpoint_fp8_weights(model, fp8))
+    quantize_model_linears(model, fp8)
+    return Fp8WeightStream(model.checkpoint_tensors(), names)
+
+
 def _load_file(
-    model: CausalLM, path: Path, expected: set[str] | None, device: torch.device
+    model: CausalLM,
+    path: Path,
+    expected: set[str] | None,
+    device: torch.device,
+    stream: Fp8WeightStream,
 ) -> set[str]:
     """Load every tensor of one safetensors file; errors name the file."""
     try:
@@ -158,6 +187,6 @@ def _load_file(
                 yield name, f.get_tensor(name)
 
         try:
-            return model.load_weights(tensors())
+            return model.load_weights(stream(tensors()))
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from e

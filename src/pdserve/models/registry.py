@@ -37,6 +37,10 @@ class CausalLM(nn.Module, ABC):
     data-dependent Python control flow (it is captured in CUDA graphs).
     """
 
+    # linears the model reads as raw weights, kept in the model dtype under FP8
+    # quantization (dequantized at load; see pdserve.models.quantization)
+    fp8_dense_modules: tuple[str, ...] = ()
+
     def __init__(self, config: HFModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config

@@ -108,10 +108,11 @@ class ModelRunner:
             self.device,
             load_format=config.model.load_format,
             seed=config.model.seed,
+            quantization=config.model.quantization,
             **mtp,
         )
         self.model.eval()
-        self.dtype = next(self.model.parameters()).dtype
+        self.dtype = self.model.dtype  # FP8 linears keep their activations in this dtype
         self.load_seconds = time.perf_counter() - t0
         hc = self.hf_config
         self.vocab_size = int(hc.vocab_size)
@@ -133,7 +134,10 @@ class ModelRunner:
         self.rejection_method = spec.rejection_sample_method if spec else "probabilistic"
         self.synthetic_rate = (spec.synthetic_acceptance_rate or 0.0) if spec else 0.0
         kv_dtype = str(self.dtype).removeprefix("torch.")
-        cache_config, group_layers = collect_cache_layers(self.model, self.block_size, kv_dtype)
+        fp8_kv = "float8_e4m3fn" if config.cache.kv_cache_dtype.startswith("fp8") else None
+        cache_config, group_layers = collect_cache_layers(
+            self.model, self.block_size, kv_dtype, fp8_kv
+        )
         choice = config.device.attention_backend
         backends = {
             g: layers[0].make_backend(choice, self.device, self.max_model_len)  # type: ignore[operator]

@@ -21,17 +21,21 @@ from pdserve.runner.input_buffers import InputBuffers
 
 
 def collect_cache_layers(
-    model: nn.Module, block_size: int, kv_dtype: str
+    model: nn.Module, block_size: int, kv_dtype: str, fp8_kv_dtype: str | None = None
 ) -> tuple[KVCacheConfig, dict[str, list[nn.Module]]]:
     """Name every cache-owning module by its path in the model, ask it for its cache,
-    and group the answers. Returns the config and each group's layers."""
+    and group the answers. Returns the config and each group's layers. With
+    ``fp8_kv_dtype`` (``--kv-cache-dtype fp8``) the owners that read an FP8 cache
+    (``supports_fp8_cache``: GQA attention, MLA) get that dtype; the rest (the DSA
+    indexer) keep ``kv_dtype``."""
     entries = []
     layers: dict[str, list[nn.Module]] = {}
     for name, mod in model.named_modules():
         if not is_cache_owner(mod):
             continue
         mod.layer_name = name
-        layout = mod.kv_cache_layout(block_size, kv_dtype)
+        fp8 = fp8_kv_dtype is not None and getattr(mod, "supports_fp8_cache", False)
+        layout = mod.kv_cache_layout(block_size, fp8_kv_dtype if fp8 else kv_dtype)
         if layout is None:
             continue
         entries.append((name, mod.cache_group, layout))

@@ -34,7 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -90,6 +90,7 @@ PRESETS = (
 )
 DEEPSEEK_ARCHS = ("GlmMoeDsaForCausalLM", "DeepseekV32ForCausalLM", "DeepseekV3ForCausalLM")
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = ("fp8",)
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
 
 # Model dimensions per preset.
@@ -323,8 +324,15 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def _write_weights(
-    out: Path, specs: TensorSpecs, seed: int, device: torch.device, max_shard_size: int
+    out: Path,
+    specs: TensorSpecs,
+    seed: int,
+    device: torch.device,
+    max_shard_size: int,
+    transform: Callable[[Iterable[tuple[str, torch.Tensor]]], Iterable[tuple[str, torch.Tensor]]],
 ) -> None:
+    """Draw and write the tensors shard by shard; ``transform`` turns each shard's drawn
+    tensors into the ones written (FP8: each quantized weight and its scales)."""
     import torch
     from safetensors.torch import save_file
 
@@ -335,19 +343,20 @@ def _write_weights(
     meta = {"format": "pt"}
     if len(shards) == 1:
         save_file(
-            {n: t.cpu() for n, t in random_tensors(shards[0], specs, gen, device)},
+            {n: t.cpu() for n, t in transform(random_tensors(shards[0], specs, gen, device))},
             out / "model.safetensors",
             meta,
         )
         return
     weight_map: dict[str, str] = {}
+    total = 0
     for i, shard in enumerate(shards):
         file_name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {n: t.cpu() for n, t in random_tensors(shard, specs, gen, device)}
+        tensors = {n: t.cpu() for n, t in transform(random_tensors(shard, specs, gen, device))}
         save_file(tensors, out / file_name, meta)
         weight_map.update((name, file_name) for name in tensors)
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
         del tensors
-    total = sum(_numel(shape) * dtype.itemsize for shape, dtype in specs.values())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     _write_json(out / "model.safetensors.index.json", index)
 
@@ -363,6 +372,7 @@ def make_checkpoint(
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
     config_overrides: Mapping[str, Any] | None = None,
     config_only: bool = False,
+    quantization: str | None = None,
 ) -> Path:
     """Write a random HF checkpoint for ``arch`` at ``preset`` size into ``out_dir``.
 
@@ -370,7 +380,10 @@ def make_checkpoint(
     before the model is shaped from it; ``architectures`` among them picks the
     model class (the tokenizer stays ``arch``'s). ``config_only`` writes everything but
     the weights (serve it with ``--load-format dummy``: the same values, drawn on the
-    device). Returns the directory.
+    device). ``quantization="fp8"`` writes a block-scaled FP8 checkpoint
+    (:mod:`pdserve.models.quantization`): the same random values, each quantized
+    linear as float8_e4m3fn ``weight`` plus ``weight_scale_inv`` per 128x128 block.
+    Returns the directory.
     """
     family(arch)
     if preset not in PRESETS:
@@ -381,6 +394,10 @@ def make_checkpoint(
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     if max_shard_size <= 0:
         raise ValueError(f"max_shard_size must be positive, got {max_shard_size}")
+    if quantization not in (None, *QUANTIZATIONS):
+        raise ValueError(
+            f"unsupported quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}"
+        )
     import torch
 
     try:
@@ -394,16 +411,38 @@ def make_checkpoint(
     if config["vocab_size"] > SMALL_VOCAB:  # a benchmark size: the model's full vocabulary
         tok = build_tokenizer(arch, config["vocab_size"])
         config = build_config(arch, preset, tok, dtype, config_overrides)
+    transform = _no_transform
+    if quantization == "fp8":
+        transform, config = _fp8(config, dtype)
     specs = checkpoint_tensors(config, dtype)  # before anything is written: errors leave no files
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if not config_only:
-        _write_weights(out, specs, seed, dev, max_shard_size)
+        _write_weights(out, specs, seed, dev, max_shard_size, transform)
     _write_json(out / "config.json", config)
     tok.save(str(out / "tokenizer.json"))
     for file_name, content in tokenizer_files(arch, tok, config["max_position_embeddings"]).items():
         _write_json(out / file_name, content)
     return out
+
+
+def _no_transform(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+) -> Iterable[tuple[str, torch.Tensor]]:
+    return tensors
+
+
+def _fp8(config: dict[str, Any], dtype: str) -> tuple[Any, dict[str, Any]]:
+    """(the FP8 tensor writer, the config with its ``quantization_config``)."""
+    import torch
+
+    from pdserve.models.hf_config import HFModelConfig
+    from pdserve.models.quantization import default_fp8_config, fp8_checkpoint_writer
+
+    cfg = default_fp8_config(config)
+    config = {**config, "quantization_config": cfg.to_json()}
+    writer = fp8_checkpoint_writer(HFModelConfig.from_dict(config), getattr(torch, dtype), cfg)
+    return writer, config
 
 
 def _write_json(path: Path, data: Any) -> None:
@@ -450,6 +489,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)"
     )
     parser.add_argument(
+        "--quantization",
+        default=None,
+        choices=QUANTIZATIONS,
+        help="fp8: block-scaled FP8 weights (e4m3, one scale per 128x128 block, as "
+        "DeepSeek-V3 / GLM-5-FP8 ship them), quantized from the same random values",
+    )
+    parser.add_argument(
         "--config-only",
         action="store_true",
         help="write config and tokenizer but no weights (serve with --load-format dummy)",
@@ -468,9 +514,11 @@ def main(args: argparse.Namespace) -> int:
             device=args.device,
             max_shard_size=parse_size(str(args.max_shard_size)),
             config_only=args.config_only,
+            quantization=getattr(args, "quantization", None),
         )
     except ValueError as e:
         print(f"make-checkpoint: error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {args.arch} ({args.preset}, {args.dtype}, seed {args.seed}) to {out}")
+    quant = f", {args.quantization}" if getattr(args, "quantization", None) else ""
+    print(f"wrote {args.arch} ({args.preset}, {args.dtype}{quant}, seed {args.seed}) to {out}")
     return 0

@@ -23,6 +23,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from pdserve.kernels.reference import write_paged
+
 
 @dataclass
 class CommonAttentionMetadata:
@@ -91,8 +93,9 @@ class GQABackend(AttentionBackend):
 def write_kv_reference(
     k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Scatter this step's K/V into the paged cache ([2, blocks, block, heads, dim])."""
+    """Scatter this step's K/V into the paged cache ([2, blocks, block, heads, dim]), cast
+    to its dtype (an fp8 cache: saturated at +-448, scale 1.0)."""
     num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
     t = slot_mapping.shape[0]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k[:t])
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v[:t])
+    write_paged(kv_cache[0].view(-1, num_kv_heads, head_dim), slot_mapping, k[:t])
+    write_paged(kv_cache[1].view(-1, num_kv_heads, head_dim), slot_mapping, v[:t])

@@ -18,8 +18,11 @@ class Attention(nn.Module):
     [T, num_kv_heads*head_dim], already rotated. Output is [T, num_heads*head_dim].
     The layer owns a cache of K and V per KV head (group ``cache_group``, layout
     ``[2, blocks, block_size, num_kv_heads, head_dim]``); ``layer_name`` is set by the
-    runner when it allocates the caches.
+    runner when it allocates the caches. The cache may be float8_e4m3fn
+    (``--kv-cache-dtype fp8``): written saturated, read dequantized, scale 1.0.
     """
+
+    supports_fp8_cache = True
 
     def __init__(
         self,

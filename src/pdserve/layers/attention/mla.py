@@ -26,6 +26,7 @@ from torch import nn
 
 from pdserve.core_types.cache_spec import CacheLayout
 from pdserve.forward_context import get_forward_context
+from pdserve.kernels.reference import write_paged
 from pdserve.layers.attention.backend import AttentionBackend, CommonAttentionMetadata
 from pdserve.layers.attention.paged_gather import (
     context_positions,
@@ -57,8 +58,8 @@ class MLATorchBackend(AttentionBackend):
     ) -> torch.Tensor:  # [T, H, L]
         t = md.num_actual_tokens
         lat_dim = latent.shape[-1]
-        entry = torch.cat([latent[:t], k_pe[:t]], dim=-1).to(cache.dtype)
-        cache.view(-1, cache.shape[-1]).index_copy_(0, md.slot_mapping[:t], entry)
+        entry = torch.cat([latent[:t], k_pe[:t]], dim=-1)
+        write_paged(cache.view(-1, cache.shape[-1]), md.slot_mapping[:t], entry)  # fp8: saturated
         out = q_lat.new_zeros(q_lat.shape)
         q = torch.cat([q_lat, q_pe], dim=-1)
         flat = cache.view(-1, cache.shape[-1])
@@ -96,8 +97,11 @@ class MLAAttention(nn.Module):
 
     The model computes the projections; this takes q (nope and rotated parts per head),
     the normalised latent and the rotated shared key, and ``kv_b_proj``'s weight, and
-    returns ``[T, H * v_head_dim]`` (before ``o_proj``).
+    returns ``[T, H * v_head_dim]`` (before ``o_proj``). The latent cache may be
+    float8_e4m3fn (``--kv-cache-dtype fp8``, scale 1.0): read back in float32.
     """
+
+    supports_fp8_cache = True
 
     def __init__(
         self,
@@ -124,6 +128,11 @@ class MLAAttention(nn.Module):
         return CacheLayout("mla", dtype, (1, block_size, width), block_axis=0)
 
     def make_backend(self, choice: str, device: torch.device, max_model_len: int) -> Any:
+        """``triton`` (``auto`` on CUDA): :class:`MLATritonBackend`; else the reference."""
+        if choice == "triton" or (choice == "auto" and device.type == "cuda"):
+            from pdserve.layers.attention.mla_triton import MLATritonBackend
+
+            return MLATritonBackend(max_model_len)
         return MLATorchBackend()
 
     def forward(

@@ -41,6 +41,7 @@ def paged_attention_reference(
     bt = md.block_tables[:b, :nblk].to(torch.int64)
     kp = kv_cache[0][bt].reshape(b, nblk * block_size, num_kv_heads, head_dim)[:, :max_s]
     vp = kv_cache[1][bt].reshape(b, nblk * block_size, num_kv_heads, head_dim)[:, :max_s]
+    kp, vp = kp.to(q.dtype), vp.to(q.dtype)  # an fp8 cache is read dequantized (scale 1.0)
 
     seq_lens = md.seq_lens[:b].to(torch.int64)
     q_pos = (seq_lens - q_lens)[:, None] + ar_q[None, :]  # [B, max_q]

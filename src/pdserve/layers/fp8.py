@@ -1,0 +1,208 @@
+"""Linear layers with block-scaled FP8 weights (DeepSeek-V3 / GLM-5-FP8 checkpoints).
+
+An :class:`Fp8Linear` holds ``weight`` [N, K] in float8_e4m3fn and ``weight_scale_inv``
+float32, one value per ``scale_rows`` x 128 block (``w ≈ weight * weight_scale_inv``
+block by block), under the checkpoint's own names. Its forward quantizes the input per
+token per 128 channels and runs the block-FP8 GEMM:
+
+- CUDA: the Triton kernel (:func:`~pdserve.kernels.fp8_gemm.block_fp8_gemm`), or for
+  batches of at least ``SCALED_MM_MIN_TOKENS`` tokens ``torch._scaled_mm``'s blockwise
+  recipe where this PyTorch and GPU support it (checked once per device against the
+  reference, at the first such call; the Triton kernel otherwise, and always while a
+  CUDA graph is captured);
+- CPU: the dequantize-then-matmul reference (the Triton kernel under
+  ``PDSERVE_FUSED_KERNELS=1`` with the interpreter).
+
+A :class:`Fp8MergedLinear` (q|k|v, gate|up) keeps 128-row scale blocks when every part
+starts on a 128-row boundary (the published models), and one scale row per weight row
+otherwise (small test models): a part's ``[ceil(n/128), K/128]`` checkpoint scales are
+then repeated over its rows on load (:func:`expand_scale_rows`), the same values.
+
+:func:`convert_linears` swaps the model's :class:`Linear` layers for these after
+construction (the bf16 parameters they replace are freed as it goes).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import nn
+
+from pdserve.kernels.reference import (
+    FP8_DTYPE,
+    FP8_GROUP,
+    block_fp8_matmul_reference,
+)
+from pdserve.layers.fused import use_fused_kernels
+from pdserve.layers.linear import Linear, MergedLinear
+
+SCALED_MM_MIN_TOKENS = 256
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Fp8Linear(Linear):
+    """``y = x W^T + b`` with block-scaled FP8 ``weight`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        dtype: torch.dtype | None = None,
+        scale_rows: int = FP8_GROUP,
+    ) -> None:
+        nn.Module.__init__(self)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.scale_rows = scale_rows
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False
+        )
+        self.weight_scale_inv = nn.Parameter(
+            torch.empty(
+                _cdiv(out_features, scale_rows),
+                _cdiv(in_features, FP8_GROUP),
+                dtype=torch.float32,
+            ),
+            requires_grad=False,
+        )
+        self.bias = (
+            nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
+            if bias
+            else None
+        )
+        self.fused = use_fused_kernels()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(
+            x, self.weight, self.weight_scale_inv, self.bias, self.scale_rows, self.fused
+        )
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, fp8 blocks {self.scale_rows}x{FP8_GROUP}"
+
+
+class Fp8MergedLinear(Fp8Linear, MergedLinear):
+    """:class:`MergedLinear` with FP8 weights; each part's HF names (``q_proj.weight``,
+    ``q_proj.weight_scale_inv``) are views into the merged parameters."""
+
+    def __init__(
+        self,
+        in_features: int,
+        parts: Mapping[str, int],
+        bias: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        aligned = all(size % FP8_GROUP == 0 for size in list(parts.values())[:-1])
+        Fp8Linear.__init__(
+            self, in_features, sum(parts.values()), bias, dtype, FP8_GROUP if aligned else 1
+        )
+        self.parts = dict(parts)
+
+    def part_views(self) -> dict[str, torch.Tensor]:
+        views = MergedLinear.part_views(self)
+        offset = 0
+        for part, size in self.parts.items():
+            a, b = offset // self.scale_rows, _cdiv(offset + size, self.scale_rows)
+            views[f"{part}.weight_scale_inv"] = self.weight_scale_inv.data[a:b]
+            offset += size
+        return views
+
+    def extra_repr(self) -> str:
+        return f"{MergedLinear.extra_repr(self)}, fp8 blocks {self.scale_rows}x{FP8_GROUP}"
+
+
+def expand_scale_rows(scale: torch.Tensor, rows: int, target_rows: int) -> torch.Tensor:
+    """A part's checkpoint scales [ceil(rows/128), kb] as ``target_rows`` scale rows:
+    unchanged when they already match, one row per weight row when ``target_rows`` is
+    ``rows`` (an unaligned merged layer)."""
+    if scale.shape[0] == target_rows:
+        return scale
+    if target_rows != rows:
+        raise ValueError(
+            f"weight_scale_inv has {scale.shape[0]} rows; expected {target_rows} "
+            f"(or {_cdiv(rows, FP8_GROUP)} for {rows} weight rows in 128-row blocks)"
+        )
+    return scale.repeat_interleave(FP8_GROUP, 0)[:rows]
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale_rows: int,
+    fused: bool,
+) -> torch.Tensor:
+    """Dispatch one block-FP8 GEMM (see the module docstring)."""
+    if not fused:
+        return block_fp8_matmul_reference(x, weight, scale_inv, bias, scale_rows=scale_rows)
+    from pdserve.kernels.fp8_gemm import block_fp8_gemm
+
+    tokens = x.numel() // max(x.shape[-1], 1)
+    if tokens >= SCALED_MM_MIN_TOKENS and _scaled_mm_usable(x, weight, scale_rows):
+        from pdserve.kernels.fp8_gemm import scaled_mm_block_fp8
+
+        out = scaled_mm_block_fp8(x.reshape(-1, x.shape[-1]), weight, scale_inv, x.dtype)
+        out = out.view(*x.shape[:-1], weight.shape[0])
+        return out + bias if bias is not None else out
+    return block_fp8_gemm(x, weight, scale_inv, scale_rows, bias)
+
+
+def _scaled_mm_usable(x: torch.Tensor, weight: torch.Tensor, scale_rows: int) -> bool:
+    n, k = weight.shape
+    if x.device.type != "cuda" or scale_rows != FP8_GROUP or n % FP8_GROUP or k % FP8_GROUP:
+        return False
+    if torch.cuda.is_current_stream_capturing():  # graphs (decode batches) use Triton
+        return False
+    return _check_scaled_mm(x.device, x.dtype)
+
+
+@functools.lru_cache(maxsize=8)
+def _check_scaled_mm(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._scaled_mm``'s blockwise recipe runs here and matches the reference
+    (asked once per device and dtype)."""
+    from pdserve.kernels.fp8_gemm import scaled_mm_block_fp8
+    from pdserve.kernels.reference import quantize_fp8_blocks
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(256, 256, device=device, generator=gen).to(dtype)
+    w, s = quantize_fp8_blocks(torch.randn(256, 256, device=device, generator=gen), (128, 128))
+    try:
+        got = scaled_mm_block_fp8(x, w, s, dtype).float()
+    except Exception:  # whatever this PyTorch build raises for an unsupported recipe
+        return False
+    want = block_fp8_matmul_reference(x, w, s).float()
+    return bool(((got - want).abs().max() <= 2e-2 * want.abs().max()).item())
+
+
+def convert_linears(root: nn.Module, quantize: Callable[[str, nn.Module], bool]) -> list[str]:
+    """Replace every :class:`Linear` / :class:`MergedLinear` of ``root`` (not already FP8)
+    for which ``quantize(name, module)`` holds with its FP8 counterpart, on the device
+    its weight is on; returns the names replaced."""
+    names = [
+        name
+        for name, module in root.named_modules()
+        if type(module) in (Linear, MergedLinear) and quantize(name, module)
+    ]  # names only: each replaced layer's bf16 weights are freed as soon as it is swapped
+    for name in names:
+        module = root.get_submodule(name)
+        assert isinstance(module, Linear)
+        device = module.weight.device
+        has_bias = module.bias is not None
+        dtype = module.bias.dtype if module.bias is not None else None
+        with torch.device(device):
+            new: Fp8Linear
+            if isinstance(module, MergedLinear):
+                new = Fp8MergedLinear(module.in_features, module.parts, has_bias, dtype)
+            else:
+                new = Fp8Linear(module.in_features, module.out_features, has_bias, dtype)
+        parent_name, _, leaf = name.rpartition(".")
+        setattr(root.get_submodule(parent_name) if parent_name else root, leaf, new)
+        del module
+    return names

@@ -1,0 +1,237 @@
+"""Block-scaled FP8 checkpoints: the ``quantization_config`` they carry, which modules
+are FP8, and the weight stream between the safetensors files and the model.
+
+Format (DeepSeek-V3, GLM-5-FP8): ``quantization_config`` ``{"quant_method": "fp8", "fmt":
+"e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic",
+"modules_to_not_convert": [...]}``; each quantized linear ``X`` stores ``X.weight``
+(float8_e4m3fn) and ``X.weight_scale_inv`` (float32, one per 128x128 block, partial
+edge blocks included). Every :class:`~pdserve.layers.linear.Linear` and every routed
+expert projection is quantized except the modules ``modules_to_not_convert`` names
+(matched as whole dotted components of the module path). Embeddings, the LM head, norms
+and the MoE router are never linears here, so they stay in the model dtype. Any other
+``quant_method``, format, block size or a static activation scheme is refused.
+
+In memory (``load_model``): quantized linears become
+:class:`~pdserve.layers.fp8.Fp8Linear`, except the modules a family reads as raw weights
+(``CausalLM.fp8_dense_modules``: MLA's ``kv_b_proj``, absorbed into attention) and the
+routed experts, which are dequantized to the model dtype at load: the MoE layer keeps
+its bf16 stacks and its reference expert paths unchanged until a fused FP8 MoE kernel
+takes FP8 stacks (the experts' bytes are then still bf16).
+
+:class:`Fp8WeightStream` sits between the files and ``CausalLM.load_weights``: it passes
+FP8 tensors through to FP8 parameters (repeating scales over the rows of an unaligned
+merged layer), dequantizes FP8 tensors meant for bf16 parameters, and quantizes bf16
+tensors meant for FP8 parameters (``--quantization fp8`` on a bf16 checkpoint, and
+``--load-format dummy``), with the same function ``make-checkpoint`` writes with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from pdserve.kernels.reference import FP8_DTYPE, dequantize_fp8_blocks, quantize_fp8_blocks
+from pdserve.layers.fp8 import convert_linears, expand_scale_rows
+from pdserve.layers.linear import Linear, MergedLinear
+from pdserve.layers.moe import RoutedExperts
+from pdserve.models.hf_config import HFModelConfig
+
+QUANTIZATION_METHODS = ("fp8",)
+BLOCK = (128, 128)
+SCALE_SUFFIX = "_scale_inv"
+# what make-checkpoint and load-time quantization leave in the model dtype, per family
+DEFAULT_NOT_CONVERT: dict[str, tuple[str, ...]] = {
+    "llama": ("lm_head",),
+    "qwen3": ("lm_head",),
+    "deepseek": ("lm_head", "weights_proj"),  # the DSA indexer's per-head weights
+}
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    modules_to_not_convert: tuple[str, ...] = ()
+
+    def skips(self, module_name: str) -> bool:
+        """Whether ``module_name`` stays unquantized (a pattern matches whole components)."""
+        padded = f".{module_name}."
+        return any(f".{p.strip('.')}." in padded for p in self.modules_to_not_convert)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "weight_block_size": list(BLOCK),
+            "activation_scheme": "dynamic",
+            "modules_to_not_convert": list(self.modules_to_not_convert),
+        }
+
+
+def default_fp8_config(config: HFModelConfig | Mapping[str, Any]) -> Fp8Config:
+    model_type = (
+        config.model_type if isinstance(config, HFModelConfig) else config.get("model_type")
+    )
+    key = model_type if model_type in DEFAULT_NOT_CONVERT else "deepseek"
+    return Fp8Config(DEFAULT_NOT_CONVERT[key])
+
+
+def resolve_quantization(config: HFModelConfig, quantization: str | None) -> Fp8Config | None:
+    """The checkpoint's FP8 config, or the default one when ``quantization`` is ``"fp8"``
+    and the checkpoint is unquantized (quantize at load); None for a plain model.
+    Unsupported methods and formats are a ValueError naming the file and the field."""
+    if quantization is not None and quantization not in QUANTIZATION_METHODS:
+        raise ValueError(
+            f"--quantization {quantization!r} is not supported (supported: "
+            f"{', '.join(QUANTIZATION_METHODS)})"
+        )
+    raw = config.raw.get("quantization_config")
+    if raw is None:
+        return default_fp8_config(config) if quantization == "fp8" else None
+    where = f"{config.path}: quantization_config"
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{where} must be an object, got {raw!r}")
+    method = raw.get("quant_method")
+    if method != "fp8":
+        raise ValueError(
+            f"{where}.quant_method {method!r} is not supported; pdserve loads block-scaled "
+            "FP8 checkpoints (quant_method 'fp8', fmt 'e4m3', weight_block_size [128, 128])"
+        )
+    checks = (
+        ("fmt", raw.get("fmt", "e4m3"), "e4m3"),
+        ("weight_block_size", raw.get("weight_block_size"), list(BLOCK)),
+        ("activation_scheme", raw.get("activation_scheme", "dynamic"), "dynamic"),
+    )
+    for field, value, want in checks:
+        if value != want:
+            raise ValueError(
+                f"{where}.{field} {value!r} is not supported (only {want!r}: per-128x128-block "
+                "weight scales and activations quantized per token at run time)"
+            )
+    skip = raw.get("modules_to_not_convert") or raw.get("ignored_layers") or []
+    if not isinstance(skip, list) or not all(isinstance(s, str) for s in skip):
+        raise ValueError(f"{where}.modules_to_not_convert must be a list of module names")
+    return Fp8Config(tuple(skip))
+
+
+def _parts(name: str, module: nn.Module) -> list[str]:
+    """HF module names a linear stands for (a merged layer: its parts)."""
+    if isinstance(module, MergedLinear):
+        parent = name.rpartition(".")[0]
+        return [f"{parent}.{p}" if parent else p for p in module.parts]
+    return [name]
+
+
+def checkpoint_fp8_weights(model: nn.Module, cfg: Fp8Config) -> set[str]:
+    """HF names of the weights an FP8 checkpoint of ``model`` stores quantized (each with a
+    ``weight_scale_inv`` beside it). Works on a model built on the meta device."""
+    out: set[str] = set()
+    for name, module in model.named_modules():
+        if type(module) in (Linear, MergedLinear):
+            out.update(f"{p}.weight" for p in _parts(name, module) if not cfg.skips(p))
+        elif isinstance(module, RoutedExperts) and not cfg.skips(name):
+            for e in range(module.num_experts):
+                out.update(f"{name}.{e}.{part}" for part in module.expert_views(e))
+    return out
+
+
+def quantize_model_linears(model: nn.Module, cfg: Fp8Config) -> list[str]:
+    """Swap the linears that stay FP8 in memory for :class:`Fp8Linear` (see module doc)."""
+    dense = tuple(getattr(model, "fp8_dense_modules", ()))
+
+    def keep_fp8(name: str, module: nn.Module) -> bool:
+        leaf = name.rpartition(".")[2]
+        return leaf not in dense and not any(cfg.skips(p) for p in _parts(name, module))
+
+    return convert_linears(model, keep_fp8)
+
+
+class Fp8WeightStream:
+    """Adapts checkpoint tensors to the model's parameters (see the module docstring).
+
+    ``targets``: the model's ``checkpoint_tensors()`` (name -> (shape, dtype)), taken after
+    :func:`quantize_model_linears`. ``fp8_names``: the weights an FP8 checkpoint stores
+    quantized; an unquantized one among them meant for a bf16 parameter (experts,
+    ``kv_b_proj``) goes through quantize + dequantize, so quantizing at load gives the
+    values loading the FP8 checkpoint gives. Call :meth:`finish` after the last file."""
+
+    def __init__(
+        self,
+        targets: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+        fp8_names: frozenset[str] = frozenset(),
+    ) -> None:
+        self.targets = targets
+        self.fp8_names = fp8_names
+        self.weights: dict[str, torch.Tensor] = {}  # FP8 weights waiting for their scales
+        self.scales: dict[str, torch.Tensor] = {}  # scales waiting for their FP8 weights
+
+    def _fp8_target(self, name: str) -> bool:
+        return name in self.targets and self.targets[name][1] == FP8_DTYPE
+
+    def _scale_for(self, weight_name: str, scale: torch.Tensor) -> torch.Tensor:
+        rows = self.targets[weight_name][0][0]
+        target_rows = self.targets[weight_name + SCALE_SUFFIX][0][0]
+        return expand_scale_rows(scale.float(), rows, target_rows)
+
+    def _dequantized(self, name: str) -> tuple[str, torch.Tensor]:
+        q, s = self.weights.pop(name), self.scales.pop(name)
+        dtype = self.targets[name][1] if name in self.targets else torch.float32
+        return name, dequantize_fp8_blocks(q, s, BLOCK, dtype)
+
+    def __call__(
+        self, tensors: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in tensors:
+            if name.endswith(".weight" + SCALE_SUFFIX):
+                weight = name.removesuffix(SCALE_SUFFIX)
+                if self._fp8_target(weight):
+                    yield name, self._scale_for(weight, t)
+                    continue
+                self.scales[weight] = t
+                if weight in self.weights:
+                    yield self._dequantized(weight)
+            elif t.dtype == FP8_DTYPE and not self._fp8_target(name):
+                self.weights[name] = t
+                if name in self.scales:
+                    yield self._dequantized(name)
+            elif t.dtype != FP8_DTYPE and self._fp8_target(name):
+                q, s = quantize_fp8_blocks(t, BLOCK)
+                yield name, q
+                yield name + SCALE_SUFFIX, self._scale_for(name, s)
+            elif name in self.fp8_names and t.dtype != FP8_DTYPE:
+                q, s = quantize_fp8_blocks(t, BLOCK)
+                yield name, dequantize_fp8_blocks(q, s, BLOCK, t.dtype)
+            else:
+                yield name, t
+
+    def finish(self, source: object) -> None:
+        """Refuse FP8 weights whose scales never came (and scales without weights)."""
+        for what, left in (("weight_scale_inv", self.weights), ("FP8 weight", self.scales)):
+            if left:
+                name = sorted(left)[0]
+                raise ValueError(f"{source}: FP8 tensor {name!r} has no {what} in the checkpoint")
+
+
+def fp8_checkpoint_writer(config: HFModelConfig, dtype: torch.dtype, cfg: Fp8Config) -> Any:
+    """A function turning a stream of unquantized checkpoint tensors into the FP8
+    checkpoint's (each quantized weight followed by its ``weight_scale_inv``): what
+    ``make-checkpoint --quantization fp8`` writes. The model is shaped on the meta device."""
+    from pdserve.models.registry import get_model_class
+
+    options = {"with_mtp": True} if config.raw.get("num_nextn_predict_layers") else {}
+    with torch.device("meta"):
+        model = get_model_class(config)(config, dtype, **options)
+    names = checkpoint_fp8_weights(model, cfg)
+
+    def write(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in tensors:
+            if name in names:
+                q, s = quantize_fp8_blocks(t, BLOCK)
+                yield name, q
+                yield name + SCALE_SUFFIX, s
+            else:
+                yield name, t
+
+    return write
