@@ -1,7 +1,7 @@
 """The sampling surface beyond temperature and filters, on the offline API over the tiny
 Llama: top-N logprobs (against transformers' log_softmax of the same checkpoint),
 ``logit_bias`` and ``allowed_token_ids`` (greedy, random, and speculative verify rows),
-and the sampler's mask against a torch reference."""
+the sampler's mask against a torch reference, and ``bad_words``."""
 
 from __future__ import annotations
 
@@ -228,3 +228,16 @@ def test_penalties_are_refused_with_speculative_decoding(tiny_llama: Path) -> No
     sllm = LLM(str(tiny_llama), speculative_config=spec, **KW)
     with pytest.raises(ValueError, match="penalties with speculative decoding"):
         sllm.generate(PROMPT, _greedy(4, repetition_penalty=1.2))
+
+
+def test_bad_words_single_and_multi_token(llm: LLM) -> None:
+    free = llm.generate(PROMPT, _greedy(30))[0].outputs[0].text
+    word = max(set(free.split()), key=free.split().count)  # what greedy repeats
+    assert f"{word} {word}" in free
+    # a two-token word: its second token is banned right after its first
+    two = llm.generate(PROMPT, _greedy(30, bad_words=[f"{word} {word}"]))[0].outputs[0].text
+    assert f"{word} {word}" not in two and two != free
+    # a one-token word (as is and after a space): never generated
+    one = llm.generate(PROMPT, _greedy(30, bad_words=[word]))[0].outputs[0]
+    single = {s[0] for s in llm.processor.bad_word_sequences([word]) if len(s) == 1}
+    assert single and not single & set(one.token_ids)

@@ -108,6 +108,7 @@ class FakeEngineClient:
         self.tokenizer = tokenizer if tokenizer is not None else FakeTokenizer()
         self.vocab_size = int(self.tokenizer.vocab_size)
         self.max_model_len = max_model_len
+        self.priority_scheduling = False
         self.token_delay = token_delay
         self.num_cached_tokens = num_cached_tokens
         # scripted output: this text in deltas of script_chunk characters (one "token"

@@ -39,6 +39,18 @@ def test_completion_token_prompt_and_default_model(server: ServerThread) -> None
     assert body["usage"]["prompt_tokens"] == 2
 
 
+def test_completion_echo_text_and_token_prompts(server: ServerThread) -> None:
+    c = client_for(server)
+    r = c.completions.create(model=MODEL, prompt="hello", max_tokens=3, echo=True)
+    assert r.choices[0].text == "helloabc"
+    assert r.usage is not None and r.usage.completion_tokens == 3
+    r = c.completions.create(model=MODEL, prompt=[104, 105], max_tokens=2, echo=True)
+    assert r.choices[0].text == "hiab"
+    stream = c.completions.create(model=MODEL, prompt="yo", max_tokens=3, echo=True, stream=True)
+    texts = [ch.choices[0].text for ch in stream if ch.choices]
+    assert texts[0] == "yoa" and "".join(texts) == "yoabc"
+
+
 def test_completion_streaming_with_usage(server: ServerThread) -> None:
     stream = client_for(server).completions.create(
         model=MODEL,

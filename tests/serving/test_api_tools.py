@@ -206,12 +206,12 @@ def test_auto_tool_choice_needs_the_flag(make_server: ServerFactory) -> None:
         client_for(srv).chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "x"}], tools=TOOLS
         )
-    with pytest.raises(openai.BadRequestError, match="structured output"):
+    with pytest.raises(openai.BadRequestError, match="not among the tools"):
         client_for(srv).chat.completions.create(
             model=MODEL,
             messages=[{"role": "user", "content": "x"}],
             tools=TOOLS,
-            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            tool_choice={"type": "function", "function": {"name": "nope"}},
         )
 
 

@@ -56,6 +56,7 @@ class EngineReady(msgspec.Struct, tag="ready"):
     device: str
     startup_seconds: float
     speculative: bool = False  # penalties are refused with speculative decoding
+    priority_scheduling: bool = False  # --scheduling-policy priority: requests may set one
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs"):

@@ -11,6 +11,46 @@ from dataclasses import dataclass, field
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20  # most alternatives (top logprobs) a request may ask for per token
 MAX_LOGIT_BIAS = 100.0
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One constraint on a request's output (vLLM's ``StructuredOutputsParams``): exactly
+    one of ``json`` (a JSON schema, as JSON text), ``json_object`` (any JSON object),
+    ``regex``, ``choice`` (one of these strings) or ``grammar`` (xgrammar's EBNF).
+    JSON is generated compact (no optional whitespace between tokens)."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    @property
+    def kind(self) -> str:
+        """The one kind set (``verify`` ensures there is exactly one)."""
+        set_kinds = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(set_kinds) != 1:
+            raise ValueError(
+                "structured_outputs needs exactly one of json, json_object, regex, choice, "
+                f"grammar (got {', '.join(set_kinds) or 'none'})"
+            )
+        return set_kinds[0]
+
+    def key(self) -> tuple[str, str]:
+        """(kind, spec): equal keys compile to the same grammar."""
+        kind = self.kind
+        if kind == "json_object":
+            return kind, ""
+        if kind == "choice":
+            return kind, "\x00".join(self.choice or [])
+        return kind, str(getattr(self, kind))
+
+    def verify(self) -> None:
+        kind = self.kind
+        if kind == "choice" and (not self.choice or any(not c for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a list of non-empty strings")
 
 
 @dataclass
@@ -37,8 +77,18 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     allowed_token_ids: list[int] | None = None  # every other id is masked out
+    # the output is constrained to a grammar (xgrammar; the engine core advances a matcher
+    # per request and masks the logits); the request stops when the grammar is complete
+    structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's bad_words: never generate these words; the input processor tokenizes each
+    # (as is and after a space) into bad_words_token_ids; a sequence's last token is banned
+    # where the output so far ends with the rest of it
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # scheduling priority under --scheduling-policy priority (lower first); must be 0 else
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -98,6 +148,15 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise ValueError("allowed_token_ids must not be empty")
+        if self.structured_outputs is not None:
+            self.structured_outputs.verify()
+            if self.min_tokens:
+                raise ValueError(
+                    "min_tokens cannot be combined with structured output: the grammar "
+                    "decides where the output ends"
+                )
+        if self.bad_words is not None and any(not w.strip() for w in self.bad_words):
+            raise ValueError("bad_words must be non-empty words")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
         if vocab_size is not None:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pdserve.core_types.kv_connector import KVConnectorMetadata, KVConnectorOutput
 from pdserve.core_types.kv_transfer_params import KVTransferParams
 from pdserve.core_types.sampling_params import SamplingParams
@@ -65,6 +67,12 @@ class SchedulerOutput:
     # requests whose step reaches the end of their known tokens: they sample
     sampling_req_ids: set[str] = field(default_factory=set)
     kv_connector_metadata: KVConnectorMetadata | None = None
+    # structured output: one int32 bitmask row (ceil(vocab / 32) words, bit set = allowed)
+    # per request of ``structured_req_ids``, each of which samples this step
+    structured_req_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: np.ndarray | None = None
+    # bad_words: token ids banned at the sampled row of these requests this step
+    bad_word_bans: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

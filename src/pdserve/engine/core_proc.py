@@ -65,6 +65,7 @@ def run_engine_core(
                 str(r.device),
                 core.startup_seconds,
                 core.config.speculative is not None,
+                core.config.scheduler.scheduling_policy == "priority",
             )
         )
     )

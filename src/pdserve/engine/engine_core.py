@@ -21,6 +21,7 @@ from pdserve.core_types.stats import SchedulerStats, read_rss_bytes
 from pdserve.engine.kv_cache.manager import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.structured_output import StructuredOutputManager
 from pdserve.kv_transfer.base import KVConnectorWorker, KVHealth
 from pdserve.kv_transfer.compat import compat_info
 from pdserve.kv_transfer.pd_connector import (
@@ -33,6 +34,7 @@ from pdserve.spec_decode.proposer import Proposer
 
 logger = logging.getLogger(__name__)
 _SUPERVISE_EVERY_S = 0.1
+_COMPILE_WAIT_S = 0.005  # an idle step waits this long for a grammar being compiled
 
 
 class EngineCore:
@@ -63,6 +65,10 @@ class EngineCore:
             num_spec_tokens=self.runner.num_spec,
             num_lookahead_tokens=self.runner.lookahead,
             pad_first_step=spec.pad_first_decode_step if spec is not None else False,
+            vocab_size=self.runner.vocab_size,
+        )
+        self.structured = StructuredOutputManager(
+            config.model.tokenizer or config.model.model, self.runner.vocab_size
         )
         self._rss_read_at = 0.0
         self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
@@ -95,6 +101,7 @@ class EngineCore:
         return sched_half
 
     def shutdown(self) -> None:
+        self.structured.shutdown()
         if self.connector_worker is not None:
             self.connector_worker.shutdown()
 
@@ -111,13 +118,39 @@ class EngineCore:
         return self.runner.vocab_size
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Queue a request the frontend validated (a duplicate id is a ValueError)."""
-        self.scheduler.add_request(Request(request))
+        """Queue a request the frontend validated (a duplicate id is a ValueError). A
+        constrained one waits for its grammar first (compiled off the step loop)."""
+        req = Request(request)
+        if req.sampling_params.structured_outputs is None:
+            self.scheduler.add_request(req)
+            return
+        if req.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.structured.add(req)
+
+    def _admit_compiled(self) -> list[EngineCoreOutput]:
+        """Queue the constrained requests whose grammar is ready; fail those whose
+        grammar did not compile."""
+        if not self.structured.pending:
+            return []
+        idle = not self.scheduler.has_schedulable_work()
+        ready, failed = self.structured.take_ready(wait_s=_COMPILE_WAIT_S if idle else 0.0)
+        for req in ready:
+            self.scheduler.add_request(req)
+        return [
+            EngineCoreOutput(req.request_id, [], finish_reason="error", error=why)
+            for req, why in failed
+        ]
 
     def abort_requests(
         self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
     ) -> list[EngineCoreOutput]:
         done = self.scheduler.finish_requests(request_ids, status)
+        for rid in request_ids:
+            waiting = self.structured.abort(rid)
+            if waiting is not None:
+                waiting.status = status
+                done.append(waiting)
         return [
             EngineCoreOutput(
                 r.request_id,
@@ -140,10 +173,10 @@ class EngineCore:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self.structured.pending)
 
     def has_schedulable_work(self) -> bool:
-        return self.scheduler.has_schedulable_work()
+        return self.scheduler.has_schedulable_work() or bool(self.structured.pending)
 
     def _launch(self, so: SchedulerOutput) -> StepHandle:
         if self.connector_worker is not None and so.kv_connector_metadata is not None:
@@ -180,15 +213,21 @@ class EngineCore:
             if t - self._supervised_at >= _SUPERVISE_EVERY_S:
                 self._supervised_at = t
                 self.supervise_connector()
+        outputs = self._admit_compiled()
+        if self._in_flight is not None and self.scheduler.waits_for_landed_tokens():
+            # structured output: land the step in flight first (its tokens feed matchers)
+            so, handle = self._in_flight
+            self._in_flight = None
+            outputs += self.scheduler.update_from_output(so, self._finish(handle))
         so = self.scheduler.schedule()
         # also when empty: the runner drops finished rows and the connector reports
         if not self.scheduler.async_scheduling:
-            return self.scheduler.update_from_output(so, self._finish(self._launch(so)))
+            return outputs + self.scheduler.update_from_output(so, self._finish(self._launch(so)))
         handle = self._launch(so)
         prev, self._in_flight = self._in_flight, (so, handle)
         if prev is None:
-            return []
-        return self.scheduler.update_from_output(prev[0], self._finish(prev[1]))
+            return outputs
+        return outputs + self.scheduler.update_from_output(prev[0], self._finish(prev[1]))
 
     def stats(self) -> SchedulerStats:
         s = self.scheduler.make_stats()

@@ -13,10 +13,14 @@ nothing else.
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 from pdserve.core_types.kv_transfer_params import KVTransferParams
 from pdserve.core_types.messages import EngineCoreRequest
 from pdserve.core_types.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.engine.structured_output import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -51,6 +55,7 @@ class Request:
         self.request_id: str = r.request_id
         self.prompt_token_ids: list[int] = r.prompt_token_ids
         self.sampling_params: SamplingParams = r.sampling_params
+        self.priority = r.sampling_params.priority  # lower first (--scheduling-policy priority)
         self.eos_token_ids = frozenset(r.eos_token_ids)
         self.arrival_time = r.arrival_time
         self.kv_transfer_params: KVTransferParams | None = r.kv_transfer_params
@@ -69,6 +74,26 @@ class Request:
         self.block_hashes: list[bytes] = []
         # drafts for the next step that the host knows (synchronous scheduling)
         self.spec_token_ids: list[int] = []
+        # the matcher of a constrained request (structured output), set once compiled
+        self.grammar: RequestGrammar | None = None
+        self.bad_words: list[list[int]] = list(r.sampling_params.bad_words_token_ids or [])
+
+    @property
+    def needs_landed_tokens(self) -> bool:
+        """Its next step's mask depends on its latest token: structured output, or a bad
+        word of several tokens."""
+        return self.grammar is not None or any(len(s) > 1 for s in self.bad_words)
+
+    def bad_word_bans(self) -> list[int]:
+        """Token ids banned next: each bad word's last token where the output ends with
+        the rest of the word."""
+        out = self.output_token_ids
+        bans = []
+        for seq in self.bad_words:
+            head = seq[:-1]
+            if not head or (len(out) >= len(head) and out[len(out) - len(head) :] == head):
+                bans.append(seq[-1])
+        return bans
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -7,6 +7,11 @@ the waiting queue). Waiting requests are admitted in FIFO order while the token
 budget, ``max_num_seqs`` and free blocks allow, prompts chunked to fit the budget.
 No new requests are admitted in a step that preempted.
 
+With ``--scheduling-policy priority`` the waiting queue is ordered by (priority, arrival)
+(lower priority value first, as vLLM) and the preemption victim is the running request
+with the highest (priority, arrival) among those not yet scheduled in the step; a
+waiting request does not preempt running ones to get in.
+
 Speculative decoding (``num_spec_tokens`` > 0): a decoding request computes its last
 token plus up to k drafts, capped so that its positions stay within ``max_model_len``
 but not by its ``max_tokens`` (tokens accepted past it are dropped; a shorter verify
@@ -35,6 +40,8 @@ from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
+
 from pdserve.config import SchedulerConfig
 from pdserve.core_types.kv_connector import KVConnectorOutput
 from pdserve.core_types.kv_transfer_params import KVTransferParams
@@ -49,6 +56,7 @@ from pdserve.core_types.stats import SchedulerStats
 from pdserve.engine.kv_cache.block_pool import KVCacheBlock
 from pdserve.engine.kv_cache.manager import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.structured_output import BitmaskFiller
 from pdserve.kv_transfer.base import KVConnectorScheduler
 
 
@@ -63,6 +71,7 @@ class Scheduler:
         num_spec_tokens: int = 0,
         num_lookahead_tokens: int = 0,
         pad_first_step: bool = False,
+        vocab_size: int = 0,
     ) -> None:
         self.config = config
         self.kv = kv
@@ -70,6 +79,7 @@ class Scheduler:
         self.connector = connector
         self.load_failure_policy = load_failure_policy
         self.async_scheduling = config.async_scheduling
+        self.priority_policy = config.scheduling_policy == "priority"
         self.num_spec_tokens = num_spec_tokens
         self.num_lookahead_tokens = num_lookahead_tokens
         self.pad_first_step = pad_first_step and num_spec_tokens > 0
@@ -81,6 +91,9 @@ class Scheduler:
         self._remote_tokens: dict[str, tuple[int, int]] = {}  # id -> (local hits, external)
         self._finished_ids: set[str] = set()
         self.stats = SchedulerStats()
+        self.vocab_size = vocab_size
+        self.num_structured = 0  # requests with a grammar (structured output) or bad words
+        self._bitmask: BitmaskFiller | None = None
 
     # -- request lifecycle -----------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -89,7 +102,9 @@ class Scheduler:
         if self.connector is not None:
             self.connector.on_new_request(req)
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        self._enqueue(req, front=False)
+        if req.needs_landed_tokens or req.bad_words:
+            self.num_structured += 1
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
         """Finish (abort, or stop from the frontend) requests wherever they are."""
@@ -121,6 +136,8 @@ class Scheduler:
             self.kv.free(req.request_id)
         del self.requests[req.request_id]
         self._finished_ids.add(req.request_id)
+        if req.needs_landed_tokens or req.bad_words:
+            self.num_structured -= 1
         return params
 
     def _preempt(self, req: Request) -> None:
@@ -131,10 +148,45 @@ class Scheduler:
         req.spec_token_ids = []
         req.num_preemptions += 1
         self.stats.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self._enqueue(req, front=True)
+
+    def _enqueue(self, req: Request, front: bool) -> None:
+        """Into the waiting queue: fcfs at the back (``front``: at the front, where a
+        preempted or KV-loaded request resumes); priority by (priority, arrival)."""
+        if not self.priority_policy:
+            if front:
+                self.waiting.appendleft(req)
+            else:
+                self.waiting.append(req)
+            return
+        key = (req.priority, req.arrival_time)
+        for j, other in enumerate(self.waiting):
+            if key < (other.priority, other.arrival_time):
+                self.waiting.insert(j, req)
+                return
+        self.waiting.append(req)
+
+    def _victim(self, first: int) -> Request:
+        """The running request to preempt among those not scheduled yet this step
+        (``running[first:]``): the latest admitted (fcfs) or the lowest priority, latest
+        arrival first (priority)."""
+        if not self.priority_policy:
+            return self.running.pop()
+        j = max(
+            range(first, len(self.running)),
+            key=lambda k: (self.running[k].priority, self.running[k].arrival_time),
+        )
+        return self.running.pop(j)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def waits_for_landed_tokens(self) -> bool:
+        """A running constrained request has a step in flight: its next bitmask needs
+        that step's token (the engine core lands the step before scheduling)."""
+        return self.num_structured > 0 and any(
+            r.num_output_placeholders and r.needs_landed_tokens for r in self.running
+        )
 
     def has_schedulable_work(self) -> bool:
         """Unfinished requests other than those only waiting for remote KV."""
@@ -156,8 +208,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.num_output_placeholders and self._reaches_length(req):
-                i += 1  # its last token is in flight: it finishes when that lands
+            if req.num_output_placeholders and (
+                req.needs_landed_tokens or self._reaches_length(req)
+            ):
+                # its last token is in flight: it finishes when that lands, or (structured
+                # output) its matcher needs that token before the next bitmask
+                i += 1
                 continue
             n = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, budget)
             drafts = self._drafts(req, n, budget) if self.num_spec_tokens else None
@@ -168,7 +224,7 @@ class Scheduler:
                 blocks = self.kv.allocate_slots(req, n, num_lookahead_tokens=self._ahead(req, n))
                 if blocks is not None:
                     break
-                victim = self.running.pop()  # the latest admitted; never one already scheduled
+                victim = self._victim(i)  # never one already scheduled this step
                 self._preempt(victim)
                 preempted.add(victim.request_id)
                 if victim is req:
@@ -250,6 +306,17 @@ class Scheduler:
                 if self.async_scheduling:
                     req.num_output_placeholders += 1 + len(spec.get(rid, ()))
         finished, self._finished_ids = self._finished_ids, set()
+        structured: list[str] = []
+        bans: dict[str, list[int]] = {}
+        if self.num_structured:
+            for rid in num_sched:
+                r = self.requests[rid]
+                if rid not in will_sample:
+                    continue
+                if r.grammar is not None:
+                    structured.append(rid)
+                if r.bad_words and (banned := r.bad_word_bans()):
+                    bans[rid] = banned
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -263,7 +330,16 @@ class Scheduler:
             kv_connector_metadata=(
                 self.connector.build_connector_meta() if self.connector is not None else None
             ),
+            structured_req_ids=structured,
+            grammar_bitmask=self._fill_bitmask(structured) if structured else None,
+            bad_word_bans=bans,
         )
+
+    def _fill_bitmask(self, req_ids: list[str]) -> np.ndarray:
+        if self._bitmask is None:
+            self._bitmask = BitmaskFiller(self.vocab_size)
+        grammars = [self.requests[rid].grammar for rid in req_ids]
+        return self._bitmask.fill([g for g in grammars if g is not None])
 
     def _drafts(self, req: Request, num_new: int, budget: int) -> list[int]:
         """The drafts ``req`` verifies this step (see the module doc); [] for none."""
@@ -386,6 +462,8 @@ class Scheduler:
                 status = self._stop_status(req, tok)
                 if status is not None:
                     break
+            if req.grammar is not None and status != RequestStatus.FINISHED_ERROR:
+                status = self._advance_grammar(req, new[:taken], status)
             if counted:  # drafts accepted past a stop or max_tokens were of no use
                 self._count_spec(real, taken - 1)
             lp = None
@@ -401,6 +479,7 @@ class Scheduler:
                 any_finished = True
                 eo.finish_reason = status.finish_reason
                 eo.stop_reason = req.stop_reason
+                eo.error = req.error if status == RequestStatus.FINISHED_ERROR else None
                 eo.kv_transfer_params = self._free(req, status)
             elif out.draft_token_ids is not None:
                 req.spec_token_ids = out.draft_token_ids[i]
@@ -442,6 +521,25 @@ class Scheduler:
         return n_out >= req.max_output_tokens or (
             req.num_tokens + req.num_output_placeholders >= self.max_model_len
         )
+
+    @staticmethod
+    def _advance_grammar(
+        req: Request, tokens: list[int], status: RequestStatus | None
+    ) -> RequestStatus | None:
+        """Feed the accepted tokens to the request's matcher: it stops once the grammar
+        terminates; a token the grammar refuses (only possible when every allowed token
+        was masked out, e.g. by min_tokens' bans) fails the request."""
+        g = req.grammar
+        assert g is not None
+        for tok in tokens:
+            if g.terminated:
+                break  # a stop token ended the grammar; what follows is not fed
+            if not g.accept(tok):
+                req.error = f"token {tok} does not fit the request's structured output grammar"
+                return RequestStatus.FINISHED_ERROR
+        if status is None and g.terminated:
+            return RequestStatus.FINISHED_STOPPED
+        return status
 
     def _stop_status(self, req: Request, tok: int) -> RequestStatus | None:
         sp = req.sampling_params

@@ -62,6 +62,7 @@ class AsyncEngineClient:
         self.tokenizer = tokenizer
         self.max_model_len = 0
         self.vocab_size = 0
+        self.priority_scheduling = False
         self.ready: M.EngineReady | None = None
         self._stats = SchedulerStats()
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
@@ -114,8 +115,13 @@ class AsyncEngineClient:
                 raise RuntimeError("the engine did not become ready in time")
         self.max_model_len = self.ready.max_model_len
         self.vocab_size = self.ready.vocab_size
+        self.priority_scheduling = self.ready.priority_scheduling
         self._processor = InputProcessor(
-            tok, self.max_model_len, self.vocab_size, speculative=self.ready.speculative
+            tok,
+            self.max_model_len,
+            self.vocab_size,
+            speculative=self.ready.speculative,
+            priority_scheduling=self.ready.priority_scheduling,
         )
         self._task = asyncio.create_task(self._output_loop())
         return self

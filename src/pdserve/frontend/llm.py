@@ -35,6 +35,7 @@ class LLM:
             self.engine.max_model_len,
             self.engine.vocab_size,
             speculative=self.config.speculative is not None,
+            priority_scheduling=self.config.scheduler.scheduling_policy == "priority",
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()

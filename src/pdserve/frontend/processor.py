@@ -45,10 +45,16 @@ def too_long_text_message(text: str, min_tokens: int, max_model_len: int) -> str
 
 class InputProcessor:
     def __init__(
-        self, tokenizer: Tokenizer, max_model_len: int, vocab_size: int, speculative: bool = False
+        self,
+        tokenizer: Tokenizer,
+        max_model_len: int,
+        vocab_size: int,
+        speculative: bool = False,
+        priority_scheduling: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.speculative = speculative
+        self.priority_scheduling = priority_scheduling
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
 
@@ -102,6 +108,17 @@ class InputProcessor:
                 f"prompt token id(s) {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
             )
 
+    def bad_word_sequences(self, words: list[str]) -> list[list[int]]:
+        """The token sequences of ``words`` as vLLM bans them: each word as given (its
+        leading spaces dropped) and after one space, when the two differ."""
+        seqs: list[list[int]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        return seqs
+
     def process(
         self,
         request_id: str,
@@ -123,6 +140,21 @@ class InputProcessor:
         params.verify(self.vocab_size)
         if self.speculative and params.has_penalties:
             raise ValueError("penalties with speculative decoding are not supported yet")
+        if params.priority != 0 and not self.priority_scheduling:
+            raise ValueError(
+                f"priority={params.priority} needs a server started with "
+                "--scheduling-policy priority"
+            )
+        if params.bad_words:
+            if self.speculative:
+                raise ValueError("bad_words with speculative decoding are not supported yet")
+            params.bad_words_token_ids = self.bad_word_sequences(params.bad_words)
+        if self.speculative and params.structured_outputs is not None:
+            raise ValueError(
+                "structured output (response_format, structured_outputs, guided_*, "
+                "tool_choice required or named) is not supported on an engine with "
+                "speculative decoding"
+            )
         room = self.max_model_len - len(ids)
         if params.max_tokens is not None and params.max_tokens > room:
             raise ValueError(

@@ -68,6 +68,9 @@ class SamplingMetadata:
     # only its listed ids
     allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     penalties: Penalties | None = None
+    # structured output: (logits rows [S] int64, bitmask [S, ceil(V / 32)] int32); bit j of
+    # a row's mask set = token j allowed
+    grammar: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class Sampler:
@@ -84,9 +87,16 @@ class Sampler:
 
     def masked(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """``logits`` plus each row's ``logit_bias``, then penalised (presence, frequency,
-        repetition), then with the ids outside its ``allowed_token_ids`` and the banned
-        ids (min_tokens) at -inf; a copy when any of these applies."""
-        if md.banned is None and md.bias is None and md.allowed is None and md.penalties is None:
+        repetition), then with the ids outside its ``allowed_token_ids``, the banned ids
+        (min_tokens) and the ids its grammar forbids (structured output) at -inf; a copy
+        when any of these applies."""
+        if (
+            md.banned is None
+            and md.bias is None
+            and md.allowed is None
+            and md.penalties is None
+            and md.grammar is None
+        ):
             return logits
         logits = logits.clone()
         if md.bias is not None:
@@ -102,6 +112,10 @@ class Sampler:
             logits.masked_fill_(~keep, float("-inf"))
         if md.banned is not None:
             logits[md.banned[0], md.banned[1]] = float("-inf")
+        if md.grammar is not None:
+            rows, bitmask = md.grammar
+            allowed = unpack_bitmask(bitmask, logits.shape[-1])
+            logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
         return logits
 
     def noise(self, like: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -174,6 +188,13 @@ class Sampler:
         if md.need_logprobs:
             lp = raw.log_softmax(dim=-1).gather(1, sampled.unsqueeze(1)).squeeze(1)
         return sampled, lp
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[S, W] int32 bitmask (bit j of word w = token 32 w + j) -> [S, vocab_size] bool."""
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    return bits.flatten(1)[:, :vocab_size].bool()
 
 
 def top_logprobs(raw: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -209,9 +209,41 @@ class StepPreparer:
             d_per_req[3],
             sample_mask,
             drafts,
-            self.sampling_metadata(rows, nsched, ndraft, lreq, row_start),
+            self._with_grammar(
+                self.sampling_metadata(rows, nsched, ndraft, lreq, row_start),
+                so,
+                req_ids,
+                row_start + ndraft,
+            ),
             b.row_gen[rows].copy(),
         )
+
+    def _with_grammar(
+        self, md: SamplingMetadata, so: SchedulerOutput, req_ids: list[str], last_row: np.ndarray
+    ) -> SamplingMetadata:
+        """``md`` with the step's structured-output bitmask and bad-word bans on the
+        sampled row (each request's last logits row) of the requests they apply to."""
+        if so.grammar_bitmask is None and not so.bad_word_bans:
+            return md
+        index = {rid: i for i, rid in enumerate(req_ids)}
+        if so.bad_word_bans:
+            rows = [last_row[index[r]] for r, ids in so.bad_word_bans.items() for _ in ids]
+            ids = [t for banned in so.bad_word_bans.values() for t in banned]
+            extra = (
+                torch.tensor(rows, dtype=torch.int64, device=self.device),
+                torch.tensor(ids, dtype=torch.int64, device=self.device),
+            )
+            if md.banned is not None:
+                extra = (torch.cat([md.banned[0], extra[0]]), torch.cat([md.banned[1], extra[1]]))
+            md.banned = extra
+        if so.grammar_bitmask is None:
+            return md
+        lrows = np.array([last_row[index[r]] for r in so.structured_req_ids], dtype=np.int64)
+        md.grammar = (
+            torch.from_numpy(lrows).to(self.device, non_blocking=True),
+            torch.from_numpy(so.grammar_bitmask).to(self.device, non_blocking=True),
+        )
+        return md
 
     def _upload_block_tables(self, nreq: int, nblk: int) -> torch.Tensor:
         bt = self.buf.block_tables

@@ -173,6 +173,8 @@ def dummy_paged_runs(step: ModelStep, max_num_tokens: int) -> None:
     block: they compile the paged prefill kernel, which the single-prompt dummies never
     reach (those take the SDPA path), for each of its tile sizes. Without this, the first
     chunked prompt or mixed step after start-up paid the kernel's compilation."""
+    if step.buffers.block_tables.dev.shape[0] < 2:
+        return  # max_num_seqs 1: no step ever mixes two requests
     bs = step.kv_cache_config.block_size
     for q in PAGED_WARMUP_QUERY_LENS:
         q_lens = [min(q, max_num_tokens - 1), 1]

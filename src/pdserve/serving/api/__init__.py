@@ -14,10 +14,14 @@ The OpenAI/vLLM surface in one place (details in the modules named):
   off, ``include_reasoning=false`` drops it); ``--enable-auto-tool-choice
   --tool-call-parser glm47|glm45|deepseek_v31|hermes`` fills ``tool_calls`` for requests
   with ``tools`` and ``tool_choice`` ``auto``; ``none`` renders the tools and parses
-  nothing; ``required``, a named tool and ``strict`` functions are refused (they need
-  structured output);
+  nothing; ``required`` and a named function constrain the output to calls
+  (:class:`.chat_output.ForcedToolCalls`; ``strict`` functions only with those);
+* structured output (:mod:`.protocol_structured`, engine side in
+  :mod:`pdserve.engine.structured_output`): ``response_format`` ``json_object`` /
+  ``json_schema``, ``structured_outputs`` and the ``guided_*`` aliases, through xgrammar;
+  refused on an engine with speculative decoding;
 * vLLM request extras (:mod:`.protocol`): ``truncate_prompt_tokens`` (implemented),
-  ``priority`` (0 only), ``cache_salt`` and ``spaces_between_special_tokens`` (accepted,
+  ``priority`` (any value with ``--scheduling-policy priority``, else 0 only), ``cache_salt`` and ``spaces_between_special_tokens`` (accepted,
   no effect: see the protocol docstring for why);
 * operations: a uvicorn access log line per request (on by default;
   ``--disable-uvicorn-access-log``), ``--metrics-vllm-aliases`` (``vllm:`` copies of the

@@ -27,6 +27,7 @@ from pdserve.serving.api.chat_template import ChatTemplates
 from pdserve.serving.api.generate import (
     Accumulated,
     EngineJob,
+    check_constraint,
     safe_logprob,
     token_strings,
     whole_response,
@@ -114,6 +115,7 @@ async def prepare_chat(
     params = req.to_sampling_params(
         prompt_len=len(ids), max_model_len=engine.max_model_len, vocab_size=engine.vocab_size
     )
+    await check_constraint(ctx, req)
     return EngineJob(
         request_id=request.state.request_id,
         prompt=text,

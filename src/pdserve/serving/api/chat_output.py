@@ -22,6 +22,8 @@ the first call is returned (later ones are dropped).
 
 from __future__ import annotations
 
+import json
+import secrets
 from dataclasses import dataclass
 
 from pdserve.frontend.parsers import (
@@ -79,6 +81,10 @@ class OutputParsing:
             raise RequestError(AUTO_TOOLS_NEED_FLAGS, "tool_choice")
 
     def for_request(self, req: ChatCompletionRequest, prompt: str | None) -> ChatOutputParser:
+        choice = req.effective_tool_choice
+        if choice in ("required", "named"):
+            named = req.tool_choice.function.name if choice == "named" else None  # type: ignore[union-attr]
+            return ForcedToolCalls(named)
         reasoning = None
         if self.reasoning_parser is not None:
             reasoning = ReasoningParser(
@@ -178,3 +184,90 @@ class ChatOutputParser:
             reasoning_content="".join(reasoning) or None,
             tool_calls=list(self.calls),
         )
+
+
+def _call_id() -> str:
+    return f"call_{secrets.token_hex(12)}"
+
+
+class ForcedToolCalls(ChatOutputParser):
+    """The output of ``tool_choice`` required / named, which structured output made a
+    JSON text of the calls (:func:`~pdserve.serving.api.protocol_chat.forced_tool_schema`):
+    a named function's arguments object, or an array of ``{"name", "parameters"}``.
+
+    Streaming: a named call sends its id and name with the first text and then the
+    arguments as they come; required calls are sent when the output is complete (one
+    name delta and one arguments delta per call). The finish reason is ``tool_calls``
+    for required calls and ``stop`` for a named one (as OpenAI answers)."""
+
+    def __init__(self, named: str | None) -> None:
+        super().__init__(None, None)
+        self.named = named
+        self._text: list[str] = []
+        self._sent_name = False
+
+    @property
+    def active(self) -> bool:
+        return True
+
+    def finish_reason(self, engine_reason: str | None) -> str | None:
+        if self.named is None and self.calls and engine_reason == "stop":
+            return "tool_calls"
+        return engine_reason
+
+    def _parse_required(self, text: str) -> list[ToolCall]:
+        try:
+            items = json.loads(text)
+        except ValueError:
+            return []  # cut short (max_tokens): no complete calls
+        return [
+            ToolCall(
+                id=_call_id(),
+                function=FunctionCall(
+                    name=item["name"], arguments=json.dumps(item["parameters"], ensure_ascii=False)
+                ),
+            )
+            for item in items
+        ]
+
+    def feed(self, text: str, *, last: bool = False) -> list[DeltaMessage]:
+        if self.named is not None:
+            deltas = []
+            if not self._sent_name:
+                self._sent_name = True
+                call = ToolCall(id=_call_id(), function=FunctionCall(name=self.named, arguments=""))
+                self.calls.append(call)
+                name = DeltaFunctionCall(name=self.named, arguments="")
+                deltas.append(
+                    DeltaMessage(
+                        tool_calls=[
+                            DeltaToolCall(index=0, id=call.id, type="function", function=name)
+                        ]
+                    )
+                )
+            if text:
+                self.calls[0].function.arguments += text
+                args = DeltaFunctionCall(arguments=text)
+                deltas.append(DeltaMessage(tool_calls=[DeltaToolCall(index=0, function=args)]))
+            return deltas
+        self._text.append(text)
+        if not last:
+            return []
+        deltas = []
+        for index, call in enumerate(self._parse_required("".join(self._text))):
+            self.calls.append(call)
+            name = DeltaFunctionCall(name=call.function.name, arguments="")
+            deltas.append(
+                DeltaMessage(
+                    tool_calls=[
+                        DeltaToolCall(index=index, id=call.id, type="function", function=name)
+                    ]
+                )
+            )
+            args = DeltaFunctionCall(arguments=call.function.arguments)
+            deltas.append(DeltaMessage(tool_calls=[DeltaToolCall(index=index, function=args)]))
+        return deltas
+
+    def whole(self, text: str) -> ChatMessage:
+        self.feed(text, last=True)
+        return ChatMessage(content=None, tool_calls=list(self.calls))

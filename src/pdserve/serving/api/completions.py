@@ -9,6 +9,10 @@ prompt that cannot fit ``max_model_len`` judged by its length alone (400, withou
 tokenizing it; skipped with ``truncate_prompt_tokens``, which keeps the last N tokens
 after tokenization); tokenization in the blocking pool; the exact length and
 ``max_tokens`` checks; for a token-id prompt, the vocabulary.
+
+``echo=true`` puts the prompt's text before the completion (a token-id or truncated
+prompt is decoded); with ``logprobs`` it is refused, since echoed logprobs would need
+the prompt's logprobs, which pdserve does not compute.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pdserve.frontend.processor import min_token_count, too_long_text_message
 from pdserve.serving.api.generate import (
     Accumulated,
     EngineJob,
+    check_constraint,
     check_token_ids,
     safe_logprob,
     token_strings,
@@ -73,6 +78,7 @@ async def prepare_completion(
     )
     if text is None:  # after the length check, so this scans at most max_model_len ids
         check_token_ids(ids, engine.vocab_size, "prompt")
+    await check_constraint(ctx, req)
     return EngineJob(
         request_id=request.state.request_id,
         prompt=text,
@@ -134,11 +140,26 @@ async def create_completion(
             return None
         return lp.build(token_ids, values, top if req.logprobs else None)
 
+    echo = ""  # echo=true: the prompt's text leads the answer (the first chunk streamed)
+    if req.echo:
+        if job.prompt is not None:
+            echo = job.prompt
+        else:
+            skip = req.skip_special_tokens
+            echo = await ctx.run_blocking(
+                ctx.engine.tokenizer.decode,
+                job.prompt_token_ids,
+                skip_special_tokens=skip,
+                job_size=len(job.prompt_token_ids),
+            )
+
     if req.stream:
 
         def stream_choice(c: CompletionOutput) -> CompletionStreamChoice:
+            nonlocal echo
+            text, echo = echo + c.text, ""
             return CompletionStreamChoice(
-                text=c.text,
+                text=text,
                 logprobs=logprobs_of(c.token_ids, c.logprobs, c.top_logprobs),
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
@@ -157,7 +178,7 @@ async def create_completion(
 
     def whole_choice(acc: Accumulated) -> CompletionResponseChoice:
         return CompletionResponseChoice(
-            text=acc.text,
+            text=echo + acc.text,
             logprobs=logprobs_of(acc.token_ids, acc.logprobs, acc.top_logprobs),
             finish_reason=acc.finish_reason,
             stop_reason=acc.stop_reason,

@@ -27,6 +27,7 @@ class EngineClient(Protocol):
     tokenizer: Tokenizer
     max_model_len: int
     vocab_size: int
+    priority_scheduling: bool  # --scheduling-policy priority: requests may set a priority
 
     def generate(
         self,

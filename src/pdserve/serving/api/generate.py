@@ -34,12 +34,15 @@ from pdserve.frontend.outputs import RequestOutput
 from pdserve.metrics.prometheus import RequestMetrics
 from pdserve.serving.api.errors import APIError
 from pdserve.serving.api.protocol import (
+    ChatCompletionRequest,
     ChatCompletionResponse,
+    CompletionRequest,
     CompletionResponse,
     PromptTokenUsageInfo,
     RequestError,
     UsageInfo,
 )
+from pdserve.serving.api.protocol_structured import check_structured
 from pdserve.serving.api.state import ServingContext
 from pdserve.serving.http import wait_for_disconnect
 
@@ -332,6 +335,24 @@ def make_usage(
         total_tokens=prompt_tokens + completion_tokens,
         prompt_tokens_details=details,
     )
+
+
+async def check_constraint(
+    ctx: ServingContext, req: CompletionRequest | ChatCompletionRequest
+) -> None:
+    """400 (naming the field) for a ``priority`` the engine's scheduling policy does not
+    take, and for an output constraint whose schema, regex or grammar does not build
+    (checked in the blocking pool; the first one imports xgrammar)."""
+    if req.priority != 0 and not ctx.engine.priority_scheduling:
+        raise RequestError(
+            f"priority={req.priority} needs a server started with --scheduling-policy priority "
+            "(this one schedules first come, first served)",
+            "priority",
+        )
+    found = req.constraint()
+    if found is not None:
+        spec, param = found
+        await ctx.run_blocking(check_structured, spec, param, job_size=len(spec.key()[1]))
 
 
 def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:

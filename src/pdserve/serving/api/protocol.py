@@ -3,12 +3,14 @@
 Validation policy: a request is checked completely here, at the edge, and every
 rejection names the field. Fields pdserve does not implement are **rejected**, never
 silently ignored, when they would change the output (``n``/``best_of`` > 1,
-``echo``, ``suffix``, non-text ``response_format``, ``tool_choice``
-``required`` or a named tool, ``priority`` other than 0, batched prompts); unknown
+``echo`` with ``logprobs``, ``suffix``, batched prompts, ``priority`` other than 0 unless the
+server runs ``--scheduling-policy priority``); unknown
 fields are rejected too (``extra="forbid"``). Fields that only carry bookkeeping
 (``user``, ``metadata``, ``store``, ``service_tier``) are accepted and ignored.
 ``parallel_tool_calls=false`` keeps the first parsed tool call only
-(:mod:`pdserve.serving.api.chat_output`).
+(:mod:`pdserve.serving.api.chat_output`). Structured output (``response_format``,
+``structured_outputs``, ``guided_*``) is described in
+:mod:`pdserve.serving.api.protocol_structured`.
 
 vLLM extras: ``truncate_prompt_tokens`` (keep the last N prompt tokens; ``-1``: the last
 ``max_model_len``) is implemented. ``cache_salt`` is accepted and has no effect: the
@@ -31,7 +33,9 @@ returns them by default. Chat ``top_logprobs`` > 0 needs ``logprobs=true``.
 ``allowed_token_ids`` (every other id masked out) are applied on the device, and so are
 ``presence_penalty`` / ``frequency_penalty`` (over the output tokens) and
 ``repetition_penalty`` (over prompt and output tokens) with vLLM's definitions;
-penalties are refused (400) on an engine with speculative decoding.
+penalties are refused (400) on an engine with speculative decoding, and so is the vLLM
+extra ``bad_words`` (each word is banned as vLLM bans it: its tokens as given and after
+a space; the last token of a sequence is masked where the output ends with the rest).
 
 ``kv_transfer_params`` stays a plain JSON object here: its signature is checked first
 (403 when it does not verify) and its fields are parsed after that
@@ -68,6 +72,12 @@ from pdserve.serving.api.protocol_chat import (
     ToolCallParam,
     ToolChoice,
     check_tool_choice,
+    forced_tool_schema,
+)
+from pdserve.serving.api.protocol_structured import (
+    ResponseFormat,
+    StructuredFields,
+    StructuredOutputsParams,
 )
 
 __all__ = [
@@ -82,6 +92,7 @@ __all__ = [
     "DeltaMessage",
     "PromptTokenUsageInfo",
     "RequestError",
+    "ResponseFormat",
     "UsageInfo",
 ]
 
@@ -127,7 +138,7 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False
 
 
-class _SamplingRequest(_CheckedRequest):
+class _SamplingRequest(_CheckedRequest, StructuredFields):
     """Sampling fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -151,6 +162,7 @@ class _SamplingRequest(_CheckedRequest):
     n: int | None = 1
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     # bookkeeping, ignored
     user: str | None = None
     metadata: dict[str, Any] | None = None
@@ -159,7 +171,7 @@ class _SamplingRequest(_CheckedRequest):
     # vLLM extras (see the module docstring)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     cache_salt: str | None = Field(None, min_length=1)
-    priority: int = 0
+    priority: int = Field(0, ge=_INT64_MIN, le=_INT64_MAX)  # lower first (priority policy)
     spaces_between_special_tokens: bool = True
     # P/D: verified and parsed by the handlers (pd_params), passed to the engine;
     # the engine's are returned in the (non-streaming) response
@@ -190,17 +202,16 @@ class _SamplingRequest(_CheckedRequest):
                 "truncate_prompt_tokens must be >= 1 (or -1 for max_model_len)",
                 "truncate_prompt_tokens",
             )
-        if self.priority != 0:
-            raise RequestError(
-                f"priority={self.priority} is not supported: pdserve schedules first come, "
-                "first served (only 0)",
-                "priority",
-            )
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options can only be set when stream=true", "stream_options")
         if self.stop == "" or (isinstance(self.stop, list) and any(not s for s in self.stop)):
             raise RequestError("stop strings must be non-empty", "stop")
+        self.constraint()  # refuses two output constraints at once
         return self
+
+    def constraint(self) -> tuple[StructuredOutputsParams, str] | None:
+        """The request's output constraint and the field it came from (or None)."""
+        return self.structured_spec()
 
     def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
         """``ids`` cut to their last ``truncate_prompt_tokens`` (when set)."""
@@ -271,7 +282,12 @@ class _SamplingRequest(_CheckedRequest):
             else None,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            priority=self.priority,
+            bad_words=list(self.bad_words) if self.bad_words else None,
         )
+        constraint = self.constraint()
+        if constraint is not None:
+            params.structured_outputs = constraint[0]
         try:
             params.verify(vocab_size)
         except ValueError as e:
@@ -311,8 +327,12 @@ class CompletionRequest(_SamplingRequest):
             self.prompt = p[0]
         if isinstance(self.prompt, list) and not self.prompt:
             raise RequestError("prompt must not be empty", "prompt")
-        if self.echo:
-            raise RequestError("echo=true is not supported", "echo")
+        if self.echo and self.logprobs is not None:
+            raise RequestError(
+                "echo=true with logprobs is not supported: it needs the prompt's logprobs, "
+                "which pdserve does not compute",
+                "echo",
+            )
         if self.suffix:
             raise RequestError("suffix is not supported", "suffix")
         if self.best_of not in (None, 1):
@@ -413,11 +433,6 @@ class ChatMessageParam(_Request):
     tool_calls: list[ToolCallParam] | None = None
 
 
-class ResponseFormat(_Request):
-    type: str
-    json_schema: dict[str, Any] | None = None
-
-
 _RESERVED_TEMPLATE_KWARGS = frozenset(
     {"chat_template", "add_generation_prompt", "messages", "conversation", "tokenize", "tools"}
 )
@@ -448,7 +463,6 @@ class ChatCompletionRequest(_SamplingRequest, _ChatTemplateFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -460,19 +474,28 @@ class ChatCompletionRequest(_SamplingRequest, _ChatTemplateFields):
             raise RequestError(
                 f"top_logprobs={self.top_logprobs} needs logprobs=true", "top_logprobs"
             )
-        if self.response_format is not None and self.response_format.type != "text":
-            raise RequestError(
-                f"response_format type {self.response_format.type!r} is not supported "
-                "(only 'text')",
-                "response_format",
-            )
         check_tool_choice(self.tools, self.tool_choice)
         return self
 
     @property
     def effective_tool_choice(self) -> str:
-        """``"none"`` or ``"auto"`` (the rest is refused by validation)."""
+        """``"none"``, ``"auto"``, ``"required"`` or ``"named"``."""
         return check_tool_choice(self.tools, self.tool_choice)
+
+    def constraint(self) -> tuple[StructuredOutputsParams, str] | None:
+        """The output constraint: the structured-output fields', or the forced tool
+        calls' of ``tool_choice`` required / named (not both)."""
+        found = self.structured_spec()
+        tools = forced_tool_schema(self.tools, self.tool_choice, self.parallel_tool_calls)
+        if tools is None:
+            return found
+        if found is not None:
+            raise RequestError(
+                f"tool_choice={self.effective_tool_choice!r} cannot be combined with "
+                f"{found[1]}: a request takes one output constraint",
+                "tool_choice",
+            )
+        return StructuredOutputsParams(json=tools), "tool_choice"
 
     def tool_dicts(self) -> list[dict[str, Any]] | None:
         """The tools as plain dicts (what chat templates and tool parsers read)."""

@@ -1,8 +1,10 @@
 """Chat-specific models: function tools and tool calls in requests, and the chat answer
 (message, stream delta, chunk) with ``reasoning_content`` and ``tool_calls``.
 
-Tools: only ``{"type": "function", "function": {...}}``; ``strict: true`` is refused
-(it needs constrained decoding). An assistant message's ``tool_calls`` carry
+Tools: only ``{"type": "function", "function": {...}}``. ``tool_choice`` ``"required"``
+or a named function constrains the output to tool calls (structured output over the
+schema of :func:`forced_tool_schema`); ``strict: true`` is accepted only then (with
+``"auto"`` the calls are parsed from free text, which nothing would enforce). An assistant message's ``tool_calls`` carry
 ``arguments`` as a JSON text (OpenAI) or an object; templates receive them as an
 object (:func:`template_tool_calls`), which is what tool-aware chat templates iterate.
 """
@@ -13,14 +15,9 @@ import json
 import time
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
 from pdserve.serving.api.protocol_base import RequestError, ResponseModel, StrictModel, UsageInfo
-
-STRUCTURED_OUTPUT_NEEDED = (
-    "needs structured output (constrained decoding), which pdserve does not implement yet"
-)
-
 
 # ---------------------------------------------------------------- tools in requests
 
@@ -30,15 +27,6 @@ class FunctionDefinition(StrictModel):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
-
-    @model_validator(mode="after")
-    def _not_strict(self) -> FunctionDefinition:
-        if self.strict:
-            raise RequestError(
-                f"tool {self.name!r}: strict=true {STRUCTURED_OUTPUT_NEEDED}; leave it unset",
-                "tools",
-            )
-        return self
 
 
 class ChatTool(StrictModel):
@@ -66,16 +54,69 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 def check_tool_choice(tools: list[ChatTool] | None, choice: ToolChoice | None) -> str:
-    """The effective choice, ``"none"`` or ``"auto"``; refuses the rest (400)."""
+    """The effective choice: ``"none"``, ``"auto"``, ``"required"`` or ``"named"``."""
     if choice is None:
-        return "auto" if tools else "none"
+        choice = "auto" if tools else "none"
     if isinstance(choice, NamedToolChoice):
-        raise RequestError(f"a named tool_choice {STRUCTURED_OUTPUT_NEEDED}", "tool_choice")
-    if choice == "required":
-        raise RequestError(f"tool_choice='required' {STRUCTURED_OUTPUT_NEEDED}", "tool_choice")
-    if choice == "auto" and not tools:
-        raise RequestError("tool_choice='auto' needs tools", "tool_choice")
+        names = [t.function.name for t in tools or []]
+        if choice.function.name not in names:
+            raise RequestError(
+                f"tool_choice names {choice.function.name!r}, which is not among the tools "
+                f"({', '.join(names) or 'none given'})",
+                "tool_choice",
+            )
+        return "named"
+    if choice in ("auto", "required") and not tools:
+        raise RequestError(f"tool_choice={choice!r} needs tools", "tool_choice")
+    if choice != "required":
+        strict = [t.function.name for t in tools or [] if t.function.strict]
+        if strict:
+            raise RequestError(
+                f"tool {strict[0]!r}: strict=true is enforced only with tool_choice "
+                "'required' or a named function; leave it unset",
+                "tools",
+            )
     return choice
+
+
+def _parameters(tool: ChatTool) -> dict[str, Any]:
+    return tool.function.parameters or {"type": "object"}
+
+
+def forced_tool_schema(
+    tools: list[ChatTool] | None, choice: ToolChoice | None, parallel: bool | None
+) -> str | None:
+    """The JSON schema the output must follow for ``tool_choice`` required / named, as
+    vLLM constrains it: a named function's output is its arguments object; a required
+    one's is an array of ``{"name", "parameters"}`` calls (one item at most with
+    ``parallel_tool_calls=false``). None for the other choices."""
+    kind = check_tool_choice(tools, choice)
+    if kind == "named":
+        assert isinstance(choice, NamedToolChoice) and tools
+        tool = next(t for t in tools if t.function.name == choice.function.name)
+        return json.dumps(_parameters(tool))
+    if kind != "required":
+        return None
+    assert tools
+    items = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "enum": [t.function.name]},
+                "parameters": _parameters(t),
+            },
+            "required": ["name", "parameters"],
+        }
+        for t in tools
+    ]
+    schema: dict[str, Any] = {
+        "type": "array",
+        "minItems": 1,
+        "items": items[0] if len(items) == 1 else {"anyOf": items},
+    }
+    if parallel is False:
+        schema["maxItems"] = 1
+    return json.dumps(schema)
 
 
 class ToolCallFunctionParam(StrictModel):

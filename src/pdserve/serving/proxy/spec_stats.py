@@ -153,4 +153,3 @@ class SpecScraper(Periodic):
             return
         if ok:
             self.stats.update(pool, url, parse_spec_counters(text))
-

@@ -1,0 +1,227 @@
+"""Structured output in the engine core: grammars compiled off the step loop, one matcher
+per request, one token bitmask per step.
+
+Lifecycle of a constrained request (``SamplingParams.structured_outputs``):
+
+1. ``EngineCore.add_request`` hands it to :class:`StructuredOutputManager`, which submits
+   its grammar to a small thread pool (xgrammar compiles in C++ without the GIL); compiled
+   grammars are cached by the spec's key (LRU), so equal schemas compile once.
+2. Each step the engine core takes the requests whose grammar is ready and queues them in
+   the scheduler with a :class:`RequestGrammar` (a matcher) on the request; a grammar
+   that failed to compile finishes its request with an error (the API server has already
+   refused specs that do not parse, so that is rare).
+3. ``Scheduler.schedule`` fills one bitmask row per constrained request that samples this
+   step (:class:`BitmaskFiller`, all rows in one multi-threaded xgrammar call); the runner
+   applies it to those logits rows on the device (``Sampler.masked``).
+4. ``Scheduler.update_from_output`` advances the matcher with each accepted token; the
+   request stops when the matcher terminates (the grammar is complete and a stop token
+   was taken, or nothing more can follow).
+
+The matcher must have seen every earlier token before a bitmask is filled, so a
+constrained request never has a step in flight when it is scheduled: under async
+scheduling the engine core lands the step in flight first when any running constrained
+request waits for it (``Scheduler.waits_for_landed_tokens``). Speculative decoding with
+structured output is refused at the edge (the input processor).
+
+xgrammar is imported on the first constrained request, so engines that never see one
+do not pay for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+import warnings
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pdserve.core_types.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+_CACHE_ENTRIES = 256
+_COMPILE_THREADS = 2
+_JSON_OBJECT_SCHEMA = '{"type": "object"}'
+_XGR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # "[18:58:16] /path/file.cc:94: "
+
+
+def _ebnf_literal(text: str) -> str:
+    """``text`` as a double-quoted EBNF string literal."""
+    out = []
+    for ch in text:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch == "\r":
+            out.append("\\r")
+        elif ch == "\t":
+            out.append("\\t")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def build_grammar(spec: StructuredOutputsParams) -> Any:
+    """The ``xgrammar.Grammar`` of ``spec`` (no tokenizer needed). Raises ``ValueError``
+    with xgrammar's reason when the schema, regex or grammar is invalid."""
+    import xgrammar as xgr
+
+    kind = spec.kind
+    try:
+        if kind == "json":
+            assert spec.json is not None
+            return xgr.Grammar.from_json_schema(spec.json, any_whitespace=False)
+        if kind == "json_object":
+            return xgr.Grammar.from_json_schema(_JSON_OBJECT_SCHEMA, any_whitespace=False)
+        if kind == "regex":
+            assert spec.regex is not None
+            return xgr.Grammar.from_regex(spec.regex)
+        if kind == "choice":
+            alternatives = " | ".join(_ebnf_literal(c) for c in spec.choice or [])
+            return xgr.Grammar.from_ebnf(f"root ::= {alternatives}")
+        assert spec.grammar is not None
+        return xgr.Grammar.from_ebnf(spec.grammar)
+    except (RuntimeError, ValueError, TypeError) as e:
+        text = str(e).strip()
+        reason = _XGR_PREFIX.sub("", text.splitlines()[-1]) if text else type(e).__name__
+        raise ValueError(f"invalid {kind} for structured output: {reason}") from None
+
+
+def tokenizer_info(tokenizer_dir: str | Path, vocab_size: int) -> Any:
+    """xgrammar's view of the model's tokenizer (``tokenizer.json``), sized to the
+    model's logits (a padded vocabulary's extra ids are never allowed)."""
+    import xgrammar as xgr
+    from tokenizers import Tokenizer as Backend
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Backend.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
+    fast = PreTrainedTokenizerFast(tokenizer_object=backend)
+    with warnings.catch_warnings():  # stop ids are each request's EOS ids (RequestGrammar)
+        warnings.simplefilter("ignore", UserWarning)
+        return xgr.TokenizerInfo.from_huggingface(fast, vocab_size=vocab_size)
+
+
+class RequestGrammar:
+    """One request's matcher; stop tokens are the request's EOS ids."""
+
+    def __init__(self, compiled: Any, stop_token_ids: list[int]) -> None:
+        import xgrammar as xgr
+
+        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)
+        self.failed = False
+
+    def accept(self, token: int) -> bool:
+        """Advance by ``token``; False (and ``failed``) when the grammar refuses it."""
+        if not self.matcher.accept_token(token):
+            self.failed = True
+        return not self.failed
+
+    @property
+    def terminated(self) -> bool:
+        return bool(self.matcher.is_terminated())
+
+
+class StructuredOutputManager:
+    """Compiles grammars in a thread pool (cached by key) and holds the requests whose
+    grammar is not ready yet."""
+
+    def __init__(self, tokenizer_dir: str | Path, vocab_size: int) -> None:
+        self.tokenizer_dir = tokenizer_dir
+        self.vocab_size = vocab_size
+        self._compiler: Any = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._cache: OrderedDict[tuple[str, str], Future[Any]] = OrderedDict()
+        self.pending: dict[str, tuple[Any, Future[Any]]] = {}  # request id -> (request, fut)
+
+    def _compile(self, spec: StructuredOutputsParams) -> Any:
+        if self._compiler is None:
+            import xgrammar as xgr
+
+            info = tokenizer_info(self.tokenizer_dir, self.vocab_size)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=_COMPILE_THREADS)
+        return self._compiler.compile_grammar(build_grammar(spec))
+
+    def submit(self, spec: StructuredOutputsParams) -> Future[Any]:
+        key = spec.key()
+        fut = self._cache.get(key)
+        if fut is not None:
+            self._cache.move_to_end(key)
+            return fut
+        if self._pool is None:
+            # one worker builds the compiler; xgrammar compiles with threads of its own
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar")
+        fut = self._pool.submit(self._compile, spec)
+        self._cache[key] = fut
+        while len(self._cache) > _CACHE_ENTRIES:
+            self._cache.popitem(last=False)
+        return fut
+
+    def add(self, request: Any) -> None:
+        """Start compiling ``request``'s grammar; it waits here until it is ready."""
+        spec = request.sampling_params.structured_outputs
+        assert spec is not None
+        if request.request_id in self.pending:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.pending[request.request_id] = (request, self.submit(spec))
+
+    def abort(self, request_id: str) -> Any | None:
+        entry = self.pending.pop(request_id, None)
+        return entry[0] if entry is not None else None
+
+    def take_ready(self, wait_s: float = 0.0) -> tuple[list[Any], list[tuple[Any, str]]]:
+        """(requests whose grammar is ready, with ``grammar`` set; (request, error) of
+        those whose grammar failed). With ``wait_s`` it waits that long for the first
+        pending grammar when none is ready."""
+        if wait_s > 0 and self.pending and not any(f.done() for _, f in self.pending.values()):
+            first = next(iter(self.pending.values()))[1]
+            with contextlib.suppress(TimeoutError):
+                first.exception(timeout=wait_s)
+        ready: list[Any] = []
+        failed: list[tuple[Any, str]] = []
+        for rid in [rid for rid, (_, f) in self.pending.items() if f.done()]:
+            request, fut = self.pending.pop(rid)
+            err = fut.exception()
+            if err is not None:
+                failed.append((request, str(err)))
+                continue
+            request.grammar = RequestGrammar(fut.result(), sorted(request.eos_token_ids))
+            ready.append(request)
+        return ready, failed
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class BitmaskFiller:
+    """Fills a step's bitmask: [len(grammars), ceil(vocab / 32)] int32, bit j of row i
+    set when grammar i allows token j next (all rows in one multi-threaded call)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        import xgrammar as xgr
+
+        self.words = (vocab_size + 31) // 32
+        self._batch = xgr.BatchGrammarMatcher()
+
+    def fill(self, grammars: list[RequestGrammar]) -> np.ndarray:
+        import torch
+
+        out = np.empty((len(grammars), self.words), np.int32)
+        bitmask = torch.from_numpy(out)
+        if len(grammars) == 1:
+            grammars[0].matcher.fill_next_token_bitmask(bitmask, 0)
+        else:
+            self._batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask)
+        return out
+
+
+def schema_text(schema: Any) -> str:
+    """A JSON schema given as an object or as JSON text, as JSON text."""
+    return schema if isinstance(schema, str) else json.dumps(schema, separators=(",", ":"))

@@ -1,0 +1,119 @@
+"""Structured output in the engine: the bitmask applied on the device against a
+per-token reference, the offline engine under async scheduling (the step in flight is
+landed before a constrained request is scheduled again), a grammar that fails to
+compile, an abort while compiling, and the refusal with speculative decoding."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pdserve import LLM, SamplingParams
+from pdserve.core_types.sampling_params import StructuredOutputsParams
+from pdserve.layers.sampler import Sampler, SamplingMetadata, unpack_bitmask
+
+KW: dict[str, Any] = dict(dtype="float32", block_size=4, max_model_len=256)
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        "c": {"enum": ["red", "green"]},
+    },
+    "required": ["n", "c"],
+}
+
+
+def test_bitmask_masks_exactly_the_forbidden_ids() -> None:
+    g = torch.Generator().manual_seed(0)
+    vocab, rows = 70, 3  # 70 ids: three 32-bit words, the last one partly used
+    allowed = torch.rand(rows, vocab, generator=g) < 0.3
+    words = torch.zeros(rows, 3, dtype=torch.int64)
+    for r in range(rows):
+        for j in range(vocab):
+            if allowed[r, j]:
+                words[r, j // 32] |= 1 << (j % 32)
+    bitmask = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    assert torch.equal(unpack_bitmask(bitmask, vocab), allowed)
+
+    logits = torch.randn(5, vocab, generator=g)
+    md = SamplingMetadata(True, None, None, None, None, None, {}, None, False)
+    md.grammar = (torch.tensor([0, 2, 4]), bitmask)
+    out = Sampler(torch.device("cpu")).masked(logits, md)
+    for i, row in enumerate([0, 2, 4]):
+        ref = logits[row].masked_fill(~allowed[i], float("-inf"))
+        assert torch.equal(out[row], ref)
+    assert torch.equal(out[1], logits[1]) and torch.equal(out[3], logits[3])
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama: Path) -> LLM:
+    return LLM(str(tiny_llama), **KW)
+
+
+def _so(**kw: Any) -> StructuredOutputsParams:
+    return StructuredOutputsParams(**kw)
+
+
+def test_offline_constraints_mixed_with_free_requests(llm: LLM) -> None:
+    assert llm.config.scheduler.async_scheduling  # the land-first path is the one tested
+    params = [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=60, structured_outputs=so)
+        for i, so in enumerate(
+            [
+                _so(json=json.dumps(SCHEMA)),
+                _so(json=json.dumps(SCHEMA)),
+                _so(regex=r"\d{3}-[ab]"),
+                _so(choice=["left", "right turn"]),
+                None,
+                _so(grammar='root ::= "(" ("x" | "y")+ ")"'),
+            ]
+        )
+    ]
+    params[4].ignore_eos = True
+    outs = [o.outputs[0] for o in llm.generate(["go"] * len(params), params)]
+    for c in outs[:2]:
+        obj = json.loads(c.text)
+        assert c.finish_reason == "stop" and set(obj) == {"n", "c"} and 0 <= obj["n"] <= 99
+    assert re.fullmatch(r"\d{3}-[ab]", outs[2].text)
+    assert outs[3].text in ("left", "right turn")
+    assert len(outs[4].token_ids) == 60  # the free request runs on, beside them
+    assert outs[5].finish_reason in ("stop", "length") and re.fullmatch(r"\([xy]+\)?", outs[5].text)
+
+
+def test_grammar_that_fails_to_compile_fails_its_request_only(llm: LLM) -> None:
+    bad, good = llm.generate(
+        ["a", "b"],
+        [
+            SamplingParams(max_tokens=5, structured_outputs=_so(regex="((")),
+            SamplingParams(max_tokens=5, structured_outputs=_so(choice=["ok"])),
+        ],
+    )
+    assert bad.outputs[0].finish_reason == "error" and "regex" in (bad.error or "")
+    assert good.outputs[0].text == "ok"
+
+
+def test_abort_while_compiling(llm: LLM) -> None:
+    from pdserve.core_types.messages import EngineCoreRequest
+    from pdserve.engine.request import RequestStatus
+
+    core = llm.engine
+    sp = SamplingParams(max_tokens=5, structured_outputs=_so(regex="abort-me-[0-9]{40}"))
+    core.add_request(EngineCoreRequest("r-abort", [5, 6], sp, [2], 5, 0.0))
+    assert core.has_unfinished_requests()
+    (out,) = core.abort_requests(["r-abort"], RequestStatus.FINISHED_ABORTED)
+    assert out.finish_reason == "abort" and not core.has_unfinished_requests()
+
+
+def test_refused_with_speculative_decoding(tiny_llama: Path) -> None:
+    from pdserve.frontend.processor import InputProcessor
+    from pdserve.frontend.tokenizer import Tokenizer
+
+    proc = InputProcessor(Tokenizer.from_pretrained(tiny_llama), 256, 512, speculative=True)
+    sp = SamplingParams(max_tokens=4, structured_outputs=_so(choice=["a"]))
+    with pytest.raises(ValueError, match="speculative decoding"):
+        proc.make_request("r", [5, 6], sp)
