@@ -42,6 +42,11 @@ class ModelConfig:
         "auto: the safetensors in the model folder; dummy: random weights drawn on the "
         "device from config.json alone, the values make-checkpoint writes (benchmarks)",
     )
+    quantization: str | None = _f(
+        None,
+        "fp8: quantize an unquantized checkpoint's linears to block-scaled FP8 as it loads "
+        "(a checkpoint with an fp8 quantization_config loads as FP8 without this flag)",
+    )
 
     def __post_init__(self) -> None:
         _check(
@@ -53,6 +58,13 @@ class ModelConfig:
             self.load_format in ("auto", "dummy"),
             f"--load-format must be auto or dummy (got {self.load_format!r})",
         )
+        _check(
+            self.quantization in (None, "fp8"),
+            f"--quantization must be fp8 (got {self.quantization!r})",
+        )
+
+
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 @dataclass(frozen=True)
@@ -65,6 +77,11 @@ class CacheConfig:
     )
     num_gpu_blocks_override: int | None = _f(None, "use exactly this many KV blocks (testing)")
     enable_prefix_caching: bool = _f(True, "reuse KV of shared prompt prefixes")
+    kv_cache_dtype: str = _f(
+        "auto",
+        "auto: the model dtype; fp8 (= fp8_e4m3): float8_e4m3fn GQA K/V and MLA latent "
+        "caches with a per-tensor scale of 1.0 (values saturate at +-448)",
+    )
 
     def __post_init__(self) -> None:
         _check(
@@ -78,6 +95,11 @@ class CacheConfig:
             self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 2,
             "--num-gpu-blocks-override must be >= 2",
         )
+        _check(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)} "
+            f"(got {self.kv_cache_dtype!r})",
+        )
 
 
 @dataclass(frozen=True)
@@ -90,6 +112,11 @@ class SchedulerConfig:
         "schedule and prepare step N+1 while step N runs on the device (one step in "
         "flight); a request that stops on a sampled token computes one discarded token",
     )
+    scheduling_policy: str = _f(
+        "fcfs",
+        "fcfs: first come, first served | priority: waiting requests by their priority "
+        "(lower first, then arrival), preemption takes the lowest-priority running request",
+    )
     disable_log_stats: bool = _f(
         False,
         "no periodic stats line (throughput, queue, KV usage, prefix hits, speculative "
@@ -99,6 +126,10 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         _check(self.max_num_seqs >= 1, "--max-num-seqs must be >= 1")
         _check(self.max_num_batched_tokens >= 1, "--max-num-batched-tokens must be >= 1")
+        _check(
+            self.scheduling_policy in ("fcfs", "priority"),
+            f"--scheduling-policy must be fcfs or priority (got {self.scheduling_policy!r})",
+        )
 
 
 @dataclass(frozen=True)
@@ -323,4 +354,3 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help='P/D role, e.g. \'{"kv_connector": "PdConnector", "kv_role": "kv_producer", '
         '"kv_connector_extra_config": {"transport": "tcp"}}\'',
     )
-
