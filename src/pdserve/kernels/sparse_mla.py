@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels._utils import LOG2E, check_device, dot_precision, dot_upcast, next_pow2
+from pdserve.kernels.decode_attention import _reduce_kernel
 
 MAX_SPLITS = 32
 MIN_KEYS_PER_SPLIT = 128
@@ -181,42 +182,6 @@ def _mla_kernel(
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & l_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _combine_kernel(
-    ws_o_ptr,
-    ws_lse_ptr,
-    out_ptr,
-    num_splits,
-    stride_ot,
-    stride_oh,
-    NUM_HEADS: tl.constexpr,
-    LAT: tl.constexpr,
-    BLOCK_L: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    row = t * NUM_HEADS + h
-    offs_s = tl.arange(0, BLOCK_S)
-    s_ok = offs_s < num_splits
-    offs_l = tl.arange(0, BLOCK_L)
-    l_ok = offs_l < LAT
-    lse = tl.load(ws_lse_ptr + row * num_splits + offs_s, mask=s_ok, other=float("-inf"))
-    m = tl.max(lse, axis=0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m_safe)
-    parts = tl.load(
-        ws_o_ptr + (row * num_splits + offs_s[:, None]) * LAT + offs_l[None, :],
-        mask=s_ok[:, None] & l_ok[None, :],
-        other=0.0,
-    )
-    total = tl.sum(w, axis=0)
-    o = tl.sum(w[:, None] * parts, axis=0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(
-        out_ptr + t * stride_ot + h * stride_oh + offs_l, o.to(out_ptr.dtype.element_ty), mask=l_ok
-    )
-
-
 def choose_splits(num_tokens: int, num_heads: int, max_candidates: int, num_sms: int) -> int:
     """Power-of-two split count from host facts (graph-safe): about ``CTAS_PER_SM``
     programs per multiprocessor, at least ``MIN_KEYS_PER_SPLIT`` candidates per split
@@ -318,7 +283,7 @@ def sparse_mla_attention(
         num_stages=stages,
     )
     if split:
-        _combine_kernel[(num_tokens, num_heads)](
+        _reduce_kernel[(num_tokens, num_heads)](  # the split-K merge of decode attention
             ws_o,
             ws_lse,
             out,
@@ -326,8 +291,8 @@ def sparse_mla_attention(
             out.stride(0),
             out.stride(1),
             NUM_HEADS=num_heads,
-            LAT=lat,
-            BLOCK_L=block_l,
+            HEAD_D=lat,
+            BLOCK_D=block_l,
             BLOCK_S=next_pow2(num_splits),
             num_warps=4,
         )
