@@ -157,18 +157,8 @@ class ChatOutputParser:
         for call in new_calls:
             if self.calls and not self.parallel_tool_calls:
                 break  # parallel_tool_calls=false: the first call only
-            index = len(self.calls)
+            deltas += _call_deltas(len(self.calls), call)
             self.calls.append(call)
-            name = DeltaFunctionCall(name=call.function.name, arguments="")
-            deltas.append(
-                DeltaMessage(
-                    tool_calls=[
-                        DeltaToolCall(index=index, id=call.id, type="function", function=name)
-                    ]
-                )
-            )
-            args = DeltaFunctionCall(arguments=call.function.arguments)
-            deltas.append(DeltaMessage(tool_calls=[DeltaToolCall(index=index, function=args)]))
         return deltas
 
     def whole(self, text: str) -> ChatMessage:
@@ -256,18 +246,20 @@ class ForcedToolCalls(ChatOutputParser):
         deltas = []
         for index, call in enumerate(self._parse_required("".join(self._text))):
             self.calls.append(call)
-            name = DeltaFunctionCall(name=call.function.name, arguments="")
-            deltas.append(
-                DeltaMessage(
-                    tool_calls=[
-                        DeltaToolCall(index=index, id=call.id, type="function", function=name)
-                    ]
-                )
-            )
-            args = DeltaFunctionCall(arguments=call.function.arguments)
-            deltas.append(DeltaMessage(tool_calls=[DeltaToolCall(index=index, function=args)]))
+            deltas += _call_deltas(index, call)
         return deltas
 
     def whole(self, text: str) -> ChatMessage:
         self.feed(text, last=True)
         return ChatMessage(content=None, tool_calls=list(self.calls))
+
+
+def _call_deltas(index: int, call: ToolCall) -> list[DeltaMessage]:
+    """A whole tool call as stream deltas: its id and name, then its arguments."""
+    name = DeltaFunctionCall(name=call.function.name, arguments="")
+    head = DeltaToolCall(index=index, id=call.id, type="function", function=name)
+    args = DeltaFunctionCall(arguments=call.function.arguments)
+    return [
+        DeltaMessage(tool_calls=[head]),
+        DeltaMessage(tool_calls=[DeltaToolCall(index=index, function=args)]),
+    ]
