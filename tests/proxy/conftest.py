@@ -96,7 +96,9 @@ class FakeUpstream:
     sent_bytes: list[bytes] = field(default_factory=list)
     url: str = ""
     _runner: web.AppRunner | None = None
-    _last_answer: dict[int, float] = field(default_factory=dict)  # id(transport) -> time
+    # transport -> time of its last answer; keyed by the transport object itself (held
+    # alive here), not by id(): a new connection's transport can reuse a closed one's id
+    _last_answer: dict[object, float] = field(default_factory=dict)
 
     def kv_params(self, request_id: str) -> dict[str, Any]:
         return {
@@ -134,7 +136,7 @@ class FakeUpstream:
 
     def _stale(self, request: web.Request) -> bool:
         """Apply ``close_idle_after``; True if the connection was closed unanswered."""
-        key, now = id(request.transport), asyncio.get_running_loop().time()
+        key, now = request.transport, asyncio.get_running_loop().time()
         last = self._last_answer.get(key)
         self._last_answer[key] = now
         if self.close_idle_after is None or last is None or now - last <= self.close_idle_after:

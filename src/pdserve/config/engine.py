@@ -134,12 +134,34 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tensor_parallel_size: int = _f(1, "tensor-parallel ranks (only 1 is supported yet)")
-    data_parallel_size: int = _f(1, "data-parallel ranks (only 1 is supported yet)")
+    """Ranks of one instance: ``data_parallel_size`` engine cores (each with its own
+    scheduler and KV pool), each driving ``tensor_parallel_size`` model shards; one
+    process and one device per rank."""
+
+    tensor_parallel_size: int = _f(
+        1, "tensor-parallel ranks: attention heads, MLP and vocabulary split over this many"
+    )
+    data_parallel_size: int = _f(
+        1, "data-parallel ranks: engine cores behind this API server, each with its own batch"
+    )
+    enable_expert_parallel: bool = _f(
+        False,
+        "spread the MoE experts over the data-parallel ranks (tokens dispatched and "
+        "combined with all-to-all); every rank runs each step, idle ones a dummy batch",
+    )
 
     def __post_init__(self) -> None:
-        _check(self.tensor_parallel_size == 1, "--tensor-parallel-size > 1 is not supported yet")
-        _check(self.data_parallel_size == 1, "--data-parallel-size > 1 is not supported yet")
+        _check(self.tensor_parallel_size >= 1, "--tensor-parallel-size must be >= 1")
+        _check(self.data_parallel_size >= 1, "--data-parallel-size must be >= 1")
+        _check(
+            self.tensor_parallel_size == 1 or self.data_parallel_size == 1,
+            "--tensor-parallel-size > 1 together with --data-parallel-size > 1 is not "
+            "supported yet (choose one)",
+        )
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.data_parallel_size
 
 
 @dataclass(frozen=True)

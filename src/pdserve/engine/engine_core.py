@@ -41,6 +41,10 @@ class EngineCore:
     def __init__(self, config: EngineConfig, proposer: Proposer | None = None) -> None:
         t0 = time.perf_counter()
         self.config = config
+        if config.parallel.world_size > 1:  # pending: the rank processes are being wired
+            raise ValueError(
+                "--tensor-parallel-size > 1 and --data-parallel-size > 1 are not supported yet"
+            )
         if config.kv_transfer is not None:
             require_secret()  # before the weights load: a P/D role without it cannot run
         self.kv_health = KVHealth()

@@ -26,11 +26,8 @@ logger = logging.getLogger(__name__)
 
 # vLLM flags a user may carry over, each refused with the reason.
 UNSUPPORTED_VLLM_FLAGS: dict[str, str] = {
-    "--quantization": "quantized checkpoints are not supported yet",
     "--enable-lora": "LoRA adapters are not supported",
     "--pipeline-parallel-size": "pipeline parallelism is not supported",
-    "--enable-expert-parallel": "expert parallelism is not supported yet",
-    "--kv-cache-dtype": "only the model dtype is supported for the KV cache",
     "--tokenizer-mode": "pdserve always uses the fast tokenizer from tokenizer.json",
     "--trust-remote-code": "pdserve runs no code from model folders",
 }
