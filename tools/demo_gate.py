@@ -19,6 +19,11 @@ that parse as a function (``completion_parses`` from ``train_demo.py``) and, wit
 speculation, the MTP acceptance rate and acceptance per draft position. With
 ``--ppl-text`` it also reports transformers' perplexity on that text.
 
+transformers' top-2 logit gap is recorded at every greedy position (summarised:
+minimum, median, counts below 1e-4 ... 0.1) and at each first divergence, so a
+divergence can be told apart as a near-tie rounded the other way (small gap) or a bug
+(large gap).
+
 Exit status: 1 if any completion on CPU float32 differs from transformers' (in bf16 the
 accumulation orders differ, so near-ties may flip: reported, not failed), 2 if a
 configuration failed to run.
@@ -55,6 +60,7 @@ from pdserve.frontend.tokenizer import Tokenizer  # noqa: E402
 DEFAULT_CKPT = ROOT / "assets" / "demo-glm5"
 CONFIGS = ("colocated", "mtp1", "mtp3", "pd_tcp", "pd_tcp_mtp3")
 PD_TIMEOUT_S = 600.0
+GAP_THRESHOLDS = (1e-4, 1e-3, 1e-2, 0.1)
 
 
 def mtp(k: int) -> dict[str, Any]:
@@ -80,23 +86,45 @@ def engine_kwargs(args: argparse.Namespace, longest: int) -> dict[str, Any]:
 # -------------------------------------------------------------------- reference
 def transformers_greedy(
     ckpt: Path, prompts: list[list[int]], max_new: int, device: str, dtype: str
-) -> list[list[int]]:
-    """transformers' greedy tokens on the trunk, one prompt at a time (no padding)."""
+) -> tuple[list[list[int]], list[list[float]]]:
+    """transformers' greedy tokens on the trunk, one prompt at a time (no padding), and
+    at every generated position the gap between its two largest logits (fp32): how
+    close that greedy choice was to a tie."""
     import transformers
 
     model: Any = transformers.GlmMoeDsaForCausalLM.from_pretrained(
         ckpt, dtype=getattr(torch, dtype)
     )
     model = model.to(device).eval()
-    out = []
+    out, gaps = [], []
     with torch.no_grad():
         for ids in prompts:
             x = torch.tensor([ids], device=device)
-            y = model.generate(x, max_new_tokens=max_new, do_sample=False)
-            out.append(y[0, len(ids) :].tolist())
+            y = model.generate(
+                x,
+                max_new_tokens=max_new,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+            out.append(y.sequences[0, len(ids) :].tolist())
+            logits = torch.stack([lg[0] for lg in y.logits]).float()
+            top2 = logits.topk(2, dim=-1).values
+            gaps.append((top2[:, 0] - top2[:, 1]).tolist())
     del model
     _free(device)
-    return out
+    return out, gaps
+
+
+def gap_summary(gaps: list[list[float]]) -> dict[str, Any]:
+    """How many of the reference's greedy choices were near-ties (top-2 logit gap)."""
+    flat = sorted(g for row in gaps for g in row)
+    return {
+        "positions": len(flat),
+        "min_top2_gap": flat[0] if flat else None,
+        "median_top2_gap": flat[len(flat) // 2] if flat else None,
+        **{f"below_{t:g}": sum(g < t for g in flat) for t in GAP_THRESHOLDS},
+    }
 
 
 def perplexity(ckpt: Path, text: str, device: str, dtype: str, seq_len: int = 512) -> float:
@@ -249,10 +277,11 @@ def run_gate(
         report["ppl"] = perplexity(ckpt, text, args.device, args.dtype)
         print(f"perplexity on {args.ppl_text}: {report['ppl']:.3f} ({time.monotonic() - t0:.1f} s)")
     t0 = time.monotonic()
-    ref = transformers_greedy(ckpt, prompts, m, args.device, args.dtype)
+    ref, gaps = transformers_greedy(ckpt, prompts, m, args.device, args.dtype)
     report["transformers"] = {
         "parse_share": parse_share(tok, texts, ref, m),
         "mean_tokens": sum(map(len, ref)) / max(1, len(ref)),
+        "top2_gaps": gap_summary(gaps),
         "seconds": round(time.monotonic() - t0, 1),
     }
     print(f"transformers: {json.dumps(report['transformers'])}", flush=True)
@@ -272,7 +301,11 @@ def run_gate(
         div = [first_divergence(a, b) for a, b in zip(outs, ref, strict=True)]
         r = {
             "exact_share": sum(d is None for d in div) / max(1, len(div)),
-            "mismatches": [{"prompt": i, "first_divergence": d} for i, d in enumerate(div) if d is not None],
+            # ref_top2_gap: transformers' top-2 logit gap where pdserve first chose otherwise
+            "mismatches": [
+                {"prompt": i, "first_divergence": d, "ref_top2_gap": gaps[i][d] if d < len(gaps[i]) else None}
+                for i, d in enumerate(div) if d is not None
+            ],
             "parse_share": parse_share(tok, texts, outs, m),
             **spec_report(stats),
             "seconds": round(time.monotonic() - t0, 1),
@@ -301,13 +334,24 @@ def table(report: dict[str, Any]) -> str:
         f"transformers parse share {report['transformers']['parse_share']:.3f}",
         "config        exact   parse   MTP accept  per position         first divergences",
     ]
+    g = report["transformers"].get("top2_gaps")
+    if g and g["positions"]:
+        below = ", ".join(f"{g[f'below_{t:g}']} below {t:g}" for t in GAP_THRESHOLDS)
+        lines.insert(
+            1,
+            f"transformers' top-2 logit gaps over {g['positions']} greedy positions: "
+            f"min {g['min_top2_gap']:.3g}, median {g['median_top2_gap']:.3g}; {below}",
+        )
     for name, r in report["configs"].items():
         if "error" in r:
             lines.append(f"{name:<12}  FAILED: {r['error']}")
             continue
         acc = f"{r['mtp_acceptance_rate']:.3f}" if "mtp_acceptance_rate" in r else "-"
         pos = ",".join(f"{x:.2f}" for x in r.get("acceptance_per_pos", [])) or "-"
-        div = ",".join(f"{x['prompt']}@{x['first_divergence']}" for x in r["mismatches"][:6])
+        div = ",".join(
+            f"{x['prompt']}@{x['first_divergence']}" + (f"(gap {x['ref_top2_gap']:.3g})" if x.get("ref_top2_gap") is not None else "")
+            for x in r["mismatches"][:6]
+        )
         lines.append(
             f"{name:<12}  {r['exact_share']:5.3f}   {r['parse_share']:5.3f}   {acc:>10}  {pos:<20} {div or '-'}"
         )

@@ -55,6 +55,11 @@ def test_every_configuration_gives_transformers_greedy_tokens(report: dict[str, 
         assert "error" not in r, (name, r)
         assert r["exact_share"] == 1.0, (name, r["mismatches"])
     assert demo_gate.verdict(report) == 0
+    # the reference's top-2 logit gap is recorded at every greedy position
+    gaps = report["transformers"]["top2_gaps"]
+    assert gaps["positions"] == NUM_PROMPTS * MAX_NEW_TOKENS
+    assert 0.0 <= gaps["min_top2_gap"] <= gaps["median_top2_gap"]
+    assert "min" in demo_gate.table(report).splitlines()[1]
     # speculation ran: drafts were verified, some accepted, per position for k = 3
     for name in ("mtp1", "mtp3", "pd_tcp_mtp3"):
         r = report["configs"][name]
