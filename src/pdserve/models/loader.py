@@ -125,19 +125,7 @@ def load_model(
     constructor (e.g. ``with_mtp=True``, ``groups=`` a rank's parallel groups)."""
     config = load_hf_config(model_dir)
     fp8 = resolve_quantization(config, quantization)
-    groups = model_options.get("groups")
-    tp_size = groups.tp.size if groups is not None else 1
-    if fp8 is not None and tp_size > 1:
-        raise ValueError(
-            f"--tensor-parallel-size {tp_size} with FP8 weights (--quantization fp8 or an FP8 "
-            "checkpoint) is not supported yet: run FP8 models with --tensor-parallel-size 1"
-        )
-    model_cls = get_model_class(config)
-    if model_options.get("with_mtp") and not getattr(model_cls, "has_mtp", False):
-        raise ValueError(
-            f"--speculative-config: method mtp needs a model with MTP layers "
-            f"({config.architecture} has none)"
-        )
+    model_cls = _model_class(config, fp8, model_options)
     torch_dtype = resolve_dtype(dtype, config)
     target = torch.device(device)
     if load_format == "dummy":
@@ -166,6 +154,39 @@ def load_model(
         more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
         raise ValueError(f"{source}: missing tensor(s) {shown}{more}")
     return model.eval(), config
+
+
+def check_model_options(
+    model_dir: str | Path, quantization: str | None = None, **model_options: Any
+) -> None:
+    """Raise the ValueError :func:`load_model` would raise for these options (e.g. a
+    tensor-parallel size that does not divide the heads) without loading anything: the
+    model is built on the meta device. Run before starting rank processes."""
+    config = load_hf_config(model_dir)
+    fp8 = resolve_quantization(config, quantization)
+    model_cls = _model_class(config, fp8, model_options)
+    with torch.device("meta"):
+        model_cls(config, torch.float32, **model_options)
+
+
+def _model_class(
+    config: HFModelConfig, fp8: Fp8Config | None, model_options: dict[str, Any]
+) -> type[CausalLM]:
+    """The model class, once the options are known to fit the checkpoint."""
+    model_cls = get_model_class(config)
+    if model_options.get("with_mtp") and not getattr(model_cls, "has_mtp", False):
+        raise ValueError(
+            f"--speculative-config: method mtp needs a model with MTP layers "
+            f"({config.architecture} has none)"
+        )
+    groups = model_options.get("groups")
+    tp_size = groups.tp.size if groups is not None else 1
+    if fp8 is not None and tp_size > 1:
+        raise ValueError(
+            f"--tensor-parallel-size {tp_size} with FP8 weights (--quantization fp8 or an FP8 "
+            "checkpoint) is not supported yet: run FP8 models with --tensor-parallel-size 1"
+        )
+    return model_cls
 
 
 def _take_shards(
