@@ -20,7 +20,9 @@ from pdserve import LLM, SamplingParams
 from pdserve.config import EngineConfig
 from pdserve.core_types.sampling_params import StructuredOutputsParams
 from pdserve.engine.engine_core import EngineCore
+from pdserve.engine.tp_workers import RankFailure, TPLeader
 from pdserve.frontend.async_client import AsyncEngineClient
+from pdserve.runner.memory import rank_device
 
 KW: dict[str, Any] = dict(
     dtype="float32", block_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=512
@@ -163,3 +165,45 @@ def test_killing_a_follower_fails_requests_and_stops_the_engine(tiny_llama: Path
     assert "tensor-parallel rank 1" in (last.error or "") and "exited" in last.error
     assert len(outs) < 400 and waited < 30
     assert exitcode == 1  # the engine core stopped (its follower is gone too)
+
+
+def test_each_rank_gets_its_own_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert rank_device("cpu", 1, 2) == "cpu"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert rank_device("cuda", 1, 2) == "cuda:1"
+    assert rank_device("cuda:2", 1, 2) == "cuda:3"
+    with pytest.raises(ValueError, match=r"need GPUs cuda:3..cuda:4 .* 4 GPU\(s\) are visible"):
+        rank_device("cuda:3", 0, 2)
+
+
+def test_watchdog_ends_a_leader_stuck_with_a_dead_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NCCL would wait for a dead peer until its timeout: the watchdog exits first."""
+
+    class Exited:
+        pid = 4242
+
+        def poll(self) -> int:
+            return -9
+
+    leader = TPLeader.__new__(TPLeader)
+    leader.grace_s, leader._dir, leader._procs = 0.3, str(tmp_path), [Exited()]  # type: ignore[list-item]
+    leader._dead, leader._closed, leader._busy_since = None, False, time.monotonic()
+    (tmp_path / "rank1.error").write_text("start-up failed: boom")
+    exits: list[float] = []
+
+    def fake_exit(code: int) -> None:
+        exits.append(time.monotonic())
+        leader._closed = True
+
+    monkeypatch.setattr(os, "_exit", fake_exit)
+    t0 = time.monotonic()
+    leader._watch()  # returns once it "exited"
+    assert exits and 0.3 <= exits[0] - t0 < 10
+    assert (
+        leader._dead
+        == "tensor-parallel rank 1 (pid 4242) exited with code -9: start-up failed: boom"
+    )
+    with pytest.raises(RankFailure, match="rank 1 .* exited with code -9"):
+        leader.check()

@@ -125,7 +125,9 @@ def init_rank(
     device = rank_device(config.device.device, tp_rank, tp_size)
     config = replace(config, device=replace(config.device, device=device))
     dev = resolve_device(device)
-    if dev.type == "cpu":  # the ranks share this host's cores
+    if dev.type == "cuda":  # streams, events, graphs and Triton use the current device
+        torch.cuda.set_device(dev)
+    else:  # the ranks share this host's cores
         torch.set_num_threads(max(1, torch.get_num_threads() // tp_size))
     info = RankInfo(tp_size=tp_size, tp_rank=tp_rank)
     return config, init_parallel_groups(info, init_file, dev)
@@ -149,6 +151,7 @@ def check_tp_config(config: EngineConfig) -> None:
         raise ValueError(
             f"--kv-transfer-config (P/D) with --tensor-parallel-size {n} is not supported yet"
         )
+    rank_device(config.device.device, n - 1, n)  # one device per rank
     spec = config.speculative
     options: dict[str, Any] = (
         {"with_mtp": True} if spec is not None and spec.method == "mtp" else {}
