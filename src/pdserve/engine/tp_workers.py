@@ -195,13 +195,12 @@ class TPLeader:
         self._busy_since: float | None = None
         self._mirrored: deque[bool] = deque()  # per launched step: whether it was broadcast
         self._to_finish = 0  # broadcast steps finished since the last broadcast
-        init_file = os.path.join(self._dir, "init")
-        for rank in range(1, self.size):
-            self._procs.append(self._spawn(config, rank, init_file))
-        self._watchdog = threading.Thread(target=self._watch, name="tp-watchdog", daemon=True)
-        self._watchdog.start()
         self.groups = ParallelGroups()
+        init_file = os.path.join(self._dir, "init")
         try:
+            for rank in range(1, self.size):
+                self._procs.append(self._spawn(config, rank, init_file))
+            threading.Thread(target=self._watch, name="tp-watchdog", daemon=True).start()
             with self.collective():
                 self.config, self.groups = init_rank(config, 0, init_file)
         except BaseException:
