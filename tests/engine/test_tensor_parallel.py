@@ -120,24 +120,36 @@ def test_refused_before_any_rank_starts(
     assert not started
 
 
+def _stat(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat after the command name (state first, then the parent pid)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
 def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", encoding="utf-8") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                out.append(int(entry))
-    return out
+    return [
+        int(e)
+        for e in os.listdir("/proc")
+        if e.isdigit() and (_stat(int(e)) or ["", ""])[1] == str(pid)
+    ]
 
 
-def test_killing_a_follower_fails_requests_and_stops_the_engine(tiny_llama: Path) -> None:
+def _gone(pid: int) -> bool:
+    stat = _stat(pid)
+    return stat is None or stat[0] in ("Z", "X")  # exited (a zombie nobody reaped yet)
+
+
+@pytest.mark.parametrize("victim", ["follower", "leader"])
+def test_a_dead_rank_fails_requests_and_stops_the_instance(tiny_llama: Path, victim: str) -> None:
+    """Killing either rank mid-generation: the request ends with an error (the leader
+    names the dead follower; a dead leader is the engine process dying) and every rank
+    process exits, within a bounded time, never hanging."""
     config = EngineConfig.from_kwargs(model=str(tiny_llama), tensor_parallel_size=2, **KW)
 
-    async def main() -> tuple[list[Any], float, int | None]:
+    async def main() -> tuple[list[Any], float, int | None, int]:
         client = await AsyncEngineClient.start(config, log_level="WARNING", timeout=300)
         try:
             assert client._proc is not None and client._proc.pid is not None
@@ -151,20 +163,30 @@ def test_killing_a_follower_fails_requests_and_stops_the_engine(tiny_llama: Path
                 async for out in client.generate("r", None, PROMPTS[0], params):
                     outs.append(out)
                     if len(outs) == 1:
-                        os.kill(followers[0], signal.SIGKILL)
+                        os.kill(
+                            followers[0] if victim == "follower" else engine.pid, signal.SIGKILL
+                        )  # type: ignore[arg-type]
                         t0 = time.monotonic()
             waited = time.monotonic() - t0
             await asyncio.get_running_loop().run_in_executor(None, engine.join, 30)
-            return outs, waited, engine.exitcode
+            return outs, waited, engine.exitcode, followers[0]
         finally:
             await client.shutdown()
 
-    outs, waited, exitcode = asyncio.run(main())
+    outs, waited, exitcode, follower = asyncio.run(main())
     last = outs[-1]
     assert last.finished and last.outputs[0].finish_reason == "error"
-    assert "tensor-parallel rank 1" in (last.error or "") and "exited" in last.error
     assert len(outs) < 400 and waited < 30
-    assert exitcode == 1  # the engine core stopped (its follower is gone too)
+    if victim == "follower":
+        assert "tensor-parallel rank 1" in (last.error or "") and "exited" in last.error
+        assert exitcode == 1  # the engine core stopped after reporting it
+    else:
+        assert "engine process died" in (last.error or "") and exitcode == -signal.SIGKILL
+    for _ in range(150):  # the follower leaves: a collective error, or its parent is gone
+        if _gone(follower):
+            break
+        time.sleep(0.1)
+    assert _gone(follower)
 
 
 def test_each_rank_gets_its_own_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
