@@ -120,7 +120,9 @@ def runner_ignores(so: SchedulerOutput) -> bool:
 def init_rank(
     config: EngineConfig, tp_rank: int, init_file: str
 ) -> tuple[EngineConfig, ParallelGroups]:
-    """(this rank's config: its own device, the groups): joins the instance's ranks."""
+    """(this rank's config: its own device, the groups): joins the instance's ranks.
+    Makes the rank's device current (CUDA), or gives the rank its share of the host's
+    torch threads (CPU; in-process, the offline ``LLM``'s thread count too)."""
     tp_size = config.parallel.tensor_parallel_size
     device = rank_device(config.device.device, tp_rank, tp_size)
     config = replace(config, device=replace(config.device, device=device))
