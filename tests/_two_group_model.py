@@ -73,8 +73,8 @@ class TokenCodes(nn.Module):
 
 
 class TwoGroupLlama(LlamaForCausalLM):
-    def __init__(self, config, dtype: torch.dtype = torch.bfloat16) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(config, dtype)
+    def __init__(self, config, dtype: torch.dtype = torch.bfloat16, **options) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(config, dtype, **options)
         self.codes = nn.ModuleList(TokenCodes() for _ in self.model.layers)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

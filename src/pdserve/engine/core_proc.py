@@ -4,7 +4,8 @@ Lifecycle: the parent starts this process with two ZMQ addresses. The process bu
 the engine (weights, KV cache), sends ``EngineReady`` (or ``EngineError`` and exits),
 then loops: take every pending message (blocking only while idle), run one step if
 any request is unfinished, send that step's outputs plus a stats snapshot. It exits
-on ``Shutdown``, or when the parent process goes away.
+on ``Shutdown``, or when the parent process goes away; a step that raises (a
+tensor-parallel rank died) is reported as ``EngineError`` before it exits.
 """
 
 from __future__ import annotations
@@ -71,6 +72,10 @@ def run_engine_core(
     )
     try:
         _loop(core, inp, out, parent)
+    except Exception as e:  # e.g. a tensor-parallel rank died: fail every request, exit
+        logger.error("engine step failed:\n%s", traceback.format_exc())
+        out.send(M.encode(M.EngineError(f"{type(e).__name__}: {e}")))
+        raise SystemExit(1) from e
     finally:
         core.shutdown()
         inp.close(linger=0)

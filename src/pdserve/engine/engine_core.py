@@ -22,6 +22,7 @@ from pdserve.engine.kv_cache.manager import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.structured_output import StructuredOutputManager
+from pdserve.engine.tp_workers import TPLeader, start_runner
 from pdserve.kv_transfer.base import KVConnectorWorker, KVHealth
 from pdserve.kv_transfer.compat import compat_info
 from pdserve.kv_transfer.pd_connector import (
@@ -41,18 +42,25 @@ class EngineCore:
     def __init__(self, config: EngineConfig, proposer: Proposer | None = None) -> None:
         t0 = time.perf_counter()
         self.config = config
-        if config.parallel.world_size > 1:  # pending: the rank processes are being wired
-            raise ValueError(
-                "--tensor-parallel-size > 1 and --data-parallel-size > 1 are not supported yet"
-            )
+        if config.parallel.data_parallel_size > 1:  # pending: the DP ranks are being wired
+            raise ValueError("--data-parallel-size > 1 is not supported yet")
         if config.kv_transfer is not None:
             require_secret()  # before the weights load: a P/D role without it cannot run
         self.kv_health = KVHealth()
         self._supervised_at = 0.0
-        self.runner = ModelRunner(config, proposer)
-        num_blocks = self.runner.determine_num_blocks()
-        self.runner.initialize_kv_cache(num_blocks)
-        self.warmup_phases = self.runner.warm_up()
+        # tensor parallelism: this process is rank 0 and drives the other ranks' runners
+        self.tp: TPLeader | None = None
+        if config.parallel.tensor_parallel_size > 1:
+            if proposer is not None:
+                raise ValueError("a custom proposer cannot be used with --tensor-parallel-size > 1")
+            self.tp = TPLeader(config)
+        try:
+            self.runner = self._start_runner(proposer)
+        except BaseException:
+            if self.tp is not None:
+                self.tp.shutdown()
+            raise
+        num_blocks = self.runner.num_blocks
         self.kv = KVCacheManager(
             num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
@@ -87,6 +95,19 @@ class EngineCore:
             self.runner.device,
         )
 
+    def _start_runner(self, proposer: Proposer | None) -> ModelRunner:
+        """Build this rank's runner, agree on the KV blocks with the other ranks (if any),
+        allocate and warm up."""
+        if self.tp is None:
+            runner = ModelRunner(self.config, proposer)
+            _, self.warmup_phases = start_runner(runner, runner.groups.tp)
+            return runner
+        with self.tp.collective():
+            runner = ModelRunner(self.tp.config, groups=self.tp.groups)
+            _, self.warmup_phases = start_runner(runner, self.tp.groups.tp)
+        self.tp.serving = True
+        return runner
+
     def _make_connector(self) -> PdConnectorScheduler | None:
         kvt = self.config.kv_transfer
         if kvt is None:
@@ -108,6 +129,8 @@ class EngineCore:
         self.structured.shutdown()
         if self.connector_worker is not None:
             self.connector_worker.shutdown()
+        if self.tp is not None:
+            self.tp.shutdown()
 
     def release_kv(self, request_id: str) -> bool:
         """Free blocks held for a remote decode now (the proxy gave the request up)."""
@@ -185,10 +208,14 @@ class EngineCore:
     def _launch(self, so: SchedulerOutput) -> StepHandle:
         if self.connector_worker is not None and so.kv_connector_metadata is not None:
             self.connector_worker.start_load_kv(so.kv_connector_metadata)
+        if self.tp is not None:  # the other ranks launch the same step
+            return self.tp.launch(so, self.runner.launch)
         return self.runner.launch(so)
 
     def _finish(self, handle: StepHandle) -> RunnerOutput:
         out = self.runner.finish(handle)
+        if self.tp is not None:
+            self.tp.finished()
         if self.connector_worker is not None:
             out.kv_connector_output = self.connector_worker.get_finished()
         return out

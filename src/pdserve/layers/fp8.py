@@ -36,7 +36,7 @@ from pdserve.kernels.reference import (
     block_fp8_matmul_reference,
 )
 from pdserve.layers.fused import use_fused_kernels
-from pdserve.layers.linear import Linear, MergedLinear
+from pdserve.layers.linear import Linear, MergedLinear, is_plain_linear
 
 SCALED_MM_MIN_TOKENS = 256
 
@@ -47,6 +47,8 @@ def _cdiv(a: int, b: int) -> int:
 
 class Fp8Linear(Linear):
     """``y = x W^T + b`` with block-scaled FP8 ``weight`` (see the module docstring)."""
+
+    quantized = True  # never converted again (:func:`~pdserve.layers.linear.is_plain_linear`)
 
     def __init__(
         self,
@@ -182,13 +184,13 @@ def _check_scaled_mm(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def convert_linears(root: nn.Module, quantize: Callable[[str, nn.Module], bool]) -> list[str]:
-    """Replace every :class:`Linear` / :class:`MergedLinear` of ``root`` (not already FP8)
-    for which ``quantize(name, module)`` holds with its FP8 counterpart, on the device
+    """Replace every :class:`Linear` / :class:`MergedLinear` of ``root`` (not already FP8,
+    not split over tensor-parallel ranks) for which ``quantize(name, module)`` holds with its FP8 counterpart, on the device
     its weight is on; returns the names replaced."""
     names = [
         name
         for name, module in root.named_modules()
-        if type(module) in (Linear, MergedLinear) and quantize(name, module)
+        if is_plain_linear(module) and quantize(name, module)
     ]  # names only: each replaced layer's bf16 weights are freed as soon as it is swapped
     for name in names:
         module = root.get_submodule(name)

@@ -8,15 +8,43 @@ copy of its weights on the GPU and nothing on the host.
 A :class:`MergedLinear` stacks several HF projections of the same input along
 the output dimension (q|k|v, gate|up) so one GEMM replaces several; it keeps the
 HF names of its parts so a checkpoint loads into it unchanged.
+
+Tensor parallelism (:mod:`pdserve.layers.parallel_linear`) builds on two hooks here:
+a :class:`Shard` says which part of a full checkpoint tensor a rank holds, and a module
+may list its own checkpoint entries (``tensor_entries``: HF name -> (the tensor to copy
+into, its shard)) where its parameters are not plain copies of checkpoint tensors.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The part of a full checkpoint tensor one tensor-parallel rank holds: indices
+    ``[start, stop)`` along ``dim``, of ``full`` (the loader reads only these)."""
+
+    dim: int
+    start: int
+    stop: int
+    full: int  # the full tensor's size along ``dim``
+
+    def index(self) -> tuple[slice, ...]:
+        """The subscript selecting the shard (for safetensors' ``get_slice``)."""
+        return (slice(None),) * self.dim + (slice(self.start, self.stop),)
+
+    def of(self, full: torch.Tensor) -> torch.Tensor:
+        """The shard of ``full`` (a view)."""
+        return full.narrow(self.dim, self.start, self.stop - self.start)
+
+
+Entries = dict[str, tuple[torch.Tensor, Shard | None]]
 
 
 def _empty_param(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:
@@ -76,34 +104,68 @@ class MergedLinear(Linear):
             offset += size
         return views
 
+    def part_shards(self) -> dict[str, Shard]:
+        """HF-relative names -> the shard each view holds (none: whole parts)."""
+        return {}
+
+    def tensor_entries(self, prefix: str) -> Entries:
+        """The parts under the parent's prefix (``a.qkv_proj.`` lists ``a.q_proj.weight``)."""
+        parent = prefix.removesuffix(".").rpartition(".")[0]
+        parent = f"{parent}." if parent else ""
+        shards = self.part_shards()
+        return {parent + n: (v, shards.get(n)) for n, v in self.part_views().items()}
+
     def extra_repr(self) -> str:
         return f"in={self.in_features}, parts={self.parts}, bias={self.bias is not None}"
 
 
-def checkpoint_targets(root: nn.Module) -> dict[str, torch.Tensor]:
-    """Every HF checkpoint name of ``root`` → the tensor its values are copied into.
+def checkpoint_entries(root: nn.Module) -> Entries:
+    """Every HF checkpoint name of ``root`` -> (the tensor its values are copied into,
+    the :class:`Shard` of the full tensor it holds, None when whole), in named-module order.
 
-    Plain parameters keep their own names; a :class:`MergedLinear` named
-    ``a.qkv_proj`` contributes ``a.q_proj.weight`` etc. A parameter shared by two
-    modules (tied embeddings) is listed once, under the first module that owns it.
-    Non-persistent buffers (rotary tables) are not checkpoint tensors.
+    Plain parameters keep their own names; a module with ``tensor_entries(prefix)`` lists
+    its own (a :class:`MergedLinear` named ``a.qkv_proj`` lists ``a.q_proj.weight`` etc.).
+    A parameter shared by two modules (tied embeddings) is listed once, under the first
+    module that owns it. Non-persistent buffers (rotary tables) are not checkpoint tensors.
     """
-    targets: dict[str, torch.Tensor] = {}
+    entries: Entries = {}
     seen: set[int] = set()
     for mod_name, module in root.named_modules():
         prefix = f"{mod_name}." if mod_name else ""
-        if isinstance(module, MergedLinear):
-            parent = mod_name.rsplit(".", 1)[0] + "." if "." in mod_name else ""
-            seen.update(id(p) for p in module.parameters(recurse=False))
-            for part_name, view in module.part_views().items():
-                targets[parent + part_name] = view
+        own = getattr(module, "tensor_entries", None)
+        if own is not None:
+            params = [id(p) for p in module.parameters(recurse=False)]
+            if any(i in seen for i in params):  # tied to a module listed before
+                continue
+            seen.update(params)
+            entries.update(own(prefix))
             continue
         for p_name, param in module.named_parameters(recurse=False):
             if id(param) in seen:
                 continue
             seen.add(id(param))
-            targets[prefix + p_name] = param.data
-    return targets
+            entries[prefix + p_name] = (param.data, None)
+    return entries
+
+
+def checkpoint_targets(root: nn.Module) -> dict[str, torch.Tensor]:
+    """Every HF checkpoint name of ``root`` → the tensor its values are copied into
+    (:func:`checkpoint_entries` without the shards)."""
+    return {name: t for name, (t, _) in checkpoint_entries(root).items()}
+
+
+def checkpoint_shards(root: nn.Module) -> dict[str, Shard]:
+    """The checkpoint names of ``root`` that this rank holds only a part of."""
+    return {name: s for name, (_, s) in checkpoint_entries(root).items() if s is not None}
+
+
+def is_plain_linear(module: nn.Module) -> bool:
+    """A :class:`Linear` (or merged one) in the model dtype holding its whole weight:
+    what FP8 conversion may swap (not FP8 already, not split over ranks)."""
+    if not isinstance(module, Linear) or getattr(module, "quantized", False):
+        return False
+    tp = getattr(module, "tp", None)
+    return tp is None or tp.size == 1
 
 
 def copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

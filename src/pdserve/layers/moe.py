@@ -25,6 +25,11 @@ selection after its float32 GEMM, and :func:`pdserve.kernels.fused_moe.fused_exp
 replaces both expert paths: tokens aligned by expert on the device, a grouped gate/up
 GEMM with SiLU-and-mul fused, a grouped down GEMM with the routing weights applied; no
 host sync at any batch size. The shared experts stay a dense MLP (fused layers too).
+
+Tensor parallelism (``groups.tp`` of size n): the router is replicated; every expert's
+and the shared experts' intermediate dimension is split n ways (gate/up rows and down
+columns, each HF tensor sliced on its own), each rank computes its partial output of
+every token's experts, and the layer all-reduces the routed plus shared partials once.
 """
 
 from __future__ import annotations
@@ -33,9 +38,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.distributed.groups import Group, ParallelGroups
 from pdserve.layers.activation import SiluAndMul
 from pdserve.layers.fused import use_fused_kernels
-from pdserve.layers.linear import Linear, MergedLinear
+from pdserve.layers.linear import Shard
+from pdserve.layers.parallel_linear import (
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+    tp_divide,
+)
 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -158,12 +169,22 @@ def experts_dense(
 
 
 class RoutedExperts(nn.Module):
+    """Stacked experts; under TP each holds its rank's slice of every expert's
+    intermediate dimension (``intermediate_size`` is the local one)."""
+
     def __init__(
-        self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        dtype: torch.dtype,
+        tp: Group | None = None,
     ) -> None:
         super().__init__()
+        self.tp = tp or Group()
         self.num_experts = num_experts
         self.hidden_size = hidden_size
+        intermediate_size = tp_divide(intermediate_size, self.tp, "moe_intermediate_size")
         self.intermediate_size = intermediate_size
         self.w13 = nn.Parameter(
             torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype),
@@ -193,17 +214,51 @@ class RoutedExperts(nn.Module):
             "down_proj.weight": self.w2.data[e],
         }
 
+    def expert_shards(self) -> dict[str, Shard]:
+        """The part of each full HF expert tensor this rank holds (none: whole)."""
+        if self.tp.size == 1:
+            return {}
+        i, r, n = self.intermediate_size, self.tp.rank, self.tp.size
+        rows = Shard(0, r * i, (r + 1) * i, n * i)
+        return {
+            "gate_proj.weight": rows,
+            "up_proj.weight": rows,
+            "down_proj.weight": Shard(1, r * i, (r + 1) * i, n * i),
+        }
+
 
 class DenseMLP(nn.Module):
-    """SwiGLU MLP with HF names (``gate_proj``/``up_proj`` merged, ``down_proj``)."""
+    """SwiGLU MLP with HF names (``gate_proj``/``up_proj`` merged, ``down_proj``); under
+    TP gate/up column-parallel and down row-parallel (``reduce_results=False``: the
+    caller all-reduces the partial output)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        dtype: torch.dtype,
+        tp: Group | None = None,
+        reduce_results: bool = True,
+        what: str = "intermediate_size",
+    ) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(
-            hidden_size, {"gate_proj": intermediate_size, "up_proj": intermediate_size}, dtype=dtype
+        names = {"gate_proj": what, "up_proj": what}
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size,
+            {"gate_proj": intermediate_size, "up_proj": intermediate_size},
+            dtype=dtype,
+            tp=tp,
+            what=names,
         )
         self.act_fn = SiluAndMul()
-        self.down_proj = Linear(intermediate_size, hidden_size, dtype=dtype)
+        self.down_proj = RowParallelLinear(
+            intermediate_size,
+            hidden_size,
+            dtype=dtype,
+            tp=tp,
+            what=what,
+            reduce_results=reduce_results,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -224,8 +279,10 @@ class MoE(nn.Module):
         norm_topk_prob: bool,
         routed_scaling_factor: float,
         dtype: torch.dtype,
+        groups: ParallelGroups = ParallelGroups(),
     ) -> None:
         super().__init__()
+        self.tp = groups.tp
         if n_group < 1 or num_experts % n_group or not 1 <= topk_group <= n_group:
             raise ValueError(
                 f"n_group {n_group} must divide n_routed_experts {num_experts}, "
@@ -242,9 +299,18 @@ class MoE(nn.Module):
             norm_topk_prob,
             routed_scaling_factor,
         )
-        self.experts = RoutedExperts(num_experts, hidden_size, moe_intermediate_size, dtype)
+        self.experts = RoutedExperts(
+            num_experts, hidden_size, moe_intermediate_size, dtype, self.tp
+        )
         self.shared_experts = (
-            DenseMLP(hidden_size, moe_intermediate_size * n_shared_experts, dtype)
+            DenseMLP(
+                hidden_size,
+                moe_intermediate_size * n_shared_experts,
+                dtype,
+                self.tp,
+                reduce_results=False,
+                what="moe_intermediate_size x n_shared_experts",
+            )
             if n_shared_experts
             else None
         )
@@ -254,4 +320,4 @@ class MoE(nn.Module):
         out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return self.tp.all_reduce(out)  # the ranks' partial sums (identity without TP)

@@ -21,6 +21,15 @@ One file for the family: ``GlmMoeDsaForCausalLM`` (GLM-5, GLM-5.2), ``DeepseekV3
 and ``DeepseekV3ForCausalLM`` (no indexer) differ only in config (see
 :mod:`pdserve.models.deepseek_config`). Tensor names are the published ones: experts
 per expert in the checkpoint, stacked in memory; the router in float32.
+
+Tensor parallelism (``groups.tp`` of size n) splits the attention heads: ``q_b_proj``
+(or ``q_proj``) and ``kv_b_proj`` are column-parallel by heads, ``o_proj`` row-parallel.
+What every head shares is replicated on every rank: ``q_a_proj``, ``kv_a_proj_with_mqa``
+and their norms, the latent cache (each rank caches the full latent), and the DSA
+indexer (its weights, its key cache and the top-k it picks; every rank computes the same).
+The dense MLP of the first layers and the MoE are split by intermediate dimension (see
+:mod:`pdserve.layers.moe`; the router is replicated), the embedding and LM head by
+vocabulary. The MTP layer is built the same way (``eh_proj`` and its norms replicated).
 """
 
 from __future__ import annotations
@@ -30,12 +39,14 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from pdserve.distributed.groups import Group, ParallelGroups
 from pdserve.layers.attention.dsa import Indexer
 from pdserve.layers.attention.mla import MLAAttention
 from pdserve.layers.embedding import LMHead, VocabEmbedding
-from pdserve.layers.linear import Linear, checkpoint_targets, copy_checked
+from pdserve.layers.linear import Linear, Shard, checkpoint_entries, copy_checked
 from pdserve.layers.moe import DenseMLP, MoE
 from pdserve.layers.norm import RMSNorm
+from pdserve.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, tp_divide
 from pdserve.layers.rotary import RopeInputs, RotaryEmbedding, yarn_softmax_mscale
 from pdserve.models.deepseek_config import DeepseekConfig, read_deepseek_config
 from pdserve.models.hf_config import HFModelConfig
@@ -48,30 +59,51 @@ _LORA_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm (HF's default)
 
 class MLASelfAttention(nn.Module):
     def __init__(
-        self, hc: HFModelConfig, dc: DeepseekConfig, dtype: torch.dtype, full_indexer: bool
+        self,
+        hc: HFModelConfig,
+        dc: DeepseekConfig,
+        dtype: torch.dtype,
+        full_indexer: bool,
+        tp: Group,
     ) -> None:
         super().__init__()
         h, heads = hc.hidden_size, hc.num_attention_heads
-        self.num_heads = heads
+        self.num_heads = tp_divide(heads, tp, "num_attention_heads")  # this rank's heads
         self.dc = dc
         bias = hc.attention_bias
+        what = "num_attention_heads x head size"  # divisible once the heads are
         if dc.q_lora_rank is not None:
             self.q_a_proj = Linear(h, dc.q_lora_rank, bias=bias, dtype=dtype)
             self.q_a_layernorm = RMSNorm(dc.q_lora_rank, _LORA_EPS, dtype)
-            self.q_b_proj = Linear(dc.q_lora_rank, heads * dc.qk_head_dim, dtype=dtype)
+            self.q_b_proj = ColumnParallelLinear(
+                dc.q_lora_rank, heads * dc.qk_head_dim, dtype=dtype, tp=tp, what=what
+            )
         else:
-            self.q_proj = Linear(h, heads * dc.qk_head_dim, dtype=dtype)
+            self.q_proj = ColumnParallelLinear(
+                h, heads * dc.qk_head_dim, dtype=dtype, tp=tp, what=what
+            )
         self.kv_a_proj_with_mqa = Linear(
             h, dc.kv_lora_rank + dc.qk_rope_head_dim, bias=bias, dtype=dtype
         )
         self.kv_a_layernorm = RMSNorm(dc.kv_lora_rank, _LORA_EPS, dtype)
-        self.kv_b_proj = Linear(
-            dc.kv_lora_rank, heads * (dc.qk_nope_head_dim + dc.v_head_dim), dtype=dtype
+        self.kv_b_proj = ColumnParallelLinear(
+            dc.kv_lora_rank,
+            heads * (dc.qk_nope_head_dim + dc.v_head_dim),
+            dtype=dtype,
+            tp=tp,
+            what=what,
         )
-        self.o_proj = Linear(heads * dc.v_head_dim, h, bias=bias, dtype=dtype)
+        self.o_proj = RowParallelLinear(
+            heads * dc.v_head_dim, h, bias=bias, dtype=dtype, tp=tp, what=what
+        )
         scale = dc.qk_head_dim**-0.5 * yarn_softmax_mscale(hc.rope_scaling)
         self.attn = MLAAttention(
-            heads, dc.kv_lora_rank, dc.qk_nope_head_dim, dc.qk_rope_head_dim, dc.v_head_dim, scale
+            self.num_heads,
+            dc.kv_lora_rank,
+            dc.qk_nope_head_dim,
+            dc.qk_rope_head_dim,
+            dc.v_head_dim,
+            scale,
         )
         self.indexer: Indexer | None = None
         if full_indexer:
@@ -129,11 +161,12 @@ class DeepseekDecoderLayer(nn.Module):
         dtype: torch.dtype,
         sparse_mlp: bool,
         full_indexer: bool,
+        groups: ParallelGroups,
     ) -> None:
         super().__init__()
         eps = hc.rms_norm_eps
         self.input_layernorm = RMSNorm(hc.hidden_size, eps, dtype)
-        self.self_attn = MLASelfAttention(hc, dc, dtype, full_indexer)
+        self.self_attn = MLASelfAttention(hc, dc, dtype, full_indexer, groups.tp)
         self.post_attention_layernorm = RMSNorm(hc.hidden_size, eps, dtype)
         self.mlp: nn.Module
         if sparse_mlp:
@@ -148,9 +181,10 @@ class DeepseekDecoderLayer(nn.Module):
                 dc.norm_topk_prob,
                 dc.routed_scaling_factor,
                 dtype,
+                groups,
             )
         else:
-            self.mlp = DenseMLP(hc.hidden_size, hc.intermediate_size, dtype)
+            self.mlp = DenseMLP(hc.hidden_size, hc.intermediate_size, dtype, groups.tp)
 
     def forward(
         self,
@@ -182,8 +216,10 @@ class MTPLayer(DeepseekDecoderLayer):
     indexer) plus ``enorm``, ``hnorm``, ``eh_proj`` and ``shared_head.norm``; it shares the
     target's embedding and LM head."""
 
-    def __init__(self, hc: HFModelConfig, dc: DeepseekConfig, dtype: torch.dtype) -> None:
-        super().__init__(hc, dc, dtype, sparse_mlp=True, full_indexer=dc.has_indexer)
+    def __init__(
+        self, hc: HFModelConfig, dc: DeepseekConfig, dtype: torch.dtype, groups: ParallelGroups
+    ) -> None:
+        super().__init__(hc, dc, dtype, True, dc.has_indexer, groups)
         h, eps = hc.hidden_size, hc.rms_norm_eps
         self.enorm = RMSNorm(h, eps, dtype)
         self.hnorm = RMSNorm(h, eps, dtype)
@@ -206,11 +242,16 @@ class MTPLayer(DeepseekDecoderLayer):
 
 class DeepseekModel(nn.Module):
     def __init__(
-        self, hc: HFModelConfig, dc: DeepseekConfig, dtype: torch.dtype, with_mtp: bool
+        self,
+        hc: HFModelConfig,
+        dc: DeepseekConfig,
+        dtype: torch.dtype,
+        with_mtp: bool,
+        groups: ParallelGroups,
     ) -> None:
         super().__init__()
         self.num_layers = hc.num_hidden_layers
-        self.embed_tokens = VocabEmbedding(hc.vocab_size, hc.hidden_size, dtype)
+        self.embed_tokens = VocabEmbedding(hc.vocab_size, hc.hidden_size, dtype, groups.tp)
         self.rotary_emb = RotaryEmbedding(
             dc.qk_rope_head_dim,
             hc.max_position_embeddings,
@@ -225,11 +266,12 @@ class DeepseekModel(nn.Module):
                 dtype,
                 sparse_mlp=dc.mlp_layer_types[i] == "sparse",
                 full_indexer=dc.has_indexer and dc.indexer_types[i] == "full",
+                groups=groups,
             )
             for i in range(hc.num_hidden_layers)
         ]
         if with_mtp:  # at the checkpoint's index: model.layers.{num_hidden_layers + j}
-            layers += [MTPLayer(hc, dc, dtype) for _ in range(dc.num_nextn_predict_layers)]
+            layers += [MTPLayer(hc, dc, dtype, groups) for _ in range(dc.num_nextn_predict_layers)]
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(hc.hidden_size, hc.rms_norm_eps, dtype)
 
@@ -252,7 +294,11 @@ class DeepseekV3ForCausalLM(CausalLM):
     fp8_dense_modules = ("kv_b_proj",)  # MLA absorbs its weight into attention
 
     def __init__(
-        self, config: HFModelConfig, dtype: torch.dtype = torch.bfloat16, with_mtp: bool = False
+        self,
+        config: HFModelConfig,
+        dtype: torch.dtype = torch.bfloat16,
+        with_mtp: bool = False,
+        groups: ParallelGroups = ParallelGroups(),
     ) -> None:
         super().__init__(config, dtype)
         if config.hidden_act != "silu":
@@ -263,9 +309,9 @@ class DeepseekV3ForCausalLM(CausalLM):
                 f"{config.path}: the model has no MTP layer (num_nextn_predict_layers)"
             )
         self.with_mtp = with_mtp
-        self.model = DeepseekModel(config, self.dc, dtype, with_mtp)
+        self.model = DeepseekModel(config, self.dc, dtype, with_mtp, groups)
         tied = self.model.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype, tied=tied)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype, tied=tied, tp=groups.tp)
 
     @property
     def mtp_layers(self) -> list[MTPLayer]:
@@ -309,21 +355,29 @@ class DeepseekV3ForCausalLM(CausalLM):
         return layers[step % len(layers)].predict(embeds, prev_hidden, rope, shared_topk)
 
     # -- checkpoint ------------------------------------------------------------------------
-    def _targets(self) -> dict[str, torch.Tensor]:
-        """Checkpoint name -> tensor, with the stacked experts as per-expert names."""
-        out: dict[str, torch.Tensor] = {}
+    def _entries(self) -> dict[str, tuple[torch.Tensor, Shard | None]]:
+        """Checkpoint name -> (tensor, this rank's shard), with the stacked experts as
+        per-expert names."""
+        out: dict[str, tuple[torch.Tensor, Shard | None]] = {}
         experts = {name: mod for name, mod in self.named_modules() if isinstance(mod, MoE)}
-        for name, t in checkpoint_targets(self).items():
+        for name, entry in checkpoint_entries(self).items():
             head, _, leaf = name.rpartition(".experts.")
             if head in experts and leaf in ("w13", "w2"):
                 if leaf == "w13":
-                    moe = experts[head]
-                    for e in range(moe.experts.num_experts):
-                        for part, view in moe.experts.expert_views(e).items():
-                            out[f"{head}.experts.{e}.{part}"] = view
+                    routed = experts[head].experts
+                    shards = routed.expert_shards()
+                    for e in range(routed.num_experts):
+                        for part, view in routed.expert_views(e).items():
+                            out[f"{head}.experts.{e}.{part}"] = (view, shards.get(part))
                 continue
-            out[name] = t
+            out[name] = entry
         return out
+
+    def _targets(self) -> dict[str, torch.Tensor]:
+        return {name: t for name, (t, _) in self._entries().items()}
+
+    def checkpoint_shards(self) -> dict[str, Shard]:
+        return {name: s for name, (_, s) in self._entries().items() if s is not None}
 
     def checkpoint_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return {n: (tuple(t.shape), t.dtype) for n, t in self._targets().items()}

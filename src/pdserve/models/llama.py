@@ -16,6 +16,12 @@ the same arithmetic as the textbook form above. Inputs are flat: T tokens of any
 number of requests back to back; attention reads the batch layout and the KV
 cache from the forward context. Tensor names follow the HF checkpoint; q/k/v and
 gate/up are stored merged (one GEMM each) and loaded from HF's separate tensors.
+
+Tensor parallelism (``groups.tp`` of size n): each rank holds n-th of the query heads
+and of the KV heads (q|k|v column-parallel, each part split on its own; its KV cache
+holds its own KV heads), ``o_proj`` is row-parallel, gate|up column-parallel and
+``down_proj`` row-parallel (one all-reduce after attention, one after the MLP), and the
+embedding and LM head are split by vocabulary.
 """
 
 from __future__ import annotations
@@ -25,11 +31,17 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from pdserve.distributed.groups import Group, ParallelGroups
 from pdserve.layers.activation import SiluAndMul
 from pdserve.layers.attention import Attention
 from pdserve.layers.embedding import LMHead, VocabEmbedding
-from pdserve.layers.linear import Linear, MergedLinear, checkpoint_targets, copy_checked
+from pdserve.layers.linear import checkpoint_targets, copy_checked
 from pdserve.layers.norm import RMSNorm
+from pdserve.layers.parallel_linear import (
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+    tp_divide,
+)
 from pdserve.layers.rotary import RopeInputs, RotaryEmbedding
 from pdserve.models.hf_config import HFModelConfig
 from pdserve.models.registry import CausalLM
@@ -39,21 +51,24 @@ _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: HFModelConfig, dtype: torch.dtype, qk_norm: bool) -> None:
+    def __init__(self, config: HFModelConfig, dtype: torch.dtype, qk_norm: bool, tp: Group) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        # this rank's heads
+        self.num_heads = tp_divide(config.num_attention_heads, tp, "num_attention_heads")
+        self.num_kv_heads = tp_divide(config.num_key_value_heads, tp, "num_key_value_heads")
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(
+        n = tp.size
+        self.qkv_proj = MergedColumnParallelLinear(
             config.hidden_size,
-            {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size},
+            {"q_proj": n * self.q_size, "k_proj": n * self.kv_size, "v_proj": n * self.kv_size},
             bias=config.attention_bias,
             dtype=dtype,
+            tp=tp,
         )
-        self.o_proj = Linear(
-            self.q_size, config.hidden_size, bias=config.attention_bias, dtype=dtype
+        self.o_proj = RowParallelLinear(
+            n * self.q_size, config.hidden_size, bias=config.attention_bias, dtype=dtype, tp=tp
         )
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
@@ -71,34 +86,39 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: HFModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: HFModelConfig, dtype: torch.dtype, tp: Group) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(
                 f"{config.path}: hidden_act {config.hidden_act!r} is not supported (only 'silu')"
             )
         inter = config.intermediate_size
-        self.gate_up_proj = MergedLinear(
+        what = "intermediate_size"
+        self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size,
             {"gate_proj": inter, "up_proj": inter},
             bias=config.mlp_bias,
             dtype=dtype,
+            tp=tp,
+            what={"gate_proj": what, "up_proj": what},
         )
         self.act_fn = SiluAndMul()
-        self.down_proj = Linear(inter, config.hidden_size, bias=config.mlp_bias, dtype=dtype)
+        self.down_proj = RowParallelLinear(
+            inter, config.hidden_size, bias=config.mlp_bias, dtype=dtype, tp=tp, what=what
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: HFModelConfig, dtype: torch.dtype, qk_norm: bool) -> None:
+    def __init__(self, config: HFModelConfig, dtype: torch.dtype, qk_norm: bool, tp: Group) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        self.self_attn = LlamaAttention(config, dtype, qk_norm)
+        self.self_attn = LlamaAttention(config, dtype, qk_norm, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        self.mlp = LlamaMLP(config, dtype)
+        self.mlp = LlamaMLP(config, dtype, tp)
 
     def forward(
         self,
@@ -118,9 +138,9 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: HFModelConfig, dtype: torch.dtype, qk_norm: bool) -> None:
+    def __init__(self, config: HFModelConfig, dtype: torch.dtype, qk_norm: bool, tp: Group) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, tp)
         self.rotary_emb = RotaryEmbedding(
             config.head_dim,
             config.max_position_embeddings,
@@ -129,7 +149,7 @@ class LlamaModel(nn.Module):
             dtype,
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, dtype, qk_norm) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, dtype, qk_norm, tp) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -148,13 +168,19 @@ class LlamaForCausalLM(CausalLM):
 
     qk_norm = False
 
-    def __init__(self, config: HFModelConfig, dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(
+        self,
+        config: HFModelConfig,
+        dtype: torch.dtype = torch.bfloat16,
+        groups: ParallelGroups = ParallelGroups(),
+    ) -> None:
         super().__init__(config, dtype)
         if config.raw.get("use_sliding_window"):
             raise ValueError(f"{config.path}: sliding-window attention is not supported")
-        self.model = LlamaModel(config, dtype, self.qk_norm)
+        tp = groups.tp
+        self.model = LlamaModel(config, dtype, self.qk_norm, tp)
         tied = self.model.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype, tied=tied)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype, tied=tied, tp=tp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

@@ -6,6 +6,14 @@ target device; tensors are then read one at a time from the (memory-mapped)
 safetensors files, straight onto the target device, and copied in. At no point
 are two full copies of the weights alive.
 
+Tensor parallelism (a ``groups`` model option with a TP group of size n): the model is
+built with this rank's shapes and names the tensors it holds a part of
+(:meth:`~pdserve.models.registry.CausalLM.checkpoint_shards`); the loader reads only
+that slice of each from the file (safetensors' ``get_slice``), and ``--load-format dummy``
+draws the full tensor a single process would draw and keeps the rank's slice, so every
+TP layout holds the same weights. FP8 weights are refused with TP (their 128x128 scale
+blocks are not split yet).
+
 Every problem with the checkpoint is a ``ValueError`` that names the file and,
 where there is one, the tensor.
 """
@@ -13,13 +21,14 @@ where there is one, the tensor.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
 
+from pdserve.layers.linear import Shard
 from pdserve.models.hf_config import HFModelConfig, load_hf_config
 from pdserve.models.quantization import (
     Fp8Config,
@@ -113,15 +122,10 @@ def load_model(
     A checkpoint with an FP8 ``quantization_config`` loads with FP8 linears; with
     ``quantization="fp8"`` an unquantized one is quantized as it loads
     (:mod:`pdserve.models.quantization`). ``model_options`` go to the model's
-    constructor (e.g. ``with_mtp=True``)."""
+    constructor (e.g. ``with_mtp=True``, ``groups=`` a rank's parallel groups)."""
     config = load_hf_config(model_dir)
     fp8 = resolve_quantization(config, quantization)
-    model_cls = get_model_class(config)
-    if model_options.get("with_mtp") and not getattr(model_cls, "has_mtp", False):
-        raise ValueError(
-            f"--speculative-config: method mtp needs a model with MTP layers "
-            f"({config.architecture} has none)"
-        )
+    model_cls = _model_class(config, fp8, model_options)
     torch_dtype = resolve_dtype(dtype, config)
     target = torch.device(device)
     if load_format == "dummy":
@@ -130,7 +134,8 @@ def load_model(
         stream = _weight_stream(model, fp8)
         specs = full_checkpoint_specs(config, torch_dtype)  # the order make-checkpoint draws in
         gen = torch.Generator(device=target).manual_seed(seed)
-        model.load_weights(stream(random_tensors(list(specs), specs, gen, target)))
+        tensors = random_tensors(list(specs), specs, gen, target)
+        model.load_weights(stream(_take_shards(tensors, model.checkpoint_shards())))
         return model.eval(), config
     if load_format != "auto":
         raise ValueError(f"load_format must be auto or dummy, got {load_format!r}")
@@ -138,9 +143,10 @@ def load_model(
     with torch.device(target):
         model = model_cls(config, torch_dtype, **model_options)
     stream = _weight_stream(model, fp8)
+    shards = model.checkpoint_shards()
     loaded: set[str] = set()
     for path, names in sorted(files.items()):
-        loaded |= _load_file(model, path, names, target, stream)
+        loaded |= _load_file(model, path, names, target, stream, shards)
     stream.finish(source)
     missing = model.checkpoint_tensor_names() - loaded
     if missing:
@@ -148,6 +154,48 @@ def load_model(
         more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
         raise ValueError(f"{source}: missing tensor(s) {shown}{more}")
     return model.eval(), config
+
+
+def check_model_options(
+    model_dir: str | Path, quantization: str | None = None, **model_options: Any
+) -> None:
+    """Raise the ValueError :func:`load_model` would raise for these options (e.g. a
+    tensor-parallel size that does not divide the heads) without loading anything: the
+    model is built on the meta device. Run before starting rank processes."""
+    config = load_hf_config(model_dir)
+    fp8 = resolve_quantization(config, quantization)
+    model_cls = _model_class(config, fp8, model_options)
+    with torch.device("meta"):
+        model_cls(config, torch.float32, **model_options)
+
+
+def _model_class(
+    config: HFModelConfig, fp8: Fp8Config | None, model_options: dict[str, Any]
+) -> type[CausalLM]:
+    """The model class, once the options are known to fit the checkpoint."""
+    model_cls = get_model_class(config)
+    if model_options.get("with_mtp") and not getattr(model_cls, "has_mtp", False):
+        raise ValueError(
+            f"--speculative-config: method mtp needs a model with MTP layers "
+            f"({config.architecture} has none)"
+        )
+    groups = model_options.get("groups")
+    tp_size = groups.tp.size if groups is not None else 1
+    if fp8 is not None and tp_size > 1:
+        raise ValueError(
+            f"--tensor-parallel-size {tp_size} with FP8 weights (--quantization fp8 or an FP8 "
+            "checkpoint) is not supported yet: run FP8 models with --tensor-parallel-size 1"
+        )
+    return model_cls
+
+
+def _take_shards(
+    tensors: Iterable[tuple[str, torch.Tensor]], shards: dict[str, Shard]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full tensors -> this rank's slice of those it holds a part of."""
+    for name, t in tensors:
+        shard = shards.get(name)
+        yield name, shard.of(t) if shard is not None else t
 
 
 def _weight_stream(model: CausalLM, fp8: Fp8Config | None) -> Fp8WeightStream:
@@ -166,8 +214,10 @@ def _load_file(
     expected: set[str] | None,
     device: torch.device,
     stream: Fp8WeightStream,
+    shards: dict[str, Shard],
 ) -> set[str]:
-    """Load every tensor of one safetensors file; errors name the file."""
+    """Load every tensor of one safetensors file (only this rank's slice of those in
+    ``shards``); errors name the file."""
     try:
         handle = safe_open(str(path), framework="pt", device=str(device))
     except Exception as e:  # safetensors raises its own error types for corrupt files
@@ -184,9 +234,25 @@ def _load_file(
 
         def tensors() -> Iterator[tuple[str, torch.Tensor]]:
             for name in names:
-                yield name, f.get_tensor(name)
+                shard = shards.get(name)
+                if shard is None:
+                    yield name, f.get_tensor(name)
+                else:
+                    yield name, _read_slice(f, name, shard)
 
         try:
             return model.load_weights(stream(tensors()))
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from e
+
+
+def _read_slice(f: Any, name: str, shard: Shard) -> torch.Tensor:
+    """Read ``shard`` of tensor ``name`` from an open safetensors file (only those bytes)."""
+    part = f.get_slice(name)
+    shape = part.get_shape()
+    if len(shape) <= shard.dim or shape[shard.dim] != shard.full:
+        raise ValueError(
+            f"tensor {name!r} has shape {list(shape)} but the model expects {shard.full} "
+            f"along dimension {shard.dim} (split over the tensor-parallel ranks)"
+        )
+    return part[shard.index()]

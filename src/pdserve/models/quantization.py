@@ -36,7 +36,7 @@ from torch import nn
 
 from pdserve.kernels.reference import FP8_DTYPE, dequantize_fp8_blocks, quantize_fp8_blocks
 from pdserve.layers.fp8 import convert_linears, expand_scale_rows
-from pdserve.layers.linear import Linear, MergedLinear
+from pdserve.layers.linear import MergedLinear, is_plain_linear
 from pdserve.layers.moe import RoutedExperts
 from pdserve.models.hf_config import HFModelConfig
 
@@ -129,7 +129,7 @@ def checkpoint_fp8_weights(model: nn.Module, cfg: Fp8Config) -> set[str]:
     ``weight_scale_inv`` beside it). Works on a model built on the meta device."""
     out: set[str] = set()
     for name, module in model.named_modules():
-        if type(module) in (Linear, MergedLinear):
+        if is_plain_linear(module):
             out.update(f"{p}.weight" for p in _parts(name, module) if not cfg.skips(p))
         elif isinstance(module, RoutedExperts) and not cfg.skips(name):
             for e in range(module.num_experts):

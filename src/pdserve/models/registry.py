@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from pdserve.layers.linear import checkpoint_targets
+from pdserve.layers.linear import Shard, checkpoint_shards, checkpoint_targets
 from pdserve.models.hf_config import HFModelConfig
 
 # architecture → (module, class name)
@@ -77,6 +77,12 @@ class CausalLM(nn.Module, ABC):
         stored per expert, or tensors of a layer it does not build (an MTP layer).
         """
         return {name: (tuple(t.shape), t.dtype) for name, t in checkpoint_targets(self).items()}
+
+    def checkpoint_shards(self) -> dict[str, Shard]:
+        """The checkpoint tensors this tensor-parallel rank holds a part of, with the part
+        (the loader reads only that slice); the others are whole. Shapes in
+        :meth:`checkpoint_tensors` are this rank's. Empty without tensor parallelism."""
+        return checkpoint_shards(self)
 
 
 def supported_architectures() -> list[str]:

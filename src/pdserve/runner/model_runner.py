@@ -27,6 +27,7 @@ from pdserve.core_types.cache_spec import KVCacheConfig
 from pdserve.core_types.sampling_params import MAX_LOGPROBS
 from pdserve.core_types.scheduler_output import RunnerOutput, SchedulerOutput
 from pdserve.core_types.utils import cdiv
+from pdserve.distributed.groups import ParallelGroups
 from pdserve.forward_context import KVCaches
 from pdserve.layers.sampler import Sampler, top_logprobs
 from pdserve.runner.cuda_graph import CudaGraphManager
@@ -90,10 +91,20 @@ def _ragged(values: np.ndarray, num: np.ndarray | None, samples: np.ndarray) -> 
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, proposer: Proposer | None = None) -> None:
+    """One rank's model, KV cache and step machinery. Under tensor parallelism every rank
+    of the group builds one (``groups``: this rank's) and runs the identical sequence of
+    calls (start-up, then each step's ``launch``/``finish``): forwards are collective."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        proposer: Proposer | None = None,
+        groups: ParallelGroups = ParallelGroups(),
+    ) -> None:
         from pdserve.models.loader import load_model
 
         self.config = config
+        self.groups = groups
         self.device = resolve_device(config.device.device)
         self._free_at_start = 0
         if self.device.type == "cuda":
@@ -109,6 +120,7 @@ class ModelRunner:
             load_format=config.model.load_format,
             seed=config.model.seed,
             quantization=config.model.quantization,
+            groups=groups,
             **mtp,
         )
         self.model.eval()
@@ -309,9 +321,11 @@ class ModelRunner:
 
     # -- one step --------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
-        for rid in so.finished_req_ids:
+        # sorted: tensor-parallel ranks decode these sets in their own hash order, and
+        # freed rows must be taken in the same order on every rank
+        for rid in sorted(so.finished_req_ids):
             self.batch.remove(rid)
-        for rid in so.preempted_req_ids:
+        for rid in sorted(so.preempted_req_ids):
             self.batch.remove(rid)
         for new in so.scheduled_new_reqs:
             self.batch.add(new, self.device)
