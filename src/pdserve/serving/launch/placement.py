@@ -112,13 +112,13 @@ def check_ray_address(value: Any, path: str) -> str:
     if v == "local":
         raise TopologyError(
             f"{path}: 'local' would start a new Ray cluster; pdserve launch only connects "
-            "to a running one (start it with `ray start --head`, then give \"auto\" or the "
+            'to a running one (start it with `ray start --head`, then give "auto" or the '
             'head\'s "host:port")'
         )
     if "://" in v:
         raise TopologyError(
             f"{path}: {v!r}: Ray Client and other URL addresses are not supported; run "
-            "pdserve launch on a node of the cluster and give \"auto\" or the head's "
+            'pdserve launch on a node of the cluster and give "auto" or the head\'s '
             '"host:port"'
         )
     if v == "auto":
@@ -149,9 +149,7 @@ def parse_placement(raw: Any) -> PlacementSpec:
     return PlacementSpec(
         backend="ray",
         address="auto" if address is None else check_ray_address(address, "placement.address"),
-        placement_timeout=f.seconds(
-            d, "placement_timeout", "placement", DEFAULT_PLACEMENT_TIMEOUT
-        ),
+        placement_timeout=f.seconds(d, "placement_timeout", "placement", DEFAULT_PLACEMENT_TIMEOUT),
     )
 
 

@@ -33,7 +33,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import socket
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -55,6 +57,9 @@ MISSING_RAY = (
 )
 _CALL_TIMEOUT_S = 30.0  # one actor call that starts or stops something
 _POLL_TIMEOUT_S = 10.0  # one poll of a running process
+_STOP_SIGNALS = [signal.SIGINT, signal.SIGTERM] + (
+    [signal.SIGHUP] if hasattr(signal, "SIGHUP") else []
+)
 
 
 def import_ray() -> Any:
@@ -174,7 +179,9 @@ class RayChild:
             self._gone = f"its Ray actor on node {self.node.ip} died ({_first_line(e)})"
             raise _ActorGone(self._gone) from None
         except exc.RayTaskError as e:
-            raise LaunchError(f"{self.spec.name}: {method} failed on node {self.node.ip}: {e}") from None
+            raise LaunchError(
+                f"{self.spec.name}: {method} failed on node {self.node.ip}: {e}"
+            ) from None
 
     @property
     def ready(self) -> bool:
@@ -268,7 +275,12 @@ class RayPlacement:
         address = self.spec.address
         if ray.is_initialized():
             raise LaunchError("this process is already connected to a Ray cluster")
+        _check_listening(address)  # ray.init waits minutes for an address nobody serves
         logger.info("connecting to the Ray cluster at %s", address)
+        # ray.init takes SIGTERM (a sys.exit, and a crash report on stderr): give it back
+        # to whoever had it (pdserve launch: a clean stop, as without Ray)
+        main = threading.current_thread() is threading.main_thread()
+        handlers = {s: signal.getsignal(s) for s in _STOP_SIGNALS} if main else {}
         try:
             ray.init(
                 address=address,
@@ -279,10 +291,12 @@ class RayPlacement:
         except (ConnectionError, RuntimeError, ValueError) as e:
             raise LaunchError(
                 f"cannot connect to the Ray cluster at placement.address {address!r}: "
-                f"{_first_line(e)}. pdserve launch never starts a cluster: start one first "
-                "(`ray start --head` here, `ray start --address HEAD_IP:PORT` on the other "
-                "nodes)"
+                f"{_first_line(e).rstrip('.')}. {_START_ONE}"
             ) from None
+        finally:
+            for sig, handler in handlers.items():
+                if handler is not None:
+                    signal.signal(sig, handler)
         self._connected = True
 
     def actor_name(self, process: str) -> str:
@@ -384,6 +398,27 @@ class RayPlacement:
         ray.shutdown()
         self._connected = False
         logger.info("Ray actors and placement groups of launch %s removed", self.launch_id)
+
+
+_START_ONE = (
+    "pdserve launch never starts a cluster: start one first (`ray start --head` on this "
+    "machine, `ray start --address HEAD_IP:PORT` on the others)"
+)
+
+
+def _check_listening(address: str) -> None:
+    """A ``host:port`` address must at least accept a TCP connection."""
+    if address == "auto":
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+    except OSError as e:
+        raise LaunchError(
+            f"cannot connect to the Ray cluster at placement.address {address!r}: nothing "
+            f"answers there ({e.strerror or e}); it is the head's GCS address, which "
+            f"`ray start --head` prints. {_START_ONE}"
+        ) from None
 
 
 def _resources(res: Mapping[str, float]) -> str:

@@ -415,7 +415,8 @@ class Topology:
         cmd += [*self.common_args, *inst.args]
         if inst.role in KV_ROLES:
             assert self.kv_transfer is not None  # checked in from_dict
-            kv_host = host if self.placement.ray else None  # peers on other nodes dial it
+            # under Ray a prefill KV server binds its node IP: decode on another node dials it
+            kv_host = host if self.placement.ray and inst.role == "prefill" else None
             cmd += ["--kv-transfer-config", self.kv_transfer.config_json(inst.role, kv_host)]
         env = {**self.env, **inst.env, "PYTHONUNBUFFERED": "1"}
         env["CUDA_VISIBLE_DEVICES"] = visible
