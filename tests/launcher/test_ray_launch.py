@@ -31,7 +31,7 @@ import httpx
 import pytest
 import yaml
 
-from pdserve.serving.launch.launcher import Launcher
+from pdserve.serving.launch.launcher import Launcher, LaunchError
 from pdserve.serving.launch.ray_placement import RayChild
 from pdserve.serving.launch.topology import Topology
 
@@ -298,3 +298,29 @@ def test_a_dead_instance_restarts_through_its_actor_then_a_failure_removes_every
     assert marked_pids(marker) == []
     pgs, actors = settled(cluster.address, launch_id)
     assert actors == [] and len(pgs) == 2 and set(pgs.values()) == {"REMOVED"}, (pgs, actors)
+
+
+def test_a_placement_no_node_can_take_fails_the_launch_and_is_removed(
+    cluster: RayCluster, tmp_path: Path
+) -> None:
+    (port,) = free_ports(1)
+    inst = {"role": "colocated", "port": port, "devices": "cpu"}
+    inst["placement"] = {"resources": {"node_c": 1}}  # no node has it
+    t = Topology.from_dict(
+        {
+            "model": "fake-model",
+            "log_dir": str(tmp_path / "logs"),
+            "placement": {"backend": "ray", "address": cluster.address, "placement_timeout": 2},
+            "instances": [inst],
+        }
+    )
+    fake = (sys.executable, str(FAKE_SERVER))
+    la = Launcher(t, serve_cmd=(*fake, "serve"), out=io.StringIO(), poll_interval=0.05)
+    with pytest.raises(LaunchError) as e:
+        la.start()
+    assert la.ray is not None and la.children == []
+    msg = str(e.value)
+    assert "no node could take the placement group of colocated-0 within 2s" in msg
+    assert "'node_c': 1.0" in msg and "node_a: 1" in msg  # what it asked, what is free
+    pgs, actors = settled(cluster.address, la.ray.launch_id)
+    assert actors == [] and list(pgs.values()) == ["REMOVED"], pgs

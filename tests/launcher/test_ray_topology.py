@@ -17,6 +17,8 @@ from pdserve.serving.launch.launcher import Launcher, LaunchError
 from pdserve.serving.launch.placement import NodeAssignment
 from pdserve.serving.launch.topology import Topology, TopologyError
 
+from .conftest import free_ports
+
 
 def base(placement: Any = None, **over: Any) -> dict[str, Any]:
     d: dict[str, Any] = {
@@ -193,3 +195,14 @@ def test_without_ray_installed_a_ray_topology_fails_at_start_naming_the_package(
     assert "pip install 'pdserve[ray]'" in msg
     # the dry run needs no ray: it only prints
     assert run_main(str(write(tmp_path, d)), "--dry-run") == 0
+
+
+def test_no_cluster_at_the_address_fails_at_once_and_starts_none(tmp_path: Path) -> None:
+    pytest.importorskip("ray", reason="needs ray (scripts/setup-venv test installs it)")
+    (port,) = free_ports(1)  # nothing listens there
+    d = base({"backend": "ray", "address": f"127.0.0.1:{port}"}, log_dir=str(tmp_path / "l"))
+    launcher = Launcher(Topology.from_dict(d))
+    with pytest.raises(LaunchError, match="nothing answers there") as e:
+        launcher.start()
+    launcher.stop()
+    assert "never starts a cluster" in str(e.value) and launcher.children == []

@@ -211,7 +211,9 @@ class Launcher:
             if spec.role == "proxy":
                 check_port_free(spec)
         self.ray.connect()
-        nodes = self.ray.place([s for s in specs if s.role != "proxy"])
+        nodes = self.ray.place(
+            [s for s in specs if s.role != "proxy"], stop=self._stop_requested.is_set
+        )
         specs = self.topology.plan(
             self.log_dir, serve_cmd=self._serve_cmd, proxy_cmd=self._proxy_cmd, nodes=nodes
         )

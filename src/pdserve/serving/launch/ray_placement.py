@@ -38,11 +38,17 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from pdserve.serving.launch.children import Child, LaunchError, check_port_free, group_alive
+from pdserve.serving.launch.children import (
+    Child,
+    LaunchAborted,
+    LaunchError,
+    check_port_free,
+    group_alive,
+)
 from pdserve.serving.launch.placement import NodeAssignment, PlacementSpec
 from pdserve.serving.launch.topology import NODE_PYTHON, ProcessSpec
 
@@ -302,20 +308,39 @@ class RayPlacement:
     def actor_name(self, process: str) -> str:
         return f"pdserve-{self.launch_id}-{process}"
 
-    def place(self, specs: list[ProcessSpec]) -> dict[str, NodeAssignment]:
-        """One placement group and one actor per instance process; where each landed."""
+    def _wait_all(self, refs: list[Any], deadline: float, stop: Callable[[], bool]) -> set[Any]:
+        """The refs ready by ``deadline`` (``time.monotonic()``); a requested stop ends
+        the wait with :class:`LaunchAborted`."""
+        ready: set[Any] = set()
+        while len(ready) < len(refs):
+            if stop():
+                raise LaunchAborted("stop requested during placement; everything was stopped")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            pending = [r for r in refs if r not in ready]
+            done, _ = self._ray.wait(pending, num_returns=len(pending), timeout=min(left, 0.5))
+            ready.update(done)
+        return ready
+
+    def place(
+        self, specs: list[ProcessSpec], stop: Callable[[], bool] = lambda: False
+    ) -> dict[str, NodeAssignment]:
+        """One placement group and one actor per instance process; where each landed.
+        ``stop`` is polled while waiting (a Ctrl-C aborts the placement)."""
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         ray = self._ray
         timeout = self.spec.placement_timeout
+        deadline = time.monotonic() + timeout
         for s in specs:
             assert s.bundle is not None, s.name
             self._pgs[s.name] = placement_group(
                 [s.bundle.as_ray()], strategy="STRICT_PACK", name=self.actor_name(s.name)
             )
         refs = {self._pgs[s.name].ready(): s for s in specs}
-        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
+        ready = self._wait_all(list(refs), deadline, stop)
         waiting = [refs[r] for r in refs if r not in ready]
         if waiting:
             asked = "; ".join(f"{s.name} asks {s.bundle.as_ray()}" for s in waiting if s.bundle)
@@ -341,13 +366,18 @@ class RayPlacement:
                 ),
             ).remote()
         wheres = {s.name: self._actors[s.name].where.remote() for s in specs}
+        ready = self._wait_all(list(wheres.values()), deadline, stop)
         for name, ref in wheres.items():
-            try:
-                ip, gpus, node_id = ray.get(ref, timeout=timeout)
-            except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError) as e:
+            if ref not in ready:
                 raise LaunchError(
                     f"placement failed: the Ray actor of {name} did not start within "
-                    f"{timeout:g}s: {_first_line(e)}"
+                    f"{timeout:g}s (placement.placement_timeout)"
+                )
+            try:
+                ip, gpus, node_id = ray.get(ref, timeout=_CALL_TIMEOUT_S)
+            except ray.exceptions.RayError as e:
+                raise LaunchError(
+                    f"placement failed: the Ray actor of {name} did not start: {_first_line(e)}"
                 ) from None
             self.nodes[name] = NodeAssignment(ip=ip, gpus=tuple(gpus), node_id=node_id)
             logger.info("%s placed on node %s (%s), GPUs %s", name, ip, node_id[:12], gpus or "-")
