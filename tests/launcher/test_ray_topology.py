@@ -206,3 +206,10 @@ def test_no_cluster_at_the_address_fails_at_once_and_starts_none(tmp_path: Path)
         launcher.start()
     launcher.stop()
     assert "never starts a cluster" in str(e.value) and launcher.children == []
+
+
+def test_cuda_ipc_under_ray_warns_that_it_needs_one_node() -> None:
+    d = base({"backend": "ray"})
+    d["kv_transfer"]["extra_config"]["transport"] = "cuda_ipc"
+    (w,) = Topology.from_dict(d).warnings
+    assert "cuda_ipc works only between instances on one node" in w

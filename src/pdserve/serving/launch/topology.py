@@ -568,7 +568,13 @@ def _check_whole(top: Topology, instances: tuple[InstanceSpec, ...]) -> tuple[st
                     f"proxy: needs at least one {role} instance "
                     f"(found {n['prefill']} prefill, {n['decode']} decode)"
                 )
-    if top.placement.ray:  # Ray picks the GPUs: `devices` only counts them
+    if top.placement.ray:  # Ray picks the GPUs: `devices` only counts them (no sharing)
+        transport = top.kv_transfer.extra_config.get("transport") if top.kv_transfer else None
+        if transport == "cuda_ipc":
+            return (
+                "kv_transfer.extra_config.transport: cuda_ipc works only between instances "
+                "on one node; under Ray pin them together with placement.resources",
+            )
         return ()
     return tuple(
         f"GPU {g} is shared by {', '.join(users)}"
