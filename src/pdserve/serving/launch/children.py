@@ -183,5 +183,25 @@ class Child:
             f"{self.spec.log_file}:\n{self.tail()}"
         )
 
+    # -- signals: the launcher stops a child through these (a Ray-placed child has the
+    # same methods, run on its node)
+
+    def terminate(self) -> None:
+        """SIGTERM to the group leader only (the API server stops its own engine core)."""
+        with contextlib.suppress(ProcessLookupError):
+            self.popen.send_signal(signal.SIGTERM)
+
+    def kill_group(self, sig: int) -> None:
+        killpg(self.pid, sig)
+
+    def group_alive(self) -> bool:
+        return group_alive(self.pid)
+
+    def wait(self, timeout: float) -> int | None:
+        """The exit code once the leader exited within ``timeout`` seconds, else None."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout=timeout)
+        return self.exit_code()
+
     def close(self) -> None:
         self._log.close()

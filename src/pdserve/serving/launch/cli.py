@@ -19,7 +19,7 @@ from typing import Any
 
 from pdserve.core_types.pd_auth import SECRET_ENV
 from pdserve.serving.launch.launcher import LaunchAborted, Launcher, LaunchError
-from pdserve.serving.launch.topology import Topology, TopologyError
+from pdserve.serving.launch.topology import NODE_IP, NODE_PYTHON, Topology, TopologyError
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +32,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="print every process's exact command and environment, start nothing",
     )
     parser.add_argument("--log-dir", default=None, help="overrides the topology's log_dir")
+    parser.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDRESS",
+        help='place the instances on the running Ray cluster at ADDRESS ("auto" or the '
+        "head's host:port), whatever the file's `placement` says; see docs/LAUNCH.md",
+    )
     parser.set_defaults(func=main)
 
 
@@ -56,12 +63,21 @@ def dry_run_text(topology: Topology, log_dir: str | None = None) -> str:
         f"# every process also gets {SECRET_ENV} in its environment (the launcher's own, "
         "else a new one per launch); it is not shown",
     ]
+    placement = topology.placement
+    if placement.ray:
+        out += [
+            f"# placement: ray, cluster at {placement.address}: one placement group "
+            "(STRICT_PACK, one bundle) and one actor per instance process; the proxy runs here",
+            f"# on each node: {NODE_PYTHON} is the Ray worker's Python there, {NODE_IP} the "
+            "node's IP (the instance binds it), {ray_gpu_ids} the GPUs Ray assigns",
+        ]
     out += [f"# warning: {w}" for w in topology.warnings]
     for s in specs:
+        bundle = f" bundle={s.bundle.as_ray()}" if s.bundle is not None else ""
         out += [
             "",
             f"# {s.name}: role={s.role} url={s.url} devices={s.devices} "
-            f"startup_timeout={s.startup_timeout:g}s log={s.log_file}",
+            f"startup_timeout={s.startup_timeout:g}s log={s.log_file}{bundle}",
             s.shell_line(),
         ]
     return "\n".join(out)
@@ -70,7 +86,7 @@ def dry_run_text(topology: Topology, log_dir: str | None = None) -> str:
 def main(args: argparse.Namespace) -> int:
     """Entry point of ``pdserve launch``: 0 after a requested stop, 1 on failure, 2 on a bad file."""
     try:
-        topology = Topology.load(args.topology)
+        topology = Topology.load(args.topology, ray_address=args.ray_address)
     except TopologyError as e:
         print(f"pdserve launch: error: {e}", file=sys.stderr)
         return 2

@@ -39,12 +39,10 @@ The secret travels only in the children's environment: never on a command line, 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -61,11 +59,10 @@ from pdserve.serving.launch.children import (
     LaunchAborted,
     LaunchError,
     check_port_free,
-    group_alive,
     healthy,
-    killpg,
 )
-from pdserve.serving.launch.topology import PROXY_CMD, SERVE_CMD, ProcessSpec, Topology
+from pdserve.serving.launch.ray_placement import RayChild, RayPlacement
+from pdserve.serving.launch.topology import PROXY_CMD, ProcessSpec, Topology
 
 __all__ = ["Launcher", "LaunchError", "LaunchAborted", "topology_secret"]
 
@@ -94,7 +91,9 @@ class Launcher:
     """Runs one topology: ``start()``, ``wait()`` or ``stop()``; see the module docstring.
 
     ``serve_cmd``/``proxy_cmd`` replace the argv prefix of the instances/proxy (a test
-    may run stand-ins); ``log_dir`` overrides the topology's ``log_dir``.
+    may run stand-ins); ``log_dir`` overrides the topology's ``log_dir``. Under
+    ``placement: {backend: ray}`` the instances run on Ray nodes
+    (:mod:`pdserve.serving.launch.ray_placement`); the proxy stays a local child.
     """
 
     def __init__(
@@ -102,20 +101,21 @@ class Launcher:
         topology: Topology,
         *,
         log_dir: str | Path | None = None,
-        serve_cmd: Sequence[str] = SERVE_CMD,
+        serve_cmd: Sequence[str] | None = None,
         proxy_cmd: Sequence[str] = PROXY_CMD,
         out: TextIO | None = None,
         poll_interval: float = 0.2,
     ) -> None:
         self.topology = topology
         self._log_dir_arg = log_dir if log_dir is not None else topology.log_dir
-        self._serve_cmd = tuple(serve_cmd)
+        self._serve_cmd = tuple(serve_cmd) if serve_cmd is not None else None
         self._proxy_cmd = tuple(proxy_cmd)
         self._out = out
         self._poll = poll_interval
         self.log_dir: Path | None = None
-        self.children: list[Child] = []  # the current run of each process, in plan order
-        self._retired: list[Child] = []  # earlier runs of restarted processes
+        self.children: list[Child | RayChild] = []  # the current run of each process
+        self._retired: list[Child | RayChild] = []  # earlier runs of restarted processes
+        self.ray: RayPlacement | None = None
         self._restarts: dict[str, deque[float]] = {}  # name -> recent restart times
         self._pending: dict[int, _Restart] = {}
         self._child_env: dict[str, str] = {}
@@ -130,6 +130,8 @@ class Launcher:
         if self._started:
             raise RuntimeError("Launcher.start() may be called once")
         self._started = True
+        if self.topology.placement.ray:
+            self.ray = RayPlacement(self.topology.placement)  # no ray: LaunchError here
         if self._log_dir_arg is None:
             self.log_dir = Path(tempfile.mkdtemp(prefix="pdserve-launch-"))
         else:
@@ -141,10 +143,13 @@ class Launcher:
         for w in self.topology.warnings:
             logger.warning("%s", w)
         logger.info("logs in %s", self.log_dir)
-        for spec in specs:
-            check_port_free(spec)
+        if self.ray is None:
+            for spec in specs:
+                check_port_free(spec)
         self._child_env = {SECRET_ENV: topology_secret()}
         try:
+            if self.ray is not None:
+                specs = self._place(specs)
             instances = [s for s in specs if s.role != "proxy"]
             proxy = [s for s in specs if s.role == "proxy"]
             self._start_and_wait(instances)
@@ -187,6 +192,8 @@ class Launcher:
         self._terminate([c for c in self.children if c.spec.role != "proxy"])
         for c in self.children + self._retired:
             c.close()
+        if self.ray is not None:
+            self.ray.close()
 
     def __enter__(self) -> Launcher:
         self.start()
@@ -197,11 +204,34 @@ class Launcher:
 
     # -- internals -------------------------------------------------------------------------
 
+    def _place(self, specs: list[ProcessSpec]) -> list[ProcessSpec]:
+        """Under Ray: place every instance process, then the plan with their nodes."""
+        assert self.ray is not None and self.log_dir is not None
+        for spec in specs:
+            if spec.role == "proxy":
+                check_port_free(spec)
+        self.ray.connect()
+        nodes = self.ray.place(
+            [s for s in specs if s.role != "proxy"], stop=self._stop_requested.is_set
+        )
+        specs = self.topology.plan(
+            self.log_dir, serve_cmd=self._serve_cmd, proxy_cmd=self._proxy_cmd, nodes=nodes
+        )
+        for spec in specs:
+            if spec.role != "proxy":
+                self.ray.check_port(spec)
+        return specs
+
+    def _new_child(self, spec: ProcessSpec, restart: int = 0) -> Child | RayChild:
+        if self.ray is not None and spec.role != "proxy":
+            return self.ray.child(spec, self._child_env, restart)
+        return Child(spec, self._child_env, restart=restart)
+
     def _start_and_wait(self, specs: list[ProcessSpec]) -> None:
         started = []
         for spec in specs:
             logger.info("starting %s on %s (devices %s)", spec.name, spec.url, spec.devices)
-            child = Child(spec, self._child_env)
+            child = self._new_child(spec)
             self.children.append(child)
             started.append(child)
         pending = list(started)
@@ -258,7 +288,7 @@ class Launcher:
             return True
         return False
 
-    def _watch_restarted(self, c: Child, now: float) -> int | None:
+    def _watch_restarted(self, c: Child | RayChild, now: float) -> int | None:
         """A restarted child still coming up: mark it ready once healthy; past its
         ``startup_timeout`` kill it and return its exit code (a death)."""
         if healthy(c.spec.url):
@@ -274,12 +304,11 @@ class Launcher:
             c.spec.url,
             c.spec.startup_timeout,
         )
-        killpg(c.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            c.popen.wait(timeout=10)
-        return c.exit_code() if c.exit_code() is not None else -signal.SIGKILL
+        c.kill_group(signal.SIGKILL)
+        code = c.wait(10)
+        return code if code is not None else -signal.SIGKILL
 
-    def _schedule_restart(self, i: int, c: Child, now: float) -> bool:
+    def _schedule_restart(self, i: int, c: Child | RayChild, now: float) -> bool:
         """Plan the restart of a dead child after its back-off; False past the limit."""
         policy = self.topology.restart
         recent = self._restarts.setdefault(c.spec.name, deque())
@@ -296,7 +325,7 @@ class Launcher:
             )
             return False
         delay = policy.delay(len(recent))
-        killpg(c.pid, signal.SIGTERM)  # what is left of its group (an engine core) goes
+        c.kill_group(signal.SIGTERM)  # what is left of its group (an engine core) goes
         self._pending[i] = _Restart(i, now + delay)
         logger.warning(
             "on_failure is restart: restarting %s in %.1fs (restart %d of at most %d within %gs)",
@@ -311,11 +340,11 @@ class Launcher:
     def _restart(self, i: int) -> bool:
         """Start ``children[i]`` again; False when that failed past the restart limit."""
         old = self.children[i]
-        killpg(old.pid, signal.SIGKILL)  # anything of the dead run still in its group
+        old.kill_group(signal.SIGKILL)  # anything of the dead run still in its group
         recent = self._restarts.setdefault(old.spec.name, deque())
         recent.append(time.monotonic())
         try:
-            new = Child(old.spec, self._child_env, restart=old.restart + 1)
+            new: Child | RayChild | None = self._new_child(old.spec, old.restart + 1)
         except LaunchError as e:
             logger.error("%s", e)
             new = None
@@ -327,21 +356,20 @@ class Launcher:
         self._write_state()
         return True
 
-    def _terminate(self, group: list[Child]) -> None:
+    def _terminate(self, group: list[Child | RayChild]) -> None:
         for c in group:
             if c.exit_code() is None:
                 logger.info("stopping %s (pid %d)", c.spec.name, c.pid)
-                with contextlib.suppress(ProcessLookupError):
-                    c.popen.send_signal(signal.SIGTERM)
+                c.terminate()
         deadline = time.monotonic() + self.topology.grace_period
         left = list(group)
-        told: set[int] = set()
+        told: set[str] = set()
         while left and time.monotonic() < deadline and not self._force.is_set():
-            left = [c for c in left if c.exit_code() is None or group_alive(c.pid)]
+            left = [c for c in left if c.exit_code() is None or c.group_alive()]
             for c in left:
-                if c.exit_code() is not None and c.pid not in told:
-                    told.add(c.pid)  # the leader is gone: ask the rest of its group to go too
-                    killpg(c.pid, signal.SIGTERM)
+                if c.exit_code() is not None and c.spec.name not in told:
+                    told.add(c.spec.name)  # the leader is gone: ask the rest of its group
+                    c.kill_group(signal.SIGTERM)
             if left:
                 time.sleep(0.05)
         for c in left:
@@ -349,11 +377,10 @@ class Launcher:
                 logger.warning(
                     "%s did not exit in %gs: SIGKILL", c.spec.name, self.topology.grace_period
                 )
-            killpg(c.pid, signal.SIGKILL)
+            c.kill_group(signal.SIGKILL)
         for c in group:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                c.popen.wait(timeout=10)
-            killpg(c.pid, signal.SIGKILL)  # anything the leader left behind in its group
+            c.wait(10)
+            c.kill_group(signal.SIGKILL)  # anything the leader left behind in its group
 
     def _write_state(self) -> None:
         assert self.log_dir is not None
@@ -369,6 +396,7 @@ class Launcher:
                     "pid": c.pid,
                     "restarts": c.restart,
                     "log": str(c.spec.log_file),
+                    **({"node_id": c.node.node_id} if isinstance(c, RayChild) else {}),
                 }
                 for c in self.children
             ],

@@ -32,9 +32,10 @@ Schema (YAML)::
       port: 8000
       startup_timeout: 60
       args: [FLAG, ...]         # extra `pdserve proxy` flags, e.g. ["--api-key", "K"]
+    placement: {backend: local} # optional; or {backend: ray, address: auto}: see .placement
     instances:
       - role: prefill           # prefill | decode | colocated
-        host: 127.0.0.1         # bind address (default 127.0.0.1)
+        host: 127.0.0.1         # bind address (default 127.0.0.1; not under Ray)
         port: 8100
         devices: "0,1"          # "cpu" or GPU ids ("0", "0,1,2,3", "0-3")
         replicas: 1             # N copies on consecutive ports
@@ -42,6 +43,7 @@ Schema (YAML)::
         model: PATH             # overrides the top-level model
         env: {KEY: VALUE}       # on top of the top-level env
         startup_timeout: 900    # overrides the top-level value
+        placement: {num_cpus: 1, resources: {node_a: 1}}   # Ray only: the bundle
 
 Argument values may be strings or numbers; a mapping is passed as its JSON text (handy
 for ``--speculative-config``). With ``replicas: N`` and GPU devices, the ids are split
@@ -68,7 +70,7 @@ from __future__ import annotations
 import json
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,6 +79,16 @@ import yaml
 
 from pdserve.serving.launch import fields as f
 from pdserve.serving.launch.fields import TopologyError
+from pdserve.serving.launch.placement import (
+    Bundle,
+    InstancePlacement,
+    NodeAssignment,
+    PlacementSpec,
+    check_ray_address,
+    check_ray_fields,
+    parse_instance_placement,
+    parse_placement,
+)
 
 __all__ = ["Topology", "TopologyError", "ProcessSpec", "RestartPolicy"]
 
@@ -88,6 +100,11 @@ DEFAULT_STARTUP_TIMEOUT = 600.0
 DEFAULT_GRACE_PERIOD = 30.0
 SERVE_CMD: tuple[str, ...] = (sys.executable, "-m", "pdserve", "serve")
 PROXY_CMD: tuple[str, ...] = (sys.executable, "-m", "pdserve", "proxy")
+# Under Ray an instance runs on its node with the Python of the Ray worker there
+# ("{python}" is replaced on the node), bound to the node's IP ("{node_ip}" until placed)
+NODE_PYTHON = "{python}"
+NODE_IP = "{node_ip}"
+RAY_SERVE_CMD: tuple[str, ...] = (NODE_PYTHON, "-m", "pdserve", "serve")
 
 _TOP_KEYS = (
     "model",
@@ -102,6 +119,7 @@ _TOP_KEYS = (
     "kv_transfer",
     "proxy",
     "instances",
+    "placement",
 )
 _INSTANCE_KEYS = (
     "role",
@@ -113,6 +131,7 @@ _INSTANCE_KEYS = (
     "model",
     "env",
     "startup_timeout",
+    "placement",
 )
 _PROXY_KEYS = ("host", "port", "startup_timeout", "args")
 _KV_KEYS = ("connector", "extra_config")
@@ -134,12 +153,15 @@ class KVTransferSpec:
     connector: str
     extra_config: dict[str, Any] = field(default_factory=dict)
 
-    def config_json(self, role: str) -> str:
+    def config_json(self, role: str, host: str | None = None) -> str:
+        """``host``: the KV server's bind (and advertised) address, when the launcher
+        picks it (under Ray: the instance's node IP)."""
+        extra = self.extra_config if host is None else {**self.extra_config, "host": host}
         return json.dumps(
             {
                 "kv_connector": self.connector,
                 "kv_role": KV_ROLES[role],
-                "kv_connector_extra_config": self.extra_config,
+                "kv_connector_extra_config": extra,
             }
         )
 
@@ -180,6 +202,7 @@ class InstanceSpec:
     model: str | None = None
     env: dict[str, str] = field(default_factory=dict)
     startup_timeout: float | None = None
+    placement: InstancePlacement = field(default_factory=InstancePlacement)
 
     def replica_devices(self, i: int) -> tuple[int, ...] | None:
         if self.devices is None:
@@ -214,6 +237,7 @@ class ProcessSpec:
     env: dict[str, str]  # set on top of the launcher's own environment
     startup_timeout: float
     log_file: Path
+    bundle: Bundle | None = None  # under Ray: what its placement group reserves
 
     @property
     def url(self) -> str:
@@ -241,11 +265,14 @@ class Topology:
     restart: RestartPolicy = field(default_factory=RestartPolicy)
     kv_transfer: KVTransferSpec | None = None
     proxy: ProxySpec | None = None
+    placement: PlacementSpec = field(default_factory=PlacementSpec)
     warnings: tuple[str, ...] = ()
     source: str = "<topology>"
 
     @classmethod
-    def load(cls, path: str | Path) -> Topology:
+    def load(cls, path: str | Path, *, ray_address: str | None = None) -> Topology:
+        """``ray_address`` (``pdserve launch --ray-address``) places the topology on that
+        Ray cluster, whatever its own ``placement`` says."""
         p = Path(path)
         try:
             text = p.read_text()
@@ -258,15 +285,23 @@ class Topology:
         except yaml.YAMLError as e:
             raise TopologyError(f"{p}: not valid YAML: {e}") from e
         try:
-            return cls.from_dict(data, source=str(p))
+            return cls.from_dict(data, source=str(p), ray_address=ray_address)
         except TopologyError as e:
             raise TopologyError(f"{p}: {e}") from e
 
     @classmethod
-    def from_dict(cls, data: Any, source: str = "<topology>") -> Topology:
+    def from_dict(
+        cls, data: Any, source: str = "<topology>", *, ray_address: str | None = None
+    ) -> Topology:
         if data is None:
             raise TopologyError("the topology is empty; `instances` is required")
         d = f.mapping(data, "(top level)", _TOP_KEYS)
+        if ray_address is not None:
+            address = check_ray_address(ray_address, "--ray-address")
+            placement = d.get("placement")
+            if placement is not None and not isinstance(placement, dict):
+                f.mapping(placement, "placement", ())  # the error names the field
+            d = {**d, "placement": {**(placement or {}), "backend": "ray", "address": address}}
         served = f.text(d, "served_model_name", "", None)
         raw_instances = f.get(d, "instances", "", f.REQUIRED)
         if not isinstance(raw_instances, list) or not raw_instances:
@@ -284,6 +319,7 @@ class Topology:
             restart=_restart(d.get("restart")),
             kv_transfer=_kv_transfer(d.get("kv_transfer")),
             proxy=_proxy(d.get("proxy")),
+            placement=parse_placement(d.get("placement")),
             source=source,
         )
         if top.on_failure not in ON_FAILURE:
@@ -302,17 +338,26 @@ class Topology:
         self,
         log_dir: Path,
         *,
-        serve_cmd: Sequence[str] = SERVE_CMD,
+        serve_cmd: Sequence[str] | None = None,
         proxy_cmd: Sequence[str] = PROXY_CMD,
+        nodes: Mapping[str, NodeAssignment] | None = None,
     ) -> list[ProcessSpec]:
-        """Every process to start, instances first (in file order), the proxy last."""
+        """Every process to start, instances first (in file order), the proxy last.
+
+        Under Ray, ``nodes`` says where each instance process was placed (its node IP
+        and Ray's GPU ids there); without it the plan shows ``{node_ip}`` placeholders.
+        ``serve_cmd`` defaults to ``python -m pdserve serve`` (under Ray: the node's).
+        """
+        if serve_cmd is None:
+            serve_cmd = RAY_SERVE_CMD if self.placement.ray else SERVE_CMD
         specs: list[ProcessSpec] = []
         counters = dict.fromkeys(ROLES, 0)
         for inst in self.instances:
             for r in range(inst.replicas):
                 name = f"{inst.role}-{counters[inst.role]}"
                 counters[inst.role] += 1
-                specs.append(self._instance_process(inst, r, name, log_dir, serve_cmd))
+                node = (nodes or {}).get(name)
+                specs.append(self._instance_process(inst, r, name, log_dir, serve_cmd, node))
         if self.proxy is not None:
             urls = {role: [s.url for s in specs if s.role == role] for role in KV_ROLES}
             cmd = (
@@ -343,30 +388,49 @@ class Topology:
         return specs
 
     def _instance_process(
-        self, inst: InstanceSpec, r: int, name: str, log_dir: Path, serve_cmd: Sequence[str]
+        self,
+        inst: InstanceSpec,
+        r: int,
+        name: str,
+        log_dir: Path,
+        serve_cmd: Sequence[str],
+        node: NodeAssignment | None,
     ) -> ProcessSpec:
         devices = inst.replica_devices(r)
         port = inst.port + r
-        cmd = [*serve_cmd, inst.model or self.model or "", "--host", inst.host, "--port", str(port)]
+        host, label = inst.host, devices_label(devices)
+        visible = label if devices is not None else ""
+        bundle = None
+        if self.placement.ray:
+            n_gpus = len(devices or ())
+            bundle = Bundle(inst.placement.num_cpus, n_gpus, dict(inst.placement.resources))
+            host = node.ip if node is not None else NODE_IP
+            if n_gpus:  # which GPUs is Ray's choice: the ids in `devices` only count
+                visible = ",".join(node.gpus) if node is not None else "{ray_gpu_ids}"
+                label = visible if node is not None else f"{n_gpus} GPU(s) from Ray"
+        cmd = [*serve_cmd, inst.model or self.model or "", "--host", host, "--port", str(port)]
         cmd += ["--device", "cpu" if devices is None else "cuda"]
         if self.served_model_name:
             cmd += ["--served-model-name", self.served_model_name]
         cmd += [*self.common_args, *inst.args]
         if inst.role in KV_ROLES:
             assert self.kv_transfer is not None  # checked in from_dict
-            cmd += ["--kv-transfer-config", self.kv_transfer.config_json(inst.role)]
+            # under Ray a prefill KV server binds its node IP: decode on another node dials it
+            kv_host = host if self.placement.ray and inst.role == "prefill" else None
+            cmd += ["--kv-transfer-config", self.kv_transfer.config_json(inst.role, kv_host)]
         env = {**self.env, **inst.env, "PYTHONUNBUFFERED": "1"}
-        env["CUDA_VISIBLE_DEVICES"] = devices_label(devices) if devices is not None else ""
+        env["CUDA_VISIBLE_DEVICES"] = visible
         return ProcessSpec(
             name=name,
             role=inst.role,
-            host=inst.host,
+            host=host,
             port=port,
-            devices=devices_label(devices),
+            devices=label,
             cmd=tuple(cmd),
             env=env,
             startup_timeout=inst.startup_timeout or self.startup_timeout,
             log_file=log_dir / f"{name}.log",
+            bundle=bundle,
         )
 
 
@@ -430,6 +494,8 @@ def _instance(raw: Any, path: str, top: Topology) -> InstanceSpec:
             f"{path}.devices: {len(devices)} GPU id(s) cannot be split evenly over "
             f"replicas: {replicas} (each replica gets len(devices) / replicas GPUs)"
         )
+    if top.placement.ray:
+        check_ray_fields(d, path)
     model = f.text(d, "model", path, None)
     if model is None and top.model is None:
         raise TopologyError(
@@ -443,7 +509,7 @@ def _instance(raw: Any, path: str, top: Topology) -> InstanceSpec:
         )
     return InstanceSpec(
         role=role,
-        host=f.text(d, "host", path, "127.0.0.1"),
+        host=NODE_IP if top.placement.ray else f.text(d, "host", path, "127.0.0.1"),
         port=port,
         devices=devices,
         replicas=replicas,
@@ -451,6 +517,7 @@ def _instance(raw: Any, path: str, top: Topology) -> InstanceSpec:
         model=model,
         env=f.env_vars(d, "env", path),
         startup_timeout=f.seconds(d, "startup_timeout", path, None),
+        placement=parse_instance_placement(d.get("placement"), path, top.placement),
     )
 
 
@@ -473,6 +540,12 @@ def _check_whole(top: Topology, instances: tuple[InstanceSpec, ...]) -> tuple[st
     if top.proxy is not None:
         claim(top.proxy.port, "the proxy", "proxy.port")
     kv_port = top.kv_transfer.extra_config.get("port") if top.kv_transfer else None
+    if top.placement.ray and top.kv_transfer and "host" in top.kv_transfer.extra_config:
+        raise TopologyError(
+            "kv_transfer.extra_config.host: under placement.backend: ray each prefill "
+            "instance's KV server binds (and advertises to decode) its node's IP; leave "
+            "`host` out"
+        )
     n_pd = sum(x.replicas for x in instances if x.role in KV_ROLES)
     if kv_port is not None and n_pd > 1:
         raise TopologyError(
@@ -495,6 +568,14 @@ def _check_whole(top: Topology, instances: tuple[InstanceSpec, ...]) -> tuple[st
                     f"proxy: needs at least one {role} instance "
                     f"(found {n['prefill']} prefill, {n['decode']} decode)"
                 )
+    if top.placement.ray:  # Ray picks the GPUs: `devices` only counts them (no sharing)
+        transport = top.kv_transfer.extra_config.get("transport") if top.kv_transfer else None
+        if transport == "cuda_ipc":
+            return (
+                "kv_transfer.extra_config.transport: cuda_ipc works only between instances "
+                "on one node; under Ray pin them together with placement.resources",
+            )
+        return ()
     return tuple(
         f"GPU {g} is shared by {', '.join(users)}"
         for g, users in sorted(gpu_users.items())
