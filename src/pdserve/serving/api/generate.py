@@ -1,6 +1,6 @@
-"""What completions and chat completions share: one engine request per HTTP request,
-client-disconnect handling, the non-streaming answer, usage and logprobs. Streaming
-answers are rendered by :mod:`pdserve.serving.api.streaming`.
+"""What completions and chat completions share: the engine requests of one HTTP
+request (one per choice), client-disconnect handling, the non-streaming answer, usage
+and logprobs. Streaming answers are rendered by :mod:`pdserve.serving.api.streaming`.
 
 Ownership and lifecycle of an engine request (:class:`EngineRequest`):
 
@@ -12,6 +12,14 @@ Ownership and lifecycle of an engine request (:class:`EngineRequest`):
 ``close`` never awaits (it spawns the abort), so it is safe in ``finally`` blocks of
 cancelled tasks. A client disconnect cancels the task that consumes the outputs
 (:func:`run_until_disconnect`); the cancellation unwinds into ``close``, which aborts.
+
+``n`` > 1 (:class:`Choices`): one :class:`EngineRequest` per choice, made by
+:func:`pdserve.frontend.parallel.fan_out` (child ids, derived seeds, ``prompt_logprobs``
+on choice 0 only). They start together, so the first admitted fills the prefix cache
+with the prompt and the others hit it; on a P/D decode instance (``do_remote_prefill``)
+only choice 0 carries the ``kv_transfer_params`` and the others start once its first
+output arrived (the pulled KV is then in the prefix cache). ``Choices.close`` closes
+every child (aborting the unfinished), so a client disconnect aborts them all.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -30,7 +38,8 @@ from starlette.types import Receive
 
 from pdserve.core_types.kv_transfer_params import KVTransferParams
 from pdserve.core_types.sampling_params import SamplingParams
-from pdserve.frontend.outputs import RequestOutput
+from pdserve.frontend.outputs import PromptLogprobList, RequestOutput
+from pdserve.frontend.parallel import fan_out
 from pdserve.metrics.prometheus import RequestMetrics
 from pdserve.serving.api.errors import APIError
 from pdserve.serving.api.protocol import (
@@ -38,6 +47,8 @@ from pdserve.serving.api.protocol import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    PromptLogprob,
+    PromptLogprobs,
     PromptTokenUsageInfo,
     RequestError,
     UsageInfo,
@@ -95,6 +106,33 @@ class EngineJob:
     params: SamplingParams
     kv_transfer_params: KVTransferParams | None
     arrival_time: float
+
+    @property
+    def n(self) -> int:
+        return self.params.n
+
+    @property
+    def delays_siblings(self) -> bool:
+        """Choices after the first wait for its first output: their prompt's KV is the
+        one the first pulls from a prefill instance."""
+        kv = self.kv_transfer_params
+        return self.n > 1 and kv is not None and kv.do_remote_prefill
+
+    def children(self) -> list[EngineJob]:
+        """One job per choice (this job itself when n is 1)."""
+        if self.n == 1:
+            return [self]
+        return [
+            EngineJob(
+                rid,
+                self.prompt,
+                self.prompt_token_ids,
+                params,
+                self.kv_transfer_params if i == 0 else None,
+                self.arrival_time,
+            )
+            for i, (rid, params) in enumerate(fan_out(self.request_id, self.params))
+        ]
 
 
 class EngineRequest:
@@ -204,6 +242,7 @@ class Accumulated:
     num_cached_tokens: int = 0
     kv_transfer_params: KVTransferParams | None = None
     error: str | None = None
+    prompt_logprobs: PromptLogprobList | None = None
 
     @property
     def text(self) -> str:
@@ -215,6 +254,8 @@ class Accumulated:
             self.kv_transfer_params = out.kv_transfer_params
         if out.error:
             self.error = out.error
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         for c in out.outputs[:1]:
             self.parts.append(c.text)
             self.token_ids.extend(c.token_ids)
@@ -227,8 +268,8 @@ class Accumulated:
                 self.stop_reason = c.stop_reason
 
 
-async def collect(er: EngineRequest) -> Accumulated:
-    acc = Accumulated()
+async def collect(er: EngineRequest, acc: Accumulated | None = None) -> Accumulated:
+    acc = acc if acc is not None else Accumulated()
     while (out := await er.next_output()) is not None:
         acc.add(out)
     if acc.finish_reason is None:
@@ -269,6 +310,139 @@ async def run_to_completion(
     return acc
 
 
+class Choices:
+    """The engine requests of one HTTP request, one per choice (see the module doc).
+
+    Lifecycle: :meth:`start` (choice 0, and the others unless they wait for its first
+    output: :meth:`start_rest`), then :meth:`collect` or :meth:`events`, then
+    :meth:`close`, always, exactly once effective."""
+
+    def __init__(self, ctx: ServingContext, job: EngineJob) -> None:
+        self.job = job
+        self.requests = [EngineRequest(ctx, j) for j in job.children()]
+        self._started = 0
+
+    @property
+    def n(self) -> int:
+        return len(self.requests)
+
+    def start(self) -> None:
+        self.requests[0].start()
+        self._started = 1
+        if not self.job.delays_siblings:
+            self.start_rest()
+
+    def start_rest(self) -> None:
+        while self._started < self.n:
+            self.requests[self._started].start()
+            self._started += 1
+
+    def _start_after(self, first: RequestOutput | None) -> None:
+        """Start the delayed choices once choice 0's first output came (not when it
+        failed or ended without one: the answer is an error or an abort anyway)."""
+        if first is not None and not first.error:
+            self.start_rest()
+
+    async def collect(self) -> list[Accumulated]:
+        """Every choice's whole output, in index order."""
+        head = Accumulated()
+        if self._started < self.n:
+            first = await self.requests[0].next_output()
+            if first is not None:
+                head.add(first)
+            self._start_after(first)
+        tails = [collect(er) for er in self.requests[1 : self._started]]
+        accs = await asyncio.gather(collect(self.requests[0], head), *tails)
+        for _ in range(self._started, self.n):  # never started: reported as aborted
+            accs.append(Accumulated(finish_reason="abort"))
+        return list(accs)
+
+    async def events(
+        self, first: RequestOutput | None
+    ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+        """(choice index, delta output) as they come, after choice 0's ``first``; ends
+        once every choice ended. With n > 1 one task per choice reads its outputs; they
+        are cancelled and awaited when the iteration ends, however it ends."""
+        if first is not None:
+            yield 0, first
+        if self.n == 1:
+            er = self.requests[0]
+            while (out := await er.next_output()) is not None:
+                yield 0, out
+            return
+        if self._started < self.n:
+            self._start_after(first)
+        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+        pumps = [
+            asyncio.ensure_future(_pump(i, er, queue))
+            for i, er in enumerate(self.requests[: self._started])
+        ]
+        try:
+            live = len(pumps)
+            while live:
+                i, item = await queue.get()
+                if item is None:
+                    live -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for task in pumps:
+                task.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+
+    def close(self) -> None:
+        for er in self.requests:
+            er.close()
+
+
+async def _pump(
+    index: int,
+    er: EngineRequest,
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]],
+) -> None:
+    """Forward one choice's outputs into ``queue``, then ``None`` (or its exception)."""
+    try:
+        while (out := await er.next_output()) is not None:
+            queue.put_nowait((index, out))
+    except Exception as e:
+        queue.put_nowait((index, e))
+        return
+    queue.put_nowait((index, None))
+
+
+async def run_choices(
+    ctx: ServingContext, job: EngineJob, request: Request
+) -> list[Accumulated] | None:
+    """:func:`run_to_completion` of every choice: their whole outputs in index order, or
+    ``None`` when the client went away (every choice is aborted)."""
+    choices = Choices(ctx, job)
+    try:
+        choices.start()
+        accs = await run_until_disconnect(request.receive, choices.collect())
+    except ClientDisconnected:
+        return None
+    except (ValueError, APIError):
+        raise
+    except Exception as e:
+        raise await engine_failure(ctx, e) from e
+    finally:
+        choices.close()
+    for acc in accs:
+        if acc.finish_reason == "error":  # the engine failed it: not the client's fault
+            raise APIError(500, f"the engine failed this request: {acc.error or 'unknown error'}")
+    return accs
+
+
+def choices_usage(
+    ctx: ServingContext, job: EngineJob, completion_tokens: int, cached_tokens: int
+) -> UsageInfo:
+    """Usage of an answer: the prompt once (as vLLM counts n > 1), every choice's
+    completion tokens; cached tokens are choice 0's (the one that computed the prompt)."""
+    return make_usage(ctx, len(job.prompt_token_ids), completion_tokens, cached_tokens)
+
+
 async def whole_response(
     ctx: ServingContext,
     job: EngineJob,
@@ -277,24 +451,53 @@ async def whole_response(
     response_type: type[CompletionResponse] | type[ChatCompletionResponse],
     response_id: str,
     model: str,
-    make_choice: Callable[[Accumulated], Any],
+    make_choice: Callable[[Accumulated, int], Any],
+    extra: Callable[[list[Accumulated]], dict[str, Any]] | None = None,
 ) -> Response:
-    """The non-streaming answer of either endpoint: one choice (``make_choice`` of the
-    whole output) in a ``response_type`` body with usage and the engine's
-    ``kv_transfer_params``; 499 when the client went away, 500 when the engine failed."""
-    acc = await run_to_completion(ctx, job, request)
-    if acc is None:
+    """The non-streaming answer of either endpoint: one choice per sample
+    (``make_choice`` of its whole output and its index) in a ``response_type`` body
+    with usage, the engine's ``kv_transfer_params`` (choice 0's) and ``extra``'s fields;
+    499 when the client went away, 500 when the engine failed."""
+    accs = await run_choices(ctx, job, request)
+    if accs is None:
         return Response(status_code=CLIENT_CLOSED)
+    kv = accs[0].kv_transfer_params
     body = response_type(
         id=response_id,
         model=model,
-        choices=[make_choice(acc)],
-        usage=make_usage(ctx, len(job.prompt_token_ids), len(acc.token_ids), acc.num_cached_tokens),
-        kv_transfer_params=(
-            acc.kv_transfer_params.to_dict() if acc.kv_transfer_params is not None else None
+        choices=[make_choice(acc, i) for i, acc in enumerate(accs)],
+        usage=choices_usage(
+            ctx, job, sum(len(a.token_ids) for a in accs), accs[0].num_cached_tokens
         ),
+        kv_transfer_params=kv.to_dict() if kv is not None else None,
+        **(extra(accs) if extra is not None else {}),
     )
     return Response(body.model_dump_json(), media_type="application/json")
+
+
+async def open_choices(
+    ctx: ServingContext, job: EngineJob, request: Request
+) -> tuple[Choices, RequestOutput | None] | None:
+    """:func:`open_stream` of every choice: started, with choice 0's first output (an
+    engine rejection is still a plain HTTP 400). The caller owns the returned
+    :class:`Choices` and must ``close`` them."""
+    choices = Choices(ctx, job)
+    try:
+        choices.start()
+        first = await run_until_disconnect(request.receive, choices.requests[0].next_output())
+    except ClientDisconnected:
+        choices.close()
+        return None
+    except (ValueError, APIError):
+        choices.close()
+        raise
+    except Exception as e:
+        choices.close()
+        raise await engine_failure(ctx, e) from e
+    except BaseException:
+        choices.close()
+        raise
+    return choices, first
 
 
 async def open_stream(
@@ -355,6 +558,28 @@ async def check_constraint(
         await ctx.run_blocking(check_structured, spec, param, job_size=len(spec.key()[1]))
 
 
+def check_fan_out(params: SamplingParams, kv: KVTransferParams | None) -> None:
+    """400 for what P/D cannot do: ``n`` > 1 on a prefill leg (``do_remote_decode``: the
+    instance holds one prompt's KV for one decode), ``prompt_logprobs`` on a decode leg
+    (``do_remote_prefill``: the prompt's KV is pulled, its logits never computed)."""
+    if kv is None:
+        return
+    if params.n > 1 and kv.do_remote_decode:
+        raise RequestError(
+            f"n={params.n} cannot be combined with kv_transfer_params do_remote_decode: a "
+            "prefill leg computes the prompt once for one decode (the P/D proxy sends it "
+            "with n=1 and the decode leg draws the n samples)",
+            "n",
+        )
+    if params.prompt_logprobs is not None and kv.do_remote_prefill:
+        raise RequestError(
+            "prompt_logprobs cannot be combined with kv_transfer_params do_remote_prefill: "
+            "the prompt's KV comes from a prefill instance, so this instance never computes "
+            "the prompt's logits",
+            "prompt_logprobs",
+        )
+
+
 def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
     bad = [t for t in token_ids if not 0 <= t < vocab_size]
     if bad:
@@ -369,6 +594,28 @@ def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
 def token_strings(tokenizer: Any, token_ids: list[int]) -> list[str]:
     """Per-token text for logprobs (special tokens kept)."""
     return [tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
+
+
+def render_prompt_logprobs(tokenizer: Any, plp: PromptLogprobList | None) -> PromptLogprobs | None:
+    """The JSON shape of prompt logprobs: token id (as a string) -> logprob (JSON-safe),
+    rank and decoded token (each distinct id decoded once)."""
+    if plp is None:
+        return None
+    names: dict[int, str] = {}
+    out: PromptLogprobs = []
+    for entry in plp:
+        if entry is None:
+            out.append(None)
+            continue
+        row = {}
+        for tid, lp in entry.items():
+            if tid not in names:
+                names[tid] = tokenizer.decode([tid], skip_special_tokens=False)
+            row[str(tid)] = PromptLogprob(
+                logprob=safe_logprob(lp.logprob), rank=lp.rank, decoded_token=names[tid]
+            )
+        out.append(row)
+    return out
 
 
 def now_s() -> int:
