@@ -28,6 +28,7 @@ from starlette.responses import Response
 
 from pdserve.frontend.outputs import CompletionOutput, RequestOutput
 from pdserve.frontend.processor import min_token_count, too_long_text_message
+from pdserve.serving.api.choices import whole_response
 from pdserve.serving.api.generate import (
     Accumulated,
     EngineJob,
@@ -37,7 +38,6 @@ from pdserve.serving.api.generate import (
     render_prompt_logprobs,
     safe_logprob,
     token_strings,
-    whole_response,
 )
 from pdserve.serving.api.pd_params import verified_kv_params
 from pdserve.serving.api.protocol import (

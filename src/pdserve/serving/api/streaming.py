@@ -2,7 +2,7 @@
 completions.
 
 :func:`stream_response` starts the engine requests (one per choice,
-:class:`~pdserve.serving.api.generate.Choices`) and waits for choice 0's first output
+:class:`~pdserve.serving.api.choices.Choices`) and waits for choice 0's first output
 before any byte is sent (so an engine rejection is still a plain HTTP 400), then
 answers with an :class:`SSEResponse`. Its body (:func:`sse_events`) is one ``data:``
 chunk per delta that carries tokens or a finish reason, the deltas of the choices
@@ -25,15 +25,13 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pdserve.frontend.outputs import CompletionOutput, RequestOutput
+from pdserve.serving.api.choices import Choices, choices_usage, open_choices
 from pdserve.serving.api.errors import APIError
 from pdserve.serving.api.generate import (
     CLIENT_CLOSED,
-    Choices,
     ClientDisconnected,
     EngineJob,
-    choices_usage,
     now_s,
-    open_choices,
     run_until_disconnect,
 )
 from pdserve.serving.api.protocol import (
