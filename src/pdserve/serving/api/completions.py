@@ -11,8 +11,8 @@ after tokenization); tokenization in the blocking pool; the exact length and
 ``max_tokens`` checks; for a token-id prompt, the vocabulary.
 
 ``echo=true`` puts the prompt's text before the completion (a token-id or truncated
-prompt is decoded); with ``logprobs`` it is refused, since echoed logprobs would need
-the prompt's logprobs, which pdserve does not compute.
+prompt is decoded); with ``logprobs`` it is refused: the echoed prompt's logprobs are
+not merged into the choice's ``logprobs`` (``prompt_logprobs`` gives them).
 
 With ``n`` > 1 every choice is rendered on its own (echo, logprobs' ``text_offset``);
 ``prompt_logprobs`` go in every choice (vLLM's field), streamed with each choice's

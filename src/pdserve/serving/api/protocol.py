@@ -348,8 +348,8 @@ class CompletionRequest(_SamplingRequest):
             raise RequestError("prompt must not be empty", "prompt")
         if self.echo and self.logprobs is not None:
             raise RequestError(
-                "echo=true with logprobs is not supported: it needs the prompt's logprobs, "
-                "which pdserve does not compute",
+                "echo=true with logprobs is not supported yet (the echoed prompt's logprobs "
+                "are not merged into the choice's logprobs); ask for prompt_logprobs instead",
                 "echo",
             )
         if self.suffix:
