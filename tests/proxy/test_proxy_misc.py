@@ -83,6 +83,7 @@ def test_models_come_from_a_decode_instance(make_pd: PDFactory) -> None:
         (b"[1, 2]", {}, "JSON object"),
         (json.dumps(dict(BODY, stream="yes")).encode(), {}, "stream"),
         (json.dumps(BODY).encode(), {"X-Request-Id": "has space"}, "X-Request-Id"),
+        (json.dumps(dict(BODY, prompt_logprobs=2)).encode(), {}, "prompt_logprobs is not"),
     ],
 )
 def test_bad_requests_are_400(
@@ -255,9 +256,10 @@ def test_url_validation() -> None:
 
 def test_prefill_body_rules() -> None:
     secret = new_secret().encode()
-    chat = {"messages": [], "max_completion_tokens": 50, "stream": True, "n": 1}
+    chat = {"messages": [], "max_completion_tokens": 50, "stream": True, "n": 3, "best_of": 3}
     out = prefill_body(chat, secret)
-    assert out["max_tokens"] == 1 and out["max_completion_tokens"] == 1 and out["n"] == 1
+    assert out["max_tokens"] == 1 and out["max_completion_tokens"] == 1
+    assert "n" not in out and "best_of" not in out and chat["n"] == 3  # one sample on P
     assert out["stream"] is False and chat["stream"] is True
     assert "max_completion_tokens" not in prefill_body({"prompt": "x"}, secret)
     assert verify_kv_params(out["kv_transfer_params"], secret)["do_remote_decode"] is True

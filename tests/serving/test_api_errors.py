@@ -37,14 +37,18 @@ def post(srv: ServerThread, path: str, body: Any, **kw: Any) -> httpx.Response:
 
 COMPLETION_400 = [
     ({"prompt": "x", "temperature": -1}, "temperature", ""),
-    ({"prompt": "x", "n": 2}, "n", "n=2"),
-    ({"prompt": "x", "best_of": 3}, "best_of", "best_of"),
+    ({"prompt": "x", "n": 65}, "n", "[1, 64]"),
+    ({"prompt": "x", "n": 0}, "n", "[1, 64]"),
+    ({"prompt": "x", "best_of": 3}, "best_of", "best_of must equal n"),
+    ({"prompt": "x", "n": 2, "best_of": 3}, "best_of", "equal n (2)"),
+    ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs", ""),
+    ({"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs", ""),
     ({"prompt": "x", "logit_bias": {"1": 200.0}}, "logit_bias", "[-100, 100]"),
     ({"prompt": "x", "logit_bias": {"one": 2.0}}, "logit_bias", "token ids"),
     ({"prompt": "x", "logit_bias": {"4096": 2.0}}, None, "logit_bias token ids"),
     ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids", "empty"),
     ({"prompt": "x", "allowed_token_ids": [5, 999]}, None, "allowed_token_ids token ids"),
-    ({"prompt": "x", "echo": True, "logprobs": 1}, "echo", "prompt's logprobs"),
+    ({"prompt": "x", "echo": True, "logprobs": 1}, "echo", "prompt_logprobs instead"),
     ({"prompt": "x", "suffix": "s"}, "suffix", "suffix"),
     ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty", ""),
     ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty", ""),
@@ -77,7 +81,8 @@ def test_completion_400(server: ServerThread, body: dict, param: str | None, tex
 
 
 CHAT_400 = [
-    ({"n": 3}, "n", "n=3"),
+    ({"n": 65}, "n", "[1, 64]"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs", ""),
     ({"top_logprobs": 21, "logprobs": True}, "top_logprobs", ""),
     ({"top_logprobs": 1}, "top_logprobs", "needs logprobs=true"),
     ({"response_format": {"type": "yaml"}}, "response_format", "json_schema"),

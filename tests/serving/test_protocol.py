@@ -71,7 +71,7 @@ def test_chat_max_tokens_precedence_and_logprobs() -> None:
 @pytest.mark.parametrize(
     "extra",
     [
-        {"n": 2},
+        {"n": 65},
         {"presence_penalty": 3.0},
         {"logit_bias": {"5": 101}},
         {"top_logprobs": 1},

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20  # most alternatives (top logprobs) a request may ask for per token
+MAX_N = 64  # most samples (``n``) one request may ask for
 MAX_LOGIT_BIAS = 100.0
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -55,6 +56,8 @@ class StructuredOutputsParams:
 
 @dataclass
 class SamplingParams:
+    # independent samples of the prompt; the frontend fans n > 1 out into n engine
+    # requests of n=1 (:mod:`pdserve.frontend.parallel`), the engine only takes n=1
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
@@ -69,6 +72,10 @@ class SamplingParams:
     # the sampled token's logprob, plus the top-N alternatives when N > 0 (both under the
     # raw model distribution: before bias, bans, temperature and filters)
     logprobs: int | None = None
+    # vLLM's prompt_logprobs: for every prompt position after the first, the actual
+    # token's logprob and rank plus the top-N alternatives (raw model distribution); the
+    # request then computes its whole prompt (no prefix-cache hits)
+    prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     # vLLM's penalties: presence / frequency over the output tokens (subtracted from the
     # logits once / once per occurrence), repetition over prompt and output tokens
@@ -112,10 +119,8 @@ class SamplingParams:
 
     def verify(self, vocab_size: int | None = None) -> None:
         """Raise ``ValueError`` naming the first invalid field."""
-        if self.n != 1:
-            raise ValueError(
-                f"n must be 1 (pdserve returns one completion per request), got {self.n}"
-            )
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         if not (self.temperature >= 0.0):
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
@@ -134,6 +139,10 @@ class SamplingParams:
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"
+            )
         for tid, bias in (self.logit_bias or {}).items():
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise ValueError(

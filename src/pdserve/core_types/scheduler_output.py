@@ -80,6 +80,30 @@ class SchedulerOutput:
 
 
 @dataclass
+class PromptLogprobsChunk:
+    """One step's prompt logprobs of one request: prompt positions ``start`` ..
+    ``start + len(logprobs) - 1`` (position p scores prompt token p given tokens < p, so
+    ``start`` >= 1). Raw model distribution, float32."""
+
+    start: int
+    logprobs: np.ndarray  # [M] float32: the actual prompt token's logprob
+    ranks: np.ndarray  # [M] int64: its rank (1 = most likely; ties rank pessimistically)
+    top_ids: np.ndarray  # [M, N] int64: the N most likely ids, most likely first
+    top_logprobs: np.ndarray  # [M, N] float32
+
+
+@dataclass
+class PromptLogprobs:
+    """A request's whole prompt logprobs, for positions 1 .. P-1 (position 0 has none),
+    sent once, with the request's first sampled token."""
+
+    logprobs: list[float]
+    ranks: list[int]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+@dataclass
 class RunnerOutput:
     req_ids: list[str]  # batch order
     # per request: the accepted tokens (empty for a prompt chunk that did not reach its end)
@@ -92,6 +116,8 @@ class RunnerOutput:
     # per request, per accepted token: the step's top-N (largest N asked) ids and logprobs
     top_token_ids: list[list[list[int]]] | None = None
     top_logprobs: list[list[list[float]]] | None = None
+    # prompt chunks of the requests that asked for prompt_logprobs this step
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
 
 
 @dataclass
@@ -109,3 +135,5 @@ class EngineCoreOutput:
     # per new token: the request's top-N alternatives (ids, logprobs), when N > 0
     new_top_token_ids: list[list[int]] | None = None
     new_top_logprobs: list[list[float]] | None = None
+    # prompt_logprobs, on the output that carries the request's first token
+    prompt_logprobs: PromptLogprobs | None = None

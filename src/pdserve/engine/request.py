@@ -15,9 +15,12 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from pdserve.core_types.kv_transfer_params import KVTransferParams
 from pdserve.core_types.messages import EngineCoreRequest
 from pdserve.core_types.sampling_params import SamplingParams
+from pdserve.core_types.scheduler_output import PromptLogprobs, PromptLogprobsChunk
 
 if TYPE_CHECKING:
     from pdserve.engine.structured_output import RequestGrammar
@@ -50,6 +53,34 @@ _FINISH_REASON = {
 }
 
 
+class PromptLogprobsAccumulator:
+    """A request's prompt logprobs as its prefill chunks land, by position (so a chunk
+    recomputed after a preemption rewrites the same values); taken once, whole."""
+
+    def __init__(self, num_prompt_tokens: int, n: int) -> None:
+        m = max(num_prompt_tokens - 1, 0)
+        self.logprobs = np.zeros(m, dtype=np.float32)
+        self.ranks = np.zeros(m, dtype=np.int64)
+        self.top_ids = np.zeros((m, n), dtype=np.int64)
+        self.top_logprobs = np.zeros((m, n), dtype=np.float32)
+
+    def add(self, chunk: PromptLogprobsChunk) -> None:
+        a = chunk.start - 1
+        b = a + len(chunk.logprobs)
+        self.logprobs[a:b] = chunk.logprobs
+        self.ranks[a:b] = chunk.ranks
+        self.top_ids[a:b] = chunk.top_ids
+        self.top_logprobs[a:b] = chunk.top_logprobs
+
+    def take(self) -> PromptLogprobs:
+        return PromptLogprobs(
+            self.logprobs.tolist(),
+            self.ranks.tolist(),
+            self.top_ids.tolist(),
+            self.top_logprobs.tolist(),
+        )
+
+
 class Request:
     def __init__(self, r: EngineCoreRequest) -> None:
         self.request_id: str = r.request_id
@@ -77,6 +108,16 @@ class Request:
         # the matcher of a constrained request (structured output), set once compiled
         self.grammar: RequestGrammar | None = None
         self.bad_words: list[list[int]] = list(r.sampling_params.bad_words_token_ids or [])
+        # prompt_logprobs: filled chunk by chunk, sent with the first token, then None
+        n = r.sampling_params.prompt_logprobs
+        self.prompt_logprobs = (
+            PromptLogprobsAccumulator(len(r.prompt_token_ids), n) if n is not None else None
+        )
+
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """prompt_logprobs need the logits of every prompt position: nothing is reused."""
+        return self.sampling_params.prompt_logprobs is not None
 
     @property
     def needs_landed_tokens(self) -> bool:

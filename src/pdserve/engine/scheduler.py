@@ -32,6 +32,12 @@ is the same (1+k)-token shape as every other decode (``padded_spec_decode_req_id
 placeholders are never accepted and are left out of the acceptance counts). Lookahead
 slots are not reserved while a KV pull is in flight, only once the request runs.
 
+A request with ``prompt_logprobs`` gets no prefix-cache hits (every prompt position's
+logits are needed, as in vLLM); its blocks are still committed for others. The runner
+scores each prefill chunk's positions, the chunks accumulate on the request by position
+(a chunk recomputed after a preemption rewrites the same values) and go out whole with
+its first token.
+
 Every per-step collection (finished ids) is handed out and replaced each step, so
 nothing grows with the number of requests served.
 """
@@ -438,6 +444,10 @@ class Scheduler:
             outputs.extend(self._on_connector_output(out.kv_connector_output))
         if sched.is_empty:
             return outputs
+        for rid, chunk in out.prompt_logprobs.items():
+            owner = self.requests.get(rid)
+            if owner is not None and owner.prompt_logprobs is not None:
+                owner.prompt_logprobs.add(chunk)
         any_finished = False
         for i, rid in enumerate(out.req_ids):
             if rid not in sched.sampling_req_ids:
@@ -475,6 +485,8 @@ class Scheduler:
             if ntop and out.top_token_ids is not None and out.top_logprobs is not None:
                 eo.new_top_token_ids = [t[:ntop] for t in out.top_token_ids[i][:taken]]
                 eo.new_top_logprobs = [t[:ntop] for t in out.top_logprobs[i][:taken]]
+            if req.prompt_logprobs is not None:  # the first token: the prompt is complete
+                eo.prompt_logprobs, req.prompt_logprobs = req.prompt_logprobs.take(), None
             if status is not None:
                 any_finished = True
                 eo.finish_reason = status.finish_reason

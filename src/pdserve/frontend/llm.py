@@ -12,6 +12,7 @@ from pdserve.engine.engine_core import EngineCore
 from pdserve.engine.request import RequestStatus
 from pdserve.frontend.output_processor import OutputProcessor
 from pdserve.frontend.outputs import RequestOutput
+from pdserve.frontend.parallel import fan_out, merge_outputs
 from pdserve.frontend.processor import InputProcessor, PromptType
 from pdserve.frontend.tokenizer import Tokenizer
 from pdserve.spec_decode.proposer import Proposer
@@ -51,7 +52,9 @@ class LLM:
         """Generate for every prompt; outputs come back in the prompts' order.
 
         All prompts are validated before any is queued: one bad prompt raises
-        ``ValueError`` and leaves the engine as it was.
+        ``ValueError`` and leaves the engine as it was. A prompt with ``n`` > 1 runs as
+        ``n`` engine requests (:mod:`pdserve.frontend.parallel`) and gets one output with
+        ``n`` completions.
         """
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
@@ -67,25 +70,29 @@ class LLM:
             if len(params_list) != len(prompt_list):
                 raise ValueError("give one SamplingParams, or one per prompt")
         reqs = []
+        groups: list[tuple[str, list[str]]] = []  # each prompt's id, its engine requests'
         for p, sp in zip(prompt_list, params_list, strict=True):
-            rid = str(next(self._ids))
             text, ids = self.processor.tokenize(p)
-            reqs.append((text, self.processor.make_request(rid, ids, sp)))
+            sp.verify(self.engine.vocab_size)
+            parent = str(next(self._ids))
+            groups.append((parent, []))
+            for rid, child in fan_out(parent, sp):
+                reqs.append((text, self.processor.make_request(rid, ids, child)))
+                groups[-1][1].append(rid)
         for text, req in reqs:
             self.output_processor.add_request(
                 req.request_id, text, req.prompt_token_ids, req.sampling_params
             )
             self.engine.add_request(req)
-        order = {req.request_id: i for i, (_, req) in enumerate(reqs)}
-        results: list[RequestOutput | None] = [None] * len(reqs)
+        finals: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
             outs, stopped = self.output_processor.process(self.engine.step(), delta=False)
             if stopped:
                 self.engine.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
             for o in outs:
-                if o.finished and o.request_id in order:
-                    results[order[o.request_id]] = o
-        missing = [i for i, r in enumerate(results) if r is None]
+                if o.finished:
+                    finals[o.request_id] = o
+        missing = [i for i, (_, g) in enumerate(groups) if any(rid not in finals for rid in g)]
         if missing:
             raise RuntimeError(f"requests {missing} ended without a final output")
-        return [r for r in results if r is not None]
+        return [merge_outputs(parent, [finals[rid] for rid in g]) for parent, g in groups]

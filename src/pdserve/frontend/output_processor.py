@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 from pdserve.core_types.kv_transfer_params import KVTransferParams
 from pdserve.core_types.sampling_params import SamplingParams
-from pdserve.core_types.scheduler_output import EngineCoreOutput
-from pdserve.frontend.outputs import CompletionOutput, RequestOutput
+from pdserve.core_types.scheduler_output import EngineCoreOutput, PromptLogprobs
+from pdserve.frontend.outputs import CompletionOutput, Logprob, PromptLogprobList, RequestOutput
 from pdserve.frontend.tokenizer import Tokenizer
 
 _CONTEXT_TOKENS = 5  # prompt tokens kept as decoding context (leading-space handling)
@@ -57,6 +57,8 @@ class RequestState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobList | None = None
+    sent_prompt_logprobs: bool = False  # delta mode: they went out with an output
 
     @property
     def cumulative_logprob(self) -> float | None:
@@ -99,6 +101,8 @@ class OutputProcessor:
             if st is None:
                 continue
             st.num_cached_tokens = eo.num_cached_tokens
+            if eo.prompt_logprobs is not None:
+                st.prompt_logprobs = prompt_logprob_list(st.prompt_token_ids, eo.prompt_logprobs)
             if eo.new_token_ids and self._add_tokens(st, eo):
                 stopped.append(st.request_id)
             if st.finish_reason is None and eo.finish_reason is not None:
@@ -173,6 +177,10 @@ class OutputProcessor:
             text, ids = st.text, list(st.token_ids)
             lps = list(st.logprobs) if st.logprobs is not None else None
             tops = list(st.top_logprobs) if st.top_logprobs is not None else None
+        prompt_lps = st.prompt_logprobs
+        if delta and prompt_lps is not None:
+            prompt_lps = None if st.sent_prompt_logprobs else prompt_lps
+            st.sent_prompt_logprobs = True
         comp = CompletionOutput(
             index=0,
             text=text,
@@ -192,4 +200,19 @@ class OutputProcessor:
             num_cached_tokens=st.num_cached_tokens,
             error=error,
             kv_transfer_params=kv_params,
+            prompt_logprobs=prompt_lps,
         )
+
+
+def prompt_logprob_list(prompt_ids: list[int], plp: PromptLogprobs) -> PromptLogprobList:
+    """vLLM's prompt_logprobs list of the engine's arrays: None for the first token, then
+    per position the actual token (its logprob and rank) and the top-N (ranks 1..N)."""
+    out: PromptLogprobList = [None]
+    for j, (lp, rank, ids, lps) in enumerate(
+        zip(plp.logprobs, plp.ranks, plp.top_ids, plp.top_logprobs, strict=True)
+    ):
+        entry = {prompt_ids[j + 1]: Logprob(lp, rank)}
+        for r, (tid, value) in enumerate(zip(ids, lps, strict=True)):
+            entry.setdefault(tid, Logprob(value, r + 1))
+        out.append(entry)
+    return out

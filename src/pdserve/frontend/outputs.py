@@ -8,6 +8,20 @@ from pdserve.core_types.kv_transfer_params import KVTransferParams
 
 
 @dataclass
+class Logprob:
+    """One token's logprob and rank (1 = most likely), as vLLM's ``Logprob``."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: one entry per prompt token, None for the first; each maps the
+# actual token and the top-N alternatives (token id -> Logprob), the actual token first
+PromptLogprobList = list[dict[int, Logprob] | None]
+
+
+@dataclass
 class CompletionOutput:
     """One completion. In streaming (delta) mode ``text``/``token_ids``/``logprobs`` hold only
     what is new since the previous output of the same request."""
@@ -38,3 +52,6 @@ class RequestOutput:
     error: str | None = None  # set when finish_reason is "error"
     kv_transfer_params: KVTransferParams | None = None
     metrics: dict = field(default_factory=dict)
+    # prompt_logprobs, when asked: on every output (final-only mode) or, in delta mode,
+    # on the first output that has them
+    prompt_logprobs: PromptLogprobList | None = None

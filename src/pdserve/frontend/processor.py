@@ -138,6 +138,18 @@ class InputProcessor:
     ) -> EngineCoreRequest:
         self.check_prompt(ids)
         params.verify(self.vocab_size)
+        if params.n != 1:
+            raise ValueError(
+                f"n={params.n}: an engine request is one sample; fan n > 1 out into n "
+                "requests first (pdserve.frontend.parallel)"
+            )
+        kv = KVTransferParams.parse(kv_transfer_params) if kv_transfer_params is not None else None
+        if params.prompt_logprobs is not None and kv is not None and kv.do_remote_prefill:
+            raise ValueError(
+                "prompt_logprobs cannot be combined with kv_transfer_params do_remote_prefill: "
+                "the prompt's KV comes from a prefill instance, so this instance never "
+                "computes the prompt's logits"
+            )
         if self.speculative and params.has_penalties:
             raise ValueError("penalties with speculative decoding are not supported yet")
         if params.priority != 0 and not self.priority_scheduling:
@@ -161,7 +173,6 @@ class InputProcessor:
                 f"max_tokens ({params.max_tokens}) plus the prompt's {len(ids)} tokens exceed "
                 f"max_model_len ({self.max_model_len})"
             )
-        kv = KVTransferParams.parse(kv_transfer_params) if kv_transfer_params is not None else None
         return EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=list(ids),

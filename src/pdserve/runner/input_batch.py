@@ -40,6 +40,8 @@ class InputBatch:
         self.has_bias = np.zeros(max_num_reqs, dtype=bool)
         self.has_allowed = np.zeros(max_num_reqs, dtype=bool)
         self.has_penalties = np.zeros(max_num_reqs, dtype=bool)
+        # prompt_logprobs N of each row, -1 where not asked
+        self.prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
         self.generators: dict[int, torch.Generator] = {}
         self.row_of: dict[str, int] = {}
         # bumped whenever a row changes hands, so results of a step still in flight
@@ -89,6 +91,7 @@ class InputBatch:
         self.has_bias[row] = self.bias[row] is not None
         self.has_allowed[row] = al is not None
         self.has_penalties[row] = sp.has_penalties
+        self.prompt_logprobs[row] = -1 if sp.prompt_logprobs is None else sp.prompt_logprobs
         if sp.seed is not None and not sp.greedy:
             gen = torch.Generator(device=device)
             gen.manual_seed(sp.seed)
@@ -115,6 +118,7 @@ class InputBatch:
         self.bias[row] = None
         self.allowed_ids[row] = None
         self.has_bias[row] = self.has_allowed[row] = self.has_penalties[row] = False
+        self.prompt_logprobs[row] = -1
         self.row_gen[row] += 1
         self.generators.pop(row, None)
         self.num_blocks[row] = 0

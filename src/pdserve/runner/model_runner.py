@@ -40,6 +40,14 @@ from pdserve.runner.memory import (
     resolve_device,
 )
 from pdserve.runner.model_step import ModelStep, collect_cache_layers
+from pdserve.runner.prompt_logprobs import (
+    PromptLogprobsHost,
+    PromptLogprobsPlan,
+    Scored,
+    piece_rows,
+    plan_prompt_logprobs,
+    score_prompt_rows,
+)
 from pdserve.runner.step_inputs import InFlight, StepInputs, StepPreparer
 from pdserve.runner.warmup import dummy_prompt_run, warm_up
 from pdserve.spec_decode.mtp import MTPProposer
@@ -62,6 +70,13 @@ class _HostOutputs:
         top = (max_reqs, width, MAX_LOGPROBS)
         self.top_ids = torch.zeros(top, dtype=torch.int64, pin_memory=pin)
         self.top_lps = torch.zeros(top, dtype=torch.float32, pin_memory=pin)
+        self.pin = pin
+        self.prompt: PromptLogprobsHost | None = None  # made at the first prompt_logprobs step
+
+    def prompt_host(self, max_tokens: int) -> PromptLogprobsHost:
+        if self.prompt is None:
+            self.prompt = PromptLogprobsHost(max_tokens, self.pin)
+        return self.prompt
 
 
 @dataclass
@@ -78,6 +93,7 @@ class StepHandle:
     num_top: int = 0  # top logprobs per token copied to the host
     done_event: torch.cuda.Event | None = None
     flight: InFlight | None = None
+    prompt_plan: PromptLogprobsPlan | None = None  # prompt_logprobs scored this step
 
 
 def _ragged(values: np.ndarray, num: np.ndarray | None, samples: np.ndarray) -> list[list]:
@@ -347,6 +363,7 @@ class ModelRunner:
             return StepHandle(None)
         inp = self.prep.prepare(so)
         hidden, logits, path = self._forward(inp)
+        plan, scored = self._score_prompts(inp, hidden)
         tokens, num, lp = self._sample(inp, logits)
         top = self._top_logprobs(inp, logits, tokens.shape[1])
         drafts = self._propose(inp, hidden, tokens, num)
@@ -366,6 +383,8 @@ class ModelRunner:
             num_top = top[0].shape[2]
             host.top_ids[:n, :width, :num_top].copy_(top[0], non_blocking=True)
             host.top_lps[:n, :width, :num_top].copy_(top[1], non_blocking=True)
+        if scored is not None:
+            host.prompt_host(self.max_num_tokens).copy_from(scored)
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
@@ -381,6 +400,7 @@ class ModelRunner:
             num_top,
             event,
             flight,
+            plan,
         )
 
     def finish(self, handle: StepHandle) -> RunnerOutput:
@@ -413,7 +433,30 @@ class ModelRunner:
             per = num if handle.has_num else None
             out.top_token_ids = _ragged(host.top_ids[:n, :w, :k].numpy(), per, samples)
             out.top_logprobs = _ragged(host.top_lps[:n, :w, :k].numpy(), per, samples)
+        if handle.prompt_plan is not None:
+            out.prompt_logprobs = host.prompt_host(self.max_num_tokens).read(handle.prompt_plan)
         return out
+
+    def _score_prompts(
+        self, inp: StepInputs, hidden: torch.Tensor
+    ) -> tuple[PromptLogprobsPlan | None, Scored | None]:
+        """Score the prompt positions this step computes for the requests that asked for
+        prompt logprobs (:mod:`pdserve.runner.prompt_logprobs`); (None, None) if none."""
+        b = self.batch
+        plan = plan_prompt_logprobs(
+            inp.req_ids,
+            inp.rows,
+            inp.num_scheduled,
+            b.num_computed,
+            b.num_prompt_tokens,
+            b.prompt_logprobs,
+            b.token_ids,
+            self.device,
+        )
+        if plan is None:
+            return None, None
+        rows = piece_rows(self.vocab_size)
+        return plan, score_prompt_rows(hidden, plan, self.step.logits, rows)
 
     def _forward(self, inp: StepInputs) -> tuple[torch.Tensor, torch.Tensor, str]:
         """(hidden states of every scheduled token, logits of the sampled rows, path),

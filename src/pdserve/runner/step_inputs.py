@@ -210,7 +210,7 @@ class StepPreparer:
             sample_mask,
             drafts,
             self._with_grammar(
-                self.sampling_metadata(rows, nsched, ndraft, lreq, row_start),
+                self.sampling_metadata(rows, nsched, ndraft, lreq, row_start, samples),
                 so,
                 req_ids,
                 row_start + ndraft,
@@ -366,9 +366,12 @@ class StepPreparer:
         ndraft: np.ndarray,
         lreq: np.ndarray,
         row_start: np.ndarray,
+        samples: np.ndarray | None = None,
     ) -> SamplingMetadata:
         """Per logits row (``lreq[r]`` is its request): request ``i``'s rows sample its
-        next ``num_drafts[i] + 1`` positions."""
+        next ``num_drafts[i] + 1`` positions. A seeded request's generator is used only
+        on the steps where it samples (``samples[i]``), so its draws do not depend on how
+        its prompt was chunked or how much of it the prefix cache held."""
         b = self.batch
         rrows = rows[lreq]
         offset = np.arange(len(lreq)) - row_start[lreq]
@@ -397,6 +400,8 @@ class StepPreparer:
             if (mp > 0.0).any():
                 min_p = tensor(mp)
             for i, r in enumerate(rrows):
+                if samples is not None and not samples[lreq[i]]:
+                    continue  # a prompt chunk short of its end: its row samples nothing
                 gen = b.generators.get(int(r))
                 if gen is not None:
                     generators[i] = gen

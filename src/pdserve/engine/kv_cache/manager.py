@@ -45,8 +45,9 @@ class KVCacheManager:
             hashes.append(hash_block(parent, req.tokens_slice(i * bs, (i + 1) * bs)))
 
     def get_computed_blocks(self, req: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest cached prefix of ``req`` in whole blocks, leaving >= 1 token to compute."""
-        if not self.enable_caching:
+        """Longest cached prefix of ``req`` in whole blocks, leaving >= 1 token to compute
+        (none for a request that computes its whole prompt: prompt_logprobs)."""
+        if not self.enable_caching or req.skips_prefix_cache:
             return [], 0
         self._update_hashes(req, req.num_tokens)
         max_blocks = (req.num_tokens - 1) // self.block_size

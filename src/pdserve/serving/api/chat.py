@@ -1,4 +1,4 @@
-"""``POST /v1/chat/completions``: messages → chat template → one choice.
+"""``POST /v1/chat/completions``: messages → chat template → ``n`` choices.
 
 The prompt is rendered with the tokenizer's ``apply_chat_template`` (see
 :mod:`pdserve.serving.api.chat_template`) and encoded with ``add_special_tokens``
@@ -12,6 +12,10 @@ Request ``tools`` reach the template; reasoning and tool calls are parsed out of
 output as :mod:`.chat_output` describes (a delta whose text a parser holds back sends
 no chunk, unless it carries logprobs or the finish reason). ``truncate_prompt_tokens``
 keeps the last N tokens of the rendered prompt.
+
+With ``n`` > 1 each choice has its own output parser and its own first chunk (with
+``role``); ``prompt_logprobs`` (vLLM's extension) go at the top of the response, or of
+the stream's first chunk.
 """
 
 from __future__ import annotations
@@ -21,16 +25,18 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pdserve.frontend.outputs import CompletionOutput
+from pdserve.frontend.outputs import CompletionOutput, RequestOutput
 from pdserve.frontend.processor import min_token_count, too_long_text_message
 from pdserve.serving.api.chat_template import ChatTemplates
+from pdserve.serving.api.choices import whole_response
 from pdserve.serving.api.generate import (
     Accumulated,
     EngineJob,
     check_constraint,
+    check_fan_out,
+    render_prompt_logprobs,
     safe_logprob,
     token_strings,
-    whole_response,
 )
 from pdserve.serving.api.pd_params import verified_kv_params
 from pdserve.serving.api.protocol import (
@@ -115,6 +121,7 @@ async def prepare_chat(
     params = req.to_sampling_params(
         prompt_len=len(ids), max_model_len=engine.max_model_len, vocab_size=engine.vocab_size
     )
+    check_fan_out(params, kv_params)
     await check_constraint(ctx, req)
     return EngineJob(
         request_id=request.state.request_id,
@@ -163,13 +170,14 @@ async def create_chat_completion(
     job = await prepare_chat(ctx, req, request)
     response_id = f"chatcmpl-{job.request_id}"
     want_logprobs = req.logprobs
-    parser = ctx.parsing.for_request(req, job.prompt)
+    parsers = [ctx.parsing.for_request(req, job.prompt) for _ in range(job.n)]
+    tokenizer = ctx.engine.tokenizer
 
     if req.stream:
-        sent_role = False
+        sent_role = [False] * job.n
 
-        def stream_choice(c: CompletionOutput) -> list[ChatCompletionStreamChoice]:
-            nonlocal sent_role
+        def stream_choice(c: CompletionOutput, index: int) -> list[ChatCompletionStreamChoice]:
+            parser = parsers[index]
             last = c.finish_reason is not None
             if parser.active:
                 deltas = parser.feed(c.text, last=last)
@@ -179,12 +187,13 @@ async def create_chat_completion(
                 deltas = [DeltaMessage(content=c.text)]
             choices = []
             for i, delta in enumerate(deltas):
-                if not sent_role:
+                if not sent_role[index]:
                     delta.role = "assistant"
-                    sent_role = True
+                    sent_role[index] = True
                 is_last = i == len(deltas) - 1
                 choices.append(
                     ChatCompletionStreamChoice(
+                        index=index,
                         delta=delta,
                         logprobs=(
                             _chat_logprobs(ctx, c.token_ids, c.logprobs, c.top_logprobs)
@@ -197,6 +206,9 @@ async def create_chat_completion(
                 )
             return choices
 
+        def on_first(first: RequestOutput) -> dict[str, Any]:
+            return {"prompt_logprobs": render_prompt_logprobs(tokenizer, first.prompt_logprobs)}
+
         return await stream_response(
             ctx,
             job,
@@ -206,14 +218,17 @@ async def create_chat_completion(
             model=model,
             options=req.stream_options,
             make_choice=stream_choice,
+            first_extra=on_first if req.prompt_logprobs is not None else None,
         )
 
-    def whole_choice(acc: Accumulated) -> ChatCompletionResponseChoice:
+    def whole_choice(acc: Accumulated, index: int) -> ChatCompletionResponseChoice:
+        parser = parsers[index]
         if parser.active:
             message = parser.whole(acc.text)
         else:
             message = ChatMessage(role="assistant", content=acc.text)
         return ChatCompletionResponseChoice(
+            index=index,
             message=message,
             logprobs=_chat_logprobs(ctx, acc.token_ids, acc.logprobs, acc.top_logprobs)
             if want_logprobs
@@ -221,6 +236,11 @@ async def create_chat_completion(
             finish_reason=parser.finish_reason(acc.finish_reason),
             stop_reason=acc.stop_reason,
         )
+
+    def top_fields(accs: list[Accumulated]) -> dict[str, Any]:
+        if req.prompt_logprobs is None:
+            return {}
+        return {"prompt_logprobs": render_prompt_logprobs(tokenizer, accs[0].prompt_logprobs)}
 
     return await whole_response(
         ctx,
@@ -230,4 +250,5 @@ async def create_chat_completion(
         response_id=response_id,
         model=model,
         make_choice=whole_choice,
+        extra=top_fields,
     )

@@ -1,4 +1,4 @@
-"""``POST /v1/completions``: one prompt (text or token ids) → one choice.
+"""``POST /v1/completions``: one prompt (text or token ids) → ``n`` choices.
 
 The engine request id is the HTTP request's id (``X-Request-Id`` or a minted one); the
 response ``id`` is ``cmpl-<request id>``. ``kv_transfer_params`` from the engine's final
@@ -11,25 +11,33 @@ after tokenization); tokenization in the blocking pool; the exact length and
 ``max_tokens`` checks; for a token-id prompt, the vocabulary.
 
 ``echo=true`` puts the prompt's text before the completion (a token-id or truncated
-prompt is decoded); with ``logprobs`` it is refused, since echoed logprobs would need
-the prompt's logprobs, which pdserve does not compute.
+prompt is decoded); with ``logprobs`` it is refused: the echoed prompt's logprobs are
+not merged into the choice's ``logprobs`` (``prompt_logprobs`` gives them).
+
+With ``n`` > 1 every choice is rendered on its own (echo, logprobs' ``text_offset``);
+``prompt_logprobs`` go in every choice (vLLM's field), streamed with each choice's
+first chunk.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pdserve.frontend.outputs import CompletionOutput
+from pdserve.frontend.outputs import CompletionOutput, RequestOutput
 from pdserve.frontend.processor import min_token_count, too_long_text_message
+from pdserve.serving.api.choices import whole_response
 from pdserve.serving.api.generate import (
     Accumulated,
     EngineJob,
     check_constraint,
+    check_fan_out,
     check_token_ids,
+    render_prompt_logprobs,
     safe_logprob,
     token_strings,
-    whole_response,
 )
 from pdserve.serving.api.pd_params import verified_kv_params
 from pdserve.serving.api.protocol import (
@@ -39,6 +47,7 @@ from pdserve.serving.api.protocol import (
     CompletionResponseChoice,
     CompletionStreamChoice,
     CompletionStreamResponse,
+    PromptLogprobs,
     RequestError,
 )
 from pdserve.serving.api.state import ServingContext
@@ -78,6 +87,7 @@ async def prepare_completion(
     )
     if text is None:  # after the length check, so this scans at most max_model_len ids
         check_token_ids(ids, engine.vocab_size, "prompt")
+    check_fan_out(params, kv_params)
     await check_constraint(ctx, req)
     return EngineJob(
         request_id=request.state.request_id,
@@ -131,16 +141,19 @@ async def create_completion(
     model = ctx.check_model(req.model)
     job = await prepare_completion(ctx, req, request)
     response_id = f"cmpl-{job.request_id}"
-    lp = _LogprobsBuilder(ctx) if req.logprobs is not None else None
+    builders = [_LogprobsBuilder(ctx) for _ in range(job.n)] if req.logprobs is not None else None
 
     def logprobs_of(
-        token_ids: list[int], values: list[float] | None, top: list[dict[int, float]] | None
+        index: int,
+        token_ids: list[int],
+        values: list[float] | None,
+        top: list[dict[int, float]] | None,
     ) -> CompletionLogProbs | None:
-        if lp is None or values is None:
+        if builders is None or values is None:
             return None
-        return lp.build(token_ids, values, top if req.logprobs else None)
+        return builders[index].build(token_ids, values, top if req.logprobs else None)
 
-    echo = ""  # echo=true: the prompt's text leads the answer (the first chunk streamed)
+    echo = ""  # echo=true: the prompt's text leads each answer (its first chunk streamed)
     if req.echo:
         if job.prompt is not None:
             echo = job.prompt
@@ -152,17 +165,26 @@ async def create_completion(
                 skip_special_tokens=skip,
                 job_size=len(job.prompt_token_ids),
             )
+    tokenizer = ctx.engine.tokenizer
 
     if req.stream:
+        started = [False] * job.n  # a choice's first chunk carries echo and prompt logprobs
+        prompt_lps: list[PromptLogprobs | None] = [None]
 
-        def stream_choice(c: CompletionOutput) -> CompletionStreamChoice:
-            nonlocal echo
-            text, echo = echo + c.text, ""
+        def on_first(first: RequestOutput) -> dict[str, Any]:
+            prompt_lps[0] = render_prompt_logprobs(tokenizer, first.prompt_logprobs)
+            return {}
+
+        def stream_choice(c: CompletionOutput, index: int) -> CompletionStreamChoice:
+            lead = not started[index]
+            started[index] = True
             return CompletionStreamChoice(
-                text=text,
-                logprobs=logprobs_of(c.token_ids, c.logprobs, c.top_logprobs),
+                index=index,
+                text=echo + c.text if lead else c.text,
+                logprobs=logprobs_of(index, c.token_ids, c.logprobs, c.top_logprobs),
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
+                prompt_logprobs=prompt_lps[0] if lead else None,
             )
 
         return await stream_response(
@@ -174,14 +196,21 @@ async def create_completion(
             model=model,
             options=req.stream_options,
             make_choice=stream_choice,
+            first_extra=on_first if req.prompt_logprobs is not None else None,
         )
 
-    def whole_choice(acc: Accumulated) -> CompletionResponseChoice:
+    rendered: list[PromptLogprobs | None] = []
+
+    def whole_choice(acc: Accumulated, index: int) -> CompletionResponseChoice:
+        if not rendered:  # the prompt's, from choice 0: the same for every choice
+            rendered.append(render_prompt_logprobs(tokenizer, acc.prompt_logprobs))
         return CompletionResponseChoice(
+            index=index,
             text=echo + acc.text,
-            logprobs=logprobs_of(acc.token_ids, acc.logprobs, acc.top_logprobs),
+            logprobs=logprobs_of(index, acc.token_ids, acc.logprobs, acc.top_logprobs),
             finish_reason=acc.finish_reason,
             stop_reason=acc.stop_reason,
+            prompt_logprobs=rendered[0],
         )
 
     return await whole_response(

@@ -1,6 +1,6 @@
-"""What completions and chat completions share: one engine request per HTTP request,
-client-disconnect handling, the non-streaming answer, usage and logprobs. Streaming
-answers are rendered by :mod:`pdserve.serving.api.streaming`.
+"""What completions and chat completions share: the engine requests of one HTTP
+request (one per choice), client-disconnect handling, the non-streaming answer, usage
+and logprobs. Streaming answers are rendered by :mod:`pdserve.serving.api.streaming`.
 
 Ownership and lifecycle of an engine request (:class:`EngineRequest`):
 
@@ -12,6 +12,8 @@ Ownership and lifecycle of an engine request (:class:`EngineRequest`):
 ``close`` never awaits (it spawns the abort), so it is safe in ``finally`` blocks of
 cancelled tasks. A client disconnect cancels the task that consumes the outputs
 (:func:`run_until_disconnect`); the cancellation unwinds into ``close``, which aborts.
+
+The choices of one HTTP request (``n``) are :mod:`pdserve.serving.api.choices`.
 """
 
 from __future__ import annotations
@@ -25,19 +27,19 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from starlette.requests import Request
-from starlette.responses import Response
 from starlette.types import Receive
 
 from pdserve.core_types.kv_transfer_params import KVTransferParams
 from pdserve.core_types.sampling_params import SamplingParams
-from pdserve.frontend.outputs import RequestOutput
+from pdserve.frontend.outputs import PromptLogprobList, RequestOutput
+from pdserve.frontend.parallel import fan_out
 from pdserve.metrics.prometheus import RequestMetrics
 from pdserve.serving.api.errors import APIError
 from pdserve.serving.api.protocol import (
     ChatCompletionRequest,
-    ChatCompletionResponse,
     CompletionRequest,
-    CompletionResponse,
+    PromptLogprob,
+    PromptLogprobs,
     PromptTokenUsageInfo,
     RequestError,
     UsageInfo,
@@ -95,6 +97,33 @@ class EngineJob:
     params: SamplingParams
     kv_transfer_params: KVTransferParams | None
     arrival_time: float
+
+    @property
+    def n(self) -> int:
+        return self.params.n
+
+    @property
+    def delays_siblings(self) -> bool:
+        """Choices after the first wait for its first output: their prompt's KV is the
+        one the first pulls from a prefill instance."""
+        kv = self.kv_transfer_params
+        return self.n > 1 and kv is not None and kv.do_remote_prefill
+
+    def children(self) -> list[EngineJob]:
+        """One job per choice (this job itself when n is 1)."""
+        if self.n == 1:
+            return [self]
+        return [
+            EngineJob(
+                rid,
+                self.prompt,
+                self.prompt_token_ids,
+                params,
+                self.kv_transfer_params if i == 0 else None,
+                self.arrival_time,
+            )
+            for i, (rid, params) in enumerate(fan_out(self.request_id, self.params))
+        ]
 
 
 class EngineRequest:
@@ -204,6 +233,7 @@ class Accumulated:
     num_cached_tokens: int = 0
     kv_transfer_params: KVTransferParams | None = None
     error: str | None = None
+    prompt_logprobs: PromptLogprobList | None = None
 
     @property
     def text(self) -> str:
@@ -215,6 +245,8 @@ class Accumulated:
             self.kv_transfer_params = out.kv_transfer_params
         if out.error:
             self.error = out.error
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         for c in out.outputs[:1]:
             self.parts.append(c.text)
             self.token_ids.extend(c.token_ids)
@@ -227,8 +259,8 @@ class Accumulated:
                 self.stop_reason = c.stop_reason
 
 
-async def collect(er: EngineRequest) -> Accumulated:
-    acc = Accumulated()
+async def collect(er: EngineRequest, acc: Accumulated | None = None) -> Accumulated:
+    acc = acc if acc is not None else Accumulated()
     while (out := await er.next_output()) is not None:
         acc.add(out)
     if acc.finish_reason is None:
@@ -267,34 +299,6 @@ async def run_to_completion(
     if acc.finish_reason == "error":  # the engine failed it: not the client's fault
         raise APIError(500, f"the engine failed this request: {acc.error or 'unknown error'}")
     return acc
-
-
-async def whole_response(
-    ctx: ServingContext,
-    job: EngineJob,
-    request: Request,
-    *,
-    response_type: type[CompletionResponse] | type[ChatCompletionResponse],
-    response_id: str,
-    model: str,
-    make_choice: Callable[[Accumulated], Any],
-) -> Response:
-    """The non-streaming answer of either endpoint: one choice (``make_choice`` of the
-    whole output) in a ``response_type`` body with usage and the engine's
-    ``kv_transfer_params``; 499 when the client went away, 500 when the engine failed."""
-    acc = await run_to_completion(ctx, job, request)
-    if acc is None:
-        return Response(status_code=CLIENT_CLOSED)
-    body = response_type(
-        id=response_id,
-        model=model,
-        choices=[make_choice(acc)],
-        usage=make_usage(ctx, len(job.prompt_token_ids), len(acc.token_ids), acc.num_cached_tokens),
-        kv_transfer_params=(
-            acc.kv_transfer_params.to_dict() if acc.kv_transfer_params is not None else None
-        ),
-    )
-    return Response(body.model_dump_json(), media_type="application/json")
 
 
 async def open_stream(
@@ -355,6 +359,28 @@ async def check_constraint(
         await ctx.run_blocking(check_structured, spec, param, job_size=len(spec.key()[1]))
 
 
+def check_fan_out(params: SamplingParams, kv: KVTransferParams | None) -> None:
+    """400 for what P/D cannot do: ``n`` > 1 on a prefill leg (``do_remote_decode``: the
+    instance holds one prompt's KV for one decode), ``prompt_logprobs`` on a decode leg
+    (``do_remote_prefill``: the prompt's KV is pulled, its logits never computed)."""
+    if kv is None:
+        return
+    if params.n > 1 and kv.do_remote_decode:
+        raise RequestError(
+            f"n={params.n} cannot be combined with kv_transfer_params do_remote_decode: a "
+            "prefill leg computes the prompt once for one decode (the P/D proxy sends it "
+            "with n=1 and the decode leg draws the n samples)",
+            "n",
+        )
+    if params.prompt_logprobs is not None and kv.do_remote_prefill:
+        raise RequestError(
+            "prompt_logprobs cannot be combined with kv_transfer_params do_remote_prefill: "
+            "the prompt's KV comes from a prefill instance, so this instance never computes "
+            "the prompt's logits",
+            "prompt_logprobs",
+        )
+
+
 def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
     bad = [t for t in token_ids if not 0 <= t < vocab_size]
     if bad:
@@ -369,6 +395,28 @@ def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
 def token_strings(tokenizer: Any, token_ids: list[int]) -> list[str]:
     """Per-token text for logprobs (special tokens kept)."""
     return [tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
+
+
+def render_prompt_logprobs(tokenizer: Any, plp: PromptLogprobList | None) -> PromptLogprobs | None:
+    """The JSON shape of prompt logprobs: token id (as a string) -> logprob (JSON-safe),
+    rank and decoded token (each distinct id decoded once)."""
+    if plp is None:
+        return None
+    names: dict[int, str] = {}
+    out: PromptLogprobs = []
+    for entry in plp:
+        if entry is None:
+            out.append(None)
+            continue
+        row = {}
+        for tid, lp in entry.items():
+            if tid not in names:
+                names[tid] = tokenizer.decode([tid], skip_special_tokens=False)
+            row[str(tid)] = PromptLogprob(
+                logprob=safe_logprob(lp.logprob), rank=lp.rank, decoded_token=names[tid]
+            )
+        out.append(row)
+    return out
 
 
 def now_s() -> int:

@@ -2,7 +2,7 @@
 
 Validation policy: a request is checked completely here, at the edge, and every
 rejection names the field. Fields pdserve does not implement are **rejected**, never
-silently ignored, when they would change the output (``n``/``best_of`` > 1,
+silently ignored, when they would change the output (``best_of`` other than ``n``,
 ``echo`` with ``logprobs``, ``suffix``, batched prompts, ``priority`` other than 0 unless the
 server runs ``--scheduling-policy priority``); unknown
 fields are rejected too (``extra="forbid"``). Fields that only carry bookkeeping
@@ -24,6 +24,22 @@ Validators raise :class:`RequestError` (a ``ValueError`` carrying the offending
 parameter name); the server maps it to HTTP 400 with an OpenAI error body. Before any
 other check, a request body holding a lone UTF-16 surrogate in any string (``"\\ud800"``)
 is refused, naming the field (:mod:`pdserve.serving.api.unicode_check`).
+
+``n`` (1..64): n independent samples, returned as choices ``0 .. n-1`` (a stream's
+chunks carry their choice's index); usage counts the prompt once and every choice's
+completion tokens. The handlers fan the request out into n engine requests that share
+the prompt's KV through the prefix cache (:mod:`pdserve.frontend.parallel`; with a
+``seed``, sample i uses ``seed + i``). On a P/D decode instance (``kv_transfer_params``
+with ``do_remote_prefill``) sample 0 pulls the prompt's KV and the others start once it
+has, sharing it; a prefill leg (``do_remote_decode``) takes n=1 only.
+
+``prompt_logprobs`` (vLLM's extra, 0..20): for each prompt token after the first, its
+logprob and rank and the N most likely tokens at that position (the first is
+``null``), in the completion choice's ``prompt_logprobs`` (every choice) and at the top
+of a chat response (vLLM's extension); streamed, they come with each choice's first
+chunk (completions) or the stream's first chunk (chat), where vLLM refuses them. The
+request computes its whole prompt (no prefix-cache hits). Refused with P/D remote
+prefill params (the prompt's KV is pulled, its logits are never computed).
 
 Logprobs: the sampled token's logprob and, for completions ``logprobs=N`` / chat
 ``top_logprobs=N`` (N <= 20), the N most likely tokens at each position, all under the
@@ -49,9 +65,11 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from pdserve.core_types.sampling_params import MAX_LOGPROBS, SamplingParams
+from pdserve.core_types.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
 from pdserve.serving.api.protocol_base import CheckedModel as _CheckedRequest
 from pdserve.serving.api.protocol_base import (
+    PromptLogprob,
+    PromptLogprobs,
     PromptTokenUsageInfo,
     RequestError,
     UsageInfo,
@@ -90,6 +108,8 @@ __all__ = [
     "ChatLogProbsContent",
     "ChatMessage",
     "DeltaMessage",
+    "PromptLogprob",
+    "PromptLogprobs",
     "PromptTokenUsageInfo",
     "RequestError",
     "ResponseFormat",
@@ -158,8 +178,8 @@ class _SamplingRequest(_CheckedRequest, StructuredFields):
     presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(1.0, gt=0.0, le=2.0)
-    # accepted only at its no-op value
     n: int | None = 1
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
@@ -179,10 +199,8 @@ class _SamplingRequest(_CheckedRequest, StructuredFields):
 
     @model_validator(mode="after")
     def _check_shared(self) -> _SamplingRequest:
-        if self.n not in (None, 1):
-            raise RequestError(
-                f"n={self.n} is not supported: pdserve returns one choice per request", "n"
-            )
+        if self.n is not None and not 1 <= self.n <= MAX_N:
+            raise RequestError(f"n must be in [1, {MAX_N}], got {self.n}", "n")
         for key, value in (self.logit_bias or {}).items():
             try:
                 int(key)
@@ -259,7 +277,7 @@ class _SamplingRequest(_CheckedRequest, StructuredFields):
             top_k = 0  # keeping the whole vocabulary is the same as no top-k
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         params = SamplingParams(
-            n=1,
+            n=self.n or 1,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=top_k,
@@ -271,6 +289,7 @@ class _SamplingRequest(_CheckedRequest, StructuredFields):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
@@ -329,14 +348,18 @@ class CompletionRequest(_SamplingRequest):
             raise RequestError("prompt must not be empty", "prompt")
         if self.echo and self.logprobs is not None:
             raise RequestError(
-                "echo=true with logprobs is not supported: it needs the prompt's logprobs, "
-                "which pdserve does not compute",
+                "echo=true with logprobs is not supported yet (the echoed prompt's logprobs "
+                "are not merged into the choice's logprobs); ask for prompt_logprobs instead",
                 "echo",
             )
         if self.suffix:
             raise RequestError("suffix is not supported", "suffix")
-        if self.best_of not in (None, 1):
-            raise RequestError(f"best_of={self.best_of} is not supported (only 1)", "best_of")
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise RequestError(
+                f"best_of={self.best_of} is not supported: pdserve returns every sample it "
+                f"draws, so best_of must equal n ({self.n or 1}) or be left out",
+                "best_of",
+            )
         return self
 
     def single_prompt(self) -> str | list[int]:
@@ -374,6 +397,7 @@ class CompletionResponseChoice(_Response):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(_Response):
@@ -393,6 +417,7 @@ class CompletionStreamChoice(_Response):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # with the choice's first chunk
 
 
 class CompletionStreamResponse(_Response):
@@ -404,8 +429,11 @@ class CompletionStreamResponse(_Response):
     usage: UsageInfo | None = None
 
     def to_json(self) -> str:
-        """JSON of the chunk (the same call as for a chat chunk)."""
-        return self.model_dump_json()
+        """JSON of the chunk (the same call as for a chat chunk); ``prompt_logprobs`` only
+        where a choice has them."""
+        if any(c.prompt_logprobs is not None for c in self.choices):
+            return self.model_dump_json()
+        return self.model_dump_json(exclude={"choices": {"__all__": {"prompt_logprobs"}}})
 
 
 # ---------------------------------------------------------------- /v1/chat/completions

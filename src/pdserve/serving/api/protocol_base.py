@@ -53,3 +53,15 @@ class UsageInfo(ResponseModel):
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokenUsageInfo | None = None
+
+
+class PromptLogprob(ResponseModel):
+    """vLLM's ``Logprob`` of one token at a prompt position (rank 1 = most likely)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: per prompt token, None for the first, else token id -> Logprob
+PromptLogprobs = list[dict[str, PromptLogprob] | None]

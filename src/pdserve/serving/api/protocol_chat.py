@@ -17,7 +17,13 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from pdserve.serving.api.protocol_base import RequestError, ResponseModel, StrictModel, UsageInfo
+from pdserve.serving.api.protocol_base import (
+    PromptLogprobs,
+    RequestError,
+    ResponseModel,
+    StrictModel,
+    UsageInfo,
+)
 
 # ---------------------------------------------------------------- tools in requests
 
@@ -236,6 +242,7 @@ class ChatCompletionResponse(ResponseModel):
     usage: UsageInfo
     system_fingerprint: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extension
 
 
 class ChatCompletionStreamChoice(ResponseModel):
@@ -253,10 +260,13 @@ class ChatCompletionStreamResponse(ResponseModel):
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # on the stream's first chunk only
 
     def to_json(self) -> str:
         """JSON of the chunk, with ``None`` fields of each delta left out (OpenAI's shape)."""
         data = self.model_dump(mode="json")
+        if data["prompt_logprobs"] is None:
+            del data["prompt_logprobs"]
         for choice, raw in zip(self.choices, data["choices"], strict=True):
             raw["delta"] = choice.delta.to_json_dict()
         return json.dumps(data, separators=(",", ":"), ensure_ascii=False)

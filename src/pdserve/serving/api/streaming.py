@@ -1,12 +1,15 @@
 """Streaming answers (``stream=true``): the one SSE renderer of completions and chat
 completions.
 
-:func:`stream_response` starts the engine request and waits for its first output
+:func:`stream_response` starts the engine requests (one per choice,
+:class:`~pdserve.serving.api.choices.Choices`) and waits for choice 0's first output
 before any byte is sent (so an engine rejection is still a plain HTTP 400), then
 answers with an :class:`SSEResponse`. Its body (:func:`sse_events`) is one ``data:``
-chunk per delta that carries tokens or a finish reason, then (``include_usage``) a
-usage-only chunk, then ``data: [DONE]``; an error after the status line becomes an
-in-stream error event followed by ``[DONE]``. An endpoint only says how a delta
+chunk per delta that carries tokens or a finish reason, the deltas of the choices
+interleaved as they come, each chunk carrying its choice's index; then
+(``include_usage``) a usage-only chunk (the prompt once, every choice's completion
+tokens), then ``data: [DONE]``; an error after the status line becomes an in-stream
+error event followed by ``[DONE]``. An endpoint only says how a delta of choice ``i``
 becomes its choice (or choices: several chunks, or none while a parser holds text
 back) and which chunk model carries it.
 """
@@ -22,15 +25,13 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pdserve.frontend.outputs import CompletionOutput, RequestOutput
+from pdserve.serving.api.choices import Choices, choices_usage, open_choices
 from pdserve.serving.api.errors import APIError
 from pdserve.serving.api.generate import (
     CLIENT_CLOSED,
     ClientDisconnected,
     EngineJob,
-    EngineRequest,
-    make_usage,
     now_s,
-    open_stream,
     run_until_disconnect,
 )
 from pdserve.serving.api.protocol import (
@@ -45,7 +46,7 @@ from pdserve.serving.http import SSE_DONE, sse_error, sse_event
 
 logger = logging.getLogger(__name__)
 
-RenderDelta = Callable[[CompletionOutput, UsageInfo | None], list[str]]
+RenderDelta = Callable[[CompletionOutput, int, UsageInfo | None], list[str]]
 
 
 async def stream_response(
@@ -57,26 +58,31 @@ async def stream_response(
     response_id: str,
     model: str,
     options: StreamOptions | None,
-    make_choice: Callable[[CompletionOutput], Any],
+    make_choice: Callable[[CompletionOutput, int], Any],
+    first_extra: Callable[[RequestOutput], dict[str, Any]] | None = None,
 ) -> Response:
     """The streaming answer of either endpoint: ``chunk_type`` chunks, each with one
-    choice ``make_choice`` makes of a delta (none in the usage chunk); 499 when the
-    client went away before the first output. ``make_choice`` may return a list of
-    choices (one chunk each; an empty list sends nothing for that delta)."""
-    opened = await open_stream(ctx, job, request)
+    choice ``make_choice`` makes of a delta of choice ``i`` (none in the usage chunk);
+    499 when the client went away before the first output. ``make_choice`` may return
+    a list of choices (one chunk each; an empty list sends nothing for that delta).
+    ``first_extra``: fields of the stream's first chunk, from the first output."""
+    opened = await open_choices(ctx, job, request)
     if opened is None:
         return Response(status_code=CLIENT_CLOSED)
-    er, first = opened
+    choices_, first = opened
     created = now_s()
+    pending = first_extra(first) if first_extra is not None and first is not None else {}
 
     def render_chunk(choices: list[Any], usage: UsageInfo | None) -> str:
+        nonlocal pending
+        extra, pending = pending, {}
         chunk = chunk_type(
-            id=response_id, created=created, model=model, choices=choices, usage=usage
+            id=response_id, created=created, model=model, choices=choices, usage=usage, **extra
         )
         return chunk.to_json()
 
-    def render_delta(c: CompletionOutput, usage: UsageInfo | None) -> list[str]:
-        made = make_choice(c)
+    def render_delta(c: CompletionOutput, index: int, usage: UsageInfo | None) -> list[str]:
+        made = make_choice(c, index)
         choices = made if isinstance(made, list) else [made]
         return [render_chunk([choice], usage) for choice in choices]
 
@@ -85,18 +91,18 @@ async def stream_response(
 
     events = sse_events(
         ctx,
-        er,
+        choices_,
         first,
         render_delta=render_delta,
         render_usage=render_usage if options and options.include_usage else None,
         continuous_usage=bool(options and options.continuous_usage_stats),
     )
-    return SSEResponse(events, on_close=er.close)
+    return SSEResponse(events, on_close=choices_.close)
 
 
 async def sse_events(
     ctx: ServingContext,
-    er: EngineRequest,
+    choices: Choices,
     first: RequestOutput | None,
     *,
     render_delta: RenderDelta,
@@ -106,13 +112,14 @@ async def sse_events(
     """The SSE body: one ``data:`` event per delta that carries tokens or a finish
     reason, then (``include_usage``) a usage-only event, then ``data: [DONE]``. Errors
     after the status line become an in-stream error event followed by ``[DONE]``."""
-    prompt_tokens = len(er.job.prompt_token_ids)
+    job = choices.job
     completion_tokens = 0
     cached = 0
-    out = first
+    events = choices.events(first)
     try:
-        while out is not None:
-            cached = max(cached, out.num_cached_tokens)
+        async for index, out in events:
+            if index == 0:
+                cached = max(cached, out.num_cached_tokens)
             for c in out.outputs[:1]:
                 if c.finish_reason == "error":
                     raise APIError(500, f"the engine failed this request: {out.error or 'error'}")
@@ -121,18 +128,19 @@ async def sse_events(
                 completion_tokens += len(c.token_ids)
                 usage = None
                 if continuous_usage:
-                    usage = make_usage(ctx, prompt_tokens, completion_tokens, cached)
-                for chunk in render_delta(c, usage):
+                    usage = choices_usage(ctx, job, completion_tokens, cached)
+                for chunk in render_delta(c, index, usage):
                     yield sse_event(chunk)
-            out = await er.next_output()
     except Exception as e:
         if not isinstance(e, ValueError | APIError):
-            logger.error("engine error while streaming %s: %r", er.job.request_id, e)
+            logger.error("engine error while streaming %s: %r", job.request_id, e)
         yield error_event(e)
         yield SSE_DONE
         return
+    finally:
+        await events.aclose()
     if render_usage is not None:
-        yield sse_event(render_usage(make_usage(ctx, prompt_tokens, completion_tokens, cached)))
+        yield sse_event(render_usage(choices_usage(ctx, job, completion_tokens, cached)))
     yield SSE_DONE
 
 

@@ -277,6 +277,14 @@ def _parse_body(raw: bytes) -> dict[str, Any]:
     stream = body.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise _ProxyError(400, "'stream' must be a boolean", "stream")
+    if body.get("prompt_logprobs") is not None:  # refused before any prefill work is spent
+        raise _ProxyError(
+            400,
+            "prompt_logprobs is not supported through the P/D proxy: the decode instance "
+            "receives the prompt's KV from a prefill instance and never computes the "
+            "prompt's logits (send it to an instance directly)",
+            "prompt_logprobs",
+        )
     return body
 
 

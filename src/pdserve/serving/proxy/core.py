@@ -42,10 +42,16 @@ PREFILL_KV_PARAMS: dict[str, Any] = {
 }
 
 
+# dropped from the prefill leg: it computes the prompt once and samples one token
+_NOT_ON_PREFILL = ("stream_options", "min_tokens", "n", "best_of")
+
+
 def prefill_body(body: dict[str, Any], secret: bytes) -> dict[str, Any]:
     """The prefill leg's body (a new dict; ``body`` is not modified), with signed
-    :data:`PREFILL_KV_PARAMS`."""
-    out = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
+    :data:`PREFILL_KV_PARAMS`: one sample (``n`` and ``best_of`` left out, so 1) of one
+    token; the decode leg gets the client's ``n`` and draws the samples, sharing the
+    pulled prompt KV."""
+    out = {k: v for k, v in body.items() if k not in _NOT_ON_PREFILL}
     out["max_tokens"] = 1
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1

@@ -3,12 +3,13 @@
 One client request becomes (the flow of vLLM's disaggregated-prefill proxy):
 
 1. a **prefill leg**: the client's body with ``max_tokens=1`` (and
-   ``max_completion_tokens=1`` if present), ``stream=false``, without ``stream_options``
-   and ``min_tokens``, plus signed ``kv_transfer_params`` asking for a remote decode;
+   ``max_completion_tokens=1`` if present), ``stream=false``, without ``stream_options``,
+   ``min_tokens``, ``n`` and ``best_of`` (one sample), plus signed ``kv_transfer_params`` asking for a remote decode;
    sent to the least-loaded healthy prefill instance. A connection error, timeout, 5xx,
    malformed 200 or the instance being marked down is retried once on another healthy
    prefill instance; a 4xx is the client's fault and is returned as is.
-2. a **decode leg**: the client's original body plus the prefill's
+2. a **decode leg**: the client's original body (its ``n`` too: the decode instance
+   draws the samples, sharing the pulled prompt KV) plus the prefill's
    ``kv_transfer_params``, re-signed by the proxy, sent to the least-loaded healthy
    decode instance; its status, headers' content type and body go back to the client, a
    stream chunk by chunk as it arrives (no buffering; the client's reading paces the
