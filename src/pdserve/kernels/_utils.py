@@ -74,3 +74,35 @@ def round_to_e4m3(x):
     quantum = tl.exp2(e - 3.0)
     y = x / quantum
     return ((y + 12582912.0) - 12582912.0) * quantum  # 1.5 * 2^23: fp32 round-to-even
+
+
+@triton.jit
+def quantize_rows_e4m3(a, QMAX: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    """A float32 tile ``a`` [M, G] (one 128-channel group of M rows; masked-out entries
+    0) -> (float8_e4m3fn tile, float32 scales [M]) with ``a ≈ q * scale`` row by row and
+    ``scale = max(absmax / QMAX, 1e-12)``: per-token group quantization, the values
+    :func:`~pdserve.kernels.reference.quantize_fp8_groups` gives. ``ROUND_FIRST``: round
+    with :func:`round_to_e4m3` before the cast (the interpreter only)."""
+    scale = tl.maximum(tl.max(tl.abs(a), axis=1) / QMAX, 1e-12)
+    s = tl.clamp(a / scale[:, None], -QMAX, QMAX)
+    if ROUND_FIRST:
+        s = round_to_e4m3(s)
+    return s.to(tl.float8e4nv), scale
+
+
+@triton.jit
+def dot_fp8(a_q, b, FP8_DOT: tl.constexpr):
+    """``a_q @ b`` of two float8_e4m3fn tiles, float32 out: an FP8 MMA, or (``FP8_DOT``
+    false: GPUs before sm_89) the same values through bf16."""
+    if FP8_DOT:  # noqa: SIM108 (a constexpr branch: only one side is compiled)
+        out = tl.dot(a_q, b)
+    else:
+        out = tl.dot(a_q.to(tl.bfloat16), b.to(tl.bfloat16))
+    return out
+
+
+def fp8_mma(device: torch.device) -> bool:
+    """Whether ``device`` has FP8 tensor cores (sm_89+); the interpreter emulates them."""
+    if device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 9)

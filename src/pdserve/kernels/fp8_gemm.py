@@ -26,7 +26,14 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels._utils import check_device, interpret_mode, num_sms, round_to_e4m3
+from pdserve.kernels._utils import (
+    check_device,
+    dot_fp8,
+    fp8_mma,
+    interpret_mode,
+    num_sms,
+    quantize_rows_e4m3,
+)
 from pdserve.kernels.reference import FP8_GROUP, FP8_MAX
 
 GROUP_K = FP8_GROUP
@@ -75,30 +82,17 @@ def _block_fp8_gemm_kernel(
             mask=m_ok[:, None] & k_ok[None, :],
             other=0.0,
         ).to(tl.float32)
-        a_scale = tl.maximum(tl.max(tl.abs(a), axis=1) / QMAX, 1e-12)  # [BLOCK_M]
-        a_s = tl.clamp(a / a_scale[:, None], -QMAX, QMAX)
-        if ROUND_FIRST:
-            a_s = round_to_e4m3(a_s)
-        a_q = a_s.to(tl.float8e4nv)
+        a_q, a_scale = quantize_rows_e4m3(a, QMAX, ROUND_FIRST)  # a_scale: [BLOCK_M]
         b = tl.load(
             w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + ks[:, None],
             mask=n_ok[None, :] & k_ok[:, None],
             other=0.0,
         )  # [BLOCK_K, BLOCK_N] fp8
-        if FP8_DOT:  # noqa: SIM108 (a constexpr branch: only one side is compiled)
-            part = tl.dot(a_q, b)
-        else:  # GPUs without FP8 MMA (before sm_89): the same values through bf16
-            part = tl.dot(a_q.to(tl.bfloat16), b.to(tl.bfloat16))
+        part = dot_fp8(a_q, b, FP8_DOT)
         b_scale = tl.load(ws_ptr + w_scale_rows + kb, mask=n_ok, other=0.0)  # [BLOCK_N]
         acc += part * a_scale[:, None] * b_scale[None, :]
     out = out_ptr + split * stride_os + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
-
-def _fp8_mma(device: torch.device) -> bool:
-    if device.type != "cuda":
-        return True  # the interpreter emulates FP8 dots
-    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def choose_splits(m_tiles: int, n_tiles: int, k_blocks: int, sms: int) -> int:
@@ -168,7 +162,7 @@ def block_fp8_gemm(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=GROUP_K,
-        FP8_DOT=_fp8_mma(x.device),
+        FP8_DOT=fp8_mma(x.device),
         QMAX=FP8_MAX,
         ROUND_FIRST=interpret_mode(),
         num_warps=4,
