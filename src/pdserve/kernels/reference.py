@@ -149,3 +149,79 @@ def block_fp8_matmul_reference(
     if bias is not None:
         out = out + bias.float()
     return out.to(out_dtype or x.dtype).view(*lead, w_q.shape[0])
+
+
+# ---------------------------------------------------------------- block-FP8 routed experts
+def _dequantize_stack(q: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """``q`` [E, N, K] fp8 with 128x128 block scales [E, ceil(N/128), ceil(K/128)] -> float32."""
+    n, k = q.shape[1:]
+    full = scale_inv.float().repeat_interleave(FP8_GROUP, 1)[:, :n]
+    return q.float() * full.repeat_interleave(FP8_GROUP, 2)[:, :, :k]
+
+
+def quantize_fp8_experts(
+    w13: torch.Tensor, w2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stacked experts ``w13`` [E, 2I, H] (gate rows, then up rows) and ``w2`` [E, H, I]
+    -> (w13 fp8, w13_scale_inv, w2 fp8, w2_scale_inv) in the FP8 expert layout of
+    :mod:`pdserve.kernels.fused_moe_fp8`: every expert's gate, up and down projections
+    quantized on their own 128x128 grids (as a checkpoint stores them), the gate's scale
+    rows then the up's stacked in ``w13_scale_inv`` [E, 2 * ceil(I/128), ceil(H/128)]."""
+    inter = w13.shape[1] // 2
+    block = (FP8_GROUP, FP8_GROUP)
+    q13, s13, q2, s2 = [], [], [], []
+    for e in range(w13.shape[0]):
+        (gq, gs), (uq, us) = (quantize_fp8_blocks(w, block) for w in w13[e].split(inter))
+        dq, ds = quantize_fp8_blocks(w2[e], block)
+        q13.append(torch.cat([gq, uq]))
+        s13.append(torch.cat([gs, us]))
+        q2.append(dq)
+        s2.append(ds)
+    return torch.stack(q13), torch.stack(s13), torch.stack(q2), torch.stack(s2)
+
+
+def dequantize_fp8_experts(
+    w13: torch.Tensor, w13_scale_inv: torch.Tensor, w2: torch.Tensor, w2_scale_inv: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`quantize_fp8_experts`: float32 ``w13`` [E, 2I, H] and ``w2`` [E, H, I]."""
+    inter = w13.shape[1] // 2
+    nbi = w13_scale_inv.shape[1] // 2
+    gate = _dequantize_stack(w13[:, :inter], w13_scale_inv[:, :nbi])
+    up = _dequantize_stack(w13[:, inter:], w13_scale_inv[:, nbi:])
+    return torch.cat([gate, up], dim=1), _dequantize_stack(w2, w2_scale_inv)
+
+
+def _fake_quantize_groups(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [M, K] quantized per token per 128 channels and dequantized (float32)."""
+    q, s = quantize_fp8_groups(x)
+    return dequantize_fp8_blocks(q, s, (1, FP8_GROUP))
+
+
+def fused_experts_fp8_reference(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale_inv: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale_inv: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+) -> torch.Tensor:
+    """Routed experts with FP8 weights, dequantize-then-compute: what
+    :func:`~pdserve.kernels.fused_moe_fp8.fused_experts_fp8` computes, in float32 torch.
+
+    ``x`` [T, H] and the float32 ``silu(gate) * up`` activations are quantized per token
+    per 128 channels (the kernel stores the latter in fp8 with their scales); the weights are
+    dequantized per call. Every expert runs over every token and unchosen ones weigh 0
+    (static shapes, no host sync: graph-capturable; the cost is E/k times the routed
+    work, acceptable for the reference path). Returns [T, H] in ``x``'s dtype."""
+    t, h = x.shape
+    w13f, w2f = dequantize_fp8_experts(w13, w13_scale_inv, w2, w2_scale_inv)
+    num_experts, inter = w2f.shape[0], w2f.shape[2]
+    gate, up = torch.einsum("th,enh->etn", _fake_quantize_groups(x), w13f).chunk(2, dim=-1)
+    act = (F.silu(gate) * up).reshape(num_experts * t, inter)
+    act = _fake_quantize_groups(act).view(num_experts, t, inter)
+    y = torch.einsum("eti,ehi->eth", act, w2f)  # [E, T, H]
+    dense = torch.zeros(t, num_experts, dtype=torch.float32, device=x.device)
+    dense.scatter_(1, ids.long(), weights.float())
+    per_pair = (y * dense.t().unsqueeze(-1)).to(x.dtype)  # the kernel's per-pair rows
+    return per_pair.float().sum(dim=0).to(x.dtype)

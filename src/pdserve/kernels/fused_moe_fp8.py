@@ -1,0 +1,332 @@
+"""Fused MoE experts with block-scaled FP8 weights (DeepSeek-V3 / GLM-5-FP8 experts).
+
+The same pipeline as :mod:`pdserve.kernels.fused_moe` (tokens aligned by expert with
+:func:`~pdserve.kernels.fused_moe.align_by_expert`, a grouped gate/up GEMM with
+SiLU-and-mul fused, a grouped down GEMM scaled by the routing weights, a float32 sum of
+each token's k rows, chunks of ``CHUNK_TOKENS`` tokens), with FP8 operands:
+
+- **Weights** (the layout :class:`~pdserve.layers.moe.RoutedExperts` holds and
+  :func:`~pdserve.kernels.reference.quantize_fp8_experts` builds): ``w13`` [E, 2I, H] and
+  ``w2`` [E, H, I] in float8_e4m3fn; ``w13_scale_inv`` float32 [E, 2 * ceil(I/128),
+  ceil(H/128)] holds each expert's gate scales (rows ``[0, ceil(I/128))``) then its up
+  scales, each projection on its own 128x128 grid exactly as the checkpoint stores it
+  (partial edge blocks included, so I and H need not be multiples of 128);
+  ``w2_scale_inv`` float32 [E, ceil(H/128), ceil(I/128)].
+- **Activations** are quantized inside the kernels, per token per 128-channel group
+  (:func:`~pdserve.kernels._utils.quantize_rows_e4m3`, the values of
+  :func:`~pdserve.kernels.reference.quantize_fp8_groups`): the gate/up kernel loads
+  ``[BLOCK_M, 128]`` tiles of ``x``, takes each row's scale, casts to fp8 and feeds FP8
+  MMAs. Its program covers one 128-column group of the intermediate dimension
+  (``BLOCK_N`` = 128), so it quantizes its own float32 ``silu(gate) * up`` tile the same
+  way and stores it as fp8 [T*k, I] plus float32 scales [T*k, ceil(I/128)]: the down
+  kernel reads those directly (half the bytes of a bf16 intermediate, one rounding).
+- **Accumulation**: each 128-wide K step's partial product is multiplied by the
+  activation scale of its row and the weight scale of its column's block and added to a
+  float32 accumulator (``BLOCK_K`` is the 128-channel group, so a K step never straddles
+  two scales).
+
+Like the bf16 kernels, the launch depends on shapes only (no host sync), so a decode step
+captures in a CUDA graph. Reference: :func:`~pdserve.kernels.reference.fused_experts_fp8_reference`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pdserve.kernels import fused_moe
+from pdserve.kernels._utils import (
+    check_device,
+    dot_fp8,
+    fp8_mma,
+    interpret_mode,
+    quantize_rows_e4m3,
+)
+from pdserve.kernels.fused_moe import align_by_expert
+from pdserve.kernels.reference import FP8_DTYPE, FP8_GROUP, FP8_MAX
+
+
+@triton.jit
+def _gate_up_fp8_kernel(
+    x_ptr,
+    w_ptr,
+    ws_ptr,
+    out_ptr,
+    out_scale_ptr,
+    pairs_ptr,
+    block_expert_ptr,
+    num_pairs,
+    H,
+    INTER,
+    up_scale_row0,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_ot,
+    stride_os,
+    TOPK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    GROUP: tl.constexpr,
+    FP8_DOT: tl.constexpr,
+    QMAX: tl.constexpr,
+    ROUND_FIRST: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e >= 0:
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(pairs_ptr + rows)
+        ok = pair < num_pairs
+        tok = tl.where(ok, pair // TOPK, 0).to(tl.int64)
+        cols = pid_n * GROUP + tl.arange(0, GROUP)  # one 128-column group
+        n_ok = cols < INTER
+        offs_k = tl.arange(0, GROUP)
+        w_base = w_ptr + e.to(tl.int64) * stride_we
+        s_base = ws_ptr + e.to(tl.int64) * stride_se
+        gate_scales = s_base + pid_n * stride_sn  # the gate's own block row, then the up's
+        up_scales = s_base + (up_scale_row0 + pid_n) * stride_sn
+        acc_g = tl.zeros([BLOCK_M, GROUP], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, GROUP], tl.float32)
+        for kb in range(0, tl.cdiv(H, GROUP)):
+            kk = kb * GROUP + offs_k
+            k_ok = kk < H
+            a = tl.load(
+                x_ptr + tok[:, None] * stride_xt + kk[None, :],
+                mask=ok[:, None] & k_ok[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            a_q, a_scale = quantize_rows_e4m3(a, QMAX, ROUND_FIRST)
+            wmask = k_ok[:, None] & n_ok[None, :]
+            bg = tl.load(w_base + cols[None, :] * stride_wn + kk[:, None], mask=wmask, other=0.0)
+            bu = tl.load(
+                w_base + (cols[None, :] + INTER) * stride_wn + kk[:, None], mask=wmask, other=0.0
+            )
+            sg = tl.load(gate_scales + kb)
+            su = tl.load(up_scales + kb)
+            acc_g += dot_fp8(a_q, bg, FP8_DOT) * (a_scale * sg)[:, None]
+            acc_u += dot_fp8(a_q, bu, FP8_DOT) * (a_scale * su)[:, None]
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # columns past INTER are 0
+        h_q, h_scale = quantize_rows_e4m3(h, QMAX, ROUND_FIRST)
+        prow = pair.to(tl.int64)
+        dst = out_ptr + prow[:, None] * stride_ot + cols[None, :]
+        tl.store(dst, h_q, mask=ok[:, None] & n_ok[None, :])
+        tl.store(out_scale_ptr + prow * stride_os + pid_n, h_scale, mask=ok)
+
+
+@triton.jit
+def _down_fp8_kernel(
+    a_ptr,
+    a_scale_ptr,
+    w_ptr,
+    ws_ptr,
+    out_ptr,
+    pairs_ptr,
+    block_expert_ptr,
+    weights_ptr,
+    num_pairs,
+    H,
+    INTER,
+    stride_at,
+    stride_as,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_ot,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr,
+    FP8_DOT: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e >= 0:
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(pairs_ptr + rows)
+        ok = pair < num_pairs
+        prow = tl.where(ok, pair, 0).to(tl.int64)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = cols < H
+        offs_k = tl.arange(0, GROUP)
+        w_base = w_ptr + e.to(tl.int64) * stride_we
+        scales = ws_ptr + e.to(tl.int64) * stride_se + (cols // GROUP) * stride_sn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for kb in range(0, tl.cdiv(INTER, GROUP)):
+            kk = kb * GROUP + offs_k
+            k_ok = kk < INTER
+            a_q = tl.load(
+                a_ptr + prow[:, None] * stride_at + kk[None, :],
+                mask=ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )  # fp8, quantized by the gate/up kernel
+            a_scale = tl.load(a_scale_ptr + prow * stride_as + kb, mask=ok, other=0.0)
+            b = tl.load(
+                w_base + cols[None, :] * stride_wn + kk[:, None],
+                mask=k_ok[:, None] & n_ok[None, :],
+                other=0.0,
+            )
+            sb = tl.load(scales + kb, mask=n_ok, other=0.0)
+            acc += dot_fp8(a_q, b, FP8_DOT) * a_scale[:, None] * sb[None, :]
+        wt = tl.load(weights_ptr + prow, mask=ok, other=0.0).to(tl.float32)
+        acc = acc * wt[:, None]
+        dst = out_ptr + prow[:, None] * stride_ot + cols[None, :]
+        tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=ok[:, None] & n_ok[None, :])
+
+
+def _fp8_config(num_pairs: int, num_experts: int) -> tuple[int, int, int]:
+    """(BLOCK_M, the down kernel's BLOCK_N, num_warps). The gate/up kernel's N tile is the
+    128-column group and BLOCK_K the 128-channel group in both; M tiles stop at 64 so
+    the gate/up kernel's two [BLOCK_M, 128] float32 accumulators stay in registers."""
+    per_expert = num_pairs / max(1, num_experts)
+    if per_expert <= 16:  # decode: weight streaming, one 16-row block per expert
+        return 16, 64, 4
+    return 64, 128, 4 if per_expert <= 128 else 8
+
+
+def fp8_expert_scale_shapes(
+    num_experts: int, hidden: int, inter: int
+) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """The shapes of ``w13_scale_inv`` and ``w2_scale_inv`` (see the module docstring)."""
+    nbh, nbi = triton.cdiv(hidden, FP8_GROUP), triton.cdiv(inter, FP8_GROUP)
+    return (num_experts, 2 * nbi, nbh), (num_experts, nbh, nbi)
+
+
+def _check(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale_inv: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale_inv: torch.Tensor,
+) -> None:
+    t, h = x.shape
+    num_experts, two_i, hw = w13.shape
+    inter = two_i // 2
+    if hw != h or two_i % 2 or tuple(w2.shape) != (num_experts, h, inter):
+        raise ValueError(f"expert weights {tuple(w13.shape)} / {tuple(w2.shape)} do not fit H={h}")
+    if w13.dtype != FP8_DTYPE or w2.dtype != FP8_DTYPE:
+        raise ValueError(
+            f"fused_experts_fp8 needs float8_e4m3fn weights, got {w13.dtype}/{w2.dtype}"
+        )
+    want13, want2 = fp8_expert_scale_shapes(num_experts, h, inter)
+    for name, s, want in (("w13", w13_scale_inv, want13), ("w2", w2_scale_inv, want2)):
+        if tuple(s.shape) != want or s.dtype != torch.float32:
+            raise ValueError(
+                f"{name}_scale_inv is {s.dtype} {tuple(s.shape)}, expected float32 {want} "
+                f"(one scale per 128x128 block of every expert's projections)"
+            )
+        if s.stride(-1) != 1:
+            raise ValueError(f"{name}_scale_inv needs unit stride along its last dimension")
+    if x.stride(-1) != 1 or w13.stride(-1) != 1 or w2.stride(-1) != 1:
+        raise ValueError("fused_experts_fp8 needs unit stride along the last dimension")
+
+
+def fused_experts_fp8(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale_inv: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale_inv: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Routed experts' output [T, H] in ``x``'s dtype (bf16/fp16/fp32) with block-FP8
+    expert weights: ``sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))``,
+    ``e = ids[t, j]``, activations quantized per token per 128 channels (module doc)."""
+    check_device(x, "fused_experts_fp8")
+    _check(x, w13, w13_scale_inv, w2, w2_scale_inv)
+    if out is None:
+        out = torch.empty_like(x)
+    step = fused_moe.CHUNK_TOKENS
+    for a in range(0, x.shape[0], step):
+        b = min(x.shape[0], a + step)
+        _fp8_chunk(x[a:b], w13, w13_scale_inv, w2, w2_scale_inv, weights[a:b], ids[a:b], out[a:b])
+    return out
+
+
+def _fp8_chunk(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale_inv: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale_inv: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    t, h = x.shape
+    k = ids.shape[1]
+    num_experts, two_i, _ = w13.shape
+    inter = two_i // 2
+    n = t * k
+    if n == 0:
+        return
+    bm, bn, warps = _fp8_config(n, num_experts)
+    pairs, block_expert = align_by_expert(ids, num_experts, bm)
+    nb = block_expert.shape[0]
+    interp = interpret_mode()
+    stages = 1 if interp else 3
+    fp8_dot = fp8_mma(x.device)
+    act = torch.empty(n, inter, dtype=FP8_DTYPE, device=x.device)
+    act_scale = torch.empty(n, triton.cdiv(inter, FP8_GROUP), dtype=torch.float32, device=x.device)
+    _gate_up_fp8_kernel[(nb, act_scale.shape[1])](
+        x,
+        w13,
+        w13_scale_inv,
+        act,
+        act_scale,
+        pairs,
+        block_expert,
+        n,
+        h,
+        inter,
+        w13_scale_inv.shape[1] // 2,
+        x.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        w13_scale_inv.stride(0),
+        w13_scale_inv.stride(1),
+        act.stride(0),
+        act_scale.stride(0),
+        TOPK=k,
+        BLOCK_M=bm,
+        GROUP=FP8_GROUP,
+        FP8_DOT=fp8_dot,
+        QMAX=FP8_MAX,
+        ROUND_FIRST=interp,
+        num_warps=warps,
+        num_stages=stages,
+    )
+    per_pair = torch.empty(n, h, dtype=x.dtype, device=x.device)
+    _down_fp8_kernel[(nb, triton.cdiv(h, bn))](
+        act,
+        act_scale,
+        w2,
+        w2_scale_inv,
+        per_pair,
+        pairs,
+        block_expert,
+        weights.reshape(-1).to(torch.float32),
+        n,
+        h,
+        inter,
+        act.stride(0),
+        act_scale.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        w2_scale_inv.stride(0),
+        w2_scale_inv.stride(1),
+        per_pair.stride(0),
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        GROUP=FP8_GROUP,
+        FP8_DOT=fp8_dot,
+        num_warps=warps,
+        num_stages=stages,
+    )
+    out.copy_(per_pair.view(t, k, h).sum(dim=1, dtype=torch.float32))
