@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 from _attn_helper import PagedKV
-from pdserve.kernels.reference import FP8_DTYPE, dequantize_fp8_blocks
+from pdserve.kernels.reference import FP8_DTYPE, dequantize_fp8_blocks, dequantize_fp8_experts
 from pdserve.layers.fp8 import Fp8Linear, Fp8MergedLinear
 from pdserve.layers.moe import RoutedExperts, TopKRouter
 from pdserve.models import load_model
@@ -128,18 +128,35 @@ def test_glm5_fp8_checkpoint(tiny_glm5: Path, tmp_path: Path) -> None:
     model, _ = load_model(q, "float32")
     attn = model.model.layers[1].self_attn
     assert isinstance(attn.q_b_proj, Fp8Linear) and isinstance(attn.indexer.wk, Fp8Linear)
-    # MLA reads kv_b_proj whole and the experts stay stacked: dequantized at load
-    assert not isinstance(attn.kv_b_proj, Fp8Linear) and attn.kv_b_proj.weight.dtype == torch.float32
-    assert model.model.layers[1].mlp.experts.w13.dtype == torch.float32
+    # MLA reads kv_b_proj whole: dequantized at load
+    assert (
+        not isinstance(attn.kv_b_proj, Fp8Linear) and attn.kv_b_proj.weight.dtype == torch.float32
+    )
+    # the routed experts stay FP8, each expert's projections with its own 128x128 scales
+    experts = model.model.layers[1].mlp.experts
+    assert experts.w13.dtype == FP8_DTYPE and experts.w2.dtype == FP8_DTYPE
+    assert experts.w13_scale_inv.shape == (8, 2, 2) and experts.w2_scale_inv.shape == (8, 2, 1)
+    with safe_open(str(q / "model.safetensors"), "pt") as f:
+        up = f.get_tensor("model.layers.1.mlp.experts.3.up_proj.weight")
+        up_scale = f.get_tensor("model.layers.1.mlp.experts.3.up_proj.weight_scale_inv")
+    views = experts.expert_views(3)
+    assert torch.equal(views["up_proj.weight"].view(torch.uint8), up.view(torch.uint8))
+    assert torch.equal(views["up_proj.weight_scale_inv"], up_scale)
+    fp8_bytes = sum(p.numel() * p.element_size() for p in experts.parameters())
+    bf16_bytes = 2 * (experts.w13.numel() + experts.w2.numel())
+    assert fp8_bytes < 0.51 * bf16_bytes  # the weights halve; the scales add ~0.02%
     at_load, _ = load_model(tiny_glm5, "float32", quantization="fp8")
     want, got = _state(model), _state(at_load)
-    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     ref, _ = load_model(tiny_glm5, "float32")
     for name, mod in model.named_modules():
         if isinstance(mod, Fp8Linear):
             dense = dequantize_fp8_blocks(mod.weight, mod.weight_scale_inv, (mod.scale_rows, 128))
             ref.get_submodule(name).weight.data.copy_(dense)
-        elif isinstance(mod, RoutedExperts) or name.endswith("kv_b_proj"):
+        elif isinstance(mod, RoutedExperts):
+            w13, w2 = dequantize_fp8_experts(mod.w13, mod.w13_scale_inv, mod.w2, mod.w2_scale_inv)
+            ref.get_submodule(name).load_state_dict({"w13": w13, "w2": w2})
+        elif name.endswith("kv_b_proj"):
             ref.get_submodule(name).load_state_dict(mod.state_dict())
     route_to_all_experts(model)
     route_to_all_experts(ref)

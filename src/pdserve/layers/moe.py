@@ -30,6 +30,12 @@ Tensor parallelism (``groups.tp`` of size n): the router is replicated; every ex
 and the shared experts' intermediate dimension is split n ways (gate/up rows and down
 columns, each HF tensor sliced on its own), each rank computes its partial output of
 every token's experts, and the layer all-reduces the routed plus shared partials once.
+
+FP8 checkpoints (and ``--quantization fp8``) keep the routed experts in block-scaled FP8
+(:meth:`RoutedExperts.use_fp8`): the fused path runs
+:func:`pdserve.kernels.fused_moe_fp8.fused_experts_fp8` (activations quantized per token
+per 128 channels inside the kernel), the torch path its graph-capturable reference
+(weights dequantized every call). Not under TP (the loader refuses FP8 with TP > 1).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.distributed.groups import Group, ParallelGroups
+from pdserve.kernels.reference import FP8_DTYPE, FP8_GROUP, fused_experts_fp8_reference
 from pdserve.layers.activation import SiluAndMul
 from pdserve.layers.fused import use_fused_kernels
 from pdserve.layers.linear import Shard
@@ -170,7 +177,16 @@ def experts_dense(
 
 class RoutedExperts(nn.Module):
     """Stacked experts; under TP each holds its rank's slice of every expert's
-    intermediate dimension (``intermediate_size`` is the local one)."""
+    intermediate dimension (``intermediate_size`` is the local one).
+
+    FP8 (:meth:`use_fp8`, called by the loader before any weight is loaded): ``w13`` and
+    ``w2`` become float8_e4m3fn and ``w13_scale_inv`` / ``w2_scale_inv`` hold one float32
+    scale per 128x128 block of every expert's gate, up and down projections (the layout
+    of :mod:`pdserve.kernels.fused_moe_fp8`); the forward runs the FP8 fused kernel where
+    fused kernels are on, else the dequantize-then-compute reference (every call)."""
+
+    w13_scale_inv: torch.Tensor | None  # FP8 only (None otherwise)
+    w2_scale_inv: torch.Tensor | None
 
     def __init__(
         self,
@@ -194,9 +210,45 @@ class RoutedExperts(nn.Module):
             torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype),
             requires_grad=False,
         )
+        self.register_parameter("w13_scale_inv", None)
+        self.register_parameter("w2_scale_inv", None)
         self.fused = use_fused_kernels()
 
+    @property
+    def fp8(self) -> bool:
+        return self.w13.dtype == FP8_DTYPE
+
+    def fp8_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``w13_scale_inv``, ``w2_scale_inv``) of an FP8 layer."""
+        if self.w13_scale_inv is None or self.w2_scale_inv is None:
+            raise RuntimeError("RoutedExperts holds no FP8 weights (use_fp8 was not called)")
+        return self.w13_scale_inv, self.w2_scale_inv
+
+    def use_fp8(self) -> None:
+        """Swap the stacks for empty FP8 ones and their block scales, on the same device
+        (values are not kept: the loader fills them). Refused under tensor parallelism."""
+        if self.tp.size > 1:
+            raise ValueError("FP8 routed experts under tensor parallelism are not supported")
+        e, h, i, dev = self.num_experts, self.hidden_size, self.intermediate_size, self.w13.device
+        nbh, nbi = -(-h // FP8_GROUP), -(-i // FP8_GROUP)
+        for name, shape in (
+            ("w13", (e, 2 * i, h)),
+            ("w2", (e, h, i)),
+            ("w13_scale_inv", (e, 2 * nbi, nbh)),  # gate's block rows, then up's
+            ("w2_scale_inv", (e, nbh, nbi)),
+        ):
+            dtype = torch.float32 if name.endswith("_scale_inv") else FP8_DTYPE
+            empty = torch.empty(shape, dtype=dtype, device=dev)
+            setattr(self, name, nn.Parameter(empty, requires_grad=False))
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if self.fp8:
+            s13, s2 = self.fp8_scales()
+            if self.fused:
+                from pdserve.kernels.fused_moe_fp8 import fused_experts_fp8
+
+                return fused_experts_fp8(x, self.w13, s13, self.w2, s2, weights, ids)
+            return fused_experts_fp8_reference(x, self.w13, s13, self.w2, s2, weights, ids)
         if self.fused and self.w13.dtype in _FUSED_DTYPES:
             from pdserve.kernels.fused_moe import fused_experts
 
@@ -206,13 +258,21 @@ class RoutedExperts(nn.Module):
         return fn(x, self.w13, self.w2, weights, ids)
 
     def expert_views(self, e: int) -> dict[str, torch.Tensor]:
-        """HF's per-expert names (relative to ``experts.{e}.``) -> views of the stacks."""
+        """HF's per-expert names (relative to ``experts.{e}.``) -> views of the stacks
+        (FP8: and of their ``weight_scale_inv`` blocks)."""
         i = self.intermediate_size
-        return {
+        views = {
             "gate_proj.weight": self.w13.data[e, :i],
             "up_proj.weight": self.w13.data[e, i:],
             "down_proj.weight": self.w2.data[e],
         }
+        if self.fp8:
+            s13, s2 = self.fp8_scales()
+            nbi = s13.shape[1] // 2
+            views["gate_proj.weight_scale_inv"] = s13.data[e, :nbi]
+            views["up_proj.weight_scale_inv"] = s13.data[e, nbi:]
+            views["down_proj.weight_scale_inv"] = s2.data[e]
+        return views
 
     def expert_shards(self) -> dict[str, Shard]:
         """The part of each full HF expert tensor this rank holds (none: whole)."""

@@ -362,7 +362,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         experts = {name: mod for name, mod in self.named_modules() if isinstance(mod, MoE)}
         for name, entry in checkpoint_entries(self).items():
             head, _, leaf = name.rpartition(".experts.")
-            if head in experts and leaf in ("w13", "w2"):
+            if head in experts and leaf in dict(experts[head].experts.named_parameters()):
                 if leaf == "w13":
                     routed = experts[head].experts
                     shards = routed.expert_shards()

@@ -34,6 +34,7 @@ from pdserve.models.quantization import (
     Fp8Config,
     Fp8WeightStream,
     checkpoint_fp8_weights,
+    quantize_model_experts,
     quantize_model_linears,
     resolve_quantization,
 )
@@ -205,6 +206,7 @@ def _weight_stream(model: CausalLM, fp8: Fp8Config | None) -> Fp8WeightStream:
         return Fp8WeightStream(model.checkpoint_tensors())
     names = frozenset(checkpoint_fp8_weights(model, fp8))
     quantize_model_linears(model, fp8)
+    quantize_model_experts(model, fp8)
     return Fp8WeightStream(model.checkpoint_tensors(), names)
 
 

@@ -13,10 +13,12 @@ and the MoE router are never linears here, so they stay in the model dtype. Any 
 
 In memory (``load_model``): quantized linears become
 :class:`~pdserve.layers.fp8.Fp8Linear`, except the modules a family reads as raw weights
-(``CausalLM.fp8_dense_modules``: MLA's ``kv_b_proj``, absorbed into attention) and the
-routed experts, which are dequantized to the model dtype at load: the MoE layer keeps
-its bf16 stacks and its reference expert paths unchanged until a fused FP8 MoE kernel
-takes FP8 stacks (the experts' bytes are then still bf16).
+(``CausalLM.fp8_dense_modules``: MLA's ``kv_b_proj``, absorbed into attention), which are
+dequantized to the model dtype at load. The routed experts stay FP8 too
+(:func:`quantize_model_experts`): :class:`~pdserve.layers.moe.RoutedExperts` holds FP8
+stacks with their per-expert 128x128 block scales (the experts' bytes halve against
+bf16) and runs the block-FP8 fused MoE kernel, or its dequantize-then-compute reference
+where fused kernels are off.
 
 :class:`Fp8WeightStream` sits between the files and ``CausalLM.load_weights``: it passes
 FP8 tensors through to FP8 parameters (repeating scales over the rows of an unaligned
@@ -133,7 +135,8 @@ def checkpoint_fp8_weights(model: nn.Module, cfg: Fp8Config) -> set[str]:
             out.update(f"{p}.weight" for p in _parts(name, module) if not cfg.skips(p))
         elif isinstance(module, RoutedExperts) and not cfg.skips(name):
             for e in range(module.num_experts):
-                out.update(f"{name}.{e}.{part}" for part in module.expert_views(e))
+                views = module.expert_views(e)
+                out.update(f"{name}.{e}.{part}" for part in views if part.endswith(".weight"))
     return out
 
 
@@ -148,14 +151,30 @@ def quantize_model_linears(model: nn.Module, cfg: Fp8Config) -> list[str]:
     return convert_linears(model, keep_fp8)
 
 
+def quantize_model_experts(model: nn.Module, cfg: Fp8Config) -> list[str]:
+    """Make every :class:`RoutedExperts` not in ``modules_to_not_convert`` hold FP8 stacks
+    (:meth:`RoutedExperts.use_fp8`; before loading: values are not kept); returns their names."""
+    names = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, RoutedExperts) and not cfg.skips(name)
+    ]
+    for name in names:
+        routed = model.get_submodule(name)
+        assert isinstance(routed, RoutedExperts)
+        routed.use_fp8()
+    return names
+
+
 class Fp8WeightStream:
     """Adapts checkpoint tensors to the model's parameters (see the module docstring).
 
     ``targets``: the model's ``checkpoint_tensors()`` (name -> (shape, dtype)), taken after
-    :func:`quantize_model_linears`. ``fp8_names``: the weights an FP8 checkpoint stores
-    quantized; an unquantized one among them meant for a bf16 parameter (experts,
-    ``kv_b_proj``) goes through quantize + dequantize, so quantizing at load gives the
-    values loading the FP8 checkpoint gives. Call :meth:`finish` after the last file."""
+    :func:`quantize_model_linears` and :func:`quantize_model_experts`. ``fp8_names``: the
+    weights an FP8 checkpoint stores quantized; an unquantized one among them meant for a
+    bf16 parameter (``kv_b_proj``) goes through quantize + dequantize, so quantizing at
+    load gives the values loading the FP8 checkpoint gives. Call :meth:`finish` after the
+    last file."""
 
     def __init__(
         self,
