@@ -4,7 +4,7 @@ each against its torch reference path and its memory / compute bound.
 Run on the GPU machine (about 2 minutes; ``--quick`` for a smoke run in seconds):
 
     PYTHONPATH=src python3 benchmarks/glm5_kernels_bench.py --out $OUT/glm5_kernels.json \
-        [--sections mla,indexer,moe,router] [--block-size 64] [--quick]
+        [--sections mla,indexer,moe,moe_fp8,router] [--block-size 64] [--quick]
 
 Sections (default: all):
   mla      absorbed sparse MLA decode (64 heads, latent 512 + rope 64, bf16, top-k 2048)
@@ -19,6 +19,10 @@ Sections (default: all):
            experts at 1/16/64/512/4096 tokens and 256 experts at 1/64 tokens:
            fused_experts vs the eager sorted reference (and the graph reference,
            every expert over every token, where it fits)
+  moe_fp8  the same cases with block-FP8 experts (float8_e4m3fn, 128x128 block scales):
+           fused_experts_fp8 vs the bf16 fused_experts (its "torch_ms" column); bytes
+           count one byte a weight. The bound's compute term still uses the bf16 matmul
+           rate (FP8's is about twice), so compute-bound rows understate x_bound
   router   the float32 router's selection for 256 experts, top-8 (n_group 1, and 8/4 as
            DeepSeek-V3.2 has it): router_select vs grouped_topk's tail, 64 and 4096 tokens
 
@@ -50,7 +54,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from pdserve.kernels.dsa_indexer import indexer_logits, topk_select  # noqa: E402
 from pdserve.kernels.fused_moe import fused_experts  # noqa: E402
+from pdserve.kernels.fused_moe_fp8 import fused_experts_fp8  # noqa: E402
 from pdserve.kernels.moe_router import router_select  # noqa: E402
+from pdserve.kernels.reference import quantize_fp8_experts  # noqa: E402
 from pdserve.layers.attention.backend import CommonAttentionMetadata  # noqa: E402
 from pdserve.layers.attention.dsa import IndexerTorchBackend  # noqa: E402
 from pdserve.layers.attention.dsa_triton import IndexerTritonBackend  # noqa: E402
@@ -236,6 +242,37 @@ def run_moe(bw: float, peak: float, quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
+def run_moe_fp8(bw: float, peak: float, quick: bool) -> list[dict[str, Any]]:
+    cases = [(64, 1), (64, 16), (64, 64), (64, 512), (64, 4096), (256, 1), (256, 64)]
+    inter = MOE_INTER
+    if quick:
+        cases, inter = [(16, 1), (16, 64)], 256
+    rows = []
+    loaded: dict[int, tuple[torch.Tensor, ...]] = {}
+    for e, t in cases:
+        if e not in loaded:
+            loaded.clear()
+            torch.cuda.empty_cache()
+            w13, w2 = _experts(e, inter)
+            loaded[e] = (w13, w2, *quantize_fp8_experts(w13, w2))
+        w13, w2, q13, s13, q2, s2 = loaded[e]
+        x = torch.randn(t, HIDDEN, device="cuda", dtype=DT)
+        ids = torch.rand(t, e, device="cuda").topk(TOP_K).indices
+        weights = torch.rand(t, TOP_K, device="cuda")
+        graph = t <= 64
+        timer = bench_graph if graph else bench
+        ms = timer(partial(fused_experts_fp8, x, q13, s13, q2, s2, weights, ids))
+        bf16_ms = timer(partial(fused_experts, x, w13, w2, weights, ids))
+        active = int(torch.unique(ids).numel())
+        nbytes = active * 3 * HIDDEN * inter + t * HIDDEN * 2 * 2
+        flops = 2 * t * TOP_K * 3 * HIDDEN * inter
+        rows.append(
+            _row(f"E{e} T{t} fp8", ms, bf16_ms, nbytes, flops, bw, peak,
+                 active_experts=active, graphed=graph)
+        )  # fmt: skip
+    return rows
+
+
 def run_router(bw: float, peak: float, quick: bool) -> list[dict[str, Any]]:
     e = 256
     rows = []
@@ -275,7 +312,7 @@ def table(title: str, rows: list[dict[str, Any]]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="JSON output path")
-    ap.add_argument("--sections", default="mla,indexer,moe,router")
+    ap.add_argument("--sections", default="mla,indexer,moe,moe_fp8,router")
     ap.add_argument("--block-size", type=int, default=64, help="KV cache block size")
     ap.add_argument("--quick", action="store_true", help="small shapes: a smoke run")
     args = ap.parse_args()
@@ -298,6 +335,7 @@ def main() -> None:
         "mla": lambda: run_mla(bw, peak, args.block_size, args.quick),
         "indexer": lambda: run_indexer(bw, peak, args.block_size, args.quick),
         "moe": lambda: run_moe(bw, peak, args.quick),
+        "moe_fp8": lambda: run_moe_fp8(bw, peak, args.quick),
         "router": lambda: run_router(bw, peak, args.quick),
     }
     chosen = args.sections.split(",")
