@@ -229,7 +229,8 @@ class RoutedExperts(nn.Module):
         (values are not kept: the loader fills them). Refused under tensor parallelism."""
         if self.tp.size > 1:
             raise ValueError("FP8 routed experts under tensor parallelism are not supported")
-        e, h, i, dev = self.num_experts, self.hidden_size, self.intermediate_size, self.w13.device
+        e, two_i, h = self.w13.shape  # the experts this layer holds, whatever their count
+        i, dev = two_i // 2, self.w13.device
         nbh, nbi = -(-h // FP8_GROUP), -(-i // FP8_GROUP)
         for name, shape in (
             ("w13", (e, 2 * i, h)),
