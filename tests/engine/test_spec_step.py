@@ -78,6 +78,28 @@ def test_greedy_output_is_identical_to_no_speculation(
     assert_clean(spec)
 
 
+@pytest.mark.parametrize("drafter", [OracleDrafter, WrongDrafter])
+def test_a_row_handed_over_while_its_last_verify_is_in_flight(
+    tiny_llama: Path, reference, drafter: type[OracleDrafter]
+) -> None:
+    """Async scheduling, two rows for seven requests: a request admitted into the row of
+    one that just finished is prepared while that request's last (discarded) verify is
+    still in flight. The new request's positions must not be moved back by the drafts
+    the old one had rejected (the in-flight step's row data belongs to another request)."""
+    prompts, seqs, _ = reference
+    # each stops on a sampled token (not at a length the scheduler sees coming), so its
+    # row is handed over while the step after its stop is still in flight
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=64, stop_token_ids=[seqs[tuple(p)][len(p) + m]])
+        for p, m in zip(prompts, MAX_TOKENS, strict=True)
+    ]
+    kw = dict(async_scheduling=True, max_num_seqs=2)
+    want = outputs(LLM(str(tiny_llama), dtype="float32", block_size=4, **kw), prompts, params)  # type: ignore[arg-type]
+    spec = _spec(tiny_llama, drafter, 3, reference, **kw)
+    assert outputs(spec, prompts, params) == want
+    assert_clean(spec)
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_preemption_and_small_pool(tiny_llama: Path, reference, async_scheduling: bool) -> None:
     prompts, _, _ = reference

@@ -59,6 +59,9 @@ class InFlight:
     index: np.ndarray  # [max_num_reqs] row -> its batch index in that step, -1: sampled none
     # [max_num_reqs] row -> tokens it verified (drafts + 1); None when no row had drafts
     num_rows: np.ndarray | None
+    # [max_num_reqs] row -> its generation when the step was prepared (-1: not in it);
+    # a row handed to another request since then has nothing to take from this step
+    row_gens: np.ndarray
 
 
 class StepPreparer:
@@ -269,7 +272,9 @@ class StepPreparer:
         prev = self.in_flight
         assert prev is not None
         b, buf = self.batch, self.buf
-        src_of_tok = prev.index[tok_rows]
+        # rows still held by the request the step in flight computed for them
+        index = np.where(prev.row_gens == b.row_gen, prev.index, -1)
+        src_of_tok = index[tok_rows]
         bonus = pos >= b.num_tokens[tok_rows]
         pend_draft = None
         if is_draft is not None and draft_j is not None:
@@ -277,7 +282,7 @@ class StepPreparer:
             if prev.drafts is not None and drafts is not None:
                 unknown = dmat[req_idx, np.clip(draft_j, 0, dmat.shape[1] - 1)] < 0
                 pend_draft = is_draft & (src_of_tok >= 0) & unknown
-        src_of_req = prev.index[rows]
+        src_of_req = index[rows]
         corr = None
         if prev.num_rows is not None:  # the step in flight verified drafts
             corr = (src_of_req >= 0) & (prev.num_rows[rows] > 1)
@@ -351,7 +356,9 @@ class StepPreparer:
         if inp.drafts is not None:
             num_rows = np.zeros(n, dtype=np.int64)
             num_rows[inp.rows] = inp.num_drafts + 1
-        self.in_flight = InFlight(tokens, num, drafts, index, num_rows)
+        gens = np.full(n, -1, dtype=np.int64)
+        gens[inp.rows] = inp.row_gens
+        self.in_flight = InFlight(tokens, num, drafts, index, num_rows, gens)
         return self.in_flight
 
     def landed(self, step: InFlight | None) -> None:
