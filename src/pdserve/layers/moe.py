@@ -25,6 +25,11 @@ selection after its float32 GEMM, and :func:`pdserve.kernels.fused_moe.fused_exp
 replaces both expert paths: tokens aligned by expert on the device, a grouped gate/up
 GEMM with SiLU-and-mul fused, a grouped down GEMM with the routing weights applied; no
 host sync at any batch size. The shared experts stay a dense MLP (fused layers too).
+
+Expert parallelism (``ep`` group of size > 1, :mod:`pdserve.layers.moe_dispatch`): each
+rank holds the contiguous slice ``ep_rank*L .. (ep_rank+1)*L - 1`` of the experts
+(``L = num_experts / ep_size``; ``w13``/``w2`` hold only those), routes its own tokens with
+the replicated router and sends them to the owning ranks; shared experts stay local.
 """
 
 from __future__ import annotations
@@ -33,9 +38,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.distributed.groups import Group
 from pdserve.layers.activation import SiluAndMul
 from pdserve.layers.fused import use_fused_kernels
 from pdserve.layers.linear import Linear, MergedLinear
+from pdserve.layers.moe_dispatch import AllGatherDispatcher, AllToAllDispatcher
 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -158,22 +165,45 @@ def experts_dense(
 
 
 class RoutedExperts(nn.Module):
+    """The stacked experts this rank holds: global experts ``expert_offset ..
+    expert_offset + num_local_experts - 1`` of ``num_experts`` (all of them without
+    expert parallelism). :meth:`forward` takes local expert ids."""
+
     def __init__(
-        self, num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        dtype: torch.dtype,
+        ep_size: int = 1,
+        ep_rank: int = 0,
     ) -> None:
         super().__init__()
+        if num_experts % ep_size:
+            raise ValueError(
+                f"n_routed_experts {num_experts} cannot be split evenly over {ep_size} "
+                "expert-parallel ranks (--data-parallel-size must divide it)"
+            )
         self.num_experts = num_experts
+        self.num_local_experts = num_experts // ep_size
+        self.expert_offset = ep_rank * self.num_local_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
+        n = self.num_local_experts
         self.w13 = nn.Parameter(
-            torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype),
+            torch.empty(n, 2 * intermediate_size, hidden_size, dtype=dtype),
             requires_grad=False,
         )
         self.w2 = nn.Parameter(
-            torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype),
+            torch.empty(n, hidden_size, intermediate_size, dtype=dtype),
             requires_grad=False,
         )
         self.fused = use_fused_kernels()
+
+    @property
+    def local_expert_ids(self) -> range:
+        """The global ids of the experts this rank holds."""
+        return range(self.expert_offset, self.expert_offset + self.num_local_experts)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.fused and self.w13.dtype in _FUSED_DTYPES:
@@ -185,12 +215,15 @@ class RoutedExperts(nn.Module):
         return fn(x, self.w13, self.w2, weights, ids)
 
     def expert_views(self, e: int) -> dict[str, torch.Tensor]:
-        """HF's per-expert names (relative to ``experts.{e}.``) -> views of the stacks."""
-        i = self.intermediate_size
+        """HF's per-expert names (relative to ``experts.{e}.``, ``e`` a global id this rank
+        holds) -> views of the stacks."""
+        if e not in self.local_expert_ids:
+            raise IndexError(f"expert {e} is not held here ({self.local_expert_ids})")
+        i, j = self.intermediate_size, e - self.expert_offset
         return {
-            "gate_proj.weight": self.w13.data[e, :i],
-            "up_proj.weight": self.w13.data[e, i:],
-            "down_proj.weight": self.w2.data[e],
+            "gate_proj.weight": self.w13.data[j, :i],
+            "up_proj.weight": self.w13.data[j, i:],
+            "down_proj.weight": self.w2.data[j],
         }
 
 
@@ -210,7 +243,9 @@ class DenseMLP(nn.Module):
 
 
 class MoE(nn.Module):
-    """Router (``gate``), routed ``experts`` and ``shared_experts``, named as HF names them."""
+    """Router (``gate``), routed ``experts`` and ``shared_experts``, named as HF names them.
+    With an ``ep`` group of size > 1 the routed experts are spread over its ranks and
+    every forward is a collective over the group."""
 
     def __init__(
         self,
@@ -224,8 +259,10 @@ class MoE(nn.Module):
         norm_topk_prob: bool,
         routed_scaling_factor: float,
         dtype: torch.dtype,
+        ep: Group | None = None,
     ) -> None:
         super().__init__()
+        self.ep = ep if ep is not None else Group()
         if n_group < 1 or num_experts % n_group or not 1 <= topk_group <= n_group:
             raise ValueError(
                 f"n_group {n_group} must divide n_routed_experts {num_experts}, "
@@ -242,7 +279,12 @@ class MoE(nn.Module):
             norm_topk_prob,
             routed_scaling_factor,
         )
-        self.experts = RoutedExperts(num_experts, hidden_size, moe_intermediate_size, dtype)
+        self.experts = RoutedExperts(
+            num_experts, hidden_size, moe_intermediate_size, dtype, self.ep.size, self.ep.rank
+        )
+        n_local = self.experts.num_local_experts
+        self.all_to_all = AllToAllDispatcher(self.ep, n_local)
+        self.all_gather = AllGatherDispatcher(self.ep, n_local)
         self.shared_experts = (
             DenseMLP(hidden_size, moe_intermediate_size * n_shared_experts, dtype)
             if n_shared_experts
@@ -251,7 +293,12 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        out = self.experts(x, weights, ids)
+        if self.ep.size == 1:
+            out = self.experts(x, weights, ids)
+        else:  # graph capture needs static shapes: the all-gather path (module docstring)
+            capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+            dispatch = self.all_gather if capturing else self.all_to_all
+            out = dispatch(x, weights, ids, self.experts)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

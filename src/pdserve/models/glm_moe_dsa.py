@@ -21,6 +21,11 @@ One file for the family: ``GlmMoeDsaForCausalLM`` (GLM-5, GLM-5.2), ``DeepseekV3
 and ``DeepseekV3ForCausalLM`` (no indexer) differ only in config (see
 :mod:`pdserve.models.deepseek_config`). Tensor names are the published ones: experts
 per expert in the checkpoint, stacked in memory; the router in float32.
+
+Expert parallelism (``groups.ep`` of size > 1): every MoE layer, the MTP layer's
+included, holds only its rank's contiguous slice of the routed experts; the model names
+(and loads) only those, and :meth:`DeepseekV3ForCausalLM.is_foreign_tensor` tells the
+loader which checkpoint tensors belong to other ranks.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from pdserve.distributed.groups import Group, ParallelGroups
 from pdserve.layers.attention.dsa import Indexer
 from pdserve.layers.attention.mla import MLAAttention
 from pdserve.layers.embedding import LMHead, VocabEmbedding
@@ -129,6 +135,7 @@ class DeepseekDecoderLayer(nn.Module):
         dtype: torch.dtype,
         sparse_mlp: bool,
         full_indexer: bool,
+        ep: Group | None = None,
     ) -> None:
         super().__init__()
         eps = hc.rms_norm_eps
@@ -148,6 +155,7 @@ class DeepseekDecoderLayer(nn.Module):
                 dc.norm_topk_prob,
                 dc.routed_scaling_factor,
                 dtype,
+                ep,
             )
         else:
             self.mlp = DenseMLP(hc.hidden_size, hc.intermediate_size, dtype)
@@ -182,8 +190,10 @@ class MTPLayer(DeepseekDecoderLayer):
     indexer) plus ``enorm``, ``hnorm``, ``eh_proj`` and ``shared_head.norm``; it shares the
     target's embedding and LM head."""
 
-    def __init__(self, hc: HFModelConfig, dc: DeepseekConfig, dtype: torch.dtype) -> None:
-        super().__init__(hc, dc, dtype, sparse_mlp=True, full_indexer=dc.has_indexer)
+    def __init__(
+        self, hc: HFModelConfig, dc: DeepseekConfig, dtype: torch.dtype, ep: Group | None = None
+    ) -> None:
+        super().__init__(hc, dc, dtype, sparse_mlp=True, full_indexer=dc.has_indexer, ep=ep)
         h, eps = hc.hidden_size, hc.rms_norm_eps
         self.enorm = RMSNorm(h, eps, dtype)
         self.hnorm = RMSNorm(h, eps, dtype)
@@ -206,7 +216,12 @@ class MTPLayer(DeepseekDecoderLayer):
 
 class DeepseekModel(nn.Module):
     def __init__(
-        self, hc: HFModelConfig, dc: DeepseekConfig, dtype: torch.dtype, with_mtp: bool
+        self,
+        hc: HFModelConfig,
+        dc: DeepseekConfig,
+        dtype: torch.dtype,
+        with_mtp: bool,
+        ep: Group | None = None,
     ) -> None:
         super().__init__()
         self.num_layers = hc.num_hidden_layers
@@ -225,11 +240,12 @@ class DeepseekModel(nn.Module):
                 dtype,
                 sparse_mlp=dc.mlp_layer_types[i] == "sparse",
                 full_indexer=dc.has_indexer and dc.indexer_types[i] == "full",
+                ep=ep,
             )
             for i in range(hc.num_hidden_layers)
         ]
         if with_mtp:  # at the checkpoint's index: model.layers.{num_hidden_layers + j}
-            layers += [MTPLayer(hc, dc, dtype) for _ in range(dc.num_nextn_predict_layers)]
+            layers += [MTPLayer(hc, dc, dtype, ep) for _ in range(dc.num_nextn_predict_layers)]
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(hc.hidden_size, hc.rms_norm_eps, dtype)
 
@@ -252,9 +268,14 @@ class DeepseekV3ForCausalLM(CausalLM):
     fp8_dense_modules = ("kv_b_proj",)  # MLA absorbs its weight into attention
 
     def __init__(
-        self, config: HFModelConfig, dtype: torch.dtype = torch.bfloat16, with_mtp: bool = False
+        self,
+        config: HFModelConfig,
+        dtype: torch.dtype = torch.bfloat16,
+        with_mtp: bool = False,
+        groups: ParallelGroups | None = None,
     ) -> None:
         super().__init__(config, dtype)
+        self.groups = groups if groups is not None else ParallelGroups()
         if config.hidden_act != "silu":
             raise ValueError(f"{config.path}: hidden_act {config.hidden_act!r} is not supported")
         self.dc = read_deepseek_config(config)
@@ -263,7 +284,7 @@ class DeepseekV3ForCausalLM(CausalLM):
                 f"{config.path}: the model has no MTP layer (num_nextn_predict_layers)"
             )
         self.with_mtp = with_mtp
-        self.model = DeepseekModel(config, self.dc, dtype, with_mtp)
+        self.model = DeepseekModel(config, self.dc, dtype, with_mtp, self.groups.ep)
         tied = self.model.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype, tied=tied)
 
@@ -318,7 +339,7 @@ class DeepseekV3ForCausalLM(CausalLM):
             if head in experts and leaf in ("w13", "w2"):
                 if leaf == "w13":
                     moe = experts[head]
-                    for e in range(moe.experts.num_experts):
+                    for e in moe.experts.local_expert_ids:
                         for part, view in moe.experts.expert_views(e).items():
                             out[f"{head}.experts.{e}.{part}"] = view
                 continue
@@ -330,6 +351,21 @@ class DeepseekV3ForCausalLM(CausalLM):
 
     def checkpoint_tensor_names(self) -> set[str]:
         return set(self._targets())
+
+    def is_foreign_tensor(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` belongs to another expert-parallel rank (a
+        routed expert, or its FP8 scale, that this rank does not hold)."""
+        head, sep, rest = name.partition(".experts.")
+        if not sep or self.groups.ep.size == 1:
+            return False
+        e = rest.split(".", 1)[0]
+        if not e.isdigit():
+            return False
+        try:
+            moe = self.get_submodule(head)
+        except AttributeError:  # e.g. an MTP layer that was not built
+            return False
+        return isinstance(moe, MoE) and int(e) not in moe.experts.local_expert_ids
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         targets = self._targets()

@@ -25,6 +25,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from pdserve.distributed.groups import ParallelGroups
 from pdserve.layers.activation import SiluAndMul
 from pdserve.layers.attention import Attention
 from pdserve.layers.embedding import LMHead, VocabEmbedding
@@ -148,8 +149,14 @@ class LlamaForCausalLM(CausalLM):
 
     qk_norm = False
 
-    def __init__(self, config: HFModelConfig, dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(
+        self,
+        config: HFModelConfig,
+        dtype: torch.dtype = torch.bfloat16,
+        groups: ParallelGroups | None = None,
+    ) -> None:
         super().__init__(config, dtype)
+        self.groups = groups if groups is not None else ParallelGroups()  # DP: a replica
         if config.raw.get("use_sliding_window"):
             raise ValueError(f"{config.path}: sliding-window attention is not supported")
         self.model = LlamaModel(config, dtype, self.qk_norm)

@@ -132,7 +132,7 @@ def checkpoint_fp8_weights(model: nn.Module, cfg: Fp8Config) -> set[str]:
         if type(module) in (Linear, MergedLinear):
             out.update(f"{p}.weight" for p in _parts(name, module) if not cfg.skips(p))
         elif isinstance(module, RoutedExperts) and not cfg.skips(name):
-            for e in range(module.num_experts):
+            for e in module.local_expert_ids:
                 out.update(f"{name}.{e}.{part}" for part in module.expert_views(e))
     return out
 

@@ -11,6 +11,12 @@ sample. With a proposer (speculative decoding) the last ``num_drafts`` of a requ
 tokens are drafts: the logits of the last ``num_drafts + 1`` positions go through the
 rejection sampler, which accepts a prefix of the drafts plus one token, and the
 proposer drafts the next step's tokens from what was accepted, on the device.
+
+Data parallelism: each DP rank has its own runner on its own device (``groups``). Under
+expert parallelism (``lockstep``) every :meth:`ModelRunner.launch` gets the step's
+:class:`~pdserve.distributed.dp_sync.StepPlan`: the graph decision follows the plan (all
+ranks replay the same graph or all run eagerly), and a rank with nothing scheduled runs
+a dummy forward (:mod:`pdserve.runner.dummy_step`) whenever a peer runs a real one.
 """
 
 from __future__ import annotations
@@ -27,10 +33,15 @@ from pdserve.core_types.cache_spec import KVCacheConfig
 from pdserve.core_types.sampling_params import MAX_LOGPROBS
 from pdserve.core_types.scheduler_output import RunnerOutput, SchedulerOutput
 from pdserve.core_types.utils import cdiv
+from pdserve.distributed.device import rank_device
+from pdserve.distributed.dp_sync import StepPlan
+from pdserve.distributed.groups import ParallelGroups
 from pdserve.forward_context import KVCaches
+from pdserve.layers.moe import MoE
 from pdserve.layers.sampler import Sampler, top_logprobs
 from pdserve.runner.cuda_graph import CudaGraphManager
 from pdserve.runner.draft_graph import DraftGraphManager
+from pdserve.runner.dummy_step import DummyStep, plan_graph_key
 from pdserve.runner.input_batch import InputBatch
 from pdserve.runner.input_buffers import InputBuffers
 from pdserve.runner.memory import (
@@ -90,18 +101,30 @@ def _ragged(values: np.ndarray, num: np.ndarray | None, samples: np.ndarray) -> 
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, proposer: Proposer | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        proposer: Proposer | None = None,
+        groups: ParallelGroups | None = None,
+    ) -> None:
         from pdserve.models.loader import load_model
 
         self.config = config
-        self.device = resolve_device(config.device.device)
+        self.groups = groups if groups is not None else ParallelGroups()
+        multi_rank = self.groups.info.world_size > 1
+        if multi_rank:
+            self.device = rank_device(config.device.device, self.groups.info)
+        else:
+            self.device = resolve_device(config.device.device)
         self._free_at_start = 0
         if self.device.type == "cuda":
             torch.cuda.init()
             self._free_at_start = torch.cuda.mem_get_info(self.device)[0]
         t0 = time.perf_counter()
         spec = config.speculative
-        mtp = {"with_mtp": True} if spec is not None and spec.method == "mtp" else {}
+        options: dict[str, object] = {"groups": self.groups} if multi_rank else {}
+        if spec is not None and spec.method == "mtp":
+            options["with_mtp"] = True
         self.model, self.hf_config = load_model(
             config.model.model,
             config.model.dtype,
@@ -109,9 +132,13 @@ class ModelRunner:
             load_format=config.model.load_format,
             seed=config.model.seed,
             quantization=config.model.quantization,
-            **mtp,
+            **options,
         )
         self.model.eval()
+        # expert parallelism: MoE layers are collectives, every step runs on every rank
+        self.lockstep = self.groups.ep.size > 1 and any(
+            isinstance(m, MoE) for m in self.model.modules()
+        )
         self.dtype = self.model.dtype  # FP8 linears keep their activations in this dtype
         self.load_seconds = time.perf_counter() - t0
         hc = self.hf_config
@@ -186,6 +213,8 @@ class ModelRunner:
         pin = self.device.type == "cuda"
         self._host = [_HostOutputs(self.max_num_reqs, self.num_spec + 1, pin) for _ in range(2)]
         self._slot = 0
+        mtp_passes = self.num_spec if isinstance(self.proposer, MTPProposer) else 0
+        self.dummy = DummyStep(self.step, mtp_passes) if self.lockstep else None
 
     def _build_proposer(self, spec: SpeculativeConfig) -> Proposer:
         if spec.method == "ngram":
@@ -318,21 +347,26 @@ class ModelRunner:
         for cached in so.scheduled_cached_reqs:
             self.batch.update(cached)
 
-    def execute_model(self, so: SchedulerOutput) -> RunnerOutput:
+    def execute_model(self, so: SchedulerOutput, plan: StepPlan | None = None) -> RunnerOutput:
         """Run one step to the end: :meth:`launch` then :meth:`finish`."""
-        return self.finish(self.launch(so))
+        return self.finish(self.launch(so, plan))
 
     @torch.inference_mode()
-    def launch(self, so: SchedulerOutput) -> StepHandle:
+    def launch(self, so: SchedulerOutput, plan: StepPlan | None = None) -> StepHandle:
         """Enqueue the step's forward, sampling and drafting on the device and start
         copying the results to the host; returns without waiting for the device. The
         next step may be launched before this one is finished: what it needs from this
-        one is read on the device (:meth:`StepPreparer.prepare`)."""
+        one is read on the device (:meth:`StepPreparer.prepare`). ``plan``: the DP
+        ranks' agreement for this step (``lockstep`` runners get one every step)."""
+        if self.lockstep and plan is None:
+            raise RuntimeError("an expert-parallel runner needs the DP step plan every step")
         self._update_states(so)
         if so.is_empty:
+            if plan is not None and plan.any_busy:
+                return StepHandle(None, self._dummy_forward(plan))
             return StepHandle(None)
         inp = self.prep.prepare(so)
-        hidden, logits, path = self._forward(inp)
+        hidden, logits, path = self._forward(inp, plan)
         tokens, num, lp = self._sample(inp, logits)
         top = self._top_logprobs(inp, logits, tokens.shape[1])
         drafts = self._propose(inp, hidden, tokens, num)
@@ -373,7 +407,7 @@ class ModelRunner:
         """Wait for a launched step and return what it accepted (the step's one host sync)."""
         inp = handle.inp
         if inp is None:
-            return RunnerOutput([], [])
+            return RunnerOutput([], [], step_path=handle.path)
         host = handle.host
         assert host is not None
         if handle.done_event is not None:
@@ -401,22 +435,39 @@ class ModelRunner:
             out.top_logprobs = _ragged(host.top_lps[:n, :w, :k].numpy(), per, samples)
         return out
 
-    def _forward(self, inp: StepInputs) -> tuple[torch.Tensor, torch.Tensor, str]:
+    def _dummy_forward(self, plan: StepPlan) -> str:
+        """An idle rank's forward for a step a peer computes (see ``dummy_step``)."""
+        assert self.dummy is not None
+        key = plan_graph_key(self.graphs, plan)
+        self._graph_key = None
+        if key is None:
+            self.dummy.run_eager()
+            return "dummy:eager"
+        assert self.graphs is not None
+        self.prep.wait_staging()  # fill_padding rewrites the pinned staging buffers
+        self.dummy.run_graph(self.graphs, self.draft_graphs, *key)
+        self.prep.mark_staging_read()
+        return "dummy:graph"
+
+    def _forward(
+        self, inp: StepInputs, plan: StepPlan | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, str]:
         """(hidden states of every scheduled token, logits of the sampled rows, path),
         from a graph replay or an eager forward.
 
         The path is "graph", or "eager:<why>": graphs_off, not_uniform_decode (a prompt,
-        a chunk or a mixed batch), no_graph_for_shape (more requests than the largest
-        capture)."""
+        a chunk or a mixed batch; with a DP ``plan``: on any busy rank), no_graph_for_shape
+        (more requests than the largest capture; with a plan: on the busiest rank)."""
         nreq, t = len(inp.req_ids), inp.num_tokens
-        q = inp.uniform_query_len
+        q = inp.uniform_query_len if plan is None else plan.uniform_q
+        size = nreq if plan is None else plan.max_reqs
         self._graph_key = None
         if self.graphs is None:
             path = "eager:graphs_off"
         elif q is None or q not in self.graphs.query_lens:
             path = "eager:not_uniform_decode"  # prompts, chunks, mixed batches
         else:
-            padded = self.graphs.padded_size(nreq, q)
+            padded = self.graphs.padded_size(size, q)
             self._graph_key = (padded, q) if padded is not None else None
             if padded is not None:
                 self.buffers.fill_padding(nreq, t, padded, q)
