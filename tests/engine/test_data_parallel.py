@@ -37,9 +37,21 @@ def _reference(path: Path, batch: list[list[int]]) -> list[list[int]]:
     ]
 
 
+def test_offline_llm_refuses_data_parallel(tiny_llama: Path) -> None:
+    with pytest.raises(ValueError, match="one engine-core process per rank.*pdserve serve"):
+        LLM(str(tiny_llama), dtype="float32", data_parallel_size=2)
+
+
 @pytest.fixture(scope="module")
 def glm_ep(tiny_glm5: Path) -> Iterator[ClientThread]:
-    c = ClientThread(tiny_glm5, data_parallel_size=2, enable_expert_parallel=True, **SMALL)
+    mtp = {"method": "mtp", "num_speculative_tokens": 2}  # idle ranks mirror the MTP passes
+    c = ClientThread(
+        tiny_glm5,
+        data_parallel_size=2,
+        enable_expert_parallel=True,
+        speculative_config=mtp,
+        **SMALL,  # type: ignore[arg-type]
+    )
     yield c
     c.close()
 
@@ -61,7 +73,8 @@ def test_dp2_ep_matches_one_process(glm_ep: ClientThread, tiny_glm5: Path) -> No
 def test_idle_rank_runs_dummies_and_does_not_stall(glm_ep: ClientThread) -> None:
     client = glm_ep.client
     before = [
-        (s.num_generated_tokens, s.step_paths.get("dummy:eager", 0)) for s in client.rank_stats
+        (s.num_generated_tokens, s.num_steps, s.step_paths.get("dummy:eager", 0))
+        for s in client.rank_stats
     ]
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     t0 = time.monotonic()
@@ -70,14 +83,18 @@ def test_idle_rank_runs_dummies_and_does_not_stall(glm_ep: ClientThread) -> None
     owner = 0 if client.rank_stats[0].num_generated_tokens > before[0][0] else 1
     idle = 1 - owner
 
-    def dummies() -> int:
-        return client.rank_stats[idle].step_paths.get("dummy:eager", 0) - before[idle][1]
+    def counts() -> tuple[int, int]:
+        """(the owner's real steps, the idle rank's dummy forwards) since ``before``."""
+        busy = client.rank_stats[owner].num_steps - before[owner][1]
+        dummy = client.rank_stats[idle].step_paths.get("dummy:eager", 0) - before[idle][2]
+        return busy, dummy
 
-    deadline = time.monotonic() + 5  # the idle rank's latest snapshot may still be on its way
-    while dummies() < 12 and time.monotonic() < deadline:
+    deadline = time.monotonic() + 5  # the ranks' latest snapshots may still be on their way
+    while counts()[0] != counts()[1] and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert dummies() >= 12  # a dummy forward for each of the busy rank's steps
-    assert client.rank_stats[owner].step_paths.get("dummy:eager", 0) == before[owner][1]
+    busy, dummy = counts()
+    assert busy >= 2 and dummy == busy  # a dummy forward (with its MTP passes) per step
+    assert client.rank_stats[owner].step_paths.get("dummy:eager", 0) == before[owner][2]
     # all idle: the ranks agree a few times a second, they do not spin
     time.sleep(0.5)
     agreed = [s.dp_step_agreements for s in client.rank_stats]

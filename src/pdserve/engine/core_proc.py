@@ -56,6 +56,9 @@ def _join_ranks(config: EngineConfig, dp_rank: int, init_file: str | None) -> Pa
     device = rank_device(config.device.device, info)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # Triton launches on the current device
+    else:  # ranks share the host's cores: oversubscribed (spinning) threads stall peers
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        torch.set_num_threads(max(1, cores // info.world_size))
     return init_parallel_groups(
         info, init_file, device, expert_parallel=config.parallel.enable_expert_parallel
     )

@@ -83,6 +83,8 @@ class AsyncEngineClient:
         self._ctx = zmq.asyncio.Context()
         self.dp_size = config.parallel.data_parallel_size
         self._ins = [self._ctx.socket(zmq.PUSH) for _ in range(self.dp_size)]
+        for sock in self._ins:
+            sock.setsockopt(zmq.SNDHWM, 0)  # never block a send on a busy rank
         self._out = self._ctx.socket(zmq.PULL)
         self._procs: list[mp.process.BaseProcess] = []
         self.ranks = RankRouter(self.dp_size)
@@ -271,19 +273,30 @@ class AsyncEngineClient:
         self._tmp.cleanup()
 
     # -- internals ----------------------------------------------------------------------------
+    async def _push(self, rank: int, buf: bytes) -> None:
+        """Queue ``buf`` for one rank without blocking (the input sockets have no high-water
+        mark, so only a rank whose process is gone refuses it: then the engine is dead)."""
+        try:
+            await self._ins[rank].send(buf, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            why = self._dead_process() or f"data-parallel rank {rank} stopped reading"
+            if not self._dead:
+                self._fail_all(why)
+            raise EngineDeadError(self._dead or why) from None
+
     async def _send(self, msg: M.ToEngine, rank: int) -> None:
         """To one rank; under expert parallelism every rank then gets a wake."""
-        await self._ins[rank].send(M.encode(msg))
+        await self._push(rank, M.encode(msg))
         if self._lockstep:
             self._wake_seq += 1
             wake = M.encode(M.Wake(self._wake_seq))
-            for sock in self._ins:
-                await sock.send(wake)
+            for r in range(self.dp_size):
+                await self._push(r, wake)
 
     async def _send_all(self, msg: M.ToEngine) -> None:
         buf = M.encode(msg)
-        for sock in self._ins:
-            await sock.send(buf)
+        for r in range(self.dp_size):
+            await self._push(r, buf)
 
     def _observe(self, msg: M.EngineOutputs) -> SchedulerStats:
         """The instance's stats after rank ``msg.dp_rank``'s snapshot."""
@@ -331,6 +344,8 @@ class AsyncEngineClient:
                         q.put_nowait(r)
         except asyncio.CancelledError:
             raise
+        except EngineDeadError:  # a rank went away while we sent to it: already failed
+            return
         except Exception as e:  # a bug here must not hang every client
             logger.exception("output loop failed")
             self._fail_all(f"output loop failed: {e}")
