@@ -72,6 +72,12 @@ class EngineCore:
         self._supervised_at = 0.0
         self.runner = ModelRunner(config, proposer, groups=self.groups)
         self.dp_sync = DPStepSync(self.groups.dp) if self.runner.lockstep else None
+        if config.parallel.enable_expert_parallel and self.dp_sync is None:
+            logger.warning(
+                "--enable-expert-parallel has no effect here (%s): experts are spread over "
+                "the data-parallel ranks of a model with MoE layers",
+                "--data-parallel-size is 1" if dp == 1 else "the model has no MoE layers",
+            )
         self.wake_seq = 0  # the highest client wake message read (expert parallelism)
         self.stopping = False  # Shutdown read: the ranks leave together after a step
         self.last_plan: StepPlan | None = None
