@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from _dp_client import GREEDY, ClientThread, prompts
 
 from _pd_engines import engine, proc, run, tokens
@@ -30,11 +31,16 @@ SMALL = dict(max_model_len=256, max_num_batched_tokens=64, num_gpu_blocks_overri
 
 
 def _reference(path: Path, batch: list[list[int]]) -> list[list[int]]:
-    llm = LLM(str(path), dtype="float32", block_size=4, **SMALL)  # type: ignore[arg-type]
-    return [
-        o.outputs[0].token_ids
-        for o in llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY)
-    ]
+    """One process's greedy outputs (on one thread, as each rank here runs: on a shared
+    2-core host two spinning threads make this tiny model ten times slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        llm = LLM(str(path), dtype="float32", block_size=4, **SMALL)  # type: ignore[arg-type]
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY)
+    finally:
+        torch.set_num_threads(threads)
+    return [o.outputs[0].token_ids for o in outs]
 
 
 def test_offline_llm_refuses_data_parallel(tiny_llama: Path) -> None:

@@ -1,8 +1,10 @@
 """Which device a rank of a multi-rank instance runs on.
 
-Rank ``r`` of an instance (``r = dp_rank * tp_size + tp_rank``) runs on ``cuda:r`` of the
-devices this process sees (the launcher sets ``CUDA_VISIBLE_DEVICES`` from the instance's
-``devices``), or on the CPU. A single-rank instance keeps ``--device`` as given.
+Rank ``r`` of an instance (``r = dp_rank * tp_size + tp_rank``) runs on
+``cuda:<base + r>`` of the devices this process sees (the launcher sets
+``CUDA_VISIBLE_DEVICES`` from the instance's ``devices``; ``--device cuda`` or ``auto``
+with a GPU: base 0, ``--device cuda:N``: base N), or on the CPU. A single-rank instance
+keeps ``--device`` as given.
 """
 
 from __future__ import annotations
@@ -21,15 +23,11 @@ def rank_device(name: str, info: RankInfo) -> torch.device:
         raise ValueError(f"--device {name} was asked for but no CUDA GPU is available")
     if dev.type != "cuda" or info.world_size == 1:
         return dev
-    if dev.index is not None:
-        raise ValueError(
-            f"--device {name} names one GPU, but this instance has {info.world_size} ranks; "
-            "use --device cuda (rank r runs on cuda:r of the visible devices)"
-        )
+    base, n = dev.index or 0, info.world_size
     visible = torch.cuda.device_count()
-    if visible < info.world_size:
+    if base + n > visible:
         raise ValueError(
-            f"this instance has {info.world_size} ranks (one GPU each) but only {visible} "
-            "GPU(s) are visible (CUDA_VISIBLE_DEVICES)"
+            f"this instance has {n} ranks, one GPU each (cuda:{base}..cuda:{base + n - 1} from "
+            f"--device {name}), but {visible} GPU(s) are visible (CUDA_VISIBLE_DEVICES)"
         )
-    return torch.device("cuda", info.rank)
+    return torch.device("cuda", base + info.rank)

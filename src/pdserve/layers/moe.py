@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.distributed.groups import Group
+from pdserve.distributed.groups import Group, ParallelGroups
 from pdserve.layers.activation import SiluAndMul
 from pdserve.layers.fused import use_fused_kernels
 from pdserve.layers.linear import Linear, MergedLinear
@@ -175,10 +175,11 @@ class RoutedExperts(nn.Module):
         hidden_size: int,
         intermediate_size: int,
         dtype: torch.dtype,
-        ep_size: int = 1,
-        ep_rank: int = 0,
+        ep: Group | None = None,
     ) -> None:
         super().__init__()
+        self.ep = ep or Group()
+        ep_size = self.ep.size
         if num_experts % ep_size:
             raise ValueError(
                 f"n_routed_experts {num_experts} cannot be split evenly over {ep_size} "
@@ -186,7 +187,7 @@ class RoutedExperts(nn.Module):
             )
         self.num_experts = num_experts
         self.num_local_experts = num_experts // ep_size
-        self.expert_offset = ep_rank * self.num_local_experts
+        self.expert_offset = self.ep.rank * self.num_local_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         n = self.num_local_experts
@@ -244,8 +245,8 @@ class DenseMLP(nn.Module):
 
 class MoE(nn.Module):
     """Router (``gate``), routed ``experts`` and ``shared_experts``, named as HF names them.
-    With an ``ep`` group of size > 1 the routed experts are spread over its ranks and
-    every forward is a collective over the group."""
+    With ``groups.ep`` of size > 1 the routed experts are spread over its ranks and every
+    forward is a collective over the group."""
 
     def __init__(
         self,
@@ -259,10 +260,10 @@ class MoE(nn.Module):
         norm_topk_prob: bool,
         routed_scaling_factor: float,
         dtype: torch.dtype,
-        ep: Group | None = None,
+        groups: ParallelGroups = ParallelGroups(),
     ) -> None:
         super().__init__()
-        self.ep = ep if ep is not None else Group()
+        self.ep = groups.ep
         if n_group < 1 or num_experts % n_group or not 1 <= topk_group <= n_group:
             raise ValueError(
                 f"n_group {n_group} must divide n_routed_experts {num_experts}, "
@@ -280,7 +281,7 @@ class MoE(nn.Module):
             routed_scaling_factor,
         )
         self.experts = RoutedExperts(
-            num_experts, hidden_size, moe_intermediate_size, dtype, self.ep.size, self.ep.rank
+            num_experts, hidden_size, moe_intermediate_size, dtype, ep=self.ep
         )
         n_local = self.experts.num_local_experts
         self.all_to_all = AllToAllDispatcher(self.ep, n_local)

@@ -35,7 +35,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from pdserve.distributed.groups import Group, ParallelGroups
+from pdserve.distributed.groups import ParallelGroups
 from pdserve.layers.attention.dsa import Indexer
 from pdserve.layers.attention.mla import MLAAttention
 from pdserve.layers.embedding import LMHead, VocabEmbedding
@@ -135,7 +135,7 @@ class DeepseekDecoderLayer(nn.Module):
         dtype: torch.dtype,
         sparse_mlp: bool,
         full_indexer: bool,
-        ep: Group | None = None,
+        groups: ParallelGroups,
     ) -> None:
         super().__init__()
         eps = hc.rms_norm_eps
@@ -155,7 +155,7 @@ class DeepseekDecoderLayer(nn.Module):
                 dc.norm_topk_prob,
                 dc.routed_scaling_factor,
                 dtype,
-                ep,
+                groups,
             )
         else:
             self.mlp = DenseMLP(hc.hidden_size, hc.intermediate_size, dtype)
@@ -191,9 +191,9 @@ class MTPLayer(DeepseekDecoderLayer):
     target's embedding and LM head."""
 
     def __init__(
-        self, hc: HFModelConfig, dc: DeepseekConfig, dtype: torch.dtype, ep: Group | None = None
+        self, hc: HFModelConfig, dc: DeepseekConfig, dtype: torch.dtype, groups: ParallelGroups
     ) -> None:
-        super().__init__(hc, dc, dtype, sparse_mlp=True, full_indexer=dc.has_indexer, ep=ep)
+        super().__init__(hc, dc, dtype, True, dc.has_indexer, groups)
         h, eps = hc.hidden_size, hc.rms_norm_eps
         self.enorm = RMSNorm(h, eps, dtype)
         self.hnorm = RMSNorm(h, eps, dtype)
@@ -221,7 +221,7 @@ class DeepseekModel(nn.Module):
         dc: DeepseekConfig,
         dtype: torch.dtype,
         with_mtp: bool,
-        ep: Group | None = None,
+        groups: ParallelGroups,
     ) -> None:
         super().__init__()
         self.num_layers = hc.num_hidden_layers
@@ -240,12 +240,12 @@ class DeepseekModel(nn.Module):
                 dtype,
                 sparse_mlp=dc.mlp_layer_types[i] == "sparse",
                 full_indexer=dc.has_indexer and dc.indexer_types[i] == "full",
-                ep=ep,
+                groups=groups,
             )
             for i in range(hc.num_hidden_layers)
         ]
         if with_mtp:  # at the checkpoint's index: model.layers.{num_hidden_layers + j}
-            layers += [MTPLayer(hc, dc, dtype, ep) for _ in range(dc.num_nextn_predict_layers)]
+            layers += [MTPLayer(hc, dc, dtype, groups) for _ in range(dc.num_nextn_predict_layers)]
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(hc.hidden_size, hc.rms_norm_eps, dtype)
 
@@ -272,10 +272,10 @@ class DeepseekV3ForCausalLM(CausalLM):
         config: HFModelConfig,
         dtype: torch.dtype = torch.bfloat16,
         with_mtp: bool = False,
-        groups: ParallelGroups | None = None,
+        groups: ParallelGroups = ParallelGroups(),
     ) -> None:
         super().__init__(config, dtype)
-        self.groups = groups if groups is not None else ParallelGroups()
+        self.groups = groups
         if config.hidden_act != "silu":
             raise ValueError(f"{config.path}: hidden_act {config.hidden_act!r} is not supported")
         self.dc = read_deepseek_config(config)
@@ -284,7 +284,7 @@ class DeepseekV3ForCausalLM(CausalLM):
                 f"{config.path}: the model has no MTP layer (num_nextn_predict_layers)"
             )
         self.with_mtp = with_mtp
-        self.model = DeepseekModel(config, self.dc, dtype, with_mtp, self.groups.ep)
+        self.model = DeepseekModel(config, self.dc, dtype, with_mtp, groups)
         tied = self.model.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype, tied=tied)
 
