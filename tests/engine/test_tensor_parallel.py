@@ -19,10 +19,11 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.config import EngineConfig
 from pdserve.core_types.sampling_params import StructuredOutputsParams
+from pdserve.distributed import RankInfo
+from pdserve.distributed.device import rank_device
 from pdserve.engine.engine_core import EngineCore
 from pdserve.engine.tp_workers import RankFailure, TPLeader
 from pdserve.frontend.async_client import AsyncEngineClient
-from pdserve.runner.memory import rank_device
 
 KW: dict[str, Any] = dict(
     dtype="float32", block_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=512
@@ -106,7 +107,11 @@ def test_tp2_glm5_with_mtp_drafts_matches_one_process(tiny_glm5: Path, one_threa
             },
             r"--kv-transfer-config \(P/D\) with --tensor-parallel-size 2 is not supported",
         ),
-        ({"data_parallel_size": 2}, r"--data-parallel-size > 1 is not supported yet"),
+        ({"data_parallel_size": 2}, r"--data-parallel-size 2 needs one engine-core process"),
+        (
+            {"tensor_parallel_size": 2, "data_parallel_size": 2},
+            r"together with --data-parallel-size > 1 is not supported yet",
+        ),
         ({"tensor_parallel_size": 0}, r"--tensor-parallel-size must be >= 1"),
     ],
 )
@@ -152,8 +157,8 @@ def test_a_dead_rank_fails_requests_and_stops_the_instance(tiny_llama: Path, vic
     async def main() -> tuple[list[Any], float, int | None, int]:
         client = await AsyncEngineClient.start(config, log_level="WARNING", timeout=300)
         try:
-            assert client._proc is not None and client._proc.pid is not None
-            engine = client._proc
+            assert len(client._procs) == 1 and client._procs[0].pid is not None
+            engine = client._procs[0]
             followers = _children(engine.pid)  # type: ignore[arg-type]
             assert len(followers) == 1
             params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
@@ -190,12 +195,15 @@ def test_a_dead_rank_fails_requests_and_stops_the_instance(tiny_llama: Path, vic
 
 
 def test_each_rank_gets_its_own_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert rank_device("cpu", 1, 2) == "cpu"
+    def tp(rank: int) -> RankInfo:
+        return RankInfo(tp_size=2, tp_rank=rank)
+
+    assert rank_device("cpu", tp(1)).type == "cpu"
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    assert rank_device("cuda", 1, 2) == "cuda:1"
-    assert rank_device("cuda:2", 1, 2) == "cuda:3"
-    with pytest.raises(ValueError, match=r"need GPUs cuda:3..cuda:4 .* 4 GPU\(s\) are visible"):
-        rank_device("cuda:3", 0, 2)
+    assert rank_device("cuda", tp(1)) == torch.device("cuda", 1)
+    assert rank_device("cuda:2", tp(1)) == torch.device("cuda", 3)
+    with pytest.raises(ValueError, match=r"cuda:3..cuda:4 .* 4 GPU\(s\) are visible"):
+        rank_device("cuda:3", tp(0))
 
 
 def test_watchdog_ends_a_leader_stuck_with_a_dead_rank(

@@ -171,7 +171,8 @@ class _LiveProcess:
 def test_async_client_health_follows_the_latest_snapshot() -> None:
     client = AsyncEngineClient.__new__(AsyncEngineClient)  # no engine process needed
     client._dead = None
-    client._proc = _LiveProcess()  # type: ignore[assignment]
+    client._procs = [_LiveProcess()]  # type: ignore[list-item]
+    client.dp_size = 1
     client._stats = SchedulerStats()
     asyncio.run(client.check_health())
     client._stats = SchedulerStats(

@@ -156,6 +156,17 @@ def test_replicas_must_split_gpus_evenly() -> None:
     assert "instances[0].devices: 3 GPU id(s) cannot be split evenly over replicas: 2" in err(d)
 
 
+def test_devices_must_cover_the_ranks() -> None:
+    d = base()
+    d["instances"][0].update(devices="0-3", args=["--data-parallel-size", "4"])
+    assert Topology.from_dict(d).instances[0].ranks == 4
+    d["instances"][0].update(devices="0-5", replicas=2)
+    msg = err(d)
+    assert "instances[0].devices: each replica gets 3 GPU(s) but runs 4 rank(s)" in msg
+    d["instances"][0].update(devices="0,1", replicas=1, args=["--data-parallel-size=two"])
+    assert "--data-parallel-size needs a positive integer (got 'two')" in err(d)
+
+
 def test_fixed_kv_port_is_refused_when_shared() -> None:
     kv = {"connector": "PdConnector", "extra_config": {"port": 18100}}
     assert "kv_transfer.extra_config.port: all 2 prefill/decode processes would bind" in err(

@@ -48,6 +48,14 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
+class Wake(msgspec.Struct, tag="wake"):
+    """Expert parallelism: sent to every DP rank after each message to one of them, with
+    an increasing ``seq``, so idle ranks join the next step agreement promptly
+    (:mod:`pdserve.distributed.dp_sync`)."""
+
+    seq: int
+
+
 class EngineReady(msgspec.Struct, tag="ready"):
     max_model_len: int
     vocab_size: int
@@ -57,19 +65,23 @@ class EngineReady(msgspec.Struct, tag="ready"):
     startup_seconds: float
     speculative: bool = False  # penalties are refused with speculative decoding
     priority_scheduling: bool = False  # --scheduling-policy priority: requests may set one
+    dp_rank: int = 0
+    lockstep: bool = False  # expert parallelism: the client sends Wake messages
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs"):
     outputs: list[EngineCoreOutput]
     stats: SchedulerStats
     timestamp: float
+    dp_rank: int = 0
 
 
 class EngineError(msgspec.Struct, tag="error"):
     message: str
+    dp_rank: int = 0
 
 
-ToEngine = EngineCoreRequest | AbortRequests | ResetPrefixCache | ReleaseKV | Shutdown
+ToEngine = EngineCoreRequest | AbortRequests | ResetPrefixCache | ReleaseKV | Shutdown | Wake
 FromEngine = EngineReady | EngineOutputs | EngineError
 
 _encoder = msgspec.msgpack.Encoder()

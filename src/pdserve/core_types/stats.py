@@ -65,6 +65,9 @@ class SchedulerStats:
     # P/D decode: first steps padded with placeholder drafts to the uniform 1+k shape
     spec_num_padded_steps: int = 0
     num_generated_tokens: int = 0  # cumulative: output tokens the engine produced
+    # expert parallelism, cumulative: DP step agreements run (one per loop iteration: a
+    # few a second while every rank is idle) and dummy forwards ("dummy:*" step paths)
+    dp_step_agreements: int = 0
     # resident set size of each engine-side process, bytes: {"engine_core": n}
     process_rss_bytes: dict[str, int] = field(default_factory=dict)
 

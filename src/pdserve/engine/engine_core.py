@@ -6,6 +6,13 @@ requests are added and aborted between steps (in-process by ``LLM``, or by the
 engine-core process loop reading ZMQ messages). The KV connector's worker half is
 driven here, around the runner: it starts the step's loads before the step launches
 and reports what finished when the step's results are collected.
+
+Data parallelism: one engine core per DP rank (its own process, scheduler, KV pool,
+runner and KV connector; ``groups`` says which rank). Under expert parallelism
+(``dp_sync`` set) every :meth:`EngineCore.step` runs the DP step agreement between
+scheduling and launching, exactly once, whatever the step holds; ``wake_seq`` (set by
+the process loop from the client's wake messages) and ``last_plan`` feed the loop's
+decision to wait on its socket (:mod:`pdserve.distributed.dp_sync`).
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ from pdserve.config import EngineConfig
 from pdserve.core_types.messages import EngineCoreRequest
 from pdserve.core_types.scheduler_output import EngineCoreOutput, RunnerOutput, SchedulerOutput
 from pdserve.core_types.stats import SchedulerStats, read_rss_bytes
+from pdserve.distributed.dp_sync import DPStepSync, LocalStep, StepPlan
+from pdserve.distributed.groups import ParallelGroups
 from pdserve.engine.kv_cache.manager import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler import Scheduler
@@ -30,7 +39,8 @@ from pdserve.kv_transfer.pd_connector import (
     make_pd_connector,
     require_secret,
 )
-from pdserve.runner.model_runner import ModelRunner, StepHandle
+from pdserve.runner.model_runner import ModelRunner
+from pdserve.runner.step_outputs import StepHandle
 from pdserve.spec_decode.proposer import Proposer
 
 logger = logging.getLogger(__name__)
@@ -39,11 +49,23 @@ _COMPILE_WAIT_S = 0.005  # an idle step waits this long for a grammar being comp
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, proposer: Proposer | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        proposer: Proposer | None = None,
+        groups: ParallelGroups | None = None,
+    ) -> None:
         t0 = time.perf_counter()
         self.config = config
-        if config.parallel.data_parallel_size > 1:  # pending: the DP ranks are being wired
-            raise ValueError("--data-parallel-size > 1 is not supported yet")
+        self.groups = groups if groups is not None else ParallelGroups()
+        dp = config.parallel.data_parallel_size
+        if self.groups.dp.size != dp:
+            raise ValueError(
+                f"--data-parallel-size {dp} needs one engine-core process per rank, joined "
+                "in a process group: run it with `pdserve serve` (the in-process LLM runs "
+                "one rank)"
+            )
+        self.dp_rank = self.groups.info.dp_rank
         if config.kv_transfer is not None:
             require_secret()  # before the weights load: a P/D role without it cannot run
         self.kv_health = KVHealth()
@@ -61,6 +83,16 @@ class EngineCore:
                 self.tp.shutdown()
             raise
         num_blocks = self.runner.num_blocks
+        self.dp_sync = DPStepSync(self.groups.dp) if self.runner.lockstep else None
+        if config.parallel.enable_expert_parallel and self.dp_sync is None:
+            logger.warning(
+                "--enable-expert-parallel has no effect here (%s): experts are spread over "
+                "the data-parallel ranks of a model with MoE layers",
+                "--data-parallel-size is 1" if dp == 1 else "the model has no MoE layers",
+            )
+        self.wake_seq = 0  # the highest client wake message read (expert parallelism)
+        self.stopping = False  # Shutdown read: the ranks leave together after a step
+        self.last_plan: StepPlan | None = None
         self.kv = KVCacheManager(
             num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
@@ -99,7 +131,7 @@ class EngineCore:
         """Build this rank's runner, agree on the KV blocks with the other ranks (if any),
         allocate and warm up."""
         if self.tp is None:
-            runner = ModelRunner(self.config, proposer)
+            runner = ModelRunner(self.config, proposer, groups=self.groups)
             _, self.warmup_phases = start_runner(runner, runner.groups.tp)
             return runner
         with self.tp.collective():
@@ -112,6 +144,10 @@ class EngineCore:
         kvt = self.config.kv_transfer
         if kvt is None:
             return None
+        port = int(kvt.kv_connector_extra_config.get("port", 0))
+        if port and self.dp_rank:  # each DP rank serves its own blocks: ports port + dp_rank
+            extra = {**kvt.kv_connector_extra_config, "port": port + self.dp_rank}
+            kvt = replace(kvt, kv_connector_extra_config=extra)
         r = self.runner
         compat = compat_info(
             model_config=dict(getattr(r.hf_config, "raw", {}) or {}),
@@ -206,16 +242,36 @@ class EngineCore:
         return self.scheduler.has_schedulable_work() or bool(self.structured.pending)
 
     def _launch(self, so: SchedulerOutput) -> StepHandle:
+        plan = self._agree(so)
         if self.connector_worker is not None and so.kv_connector_metadata is not None:
             self.connector_worker.start_load_kv(so.kv_connector_metadata)
-        if self.tp is not None:  # the other ranks launch the same step
+        if self.tp is not None:  # the other ranks launch the same step (no DP with TP)
             return self.tp.launch(so, self.runner.launch)
-        return self.runner.launch(so)
+        return self.runner.launch(so, plan)
+
+    def _agree(self, so: SchedulerOutput) -> StepPlan | None:
+        """The DP step agreement (expert parallelism only; a collective, see dp_sync)."""
+        if self.dp_sync is None:
+            return None
+        counts = set(so.num_scheduled_tokens.values())
+        local = LocalStep(
+            num_tokens=so.total_num_scheduled_tokens,
+            num_reqs=len(so.num_scheduled_tokens),
+            uniform_q=counts.pop() if len(counts) == 1 else None,
+            pending=self.has_unfinished_requests(),
+            wake_seq=self.wake_seq,
+            stopping=self.stopping,
+        )
+        self.last_plan = self.dp_sync.agree(local)
+        return self.last_plan
 
     def _finish(self, handle: StepHandle) -> RunnerOutput:
         out = self.runner.finish(handle)
         if self.tp is not None:
             self.tp.finished()
+        if out.step_path.startswith("dummy:"):  # an empty step the scheduler does not count
+            paths = self.scheduler.stats.step_paths
+            paths[out.step_path] = paths.get(out.step_path, 0) + 1
         if self.connector_worker is not None:
             out.kv_connector_output = self.connector_worker.get_finished()
         return out
@@ -272,6 +328,8 @@ class EngineCore:
             step_paths=dict(s.step_paths),
             spec_num_accepted_tokens_per_pos=list(s.spec_num_accepted_tokens_per_pos),
         )
+        if self.dp_sync is not None:
+            s.dp_step_agreements = self.dp_sync.num_agreements
         h = self.kv_health
         s.kv_transfer_healthy = h.healthy
         s.kv_transfer_unhealthy_reason = h.reason

@@ -55,9 +55,10 @@ import torch
 
 from pdserve.config import EngineConfig
 from pdserve.core_types.scheduler_output import SchedulerOutput
+from pdserve.distributed.device import rank_device
 from pdserve.distributed.groups import Group, ParallelGroups, RankInfo, init_parallel_groups
-from pdserve.runner.memory import rank_device, resolve_device
-from pdserve.runner.model_runner import ModelRunner, StepHandle
+from pdserve.runner.model_runner import ModelRunner
+from pdserve.runner.step_outputs import StepHandle
 
 logger = logging.getLogger(__name__)
 
@@ -124,9 +125,8 @@ def init_rank(
     Makes the rank's device current (CUDA), or gives the rank its share of the host's
     torch threads (CPU; in-process, the offline ``LLM``'s thread count too)."""
     tp_size = config.parallel.tensor_parallel_size
-    device = rank_device(config.device.device, tp_rank, tp_size)
-    config = replace(config, device=replace(config.device, device=device))
-    dev = resolve_device(device)
+    dev = rank_device(config.device.device, RankInfo(tp_size=tp_size, tp_rank=tp_rank))
+    config = replace(config, device=replace(config.device, device=str(dev)))
     if dev.type == "cuda":  # streams, events, graphs and Triton use the current device
         torch.cuda.set_device(dev)
     else:  # the ranks share this host's cores
@@ -153,7 +153,7 @@ def check_tp_config(config: EngineConfig) -> None:
         raise ValueError(
             f"--kv-transfer-config (P/D) with --tensor-parallel-size {n} is not supported yet"
         )
-    rank_device(config.device.device, n - 1, n)  # one device per rank
+    rank_device(config.device.device, RankInfo(tp_size=n, tp_rank=n - 1))  # one GPU per rank
     spec = config.speculative
     options: dict[str, Any] = (
         {"with_mtp": True} if spec is not None and spec.method == "mtp" else {}

@@ -36,6 +36,11 @@ FP8 checkpoints (and ``--quantization fp8``) keep the routed experts in block-sc
 :func:`pdserve.kernels.fused_moe_fp8.fused_experts_fp8` (activations quantized per token
 per 128 channels inside the kernel), the torch path its graph-capturable reference
 (weights dequantized every call). Not under TP (the loader refuses FP8 with TP > 1).
+
+Expert parallelism (``ep`` group of size > 1, :mod:`pdserve.layers.moe_dispatch`): each
+rank holds the contiguous slice ``ep_rank*L .. (ep_rank+1)*L - 1`` of the experts
+(``L = num_experts / ep_size``; ``w13``/``w2`` hold only those), routes its own tokens with
+the replicated router and sends them to the owning ranks; shared experts stay local.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from pdserve.kernels.reference import FP8_DTYPE, FP8_GROUP, fused_experts_fp8_re
 from pdserve.layers.activation import SiluAndMul
 from pdserve.layers.fused import use_fused_kernels
 from pdserve.layers.linear import Shard
+from pdserve.layers.moe_dispatch import AllGatherDispatcher, AllToAllDispatcher
 from pdserve.layers.parallel_linear import (
     MergedColumnParallelLinear,
     RowParallelLinear,
@@ -176,8 +182,11 @@ def experts_dense(
 
 
 class RoutedExperts(nn.Module):
-    """Stacked experts; under TP each holds its rank's slice of every expert's
-    intermediate dimension (``intermediate_size`` is the local one).
+    """The stacked experts this rank holds: global experts ``expert_offset ..
+    expert_offset + num_local_experts - 1`` of ``num_experts`` (all of them without
+    expert parallelism); :meth:`forward` takes local expert ids. Under TP each holds its
+    rank's slice of every expert's intermediate dimension (``intermediate_size`` is the
+    local one).
 
     FP8 (:meth:`use_fp8`, called by the loader before any weight is loaded): ``w13`` and
     ``w2`` become float8_e4m3fn and ``w13_scale_inv`` / ``w2_scale_inv`` hold one float32
@@ -195,19 +204,30 @@ class RoutedExperts(nn.Module):
         intermediate_size: int,
         dtype: torch.dtype,
         tp: Group | None = None,
+        ep: Group | None = None,
     ) -> None:
         super().__init__()
         self.tp = tp or Group()
+        self.ep = ep or Group()
+        ep_size = self.ep.size
+        if num_experts % ep_size:
+            raise ValueError(
+                f"n_routed_experts {num_experts} cannot be split evenly over {ep_size} "
+                "expert-parallel ranks (--data-parallel-size must divide it)"
+            )
         self.num_experts = num_experts
+        self.num_local_experts = num_experts // ep_size
+        self.expert_offset = self.ep.rank * self.num_local_experts
         self.hidden_size = hidden_size
         intermediate_size = tp_divide(intermediate_size, self.tp, "moe_intermediate_size")
         self.intermediate_size = intermediate_size
+        n = self.num_local_experts
         self.w13 = nn.Parameter(
-            torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype),
+            torch.empty(n, 2 * intermediate_size, hidden_size, dtype=dtype),
             requires_grad=False,
         )
         self.w2 = nn.Parameter(
-            torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype),
+            torch.empty(n, hidden_size, intermediate_size, dtype=dtype),
             requires_grad=False,
         )
         self.register_parameter("w13_scale_inv", None)
@@ -242,6 +262,11 @@ class RoutedExperts(nn.Module):
             empty = torch.empty(shape, dtype=dtype, device=dev)
             setattr(self, name, nn.Parameter(empty, requires_grad=False))
 
+    @property
+    def local_expert_ids(self) -> range:
+        """The global ids of the experts this rank holds."""
+        return range(self.expert_offset, self.expert_offset + self.num_local_experts)
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.fp8:
             s13, s2 = self.fp8_scales()
@@ -259,20 +284,22 @@ class RoutedExperts(nn.Module):
         return fn(x, self.w13, self.w2, weights, ids)
 
     def expert_views(self, e: int) -> dict[str, torch.Tensor]:
-        """HF's per-expert names (relative to ``experts.{e}.``) -> views of the stacks
-        (FP8: and of their ``weight_scale_inv`` blocks)."""
-        i = self.intermediate_size
+        """HF's per-expert names (relative to ``experts.{e}.``, ``e`` a global id this rank
+        holds) -> views of the stacks (FP8: and of their ``weight_scale_inv`` blocks)."""
+        if e not in self.local_expert_ids:
+            raise IndexError(f"expert {e} is not held here ({self.local_expert_ids})")
+        i, j = self.intermediate_size, e - self.expert_offset
         views = {
-            "gate_proj.weight": self.w13.data[e, :i],
-            "up_proj.weight": self.w13.data[e, i:],
-            "down_proj.weight": self.w2.data[e],
+            "gate_proj.weight": self.w13.data[j, :i],
+            "up_proj.weight": self.w13.data[j, i:],
+            "down_proj.weight": self.w2.data[j],
         }
         if self.fp8:
             s13, s2 = self.fp8_scales()
             nbi = s13.shape[1] // 2
-            views["gate_proj.weight_scale_inv"] = s13.data[e, :nbi]
-            views["up_proj.weight_scale_inv"] = s13.data[e, nbi:]
-            views["down_proj.weight_scale_inv"] = s2.data[e]
+            views["gate_proj.weight_scale_inv"] = s13.data[j, :nbi]
+            views["up_proj.weight_scale_inv"] = s13.data[j, nbi:]
+            views["down_proj.weight_scale_inv"] = s2.data[j]
         return views
 
     def expert_shards(self) -> dict[str, Shard]:
@@ -326,7 +353,9 @@ class DenseMLP(nn.Module):
 
 
 class MoE(nn.Module):
-    """Router (``gate``), routed ``experts`` and ``shared_experts``, named as HF names them."""
+    """Router (``gate``), routed ``experts`` and ``shared_experts``, named as HF names them.
+    With ``groups.ep`` of size > 1 the routed experts are spread over its ranks and every
+    forward is a collective over the group."""
 
     def __init__(
         self,
@@ -344,6 +373,7 @@ class MoE(nn.Module):
     ) -> None:
         super().__init__()
         self.tp = groups.tp
+        self.ep = groups.ep
         if n_group < 1 or num_experts % n_group or not 1 <= topk_group <= n_group:
             raise ValueError(
                 f"n_group {n_group} must divide n_routed_experts {num_experts}, "
@@ -361,8 +391,11 @@ class MoE(nn.Module):
             routed_scaling_factor,
         )
         self.experts = RoutedExperts(
-            num_experts, hidden_size, moe_intermediate_size, dtype, self.tp
+            num_experts, hidden_size, moe_intermediate_size, dtype, self.tp, ep=self.ep
         )
+        n_local = self.experts.num_local_experts
+        self.all_to_all = AllToAllDispatcher(self.ep, n_local)
+        self.all_gather = AllGatherDispatcher(self.ep, n_local)
         self.shared_experts = (
             DenseMLP(
                 hidden_size,
@@ -378,7 +411,12 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        out = self.experts(x, weights, ids)
+        if self.ep.size == 1:
+            out = self.experts(x, weights, ids)
+        else:  # graph capture needs static shapes: the all-gather path (module docstring)
+            capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+            dispatch = self.all_gather if capturing else self.all_to_all
+            out = dispatch(x, weights, ids, self.experts)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return self.tp.all_reduce(out)  # the ranks' partial sums (identity without TP)

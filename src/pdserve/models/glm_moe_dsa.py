@@ -30,6 +30,11 @@ indexer (its weights, its key cache and the top-k it picks; every rank computes 
 The dense MLP of the first layers and the MoE are split by intermediate dimension (see
 :mod:`pdserve.layers.moe`; the router is replicated), the embedding and LM head by
 vocabulary. The MTP layer is built the same way (``eh_proj`` and its norms replicated).
+
+Expert parallelism (``groups.ep`` of size > 1): every MoE layer, the MTP layer's
+included, holds only its rank's contiguous slice of the routed experts; the model names
+(and loads) only those, and :meth:`DeepseekV3ForCausalLM.is_foreign_tensor` tells the
+loader which checkpoint tensors belong to other ranks.
 """
 
 from __future__ import annotations
@@ -301,6 +306,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         groups: ParallelGroups = ParallelGroups(),
     ) -> None:
         super().__init__(config, dtype)
+        self.groups = groups
         if config.hidden_act != "silu":
             raise ValueError(f"{config.path}: hidden_act {config.hidden_act!r} is not supported")
         self.dc = read_deepseek_config(config)
@@ -366,7 +372,7 @@ class DeepseekV3ForCausalLM(CausalLM):
                 if leaf == "w13":
                     routed = experts[head].experts
                     shards = routed.expert_shards()
-                    for e in range(routed.num_experts):
+                    for e in routed.local_expert_ids:
                         for part, view in routed.expert_views(e).items():
                             out[f"{head}.experts.{e}.{part}"] = (view, shards.get(part))
                 continue
@@ -384,6 +390,21 @@ class DeepseekV3ForCausalLM(CausalLM):
 
     def checkpoint_tensor_names(self) -> set[str]:
         return set(self._targets())
+
+    def is_foreign_tensor(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` belongs to another expert-parallel rank (a
+        routed expert, or its FP8 scale, that this rank does not hold)."""
+        head, sep, rest = name.partition(".experts.")
+        if not sep or self.groups.ep.size == 1:
+            return False
+        e = rest.split(".", 1)[0]
+        if not e.isdigit():
+            return False
+        try:
+            moe = self.get_submodule(head)
+        except AttributeError:  # e.g. an MTP layer that was not built
+            return False
+        return isinstance(moe, MoE) and int(e) not in moe.experts.local_expert_ids
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         targets = self._targets()

@@ -172,12 +172,13 @@ class LlamaForCausalLM(CausalLM):
         self,
         config: HFModelConfig,
         dtype: torch.dtype = torch.bfloat16,
-        groups: ParallelGroups = ParallelGroups(),
+        groups: ParallelGroups | None = None,
     ) -> None:
         super().__init__(config, dtype)
+        self.groups = groups if groups is not None else ParallelGroups()  # DP: a replica
         if config.raw.get("use_sliding_window"):
             raise ValueError(f"{config.path}: sliding-window attention is not supported")
-        tp = groups.tp
+        tp = self.groups.tp
         self.model = LlamaModel(config, dtype, self.qk_norm, tp)
         tied = self.model.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype, tied=tied, tp=tp)

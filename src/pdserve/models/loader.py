@@ -123,7 +123,11 @@ def load_model(
     A checkpoint with an FP8 ``quantization_config`` loads with FP8 linears; with
     ``quantization="fp8"`` an unquantized one is quantized as it loads
     (:mod:`pdserve.models.quantization`). ``model_options`` go to the model's
-    constructor (e.g. ``with_mtp=True``, ``groups=`` a rank's parallel groups)."""
+    constructor (e.g. ``with_mtp=True``, ``groups=`` a rank's
+    :class:`~pdserve.distributed.groups.ParallelGroups`). A rank skips the checkpoint
+    tensors of other ranks (``CausalLM.is_foreign_tensor``): from files it reads only its
+    own; with ``dummy`` it draws every tensor in order and keeps its own, so it holds the
+    values a single process would."""
     config = load_hf_config(model_dir)
     fp8 = resolve_quantization(config, quantization)
     model_cls = _model_class(config, fp8, model_options)
@@ -135,8 +139,9 @@ def load_model(
         stream = _weight_stream(model, fp8)
         specs = full_checkpoint_specs(config, torch_dtype)  # the order make-checkpoint draws in
         gen = torch.Generator(device=target).manual_seed(seed)
-        tensors = random_tensors(list(specs), specs, gen, target)
-        model.load_weights(stream(_take_shards(tensors, model.checkpoint_shards())))
+        drawn = random_tensors(list(specs), specs, gen, target)
+        mine = ((n, t) for n, t in drawn if not model.is_foreign_tensor(n))
+        model.load_weights(stream(_take_shards(mine, model.checkpoint_shards())))
         return model.eval(), config
     if load_format != "auto":
         raise ValueError(f"load_format must be auto or dummy, got {load_format!r}")
@@ -225,9 +230,10 @@ def _load_file(
     except Exception as e:  # safetensors raises its own error types for corrupt files
         raise ValueError(f"cannot read safetensors file {path}: {e}") from e
     with handle as f:
-        names = list(f.keys())
+        stored = f.keys()
+        names = [n for n in stored if not model.is_foreign_tensor(n)]
         if expected is not None:
-            absent = expected - set(names)
+            absent = {n for n in expected if not model.is_foreign_tensor(n)} - set(names)
             if absent:
                 raise ValueError(
                     f"{path}: the index maps tensor {sorted(absent)[0]!r} here but the file "

@@ -134,7 +134,7 @@ def checkpoint_fp8_weights(model: nn.Module, cfg: Fp8Config) -> set[str]:
         if is_plain_linear(module):
             out.update(f"{p}.weight" for p in _parts(name, module) if not cfg.skips(p))
         elif isinstance(module, RoutedExperts) and not cfg.skips(name):
-            for e in range(module.num_experts):
+            for e in module.local_expert_ids:
                 views = module.expert_views(e)
                 out.update(f"{name}.{e}.{part}" for part in views if part.endswith(".weight"))
     return out

@@ -65,6 +65,11 @@ class CausalLM(nn.Module, ABC):
     def checkpoint_tensor_names(self) -> set[str]:
         """The HF tensor names a complete checkpoint provides for this model."""
 
+    def is_foreign_tensor(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` belongs to another rank of the instance (the
+        loader skips it: an expert-parallel rank reads only its own experts)."""
+        return False
+
     def checkpoint_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """HF tensor name → (shape, dtype) of a complete checkpoint, in a fixed order.
 

@@ -103,6 +103,12 @@ class DraftGraphManager:
         self.capture_seconds = time.perf_counter() - t0
         logger.info("captured %d MTP draft graphs in %.1fs", len(self.graphs), self.capture_seconds)
 
+    def replay_inert(self, padded: int, q: int) -> None:
+        """Replay the proposal of (``padded``, ``q``) with every row inert: an idle data-
+        parallel rank matching its peers' collectives (its drafts are dropped)."""
+        self._inert(0, padded, q)
+        self.graphs[(padded, q)].replay()
+
     def run(
         self,
         padded: int,

@@ -21,26 +21,6 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
-def rank_device(name: str, local_rank: int, num_ranks: int) -> str:
-    """The ``--device`` of local rank ``local_rank`` of ``num_ranks`` ranks on this host:
-    ``cuda:<base + local_rank>`` where ``name`` is ``cuda:<base>`` (``cuda`` and, with a
-    GPU, ``auto``: base 0; indices are among the visible devices), ``cpu`` for the CPU.
-    Refuses more ranks than visible GPUs from the base on."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(name)
-    if dev.type != "cuda":
-        return name
-    base = dev.index or 0
-    count = torch.cuda.device_count()
-    if base + num_ranks > count:
-        raise ValueError(
-            f"{num_ranks} ranks need GPUs cuda:{base}..cuda:{base + num_ranks - 1} (one per "
-            f"rank, from --device {name}) but {count} GPU(s) are visible"
-        )
-    return f"cuda:{base + local_rank}"
-
-
 def kv_budget_bytes(
     total: int, free: int, free_at_start: int, reserved: int, utilization: float
 ) -> tuple[int, int]:

@@ -11,27 +11,34 @@ sample. With a proposer (speculative decoding) the last ``num_drafts`` of a requ
 tokens are drafts: the logits of the last ``num_drafts + 1`` positions go through the
 rejection sampler, which accepts a prefix of the drafts plus one token, and the
 proposer drafts the next step's tokens from what was accepted, on the device.
+
+Data parallelism: each DP rank has its own runner on its own device (``groups``). Under
+expert parallelism (``lockstep``) every :meth:`ModelRunner.launch` gets the step's
+:class:`~pdserve.distributed.dp_sync.StepPlan`: the graph decision follows the plan (all
+ranks replay the same graph or all run eagerly), and a rank with nothing scheduled runs
+a dummy forward (:mod:`pdserve.runner.dummy_step`) whenever a peer runs a real one.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from pdserve.config import EngineConfig, SpeculativeConfig
 from pdserve.core_types.cache_spec import KVCacheConfig
-from pdserve.core_types.sampling_params import MAX_LOGPROBS
 from pdserve.core_types.scheduler_output import RunnerOutput, SchedulerOutput
 from pdserve.core_types.utils import cdiv
+from pdserve.distributed.dp_sync import StepPlan
 from pdserve.distributed.groups import ParallelGroups
 from pdserve.forward_context import KVCaches
+from pdserve.layers.moe import MoE
 from pdserve.layers.sampler import Sampler, top_logprobs
 from pdserve.runner.cuda_graph import CudaGraphManager
 from pdserve.runner.draft_graph import DraftGraphManager
+from pdserve.runner.dummy_step import DummyStep, plan_graph_key
 from pdserve.runner.input_batch import InputBatch
 from pdserve.runner.input_buffers import InputBuffers
 from pdserve.runner.memory import (
@@ -41,14 +48,14 @@ from pdserve.runner.memory import (
 )
 from pdserve.runner.model_step import ModelStep, collect_cache_layers
 from pdserve.runner.prompt_logprobs import (
-    PromptLogprobsHost,
     PromptLogprobsPlan,
     Scored,
     piece_rows,
     plan_prompt_logprobs,
     score_prompt_rows,
 )
-from pdserve.runner.step_inputs import InFlight, StepInputs, StepPreparer
+from pdserve.runner.step_inputs import StepInputs, StepPreparer
+from pdserve.runner.step_outputs import HostOutputs, StepHandle, ragged
 from pdserve.runner.warmup import dummy_prompt_run, warm_up
 from pdserve.spec_decode.mtp import MTPProposer
 from pdserve.spec_decode.ngram import NgramProposer
@@ -56,54 +63,6 @@ from pdserve.spec_decode.proposer import DraftBatch, Proposer
 from pdserve.spec_decode.rejection_sampler import rejection_sample, token_logprobs
 
 logger = logging.getLogger(__name__)
-
-
-class _HostOutputs:
-    """Pinned host copies of one step's results (two slots alternate: a step's results
-    land in one while the next step is prepared and launched with the other)."""
-
-    def __init__(self, max_reqs: int, width: int, pin: bool) -> None:
-        self.tokens = torch.zeros((max_reqs, width), dtype=torch.int64, pin_memory=pin)
-        self.num = torch.zeros(max_reqs, dtype=torch.int64, pin_memory=pin)
-        self.logprobs = torch.zeros((max_reqs, width), dtype=torch.float32, pin_memory=pin)
-        self.drafts = torch.zeros((max_reqs, max(width - 1, 1)), dtype=torch.int64, pin_memory=pin)
-        top = (max_reqs, width, MAX_LOGPROBS)
-        self.top_ids = torch.zeros(top, dtype=torch.int64, pin_memory=pin)
-        self.top_lps = torch.zeros(top, dtype=torch.float32, pin_memory=pin)
-        self.pin = pin
-        self.prompt: PromptLogprobsHost | None = None  # made at the first prompt_logprobs step
-
-    def prompt_host(self, max_tokens: int) -> PromptLogprobsHost:
-        if self.prompt is None:
-            self.prompt = PromptLogprobsHost(max_tokens, self.pin)
-        return self.prompt
-
-
-@dataclass
-class StepHandle:
-    """A launched step: its inputs, and its results on their way to the host."""
-
-    inp: StepInputs | None  # None for an empty step
-    path: str = "eager"
-    host: _HostOutputs | None = None
-    width: int = 1  # accepted tokens per request at most (1 + drafts)
-    has_num: bool = False
-    has_logprobs: bool = False
-    has_drafts: bool = False
-    num_top: int = 0  # top logprobs per token copied to the host
-    done_event: torch.cuda.Event | None = None
-    flight: InFlight | None = None
-    prompt_plan: PromptLogprobsPlan | None = None  # prompt_logprobs scored this step
-
-
-def _ragged(values: np.ndarray, num: np.ndarray | None, samples: np.ndarray) -> list[list]:
-    """Row ``i``'s first ``num[i]`` values (all counts 1 when ``num`` is None), [] where
-    the request sampled nothing."""
-    if num is None:
-        return [
-            [x] if s else [] for x, s in zip(values[:, 0].tolist(), samples.tolist(), strict=True)
-        ]
-    return [values[i, : num[i]].tolist() if samples[i] else [] for i in range(len(samples))]
 
 
 class ModelRunner:
@@ -115,12 +74,13 @@ class ModelRunner:
         self,
         config: EngineConfig,
         proposer: Proposer | None = None,
-        groups: ParallelGroups = ParallelGroups(),
+        groups: ParallelGroups | None = None,
     ) -> None:
         from pdserve.models.loader import load_model
 
         self.config = config
-        self.groups = groups
+        self.groups = groups if groups is not None else ParallelGroups()
+        # a rank's process put its own device into the config (core_proc, tp_workers)
         self.device = resolve_device(config.device.device)
         self._free_at_start = 0
         if self.device.type == "cuda":
@@ -128,7 +88,9 @@ class ModelRunner:
             self._free_at_start = torch.cuda.mem_get_info(self.device)[0]
         t0 = time.perf_counter()
         spec = config.speculative
-        mtp = {"with_mtp": True} if spec is not None and spec.method == "mtp" else {}
+        options: dict[str, object] = {"groups": self.groups}
+        if spec is not None and spec.method == "mtp":
+            options["with_mtp"] = True
         self.model, self.hf_config = load_model(
             config.model.model,
             config.model.dtype,
@@ -136,10 +98,13 @@ class ModelRunner:
             load_format=config.model.load_format,
             seed=config.model.seed,
             quantization=config.model.quantization,
-            groups=groups,
-            **mtp,
+            **options,
         )
         self.model.eval()
+        # expert parallelism: MoE layers are collectives, every step runs on every rank
+        self.lockstep = self.groups.ep.size > 1 and any(
+            isinstance(m, MoE) for m in self.model.modules()
+        )
         self.dtype = self.model.dtype  # FP8 linears keep their activations in this dtype
         self.load_seconds = time.perf_counter() - t0
         hc = self.hf_config
@@ -212,8 +177,10 @@ class ModelRunner:
         self.draft_graphs: DraftGraphManager | None = None
         self._graph_key: tuple[int, int] | None = None  # the graph the last step replayed
         pin = self.device.type == "cuda"
-        self._host = [_HostOutputs(self.max_num_reqs, self.num_spec + 1, pin) for _ in range(2)]
+        self._host = [HostOutputs(self.max_num_reqs, self.num_spec + 1, pin) for _ in range(2)]
         self._slot = 0
+        mtp_passes = self.num_spec if isinstance(self.proposer, MTPProposer) else 0
+        self.dummy = DummyStep(self.step, mtp_passes) if self.lockstep else None
 
     def _build_proposer(self, spec: SpeculativeConfig) -> Proposer:
         if spec.method == "ngram":
@@ -348,22 +315,27 @@ class ModelRunner:
         for cached in so.scheduled_cached_reqs:
             self.batch.update(cached)
 
-    def execute_model(self, so: SchedulerOutput) -> RunnerOutput:
+    def execute_model(self, so: SchedulerOutput, plan: StepPlan | None = None) -> RunnerOutput:
         """Run one step to the end: :meth:`launch` then :meth:`finish`."""
-        return self.finish(self.launch(so))
+        return self.finish(self.launch(so, plan))
 
     @torch.inference_mode()
-    def launch(self, so: SchedulerOutput) -> StepHandle:
+    def launch(self, so: SchedulerOutput, plan: StepPlan | None = None) -> StepHandle:
         """Enqueue the step's forward, sampling and drafting on the device and start
         copying the results to the host; returns without waiting for the device. The
         next step may be launched before this one is finished: what it needs from this
-        one is read on the device (:meth:`StepPreparer.prepare`)."""
+        one is read on the device (:meth:`StepPreparer.prepare`). ``plan``: the DP
+        ranks' agreement for this step (``lockstep`` runners get one every step)."""
+        if self.lockstep and plan is None:
+            raise RuntimeError("an expert-parallel runner needs the DP step plan every step")
         self._update_states(so)
         if so.is_empty:
+            if plan is not None and plan.any_busy:
+                return StepHandle(None, self._dummy_forward(plan))
             return StepHandle(None)
         inp = self.prep.prepare(so)
-        hidden, logits, path = self._forward(inp)
-        plan, scored = self._score_prompts(inp, hidden)
+        hidden, logits, path = self._forward(inp, plan)
+        pplan, scored = self._score_prompts(inp, hidden)
         tokens, num, lp = self._sample(inp, logits)
         top = self._top_logprobs(inp, logits, tokens.shape[1])
         drafts = self._propose(inp, hidden, tokens, num)
@@ -400,14 +372,14 @@ class ModelRunner:
             num_top,
             event,
             flight,
-            plan,
+            pplan,
         )
 
     def finish(self, handle: StepHandle) -> RunnerOutput:
         """Wait for a launched step and return what it accepted (the step's one host sync)."""
         inp = handle.inp
         if inp is None:
-            return RunnerOutput([], [])
+            return RunnerOutput([], [], step_path=handle.path)
         host = handle.host
         assert host is not None
         if handle.done_event is not None:
@@ -418,11 +390,11 @@ class ModelRunner:
         num = host.num[:n].numpy() if handle.has_num else np.ones(n, dtype=np.int64)
         self._record_sampled(inp, tokens, num)
         samples = inp.samples
-        sampled = _ragged(tokens, num if handle.has_num else None, samples)
+        sampled = ragged(tokens, num if handle.has_num else None, samples)
         logprobs = None
         if handle.has_logprobs:
             lp = host.logprobs[:n, :w].numpy()
-            logprobs = _ragged(lp, num if handle.has_num else None, samples)
+            logprobs = ragged(lp, num if handle.has_num else None, samples)
         drafts = None
         if handle.has_drafts:
             d = host.drafts[:n, : self.num_spec].numpy()
@@ -431,8 +403,8 @@ class ModelRunner:
         if handle.num_top:
             k = handle.num_top
             per = num if handle.has_num else None
-            out.top_token_ids = _ragged(host.top_ids[:n, :w, :k].numpy(), per, samples)
-            out.top_logprobs = _ragged(host.top_lps[:n, :w, :k].numpy(), per, samples)
+            out.top_token_ids = ragged(host.top_ids[:n, :w, :k].numpy(), per, samples)
+            out.top_logprobs = ragged(host.top_lps[:n, :w, :k].numpy(), per, samples)
         if handle.prompt_plan is not None:
             out.prompt_logprobs = host.prompt_host(self.max_num_tokens).read(handle.prompt_plan)
         return out
@@ -458,22 +430,39 @@ class ModelRunner:
         rows = piece_rows(self.vocab_size)
         return plan, score_prompt_rows(hidden, plan, self.step.logits, rows)
 
-    def _forward(self, inp: StepInputs) -> tuple[torch.Tensor, torch.Tensor, str]:
+    def _dummy_forward(self, plan: StepPlan) -> str:
+        """An idle rank's forward for a step a peer computes (see ``dummy_step``)."""
+        assert self.dummy is not None
+        key = plan_graph_key(self.graphs, plan)
+        self._graph_key = None
+        if key is None:
+            self.dummy.run_eager()
+            return "dummy:eager"
+        assert self.graphs is not None
+        self.prep.wait_staging()  # fill_padding rewrites the pinned staging buffers
+        self.dummy.run_graph(self.graphs, self.draft_graphs, *key)
+        self.prep.mark_staging_read()
+        return "dummy:graph"
+
+    def _forward(
+        self, inp: StepInputs, plan: StepPlan | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, str]:
         """(hidden states of every scheduled token, logits of the sampled rows, path),
         from a graph replay or an eager forward.
 
         The path is "graph", or "eager:<why>": graphs_off, not_uniform_decode (a prompt,
-        a chunk or a mixed batch), no_graph_for_shape (more requests than the largest
-        capture)."""
+        a chunk or a mixed batch; with a DP ``plan``: on any busy rank), no_graph_for_shape
+        (more requests than the largest capture; with a plan: on the busiest rank)."""
         nreq, t = len(inp.req_ids), inp.num_tokens
-        q = inp.uniform_query_len
+        q = inp.uniform_query_len if plan is None else plan.uniform_q
+        size = nreq if plan is None else plan.max_reqs
         self._graph_key = None
         if self.graphs is None:
             path = "eager:graphs_off"
         elif q is None or q not in self.graphs.query_lens:
             path = "eager:not_uniform_decode"  # prompts, chunks, mixed batches
         else:
-            padded = self.graphs.padded_size(nreq, q)
+            padded = self.graphs.padded_size(size, q)
             self._graph_key = (padded, q) if padded is not None else None
             if padded is not None:
                 self.buffers.fill_padding(nreq, t, padded, q)

@@ -93,10 +93,14 @@ class StepPreparer:
                 self._staging_free = torch.cuda.Event()
             self._staging_free.record()
 
+    def wait_staging(self) -> None:
+        """Block until the previous step's uploads have read the pinned staging buffers."""
+        if self._staging_free is not None:
+            self._staging_free.synchronize()
+
     def prepare(self, so: SchedulerOutput) -> StepInputs:
         b, buf = self.batch, self.buf
-        if self._staging_free is not None:
-            self._staging_free.synchronize()  # the previous step's uploads have been read
+        self.wait_staging()  # the previous step's uploads have been read
         req_ids = list(so.num_scheduled_tokens)
         nreq = len(req_ids)
         rows = np.fromiter((b.row_of[r] for r in req_ids), dtype=np.int64, count=nreq)

@@ -185,3 +185,23 @@ def devices(v: Any, path: str) -> tuple[int, ...] | None:
     if dup:
         raise TopologyError(f"{path}: GPU id(s) {dup} listed twice in {v!r}")
     return tuple(ids)
+
+
+PARALLEL_FLAGS = ("--tensor-parallel-size", "--data-parallel-size")
+
+
+def parallel_sizes(args: Sequence[str], path: str) -> tuple[int, int]:
+    """(``--tensor-parallel-size``, ``--data-parallel-size``) of ``pdserve serve`` flags
+    (the last of each wins; 1 when absent). The instance runs their product of ranks,
+    one GPU each."""
+    sizes = dict.fromkeys(PARALLEL_FLAGS, 1)
+    for i, a in enumerate(args):
+        flag, eq, value = a.partition("=")
+        if flag not in sizes:
+            continue
+        if not eq:
+            value = args[i + 1] if i + 1 < len(args) else ""
+        if not value.isdigit() or int(value) < 1:
+            raise TopologyError(f"{path}: {flag} needs a positive integer (got {value!r})")
+        sizes[flag] = int(value)
+    return sizes[PARALLEL_FLAGS[0]], sizes[PARALLEL_FLAGS[1]]

@@ -203,6 +203,8 @@ class InstanceSpec:
     env: dict[str, str] = field(default_factory=dict)
     startup_timeout: float | None = None
     placement: InstancePlacement = field(default_factory=InstancePlacement)
+    ranks: int = 1  # --tensor-parallel-size x --data-parallel-size: one GPU each
+    data_parallel_size: int = 1  # its engine cores; DP rank r serves KV on port + r
 
     def replica_devices(self, i: int) -> tuple[int, ...] | None:
         if self.devices is None:
@@ -496,6 +498,14 @@ def _instance(raw: Any, path: str, top: Topology) -> InstanceSpec:
         )
     if top.placement.ray:
         check_ray_fields(d, path)
+    args = f.flags(d, "args", path, _instance_flags(top.served_model_name is not None))
+    tp, dp = f.parallel_sizes((*top.common_args, *args), f"{path}.args")
+    ranks = tp * dp
+    if devices is not None and len(devices) // replicas < ranks:
+        raise TopologyError(
+            f"{path}.devices: each replica gets {len(devices) // replicas} GPU(s) but runs "
+            f"{ranks} rank(s) (--tensor-parallel-size x --data-parallel-size, one GPU each)"
+        )
     model = f.text(d, "model", path, None)
     if model is None and top.model is None:
         raise TopologyError(
@@ -513,11 +523,13 @@ def _instance(raw: Any, path: str, top: Topology) -> InstanceSpec:
         port=port,
         devices=devices,
         replicas=replicas,
-        args=f.flags(d, "args", path, _instance_flags(top.served_model_name is not None)),
+        args=args,
         model=model,
         env=f.env_vars(d, "env", path),
         startup_timeout=f.seconds(d, "startup_timeout", path, None),
         placement=parse_instance_placement(d.get("placement"), path, top.placement),
+        ranks=ranks,
+        data_parallel_size=dp,
     )
 
 
@@ -552,8 +564,10 @@ def _check_whole(top: Topology, instances: tuple[InstanceSpec, ...]) -> tuple[st
             f"kv_transfer.extra_config.port: all {n_pd} prefill/decode processes would bind "
             f"KV port {kv_port}; leave it out (each instance then picks a free port)"
         )
-    if isinstance(kv_port, int) and n_pd == 1:
-        claim(kv_port, "the KV server", "kv_transfer.extra_config.port")
+    if isinstance(kv_port, int) and n_pd == 1:  # DP rank r serves on kv_port + r
+        dp = next(x.data_parallel_size for x in instances if x.role in KV_ROLES)
+        for r in range(dp):
+            claim(kv_port + r, "the KV server", "kv_transfer.extra_config.port")
     if top.proxy is not None:
         n = {role: sum(x.replicas for x in instances if x.role == role) for role in ROLES}
         if n["prefill"] == 0 and n["decode"] == 0:
