@@ -132,8 +132,8 @@ def test_step_n_plus_1_is_launched_before_step_n_is_finished(tiny_llama: Path) -
     launch, finish = runner.launch, runner.finish
     handles: dict[int, int] = {}
 
-    def spy_launch(so):  # type: ignore[no-untyped-def]
-        h = launch(so)
+    def spy_launch(so, *plan):  # type: ignore[no-untyped-def]
+        h = launch(so, *plan)
         handles[id(h)] = len(handles)
         calls.append(("launch", handles[id(h)]))
         return h
