@@ -57,6 +57,15 @@ async def _worker(
         i += 1
 
 
+def _gone(pid: int) -> bool:
+    """The process has exited (reaped, or a zombie nobody reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_killed_decode_is_restarted_and_only_in_flight_requests_fail(
@@ -91,8 +100,13 @@ def test_killed_decode_is_restarted_and_only_in_flight_requests_fail(
                 while len([o for o in outcomes if o.status == 200]) < 6:  # warm
                     assert time.monotonic() < deadline, outcomes[-3:]
                     await asyncio.sleep(0.1)
-                kill_at.append(time.monotonic())
                 os.killpg(victim.pid, signal.SIGKILL)  # the instance and its engine core
+                # the kill takes effect when the process is gone (its sockets closed): a
+                # request sent before that was in flight on the instance
+                while not await asyncio.to_thread(_gone, victim.pid):
+                    assert time.monotonic() < deadline, "decode-0 did not die"
+                    await asyncio.sleep(0.005)
+                kill_at.append(time.monotonic())
                 while not await asyncio.to_thread(restarted_and_serving):
                     assert time.monotonic() < deadline, "decode-0 was not restarted in time"
                     await asyncio.sleep(0.5)
