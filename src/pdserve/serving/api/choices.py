@@ -33,6 +33,7 @@ from pdserve.serving.api.generate import (
     engine_failure,
     make_usage,
     run_until_disconnect,
+    start_and_wait,
 )
 from pdserve.serving.api.protocol import (
     ChatCompletionResponse,
@@ -214,19 +215,5 @@ async def open_choices(
     engine rejection is still a plain HTTP 400). The caller owns the returned
     :class:`Choices` and must ``close`` them."""
     choices = Choices(ctx, job)
-    try:
-        choices.start()
-        first = await run_until_disconnect(request.receive, choices.requests[0].next_output())
-    except ClientDisconnected:
-        choices.close()
-        return None
-    except (ValueError, APIError):
-        choices.close()
-        raise
-    except Exception as e:
-        choices.close()
-        raise await engine_failure(ctx, e) from e
-    except BaseException:
-        choices.close()
-        raise
-    return choices, first
+    first = await start_and_wait(ctx, choices, choices.requests[0].next_output, request)
+    return None if first is None else (choices, first[0])

@@ -24,7 +24,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from starlette.requests import Request
 from starlette.types import Receive
@@ -309,22 +309,40 @@ async def open_stream(
     the client went away. The caller owns the returned request and must ``close`` it
     (the :class:`~pdserve.serving.api.streaming.SSEResponse` does)."""
     er = EngineRequest(ctx, job)
+    first = await start_and_wait(ctx, er, er.next_output, request)
+    return None if first is None else (er, first[0])
+
+
+class _Startable(Protocol):
+    def start(self) -> None: ...
+    def close(self) -> None: ...
+
+
+async def start_and_wait(
+    ctx: ServingContext,
+    handle: _Startable,
+    first_output: Callable[[], Awaitable[RequestOutput | None]],
+    request: Request,
+) -> tuple[RequestOutput | None] | None:
+    """Start ``handle`` and wait for ``first_output()`` (returned as a 1-tuple), or
+    ``None`` when the client went away; on any failure ``handle`` is closed before the
+    error propagates (an engine failure becomes its API error)."""
     try:
-        er.start()
-        first = await run_until_disconnect(request.receive, er.next_output())
+        handle.start()
+        first = await run_until_disconnect(request.receive, first_output())
     except ClientDisconnected:
-        er.close()
+        handle.close()
         return None
     except (ValueError, APIError):
-        er.close()
+        handle.close()
         raise
     except Exception as e:
-        er.close()
+        handle.close()
         raise await engine_failure(ctx, e) from e
     except BaseException:
-        er.close()
+        handle.close()
         raise
-    return er, first
+    return (first,)
 
 
 def make_usage(
