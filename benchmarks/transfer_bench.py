@@ -9,7 +9,8 @@ into its own cache through a handshaken ``PeerLink`` and times
 - ``copy``: the transport's write alone (cuda_ipc: one kernel launch; nixl: one READ);
 - ``transfer``: read request + copy + done notice (what the engine's
   ``pdserve:kv_transfer_time_seconds`` measures);
-- ``bound``: a device-to-device copy of the same bytes, measured here in the same call.
+- ``bound``: a device-to-device copy of the same bytes, measured here in the same call
+  (with ``--prefill-device`` on another GPU: a peer copy from that GPU to this one).
 
 Each point is the median of ``--reps`` reads after one warm-up read per transport (the
 handshake, mapping and kernel compile). The copied blocks are checked against prefill's.
@@ -20,6 +21,9 @@ colocated engine's. A tiny random Llama checkpoint is made unless ``--ckpt`` is 
 
     # H200 (about 1-2 minutes):
     python3 benchmarks/transfer_bench.py --out $OUT/transfer.json
+    # two GPUs of one host (prefill on cuda:1, decode here on cuda:0):
+    python3 benchmarks/transfer_bench.py --device cuda:0 --prefill-device cuda:1 \
+        --transports cuda_ipc,tcp --no-equality --out $OUT/transfer_x2.json
     # CPU smoke run (tcp and nixl, small geometry):
     python3 benchmarks/transfer_bench.py --device cpu --layers 2 --lens 64,256 \\
         --transports tcp,nixl --out /tmp/transfer.json
@@ -72,7 +76,7 @@ def prefill_side(args: argparse.Namespace, conn) -> None:  # type: ignore[no-unt
     from pdserve.kv_transfer.server import KVServer
     from pdserve.kv_transfer.transports import open_transport
 
-    dev = torch.device(args.device)
+    dev = torch.device(args.prefill_device)
     caches = KVCaches.allocate(
         cache_config(args.layers, args.heads, args.head_dim), args.blocks, dev
     )
@@ -111,18 +115,20 @@ def prefill_side(args: argparse.Namespace, conn) -> None:  # type: ignore[no-unt
         t.close()
 
 
-def _timed_copy_bound(nbytes: int, dev: torch.device) -> float:
-    """Seconds of one device-to-device copy of ``nbytes`` (best of 3)."""
-    a = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    b = torch.empty_like(a)
+def _timed_copy_bound(nbytes: int, dev: torch.device, src: torch.device) -> float:
+    """Seconds of one copy of ``nbytes`` from ``src`` to ``dev`` (best of 3)."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=src)
+    b = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     best = float("inf")
     for _ in range(3):
         if dev.type == "cuda":
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            b.copy_(a)
-            e.record()
-            e.synchronize()
+            torch.cuda.synchronize(src)
+            with torch.cuda.device(dev):  # timed on the destination's stream
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                b.copy_(a)
+                e.record()
+                e.synchronize()
             best = min(best, s.elapsed_time(e) / 1e3)
         else:
             t0 = time.perf_counter()
@@ -171,7 +177,7 @@ def _reads(args, name, link, caches, sample) -> list[dict]:  # type: ignore[no-u
         n = len(held_blocks(length))
         got = [read(f"{length}-{r}", n) for r in range(args.reps)]
         nbytes = n * cfg.bytes_per_block
-        bound = _timed_copy_bound(nbytes, dev)
+        bound = _timed_copy_bound(nbytes, dev, torch.device(args.prefill_device))
         copy = statistics.median(c for c, _ in got)
         total = statistics.median(x for _, x in got)
         rows.append(
@@ -333,6 +339,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="JSON results path")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--prefill-device", default=None, help="default: --device")
     ap.add_argument(
         "--transports", default=None, help="default: cuda_ipc,nixl (nixl if importable)"
     )
@@ -344,10 +351,15 @@ def main() -> int:
     ap.add_argument("--ckpt", default=None, help="equality model (default: a tiny random Llama)")
     ap.add_argument("--no-equality", action="store_true")
     args = ap.parse_args()
+    args.prefill_device = args.prefill_device or args.device
     os.environ.setdefault(SECRET_ENV, new_secret())  # the engines' side channel (inherited)
     args.lens = sorted(int(x) for x in args.lens.split(","))
     args.blocks = len(held_blocks(max(args.lens))) + 64
-    res: dict = {"device": torch.cuda.get_device_name() if args.device != "cpu" else "cpu"}
+    res: dict = {
+        "device": torch.cuda.get_device_name() if args.device != "cpu" else "cpu",
+        "decode_device": args.device,
+        "prefill_device": args.prefill_device,
+    }
     try:
         from pdserve.kv_transfer.transports.nixl import load_nixl
 

@@ -26,10 +26,12 @@ def filled_caches(cfg: KVCacheConfig, num_blocks: int, device: str, seed: int) -
     return caches
 
 
-def export_caches(cfg: KVCacheConfig, num_blocks: int, seed: int, conn: Connection) -> None:
+def export_caches(
+    cfg: KVCacheConfig, num_blocks: int, seed: int, conn: Connection, device: str = "cuda"
+) -> None:
     from pdserve.kv_transfer.transports.cuda_ipc import CudaIpcServer
 
-    caches = filled_caches(cfg, num_blocks, "cuda", seed)
+    caches = filled_caches(cfg, num_blocks, device, seed)
     torch.cuda.synchronize()
     conn.send(CudaIpcServer(caches).transport_info())
     conn.recv()  # keep the memory alive until the test is done with it

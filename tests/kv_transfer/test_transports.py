@@ -4,6 +4,8 @@ cuda_ipc on a GPU)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -71,8 +73,15 @@ def test_tcp_refuses_a_frame_of_the_wrong_size() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("remote,local", [([7, 2, 3], [1, 5, 6]), ([2, 3, 4], [5, 6, 7])])
-def test_cuda_ipc_copies_every_group(remote: list[int], local: list[int]) -> None:
+@pytest.mark.parametrize(
+    "remote,local,src",
+    [
+        ([7, 2, 3], [1, 5, 6], "cuda:0"),
+        ([2, 3, 4], [5, 6, 7], "cuda:0"),
+        ([7, 2, 3], [1, 5, 6], "cuda:1"),  # prefill on another GPU: a peer mapping
+    ],
+)
+def test_cuda_ipc_copies_every_group(remote: list[int], local: list[int], src: str) -> None:
     """The exporting side runs in a child process (CUDA opens no IPC handle in the
     process that made it); both sides draw the same contents from one seed."""
     import multiprocessing as mp
@@ -80,17 +89,56 @@ def test_cuda_ipc_copies_every_group(remote: list[int], local: list[int]) -> Non
     from _ipc_peer import export_caches
     from pdserve.kv_transfer.transports.cuda_ipc import CudaIpcClient
 
+    if torch.device(src).index and torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
     cfg = _config(torch.bfloat16)
     parent, child = mp.get_context("spawn").Pipe()
-    proc = mp.get_context("spawn").Process(target=export_caches, args=(cfg, NUM_BLOCKS, 0, child))
+    proc = mp.get_context("spawn").Process(
+        target=export_caches, args=(cfg, NUM_BLOCKS, 0, child, src)
+    )
     proc.start()
     try:
         assert parent.poll(120), "the exporting process did not answer"
         info = parent.recv()
-        dst = KVCaches.allocate(cfg, NUM_BLOCKS, torch.device("cuda"))
-        moved = CudaIpcClient(dst, info).write(remote, local, [])
+        dst = KVCaches.allocate(cfg, NUM_BLOCKS, torch.device("cuda:0"))
+        client = CudaIpcClient(dst, info)
+        assert client.peer == (src != "cuda:0")
+        moved = client.write(remote, local, [])
         assert moved == cfg.bytes_per_block * len(local)
         _check_copied(filled_caches(cfg, NUM_BLOCKS, "cuda", 0), dst, remote, local)
     finally:
         parent.send("stop")
         proc.join(30)
+
+
+def test_cuda_ipc_maps_on_decodes_own_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill's device number is its own; decode opens every handle on its device, tells
+    one GPU from a peer by UUID, and refuses a visible pair without peer access."""
+    from pdserve.kv_transfer.transports import cuda_ipc as ipc
+
+    uuids = {0: "GPU-a", 1: "GPU-b"}
+    peer_ok = {(0, 1): False}
+    monkeypatch.setattr(ipc, "gpu_uuid", lambda d: uuids[d.index or 0])
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: peer_ok[(a, b)])
+    dev = torch.device("cuda", 0)
+    assert ipc.check_peer(dev, None) is False  # an older prefill: no UUID sent
+    assert ipc.check_peer(dev, "GPU-a") is False
+    with pytest.raises(RuntimeError, match="no peer access.*tcp or nixl"):
+        ipc.check_peer(dev, "GPU-b")
+    peer_ok[(0, 1)] = True
+    assert ipc.check_peer(dev, "GPU-b") is True
+    assert ipc.check_peer(dev, "GPU-c") is True  # a GPU this process cannot see: CUDA maps it
+
+    opened: list[int] = []
+
+    def rebuild(*args: object) -> object:
+        opened.append(args[6])  # type: ignore[arg-type]
+        return SimpleNamespace(device=torch.device("cuda", args[6]))  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ipc, "rebuild_cuda_tensor", rebuild)
+    d = {k: 0 for k in ("offset", "size_bytes", "offset_bytes", "rc_offset")}
+    d |= {"size": [1], "stride": [1], "dtype": "bfloat16", "device": 5, "handle": b"h"}
+    d |= {"rc_handle": b"r", "ev_handle": None, "ev_sync": False}
+    assert ipc.import_tensor(d, torch.device("cuda", 1)).device == torch.device("cuda", 1)
+    assert opened == [1]  # decode's device, not prefill's number (5)

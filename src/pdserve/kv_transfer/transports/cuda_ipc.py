@@ -2,7 +2,15 @@
 handshake, and copies blocks device to device: every block of every layer and cache
 group in one kernel launch over address tables made at the handshake
 (``block_copy``). Nothing goes through host memory and the prefill side only answers
-the control message. The copy runs on a side stream; the puller sends the peer's
+the control message.
+
+Prefill and decode may be on one GPU or on two GPUs of the host. Prefill names its GPU
+by UUID (process-local device numbers differ under ``CUDA_VISIBLE_DEVICES``), and decode
+always opens the handles on its own device: on another GPU, CUDA maps the memory with
+peer access enabled (NVLink or PCIe peer-to-peer, even for a GPU the decode process
+cannot see), so the same copy kernel, launched on decode's device, reads prefill's
+memory over the link. GPUs without peer access between them cannot map each other's
+memory: the handshake then fails with a message pointing at ``tcp`` or ``nixl``. The copy runs on a side stream; the puller sends the peer's
 queued heartbeats and done notices while it runs, and reports the read once the
 copy's event has completed.
 
@@ -68,7 +76,42 @@ def export_tensor(t: torch.Tensor) -> dict[str, Any]:
     }
 
 
+def gpu_uuid(device: torch.device) -> str:
+    """The physical GPU's UUID (the same string in every process on the host)."""
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def visible_index(uuid: str) -> int | None:
+    """This process's number for the GPU with ``uuid``, if it can see that GPU."""
+    for i in range(torch.cuda.device_count()):
+        if gpu_uuid(torch.device("cuda", i)) == uuid:
+            return i
+    return None
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def check_peer(local_device: torch.device, remote_uuid: str | None) -> bool:
+    """Whether prefill's GPU is another one than ``local_device`` (a peer mapping);
+    refuses a visible GPU pair without peer access before any handle is opened."""
+    if remote_uuid is None or remote_uuid == gpu_uuid(local_device):
+        return False
+    remote, local = visible_index(remote_uuid), _index(local_device)
+    if remote is not None and not torch.cuda.can_device_access_peer(local, remote):
+        raise RuntimeError(
+            f"cuda_ipc: decode's GPU (cuda:{local}) has no peer access to prefill's GPU "
+            f"(cuda:{remote}, {remote_uuid}); use transport tcp or nixl between them"
+        )
+    return True
+
+
 def import_tensor(d: dict[str, Any], local_device: torch.device) -> torch.Tensor:
+    """Map an exported tensor into ``local_device``'s address space: prefill's own
+    device number means nothing here, the memory is opened on decode's device (mapped
+    peer to peer when it lives on another GPU)."""
+    index = _index(local_device)
     t = rebuild_cuda_tensor(
         torch.Tensor,
         torch.Size(d["size"]),
@@ -76,7 +119,7 @@ def import_tensor(d: dict[str, Any], local_device: torch.device) -> torch.Tensor
         d["offset"],
         torch.storage.TypedStorage,
         getattr(torch, d["dtype"]),
-        d["device"],
+        index,
         d["handle"],
         d["size_bytes"],
         d["offset_bytes"],
@@ -86,10 +129,7 @@ def import_tensor(d: dict[str, Any], local_device: torch.device) -> torch.Tensor
         d["ev_handle"],
         d["ev_sync"],
     )
-    if t.device != local_device:
-        raise RuntimeError(
-            f"cuda_ipc maps prefill memory on {t.device}, decode runs on {local_device}"
-        )
+    assert t.device.index == index, (t.device, index)
     return t
 
 
@@ -97,7 +137,10 @@ class CudaIpcServer(ServerTransport):
     def transport_info(self) -> dict[str, Any]:
         if not len(self.kv_caches) or self.kv_caches.device.type != "cuda":
             raise RuntimeError("the cuda_ipc transport needs the KV cache on a CUDA device")
-        return {"layers": [export_tensor(c) for _, _, c in self.kv_caches.layers()]}
+        return {
+            "layers": [export_tensor(c) for _, _, c in self.kv_caches.layers()],
+            "gpu": gpu_uuid(self.kv_caches.device),
+        }
 
     def read(self, block_ids: list[int]) -> list[bytes | memoryview]:
         return []  # the client copies from the mapped tensors itself
@@ -109,7 +152,19 @@ class CudaIpcClient(ClientTransport):
         dev = kv_caches.device
         if dev.type != "cuda":
             raise RuntimeError("the cuda_ipc transport needs the KV cache on a CUDA device")
-        self.remote = [import_tensor(d, dev) for d in transport_info["layers"]]
+        self.peer = check_peer(dev, transport_info.get("gpu"))
+        try:
+            self.remote = [import_tensor(d, dev) for d in transport_info["layers"]]
+        except RuntimeError as e:
+            if not self.peer:
+                raise
+            raise RuntimeError(
+                f"cuda_ipc: decode's GPU ({dev}) could not map prefill's KV cache on GPU "
+                f"{transport_info.get('gpu')} ({e}); GPUs without peer access between them "
+                "need transport tcp or nixl"
+            ) from e
+        if self.peer:
+            logger.info("cuda_ipc: prefill's cache is on another GPU, read peer to peer")
         if len(self.remote) != len(kv_caches):
             raise RuntimeError("prefill and decode have different cache layer counts")
         self._stream = torch.cuda.Stream(dev)
