@@ -158,3 +158,28 @@ def test_block_runs_coalesce_consecutive_blocks():
     assert block_runs([3, 2], [1, 2]) == [(3, 1, 1), (2, 2, 1)]
     with pytest.raises(ValueError):
         block_runs([1], [1, 2])
+
+
+def test_a_wildcard_kv_server_advertises_a_dialable_address(monkeypatch) -> None:
+    """kv_transfer_params carry the address decode dials: never 0.0.0.0."""
+    import socket
+
+    from pdserve.kv_transfer import server as srv
+
+    assert srv.advertised_host("10.0.0.5") == "10.0.0.5"
+    assert srv.advertised_host("0.0.0.0", "prefill-0.internal") == "prefill-0.internal"
+    got = srv.advertised_host("0.0.0.0")
+    assert got not in srv.WILDCARDS and not got.startswith("0.")
+
+    class NoRoute:
+        def __init__(self, *a: object) -> None: ...
+        def __enter__(self) -> "NoRoute":
+            return self
+
+        def __exit__(self, *a: object) -> None: ...
+        def connect(self, addr: object) -> None:
+            raise OSError("network is unreachable")
+
+    monkeypatch.setattr(socket, "socket", NoRoute)
+    assert srv.advertised_host("0.0.0.0") == "127.0.0.1"
+    assert srv.advertised_host("::") == "::1"

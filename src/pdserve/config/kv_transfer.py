@@ -20,7 +20,9 @@ class KVTransferConfig:
     Extras understood by ``PdConnector`` (``kv_connector_extra_config``):
     ``transport`` (tcp | cuda_ipc | nixl; nixl needs the optional ``nixl-cu13`` or
     ``nixl-cu12`` package), ``host`` and ``port`` of this instance's KV server
-    (default 127.0.0.1 and an ephemeral port), ``lease_seconds`` (initial lease on
+    (default 127.0.0.1 and an ephemeral port), ``advertise_host`` (the address put in
+    ``kv_transfer_params`` for decode to dial; default: ``host``, or for a wildcard
+    ``host`` such as 0.0.0.0 the address of this machine's default route), ``lease_seconds`` (initial lease on
     prefill-held blocks, default 30), ``handshake_timeout`` (s, default 5),
     ``transfer_timeout`` (s, default 60).
 
@@ -65,6 +67,7 @@ class KVTransferConfig:
         known = {
             "transport",
             "host",
+            "advertise_host",
             "port",
             "lease_seconds",
             "handshake_timeout",

@@ -33,7 +33,7 @@ from pdserve.kv_transfer.base import (
 from pdserve.kv_transfer.handler import KVRequestHandler, ServerLimits
 from pdserve.kv_transfer.lease import LeaseTable
 from pdserve.kv_transfer.puller import KVPuller
-from pdserve.kv_transfer.server import KVServer
+from pdserve.kv_transfer.server import KVServer, advertised_host
 from pdserve.kv_transfer.supervisor import Supervisor
 from pdserve.kv_transfer.transports import Transport, open_transport
 
@@ -77,6 +77,7 @@ class _Shared:
     leases: LeaseTable
     secret: bytes
     server: KVServer | None = None
+    advertise_host: str | None = None  # what kv_transfer_params name as remote_host
     puller: KVPuller | None = None
 
 
@@ -194,7 +195,7 @@ class PdConnectorScheduler(KVConnectorScheduler):
             remote_engine_id=self.s.engine_id,
             remote_block_ids=list(prompt_blocks),
             remote_request_id=rid,
-            remote_host=srv.host,
+            remote_host=self.s.advertise_host or srv.host,
             remote_port=srv.port,
             tp_size=1,
             remote_num_tokens=req.num_prompt_tokens,
@@ -243,12 +244,14 @@ class PdConnectorWorker(KVConnectorWorker):
             self.s.server = KVServer(
                 handler, str(extra.get("host", "127.0.0.1")), int(extra.get("port", 0))
             )
+            self.s.advertise_host = advertised_host(self.s.server.host, extra.get("advertise_host"))
             logger.info(
-                "KV server for engine %s on %s:%d (%s)",
+                "KV server for engine %s on %s:%d (%s), advertised as %s",
                 self.s.engine_id,
                 self.s.server.host,
                 self.s.server.port,
                 cfg.transport,
+                self.s.advertise_host,
             )
         if cfg.is_consumer:
             self.s.puller = KVPuller(

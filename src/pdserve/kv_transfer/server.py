@@ -17,6 +17,7 @@ re-binds the same port and starts a new one (the connector's supervisor calls it
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 
@@ -33,6 +34,38 @@ _RCVHWM = 64  # messages queued per connection before libzmq stops reading it
 _KEEP_FRAMES = 4  # identity + tag + payload, and one more to see it is too many
 _BIND_TRIES = 10
 _MAX_FAILURES_IN_A_ROW = 100
+
+
+WILDCARDS = ("", "0.0.0.0", "::", "[::]")
+
+
+def advertised_host(bind_host: str, advertise: str | None = None) -> str:
+    """The address decode instances dial for a KV server bound to ``bind_host``: the
+    ``advertise_host`` given, else the bind address itself, else (a wildcard bind) the
+    address this machine's default route leaves from (no packet is sent), else
+    127.0.0.1 with a warning (only decode instances on this machine can then reach it)."""
+    if advertise:
+        return advertise
+    if bind_host not in WILDCARDS:
+        return bind_host
+    family, probe = (
+        (socket.AF_INET6, "2001:db8::1") if ":" in bind_host else (socket.AF_INET, "192.0.2.1")
+    )
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((probe, 9))  # UDP: picks the route, sends nothing
+            addr = str(s.getsockname()[0])
+    except OSError:
+        addr = ""
+    if addr and not addr.startswith("127.") and addr != "::1":
+        logger.info("KV server bound to %r advertises %s", bind_host, addr)
+        return addr
+    logger.warning(
+        "KV server bound to %r found no routable address to advertise; decode instances "
+        "on other hosts cannot reach it (set kv_connector_extra_config.advertise_host)",
+        bind_host,
+    )
+    return "127.0.0.1" if family == socket.AF_INET else "::1"
 
 
 class KVServer:
