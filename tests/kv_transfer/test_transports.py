@@ -111,6 +111,14 @@ def test_cuda_ipc_copies_every_group(remote: list[int], local: list[int], src: s
         proc.join(30)
 
 
+def test_cuda_ipc_on_a_cpu_cache_is_refused_when_opened() -> None:
+    from pdserve.kv_transfer.transports import open_transport
+
+    caches = KVCaches.allocate(_config(torch.float32), NUM_BLOCKS, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="needs the KV cache on a CUDA device.*tcp or nixl"):
+        open_transport("cuda_ipc", caches)
+
+
 def test_cuda_ipc_maps_on_decodes_own_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """Prefill's device number is its own; decode opens every handle on its device, tells
     one GPU from a peer by UUID, and refuses a visible pair without peer access."""

@@ -43,6 +43,11 @@ def open_transport(name: str, kv_caches: KVCaches, *, transfer_timeout: float = 
     if name == "cuda_ipc":
         from pdserve.kv_transfer.transports.cuda_ipc import CudaIpcClient, CudaIpcServer
 
+        if kv_caches.device.type != "cuda":  # refused at start, not at the first handshake
+            raise RuntimeError(
+                f"the cuda_ipc KV transport needs the KV cache on a CUDA device (this "
+                f"instance runs on {kv_caches.device}); use transport tcp or nixl"
+            )
         return Transport(
             name, lambda: CudaIpcServer(kv_caches), lambda i: CudaIpcClient(kv_caches, i)
         )
