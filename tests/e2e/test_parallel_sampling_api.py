@@ -2,10 +2,12 @@
 blocks, 16-token chunks) with the official ``openai`` client: n choices on both
 endpoints, streamed and not, sharing the prompt's blocks (the prefix-cache hit
 counter); seeds reproduce, greedy choices are equal; prompt logprobs in vLLM's shape;
-refusals name the field."""
+echo with logprobs returns the engine's prompt logprobs, then the sampled tokens'
+(``max_tokens=0`` the prompt's alone); refusals name the field."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -136,6 +138,57 @@ def test_prompt_logprobs_completions_and_chat(server: LiveServer, tiny_llama: Pa
     assert '"prompt_logprobs"' in lines[0] and all(
         '"prompt_logprobs"' not in ln for ln in lines[1:]
     )
+
+
+def _completion(srv: LiveServer, body: dict[str, Any]) -> dict[str, Any]:
+    r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def test_echo_logprobs_are_the_engines(server: LiveServer, tiny_llama: Path) -> None:
+    text, plen = _prompt(tiny_llama, 20)  # longer than a 16-token chunk
+    base = {"model": "tiny", "prompt": text, "max_tokens": 3, "temperature": 0, **NO_EOS}
+    scored = _completion(server, {**base, "prompt_logprobs": 2})["choices"][0]["prompt_logprobs"]
+    plain = _completion(server, {**base, "logprobs": 2})["choices"][0]["logprobs"]
+    echo = _completion(server, {**base, "logprobs": 2, "echo": True, "n": 2})
+    ids = Tokenizer.from_pretrained(tiny_llama).encode(text)
+    approx = lambda v: pytest.approx(v, abs=1e-4)  # noqa: E731
+    for choice in echo["choices"]:
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == plen + 3 and choice["text"].startswith(text)
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        for pos in range(1, plen):
+            entry = scored[pos]
+            assert lp["token_logprobs"][pos] == approx(entry[str(ids[pos])]["logprob"])
+            assert lp["tokens"][pos] == entry[str(ids[pos])]["decoded_token"]
+            top = {v["decoded_token"]: v["logprob"] for v in entry.values()}
+            assert lp["top_logprobs"][pos] == approx(top)
+        assert lp["tokens"][plen:] == plain["tokens"]
+        assert lp["token_logprobs"][plen:] == approx(plain["token_logprobs"])
+        assert lp["top_logprobs"][plen:] == [approx(t) for t in plain["top_logprobs"]]
+        lens = [len(t) for t in lp["tokens"]]
+        assert lp["text_offset"] == [sum(lens[:j]) for j in range(plen + 3)]
+        assert choice.get("prompt_logprobs") is None
+    assert echo["choices"][0]["logprobs"] == echo["choices"][1]["logprobs"]  # greedy
+    # streamed: the first chunk carries the prompt's tokens and logprobs
+    streamed = {**base, "logprobs": 2, "echo": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=streamed, timeout=30) as s:
+        chunks = [json.loads(ln[6:]) for ln in s.iter_lines() if ln.startswith("data: {")]
+    merged: dict[str, list[Any]] = {k: [] for k in echo["choices"][0]["logprobs"]}
+    for chunk in chunks:
+        for key in merged:
+            merged[key] += chunk["choices"][0]["logprobs"][key]
+    assert len(chunks[0]["choices"][0]["logprobs"]["tokens"]) == plen + 1
+    assert merged == echo["choices"][0]["logprobs"]
+    # max_tokens=0: the prompt alone, scored
+    zero = _completion(server, {**base, "max_tokens": 0, "logprobs": 1, "echo": True})
+    choice = zero["choices"][0]
+    assert choice["text"] == text and choice["finish_reason"] == "length"
+    assert zero["usage"]["completion_tokens"] == 0
+    want = echo["choices"][0]["logprobs"]["token_logprobs"][:plen]
+    got = choice["logprobs"]["token_logprobs"]
+    assert len(got) == plen and got[0] is None and got[1:] == approx(want[1:])
 
 
 @pytest.mark.parametrize(

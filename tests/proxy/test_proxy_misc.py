@@ -84,6 +84,7 @@ def test_models_come_from_a_decode_instance(make_pd: PDFactory) -> None:
         (json.dumps(dict(BODY, stream="yes")).encode(), {}, "stream"),
         (json.dumps(BODY).encode(), {"X-Request-Id": "has space"}, "X-Request-Id"),
         (json.dumps(dict(BODY, prompt_logprobs=2)).encode(), {}, "prompt_logprobs is not"),
+        (json.dumps(dict(BODY, echo=True, logprobs=0)).encode(), {}, "echo=true with logprobs"),
     ],
 )
 def test_bad_requests_are_400(

@@ -19,8 +19,10 @@ import pytest
 from pdserve.core_types.kv_transfer_params import KVTransferParams
 from pdserve.core_types.pd_auth import load_secret, sign_kv_params
 from pdserve.core_types.sampling_params import SamplingParams
+from pdserve.core_types.scheduler_output import PromptLogprobs
 from pdserve.core_types.stats import SchedulerStats
-from pdserve.frontend.outputs import CompletionOutput, RequestOutput
+from pdserve.frontend.output_processor import prompt_logprob_list
+from pdserve.frontend.outputs import CompletionOutput, PromptLogprobList, RequestOutput
 from pdserve.serving.api.app import build_app
 from pdserve.serving.api.server import ApiServer
 
@@ -85,9 +87,28 @@ class FakeTokenizer:
         )
 
 
+def fake_prompt_logprobs(prompt_ids: list[int], n: int) -> PromptLogprobList:
+    """The fake engine's prompt logprobs (vLLM's shape, as the output processor makes
+    them): position p's actual token has rank ``p % 3 + 1``; the top ``n`` at ranks
+    1..n are digits at -0.25, -0.5, ... (the actual token at its own rank, if <= n),
+    an actual token below them has -4.0."""
+    if not 0 <= n <= 20:
+        raise ValueError(f"fake engine: prompt_logprobs={n}")
+    rows = range(1, len(prompt_ids))
+    ranks = [p % 3 + 1 for p in rows]
+    top_ids = [
+        [prompt_ids[p] if r + 1 == rank else ord("0") + (p + r) % 10 for r in range(n)]
+        for p, rank in zip(rows, ranks, strict=True)
+    ]
+    top_lps = [[-0.25 * (r + 1) for r in range(n)] for _ in rows]
+    actual = [-0.25 * rank if rank <= n else -4.0 for rank in ranks]
+    return prompt_logprob_list(prompt_ids, PromptLogprobs(actual, ranks, top_ids, top_lps))
+
+
 class FakeEngineClient:
     """Deterministic engine: output token i is ``'a' + i % 26``; one token per delta,
-    ``token_delay`` seconds apart; the last delta carries ``finish_reason``.
+    ``token_delay`` seconds apart; the last delta carries ``finish_reason``; the first
+    delta carries :func:`fake_prompt_logprobs` when they are asked for.
 
     Rejects (``ValueError``) prompts that are too long or hold ids outside the vocabulary
     at call time, and prompts containing ``REJECT`` at the first iteration; a prompt
@@ -121,6 +142,7 @@ class FakeEngineClient:
         self.requests: dict[str, tuple[list[int], SamplingParams, dict | None]] = {}
         self.running: set[str] = set()
         self._abort_events: dict[str, asyncio.Event] = {}
+        self._sent_prompt_logprobs: set[str] = set()
 
     async def release_kv(self, request_id: str) -> None:
         self.released.append(request_id)
@@ -196,6 +218,7 @@ class FakeEngineClient:
         finally:
             self.running.discard(rid)
             self._abort_events.pop(rid, None)
+            self._sent_prompt_logprobs.discard(rid)
 
     def _out(
         self,
@@ -216,6 +239,10 @@ class FakeEngineClient:
         comp = CompletionOutput(
             0, text, ids, logprobs=logprobs, top_logprobs=top, finish_reason=reason
         )
+        plp = None
+        if params.prompt_logprobs is not None and rid not in self._sent_prompt_logprobs:
+            self._sent_prompt_logprobs.add(rid)
+            plp = fake_prompt_logprobs(prompt_ids, params.prompt_logprobs)
         return RequestOutput(
             request_id=rid,
             prompt=prompt,
@@ -224,6 +251,7 @@ class FakeEngineClient:
             finished=reason is not None,
             num_cached_tokens=self.num_cached_tokens,
             kv_transfer_params=kv,
+            prompt_logprobs=plp,
         )
 
     async def abort(self, request_id: str) -> None:

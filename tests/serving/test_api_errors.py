@@ -48,7 +48,7 @@ COMPLETION_400 = [
     ({"prompt": "x", "logit_bias": {"4096": 2.0}}, None, "logit_bias token ids"),
     ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids", "empty"),
     ({"prompt": "x", "allowed_token_ids": [5, 999]}, None, "allowed_token_ids token ids"),
-    ({"prompt": "x", "echo": True, "logprobs": 1}, "echo", "prompt_logprobs instead"),
+    ({"prompt": "x", "echo": True, "max_tokens": 0, "min_tokens": 1}, "min_tokens", ""),
     ({"prompt": "x", "suffix": "s"}, "suffix", "suffix"),
     ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty", ""),
     ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty", ""),

@@ -11,12 +11,17 @@ after tokenization); tokenization in the blocking pool; the exact length and
 ``max_tokens`` checks; for a token-id prompt, the vocabulary.
 
 ``echo=true`` puts the prompt's text before the completion (a token-id or truncated
-prompt is decoded); with ``logprobs`` it is refused: the echoed prompt's logprobs are
-not merged into the choice's ``logprobs`` (``prompt_logprobs`` gives them).
+prompt is decoded); with ``logprobs=N`` the choice's ``logprobs`` cover the prompt's
+tokens first (the engine computes the prompt's logprobs, at least N of them;
+:mod:`pdserve.serving.api.completion_logprobs`). ``max_tokens=0`` (with ``echo`` only)
+answers the prompt alone, scored: the engine samples one token that the answer leaves
+out (``finish_reason`` ``length``, no completion tokens in ``usage``). Prompt logprobs
+cannot be computed on a P/D decode leg, so echo with logprobs is refused there (400,
+``echo``) as ``prompt_logprobs`` is.
 
 With ``n`` > 1 every choice is rendered on its own (echo, logprobs' ``text_offset``);
-``prompt_logprobs`` go in every choice (vLLM's field), streamed with each choice's
-first chunk.
+``prompt_logprobs`` (when the client asked for them) go in every choice (vLLM's field),
+streamed with each choice's first chunk, where the echoed prompt's logprobs go too.
 """
 
 from __future__ import annotations
@@ -26,9 +31,15 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pdserve.frontend.outputs import CompletionOutput, RequestOutput
+from pdserve.frontend.outputs import CompletionOutput, PromptLogprobList, RequestOutput
 from pdserve.frontend.processor import min_token_count, too_long_text_message
 from pdserve.serving.api.choices import whole_response
+from pdserve.serving.api.completion_logprobs import (
+    LogprobsBuilder,
+    TokenNames,
+    echoed_prompt,
+    trimmed,
+)
 from pdserve.serving.api.generate import (
     Accumulated,
     EngineJob,
@@ -36,8 +47,6 @@ from pdserve.serving.api.generate import (
     check_fan_out,
     check_token_ids,
     render_prompt_logprobs,
-    safe_logprob,
-    token_strings,
 )
 from pdserve.serving.api.pd_params import verified_kv_params
 from pdserve.serving.api.protocol import (
@@ -52,6 +61,9 @@ from pdserve.serving.api.protocol import (
 )
 from pdserve.serving.api.state import ServingContext
 from pdserve.serving.api.streaming import stream_response
+
+# a choice's prompt_logprobs field, and the echoed prompt's logprobs that lead its logprobs
+_PromptParts = tuple[PromptLogprobs | None, CompletionLogProbs | None]
 
 
 async def prepare_completion(
@@ -87,7 +99,7 @@ async def prepare_completion(
     )
     if text is None:  # after the length check, so this scans at most max_model_len ids
         check_token_ids(ids, engine.vocab_size, "prompt")
-    check_fan_out(params, kv_params)
+    check_fan_out(params, kv_params, "echo" if req.prompt_logprobs is None else "prompt_logprobs")
     await check_constraint(ctx, req)
     return EngineJob(
         request_id=request.state.request_id,
@@ -96,43 +108,8 @@ async def prepare_completion(
         params=params,
         kv_transfer_params=kv_params,
         arrival_time=request.state.arrival_time,
+        score_only=req.max_tokens == 0,
     )
-
-
-class _LogprobsBuilder:
-    """OpenAI completion logprobs of the sampled tokens, with ``top_logprobs`` (token
-    text -> logprob of the N most likely tokens, plus the sampled one as OpenAI and vLLM
-    return it) when ``logprobs=N`` > 0; ``text_offset`` continues across stream deltas."""
-
-    def __init__(self, ctx: ServingContext) -> None:
-        self._tokenizer = ctx.engine.tokenizer
-        self._offset = 0
-
-    def build(
-        self,
-        token_ids: list[int],
-        logprobs: list[float],
-        top: list[dict[int, float]] | None = None,
-    ) -> CompletionLogProbs:
-        tokens = token_strings(self._tokenizer, token_ids)
-        values = [safe_logprob(v) for v in logprobs]
-        offsets = []
-        for t in tokens:
-            offsets.append(self._offset)
-            self._offset += len(t)
-        top_lps: list[dict[str, float] | None] | None = None
-        if top is not None:
-            top_lps = []
-            for tok, value, alts in zip(tokens, values, top, strict=False):
-                names = token_strings(self._tokenizer, list(alts))
-                entry = {
-                    name: safe_logprob(v) for name, v in zip(names, alts.values(), strict=True)
-                }
-                entry.setdefault(tok, value)
-                top_lps.append(entry)
-        return CompletionLogProbs(
-            text_offset=offsets, token_logprobs=list(values), tokens=tokens, top_logprobs=top_lps
-        )
 
 
 async def create_completion(
@@ -141,17 +118,35 @@ async def create_completion(
     model = ctx.check_model(req.model)
     job = await prepare_completion(ctx, req, request)
     response_id = f"cmpl-{job.request_id}"
-    builders = [_LogprobsBuilder(ctx) for _ in range(job.n)] if req.logprobs is not None else None
+    tokenizer = ctx.engine.tokenizer
+    names = TokenNames(tokenizer)
+    builders = [LogprobsBuilder(names) for _ in range(job.n)] if req.logprobs is not None else None
 
     def logprobs_of(
         index: int,
         token_ids: list[int],
         values: list[float] | None,
         top: list[dict[int, float]] | None,
+        lead: CompletionLogProbs | None,
     ) -> CompletionLogProbs | None:
-        if builders is None or values is None:
+        if builders is None:
             return None
-        return builders[index].build(token_ids, values, top if req.logprobs else None)
+        if values is None:  # no tokens (a request that ended before its first one)
+            if lead is None:
+                return None
+            token_ids, values, top = [], [], None
+        return builders[index].build(token_ids, values, top if req.logprobs else None, lead)
+
+    def prompt_parts(plp: PromptLogprobList | None) -> _PromptParts:
+        """The choices' ``prompt_logprobs`` (as the client asked for them) and the
+        echoed prompt's logprobs (echo with logprobs), once for every choice."""
+        shown = None
+        if req.prompt_logprobs is not None:
+            shown = render_prompt_logprobs(tokenizer, trimmed(plp, req.prompt_logprobs))
+        echoed = None
+        if req.echo and req.logprobs is not None:
+            echoed = echoed_prompt(names, job.prompt_token_ids, plp, req.logprobs)
+        return shown, echoed
 
     echo = ""  # echo=true: the prompt's text leads each answer (its first chunk streamed)
     if req.echo:
@@ -160,31 +155,32 @@ async def create_completion(
         else:
             skip = req.skip_special_tokens
             echo = await ctx.run_blocking(
-                ctx.engine.tokenizer.decode,
+                tokenizer.decode,
                 job.prompt_token_ids,
                 skip_special_tokens=skip,
                 job_size=len(job.prompt_token_ids),
             )
-    tokenizer = ctx.engine.tokenizer
 
     if req.stream:
         started = [False] * job.n  # a choice's first chunk carries echo and prompt logprobs
-        prompt_lps: list[PromptLogprobs | None] = [None]
+        parts: _PromptParts = (None, None)
 
         def on_first(first: RequestOutput) -> dict[str, Any]:
-            prompt_lps[0] = render_prompt_logprobs(tokenizer, first.prompt_logprobs)
+            nonlocal parts
+            parts = prompt_parts(first.prompt_logprobs)
             return {}
 
         def stream_choice(c: CompletionOutput, index: int) -> CompletionStreamChoice:
             lead = not started[index]
             started[index] = True
+            shown, echoed = parts if lead else (None, None)
             return CompletionStreamChoice(
                 index=index,
                 text=echo + c.text if lead else c.text,
-                logprobs=logprobs_of(index, c.token_ids, c.logprobs, c.top_logprobs),
+                logprobs=logprobs_of(index, c.token_ids, c.logprobs, c.top_logprobs, echoed),
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
-                prompt_logprobs=prompt_lps[0] if lead else None,
+                prompt_logprobs=shown,
             )
 
         return await stream_response(
@@ -196,21 +192,22 @@ async def create_completion(
             model=model,
             options=req.stream_options,
             make_choice=stream_choice,
-            first_extra=on_first if req.prompt_logprobs is not None else None,
+            first_extra=on_first if job.params.prompt_logprobs is not None else None,
         )
 
-    rendered: list[PromptLogprobs | None] = []
+    rendered: list[_PromptParts] = []
 
     def whole_choice(acc: Accumulated, index: int) -> CompletionResponseChoice:
         if not rendered:  # the prompt's, from choice 0: the same for every choice
-            rendered.append(render_prompt_logprobs(tokenizer, acc.prompt_logprobs))
+            rendered.append(prompt_parts(acc.prompt_logprobs))
+        shown, echoed = rendered[0]
         return CompletionResponseChoice(
             index=index,
             text=echo + acc.text,
-            logprobs=logprobs_of(index, acc.token_ids, acc.logprobs, acc.top_logprobs),
+            logprobs=logprobs_of(index, acc.token_ids, acc.logprobs, acc.top_logprobs, echoed),
             finish_reason=acc.finish_reason,
             stop_reason=acc.stop_reason,
-            prompt_logprobs=rendered[0],
+            prompt_logprobs=shown,
         )
 
     return await whole_response(

@@ -19,6 +19,7 @@ The choices of one HTTP request (``n``) are :mod:`pdserve.serving.api.choices`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -31,7 +32,7 @@ from starlette.types import Receive
 
 from pdserve.core_types.kv_transfer_params import KVTransferParams
 from pdserve.core_types.sampling_params import SamplingParams
-from pdserve.frontend.outputs import PromptLogprobList, RequestOutput
+from pdserve.frontend.outputs import CompletionOutput, PromptLogprobList, RequestOutput
 from pdserve.frontend.parallel import fan_out
 from pdserve.metrics.prometheus import RequestMetrics
 from pdserve.serving.api.errors import APIError
@@ -97,6 +98,9 @@ class EngineJob:
     params: SamplingParams
     kv_transfer_params: KVTransferParams | None
     arrival_time: float
+    # echo with max_tokens=0: the one token the engine samples is left out of the
+    # answer, which ends with finish_reason "length" (:func:`without_tokens`)
+    score_only: bool = False
 
     @property
     def n(self) -> int:
@@ -121,6 +125,7 @@ class EngineJob:
                 params,
                 self.kv_transfer_params if i == 0 else None,
                 self.arrival_time,
+                self.score_only,
             )
             for i, (rid, params) in enumerate(fan_out(self.request_id, self.params))
         ]
@@ -182,7 +187,7 @@ class EngineRequest:
         if out.finished:
             reason = next((c.finish_reason for c in out.outputs if c.finish_reason), None)
             self._mark_finished(reason or ("error" if out.error else "stop"))
-        return out
+        return without_tokens(out) if self.job.score_only else out
 
     def _rejected(self) -> None:
         """The engine refused the request (``ValueError``): it never ran, so it is left
@@ -218,6 +223,28 @@ class EngineRequest:
         finally:
             if aclose is not None:
                 await aclose()
+
+
+def without_tokens(out: RequestOutput) -> RequestOutput:
+    """``out`` with no generated tokens (``max_tokens=0``): a stop the engine saw in
+    the token it sampled is reported as ``length``, as if none had been sampled."""
+    outputs = []
+    for c in out.outputs:
+        reason, stop = c.finish_reason, c.stop_reason
+        if reason == "stop":
+            reason, stop = "length", None
+        outputs.append(
+            CompletionOutput(
+                c.index,
+                "",
+                [],
+                logprobs=None if c.logprobs is None else [],
+                finish_reason=reason,
+                stop_reason=stop,
+                top_logprobs=None if c.top_logprobs is None else [],
+            )
+        )
+    return dataclasses.replace(out, outputs=outputs)
 
 
 @dataclass
@@ -377,10 +404,13 @@ async def check_constraint(
         await ctx.run_blocking(check_structured, spec, param, job_size=len(spec.key()[1]))
 
 
-def check_fan_out(params: SamplingParams, kv: KVTransferParams | None) -> None:
+def check_fan_out(
+    params: SamplingParams, kv: KVTransferParams | None, plp_param: str = "prompt_logprobs"
+) -> None:
     """400 for what P/D cannot do: ``n`` > 1 on a prefill leg (``do_remote_decode``: the
-    instance holds one prompt's KV for one decode), ``prompt_logprobs`` on a decode leg
-    (``do_remote_prefill``: the prompt's KV is pulled, its logits never computed)."""
+    instance holds one prompt's KV for one decode), prompt logprobs on a decode leg
+    (``do_remote_prefill``: the prompt's KV is pulled, its logits never computed), named
+    by the field that asked for them (``plp_param``: ``prompt_logprobs`` or ``echo``)."""
     if kv is None:
         return
     if params.n > 1 and kv.do_remote_decode:
@@ -391,11 +421,12 @@ def check_fan_out(params: SamplingParams, kv: KVTransferParams | None) -> None:
             "n",
         )
     if params.prompt_logprobs is not None and kv.do_remote_prefill:
+        asked = "prompt_logprobs" if plp_param == "prompt_logprobs" else "echo=true with logprobs"
         raise RequestError(
-            "prompt_logprobs cannot be combined with kv_transfer_params do_remote_prefill: "
+            f"{asked} cannot be combined with kv_transfer_params do_remote_prefill: "
             "the prompt's KV comes from a prefill instance, so this instance never computes "
             "the prompt's logits",
-            "prompt_logprobs",
+            plp_param,
         )
 
 

@@ -3,14 +3,12 @@
 Validation policy: a request is checked completely here, at the edge, and every
 rejection names the field. Fields pdserve does not implement are **rejected**, never
 silently ignored, when they would change the output (``best_of`` other than ``n``,
-``echo`` with ``logprobs``, ``suffix``, batched prompts, ``priority`` other than 0 unless the
-server runs ``--scheduling-policy priority``); unknown
-fields are rejected too (``extra="forbid"``). Fields that only carry bookkeeping
-(``user``, ``metadata``, ``store``, ``service_tier``) are accepted and ignored.
-``parallel_tool_calls=false`` keeps the first parsed tool call only
-(:mod:`pdserve.serving.api.chat_output`). Structured output (``response_format``,
-``structured_outputs``, ``guided_*``) is described in
-:mod:`pdserve.serving.api.protocol_structured`.
+``suffix``, batched prompts, ``priority`` other than 0 unless the server runs
+``--scheduling-policy priority``); unknown fields are rejected too (``extra="forbid"``).
+Fields that only carry bookkeeping (``user``, ``metadata``, ``store``, ``service_tier``)
+are accepted and ignored. ``parallel_tool_calls=false`` keeps the first parsed tool call
+only (:mod:`pdserve.serving.api.chat_output`). Structured output (``response_format``,
+``structured_outputs``, ``guided_*``): :mod:`pdserve.serving.api.protocol_structured`.
 
 vLLM extras: ``truncate_prompt_tokens`` (keep the last N prompt tokens; ``-1``: the last
 ``max_model_len``) is implemented. ``cache_salt`` is accepted and has no effect: the
@@ -39,7 +37,8 @@ logprob and rank and the N most likely tokens at that position (the first is
 of a chat response (vLLM's extension); streamed, they come with each choice's first
 chunk (completions) or the stream's first chunk (chat), where vLLM refuses them. The
 request computes its whole prompt (no prefix-cache hits). Refused with P/D remote
-prefill params (the prompt's KV is pulled, its logits are never computed).
+prefill params (the prompt's KV is pulled, its logits are never computed). ``echo`` with
+``logprobs=N`` asks for at least N of them (as vLLM does), under the same rule.
 
 Logprobs: the sampled token's logprob and, for completions ``logprobs=N`` / chat
 ``top_logprobs=N`` (N <= 20), the N most likely tokens at each position, all under the
@@ -254,6 +253,7 @@ class _SamplingRequest(_CheckedRequest, StructuredFields):
         vocab_size: int,
         logprobs: int | None,
         length_param: str,
+        prompt_logprobs: int | None,
     ) -> SamplingParams:
         if prompt_len >= max_model_len:
             raise RequestError(
@@ -289,7 +289,7 @@ class _SamplingRequest(_CheckedRequest, StructuredFields):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
-            prompt_logprobs=self.prompt_logprobs,
+            prompt_logprobs=prompt_logprobs,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
@@ -322,11 +322,12 @@ class CompletionRequest(_SamplingRequest):
     (a one-element batch is unwrapped; larger batches are rejected).
 
     ``max_tokens`` defaults to 16 as in OpenAI; an explicit ``null`` means "up to the
-    context length" (``max_model_len - prompt_len``).
+    context length" (``max_model_len - prompt_len``); 0 (with ``echo`` only) means
+    none: the engine samples one token that the answer leaves out.
     """
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -346,12 +347,10 @@ class CompletionRequest(_SamplingRequest):
             self.prompt = p[0]
         if isinstance(self.prompt, list) and not self.prompt:
             raise RequestError("prompt must not be empty", "prompt")
-        if self.echo and self.logprobs is not None:
-            raise RequestError(
-                "echo=true with logprobs is not supported yet (the echoed prompt's logprobs "
-                "are not merged into the choice's logprobs); ask for prompt_logprobs instead",
-                "echo",
-            )
+        if self.max_tokens == 0 and not self.echo:
+            raise RequestError("max_tokens=0 needs echo=true (to score the prompt)", "max_tokens")
+        if self.max_tokens == 0 and self.min_tokens:
+            raise RequestError(f"min_tokens={self.min_tokens} > max_tokens=0", "min_tokens")
         if self.suffix:
             raise RequestError("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != (self.n or 1):
@@ -374,13 +373,16 @@ class CompletionRequest(_SamplingRequest):
     ) -> SamplingParams:
         """Verified :class:`SamplingParams`; raises :class:`RequestError` for bad input
         (including prompt + max_tokens beyond ``max_model_len``)."""
+        echoed = self.logprobs if self.echo else None  # the echoed prompt's, at least N
+        asked = [k for k in (self.prompt_logprobs, echoed) if k is not None]
         return self._sampling_params(
-            max_tokens=self.max_tokens,
+            max_tokens=1 if self.max_tokens == 0 else self.max_tokens,
             prompt_len=prompt_len,
             max_model_len=max_model_len,
             vocab_size=vocab_size,
             logprobs=self.logprobs,
             length_param="prompt",
+            prompt_logprobs=max(asked) if asked else None,
         )
 
 
@@ -545,6 +547,7 @@ class ChatCompletionRequest(_SamplingRequest, _ChatTemplateFields):
             vocab_size=vocab_size,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
             length_param="messages",
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 

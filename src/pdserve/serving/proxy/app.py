@@ -285,6 +285,14 @@ def _parse_body(raw: bytes) -> dict[str, Any]:
             "prompt's logits (send it to an instance directly)",
             "prompt_logprobs",
         )
+    if body.get("echo") is True and body.get("logprobs") is not None:  # the same, echoed
+        raise _ProxyError(
+            400,
+            "echo=true with logprobs is not supported through the P/D proxy: it returns the "
+            "prompt's logprobs, which the decode instance never computes (it receives the "
+            "prompt's KV from a prefill instance; send it to an instance directly)",
+            "echo",
+        )
     return body
 
 
