@@ -133,7 +133,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 def _add_proxy(sub: argparse._SubParsersAction) -> None:
     from pdserve.serving.proxy import cli as proxy_cli
 
-    p = sub.add_parser("proxy", help="OpenAI-compatible P/D router over prefill and decode pools")
+    p = sub.add_parser(
+        "proxy",
+        help="OpenAI-compatible P/D router over prefill and decode pools, or load balancer "
+        "over colocated instances",
+    )
     proxy_cli.add_cli_args(p)
     p.set_defaults(func=proxy_cli.main)
 

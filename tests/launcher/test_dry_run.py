@@ -66,6 +66,18 @@ def test_examples_dry_run(
     assert proxy[-2:] == ["--port", "8000"]
 
 
+def test_colocated_example_dry_run(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_main(str(EXAMPLES / "2x-colocated-cpu.yaml"), "--dry-run") == 0
+    cmds = commands(capsys.readouterr().out)
+    assert list(cmds) == ["colocated-0", "colocated-1", "proxy"]
+    for name in ("colocated-0", "colocated-1"):
+        assert "--kv-transfer-config" not in cmds[name]
+    assert cmds["proxy"][4:] == [
+        "--colocated", "http://127.0.0.1:8100", "http://127.0.0.1:8101",
+        "--host", "127.0.0.1", "--port", "8000",
+    ]  # fmt: skip
+
+
 def test_cpu_example_details(capsys: pytest.CaptureFixture[str]) -> None:
     assert run_main(str(EXAMPLES / "1p1d-cpu.yaml"), "--dry-run", "--log-dir", "/x") == 0
     out = capsys.readouterr().out

@@ -87,14 +87,38 @@ def test_missing_model() -> None:
     assert Topology.from_dict(d).instances[1].model == "b"
 
 
-def test_colocated_only_with_proxy_is_an_error() -> None:
-    d = base(instances=[{"role": "colocated", "port": 18100, "devices": "cpu"}])
-    msg = err(d)
-    assert msg.startswith("proxy:") and "every instance is colocated" in msg
-    del d["proxy"]
-    Topology.from_dict(d)  # fine without a proxy
+def test_proxy_needs_both_pd_pools_or_only_colocated_instances() -> None:
     d = base(instances=[{"role": "prefill", "port": 18100, "devices": "cpu"}])
-    assert "proxy: needs at least one decode instance (found 1 prefill, 0 decode)" in err(d)
+    msg = err(d)
+    assert msg.startswith("proxy: needs at least one decode instance (found 1 prefill, 0 decode)")
+    assert "or only colocated instances" in msg
+    d["instances"].append({"role": "colocated", "port": 18300, "devices": "cpu"})
+    assert "proxy: needs at least one decode instance" in err(d)
+
+
+def test_proxy_in_front_of_colocated_replicas_gets_their_urls() -> None:
+    d = base(
+        proxy={"port": 18000, "args": ["--health-interval", 1]},
+        instances=[{"role": "colocated", "port": 18100, "devices": "0,1", "replicas": 2}],
+    )
+    del d["kv_transfer"]  # no prefill or decode instance needs it
+    p = plan(d)
+    assert list(p) == ["colocated-0", "colocated-1", "proxy"]
+    assert p["proxy"].cmd == (
+        sys.executable, "-m", "pdserve", "proxy",
+        "--colocated", "http://127.0.0.1:18100", "http://127.0.0.1:18101",
+        "--host", "127.0.0.1", "--port", "18000", "--health-interval", "1",
+    )  # fmt: skip
+    assert [p[f"colocated-{i}"].env["CUDA_VISIBLE_DEVICES"] for i in (0, 1)] == ["0", "1"]
+    # beside a P/D pair, colocated instances are not behind the proxy (called directly)
+    d = base()
+    d["instances"].append({"role": "colocated", "port": 18300, "devices": "cpu"})
+    cmd = plan(d)["proxy"].cmd
+    assert "--colocated" not in cmd and "http://127.0.0.1:18300" not in cmd
+    assert flag(cmd, "--decode") == "http://127.0.0.1:18200"
+    # the launcher lists the instances itself
+    d = base(proxy={"port": 18000, "args": ["--colocated", "h:1"]})
+    assert "proxy.args[0]: --colocated is set by the launcher" in err(d)
 
 
 @pytest.mark.parametrize(

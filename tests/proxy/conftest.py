@@ -57,7 +57,7 @@ class Seen:
 
 @dataclass
 class FakeUpstream:
-    """A fake OpenAI server acting as a prefill or a decode instance.
+    """A fake OpenAI server acting as a prefill, a decode or a colocated instance.
 
     Prefill: answers JSON with ``kv_transfer_params`` (``kv_params`` plus the request id),
     or without them when ``missing_params``. Both verify ``kv_transfer_params`` as an
@@ -71,7 +71,8 @@ class FakeUpstream:
     probes included) comes more than that many seconds after its previous answer: what
     a server does when its keep-alive timer fires just as the request arrives (counted
     in ``stale_drops``). Handlers are cancelled when the peer disconnects
-    (``handler_cancellation``), which ``disconnects`` counts.
+    (``handler_cancellation``), which ``disconnects`` counts. ``/v1/responses`` answers
+    like a completion in the Responses API's shape (text deltas when streaming).
     """
 
     role: str
@@ -117,6 +118,7 @@ class FakeUpstream:
         app = web.Application()
         app.router.add_post("/v1/completions", self._completion)
         app.router.add_post("/v1/chat/completions", self._completion)
+        app.router.add_post("/v1/responses", self._completion)
         app.router.add_post("/v1/kv_transfer/release", self._release)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
@@ -200,6 +202,10 @@ class FakeUpstream:
             chat = request.path.endswith("/chat/completions")
             if body.get("stream"):
                 return await self._stream(request, chat)
+            if request.path.endswith("/responses"):
+                resp = web.json_response(self._response_object(request))
+                self.completed += 1
+                return resp
             resp = web.json_response(self._answer(request, body, chat))
             self.completed += 1
             return resp
@@ -229,7 +235,23 @@ class FakeUpstream:
             out["kv_transfer_params"] = None if self.missing_params else self.kv_params(rid)
         return out
 
-    def chunk_bytes(self, i: int, chat: bool) -> bytes:
+    def _response_object(self, request: web.Request) -> dict[str, Any]:
+        text = "".join(f"t{i}" for i in range(self.num_chunks))
+        content = [{"type": "output_text", "text": text, "annotations": []}]
+        return {
+            "id": f"resp_{request.headers.get('X-Request-Id', 'none')}",
+            "object": "response",
+            "status": "completed",
+            "model": MODEL,
+            "output": [{"type": "message", "role": "assistant", "content": content}],
+        }
+
+    def chunk_bytes(self, i: int, chat: bool, responses: bool = False) -> bytes:
+        if responses:
+            delta = {"type": "response.output_text.delta", "delta": f"t{i}", "sequence_number": i}
+            return (
+                b"event: response.output_text.delta\ndata: " + json.dumps(delta).encode() + b"\n\n"
+            )
         last = i == self.num_chunks - 1
         choice: dict[str, Any] = {"index": 0, "finish_reason": "length" if last else None}
         if chat:
@@ -255,7 +277,7 @@ class FakeUpstream:
                 assert request.transport is not None
                 request.transport.close()
                 return resp
-            data = self.chunk_bytes(i, chat)
+            data = self.chunk_bytes(i, chat, request.path.endswith("/responses"))
             await resp.write(data)
             self.sent_bytes.append(data)
         await resp.write(b"data: [DONE]\n\n")
@@ -295,12 +317,13 @@ class ProxyServer:
 
 @dataclass
 class PD:
-    """A running topology: fake prefill/decode instances behind the proxy."""
+    """A running topology: fake prefill/decode (or colocated) instances behind the proxy."""
 
     loop: LoopThread
     prefill: list[FakeUpstream]
     decode: list[FakeUpstream]
     proxy: ProxyServer
+    colocated: list[FakeUpstream] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -334,6 +357,42 @@ def metric_value(text: str, name: str, **labels: str) -> float | None:
 
 
 PDFactory = Callable[..., PD]
+Knobs = dict[str, Any] | list[dict[str, Any]] | None
+
+
+def _knobs_for(knobs: Knobs, i: int) -> dict[str, Any]:
+    if knobs is None:
+        return {}
+    return knobs[i] if isinstance(knobs, list) else knobs
+
+
+class _Topologies:
+    """Starts fakes and proxies in one loop thread; :meth:`close` stops them all."""
+
+    def __init__(self) -> None:
+        self.loop = LoopThread()
+        self.started: list[PD] = []
+
+    def fakes(self, role: str, n: int, knobs: Knobs) -> list[FakeUpstream]:
+        fakes = [FakeUpstream(role, **_knobs_for(knobs, i)) for i in range(n)]
+        for fake in fakes:
+            self.loop.call(fake.start())
+        return fakes
+
+    def serve(self, app: Any, **pools: list[FakeUpstream]) -> PD:
+        proxy = ProxyServer(app)
+        self.loop.call(proxy.start())
+        pd = PD(self.loop, pools.get("prefill", []), pools.get("decode", []), proxy)
+        pd.colocated = pools.get("colocated", [])
+        self.started.append(pd)
+        return pd
+
+    def close(self) -> None:
+        for pd in self.started:
+            self.loop.call(pd.proxy.stop(), timeout=20)
+            for fake in pd.prefill + pd.decode + pd.colocated:
+                self.loop.call(fake.stop())
+        self.loop.close()
 
 
 @pytest.fixture
@@ -345,39 +404,40 @@ def make_pd() -> Iterator[PDFactory]:
     pool, or a list with one dict per fake. ``decode_urls`` adds decode instances the
     test runs itself (e.g. ``fake_instance.py`` processes).
     """
-    loop = LoopThread()
-    started: list[PD] = []
-
-    def knobs_for(knobs: dict[str, Any] | list[dict[str, Any]] | None, i: int) -> dict[str, Any]:
-        if knobs is None:
-            return {}
-        return knobs[i] if isinstance(knobs, list) else knobs
+    tops = _Topologies()
 
     def factory(
         n_prefill: int = 1,
         n_decode: int = 1,
         *,
-        prefill_knobs: dict[str, Any] | list[dict[str, Any]] | None = None,
-        decode_knobs: dict[str, Any] | list[dict[str, Any]] | None = None,
+        prefill_knobs: Knobs = None,
+        decode_knobs: Knobs = None,
         decode_urls: list[str] | None = None,
         **app_kwargs: Any,
     ) -> PD:
-        prefill = [FakeUpstream("prefill", **knobs_for(prefill_knobs, i)) for i in range(n_prefill)]
-        decode = [FakeUpstream("decode", **knobs_for(decode_knobs, i)) for i in range(n_decode)]
-        for fake in prefill + decode:
-            loop.call(fake.start())
+        prefill = tops.fakes("prefill", n_prefill, prefill_knobs)
+        decode = tops.fakes("decode", n_decode, decode_knobs)
         app_kwargs.setdefault("health_interval", 30.0)
         urls = [f.url for f in decode] + (decode_urls or [])
         app = build_proxy_app([f.url for f in prefill], urls, **app_kwargs)
-        proxy = ProxyServer(app)
-        loop.call(proxy.start())
-        pd = PD(loop, prefill, decode, proxy)
-        started.append(pd)
-        return pd
+        return tops.serve(app, prefill=prefill, decode=decode)
 
     yield factory
-    for pd in started:
-        loop.call(pd.proxy.stop(), timeout=20)
-        for fake in pd.prefill + pd.decode:
-            loop.call(fake.stop())
-    loop.close()
+    tops.close()
+
+
+@pytest.fixture
+def make_colocated() -> Iterator[PDFactory]:
+    """``make_colocated(n=2, knobs=..., **app_kwargs)``: ``n`` fake colocated instances
+    (``pd.colocated``) behind a proxy built with ``colocated_urls``; ``knobs`` as for
+    :func:`make_pd`."""
+    tops = _Topologies()
+
+    def factory(n: int = 2, *, knobs: Knobs = None, **app_kwargs: Any) -> PD:
+        fakes = tops.fakes("colocated", n, knobs)
+        app_kwargs.setdefault("health_interval", 30.0)
+        app = build_proxy_app(colocated_urls=[f.url for f in fakes], **app_kwargs)
+        return tops.serve(app, colocated=fakes)
+
+    yield factory
+    tops.close()

@@ -250,12 +250,12 @@ def test_decode_error_status_is_returned_and_releases(make_pd: PDFactory) -> Non
 def test_unexpected_proxy_error_is_500_and_releases(
     make_pd: PDFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pdserve.serving.proxy.forward import PDResponse
+    from pdserve.serving.proxy.forward import ProxyResponse
 
-    async def boom(self: PDResponse, kv_params: dict | None) -> None:
+    async def boom(self: ProxyResponse, kv_params: dict | None) -> None:
         raise RuntimeError("bug")
 
-    monkeypatch.setattr(PDResponse, "_decode_leg", boom)
+    monkeypatch.setattr(ProxyResponse, "_answer_leg", boom)
     pd = make_pd()
     r = post(pd, headers={"X-Request-Id": "rid-bug"})
     assert_openai_error(r, 500)

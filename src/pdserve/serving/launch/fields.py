@@ -20,7 +20,7 @@ REQUIRED = object()  # a reader's default: the field must be present
 # Flags the launcher sets itself on `pdserve serve`; a user value would silently lose or win.
 INSTANCE_FLAGS = ("--host", "--port", "--device", "--kv-transfer-config")
 # ... and on `pdserve proxy`.
-PROXY_FLAGS = ("--prefill", "--decode", "--host", "--port")
+PROXY_FLAGS = ("--prefill", "--decode", "--colocated", "--host", "--port")
 FLAG_WHY = {
     "--host": "use the `host` field",
     "--port": "use the `port` field",
@@ -29,6 +29,7 @@ FLAG_WHY = {
     "--served-model-name": "the top-level `served_model_name` already sets it",
     "--prefill": "the launcher lists the prefill instances",
     "--decode": "the launcher lists the decode instances",
+    "--colocated": "the launcher lists the colocated instances",
 }
 # Variables the launcher sets itself, and why.
 MANAGED_ENV = {

@@ -27,7 +27,7 @@ Schema (YAML)::
     kv_transfer:                # required when a prefill or decode instance exists
       connector: PdConnector
       extra_config: {transport: tcp}
-    proxy:                      # optional
+    proxy:                      # optional; fronts prefill + decode, or only colocated ones
       host: 127.0.0.1
       port: 8000
       startup_timeout: 60
@@ -361,13 +361,14 @@ class Topology:
                 node = (nodes or {}).get(name)
                 specs.append(self._instance_process(inst, r, name, log_dir, serve_cmd, node))
         if self.proxy is not None:
-            urls = {role: [s.url for s in specs if s.role == role] for role in KV_ROLES}
+            urls = {role: [s.url for s in specs if s.role == role] for role in ROLES}
+            if urls["prefill"]:  # P/D; colocated instances beside them are not behind it
+                pools = ["--prefill", *urls["prefill"], "--decode", *urls["decode"]]
+            else:  # only colocated instances: the proxy load-balances them
+                pools = ["--colocated", *urls["colocated"]]
             cmd = (
                 *proxy_cmd,
-                "--prefill",
-                *urls["prefill"],
-                "--decode",
-                *urls["decode"],
+                *pools,
                 "--host",
                 self.proxy.host,
                 "--port",
@@ -534,7 +535,8 @@ def _instance(raw: Any, path: str, top: Topology) -> InstanceSpec:
 
 
 def _check_whole(top: Topology, instances: tuple[InstanceSpec, ...]) -> tuple[str, ...]:
-    """Cross-field checks: distinct ports, a proxy with both pools; GPU sharing warns."""
+    """Cross-field checks: distinct ports, a proxy with both P/D pools or colocated
+    instances only; GPU sharing warns."""
     owners: dict[int, str] = {}
 
     def claim(port: int, owner: str, field_path: str) -> None:
@@ -568,19 +570,14 @@ def _check_whole(top: Topology, instances: tuple[InstanceSpec, ...]) -> tuple[st
         dp = next(x.data_parallel_size for x in instances if x.role in KV_ROLES)
         for r in range(dp):
             claim(kv_port + r, "the KV server", "kv_transfer.extra_config.port")
-    if top.proxy is not None:
-        n = {role: sum(x.replicas for x in instances if x.role == role) for role in ROLES}
-        if n["prefill"] == 0 and n["decode"] == 0:
-            raise TopologyError(
-                "proxy: the proxy routes requests from prefill to decode instances, but every "
-                "instance is colocated; remove `proxy` (clients call colocated instances "
-                "directly) or add prefill and decode instances"
-            )
+    n = {role: sum(x.replicas for x in instances if x.role == role) for role in ROLES}
+    if top.proxy is not None and (n["prefill"] or n["decode"]):  # else: colocated only
         for role in KV_ROLES:
             if n[role] == 0:
                 raise TopologyError(
-                    f"proxy: needs at least one {role} instance "
-                    f"(found {n['prefill']} prefill, {n['decode']} decode)"
+                    f"proxy: needs at least one {role} instance (found {n['prefill']} "
+                    f"prefill, {n['decode']} decode), or only colocated instances (the "
+                    "proxy then load-balances them)"
                 )
     if top.placement.ray:  # Ray picks the GPUs: `devices` only counts them (no sharing)
         transport = top.kv_transfer.extra_config.get("transport") if top.kv_transfer else None

@@ -1,8 +1,12 @@
 """The app of ``pdserve proxy``: the OpenAI-compatible router of a disaggregated (xPyD)
-deployment.
+deployment, or the load balancer of colocated instances.
 
-Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (two legs each, see
-:mod:`pdserve.serving.proxy.forward`), ``GET /v1/models`` (from a healthy decode
+A proxy has either a prefill and a decode pool (P/D) or one ``colocated`` pool; a mix
+is refused (which pool would take a request is no question worth a rule: run one proxy
+per deployment). Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions``
+(two legs each in P/D, one whole request in colocated mode, see
+:mod:`pdserve.serving.proxy.forward`), in colocated mode also ``POST /v1/responses``
+(P/D has no prefill leg for it), ``GET /v1/models`` (from a healthy decode or colocated
 instance), ``GET /health`` (200 iff each pool has a healthy instance, else 503),
 ``GET /version`` (pdserve's version, open like ``/health``) and ``GET /metrics``
 (Prometheus text, :mod:`pdserve.serving.proxy.metrics`).
@@ -12,8 +16,9 @@ otherwise). Upstream, the proxy sends ``--upstream-api-key`` if given, else the
 client's own ``Authorization`` header.
 
 The proxy signs the ``kv_transfer_params`` of both legs with the topology's secret
-(``PDSERVE_PD_SECRET``, :mod:`pdserve.core_types.pd_auth`); without it the app refuses
-to be built, since every instance would refuse the legs.
+(``PDSERVE_PD_SECRET``, :mod:`pdserve.core_types.pd_auth`); without it a P/D app
+refuses to be built, since every instance would refuse the legs. A colocated proxy
+signs nothing and needs no secret; it drops any ``kv_transfer_params`` a client sent.
 
 Lifecycle of an app from :func:`build_proxy_app`: lifespan startup opens the upstream
 client (:mod:`pdserve.serving.proxy.upstream`), runs one health round (so ``/health`` is
@@ -43,7 +48,7 @@ import pdserve
 from pdserve.core_types.pd_auth import SECRET_ENV, load_secret
 from pdserve.serving.http import MAX_REQUEST_ID_LEN, error_response, valid_request_id
 from pdserve.serving.proxy.core import ProxyCore, ProxySettings, classify_error
-from pdserve.serving.proxy.forward import PDResponse
+from pdserve.serving.proxy.forward import ProxyResponse
 from pdserve.serving.proxy.health import (
     DEFAULT_HEALTH_INTERVAL_S,
     DEFAULT_HEALTH_TIMEOUT_S,
@@ -91,10 +96,34 @@ def _secret(secret: bytes | None) -> bytes:
     return secret
 
 
+def _pool_urls(
+    prefill_urls: Sequence[str], decode_urls: Sequence[str], colocated_urls: Sequence[str]
+) -> dict[str, list[str]]:
+    """The validated URLs of each pool: ``prefill`` and ``decode``, or ``colocated``."""
+    if colocated_urls:
+        if prefill_urls or decode_urls:
+            raise ValueError(
+                "--colocated cannot be combined with --prefill/--decode: a proxy fronts "
+                "either prefill and decode instances or colocated ones (run one proxy for "
+                "each deployment)"
+            )
+        return {"colocated": normalize_urls(colocated_urls, what="--colocated")}
+    if not prefill_urls and not decode_urls:
+        raise ValueError(
+            "no instances: give --prefill URL... and --decode URL... (a P/D deployment) "
+            "or --colocated URL... (instances that serve whole requests)"
+        )
+    return {
+        "prefill": normalize_urls(prefill_urls, what="--prefill"),
+        "decode": normalize_urls(decode_urls, what="--decode"),
+    }
+
+
 def build_proxy_app(
-    prefill_urls: Sequence[str],
-    decode_urls: Sequence[str],
+    prefill_urls: Sequence[str] = (),
+    decode_urls: Sequence[str] = (),
     *,
+    colocated_urls: Sequence[str] = (),
     api_key: str | None = None,
     upstream_api_key: str | None = None,
     health_interval: float = DEFAULT_HEALTH_INTERVAL_S,
@@ -111,13 +140,15 @@ def build_proxy_app(
 ) -> FastAPI:
     """The proxy app. Raises ``ValueError`` with a clear message for bad arguments.
 
+    Pools: ``prefill_urls`` and ``decode_urls`` (P/D), or ``colocated_urls`` alone.
     URLs may be ``http(s)://host:port[/prefix]`` or ``host:port``; each pool needs at
     least one and no duplicates. The app's :class:`ProxyCore` is ``app.state.proxy``.
-    ``secret`` signs ``kv_transfer_params`` (default: ``PDSERVE_PD_SECRET``, required).
-    ``queue_timeout`` may be 0 (answer 503 at once when a pool has no healthy instance).
+    ``secret`` signs ``kv_transfer_params`` (default: ``PDSERVE_PD_SECRET``, required
+    for P/D). ``queue_timeout`` may be 0 (answer 503 at once when a pool has no healthy
+    instance).
     """
-    prefill = normalize_urls(prefill_urls, what="--prefill")
-    decode = normalize_urls(decode_urls, what="--decode")
+    urls = _pool_urls(prefill_urls, decode_urls, colocated_urls)
+    colocated = "colocated" in urls
     for name, key in (("--api-key", api_key), ("--upstream-api-key", upstream_api_key)):
         if key is not None and not key.strip():
             raise ValueError(f"{name} must not be empty")
@@ -136,7 +167,12 @@ def build_proxy_app(
         pool_keep_alive=_positive("pool keep-alive", pool_keep_alive),
         upstream_api_key=upstream_api_key,
     )
-    metrics = ProxyMetrics(prefill, decode, pool_name=pool_name)
+    metrics = ProxyMetrics(
+        urls.get("prefill", ()),
+        urls.get("decode", ()),
+        colocated_urls=urls.get("colocated", ()),
+        pool_name=pool_name,
+    )
 
     def pool(role: str, urls: list[str]) -> InstancePool:
         return InstancePool(
@@ -147,21 +183,24 @@ def build_proxy_app(
             on_health=lambda url, ok: metrics.set_healthy(role, url, ok),
         )
 
+    if colocated and secret is None:  # it signs nothing: the secret is optional
+        secret = load_secret() or b""
+    answer = "colocated" if colocated else "decode"
     core = ProxyCore(
-        prefill=pool("prefill", prefill),
-        decode=pool("decode", decode),
+        answer=pool(answer, urls[answer]),
+        prefill=None if colocated else pool("prefill", urls["prefill"]),
         metrics=metrics,
         settings=settings,
         secret=_secret(secret),
     )
     health = HealthChecker(
-        [core.prefill, core.decode],
+        core.pools,
         core.upstream,
         interval=_positive("--health-interval", health_interval),
         timeout=_positive("--health-timeout", health_timeout),
     )
 
-    spec_stats = SpecStats({"prefill": prefill, "decode": decode})
+    spec_stats = SpecStats(urls)
     metrics.registry.register(spec_stats)
 
     def scrape_headers() -> dict[str, str]:
@@ -169,7 +208,7 @@ def build_proxy_app(
         return {"Authorization": f"Bearer {key}"} if key is not None else {}
 
     spec_scraper = SpecScraper(
-        [core.prefill, core.decode],
+        core.pools,
         core.upstream,
         spec_stats,
         scrape_headers,
@@ -183,7 +222,7 @@ def build_proxy_app(
         await core.open()
         try:
             await health.check_all()
-            for pool in (core.prefill, core.decode):
+            for pool in core.pools:
                 if pool.num_healthy == 0:
                     logger.warning("no healthy %s instance yet (of %d)", pool.role, len(pool))
             health.start()
@@ -225,20 +264,23 @@ def build_proxy_app(
                 )
         return auth
 
-    def two_legs(path: str) -> Callable[[Request], Awaitable[Response]]:
+    def forwarded(path: str) -> Callable[[Request], Awaitable[Response]]:
         async def handler(request: Request) -> Response:
             arrival = time.perf_counter()
             auth = check_auth(request)
-            body = _parse_body(await request.body())
+            body = _parse_body(await request.body(), pd=not colocated)
             request_id = _request_id(request.headers.get("x-request-id"))
-            return PDResponse(
+            return ProxyResponse(
                 core, path, body, request_id=request_id, authorization=auth, arrival=arrival
             )
 
         return handler
 
-    for path in ("/v1/completions", "/v1/chat/completions"):
-        app.add_api_route(path, two_legs(path), methods=["POST"])
+    paths = ["/v1/completions", "/v1/chat/completions"]
+    if colocated:  # P/D has no prefill leg for the Responses API
+        paths.append("/v1/responses")
+    for path in paths:
+        app.add_api_route(path, forwarded(path), methods=["POST"])
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -247,9 +289,7 @@ def build_proxy_app(
 
     @app.get("/health")
     async def health_route() -> Response:
-        pools = {
-            p.role: {"healthy": p.num_healthy, "total": len(p)} for p in (core.prefill, core.decode)
-        }
+        pools = {p.role: {"healthy": p.num_healthy, "total": len(p)} for p in core.pools}
         down = [role for role, c in pools.items() if c["healthy"] == 0]
         if down:
             return _error(503, f"no healthy instance in pool(s): {', '.join(down)}")
@@ -267,7 +307,7 @@ def build_proxy_app(
     return app
 
 
-def _parse_body(raw: bytes) -> dict[str, Any]:
+def _parse_body(raw: bytes, *, pd: bool) -> dict[str, Any]:
     try:
         body = json.loads(raw)
     except ValueError:
@@ -277,7 +317,7 @@ def _parse_body(raw: bytes) -> dict[str, Any]:
     stream = body.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise _ProxyError(400, "'stream' must be a boolean", "stream")
-    if body.get("prompt_logprobs") is not None:  # refused before any prefill work is spent
+    if pd and body.get("prompt_logprobs") is not None:  # refused before any prefill work
         raise _ProxyError(
             400,
             "prompt_logprobs is not supported through the P/D proxy: the decode instance "
@@ -310,11 +350,12 @@ def _request_id(header: str | None) -> str:
 
 
 async def _forward_models(core: ProxyCore, headers: dict[str, str]) -> Response:
-    """``GET /v1/models`` of the least-loaded healthy decode instance; on a connection
-    failure (one more failure of that instance) the next one is tried."""
+    """``GET /v1/models`` of the least-loaded healthy decode (or colocated) instance; on a
+    connection failure (one more failure of that instance) the next one is tried."""
+    pool = core.answer
     tried: list[str] = []
     timeout = aiohttp.ClientTimeout(total=_MODELS_TIMEOUT_S)
-    while (inst := core.decode.pick(exclude=tried)) is not None:
+    while (inst := pool.pick(exclude=tried)) is not None:
         tried.append(inst.url)
         try:
             resp = await core.upstream.request(
@@ -323,14 +364,14 @@ async def _forward_models(core: ProxyCore, headers: dict[str, str]) -> Response:
             async with resp:
                 data = await resp.read()
                 ctype = resp.headers.get("Content-Type", "application/json")
-            core.decode.record_success(inst)
+            pool.record_success(inst)
             return Response(data, status_code=resp.status, media_type=ctype)
         except Exception as e:
             _, unreachable = classify_error(e)
             if unreachable:
-                core.decode.record_failure(inst, f"{type(e).__name__}: {e}")
+                pool.record_failure(inst, f"{type(e).__name__}: {e}")
             logger.warning("GET /v1/models on %s failed: %r", inst.url, e)
     if tried:
         return _error(502, f"GET /v1/models failed on {', '.join(tried)}")
-    core.metrics.unavailable("decode")
-    return _error(503, f"no healthy decode instance (0 of {len(core.decode)} healthy)")
+    core.metrics.unavailable(pool.role)
+    return _error(503, f"no healthy {pool.role} instance (0 of {len(pool)} healthy)")

@@ -1,14 +1,20 @@
 """``pdserve proxy``: flags and entry point of the P/D proxy (the app is
 :func:`pdserve.serving.proxy.app.build_proxy_app`).
 
+``--prefill URL... --decode URL...`` routes each request through a prefill and a decode
+instance; ``--colocated URL...`` (instead: the two kinds are not mixed) sends each
+request whole to the least-loaded healthy colocated instance (no ``kv_role``, or
+``kv_both``).
+
 :func:`main` builds the app and serves it with the shared
 :class:`~pdserve.serving.uvicorn_server.UvicornServer` until SIGTERM/SIGINT: uvicorn
 stops accepting, lets in-flight requests finish for at most ``--shutdown-timeout``
 seconds (then cancels them, which aborts their upstream legs), and :func:`main`
 returns 0. A second signal stops at once.
 
-The proxy needs the topology's secret in ``PDSERVE_PD_SECRET`` (to sign the legs'
-``kv_transfer_params``); without it :func:`main` exits 2 saying so. ``pdserve launch``
+A P/D proxy needs the topology's secret in ``PDSERVE_PD_SECRET`` (to sign the legs'
+``kv_transfer_params``); without it :func:`main` exits 2 saying so. A colocated proxy
+signs nothing and does not need it. ``pdserve launch``
 passes it, and any of these flags through the topology's ``proxy: args``.
 ``python -m pdserve.serving.proxy`` runs the same command without the rest of the
 ``pdserve`` CLI.
@@ -72,10 +78,16 @@ def _port(text: str) -> int:
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     """Flags of ``pdserve proxy``; sets ``func=main``."""
     p.add_argument(
-        "--prefill", nargs="+", required=True, metavar="URL", help="prefill instance URL(s)"
+        "--prefill", nargs="+", default=[], metavar="URL", help="prefill instance URL(s)"
     )
+    p.add_argument("--decode", nargs="+", default=[], metavar="URL", help="decode instance URL(s)")
     p.add_argument(
-        "--decode", nargs="+", required=True, metavar="URL", help="decode instance URL(s)"
+        "--colocated",
+        nargs="+",
+        default=[],
+        metavar="URL",
+        help="colocated instance URL(s), instead of --prefill/--decode: each request goes "
+        "whole to the least-loaded healthy one",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=_port, default=8000, help="port to bind (0: any free port)")
@@ -156,12 +168,8 @@ async def serve_proxy(
         print(f"pdserve proxy: cannot bind {host}:{port}: {e}", file=sys.stderr)
         return 1
     core: ProxyCore = app.state.proxy
-    print(
-        f"pdserve proxy: http://{host}:{server.port} -> "
-        f"prefill {[i.url for i in core.prefill.instances]}, "
-        f"decode {[i.url for i in core.decode.instances]}",
-        flush=True,
-    )
+    pools = ", ".join(f"{p.role} {[i.url for i in p.instances]}" for p in core.pools)
+    print(f"pdserve proxy: http://{host}:{server.port} -> {pools}", flush=True)
     await server.serve()
     return 0 if server.started.is_set() else 1
 
@@ -172,6 +180,7 @@ def main(args: argparse.Namespace) -> int:
         app = build_proxy_app(
             args.prefill,
             args.decode,
+            colocated_urls=getattr(args, "colocated", []),
             api_key=args.api_key,
             upstream_api_key=args.upstream_api_key,
             health_interval=args.health_interval,

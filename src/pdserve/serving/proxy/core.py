@@ -2,6 +2,10 @@
 bodies of the two legs (with signed ``kv_transfer_params``), replies, and KV release
 calls.
 
+A proxy fronts either a P/D deployment (a prefill and a decode pool) or colocated
+instances (one ``colocated`` pool, each request sent whole to one instance); never both
+(:func:`pdserve.serving.proxy.app.build_proxy_app` refuses the mix).
+
 See :mod:`pdserve.serving.proxy.forward` for what one request does with them. Error
 bodies are :func:`pdserve.serving.http.error_body`, the same as the API server's.
 
@@ -64,7 +68,7 @@ def decode_body(
     body: dict[str, Any], kv_params: dict[str, Any] | None, secret: bytes
 ) -> dict[str, Any]:
     """The decode leg's body: the client's, with the prefill's params signed by the proxy
-    (or without any)."""
+    (or without any: also the body of a colocated request)."""
     out = dict(body)
     if kv_params is None:
         out.pop("kv_transfer_params", None)
@@ -95,6 +99,10 @@ class ProxySettings:
 class ProxyCore:
     """What every request of one proxy app shares.
 
+    ``answer`` is the pool whose answers go to the client: the decode pool of a P/D
+    proxy, or the colocated pool; ``prefill`` is the prefill pool, ``None`` for a
+    colocated proxy.
+
     Lifecycle: built with the app; :meth:`open` (lifespan startup) opens the
     :class:`~pdserve.serving.proxy.upstream.Upstream` client; :meth:`close` (lifespan
     shutdown) waits up to ``release_timeout`` for background release calls, cancels the
@@ -102,8 +110,8 @@ class ProxyCore:
     when done. ``secret`` signs ``kv_transfer_params``.
     """
 
-    prefill: InstancePool
-    decode: InstancePool
+    answer: InstancePool
+    prefill: InstancePool | None
     metrics: ProxyMetrics
     settings: ProxySettings
     secret: bytes
@@ -112,7 +120,7 @@ class ProxyCore:
 
     def __post_init__(self) -> None:
         def on_retry(url: str) -> None:
-            for pool in (self.prefill, self.decode):
+            for pool in self.pools:
                 if any(i.url == url for i in pool.instances):
                     self.metrics.stale_connection_retry(pool.role)
 
@@ -121,6 +129,23 @@ class ProxyCore:
             keep_alive=self.settings.pool_keep_alive,
             on_retry=on_retry,
         )
+
+    @property
+    def colocated(self) -> bool:
+        """True for a proxy in front of colocated instances (no prefill leg)."""
+        return self.prefill is None
+
+    @property
+    def pools(self) -> tuple[InstancePool, ...]:
+        """Every pool: ``(prefill, decode)`` or ``(colocated,)``."""
+        return (self.answer,) if self.prefill is None else (self.prefill, self.answer)
+
+    @property
+    def decode(self) -> InstancePool:
+        """The decode pool of a P/D proxy (``answer``)."""
+        if self.prefill is None:
+            raise AttributeError("a colocated proxy has no decode pool (see `answer`)")
+        return self.answer
 
     async def open(self) -> None:
         self.upstream.open()

@@ -1,6 +1,8 @@
-"""The two legs of one disaggregated request.
+"""The legs of one proxied request: two for a disaggregated request, one for a
+colocated request.
 
-One client request becomes (the flow of vLLM's disaggregated-prefill proxy):
+One client request to a P/D proxy becomes (the flow of vLLM's disaggregated-prefill
+proxy):
 
 1. a **prefill leg**: the client's body with ``max_tokens=1`` (and
    ``max_completion_tokens=1`` if present), ``stream=false``, without ``stream_options``,
@@ -44,9 +46,18 @@ tracked background task (a 404 from servers without the endpoint is ignored). A 
 after decode already pulled the KV is a no-op on a correct server, so the rule errs on
 the side of releasing.
 
-Client disconnect: :class:`PDResponse` watches the ASGI ``receive`` channel while the
-legs run; on ``http.disconnect`` it cancels them, which closes the upstream connection
-so the upstream server aborts its request.
+Colocated instances (a proxy built with colocated URLs): the request goes whole (the
+client's body without any ``kv_transfer_params``) to the least-loaded healthy
+colocated instance, and its answer goes back as the decode leg's does, under the same
+guard, lease, health accounting and connection rule. As no KV is pulled, a request that
+failed on an instance before any byte went to the client (connection error, timeout,
+instance marked down, 5xx, or a stream that broke before its first chunk; a stream's
+status line is held back until its first chunk for this) is retried once on another
+healthy instance, like a prefill leg; a 4xx is returned as is.
+
+Client disconnect: :class:`ProxyResponse` watches the ASGI ``receive`` channel while
+the legs run; on ``http.disconnect`` it cancels them, which closes the upstream
+connection so the upstream server aborts its request.
 """
 
 from __future__ import annotations
@@ -56,8 +67,9 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 from starlette.responses import Response
@@ -92,12 +104,23 @@ class _NotSent:
     reply: Reply
 
 
+@dataclass
+class _Failed:
+    """An attempt that failed after it may have reached its instance, with nothing sent
+    to the client yet, so another instance may take the leg; ``reply`` if it is the last."""
+
+    reply: Reply
+
+
+_T = TypeVar("_T")
+
+
 class _ClientGone(Exception):
     """The client went away while the legs ran."""
 
 
-class PDResponse(Response):
-    """Runs both legs when Starlette sends this response; see the module docstring.
+class ProxyResponse(Response):
+    """Runs the legs when Starlette sends this response; see the module docstring.
 
     Built by the route handler after auth and body checks; everything else, including
     the status code, is decided while :meth:`__call__` runs.
@@ -123,9 +146,9 @@ class PDResponse(Response):
         self.streaming = body.get("stream") is True
         self._send: Send | None = None
         self._held: str | None = None  # prefill URL holding this request's KV
-        self._decode_counted = False  # the decode leg's outcome is counted once
+        self._decode_counted = False  # an answer attempt's outcome is counted once
         self._response_started = False  # the status line went to the client
-        self._meter: SSEMeter | None = None  # the decode stream's, once it started
+        self._meter: SSEMeter | None = None  # the answer stream's, once it started
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._send = send
@@ -144,7 +167,7 @@ class PDResponse(Response):
 
     async def _run(self) -> None:
         try:
-            await self._both_legs()
+            await self._legs()
         except _ClientGone:
             logger.info("request %s: client disconnected", self.request_id)
             self._release("client_disconnect")
@@ -156,65 +179,77 @@ class PDResponse(Response):
             self._release("proxy_error")
             raise
 
-    async def _both_legs(self) -> None:
+    async def _legs(self) -> None:
         core = self.core
+        if core.prefill is None:  # colocated: the whole request to one instance
+            await self._answer_leg(None)
+            return
         if core.decode.num_healthy == 0 and not await self._wait_healthy(core.decode):
             await self._reply(self._unavailable(core.decode))  # no prefill work for nothing
             return
-        pre = await self._prefill_leg()
+        pre = await self._attempts(core.prefill, self._prefill_once, tries=2)
         if isinstance(pre, Reply):
             await self._reply(pre)
             return
         if pre.kv_params is not None:
             self._held = pre.instance.url
-        await self._decode_leg(pre.kv_params)
+        await self._answer_leg(pre.kv_params)
 
     async def _wait_healthy(self, pool: InstancePool) -> bool:
         deadline = asyncio.get_running_loop().time() + self.core.settings.queue_timeout
         return await pool.wait_healthy(deadline)
 
-    # -- prefill ------------------------------------------------------------------
-    async def _prefill_leg(self) -> _PrefillDone | Reply:
-        """Up to two attempts that reached an instance (see the module docstring)."""
-        pool = self.core.prefill
+    async def _attempts(
+        self,
+        pool: InstancePool,
+        once: Callable[[Instance], Awaitable[_T | Reply | _Failed | _NotSent]],
+        *,
+        tries: int,
+    ) -> _T | Reply:
+        """Send one leg to ``pool`` with ``once(instance)``: at most ``tries`` attempts
+        that reached an instance (after a :class:`_Failed` one the leg goes to another
+        healthy instance if one is there now, else that failure is the answer); an
+        attempt whose connection was never established (:class:`_NotSent`) does not
+        count (before any failure, the next one waits for an eligible instance up to
+        ``queue_timeout``; see the module docstring). Returns what ``once`` returned otherwise (a success,
+        or a :class:`Reply` to give as is), or the last failure's reply (503 if no
+        instance was eligible)."""
         deadline = asyncio.get_running_loop().time() + self.core.settings.queue_timeout
         tried: dict[str, int] = {}  # URL -> generation when tried
         failure: Reply | None = None  # the answer if no attempt succeeds
-        attempts = 0
-        while attempts < 2:
-            if attempts == 0:
+        failed = 0
+        while failed < tries:
+            if failed == 0:
                 inst = await pool.wait_pick(tried, deadline)
             else:
                 inst = pool.pick(u for u, g in tried.items() if pool.get(u).generation == g)
             if inst is None:
                 break
             if tried:
-                self.core.metrics.retried("prefill")
+                self.core.metrics.retried(pool.role)
                 logger.warning(
-                    "request %s: retrying the prefill leg on %s after failure on %s",
+                    "request %s: retrying the %s leg on %s after failure on %s",
                     self.request_id,
+                    pool.role,
                     inst.url,
                     next(reversed(tried)),
                 )
             tried[inst.url] = inst.generation
-            result = await self._prefill_once(inst)
-            if isinstance(result, _PrefillDone):
-                return result
+            result = await once(inst)
             if isinstance(result, _NotSent):
                 failure = result.reply
-                continue
-            if 400 <= result.status < 500:
-                return result  # the client's fault: as is, no retry
-            failure = result
-            attempts += 1
+            elif isinstance(result, _Failed):
+                failure = result.reply
+                failed += 1
+            else:
+                return result
         return failure if failure is not None else self._unavailable(pool)
 
-    async def _prefill_once(
-        self,
-        inst: Instance,
-    ) -> _PrefillDone | Reply | _NotSent:
-        """One attempt; a :class:`Reply` is the answer to give if it is the last."""
+    # -- prefill ------------------------------------------------------------------
+    async def _prefill_once(self, inst: Instance) -> _PrefillDone | Reply | _Failed | _NotSent:
+        """One attempt; a 4xx :class:`Reply` is the client's fault (as is, no retry)."""
         core, url = self.core, inst.url
+        assert core.prefill is not None  # a P/D proxy's
         t0 = time.perf_counter()
         with core.prefill.lease(inst):
             try:
@@ -238,7 +273,7 @@ class PDResponse(Response):
                 outcome = self._leg_error(core.prefill, inst, e)
                 code = 504 if outcome == "timeout" else 502
                 reply = Reply.error(code, f"prefill leg failed on {url}: {outcome}")
-                return _NotSent(reply) if not_sent(e) else reply
+                return _NotSent(reply) if not_sent(e) else _Failed(reply)
         core.prefill.record_success(inst)
         if status != 200:
             outcome = status_outcome(status) if status >= 400 else "bad_response"
@@ -247,8 +282,10 @@ class PDResponse(Response):
                 "request %s: prefill leg on %s answered %d", self.request_id, url, status
             )
             if status < 400:
-                return Reply.error(502, f"prefill leg on {url} answered {status}")
-            return Reply(status, data, ctype)
+                return _Failed(Reply.error(502, f"prefill leg on {url} answered {status}"))
+            if status < 500:
+                return Reply(status, data, ctype)  # the client's fault: as is, no retry
+            return _Failed(Reply(status, data, ctype))
         try:
             answer = json.loads(data)
         except ValueError:
@@ -256,7 +293,7 @@ class PDResponse(Response):
         if not isinstance(answer, dict):
             core.metrics.leg_done("prefill", url, "bad_response")
             logger.warning("request %s: prefill on %s sent no JSON object", self.request_id, url)
-            return Reply.error(502, f"prefill leg on {url} answered with no JSON object")
+            return _Failed(Reply.error(502, f"prefill leg on {url} answered with no JSON object"))
         core.metrics.leg_done("prefill", url, "success")
         core.metrics.observe_prefill_leg(url, time.perf_counter() - t0)
         params = answer.get("kv_transfer_params")
@@ -272,24 +309,32 @@ class PDResponse(Response):
             params = None
         return _PrefillDone(inst, params)
 
-    # -- decode -------------------------------------------------------------------
-    async def _decode_leg(self, kv_params: dict[str, Any] | None) -> None:
-        pool = self.core.decode
-        deadline = asyncio.get_running_loop().time() + self.core.settings.queue_timeout
-        tried: dict[str, int] = {}
-        last: Reply | None = None  # the last connection that could not be established
-        while (inst := await pool.wait_pick(tried, deadline)) is not None:
-            tried[inst.url] = inst.generation
-            last = await self._decode_once(inst, kv_params)
-            if last is None:
-                return
-        self._release("no_decode_instance")
-        await self._reply(last if last is not None else self._unavailable(pool))
+    # -- the answer: decode, or colocated ------------------------------------------
+    async def _answer_leg(self, kv_params: dict[str, Any] | None) -> None:
+        """The leg whose answer goes to the client: the decode leg (with the prefill's
+        ``kv_params``), or a colocated request (``None``; retried once, see the module
+        docstring)."""
+        pool = self.core.answer
+        tries = 2 if self.core.colocated else 1
 
-    async def _decode_once(self, inst: Instance, kv_params: dict[str, Any] | None) -> Reply | None:
+        async def once(inst: Instance) -> _Failed | _NotSent | None:
+            return await self._answer_once(inst, kv_params)
+
+        reply = await self._attempts(pool, once, tries=tries)
+        if reply is not None:
+            self._release("no_decode_instance")
+            await self._reply(reply)
+
+    async def _answer_once(
+        self, inst: Instance, kv_params: dict[str, Any] | None
+    ) -> _Failed | _NotSent | None:
         """One attempt: ``None`` once the client has its answer, else the error to give
-        if no other instance takes the request (its connection was never established)."""
-        core, pool, url = self.core, self.core.decode, inst.url
+        if no other instance takes the request (:class:`_NotSent`: its connection was
+        never established; :class:`_Failed`: a colocated request that failed before any
+        byte went to the client)."""
+        core, pool, url = self.core, self.core.answer, inst.url
+        retry = core.colocated  # nothing was pulled: another instance may take it
+        self._decode_counted = False
         resp: aiohttp.ClientResponse | None = None
         clean = False
         reply: Reply | None = None  # a whole answer, sent once the leg is over
@@ -306,9 +351,9 @@ class PDResponse(Response):
                     )
                     pool.record_success(inst)
                     if resp.status == 200 and self.streaming:
-                        await self._stream(url, resp)
+                        await self._stream(url, resp, hold_status=retry)
                     else:
-                        reply = await self._decode_whole(url, resp)
+                        reply = await self._whole(url, resp)
                     clean = True
             except (asyncio.CancelledError, _ClientGone):
                 self._decode_outcome(url, "client_disconnect")
@@ -316,9 +361,9 @@ class PDResponse(Response):
             except Exception as e:
                 if resp is None and not_sent(e):
                     outcome = self._leg_error(pool, inst, e, count=False)
-                    core.metrics.leg_done("decode", url, outcome)
-                    return Reply.error(502, f"decode leg failed on {url}: {outcome}")
-                await self._decode_failed(inst, e)
+                    core.metrics.leg_done(pool.role, url, outcome)
+                    return _NotSent(Reply.error(502, f"{pool.role} leg failed on {url}: {outcome}"))
+                return await self._answer_failed(inst, e, retry=retry)
             finally:
                 if resp is not None:
                     if clean:
@@ -326,10 +371,12 @@ class PDResponse(Response):
                     else:
                         resp.close()  # abort the upstream request
         if reply is not None:
+            if retry and reply.status >= 500:
+                return _Failed(reply)
             await self._reply(reply)
         return None
 
-    async def _decode_whole(self, url: str, resp: aiohttp.ClientResponse) -> Reply:
+    async def _whole(self, url: str, resp: aiohttp.ClientResponse) -> Reply:
         """Read the whole answer: the reply to pass on."""
         data = await resp.read()
         self._decode_outcome(url, status_outcome(resp.status))
@@ -338,24 +385,36 @@ class PDResponse(Response):
             self.core.metrics.observe_ttft(url, time.perf_counter() - self.arrival)
         else:
             logger.warning(
-                "request %s: decode leg on %s answered %d", self.request_id, url, resp.status
+                "request %s: %s leg on %s answered %d",
+                self.request_id,
+                self.core.answer.role,
+                url,
+                resp.status,
             )
             self._release("decode_error")
         ctype = resp.headers.get("Content-Type", "application/json")
         return Reply(resp.status, data, ctype)
 
-    async def _stream(self, url: str, resp: aiohttp.ClientResponse) -> None:
-        """Pass the SSE stream through (a break is handled by :meth:`_decode_failed`)."""
+    async def _stream(self, url: str, resp: aiohttp.ClientResponse, *, hold_status: bool) -> None:
+        """Pass the SSE stream through (a break is handled by :meth:`_answer_failed`).
+        With ``hold_status`` the status line waits for the first chunk, so a stream that
+        breaks before it can still be retried."""
         core = self.core
         ctype = resp.headers.get("Content-Type", "text/event-stream")
-        await self._start(200, ctype, extra=[(b"cache-control", b"no-cache")])
+        extra = [(b"cache-control", b"no-cache")]
+        if not hold_status:
+            await self._start(200, ctype, extra=extra)
         meter = self._meter = SSEMeter()
         async for chunk in resp.content.iter_any():
             had_first = meter.first is not None
             meter.feed(chunk, time.perf_counter())
             if not had_first and meter.first is not None:
                 core.metrics.observe_ttft(url, meter.first - self.arrival)
+            if not self._response_started:
+                await self._start(200, ctype, extra=extra)
             await self._body(chunk, more=True)
+        if not self._response_started:
+            await self._start(200, ctype, extra=extra)
         self._held = None
         self._decode_outcome(url, "success")
         tpot = meter.tpot()
@@ -363,24 +422,32 @@ class PDResponse(Response):
             core.metrics.observe_tpot(url, tpot)
         await self._body(b"", more=False)
 
-    async def _decode_failed(self, inst: Instance, exc: Exception) -> None:
-        """The decode leg broke after it may have reached the instance: count it, free
-        the KV, and tell the client (a 502/504, or mid-stream: an error event if the
-        break fell between events, then the end of the response without ``[DONE]``)."""
-        url = inst.url
-        outcome = self._leg_error(self.core.decode, inst, exc, count=False)
+    async def _answer_failed(
+        self, inst: Instance, exc: Exception, *, retry: bool
+    ) -> _Failed | None:
+        """The answer leg broke after it may have reached the instance: count it; with
+        ``retry`` and nothing sent to the client yet, return the error for another
+        attempt; else free the KV and tell the client (a 502/504, or mid-stream: an
+        error event if the break fell between events, then the end of the response
+        without ``[DONE]``)."""
+        url, pool = inst.url, self.core.answer
+        outcome = self._leg_error(pool, inst, exc, count=False)
         self._decode_outcome(url, outcome)
+        code = 504 if outcome == "timeout" else 502
+        failure = Reply.error(code, f"{pool.role} leg failed on {url}: {outcome}")
+        if retry and not self._response_started:
+            return _Failed(failure)
         down = outcome == "instance_down"
         self._release("decode_instance_down" if down else "decode_connection_error")
         if self._response_started:
             meter = self._meter
             tail = b""
             if meter is None or meter.at_event_boundary:
-                tail = sse_error(502, f"decode stream from {url} broke: {outcome}").encode()
+                tail = sse_error(502, f"{pool.role} stream from {url} broke: {outcome}").encode()
             await self._body(tail, more=False)
-            return
-        code = 504 if outcome == "timeout" else 502
-        await self._reply(Reply.error(code, f"decode leg failed on {url}: {outcome}"))
+            return None
+        await self._reply(failure)
+        return None
 
     def _leg_error(
         self, pool: InstancePool, inst: Instance, exc: Exception, *, count: bool = True
@@ -399,9 +466,10 @@ class PDResponse(Response):
 
     # -- helpers ------------------------------------------------------------------
     def _decode_outcome(self, url: str, outcome: str) -> None:
+        """Count the answer attempt's outcome (once)."""
         if not self._decode_counted:
             self._decode_counted = True
-            self.core.metrics.leg_done("decode", url, outcome)
+            self.core.metrics.leg_done(self.core.answer.role, url, outcome)
 
     def _release(self, reason: str) -> None:
         url, self._held = self._held, None

@@ -2,15 +2,17 @@
 
 Label conventions:
 
-* per-instance series carry ``pool`` (``"prefill"`` or ``"decode"``) and ``instance``
-  (the instance's base URL);
+* per-instance series carry ``pool`` (``"prefill"``, ``"decode"`` or ``"colocated"``)
+  and ``instance`` (the instance's base URL);
 * the latency histograms carry ``pool`` = the deployment's pool name (``"pdserve"`` by
-  default: one proxy fronts one P/D pool) plus ``decode_instance`` (TTFT, TPOT) or
+  default: one proxy fronts one pool) plus ``decode_instance`` (TTFT, TPOT: the
+  instance that generated the tokens, a decode or a colocated one) or
   ``prefill_instance`` (prefill leg), so dashboards can show the pool overall (sum over
   instances) or one instance.
 
 TTFT is measured from the request's arrival at the proxy to the first streamed data
-chunk that carries ``choices`` (streaming) or to the full response (non-streaming).
+chunk that carries tokens (``choices``, or a Responses API text delta; streaming) or to
+the full response (non-streaming).
 TPOT per streaming request is ``(last chunk - first chunk) / (chunks - 1)`` over the
 data chunks that carry ``choices``; requests with fewer than two such chunks (and
 non-streaming requests) add no TPOT sample. Buckets include the SLA edges, 20 ms and
@@ -34,7 +36,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pdserve.core_types.stats import read_rss_bytes
 from pdserve.metrics.prometheus import ITL_BUCKETS, PREFIX, TTFT_BUCKETS
 
-POOLS: tuple[str, ...] = ("prefill", "decode")
+POOLS: tuple[str, ...] = ("prefill", "decode", "colocated")
 
 # Request outcomes per leg (label ``outcome`` of ``pdserve:proxy_requests_total``).
 OUTCOMES: tuple[str, ...] = (
@@ -60,7 +62,8 @@ RELEASE_REASONS: tuple[str, ...] = (
 
 
 class ProxyMetrics:
-    """All proxy series. Build once per app with the instance URLs of both pools.
+    """All proxy series. Build once per app with the instance URLs of every pool: prefill
+    and decode (P/D), or colocated.
 
     Methods take the instance URL; an unknown URL raises ``KeyError`` from the label
     caches, which would be a programming error (instances are fixed at build time).
@@ -68,16 +71,21 @@ class ProxyMetrics:
 
     def __init__(
         self,
-        prefill_urls: Iterable[str],
-        decode_urls: Iterable[str],
+        prefill_urls: Iterable[str] = (),
+        decode_urls: Iterable[str] = (),
         *,
+        colocated_urls: Iterable[str] = (),
         pool_name: str = "pdserve",
     ) -> None:
         self.registry = CollectorRegistry()
         self.pool_name = pool_name
         self._health_state: dict[tuple[str, str], bool] = {}
         reg = self.registry
-        urls = {"prefill": list(prefill_urls), "decode": list(decode_urls)}
+        urls = {
+            "prefill": list(prefill_urls),
+            "decode": list(decode_urls),
+            "colocated": list(colocated_urls),
+        }
 
         self._requests = Counter(
             PREFIX + "proxy_requests",
@@ -163,6 +171,8 @@ class ProxyMetrics:
             registry=reg,
         ).labels("proxy").set_function(read_rss_bytes)
         for pool, pool_urls in urls.items():
+            if not pool_urls:
+                continue
             for url in pool_urls:
                 self._in_flight.labels(pool, url).set(0)
                 self._healthy.labels(pool, url).set(0)
@@ -177,7 +187,7 @@ class ProxyMetrics:
             self._prefill_leg.labels(pool_name, url)
             for reason in RELEASE_REASONS:
                 self._released.labels(url, reason)
-        for url in urls["decode"]:
+        for url in urls["decode"] + urls["colocated"]:  # the instances that generate
             self._ttft.labels(pool_name, url)
             self._tpot.labels(pool_name, url)
 

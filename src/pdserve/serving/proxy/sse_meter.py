@@ -3,7 +3,9 @@
 The proxy passes the upstream bytes to the client untouched, chunk by chunk; it also
 feeds each chunk to a :class:`SSEMeter`, which splits events on blank lines (``\\n\\n``
 or ``\\r\\n\\r\\n``; carriage returns are dropped from its private copy) and records the
-arrival time of every ``data:`` event whose JSON carries a non-empty ``choices`` list.
+arrival time of every ``data:`` event that carries tokens: its JSON has a non-empty
+``choices`` list (completions, chat) or is a Responses API text delta (``type``
+``response.output_text.delta`` or ``response.reasoning_text.delta``).
 ``data: [DONE]`` sets :attr:`SSEMeter.done`. Malformed events are ignored: metering
 must never disturb the stream.
 """
@@ -15,6 +17,8 @@ import json
 # A stream that never ends an event would grow the buffer without bound; past this
 # many bytes the partial event is dropped (it is only used for metrics).
 _MAX_PENDING = 1 << 20
+# Responses API stream events that carry generated text
+_DELTA_TYPES = ("response.output_text.delta", "response.reasoning_text.delta")
 
 
 class SSEMeter:
@@ -65,7 +69,10 @@ class SSEMeter:
             obj = json.loads(data)
         except ValueError:
             return
-        if isinstance(obj, dict) and isinstance(obj.get("choices"), list) and obj["choices"]:
+        if not isinstance(obj, dict):
+            return
+        choices = obj.get("choices")
+        if (isinstance(choices, list) and choices) or obj.get("type") in _DELTA_TYPES:
             self.count += 1
             if self.first is None:
                 self.first = now
