@@ -343,6 +343,28 @@ class PD:
         self.loop.call(fake.stop())
 
 
+def stream_raw(url: str, body: dict[str, Any]) -> tuple[bytes, list[float]]:
+    """POST a streamed completion through the proxy: the raw bytes received and when
+    (seconds after the request) each piece arrived; checks the SSE status and type."""
+    import time
+
+    import httpx
+
+    arrivals: list[float] = []
+    received = b""
+    t0 = time.monotonic()
+    with (
+        httpx.Client(timeout=10) as c,
+        c.stream("POST", url + "/v1/completions", json=body) as r,
+    ):
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for piece in r.iter_raw():
+            arrivals.append(time.monotonic() - t0)
+            received += piece
+    return received, arrivals
+
+
 def metric_value(text: str, name: str, **labels: str) -> float | None:
     """The sample ``name{labels}`` in a text exposition (labels must all match)."""
     for line in text.splitlines():

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import signal
-import time
 from pathlib import Path
 
 import httpx
@@ -18,7 +17,7 @@ from pdserve.core_types.pd_auth import SECRET_ENV
 from pdserve.serving.proxy import cli as proxy_mod
 from pdserve.serving.proxy.app import build_proxy_app
 
-from .conftest import MODEL, PD, PDFactory, metric_value
+from .conftest import MODEL, PD, PDFactory, metric_value, stream_raw
 from .test_proxy_failures import assert_openai_error, raw_post
 from .test_proxy_misc import cli_proxy
 
@@ -207,19 +206,7 @@ def test_body_goes_whole_without_kv_transfer_params(make_colocated: PDFactory) -
 
 def test_stream_is_byte_exact_and_not_buffered(make_colocated: PDFactory) -> None:
     pd = make_colocated(1, knobs={"num_chunks": 6, "chunk_delay": 0.15})
-    body = dict(BODY, max_tokens=6, stream=True)
-    arrivals: list[float] = []
-    received = b""
-    t0 = time.monotonic()
-    with (
-        httpx.Client(timeout=10) as c,
-        c.stream("POST", pd.url + "/v1/completions", json=body) as r,
-    ):
-        assert r.status_code == 200
-        assert r.headers["content-type"].startswith("text/event-stream")
-        for piece in r.iter_raw():
-            arrivals.append(time.monotonic() - t0)
-            received += piece
+    received, arrivals = stream_raw(pd.url, dict(BODY, max_tokens=6, stream=True))
     assert received == b"".join(pd.colocated[0].sent_bytes)
     assert received.endswith(b"data: [DONE]\n\n")
     assert len(arrivals) >= 3 and arrivals[0] < arrivals[-1] - 0.4

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import time
 
 import httpx
 import openai
@@ -11,7 +10,7 @@ import pytest
 
 from _polling import wait_until
 
-from .conftest import MODEL, PDFactory
+from .conftest import MODEL, PDFactory, stream_raw
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -129,18 +128,7 @@ def test_streaming_with_openai_client(make_pd: PDFactory, chat: bool) -> None:
 def test_stream_is_byte_exact_and_not_buffered(make_pd: PDFactory) -> None:
     pd = make_pd(decode_knobs={"num_chunks": 6, "chunk_delay": 0.15})
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 6, "stream": True}
-    arrivals: list[float] = []
-    received = b""
-    t0 = time.monotonic()
-    with (
-        httpx.Client(timeout=10) as c,
-        c.stream("POST", pd.url + "/v1/completions", json=body) as r,
-    ):
-        assert r.status_code == 200
-        assert r.headers["content-type"].startswith("text/event-stream")
-        for piece in r.iter_raw():
-            arrivals.append(time.monotonic() - t0)
-            received += piece
+    received, arrivals = stream_raw(pd.url, body)
     assert received == b"".join(pd.decode[0].sent_bytes)
     assert received.endswith(b"data: [DONE]\n\n")
     # the first chunk reached the client long before the stream ended
