@@ -1,5 +1,7 @@
-"""``--kv-cache-dtype fp8``: float8_e4m3fn GQA and MLA caches (scale 1.0), through the
-engine, prefix caching and tcp P/D, and the handshake that refuses a mixed pair.
+"""``--kv-cache-dtype fp8``: float8_e4m3fn GQA and MLA caches (here without checkpoint
+scales: 1.0), through the engine, prefix caching and tcp P/D, and the handshake that
+refuses a mixed pair (dtypes or per-layer scales; the scales themselves:
+``tests/models/test_kv_cache_scales.py``).
 
 Closeness to the float32 cache: teacher-forced decode logits within 5% of the largest
 |logit| (Llama and GLM-5); greedy tokens (tiny random models, whose choices sit on
@@ -124,6 +126,26 @@ def test_fp8_cache_over_tcp_pd_is_exact_and_a_mixed_pair_is_refused(
     # the same fp8 prefill instance against a float32-cache decode instance
     error = handoff_error(p, engine(tiny_llama, "kv_consumer"), tiny_llama)  # shuts both down
     assert "kv_cache_dtype (prefill {'attn': 'float8_e4m3fn'}, decode {'attn': 'float32'})" in error
+
+
+def test_prefill_and_decode_with_different_kv_cache_scales_are_refused(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """fp8 bytes written under one set of per-layer scales would decode wrong under
+    another: the handshake compares a digest of them."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from pdserve.models.kv_scales import KV_SCALES_FILE
+
+    scaled = tmp_path / "scaled"
+    shutil.copytree(tiny_llama, scaled)
+    save_file({"model.layers.1.self_attn.k_scale": torch.tensor(0.01)}, scaled / KV_SCALES_FILE)
+    p = engine(scaled, "kv_producer", kv_cache_dtype="fp8")
+    error = handoff_error(p, engine(tiny_llama, "kv_consumer", kv_cache_dtype="fp8"), tiny_llama)
+    assert "kv_cache_scales (prefill 'sha256:" in error and "over 2 layers" in error
+    assert "kv_cache_dtype" not in error  # the same dtype: only the scales differ
 
 
 def test_unsupported_kv_cache_dtype_is_refused(tiny_llama: Path) -> None:

@@ -183,3 +183,27 @@ def test_a_wildcard_kv_server_advertises_a_dialable_address(monkeypatch) -> None
     monkeypatch.setattr(socket, "socket", NoRoute)
     assert srv.advertised_host("0.0.0.0") == "127.0.0.1"
     assert srv.advertised_host("::") == "::1"
+
+
+def test_compat_refuses_mismatched_kv_cache_scales():
+    from pdserve.kv_transfer.compat import compat_info
+
+    def info(scales):
+        return compat_info(
+            model_config={"a": 1},
+            kv_cache=[{"group": "attn", "dtype": "float8_e4m3fn"}],
+            block_size=16,
+            speculative=None,
+            transport="tcp",
+            kv_cache_scales=scales,
+        )
+
+    a = info({"model.layers.0.self_attn.attn": [0.5, 0.25]})
+    assert a["kv_cache_scales"].startswith("sha256:") and a["kv_cache_scales"].endswith(
+        "over 1 layers"
+    )
+    assert compat_mismatch(a, info({"model.layers.0.self_attn.attn": [0.5, 0.25]})) is None
+    msg = compat_mismatch(info({"model.layers.0.self_attn.attn": [0.5, 0.5]}), a)
+    assert msg is not None and "kv_cache_scales (prefill 'sha256:" in msg
+    assert "the per-layer fp8 KV cache k_scale/v_scale" in msg and "block_size" not in msg
+    assert info(None)["kv_cache_scales"] == info({})["kv_cache_scales"] == "none"

@@ -80,7 +80,8 @@ class CacheConfig:
     kv_cache_dtype: str = _f(
         "auto",
         "auto: the model dtype; fp8 (= fp8_e4m3): float8_e4m3fn GQA K/V and MLA latent "
-        "caches with a per-tensor scale of 1.0 (values saturate at +-448)",
+        "caches with static per-layer scales from the checkpoint's k_scale/v_scale (else "
+        "1.0; values saturate at +-448 x scale)",
     )
 
     def __post_init__(self) -> None:

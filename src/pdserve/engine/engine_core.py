@@ -40,6 +40,7 @@ from pdserve.kv_transfer.pd_connector import (
     require_secret,
 )
 from pdserve.runner.model_runner import ModelRunner
+from pdserve.runner.model_step import kv_cache_scales
 from pdserve.runner.step_outputs import StepHandle
 from pdserve.spec_decode.proposer import Proposer
 
@@ -155,6 +156,7 @@ class EngineCore:
             block_size=r.block_size,
             speculative=self.config.speculative.describe() if self.config.speculative else None,
             transport=kvt.transport,
+            kv_cache_scales=kv_cache_scales(r.kv_cache_config, r.step.group_layers),
         )
         sched_half, worker_half = make_pd_connector(kvt, r.block_size, compat)
         worker_half.register_kv_caches(r.kv_caches)

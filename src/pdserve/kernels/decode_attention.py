@@ -22,6 +22,8 @@ heads, multiprocessor count and a static context bound, see
 CUDA-graph capturable; any ``num_splits`` gives the same result up to rounding.
 
 Requests with ``seq_lens[b] == 0`` (graph padding) read nothing and output zeros.
+The cache may be float8_e4m3fn: tiles are converted to the query dtype, and the caller
+folds the layer's static K scale into ``scale`` and multiplies the output by V's.
 Its speed against the copy bound, by batch and context, is in
 ``benchmarks/RESULTS.md`` ("Kernel measurements").
 """
@@ -120,7 +122,7 @@ def _decode_kernel(
             mask=n_ok[None, :] & d_ok[:, None],
             other=0.0,
         )  # [BLOCK_D, BLOCK_N]
-        kt = kt.to(q.dtype)  # no-op unless the cache is fp8 (or bf16 upcast)
+        kt = kt.to(q.dtype)  # fp8 (its scale is in qk_scale) or bf16 upcast
         if USE_DOT:
             s = tl.dot(q, kt, input_precision=DOT_PREC)
         else:

@@ -5,7 +5,9 @@ Cache layout (shared with the torch backend): ``kv_cache[0]`` holds K and
 strides are accepted as long as ``head_dim`` is the innermost, unit-stride axis.
 Token ``t`` goes to ``slot_mapping[t] = block * block_size + offset``. A negative
 slot skips the token; slot 0 lies in the null block, where padded tokens may
-write freely because nothing reads it.
+write freely because nothing reads it. An fp8 cache stores ``k / k_scale`` and
+``v / v_scale`` (per-layer static scales, host floats), saturated at +-448; the
+attention kernels read it back through their softmax scale and output scale.
 
 One program moves one token's ``[BLOCK_H, head_dim]`` tile of K and of V; there is
 no host sync and the grid depends only on tensor shapes, so the launch can be
@@ -40,6 +42,8 @@ def _kv_cache_write_kernel(
     stride_vcs,
     stride_vch,
     num_kv_heads,
+    k_scale,
+    v_scale,
     HEAD_D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -59,7 +63,7 @@ def _kv_cache_write_kernel(
         src = heads[:, None] * stride_kh + offs_d[None, :]
         k = tl.load(k_ptr + t * stride_kt + src, mask=mask)
         if FP8_MAX > 0:  # an fp8 cache: saturate (a plain cast turns overflow into NaN)
-            k = tl.clamp(k.to(tl.float32), -FP8_MAX, FP8_MAX)
+            k = tl.clamp(k.to(tl.float32) / k_scale, -FP8_MAX, FP8_MAX)
             if ROUND_FIRST:
                 k = round_to_e4m3(k)
         dst = blk * stride_kcb + off * stride_kcs + heads[:, None] * stride_kch + offs_d[None, :]
@@ -67,7 +71,7 @@ def _kv_cache_write_kernel(
         src = heads[:, None] * stride_vh + offs_d[None, :]
         v = tl.load(v_ptr + t * stride_vt + src, mask=mask)
         if FP8_MAX > 0:
-            v = tl.clamp(v.to(tl.float32), -FP8_MAX, FP8_MAX)
+            v = tl.clamp(v.to(tl.float32) / v_scale, -FP8_MAX, FP8_MAX)
             if ROUND_FIRST:
                 v = round_to_e4m3(v)
         dst = blk * stride_vcb + off * stride_vcs + heads[:, None] * stride_vch + offs_d[None, :]
@@ -75,12 +79,18 @@ def _kv_cache_write_kernel(
 
 
 def write_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write ``k``/``v`` [T, Hkv, D] into ``kv_cache`` [2, blocks, block_size, Hkv, D].
 
     Only the first ``slot_mapping.shape[0]`` tokens are written (``k`` may be
-    longer, e.g. graph-padded). ``slot_mapping`` is int64 (int32 works too).
+    longer, e.g. graph-padded). ``slot_mapping`` is int64 (int32 works too). The
+    scales divide what an fp8 cache stores (other dtypes ignore them).
     """
     check_device(kv_cache, "write_kv_cache")
     n = slot_mapping.shape[0]
@@ -116,6 +126,8 @@ def write_kv_cache(
         vc.stride(1),
         vc.stride(2),
         hkv,
+        float(k_scale),
+        float(v_scale),
         HEAD_D=d,
         BLOCK_D=block_d,
         BLOCK_H=block_h,
@@ -127,12 +139,17 @@ def write_kv_cache(
 
 
 def write_kv_cache_reference(
-    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Plain-torch reference of :func:`write_kv_cache` (negative slots skipped)."""
     hkv, d = kv_cache.shape[-2], kv_cache.shape[-1]
     n = slot_mapping.shape[0]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    write_paged(kv_cache[0].view(-1, hkv, d), slots, k[:n][keep])
-    write_paged(kv_cache[1].view(-1, hkv, d), slots, v[:n][keep])
+    write_paged(kv_cache[0].view(-1, hkv, d), slots, k[:n][keep], k_scale)
+    write_paged(kv_cache[1].view(-1, hkv, d), slots, v[:n][keep], v_scale)

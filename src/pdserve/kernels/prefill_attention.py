@@ -15,7 +15,9 @@ therefore a function of host ints only (no sync, graph-capturable). Each program
 holds ``BLOCK_Q`` tokens x all ``group`` query heads of one KV head
 (``BLOCK_M = BLOCK_Q * group`` rows, padded to a power of two), so K/V tiles
 are read once per KV group, and streams the keys up to its last row's position
-through an online softmax (fp32 accumulation, exp2 domain).
+through an online softmax (fp32 accumulation, exp2 domain). A float8_e4m3fn cache is
+read as :func:`decode_attention`'s is: its K scale folded into ``scale`` by the caller,
+its V scale applied to the output.
 
 The alternative for a single prompt with no cached prefix is
 :func:`sdpa_prefill` (torch's fused SDPA on this step's contiguous K/V), faster for
@@ -80,7 +82,7 @@ def _tile(
     kt = tl.load(
         k_ptr + k_off[None, :] + offs_d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0
     )
-    kt = kt.to(q.dtype)  # no-op unless the cache is fp8 (or bf16 upcast)
+    kt = kt.to(q.dtype)  # fp8 (its scale is in qk_scale) or bf16 upcast
     s = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale
     if MASKED:
         keep = n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])

@@ -77,10 +77,15 @@ def to_fp8(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
-def write_paged(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
-    """``cache[slots] = values`` along dim 0, cast to the cache dtype (saturating for fp8,
-    through a byte view: CPU torch has no fp8 ``index_copy_``)."""
+def write_paged(
+    cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, scale: float = 1.0
+) -> None:
+    """``cache[slots] = values`` along dim 0, cast to the cache dtype; an fp8 cache stores
+    ``values / scale`` (in float32), saturated, through a byte view (CPU torch has no fp8
+    ``index_copy_``). ``scale`` is ignored for other dtypes."""
     if cache.dtype == FP8_DTYPE:
+        if scale != 1.0:
+            values = values.float() / scale
         cache.view(torch.uint8).index_copy_(0, slots, to_fp8(values).view(torch.uint8))
     else:
         cache.index_copy_(0, slots, values.to(cache.dtype))

@@ -2,8 +2,9 @@
 
 Cache: ``[blocks, block_size, L + R]`` per layer: the normalised KV latent (``L`` =
 ``kv_lora_rank``) then the rotated shared key (``R`` = ``qk_rope_head_dim``), in the
-model dtype or float8_e4m3fn (scale 1.0; tiles are converted to the query dtype). Queries
-come absorbed: ``q_lat`` [T, H, L] (``q_nope`` through ``W_UK``) and ``q_pe`` [T, H, R].
+model dtype or float8_e4m3fn (tiles are converted to the query dtype; the caller folds an
+fp8 cache's per-layer scale in: ``scale`` times it, the output times it). Queries come
+absorbed: ``q_lat`` [T, H, L] (``q_nope`` through ``W_UK``) and ``q_pe`` [T, H, R].
 Token ``t`` of request ``b`` sits at position ``pos = seq_lens[b] - q_len[b] + q_idx[t]``
 and scores key ``s`` as ``q_lat . c[s] + q_pe . k_pe[s]`` (times the scale); the values
 are the latents, so the output is ``[T, H, L]`` (``W_UV`` is applied by the caller).
@@ -156,7 +157,7 @@ def _mla_kernel(
             mask=ok[:, None] & r_ok[None, :],
             other=0.0,
         )
-        kl = kl.to(ql.dtype)  # an fp8 cache (scale 1.0) is read in the query dtype
+        kl = kl.to(ql.dtype)  # an fp8 cache is read in the query dtype (its scale: caller's)
         kr = kr.to(qr.dtype)
         s = tl.dot(ql, tl.trans(kl), input_precision=DOT_PREC)
         s = tl.dot(qr, tl.trans(kr), acc=s, input_precision=DOT_PREC)

@@ -55,6 +55,7 @@ from pdserve.layers.parallel_linear import ColumnParallelLinear, RowParallelLine
 from pdserve.layers.rotary import RopeInputs, RotaryEmbedding, yarn_softmax_mscale
 from pdserve.models.deepseek_config import DeepseekConfig, read_deepseek_config
 from pdserve.models.hf_config import HFModelConfig
+from pdserve.models.kv_scales import load_kv_scale
 from pdserve.models.registry import CausalLM
 
 # the MTP layer's tensors that may come with a checkpoint and are the target's own
@@ -417,6 +418,9 @@ class DeepseekV3ForCausalLM(CausalLM):
                 continue
             if _is_mtp(name, n) and (not self.with_mtp or name.split(".", 3)[3] in _MTP_SHARED):
                 continue  # MTP not built, or a copy of the target's own head/embedding
+            if load_kv_scale(self, name, tensor):  # the FP8 latent cache's scale
+                loaded.add(name)
+                continue
             target = targets.get(name)
             if target is None:
                 raise ValueError(

@@ -44,6 +44,7 @@ from pdserve.layers.parallel_linear import (
 )
 from pdserve.layers.rotary import RopeInputs, RotaryEmbedding
 from pdserve.models.hf_config import HFModelConfig
+from pdserve.models.kv_scales import load_kv_scale
 from pdserve.models.registry import CausalLM
 
 # Tensors some HF checkpoints carry that are derived, not learned.
@@ -200,6 +201,9 @@ class LlamaForCausalLM(CausalLM):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # some tied checkpoints store the shared matrix twice
+            if load_kv_scale(self, name, tensor):  # an FP8 KV cache scale
+                loaded.add(name)
+                continue
             target = targets.get(name)
             if target is None:
                 raise ValueError(

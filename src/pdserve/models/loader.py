@@ -30,6 +30,7 @@ from safetensors import safe_open
 
 from pdserve.layers.linear import Shard
 from pdserve.models.hf_config import HFModelConfig, load_hf_config
+from pdserve.models.kv_scales import load_kv_scales_file
 from pdserve.models.quantization import (
     Fp8Config,
     Fp8WeightStream,
@@ -127,7 +128,9 @@ def load_model(
     :class:`~pdserve.distributed.groups.ParallelGroups`). A rank skips the checkpoint
     tensors of other ranks (``CausalLM.is_foreign_tensor``): from files it reads only its
     own; with ``dummy`` it draws every tensor in order and keeps its own, so it holds the
-    values a single process would."""
+    values a single process would. Either way FP8 KV cache scales in a
+    ``kv_cache_scales.safetensors`` beside the weights load last
+    (:mod:`pdserve.models.kv_scales`)."""
     config = load_hf_config(model_dir)
     fp8 = resolve_quantization(config, quantization)
     model_cls = _model_class(config, fp8, model_options)
@@ -142,6 +145,7 @@ def load_model(
         drawn = random_tensors(list(specs), specs, gen, target)
         mine = ((n, t) for n, t in drawn if not model.is_foreign_tensor(n))
         model.load_weights(stream(_take_shards(mine, model.checkpoint_shards())))
+        load_kv_scales_file(model, model_dir)
         return model.eval(), config
     if load_format != "auto":
         raise ValueError(f"load_format must be auto or dummy, got {load_format!r}")
@@ -159,6 +163,7 @@ def load_model(
         shown = ", ".join(repr(n) for n in sorted(missing)[:8])
         more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
         raise ValueError(f"{source}: missing tensor(s) {shown}{more}")
+    load_kv_scales_file(model, model_dir)
     return model.eval(), config
 
 

@@ -373,6 +373,7 @@ def make_checkpoint(
     config_overrides: Mapping[str, Any] | None = None,
     config_only: bool = False,
     quantization: str | None = None,
+    kv_cache_scales: bool = False,
 ) -> Path:
     """Write a random HF checkpoint for ``arch`` at ``preset`` size into ``out_dir``.
 
@@ -383,6 +384,8 @@ def make_checkpoint(
     device). ``quantization="fp8"`` writes a block-scaled FP8 checkpoint
     (:mod:`pdserve.models.quantization`): the same random values, each quantized
     linear as float8_e4m3fn ``weight`` plus ``weight_scale_inv`` per 128x128 block.
+    ``kv_cache_scales`` then calibrates per-layer FP8 KV cache scales over those weights
+    and writes them beside them (:mod:`pdserve.testing.kv_calibration`).
     Returns the directory.
     """
     family(arch)
@@ -417,12 +420,20 @@ def make_checkpoint(
     specs = checkpoint_tensors(config, dtype)  # before anything is written: errors leave no files
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    from pdserve.models.kv_scales import KV_SCALES_FILE
+
+    (out / KV_SCALES_FILE).unlink(missing_ok=True)  # a previous checkpoint's scales
     if not config_only:
         _write_weights(out, specs, seed, dev, max_shard_size, transform)
     _write_json(out / "config.json", config)
     tok.save(str(out / "tokenizer.json"))
     for file_name, content in tokenizer_files(arch, tok, config["max_position_embeddings"]).items():
         _write_json(out / file_name, content)
+    if kv_cache_scales:
+        from pdserve.testing.kv_calibration import calibrate_kv_scales, write_kv_scales
+
+        fmt = "dummy" if config_only else "auto"
+        write_kv_scales(out, calibrate_kv_scales(out, dev, fmt, seed))
     return out
 
 
@@ -496,6 +507,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "DeepSeek-V3 / GLM-5-FP8 ship them), quantized from the same random values",
     )
     parser.add_argument(
+        "--kv-cache-scales",
+        action="store_true",
+        help="also calibrate per-layer FP8 KV cache scales (max |K|, |V| over a few random "
+        "prompts / 448) into kv_cache_scales.safetensors, for --kv-cache-dtype fp8",
+    )
+    parser.add_argument(
         "--config-only",
         action="store_true",
         help="write config and tokenizer but no weights (serve with --load-format dummy)",
@@ -515,6 +532,7 @@ def main(args: argparse.Namespace) -> int:
             max_shard_size=parse_size(str(args.max_shard_size)),
             config_only=args.config_only,
             quantization=getattr(args, "quantization", None),
+            kv_cache_scales=getattr(args, "kv_cache_scales", False),
         )
     except ValueError as e:
         print(f"make-checkpoint: error: {e}", file=sys.stderr)

@@ -75,7 +75,12 @@ class AttentionBackend(ABC):
 
 
 class GQABackend(AttentionBackend):
-    """Paged attention over K and V per KV head (Llama, Qwen3)."""
+    """Paged attention over K and V per KV head (Llama, Qwen3).
+
+    ``k_scale`` / ``v_scale``: an fp8 cache's static per-layer scales (it stores
+    ``k / k_scale``, attention reads ``stored * k_scale``); 1.0 for any other cache.
+    Every read path applies each exactly once; one that attends over this step's
+    unquantized K/V instead of the cache applies neither."""
 
     @abstractmethod
     def forward(
@@ -86,16 +91,23 @@ class GQABackend(AttentionBackend):
         kv_cache: torch.Tensor,  # [2, blocks, block_size, num_kv_heads, head_dim]
         metadata: Any,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         ...
 
 
 def write_kv_reference(
-    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Scatter this step's K/V into the paged cache ([2, blocks, block, heads, dim]), cast
-    to its dtype (an fp8 cache: saturated at +-448, scale 1.0)."""
+    to its dtype (an fp8 cache: ``k / k_scale`` and ``v / v_scale``, saturated at +-448)."""
     num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
     t = slot_mapping.shape[0]
-    write_paged(kv_cache[0].view(-1, num_kv_heads, head_dim), slot_mapping, k[:t])
-    write_paged(kv_cache[1].view(-1, num_kv_heads, head_dim), slot_mapping, v[:t])
+    write_paged(kv_cache[0].view(-1, num_kv_heads, head_dim), slot_mapping, k[:t], k_scale)
+    write_paged(kv_cache[1].view(-1, num_kv_heads, head_dim), slot_mapping, v[:t], v_scale)

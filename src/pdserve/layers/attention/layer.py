@@ -8,10 +8,11 @@ from torch import nn
 from pdserve.core_types.cache_spec import CacheLayout
 from pdserve.forward_context import get_forward_context
 from pdserve.layers.attention.backend import GQABackend
+from pdserve.layers.attention.kv_scale import FP8CacheScales
 from pdserve.layers.attention.registry import gqa_backend
 
 
-class Attention(nn.Module):
+class Attention(FP8CacheScales, nn.Module):
     """Paged attention; K/V of this step are written to this layer's cache.
 
     Inputs are flat over the step's tokens: q [T, num_heads*head_dim], k and v
@@ -19,10 +20,11 @@ class Attention(nn.Module):
     The layer owns a cache of K and V per KV head (group ``cache_group``, layout
     ``[2, blocks, block_size, num_kv_heads, head_dim]``); ``layer_name`` is set by the
     runner when it allocates the caches. The cache may be float8_e4m3fn
-    (``--kv-cache-dtype fp8``): written saturated, read dequantized, scale 1.0.
+    (``--kv-cache-dtype fp8``): ``k / k_scale`` and ``v / v_scale`` written saturated,
+    read back times the scale, with static per-layer scales
+    (:class:`~pdserve.layers.attention.kv_scale.FP8CacheScales`; 1.0 unless the
+    checkpoint gives them).
     """
-
-    supports_fp8_cache = True
 
     def __init__(
         self,
@@ -55,12 +57,16 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         t = q.shape[0]
+        cache = ctx.kv_caches[self.layer_name]
+        k_scale, v_scale = self.cache_scales(cache)
         out = ctx.backends[self.cache_group].forward(
             q.view(t, self.num_heads, self.head_dim),
             k.view(t, self.num_kv_heads, self.head_dim),
             v.view(t, self.num_kv_heads, self.head_dim),
-            ctx.kv_caches[self.layer_name],
+            cache,
             ctx.attn_metadata[self.cache_group],
             self.scale,
+            k_scale,
+            v_scale,
         )
         return out.reshape(t, self.num_heads * self.head_dim)

@@ -15,6 +15,10 @@ which is the expanded attention of the paper, computed without materialising per
 K and V. With DSA, each query attends only to the key positions its indexer selected
 (``topk`` [T, K], positions inside the request, -1 for none); without, to its whole
 causal context.
+
+An fp8 latent cache has one static scale per layer (``kv_scale``, the layer's
+``k_scale``): the row stored is ``[c, k_pe] / kv_scale``; reading multiplies the softmax
+scale and the output by it, since the latent is both key and value.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from pdserve.core_types.cache_spec import CacheLayout
 from pdserve.forward_context import get_forward_context
 from pdserve.kernels.reference import write_paged
 from pdserve.layers.attention.backend import AttentionBackend, CommonAttentionMetadata
+from pdserve.layers.attention.kv_scale import FP8CacheScales
 from pdserve.layers.attention.paged_gather import (
     context_positions,
     gather_context,
@@ -40,7 +45,8 @@ _CHUNK_BYTES = 1 << 30  # working memory one chunk of queries may take
 
 class MLATorchBackend(AttentionBackend):
     """The reference MLA backend: torch ops, no host sync (chunk boundaries are host ints),
-    static shapes for a given batch shape, so uniform decode batches capture in graphs."""
+    static shapes for a given batch shape, so uniform decode batches capture in graphs.
+    An fp8 cache is dequantized as it is read (``stored * kv_scale``)."""
 
     name = "mla_torch"
     supports_cuda_graphs = True
@@ -55,21 +61,22 @@ class MLATorchBackend(AttentionBackend):
         md: CommonAttentionMetadata,
         scale: float,
         topk: torch.Tensor | None,  # [T, K] key positions, -1 for none
+        kv_scale: float = 1.0,  # an fp8 cache's scale (1.0 for any other)
     ) -> torch.Tensor:  # [T, H, L]
         t = md.num_actual_tokens
         lat_dim = latent.shape[-1]
         entry = torch.cat([latent[:t], k_pe[:t]], dim=-1)
-        write_paged(cache.view(-1, cache.shape[-1]), md.slot_mapping[:t], entry)  # fp8: saturated
+        flat = cache.view(-1, cache.shape[-1])
+        write_paged(flat, md.slot_mapping[:t], entry, kv_scale)  # fp8: / kv_scale, saturated
         out = q_lat.new_zeros(q_lat.shape)
         q = torch.cat([q_lat, q_pe], dim=-1)
-        flat = cache.view(-1, cache.shape[-1])
         if topk is not None:
             row = topk.shape[1] * cache.shape[-1] * (cache.element_size() + 4)
             for a, b in token_chunks(t, row, _CHUNK_BYTES):
                 req = md.token_req_idx[a:b]
                 keys = flat[positions_to_slots(md, req, topk[a:b])]  # [n, K, L+R]
                 valid = topk[a:b] >= 0
-                out[a:b] = _attend(q[a:b], keys, valid, lat_dim, scale)
+                out[a:b] = _attend(q[a:b], keys, valid, lat_dim, scale, kv_scale)
         else:
             ctx, ctx_len = gather_context(md, cache)  # [B, S, L+R]
             row = ctx.shape[1] * cache.shape[-1] * (cache.element_size() + 4)
@@ -77,31 +84,39 @@ class MLATorchBackend(AttentionBackend):
                 req = md.token_req_idx[a:b]
                 pos = context_positions(md, a, b)
                 valid = torch.arange(ctx.shape[1], device=q.device)[None, :] <= pos[:, None]
-                out[a:b] = _attend(q[a:b], ctx[req], valid, lat_dim, scale)
+                out[a:b] = _attend(q[a:b], ctx[req], valid, lat_dim, scale, kv_scale)
         return out
 
 
 def _attend(
-    q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, lat_dim: int, scale: float
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    valid: torch.Tensor,
+    lat_dim: int,
+    scale: float,
+    kv_scale: float,
 ) -> torch.Tensor:
-    """q [n, H, L+R] over keys [n, S, L+R] where ``valid`` [n, S]; values are the latent
-    part of the keys. Softmax in float32."""
-    scores = torch.einsum("nhd,nsd->nhs", q.float(), keys.float()) * scale
+    """q [n, H, L+R] over keys [n, S, L+R] (as stored: times ``kv_scale`` is their value)
+    where ``valid`` [n, S]; values are the latent part of the keys. Softmax in float32."""
+    keys = keys.float() * kv_scale if kv_scale != 1.0 else keys.float()
+    scores = torch.einsum("nhd,nsd->nhs", q.float(), keys) * scale
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     p = scores.softmax(dim=-1).nan_to_num(0.0)  # a row with no key outputs zeros
-    return torch.einsum("nhs,nsl->nhl", p, keys[..., :lat_dim].float()).to(q.dtype)
+    return torch.einsum("nhs,nsl->nhl", p, keys[..., :lat_dim]).to(q.dtype)
 
 
-class MLAAttention(nn.Module):
+class MLAAttention(FP8CacheScales, nn.Module):
     """The cache-owning part of an MLA layer: writes this step's latents and attends.
 
     The model computes the projections; this takes q (nope and rotated parts per head),
     the normalised latent and the rotated shared key, and ``kv_b_proj``'s weight, and
     returns ``[T, H * v_head_dim]`` (before ``o_proj``). The latent cache may be
-    float8_e4m3fn (``--kv-cache-dtype fp8``, scale 1.0): read back in float32.
+    float8_e4m3fn (``--kv-cache-dtype fp8``) with one static scale for the whole row
+    (:class:`~pdserve.layers.attention.kv_scale.FP8CacheScales`, 1.0 unless the checkpoint
+    gives one).
     """
 
-    supports_fp8_cache = True
+    single_kv_scale = True
 
     def __init__(
         self,
@@ -148,15 +163,17 @@ class MLAAttention(nn.Module):
         w = kv_b_weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, -1)
         w_uk, w_uv = w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
         q_lat = torch.einsum("thd,hdl->thl", q_nope, w_uk)
+        cache = ctx.kv_caches[self.layer_name]
         out_lat = ctx.backends[self.cache_group].forward(
             q_lat,
             q_pe,
             latent,
             k_pe,
-            ctx.kv_caches[self.layer_name],
+            cache,
             ctx.attn_metadata[self.cache_group],
             self.scale,
             topk,
+            self.cache_scales(cache)[0],
         )
         out = torch.einsum("thl,hvl->thv", out_lat, w_uv)
         return out.reshape(out.shape[0], self.num_heads * self.v_head_dim)

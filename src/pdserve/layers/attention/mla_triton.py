@@ -10,6 +10,9 @@ dense over the causal context otherwise (and always without an indexer).
 Graph safety: the launch shape comes from host ints only (tokens, heads, and the split
 count from the top-k width or the static ``max_model_len``); the dense/sparse choice is
 made per token on the device. Rows past ``num_actual_tokens`` (graph padding) are zeros.
+
+An fp8 cache's scale (``kv_scale``) divides the row written and multiplies the kernel's
+softmax scale and its output (the latent is the value too): no kernel argument of its own.
 """
 
 from __future__ import annotations
@@ -39,10 +42,12 @@ class MLATritonBackend(AttentionBackend):
         md: CommonAttentionMetadata,
         scale: float,
         topk: torch.Tensor | None,  # [T, K] key positions, -1 for none
+        kv_scale: float = 1.0,  # an fp8 cache's scale (1.0 for any other)
     ) -> torch.Tensor:  # [T, H, L]
         t = md.num_actual_tokens
         entry = torch.cat([latent[:t], k_pe[:t]], dim=-1)
-        write_paged(cache.view(-1, cache.shape[-1]), md.slot_mapping[:t], entry)  # fp8: saturated
+        flat = cache.view(-1, cache.shape[-1])
+        write_paged(flat, md.slot_mapping[:t], entry, kv_scale)  # fp8: / kv_scale, saturated
         bound = topk.shape[1] if topk is not None else (self.max_model_len or md.max_seq_len)
         splits = choose_splits(t, q_lat.shape[1], bound, num_sms(q_lat.device))
         out = torch.empty_like(q_lat)
@@ -56,11 +61,13 @@ class MLATritonBackend(AttentionBackend):
             md.token_req_idx,
             md.token_q_idx,
             topk,
-            scale,
+            scale * kv_scale,
             t,
             splits,
             out,
         )
+        if kv_scale != 1.0:
+            out[:t].mul_(kv_scale)
         if q_lat.shape[0] > t:
             out[t:].zero_()
         return out

@@ -24,8 +24,11 @@ def paged_attention_reference(
     kv_cache: torch.Tensor,
     md: CommonAttentionMetadata,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Causal attention of the flat queries ``q`` [T, H, D] over the paged cache."""
+    """Causal attention of the flat queries ``q`` [T, H, D] over the paged cache (an fp8
+    cache is dequantized: ``stored * k_scale``, ``stored * v_scale``)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = kv_cache.shape[-2]
     block_size = md.block_size
@@ -41,7 +44,11 @@ def paged_attention_reference(
     bt = md.block_tables[:b, :nblk].to(torch.int64)
     kp = kv_cache[0][bt].reshape(b, nblk * block_size, num_kv_heads, head_dim)[:, :max_s]
     vp = kv_cache[1][bt].reshape(b, nblk * block_size, num_kv_heads, head_dim)[:, :max_s]
-    kp, vp = kp.to(q.dtype), vp.to(q.dtype)  # an fp8 cache is read dequantized (scale 1.0)
+    kp, vp = kp.to(q.dtype), vp.to(q.dtype)  # an fp8 cache is read dequantized
+    if k_scale != 1.0:
+        kp = kp * k_scale
+    if v_scale != 1.0:
+        vp = vp * v_scale
 
     seq_lens = md.seq_lens[:b].to(torch.int64)
     q_pos = (seq_lens - q_lens)[:, None] + ar_q[None, :]  # [B, max_q]
@@ -69,10 +76,12 @@ class TorchReferenceBackend(GQABackend):
         kv_cache: torch.Tensor,
         metadata: CommonAttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         t = metadata.num_actual_tokens
-        write_kv_reference(k[:t], v[:t], kv_cache, metadata.slot_mapping[:t])
-        out = paged_attention_reference(q[:t], kv_cache, metadata, scale)
+        write_kv_reference(k[:t], v[:t], kv_cache, metadata.slot_mapping[:t], k_scale, v_scale)
+        out = paged_attention_reference(q[:t], kv_cache, metadata, scale, k_scale, v_scale)
         if q.shape[0] > t:  # padded tokens (graph padding) get zeros
             out = torch.cat([out, out.new_zeros(q.shape[0] - t, *out.shape[1:])])
         return out

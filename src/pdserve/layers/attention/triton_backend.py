@@ -18,6 +18,11 @@ Forward, per layer:
    ``sdpa_prefill=False`` turns it off).
 3. output rows past ``num_actual_tokens`` are zeros.
 
+An fp8 cache's static scales (``k_scale``, ``v_scale``): the write divides by them;
+the kernels that read the cache get ``scale * k_scale`` as their softmax scale and
+their output is multiplied by ``v_scale`` (one elementwise op, only when it is not
+1.0); the SDPA path attends over this step's unquantized K/V and applies neither.
+
 Metadata: :class:`CommonAttentionMetadata` as the runner builds it (a plain one is
 accepted too and wrapped on the fly). Only host ints pick the path and the
 launch shapes; the kernels read ``query_start_loc``, ``seq_lens``,
@@ -185,6 +190,8 @@ class TritonAttentionBackend(GQABackend):
         kv_cache: torch.Tensor,
         metadata: TritonAttentionMetadata | CommonAttentionMetadata,
         scale: float,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         md = (
             metadata
@@ -193,19 +200,22 @@ class TritonAttentionBackend(GQABackend):
         )
         c = md.common
         t = c.num_actual_tokens
-        write_kv_cache(k, v, kv_cache, c.slot_mapping[:t])
+        write_kv_cache(k, v, kv_cache, c.slot_mapping[:t], k_scale, v_scale)
         out = torch.empty_like(q)
         ql = md.uniform_query_len
+        from_cache = True
         if ql is not None:
             hkv = kv_cache.shape[-2]
             splits = self._num_splits(c.num_reqs, hkv, c.max_seq_len, q.device)
             numel = decode_workspace_numel(c.num_reqs * ql, q.shape[1], q.shape[2], splits)
             ws = self._get_workspace(numel, q.device)
+            qk = scale * k_scale
             decode_attention(
-                q, kv_cache, c.seq_lens, c.block_tables, scale, ql, c.num_reqs, splits, out, ws
+                q, kv_cache, c.seq_lens, c.block_tables, qk, ql, c.num_reqs, splits, out, ws
             )
         elif self.sdpa_prefill and c.num_reqs == 1 and c.max_seq_len == c.max_query_len == t:
             out[:t] = sdpa_prefill(q[:t], k[:t], v[:t], scale)
+            from_cache = False
         else:
             prefill_attention(
                 q,
@@ -213,12 +223,14 @@ class TritonAttentionBackend(GQABackend):
                 c.query_start_loc,
                 c.seq_lens,
                 c.block_tables,
-                scale,
+                scale * k_scale,
                 c.num_reqs,
                 t,
                 c.max_query_len,
                 out,
             )
+        if from_cache and v_scale != 1.0:
+            out[:t].mul_(v_scale)
         if q.shape[0] > t:  # graph padding: defined zeros, never stale memory
             out[t:].zero_()
         return out
