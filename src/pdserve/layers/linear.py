@@ -160,12 +160,9 @@ def checkpoint_shards(root: nn.Module) -> dict[str, Shard]:
 
 
 def is_plain_linear(module: nn.Module) -> bool:
-    """A :class:`Linear` (or merged one) in the model dtype holding its whole weight:
-    what FP8 conversion may swap (not FP8 already, not split over ranks)."""
-    if not isinstance(module, Linear) or getattr(module, "quantized", False):
-        return False
-    tp = getattr(module, "tp", None)
-    return tp is None or tp.size == 1
+    """A :class:`Linear` (merged or tensor-parallel ones too) in the model dtype: what
+    FP8 conversion may swap (not FP8 already)."""
+    return isinstance(module, Linear) and not getattr(module, "quantized", False)
 
 
 def copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
