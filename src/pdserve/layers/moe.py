@@ -57,7 +57,7 @@ from pdserve.kernels.reference import FP8_DTYPE, FP8_GROUP, fused_experts_fp8_re
 from pdserve.layers.activation import SiluAndMul
 from pdserve.layers.fp8_parallel import check_fp8_split
 from pdserve.layers.fused import use_fused_kernels
-from pdserve.layers.linear import Shard
+from pdserve.layers.linear import Shard, empty_weight
 from pdserve.layers.moe_dispatch import AllGatherDispatcher, AllToAllDispatcher
 from pdserve.layers.parallel_linear import (
     MergedColumnParallelLinear,
@@ -226,14 +226,8 @@ class RoutedExperts(nn.Module):
         intermediate_size = tp_divide(intermediate_size, self.tp, "moe_intermediate_size")
         self.intermediate_size = intermediate_size
         n = self.num_local_experts
-        self.w13 = nn.Parameter(
-            torch.empty(n, 2 * intermediate_size, hidden_size, dtype=dtype),
-            requires_grad=False,
-        )
-        self.w2 = nn.Parameter(
-            torch.empty(n, hidden_size, intermediate_size, dtype=dtype),
-            requires_grad=False,
-        )
+        self.w13 = empty_weight(n, 2 * intermediate_size, hidden_size, dtype=dtype)
+        self.w2 = empty_weight(n, hidden_size, intermediate_size, dtype=dtype)
         self.register_parameter("w13_scale_inv", None)
         self.register_parameter("w2_scale_inv", None)
         self.fused = use_fused_kernels()

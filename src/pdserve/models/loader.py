@@ -4,7 +4,12 @@ Memory: the model is constructed under ``with torch.device(device)`` with
 uninitialised parameters of the target dtype, so its weights exist once, on the
 target device; tensors are then read one at a time from the (memory-mapped)
 safetensors files, straight onto the target device, and copied in. At no point
-are two full copies of the weights alive.
+are two full copies of the weights alive. A model that ends up FP8 is built with its
+linears and routed experts on the meta device
+(:func:`~pdserve.layers.linear.deferred_weights`); the FP8 layers replace them on the
+target device and the linears that stay dense are allocated after (``materialize``), so
+the peak while loading is the FP8 model plus the one tensor being converted, never the
+model in its bf16 size.
 
 Tensor parallelism (a ``groups`` model option with a TP group of size n): the model is
 built with this rank's shapes and names the tensors it holds a part of
@@ -30,7 +35,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from pdserve.layers.linear import Shard
+from pdserve.layers.linear import Shard, deferred_weights, materialize
 from pdserve.models.hf_config import HFModelConfig, load_hf_config
 from pdserve.models.quantization import (
     Fp8Config,
@@ -193,16 +198,18 @@ def _build(
     fp8: Fp8Config | None,
     model_options: dict[str, Any],
 ) -> tuple[CausalLM, Fp8WeightStream]:
-    """The model on ``device`` with uninitialised weights, FP8 layers in place, and the
-    stream that adapts checkpoint tensors to it (a plain model's stream still dequantizes
-    an FP8 tensor it meets, scales permitting)."""
-    with torch.device(device):
+    """The model on ``device`` with uninitialised weights, FP8 layers in place (see the
+    module doc: no linear is ever allocated in the model dtype first), and the stream
+    that adapts checkpoint tensors to it (a plain model's stream still dequantizes an FP8
+    tensor it meets, scales permitting)."""
+    with torch.device(device), deferred_weights():
         model = model_cls(config, dtype, **model_options)
     names: frozenset[str] = frozenset()
     if fp8 is not None:
         names = frozenset(checkpoint_fp8_weights(model, fp8))
         quantize_model_linears(model, fp8, device)
         quantize_model_experts(model, fp8, device)
+    materialize(model, device)  # the layers that stay in the model dtype
     return model, Fp8WeightStream(model.checkpoint_tensors(), names, model.checkpoint_shards())
 
 
