@@ -18,14 +18,15 @@ starts on a 128-row boundary (the published models), and one scale row per weigh
 otherwise (small test models): a part's ``[ceil(n/128), K/128]`` checkpoint scales are
 then repeated over its rows on load (:func:`expand_scale_rows`), the same values.
 
-:func:`convert_linears` swaps the model's :class:`Linear` layers for these after
-construction (the bf16 parameters they replace are freed as it goes).
+:func:`~pdserve.layers.fp8_parallel.convert_linears` swaps a model's :class:`Linear`
+layers for these (and tensor-parallel ones for their FP8 counterparts, in
+:mod:`pdserve.layers.fp8_parallel`).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -36,7 +37,7 @@ from pdserve.kernels.reference import (
     block_fp8_matmul_reference,
 )
 from pdserve.layers.fused import use_fused_kernels
-from pdserve.layers.linear import Linear, MergedLinear, is_plain_linear
+from pdserve.layers.linear import Linear, MergedLinear
 
 SCALED_MM_MIN_TOKENS = 256
 
@@ -181,30 +182,3 @@ def _check_scaled_mm(device: torch.device, dtype: torch.dtype) -> bool:
         return False
     want = block_fp8_matmul_reference(x, w, s).float()
     return bool(((got - want).abs().max() <= 2e-2 * want.abs().max()).item())
-
-
-def convert_linears(root: nn.Module, quantize: Callable[[str, nn.Module], bool]) -> list[str]:
-    """Replace every :class:`Linear` / :class:`MergedLinear` of ``root`` (not already FP8,
-    not split over tensor-parallel ranks) for which ``quantize(name, module)`` holds with its FP8 counterpart, on the device
-    its weight is on; returns the names replaced."""
-    names = [
-        name
-        for name, module in root.named_modules()
-        if is_plain_linear(module) and quantize(name, module)
-    ]  # names only: each replaced layer's bf16 weights are freed as soon as it is swapped
-    for name in names:
-        module = root.get_submodule(name)
-        assert isinstance(module, Linear)
-        device = module.weight.device
-        has_bias = module.bias is not None
-        dtype = module.bias.dtype if module.bias is not None else None
-        with torch.device(device):
-            new: Fp8Linear
-            if isinstance(module, MergedLinear):
-                new = Fp8MergedLinear(module.in_features, module.parts, has_bias, dtype)
-            else:
-                new = Fp8Linear(module.in_features, module.out_features, has_bias, dtype)
-        parent_name, _, leaf = name.rpartition(".")
-        setattr(root.get_submodule(parent_name) if parent_name else root, leaf, new)
-        del module
-    return names

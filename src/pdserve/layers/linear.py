@@ -13,11 +13,20 @@ Tensor parallelism (:mod:`pdserve.layers.parallel_linear`) builds on two hooks h
 a :class:`Shard` says which part of a full checkpoint tensor a rank holds, and a module
 may list its own checkpoint entries (``tensor_entries``: HF name -> (the tensor to copy
 into, its shard)) where its parameters are not plain copies of checkpoint tensors.
+
+Deferred weights (:func:`deferred_weights`): a model built inside it gets its linears'
+parameters (and the routed experts' stacks, :func:`empty_weight`) on the meta device,
+everything else (norms, embeddings, rotary tables) on the current device. The loader
+then swaps the linears that become FP8 for FP8 layers allocated on the target device and
+:func:`materialize` allocates the rest, so a model that ends up FP8 never holds its
+linears in the model dtype (the load-time peak is the FP8 model, not the bf16 one).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -47,8 +56,42 @@ class Shard:
 Entries = dict[str, tuple[torch.Tensor, Shard | None]]
 
 
-def _empty_param(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+_DEFERRED: ContextVar[bool] = ContextVar("pdserve_deferred_weights", default=False)
+
+
+@contextmanager
+def deferred_weights() -> Iterator[None]:
+    """Inside: :func:`empty_weight` allocates on the meta device (see the module doc)."""
+    token = _DEFERRED.set(True)
+    try:
+        yield
+    finally:
+        _DEFERRED.reset(token)
+
+
+def empty_weight(*shape: int, dtype: torch.dtype | None) -> nn.Parameter:
+    """An uninitialised parameter on the current device, or on the meta device inside
+    :func:`deferred_weights` (for a layer whose weights may yet become FP8)."""
+    device = torch.device("meta") if _DEFERRED.get() else None
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def materialize(root: nn.Module, device: torch.device) -> int:
+    """Give every parameter of ``root`` still on the meta device uninitialised storage on
+    ``device`` (a parameter shared by two modules stays one); returns how many. Nothing
+    to do when ``device`` is the meta device."""
+    if device.type == "meta":
+        return 0
+    done: dict[int, nn.Parameter] = {}
+    for module in root.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or not param.is_meta:
+                continue
+            if id(param) not in done:
+                empty = torch.empty(param.shape, dtype=param.dtype, device=device)
+                done[id(param)] = nn.Parameter(empty, requires_grad=param.requires_grad)
+            module._parameters[name] = done[id(param)]
+    return len(done)
 
 
 class Linear(nn.Module):
@@ -64,8 +107,8 @@ class Linear(nn.Module):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
-        self.weight = _empty_param(out_features, in_features, dtype=dtype)
-        self.bias = _empty_param(out_features, dtype=dtype) if bias else None
+        self.weight = empty_weight(out_features, in_features, dtype=dtype)
+        self.bias = empty_weight(out_features, dtype=dtype) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -160,12 +203,9 @@ def checkpoint_shards(root: nn.Module) -> dict[str, Shard]:
 
 
 def is_plain_linear(module: nn.Module) -> bool:
-    """A :class:`Linear` (or merged one) in the model dtype holding its whole weight:
-    what FP8 conversion may swap (not FP8 already, not split over ranks)."""
-    if not isinstance(module, Linear) or getattr(module, "quantized", False):
-        return False
-    tp = getattr(module, "tp", None)
-    return tp is None or tp.size == 1
+    """A :class:`Linear` (merged or tensor-parallel ones too) in the model dtype: what
+    FP8 conversion may swap (not FP8 already)."""
+    return isinstance(module, Linear) and not getattr(module, "quantized", False)
 
 
 def copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

@@ -35,7 +35,10 @@ FP8 checkpoints (and ``--quantization fp8``) keep the routed experts in block-sc
 (:meth:`RoutedExperts.use_fp8`): the fused path runs
 :func:`pdserve.kernels.fused_moe_fp8.fused_experts_fp8` (activations quantized per token
 per 128 channels inside the kernel), the torch path its graph-capturable reference
-(weights dequantized every call). Not under TP (the loader refuses FP8 with TP > 1).
+(weights dequantized every call). Under TP each rank's share of the intermediate
+dimension must be whole 128-blocks (refused otherwise, naming the layer): a rank then
+holds its gate/up block rows and down block columns of every expert's scales, and its
+activation groups are the full layer's.
 
 Expert parallelism (``ep`` group of size > 1, :mod:`pdserve.layers.moe_dispatch`): each
 rank holds the contiguous slice ``ep_rank*L .. (ep_rank+1)*L - 1`` of the experts
@@ -52,8 +55,9 @@ from torch import nn
 from pdserve.distributed.groups import Group, ParallelGroups
 from pdserve.kernels.reference import FP8_DTYPE, FP8_GROUP, fused_experts_fp8_reference
 from pdserve.layers.activation import SiluAndMul
+from pdserve.layers.fp8_parallel import check_fp8_split
 from pdserve.layers.fused import use_fused_kernels
-from pdserve.layers.linear import Shard
+from pdserve.layers.linear import Shard, empty_weight
 from pdserve.layers.moe_dispatch import AllGatherDispatcher, AllToAllDispatcher
 from pdserve.layers.parallel_linear import (
     MergedColumnParallelLinear,
@@ -222,14 +226,8 @@ class RoutedExperts(nn.Module):
         intermediate_size = tp_divide(intermediate_size, self.tp, "moe_intermediate_size")
         self.intermediate_size = intermediate_size
         n = self.num_local_experts
-        self.w13 = nn.Parameter(
-            torch.empty(n, 2 * intermediate_size, hidden_size, dtype=dtype),
-            requires_grad=False,
-        )
-        self.w2 = nn.Parameter(
-            torch.empty(n, hidden_size, intermediate_size, dtype=dtype),
-            requires_grad=False,
-        )
+        self.w13 = empty_weight(n, 2 * intermediate_size, hidden_size, dtype=dtype)
+        self.w2 = empty_weight(n, hidden_size, intermediate_size, dtype=dtype)
         self.register_parameter("w13_scale_inv", None)
         self.register_parameter("w2_scale_inv", None)
         self.fused = use_fused_kernels()
@@ -244,13 +242,15 @@ class RoutedExperts(nn.Module):
             raise RuntimeError("RoutedExperts holds no FP8 weights (use_fp8 was not called)")
         return self.w13_scale_inv, self.w2_scale_inv
 
-    def use_fp8(self) -> None:
-        """Swap the stacks for empty FP8 ones and their block scales, on the same device
-        (values are not kept: the loader fills them). Refused under tensor parallelism."""
-        if self.tp.size > 1:
-            raise ValueError("FP8 routed experts under tensor parallelism are not supported")
+    def use_fp8(self, device: torch.device | None = None, layer: str = "") -> None:
+        """Swap the stacks for empty FP8 ones and their block scales, on ``device`` (default:
+        the stacks' own; values are not kept: the loader fills them). Under TP a rank's
+        share of the intermediate dimension must be whole 128-blocks: refused otherwise,
+        naming ``layer`` (this module's path)."""
+        full = self.intermediate_size * self.tp.size
+        check_fp8_split(layer, "moe_intermediate_size", full, self.tp)
         e, two_i, h = self.w13.shape  # the experts this layer holds, whatever their count
-        i, dev = two_i // 2, self.w13.device
+        i, dev = two_i // 2, device if device is not None else self.w13.device
         nbh, nbi = -(-h // FP8_GROUP), -(-i // FP8_GROUP)
         for name, shape in (
             ("w13", (e, 2 * i, h)),
@@ -308,11 +308,18 @@ class RoutedExperts(nn.Module):
             return {}
         i, r, n = self.intermediate_size, self.tp.rank, self.tp.size
         rows = Shard(0, r * i, (r + 1) * i, n * i)
-        return {
+        out = {
             "gate_proj.weight": rows,
             "up_proj.weight": rows,
             "down_proj.weight": Shard(1, r * i, (r + 1) * i, n * i),
         }
+        if self.fp8:  # whole 128-blocks per rank (use_fp8 checked)
+            b = i // FP8_GROUP
+            blocks = Shard(0, r * b, (r + 1) * b, n * b)
+            out["gate_proj.weight_scale_inv"] = blocks
+            out["up_proj.weight_scale_inv"] = blocks
+            out["down_proj.weight_scale_inv"] = Shard(1, r * b, (r + 1) * b, n * b)
+        return out
 
 
 class DenseMLP(nn.Module):

@@ -20,6 +20,7 @@ With a size-1 group every class computes exactly what its plain counterpart comp
 (same parameters, same arithmetic), so single-process models use them unchanged.
 Each layer lists its checkpoint entries with the :class:`~pdserve.layers.linear.Shard`
 of the full tensor it holds, so the loader reads only that slice from the file.
+Their block-FP8 counterparts are in :mod:`pdserve.layers.fp8_parallel`.
 """
 
 from __future__ import annotations
@@ -43,7 +44,19 @@ def tp_divide(n: int, tp: Group, what: str) -> int:
     return n // tp.size
 
 
-def _rank_shard(dim: int, local: int, tp: Group) -> Shard | None:
+def reduce_row_parallel(
+    partial: torch.Tensor, bias: torch.Tensor | None, tp: Group, reduce_results: bool
+) -> torch.Tensor:
+    """A row-parallel layer's output from this rank's partial product (TP size > 1): summed
+    over the ranks (or left partial, the bias on rank 0 only), plus the bias once."""
+    if reduce_results:
+        partial = tp.all_reduce(partial)
+    elif tp.rank != 0:
+        return partial
+    return partial + bias if bias is not None else partial
+
+
+def rank_shard(dim: int, local: int, tp: Group) -> Shard | None:
     """Rank ``tp.rank``'s block of ``local`` indices along ``dim`` (None: the whole)."""
     if tp.size == 1:
         return None
@@ -68,7 +81,7 @@ class ColumnParallelLinear(Linear):
         self.full_out_features = out_features
 
     def tensor_entries(self, prefix: str) -> Entries:
-        shard = _rank_shard(0, self.out_features, self.tp)
+        shard = rank_shard(0, self.out_features, self.tp)
         out: Entries = {prefix + "weight": (self.weight.data, shard)}
         if self.bias is not None:
             out[prefix + "bias"] = (self.bias.data, shard)
@@ -106,16 +119,13 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return F.linear(x, self.weight, self.bias)
-        y = F.linear(x, self.weight)
-        if self.reduce_results:
-            y = self.tp.all_reduce(y)
-        elif self.tp.rank != 0:
-            return y
-        return y + self.bias if self.bias is not None else y
+        return reduce_row_parallel(
+            F.linear(x, self.weight), self.bias, self.tp, self.reduce_results
+        )
 
     def tensor_entries(self, prefix: str) -> Entries:
         out: Entries = {
-            prefix + "weight": (self.weight.data, _rank_shard(1, self.in_features, self.tp))
+            prefix + "weight": (self.weight.data, rank_shard(1, self.in_features, self.tp))
         }
         if self.bias is not None:
             out[prefix + "bias"] = (self.bias.data, None)  # whole on every rank
@@ -152,7 +162,7 @@ class MergedColumnParallelLinear(MergedLinear):
     def part_shards(self) -> dict[str, Shard]:
         out: dict[str, Shard] = {}
         for part, size in self.parts.items():
-            shard = _rank_shard(0, size, self.tp)
+            shard = rank_shard(0, size, self.tp)
             if shard is None:
                 continue
             out[f"{part}.weight"] = shard

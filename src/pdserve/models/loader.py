@@ -4,15 +4,22 @@ Memory: the model is constructed under ``with torch.device(device)`` with
 uninitialised parameters of the target dtype, so its weights exist once, on the
 target device; tensors are then read one at a time from the (memory-mapped)
 safetensors files, straight onto the target device, and copied in. At no point
-are two full copies of the weights alive.
+are two full copies of the weights alive. A model that ends up FP8 is built with its
+linears and routed experts on the meta device
+(:func:`~pdserve.layers.linear.deferred_weights`); the FP8 layers replace them on the
+target device and the linears that stay dense are allocated after (``materialize``), so
+the peak while loading is the FP8 model plus the one tensor being converted, never the
+model in its bf16 size.
 
 Tensor parallelism (a ``groups`` model option with a TP group of size n): the model is
 built with this rank's shapes and names the tensors it holds a part of
 (:meth:`~pdserve.models.registry.CausalLM.checkpoint_shards`); the loader reads only
 that slice of each from the file (safetensors' ``get_slice``), and ``--load-format dummy``
 draws the full tensor a single process would draw and keeps the rank's slice, so every
-TP layout holds the same weights. FP8 weights are refused with TP (their 128x128 scale
-blocks are not split yet).
+TP layout holds the same weights. FP8 layers take whole 128x128 blocks: a rank reads its
+slice of each FP8 weight and of its ``weight_scale_inv`` (a split that would cut blocks is
+refused when the model is built, naming the layer); see
+:mod:`pdserve.models.quantization` for weights dequantized at load.
 
 Every problem with the checkpoint is a ``ValueError`` that names the file and,
 where there is one, the tensor.
@@ -28,7 +35,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from pdserve.layers.linear import Shard
+from pdserve.layers.linear import Shard, deferred_weights, materialize
 from pdserve.models.hf_config import HFModelConfig, load_hf_config
 from pdserve.models.kv_scales import load_kv_scales_file
 from pdserve.models.quantization import (
@@ -136,27 +143,22 @@ def load_model(
     model_cls = _model_class(config, fp8, model_options)
     torch_dtype = resolve_dtype(dtype, config)
     target = torch.device(device)
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"load_format must be auto or dummy, got {load_format!r}")
     if load_format == "dummy":
-        with torch.device(target):
-            model = model_cls(config, torch_dtype, **model_options)
-        stream = _weight_stream(model, fp8)
+        model, stream = _build(model_cls, config, torch_dtype, target, fp8, model_options)
         specs = full_checkpoint_specs(config, torch_dtype)  # the order make-checkpoint draws in
         gen = torch.Generator(device=target).manual_seed(seed)
         drawn = random_tensors(list(specs), specs, gen, target)
         mine = ((n, t) for n, t in drawn if not model.is_foreign_tensor(n))
-        model.load_weights(stream(_take_shards(mine, model.checkpoint_shards())))
+        model.load_weights(stream(_take_shards(mine, stream)))
         load_kv_scales_file(model, model_dir)
         return model.eval(), config
-    if load_format != "auto":
-        raise ValueError(f"load_format must be auto or dummy, got {load_format!r}")
     source, files = checkpoint_files(model_dir)  # validate before allocating anything
-    with torch.device(target):
-        model = model_cls(config, torch_dtype, **model_options)
-    stream = _weight_stream(model, fp8)
-    shards = model.checkpoint_shards()
+    model, stream = _build(model_cls, config, torch_dtype, target, fp8, model_options)
     loaded: set[str] = set()
     for path, names in sorted(files.items()):
-        loaded |= _load_file(model, path, names, target, stream, shards)
+        loaded |= _load_file(model, path, names, target, stream)
     stream.finish(source)
     missing = model.checkpoint_tensor_names() - loaded
     if missing:
@@ -176,8 +178,8 @@ def check_model_options(
     config = load_hf_config(model_dir)
     fp8 = resolve_quantization(config, quantization)
     model_cls = _model_class(config, fp8, model_options)
-    with torch.device("meta"):
-        model_cls(config, torch.float32, **model_options)
+    meta = torch.device("meta")
+    _build(model_cls, config, torch.float32, meta, fp8, model_options)  # FP8 splits too
 
 
 def _model_class(
@@ -190,34 +192,43 @@ def _model_class(
             f"--speculative-config: method mtp needs a model with MTP layers "
             f"({config.architecture} has none)"
         )
-    groups = model_options.get("groups")
-    tp_size = groups.tp.size if groups is not None else 1
-    if fp8 is not None and tp_size > 1:
-        raise ValueError(
-            f"--tensor-parallel-size {tp_size} with FP8 weights (--quantization fp8 or an FP8 "
-            "checkpoint) is not supported yet: run FP8 models with --tensor-parallel-size 1"
-        )
     return model_cls
 
 
+def _build(
+    model_cls: type[CausalLM],
+    config: HFModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    fp8: Fp8Config | None,
+    model_options: dict[str, Any],
+) -> tuple[CausalLM, Fp8WeightStream]:
+    """The model on ``device`` with uninitialised weights, FP8 layers in place (see the
+    module doc: no linear is ever allocated in the model dtype first), and the stream
+    that adapts checkpoint tensors to it (a plain model's stream still dequantizes an FP8
+    tensor it meets, scales permitting)."""
+    with torch.device(device), deferred_weights():
+        model = model_cls(config, dtype, **model_options)
+    names: frozenset[str] = frozenset()
+    if fp8 is not None:
+        names = frozenset(checkpoint_fp8_weights(model, fp8))
+        quantize_model_linears(model, fp8, device)
+        quantize_model_experts(model, fp8, device)
+    materialize(model, device)  # the layers that stay in the model dtype
+    return model, Fp8WeightStream(model.checkpoint_tensors(), names, model.checkpoint_shards())
+
+
 def _take_shards(
-    tensors: Iterable[tuple[str, torch.Tensor]], shards: dict[str, Shard]
+    tensors: Iterable[tuple[str, torch.Tensor]], stream: Fp8WeightStream
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Full tensors -> this rank's slice of those it holds a part of."""
+    """Full tensors -> this rank's slice of those it holds a part of (except those the
+    stream takes whole)."""
     for name, t in tensors:
-        shard = shards.get(name)
-        yield name, shard.of(t) if shard is not None else t
-
-
-def _weight_stream(model: CausalLM, fp8: Fp8Config | None) -> Fp8WeightStream:
-    """With ``fp8``: swap the model's FP8 linears in, then adapt tensors to them (a plain
-    model's stream still dequantizes an FP8 tensor it meets, scales permitting)."""
-    if fp8 is None:
-        return Fp8WeightStream(model.checkpoint_tensors())
-    names = frozenset(checkpoint_fp8_weights(model, fp8))
-    quantize_model_linears(model, fp8)
-    quantize_model_experts(model, fp8)
-    return Fp8WeightStream(model.checkpoint_tensors(), names)
+        shard = stream.shards.get(name)
+        if shard is None or stream.reads_whole(name):
+            yield name, t
+        else:
+            yield name, shard.of(t)
 
 
 def _load_file(
@@ -226,10 +237,9 @@ def _load_file(
     expected: set[str] | None,
     device: torch.device,
     stream: Fp8WeightStream,
-    shards: dict[str, Shard],
 ) -> set[str]:
     """Load every tensor of one safetensors file (only this rank's slice of those in
-    ``shards``); errors name the file."""
+    ``stream.shards``, unless the stream takes it whole); errors name the file."""
     try:
         handle = safe_open(str(path), framework="pt", device=str(device))
     except Exception as e:  # safetensors raises its own error types for corrupt files
@@ -247,8 +257,8 @@ def _load_file(
 
         def tensors() -> Iterator[tuple[str, torch.Tensor]]:
             for name in names:
-                shard = shards.get(name)
-                if shard is None:
+                shard = stream.shards.get(name)
+                if shard is None or stream.reads_whole(name, _stored_fp8(f, name)):
                     yield name, f.get_tensor(name)
                 else:
                     yield name, _read_slice(f, name, shard)
@@ -257,6 +267,10 @@ def _load_file(
             return model.load_weights(stream(tensors()))
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from e
+
+
+def _stored_fp8(f: Any, name: str) -> bool:
+    return bool(f.get_slice(name).get_dtype() == "F8_E4M3")
 
 
 def _read_slice(f: Any, name: str, shard: Shard) -> torch.Tensor:

@@ -12,7 +12,8 @@ and the MoE router are never linears here, so they stay in the model dtype. Any 
 ``quant_method``, format, block size or a static activation scheme is refused.
 
 In memory (``load_model``): quantized linears become
-:class:`~pdserve.layers.fp8.Fp8Linear`, except the modules a family reads as raw weights
+:class:`~pdserve.layers.fp8.Fp8Linear` (tensor-parallel ones their FP8 counterparts in
+:mod:`pdserve.layers.fp8_parallel`, each rank holding whole 128x128 blocks), except the modules a family reads as raw weights
 (``CausalLM.fp8_dense_modules``: MLA's ``kv_b_proj``, absorbed into attention), which are
 dequantized to the model dtype at load. The routed experts stay FP8 too
 (:func:`quantize_model_experts`): :class:`~pdserve.layers.moe.RoutedExperts` holds FP8
@@ -25,6 +26,14 @@ FP8 tensors through to FP8 parameters (repeating scales over the rows of an unal
 merged layer), dequantizes FP8 tensors meant for bf16 parameters, and quantizes bf16
 tensors meant for FP8 parameters (``--quantization fp8`` on a bf16 checkpoint, and
 ``--load-format dummy``), with the same function ``make-checkpoint`` writes with.
+
+Under tensor parallelism the loader hands the stream each rank's slice of a sharded
+tensor (FP8 weights with their slice of block scales). A quantized layer's slice is
+whole blocks, so quantizing it gives exactly that slice of the full weight's
+quantization. A weight dequantized to a dense layer (``kv_b_proj``) may be split off the
+block grid, so the loader reads it whole (:meth:`Fp8WeightStream.reads_whole`) and the
+stream keeps the rank's slice after dequantizing it (or after the quantize + dequantize
+round trip of a bf16 checkpoint).
 """
 
 from __future__ import annotations
@@ -37,8 +46,9 @@ import torch
 from torch import nn
 
 from pdserve.kernels.reference import FP8_DTYPE, dequantize_fp8_blocks, quantize_fp8_blocks
-from pdserve.layers.fp8 import convert_linears, expand_scale_rows
-from pdserve.layers.linear import MergedLinear, is_plain_linear
+from pdserve.layers.fp8 import expand_scale_rows
+from pdserve.layers.fp8_parallel import convert_linears
+from pdserve.layers.linear import MergedLinear, Shard, is_plain_linear
 from pdserve.layers.moe import RoutedExperts
 from pdserve.models.hf_config import HFModelConfig
 
@@ -140,20 +150,26 @@ def checkpoint_fp8_weights(model: nn.Module, cfg: Fp8Config) -> set[str]:
     return out
 
 
-def quantize_model_linears(model: nn.Module, cfg: Fp8Config) -> list[str]:
-    """Swap the linears that stay FP8 in memory for :class:`Fp8Linear` (see module doc)."""
+def quantize_model_linears(
+    model: nn.Module, cfg: Fp8Config, device: torch.device | None = None
+) -> list[str]:
+    """Swap the linears that stay FP8 in memory for empty FP8 layers on ``device`` (default:
+    where each one is) (see module doc); returns their names."""
     dense = tuple(getattr(model, "fp8_dense_modules", ()))
 
     def keep_fp8(name: str, module: nn.Module) -> bool:
         leaf = name.rpartition(".")[2]
         return leaf not in dense and not any(cfg.skips(p) for p in _parts(name, module))
 
-    return convert_linears(model, keep_fp8)
+    return convert_linears(model, keep_fp8, device)
 
 
-def quantize_model_experts(model: nn.Module, cfg: Fp8Config) -> list[str]:
-    """Make every :class:`RoutedExperts` not in ``modules_to_not_convert`` hold FP8 stacks
-    (:meth:`RoutedExperts.use_fp8`; before loading: values are not kept); returns their names."""
+def quantize_model_experts(
+    model: nn.Module, cfg: Fp8Config, device: torch.device | None = None
+) -> list[str]:
+    """Make every :class:`RoutedExperts` not in ``modules_to_not_convert`` hold empty FP8
+    stacks on ``device`` (:meth:`RoutedExperts.use_fp8`; before loading: values are not
+    kept); returns their names."""
     names = [
         name
         for name, module in model.named_modules()
@@ -162,7 +178,7 @@ def quantize_model_experts(model: nn.Module, cfg: Fp8Config) -> list[str]:
     for name in names:
         routed = model.get_submodule(name)
         assert isinstance(routed, RoutedExperts)
-        routed.use_fp8()
+        routed.use_fp8(device, name)
     return names
 
 
@@ -173,21 +189,41 @@ class Fp8WeightStream:
     :func:`quantize_model_linears` and :func:`quantize_model_experts`. ``fp8_names``: the
     weights an FP8 checkpoint stores quantized; an unquantized one among them meant for a
     bf16 parameter (``kv_b_proj``) goes through quantize + dequantize, so quantizing at
-    load gives the values loading the FP8 checkpoint gives. Call :meth:`finish` after the
+    load gives the values loading the FP8 checkpoint gives. ``shards``: the model's
+    ``checkpoint_shards()`` (this rank's slices under TP). Call :meth:`finish` after the
     last file."""
 
     def __init__(
         self,
         targets: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
         fp8_names: frozenset[str] = frozenset(),
+        shards: Mapping[str, Shard] | None = None,
     ) -> None:
         self.targets = targets
         self.fp8_names = fp8_names
+        self.shards = dict(shards or {})
         self.weights: dict[str, torch.Tensor] = {}  # FP8 weights waiting for their scales
         self.scales: dict[str, torch.Tensor] = {}  # scales waiting for their FP8 weights
 
     def _fp8_target(self, name: str) -> bool:
         return name in self.targets and self.targets[name][1] == FP8_DTYPE
+
+    def reads_whole(self, name: str, stored_fp8: bool = False) -> bool:
+        """Whether the loader should hand over the whole of tensor ``name``, although this
+        rank holds only a slice of it: a weight that is (or, ``stored_fp8``, is stored)
+        FP8 in the checkpoint and dense here, whose blocks may straddle the ranks."""
+        return (
+            name in self.shards
+            and not self._fp8_target(name)
+            and (stored_fp8 or name in self.fp8_names)
+        )
+
+    def _own(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of ``t`` when it is the whole of a sharded tensor."""
+        shard = self.shards.get(name)
+        if shard is None or shard.stop - shard.start == shard.full:
+            return t
+        return shard.of(t) if t.shape[shard.dim] == shard.full else t
 
     def _scale_for(self, weight_name: str, scale: torch.Tensor) -> torch.Tensor:
         rows = self.targets[weight_name][0][0]
@@ -197,7 +233,7 @@ class Fp8WeightStream:
     def _dequantized(self, name: str) -> tuple[str, torch.Tensor]:
         q, s = self.weights.pop(name), self.scales.pop(name)
         dtype = self.targets[name][1] if name in self.targets else torch.float32
-        return name, dequantize_fp8_blocks(q, s, BLOCK, dtype)
+        return name, self._own(name, dequantize_fp8_blocks(q, s, BLOCK, dtype))
 
     def __call__(
         self, tensors: Iterable[tuple[str, torch.Tensor]]
@@ -221,7 +257,7 @@ class Fp8WeightStream:
                 yield name + SCALE_SUFFIX, self._scale_for(name, s)
             elif name in self.fp8_names and t.dtype != FP8_DTYPE:
                 q, s = quantize_fp8_blocks(t, BLOCK)
-                yield name, dequantize_fp8_blocks(q, s, BLOCK, t.dtype)
+                yield name, self._own(name, dequantize_fp8_blocks(q, s, BLOCK, t.dtype))
             else:
                 yield name, t
 
