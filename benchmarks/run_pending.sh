@@ -8,6 +8,7 @@
 #   device run (carry [".whl-nixl"]):  bash benchmarks/run_pending.sh nixl-install
 #   device run (carry [".whl"], same warm machine):  bash benchmarks/run_pending.sh nixl
 #   nvidia-h200-x2 (carry [".whl"]):   bash benchmarks/run_pending.sh x2
+#   nvidia-h200-x4/-x8 (carry [".whl"]): bash benchmarks/run_pending.sh dpep 4   (or 8)
 #
 # a     GPU-marked tests of the kernels, layers, KV transfer and engine (parity of every
 #       Triton kernel against its torch reference on the device; issues 15, 19, 20, 21),
@@ -22,8 +23,11 @@
 # x2    two GPUs (issue 21): cuda_ipc across GPUs (test and transfer time against the
 #       peer copy bound), then `pdserve bench sla --compare` of 1P1D (a GPU each) against
 #       two colocated replicas behind the proxy and one TP2 instance, 16384/1000.
+# dpep  N GPUs (issue 21): the glm5-m12-e64 preset served with --data-parallel-size N
+#       --enable-expert-parallel against one GPU, the same closed-loop load per rank
+#       (32 streams per GPU, 1024 in / 256 out): output tok/s per GPU and mean TPOT.
 set -uo pipefail
-stage="${1:?usage: run_pending.sh a|b|nixl-install|nixl|x2}"
+stage="${1:?usage: run_pending.sh a|b|nixl-install|nixl|x2|dpep N}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 source scripts/gpu-env
 echo "commit ${PDSERVE_COMMIT:-unknown} stage $stage"
@@ -73,6 +77,24 @@ case "$stage" in
     llama_ckpt && timeout 420 python3 benchmarks/pd_bench.py --ckpt $ck --device 0,1 \
       --prefill-device 0 --decode-device 1 --topologies pd,replicas,tp --sla \
       --num-prompts 24 --log-dir "$OUT/x2_logs" --out "$OUT/x2_sla.json" 2>&1 | quiet
+    ;;
+  dpep)
+    n="${2:?dpep needs the GPU count}"
+    g=/tmp/glm5-m12-e64
+    [ -f $g/config.json ] || pdserve make-checkpoint --arch GlmMoeDsaForCausalLM \
+      --preset glm5-m12-e64 --out $g --device cuda >/dev/null || exit 1
+    for ranks in 1 "$n"; do
+      dp=(); [ "$ranks" -gt 1 ] && dp=(--data-parallel-size "$ranks" --enable-expert-parallel)
+      pdserve serve $g --host 127.0.0.1 --port 8000 "${dp[@]}" > "$OUT/dpep$ranks.log" 2>&1 &
+      server=$!
+      timeout 280 python3 -m pdserve.cli bench serve --base-url http://127.0.0.1:8000 --model $g \
+        --random-input-len 1024 --random-output-len 256 --max-concurrency $((32 * ranks)) \
+        --num-prompts $((96 * ranks)) --ready-check-timeout-sec 240 --disable-tqdm \
+        --save-result --result-dir "$OUT" --result-filename "dpep$ranks.json" 2>&1 | quiet \
+        | grep -E "throughput|TPOT|TTFT|Successful"
+      curl -s http://127.0.0.1:8000/metrics | grep -E "^pdserve:forward_steps_total" | head -8
+      kill $server; wait $server 2>/dev/null
+    done
     ;;
   *)
     echo "unknown stage $stage" >&2; exit 2 ;;
