@@ -24,10 +24,10 @@ def test_warm_up_runs_mixed_batches_with_cached_prefixes(tiny_llama: Path) -> No
     backend = runner.step.backends["attn"]
     orig = backend.forward
 
-    def spy(q, k, v, kv_cache, md, scale):  # type: ignore[no-untyped-def]
+    def spy(q, k, v, kv_cache, md, *rest):  # type: ignore[no-untyped-def]
         c = getattr(md, "common", md)
         seen.append((c.num_reqs, c.max_query_len, c.max_seq_len, c.block_size))
-        return orig(q, k, v, kv_cache, md, scale)
+        return orig(q, k, v, kv_cache, md, *rest)
 
     backend.forward = spy  # type: ignore[method-assign]
     blocks_before = llm.engine.kv.pool.num_free_blocks
