@@ -8,8 +8,8 @@ accuracy  glm5-s4-e16 (written on the GPU): pdserve bf16 against transformers fp
           2560-token prompt (longer than index_topk 2048, so DSA decides), with
           transformers' own bf16 error as the yardstick: mean KL(fp32 || x) over positions,
           argmax agreement, and the indexer's top-2048 overlap per layer (rows >= 2048)
-speed     per preset: decode step at batch 1 and 32 with 1K and 16K contexts (graphs on),
-          and one 16K prompt's prefill; the roofline of a decode step is
+speed     per preset: decode step at batch 1 and 32 with 1K and 16K contexts (graphs on;
+          ``--long``: also batch 8 with 128K), and one 16K prompt's prefill; the roofline of a decode step is
           (non-expert weights + active experts + LM head + latents of the selected keys
           + indexer keys of the whole context) / the copy bandwidth measured now;
           transformers' GlmMoeDsaForCausalLM (bf16, eager) on the same preset where it fits
@@ -264,7 +264,12 @@ def _hf_speed(path: Path, dummy: bool, cases: list[tuple[int, int]]) -> dict:
     return out
 
 
-def bench_speed(preset: str, workdir: Path, limits: dict, hf_peer: bool) -> dict:
+LONG_CTX = 131072
+
+
+def bench_speed(
+    preset: str, workdir: Path, limits: dict, hf_peer: bool, long: bool = False
+) -> dict:
     path = workdir / preset
     dummy = preset != "glm5-s4-e16"
     if not (path / "config.json").is_file():
@@ -275,7 +280,7 @@ def bench_speed(preset: str, workdir: Path, limits: dict, hf_peer: bool) -> dict
         str(path),
         dtype="bfloat16",
         load_format="dummy" if dummy else "auto",
-        max_model_len=16384 + 256,
+        max_model_len=(LONG_CTX if long else 16384) + 256,
         max_num_seqs=32,
         max_num_batched_tokens=8192,
         gpu_memory_utilization=0.9,
@@ -285,7 +290,8 @@ def bench_speed(preset: str, workdir: Path, limits: dict, hf_peer: bool) -> dict
     expert_b, other_b = _split_weights(llm)
     res["expert_weight_bytes"], res["other_weight_bytes"] = expert_b, other_b
     bw = limits["copy_bandwidth_Bps"]
-    for batch, ctx in ((1, 1024), (32, 1024), (1, 16384), (32, 16384)):
+    cases = [(1, 1024), (32, 1024), (1, 16384), (32, 16384)] + ([(8, LONG_CTX)] if long else [])
+    for batch, ctx in cases:
         r = _decode(llm, batch, ctx)
         r["roofline_ms"] = _roofline_bytes(cfg, batch, ctx, expert_b, other_b) / bw * 1e3
         r["ratio"] = r["step_ms"] / r["roofline_ms"]
@@ -312,6 +318,7 @@ def main() -> None:
     ap.add_argument("--presets", default="glm5-s4-e16,glm5-m12-e64")
     ap.add_argument("--workdir", default="/tmp/glm5")
     ap.add_argument("--no-peer", action="store_true", help="skip transformers' speed runs")
+    ap.add_argument("--long", action="store_true", help="also decode at batch 8 x 128K")
     args = ap.parse_args()
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -323,7 +330,7 @@ def main() -> None:
         print(json.dumps(res["accuracy"]), flush=True)
     if "speed" in sections:
         res["speed"] = [
-            bench_speed(p, workdir, res["limits"], not args.no_peer)
+            bench_speed(p, workdir, res["limits"], not args.no_peer, args.long)
             for p in args.presets.split(",")
         ]
     Path(args.out).write_text(json.dumps(res, indent=2))

@@ -7,6 +7,7 @@
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh b
 #   device run (carry [".whl-nixl"]):  bash benchmarks/run_pending.sh nixl-install
 #   device run (carry [".whl"], same warm machine):  bash benchmarks/run_pending.sh nixl
+#   device run (carry [".whl"]):       bash benchmarks/run_pending.sh glm5      (then glm5-sla)
 #   nvidia-h200-x2 (carry [".whl"]):   bash benchmarks/run_pending.sh x2
 #   nvidia-h200-x4/-x8 (carry [".whl"]): bash benchmarks/run_pending.sh dpep 4   (or 8)
 #
@@ -18,6 +19,10 @@
 #       benchmarks/transfer_bench.py over cuda_ipc (issue 20), tools/demo_gate.py at bf16
 #       with the top-2 gaps at each divergence (issue 18), and
 #       benchmarks/structured_bench.py (issue 17: JSON schema at batch 64 against none).
+# glm5  benchmarks/glm5_bench.py speed on glm5-m12-e64 (issue 15): decode at batch 1/32
+#       x 1K/16K and 8 x 128K against the roofline with graph steps counted, a 16K
+#       prefill, transformers' GlmMoeDsaForCausalLM on the same preset.
+# glm5-sla  `pdserve bench sla` of glm5-m12-e64 at 16384/1000 (issue 15's serve target).
 # nixl  transfer_bench over cuda_ipc and nixl with the 1P1D-over-nixl equality, then a
 #       1P1D nixl serve run at 16384/1000 (issue 20): transfer failures and leases left.
 # x2    two GPUs (issue 21): cuda_ipc across GPUs (test and transfer time against the
@@ -27,7 +32,7 @@
 #       --enable-expert-parallel against one GPU, the same closed-loop load per rank
 #       (32 streams per GPU, 1024 in / 256 out): output tok/s per GPU and mean TPOT.
 set -uo pipefail
-stage="${1:?usage: run_pending.sh a|b|nixl-install|nixl|x2|dpep N}"
+stage="${1:?usage: run_pending.sh a|b|glm5|glm5-sla|nixl-install|nixl|x2|dpep N}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 source scripts/gpu-env
 echo "commit ${PDSERVE_COMMIT:-unknown} stage $stage"
@@ -39,6 +44,11 @@ llama_ckpt() {
     pdserve make-checkpoint --arch LlamaForCausalLM --preset llama-8b-shape --out $ck \
       --device cuda >/dev/null || return 1
   fi
+}
+
+glm5_config() {  # glm5-m12-e64's weights (53 GB) do not fit the disk: drawn at load
+  [ -f "$1/config.json" ] || pdserve make-checkpoint --arch GlmMoeDsaForCausalLM \
+    --preset glm5-m12-e64 --out "$1" --config-only >/dev/null || exit 1
 }
 
 case "$stage" in
@@ -57,6 +67,23 @@ case "$stage" in
       --max-new-tokens 64 --json "$OUT/gate-bf16.json" 2>&1 | tee "$OUT/gate.log" | quiet
     llama_ckpt && timeout 120 python3 benchmarks/structured_bench.py --ckpt $ck \
       --out "$OUT/structured.json" 2>&1 | tee "$OUT/structured.log" | quiet
+    ;;
+  glm5)
+    GLM_TIMEOUT=560 bash benchmarks/run_glm5.sh speed glm5-m12-e64 --long
+    ;;
+  glm5-sla)
+    g=/tmp/glm5-m12-e64
+    glm5_config $g
+    pdserve serve $g --host 127.0.0.1 --port 8000 --load-format dummy \
+      --max-model-len 17500 > "$OUT/glm5_server.log" 2>&1 &
+    server=$!
+    timeout 540 python3 -m pdserve.cli bench sla --base-url http://127.0.0.1:8000 --model $g \
+      --random-input-len 16384 --random-output-len 1000 --num-prompts 32 --num-warmups 1 \
+      --start 0.5 --tolerance 0.2 --sla-ttft-ms 2500 --sla-tpot-ms 20 --num-gpus 1 \
+      --ready-check-timeout-sec 300 --disable-tqdm --result-dir "$OUT" \
+      --result-filename glm5-sla-16384-1000.json 2>&1 | quiet
+    curl -s http://127.0.0.1:8000/metrics | grep -E "^pdserve:(forward_steps_total|num_requests_running)"
+    kill $server; wait $server 2>/dev/null
     ;;
   nixl-install)
     python3 -c "import nixl; print('nixl', nixl.__file__)"
@@ -81,11 +108,11 @@ case "$stage" in
   dpep)
     n="${2:?dpep needs the GPU count}"
     g=/tmp/glm5-m12-e64
-    [ -f $g/config.json ] || pdserve make-checkpoint --arch GlmMoeDsaForCausalLM \
-      --preset glm5-m12-e64 --out $g --device cuda >/dev/null || exit 1
+    glm5_config $g
     for ranks in 1 "$n"; do
       dp=(); [ "$ranks" -gt 1 ] && dp=(--data-parallel-size "$ranks" --enable-expert-parallel)
-      pdserve serve $g --host 127.0.0.1 --port 8000 "${dp[@]}" > "$OUT/dpep$ranks.log" 2>&1 &
+      pdserve serve $g --host 127.0.0.1 --port 8000 --load-format dummy "${dp[@]}" \
+        > "$OUT/dpep$ranks.log" 2>&1 &
       server=$!
       timeout 280 python3 -m pdserve.cli bench serve --base-url http://127.0.0.1:8000 --model $g \
         --random-input-len 1024 --random-output-len 256 --max-concurrency $((32 * ranks)) \
