@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,21 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct ports free on 127.0.0.1 right now."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def free_port() -> int:
-    return free_ports(1)[0]
+from _ports import free_port, free_ports  # noqa: F401  (tests import them from here)
 
 
 def metric(url: str, name: str, missing_ok: bool = False, **labels: str) -> float:

@@ -8,13 +8,14 @@ finds the engine-core processes too, which inherit the environment.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 import uuid
 from pathlib import Path
 
 import pytest
+
+from _ports import free_ports  # noqa: F401  (the launcher tests import it from here)
 
 FAKE_SERVER = Path(__file__).with_name("fake_server.py")
 MARKER_VAR = "PDSERVE_LAUNCH_TEST"
@@ -35,20 +36,6 @@ def launcher_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def marker() -> str:
     return uuid.uuid4().hex
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct ports free on 127.0.0.1 right now."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _live(pid: int) -> bool:
