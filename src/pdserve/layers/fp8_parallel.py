@@ -56,6 +56,23 @@ def check_fp8_split(layer: str, what: str, size: int, tp: Group) -> None:
     )
 
 
+def _split_entries(
+    layer: Fp8Linear, prefix: str, axis: int, tp: Group, *, bias_split: bool
+) -> Entries:
+    """A split FP8 linear's checkpoint entries: the rank's slice of the weight along
+    ``axis`` (0: output rows, 1: input columns) and the matching slice of the block
+    scales; the bias split with the rows, or whole on every rank."""
+    part = rank_shard(axis, layer.weight.shape[axis], tp)
+    blocks = rank_shard(axis, layer.weight_scale_inv.shape[axis], tp)
+    out: Entries = {
+        prefix + "weight": (layer.weight.data, part),
+        prefix + "weight_scale_inv": (layer.weight_scale_inv.data, blocks),
+    }
+    if layer.bias is not None:
+        out[prefix + "bias"] = (layer.bias.data, part if bias_split else None)
+    return out
+
+
 class Fp8ColumnParallelLinear(Fp8Linear):
     """:class:`~pdserve.layers.parallel_linear.ColumnParallelLinear` with block-FP8
     weights (see the module docstring)."""
@@ -76,15 +93,7 @@ class Fp8ColumnParallelLinear(Fp8Linear):
         self.full_out_features = out_features
 
     def tensor_entries(self, prefix: str) -> Entries:
-        rows = rank_shard(0, self.out_features, self.tp)
-        blocks = rank_shard(0, self.weight_scale_inv.shape[0], self.tp)
-        out: Entries = {
-            prefix + "weight": (self.weight.data, rows),
-            prefix + "weight_scale_inv": (self.weight_scale_inv.data, blocks),
-        }
-        if self.bias is not None:
-            out[prefix + "bias"] = (self.bias.data, rows)
-        return out
+        return _split_entries(self, prefix, 0, self.tp, bias_split=True)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, tp={self.tp.rank}/{self.tp.size}"
@@ -119,15 +128,7 @@ class Fp8RowParallelLinear(Fp8Linear):
         return reduce_row_parallel(partial, self.bias, self.tp, self.reduce_results)
 
     def tensor_entries(self, prefix: str) -> Entries:
-        cols = rank_shard(1, self.in_features, self.tp)
-        blocks = rank_shard(1, self.weight_scale_inv.shape[1], self.tp)
-        out: Entries = {
-            prefix + "weight": (self.weight.data, cols),
-            prefix + "weight_scale_inv": (self.weight_scale_inv.data, blocks),
-        }
-        if self.bias is not None:
-            out[prefix + "bias"] = (self.bias.data, None)  # whole on every rank
-        return out
+        return _split_entries(self, prefix, 1, self.tp, bias_split=False)  # bias: whole
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, tp={self.tp.rank}/{self.tp.size}"
