@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels._utils import check_device, interpret_mode, next_pow2, round_to_e4m3
-from pdserve.kernels.reference import FP8_DTYPE, FP8_MAX, write_paged
+from pdserve.kernels.reference import FP8_DTYPE, FP8_MAX, write_kv_reference
 
 
 @triton.jit
@@ -147,9 +147,6 @@ def write_kv_cache_reference(
     v_scale: float = 1.0,
 ) -> None:
     """Plain-torch reference of :func:`write_kv_cache` (negative slots skipped)."""
-    hkv, d = kv_cache.shape[-2], kv_cache.shape[-1]
     n = slot_mapping.shape[0]
     keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    write_paged(kv_cache[0].view(-1, hkv, d), slots, k[:n][keep], k_scale)
-    write_paged(kv_cache[1].view(-1, hkv, d), slots, v[:n][keep], v_scale)
+    write_kv_reference(k[:n][keep], v[:n][keep], kv_cache, slot_mapping[keep], k_scale, v_scale)

@@ -23,8 +23,6 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from pdserve.kernels.reference import write_paged
-
 
 @dataclass
 class CommonAttentionMetadata:
@@ -95,19 +93,3 @@ class GQABackend(AttentionBackend):
         v_scale: float = 1.0,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         ...
-
-
-def write_kv_reference(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> None:
-    """Scatter this step's K/V into the paged cache ([2, blocks, block, heads, dim]), cast
-    to its dtype (an fp8 cache: ``k / k_scale`` and ``v / v_scale``, saturated at +-448)."""
-    num_kv_heads, head_dim = kv_cache.shape[-2], kv_cache.shape[-1]
-    t = slot_mapping.shape[0]
-    write_paged(kv_cache[0].view(-1, num_kv_heads, head_dim), slot_mapping, k[:t], k_scale)
-    write_paged(kv_cache[1].view(-1, num_kv_heads, head_dim), slot_mapping, v[:t], v_scale)

@@ -12,11 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pdserve.layers.attention.backend import (
-    CommonAttentionMetadata,
-    GQABackend,
-    write_kv_reference,
-)
+from pdserve.kernels.reference import write_kv_reference
+from pdserve.layers.attention.backend import CommonAttentionMetadata, GQABackend
 
 
 def paged_attention_reference(
