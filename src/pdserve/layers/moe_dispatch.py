@@ -55,12 +55,17 @@ class ExpertDispatcher(Protocol):
     ) -> torch.Tensor: ...
 
 
-class AllToAllDispatcher:
-    """Variable-split all-to-all (eager only; see the module docstring)."""
+class _EPDispatcher:
+    """What both dispatchers know: the expert-parallel group and how many experts each
+    rank owns (expert ``e`` lives on rank ``e // num_local``)."""
 
     def __init__(self, ep: Group, num_local_experts: int) -> None:
         self.ep = ep
         self.num_local = num_local_experts
+
+
+class AllToAllDispatcher(_EPDispatcher):
+    """Variable-split all-to-all (eager only; see the module docstring)."""
 
     def __call__(
         self,
@@ -94,12 +99,8 @@ class AllToAllDispatcher:
         return out
 
 
-class AllGatherDispatcher:
+class AllGatherDispatcher(_EPDispatcher):
     """Equal-shape all-gather / all-to-all (graph-capturable; see the module docstring)."""
-
-    def __init__(self, ep: Group, num_local_experts: int) -> None:
-        self.ep = ep
-        self.num_local = num_local_experts
 
     def __call__(
         self,
