@@ -11,6 +11,9 @@
 #   nvidia-h200-x2 (carry [".whl"]):   bash benchmarks/run_pending.sh x2
 #   nvidia-h200-x4/-x8 (carry [".whl"]): bash benchmarks/run_pending.sh dpep 4   (or 8)
 #
+# ab1, ab2  the same runs as a and b in two calls: ab1 runs the GPU tests and the bf16
+#       quality gate side by side (correctness only), then structured_bench (on drawn
+#       weights) and transfer_bench alone; ab2 runs fp8_bench and glm5_kernels_bench.
 # a     GPU-marked tests of the kernels, layers, KV transfer and engine (parity of every
 #       Triton kernel against its torch reference on the device; issues 15, 19, 20, 21),
 #       then benchmarks/fp8_bench.py (issue 19: FP8 decode against the FP8 roofline,
@@ -32,13 +35,18 @@
 #       --enable-expert-parallel against one GPU, the same closed-loop load per rank
 #       (32 streams per GPU, 1024 in / 256 out): output tok/s per GPU and mean TPOT.
 set -uo pipefail
-stage="${1:?usage: run_pending.sh a|b|glm5|glm5-sla|nixl-install|nixl|x2|dpep N}"
+stage="${1:?usage: run_pending.sh ab1|ab2|a|b|glm5|glm5-sla|nixl-install|nixl|x2|dpep N}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 source scripts/gpu-env
 echo "commit ${PDSERVE_COMMIT:-unknown} stage $stage"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 quiet() { grep -vE "^20..-|Loading weights|UNEXPECTED|LOAD REPORT"; }
 ck=/tmp/llama-8b
+cfg8b=/tmp/llama-8b-config  # config and tokenizer only: weights drawn at load
+llama_config() {
+  [ -f $cfg8b/config.json ] || pdserve make-checkpoint --arch LlamaForCausalLM \
+    --preset llama-8b-shape --out $cfg8b --config-only >/dev/null
+}
 llama_ckpt() {
   if [ ! -f $ck/config.json ]; then
     pdserve make-checkpoint --arch LlamaForCausalLM --preset llama-8b-shape --out $ck \
@@ -52,6 +60,27 @@ glm5_config() {  # glm5-m12-e64's weights (53 GB) do not fit the disk: drawn at 
 }
 
 case "$stage" in
+  ab1)  # one call: the correctness runs side by side, then the timed ones alone
+    timeout 270 python3 -m pytest -p no:cacheprovider -q -m gpu tests/kernels tests/layers \
+      tests/kv_transfer tests/engine > "$OUT/gpu_tests.log" 2>&1 &
+    tests=$!
+    timeout 240 python3 tools/demo_gate.py --device cuda --dtype bfloat16 --num-prompts 32 \
+      --max-new-tokens 64 --json "$OUT/gate-bf16.json" > "$OUT/gate.log" 2>&1 &
+    gate=$!
+    llama_config
+    wait $tests; tail -25 "$OUT/gpu_tests.log"
+    wait $gate; quiet < "$OUT/gate.log" | tail -40
+    timeout 150 python3 benchmarks/structured_bench.py --ckpt $cfg8b --load-format dummy \
+      --out "$OUT/structured.json" 2>&1 | tee "$OUT/structured.log" | quiet
+    timeout 120 python3 benchmarks/transfer_bench.py --transports cuda_ipc --no-equality \
+      --out "$OUT/transfer.json" 2>&1 | tee "$OUT/transfer.log" | quiet
+    ;;
+  ab2)
+    timeout 300 python3 benchmarks/fp8_bench.py --out "$OUT/fp8_bench.json" 2>&1 \
+      | tee "$OUT/fp8_bench.log" | quiet
+    timeout 200 python3 benchmarks/glm5_kernels_bench.py --out "$OUT/glm5_kernels.json" 2>&1 \
+      | tee "$OUT/glm5_kernels.log" | quiet
+    ;;
   a)
     timeout 240 python3 -m pytest -p no:cacheprovider -q -m gpu tests/kernels tests/layers \
       tests/kv_transfer tests/engine 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"

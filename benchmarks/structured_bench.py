@@ -118,8 +118,11 @@ def run_variant(
     }
 
 
-def run(ckpt: str, batch: int, prompt_len: int, steps: int, device: str) -> dict[str, Any]:
+def run(
+    ckpt: str, batch: int, prompt_len: int, steps: int, device: str, load_format: str = "auto"
+) -> dict[str, Any]:
     kwargs: dict[str, Any] = dict(
+        load_format=load_format,
         max_model_len=prompt_len + steps + 64,
         max_num_seqs=max(batch, 8),
         async_scheduling=True,
@@ -133,6 +136,7 @@ def run(ckpt: str, batch: int, prompt_len: int, steps: int, device: str) -> dict
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "ckpt": ckpt,
+        "load_format": load_format,
         "cudagraph_mode": llm.engine.runner.graph_mode(),
         "schema": SCHEMA,
         "penalties": PENALTIES,
@@ -164,6 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument(
+        "--load-format",
+        choices=("auto", "dummy"),
+        default="auto",
+        help="dummy: random weights drawn on the device (a --config-only checkpoint will do)",
+    )
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = args.ckpt
@@ -174,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
 
             make_checkpoint("LlamaForCausalLM", "tiny", tmp, dtype="float32")
             ckpt = tmp
-        res = run(ckpt, args.batch, args.prompt_len, args.steps, args.device)
+        res = run(ckpt, args.batch, args.prompt_len, args.steps, args.device, args.load_format)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2))
     print_table(res)
