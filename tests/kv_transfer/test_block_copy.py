@@ -87,6 +87,9 @@ def test_triton_block_copy_matches_the_reference(dtype: str) -> None:
     stream = torch.cuda.Stream()
     copy_blocks(plan, plan.block_pairs(remote, local), stream)
     stream.synchronize()
-    reference_copy(plan, _tensors(src), _tensors(want), remote, local)
+    # the reference resolves the plan's destination addresses in the tensors it is given:
+    # it needs a plan of its own, made against ``want``
+    ref_plan = CopyPlan.make(Segments.of(src), Segments.of(want), torch.device("cuda"))
+    reference_copy(ref_plan, _tensors(src), _tensors(want), remote, local)
     for (name, _, g), (_, _, w) in zip(got.layers(), want.layers(), strict=True):
         assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), name

@@ -113,15 +113,17 @@ def _blocks(c: torch.Tensor, axis: int, ids: list[int]) -> torch.Tensor:
 
 
 def _spy_on_writes(cls: type, monkeypatch: pytest.MonkeyPatch) -> list[tuple[list[int], list[int]]]:
-    """Record (remote ids, local ids) of every block copy a transport client makes."""
+    """Record (remote ids, local ids) of every block copy a transport client makes. The
+    connector starts each copy with ``begin_write`` (cuda_ipc overrides it; tcp's default
+    calls ``write``), so that is where the spy sits."""
     copies: list[tuple[list[int], list[int]]] = []
-    real = cls.write
+    real = cls.begin_write
 
-    def spy(self, remote, local, frames):  # type: ignore[no-untyped-def]
+    def spy(self, remote, local, frames, *rest):  # type: ignore[no-untyped-def]
         copies.append((list(remote), list(local)))
-        return real(self, remote, local, frames)
+        return real(self, remote, local, frames, *rest)
 
-    monkeypatch.setattr(cls, "write", spy)
+    monkeypatch.setattr(cls, "begin_write", spy)
     return copies
 
 
