@@ -11,8 +11,9 @@ decode tok/s = tokens / seconds, and the step time. The schema is an array of ex
 ``ITEMS`` small objects, so no constrained request finishes inside the timed steps (the
 batch stays whole; ``running_during_timing`` says so). Sampling is random
 (temperature 1, a seed per request): a constraint costs its bitmask fill (on the host,
-one multi-threaded xgrammar call per step), its mask on the device, and the step in
-flight being landed before the next is scheduled (structured output needs the token).
+one multi-threaded xgrammar call per step, overlapped with the step's forward under
+async scheduling: the masks are deferred until the step before has landed) and its
+mask on the device.
 
 ``--device cpu`` runs the script itself on a tiny checkpoint (made in a temporary folder
 when ``--ckpt`` is not given), for a smoke test. Prints a table last; every number goes

@@ -1,7 +1,8 @@
 """Structured output in the engine: the bitmask applied on the device against a
-per-token reference, the offline engine under async scheduling (the step in flight is
-landed before a constrained request is scheduled again), a grammar that fails to
-compile, an abort while compiling, and the refusal with speculative decoding."""
+per-token reference, the offline engine under async scheduling (masks deferred: the
+next step's forward is launched before the step in flight lands and the matchers
+advance; the same tokens as landing first), a grammar that fails to compile, an abort
+while compiling, and the refusal with speculative decoding."""
 
 from __future__ import annotations
 
@@ -59,8 +60,7 @@ def _so(**kw: Any) -> StructuredOutputsParams:
     return StructuredOutputsParams(**kw)
 
 
-def test_offline_constraints_mixed_with_free_requests(llm: LLM) -> None:
-    assert llm.config.scheduler.async_scheduling  # the land-first path is the one tested
+def _mixed_params() -> list[SamplingParams]:
     params = [
         SamplingParams(temperature=1.0, seed=i, max_tokens=60, structured_outputs=so)
         for i, so in enumerate(
@@ -75,6 +75,13 @@ def test_offline_constraints_mixed_with_free_requests(llm: LLM) -> None:
         )
     ]
     params[4].ignore_eos = True
+    params[4].bad_words = ["a b", "c"]  # bans that depend on the tokens in flight too
+    return params
+
+
+def test_offline_constraints_mixed_with_free_requests(llm: LLM) -> None:
+    assert llm.config.scheduler.async_scheduling and llm.engine.scheduler.defer_masks
+    params = _mixed_params()
     outs = [o.outputs[0] for o in llm.generate(["go"] * len(params), params)]
     for c in outs[:2]:
         obj = json.loads(c.text)
@@ -83,6 +90,32 @@ def test_offline_constraints_mixed_with_free_requests(llm: LLM) -> None:
     assert outs[3].text in ("left", "right turn")
     assert len(outs[4].token_ids) == 60  # the free request runs on, beside them
     assert outs[5].finish_reason in ("stop", "length") and re.fullmatch(r"\([xy]+\)?", outs[5].text)
+
+
+def test_deferred_masks_give_the_tokens_of_landing_first(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Deferred masks (forward launched, then the step in flight lands, then the masks
+    are filled) sample exactly what the land-first order samples, and they are taken:
+    constrained requests are scheduled while their previous step is in flight."""
+    sched = llm.engine.scheduler
+    deferred: list[int] = []
+    real = type(sched).fill_masks
+
+    def spy(self, so):  # type: ignore[no-untyped-def]
+        if so.masks_deferred:
+            deferred.append(len(so.structured_req_ids))
+        return real(self, so)
+
+    monkeypatch.setattr(type(sched), "fill_masks", spy)
+    params = _mixed_params()
+    overlapped = [o.outputs[0].token_ids for o in llm.generate(["go"] * len(params), params)]
+    assert len(deferred) > 10 and max(deferred) == 5
+    monkeypatch.setattr(sched, "defer_masks", False)
+    deferred.clear()
+    landed_first = [o.outputs[0].token_ids for o in llm.generate(["go"] * len(params), params)]
+    assert not deferred
+    assert overlapped == landed_first
 
 
 def test_grammar_that_fails_to_compile_fails_its_request_only(llm: LLM) -> None:

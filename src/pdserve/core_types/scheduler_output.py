@@ -73,6 +73,10 @@ class SchedulerOutput:
     grammar_bitmask: np.ndarray | None = None
     # bad_words: token ids banned at the sampled row of these requests this step
     bad_word_bans: dict[str, list[int]] = field(default_factory=dict)
+    # async scheduling: the bitmask and bans above are filled only after the step's
+    # forward is launched and the step before it has landed (``Scheduler.fill_masks``),
+    # so the matchers' work overlaps the forward instead of stalling the device
+    masks_deferred: bool = False
 
     @property
     def is_empty(self) -> bool:

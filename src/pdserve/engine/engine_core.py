@@ -112,6 +112,8 @@ class EngineCore:
             pad_first_step=spec.pad_first_decode_step if spec is not None else False,
             vocab_size=self.runner.vocab_size,
         )
+        # a TP step is launched whole on every rank: its masks are filled before it
+        self.scheduler.defer_masks = self.tp is None
         self.structured = StructuredOutputManager(
             config.model.tokenizer or config.model.model, self.runner.vocab_size
         )
@@ -244,12 +246,31 @@ class EngineCore:
         return self.scheduler.has_schedulable_work() or bool(self.structured.pending)
 
     def _launch(self, so: SchedulerOutput) -> StepHandle:
-        plan = self._agree(so)
-        if self.connector_worker is not None and so.kv_connector_metadata is not None:
-            self.connector_worker.start_load_kv(so.kv_connector_metadata)
+        plan = self._begin(so)
         if self.tp is not None:  # the other ranks launch the same step (no DP with TP)
             return self.tp.launch(so, self.runner.launch)
         return self.runner.launch(so, plan)
+
+    def _begin(self, so: SchedulerOutput) -> StepPlan | None:
+        """What precedes every launch: the DP agreement and the connector's loads."""
+        plan = self._agree(so)
+        if self.connector_worker is not None and so.kv_connector_metadata is not None:
+            self.connector_worker.start_load_kv(so.kv_connector_metadata)
+        return plan
+
+    def _launch_masked(self, so: SchedulerOutput) -> tuple[StepHandle, list[EngineCoreOutput]]:
+        """Launch a step whose structured-output masks are deferred (async scheduling):
+        the forward goes first; the step in flight lands while it runs, its tokens
+        advance the matchers, and the masks they give complete the step (sampling), so
+        the device does not wait for the host's matcher work. Returns the handle and the
+        landed step's outputs."""
+        fw = self.runner.launch_forward(so, self._begin(so))
+        outputs: list[EngineCoreOutput] = []
+        if self._in_flight is not None:
+            prev, self._in_flight = self._in_flight, None
+            outputs = self.scheduler.update_from_output(prev[0], self._finish(prev[1]))
+        self.scheduler.fill_masks(so)
+        return self.runner.complete(fw, so), outputs
 
     def _agree(self, so: SchedulerOutput) -> StepPlan | None:
         """The DP step agreement (expert parallelism only; a collective, see dp_sync)."""
@@ -312,7 +333,11 @@ class EngineCore:
         # also when empty: the runner drops finished rows and the connector reports
         if not self.scheduler.async_scheduling:
             return outputs + self.scheduler.update_from_output(so, self._finish(self._launch(so)))
-        handle = self._launch(so)
+        if so.masks_deferred:
+            handle, landed = self._launch_masked(so)
+            outputs += landed
+        else:
+            handle = self._launch(so)
         prev, self._in_flight = self._in_flight, (so, handle)
         if prev is None:
             return outputs

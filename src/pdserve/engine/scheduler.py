@@ -46,8 +46,6 @@ from __future__ import annotations
 
 from collections import deque
 
-import numpy as np
-
 from pdserve.config import SchedulerConfig
 from pdserve.core_types.kv_connector import KVConnectorOutput
 from pdserve.core_types.kv_transfer_params import KVTransferParams
@@ -85,6 +83,10 @@ class Scheduler:
         self.connector = connector
         self.load_failure_policy = load_failure_policy
         self.async_scheduling = config.async_scheduling
+        # under async scheduling, fill structured-output masks after the step's forward
+        # is launched (the engine core lands the step before, then calls fill_masks);
+        # the engine core turns it off where the runner cannot split a launch (TP)
+        self.defer_masks = True
         self.priority_policy = config.scheduling_policy == "priority"
         self.num_spec_tokens = num_spec_tokens
         self.num_lookahead_tokens = num_lookahead_tokens
@@ -187,11 +189,18 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    @property
+    def deferring_masks(self) -> bool:
+        return self.async_scheduling and self.defer_masks
+
     def waits_for_landed_tokens(self) -> bool:
-        """A running constrained request has a step in flight: its next bitmask needs
-        that step's token (the engine core lands the step before scheduling)."""
-        return self.num_structured > 0 and any(
-            r.num_output_placeholders and r.needs_landed_tokens for r in self.running
+        """A running constrained request has a step in flight and its next bitmask
+        needs that step's token: without deferred masks the engine core lands the step
+        before scheduling."""
+        return (
+            self.num_structured > 0
+            and not self.deferring_masks
+            and any(r.num_output_placeholders and r.needs_landed_tokens for r in self.running)
         )
 
     def has_schedulable_work(self) -> bool:
@@ -215,10 +224,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             if req.num_output_placeholders and (
-                req.needs_landed_tokens or self._reaches_length(req)
+                (req.needs_landed_tokens and not self.deferring_masks) or self._reaches_length(req)
             ):
                 # its last token is in flight: it finishes when that lands, or (structured
-                # output) its matcher needs that token before the next bitmask
+                # output without deferred masks) its matcher needs that token first
                 i += 1
                 continue
             n = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, budget)
@@ -313,17 +322,13 @@ class Scheduler:
                     req.num_output_placeholders += 1 + len(spec.get(rid, ()))
         finished, self._finished_ids = self._finished_ids, set()
         structured: list[str] = []
-        bans: dict[str, list[int]] = {}
+        deferred = False
         if self.num_structured:
-            for rid in num_sched:
-                r = self.requests[rid]
-                if rid not in will_sample:
-                    continue
-                if r.grammar is not None:
-                    structured.append(rid)
-                if r.bad_words and (banned := r.bad_word_bans()):
-                    bans[rid] = banned
-        return SchedulerOutput(
+            structured = [r for r in num_sched if r in will_sample and self.requests[r].grammar]
+            deferred = self.deferring_masks and (
+                bool(structured) or any(self.requests[r].bad_words for r in will_sample)
+            )
+        so = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
             num_scheduled_tokens=num_sched,
@@ -337,15 +342,32 @@ class Scheduler:
                 self.connector.build_connector_meta() if self.connector is not None else None
             ),
             structured_req_ids=structured,
-            grammar_bitmask=self._fill_bitmask(structured) if structured else None,
-            bad_word_bans=bans,
+            masks_deferred=deferred,
         )
+        if self.num_structured and not deferred:
+            self.fill_masks(so)
+        return so
 
-    def _fill_bitmask(self, req_ids: list[str]) -> np.ndarray:
-        if self._bitmask is None:
-            self._bitmask = BitmaskFiller(self.vocab_size)
-        grammars = [self.requests[rid].grammar for rid in req_ids]
-        return self._bitmask.fill([g for g in grammars if g is not None])
+    def fill_masks(self, so: SchedulerOutput) -> None:
+        """Fill ``so``'s structured-output bitmask and bad-word bans from the matchers
+        and outputs as they are now. With deferred masks this runs after the step before
+        ``so`` has landed; a request that finished on that step's token keeps a row
+        that allows everything (what it samples is dropped)."""
+        live = [self.requests.get(r) for r in so.structured_req_ids]
+        if so.structured_req_ids:
+            if self._bitmask is None:
+                self._bitmask = BitmaskFiller(self.vocab_size)
+            so.grammar_bitmask = self._bitmask.fill(
+                [r.grammar if r is not None and not r.is_finished else None for r in live]
+            )
+        bans: dict[str, list[int]] = {}
+        for rid in so.num_scheduled_tokens:
+            r = self.requests.get(rid)
+            if r is None or rid not in so.sampling_req_ids or not r.bad_words:
+                continue
+            if banned := r.bad_word_bans():
+                bans[rid] = banned
+        so.bad_word_bans = bans
 
     def _drafts(self, req: Request, num_new: int, budget: int) -> list[int]:
         """The drafts ``req`` verifies this step (see the module doc); [] for none."""

@@ -10,18 +10,25 @@ Lifecycle of a constrained request (``SamplingParams.structured_outputs``):
    the scheduler with a :class:`RequestGrammar` (a matcher) on the request; a grammar
    that failed to compile finishes its request with an error (the API server has already
    refused specs that do not parse, so that is rare).
-3. ``Scheduler.schedule`` fills one bitmask row per constrained request that samples this
-   step (:class:`BitmaskFiller`, all rows in one multi-threaded xgrammar call); the runner
-   applies it to those logits rows on the device (``Sampler.masked``).
+3. Each step fills one bitmask row per constrained request that samples in it
+   (``Scheduler.fill_masks`` with :class:`BitmaskFiller`, all rows in one multi-threaded
+   xgrammar call); the runner applies it to those logits rows on the device
+   (``Sampler.masked``).
 4. ``Scheduler.update_from_output`` advances the matcher with each accepted token; the
    request stops when the matcher terminates (the grammar is complete and a stop token
    was taken, or nothing more can follow).
 
-The matcher must have seen every earlier token before a bitmask is filled, so a
-constrained request never has a step in flight when it is scheduled: under async
-scheduling the engine core lands the step in flight first when any running constrained
-request waits for it (``Scheduler.waits_for_landed_tokens``). Speculative decoding with
-structured output is refused at the edge (the input processor).
+The matcher must have seen every earlier token before a bitmask is filled. Under async
+scheduling the masks are deferred (``SchedulerOutput.masks_deferred``): the engine core
+schedules a constrained request while its previous step is still in flight, launches
+the new step's forward (which needs no mask), then lands the step in flight, advances
+the matchers, fills the masks and only then enqueues the sampling. The matchers' host
+work thus runs while the device computes the forward, as vLLM overlaps its grammar
+bitmask with the model forward. A request that finished on the landed token keeps an
+all-allowing row (its sample is dropped). Without async scheduling, or under tensor
+parallelism (every rank launches a whole step), the masks are filled when the step is
+scheduled, after the step before it has landed. Speculative decoding with structured
+output is refused at the edge (the input processor).
 
 xgrammar is imported on the first constrained request, so engines that never see one
 do not pay for it.
@@ -210,15 +217,22 @@ class BitmaskFiller:
         self.words = (vocab_size + 31) // 32
         self._batch = xgr.BatchGrammarMatcher()
 
-    def fill(self, grammars: list[RequestGrammar]) -> np.ndarray:
+    def fill(self, grammars: list[RequestGrammar | None]) -> np.ndarray:
+        """One row per grammar; a None row allows every token."""
         import torch
 
-        out = np.empty((len(grammars), self.words), np.int32)
-        bitmask = torch.from_numpy(out)
-        if len(grammars) == 1:
-            grammars[0].matcher.fill_next_token_bitmask(bitmask, 0)
-        else:
-            self._batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask)
+        out = np.full((len(grammars), self.words), -1, np.int32)
+        rows = [i for i, g in enumerate(grammars) if g is not None]
+        matchers = [g.matcher for g in grammars if g is not None]
+        if len(rows) == len(grammars) and len(rows) > 1:
+            self._batch.batch_fill_next_token_bitmask(matchers, torch.from_numpy(out))
+        elif rows:
+            part = np.empty((len(rows), self.words), np.int32)
+            if len(rows) == 1:
+                matchers[0].fill_next_token_bitmask(torch.from_numpy(part), 0)
+            else:
+                self._batch.batch_fill_next_token_bitmask(matchers, torch.from_numpy(part))
+            out[rows] = part
         return out
 
 

@@ -55,7 +55,7 @@ from pdserve.runner.prompt_logprobs import (
     score_prompt_rows,
 )
 from pdserve.runner.step_inputs import StepInputs, StepPreparer
-from pdserve.runner.step_outputs import HostOutputs, StepHandle, ragged
+from pdserve.runner.step_outputs import Forwarded, HostOutputs, StepHandle, ragged
 from pdserve.runner.warmup import dummy_prompt_run, warm_up
 from pdserve.spec_decode.mtp import MTPProposer
 from pdserve.spec_decode.ngram import NgramProposer
@@ -319,13 +319,21 @@ class ModelRunner:
         """Run one step to the end: :meth:`launch` then :meth:`finish`."""
         return self.finish(self.launch(so, plan))
 
-    @torch.inference_mode()
     def launch(self, so: SchedulerOutput, plan: StepPlan | None = None) -> StepHandle:
         """Enqueue the step's forward, sampling and drafting on the device and start
         copying the results to the host; returns without waiting for the device. The
         next step may be launched before this one is finished: what it needs from this
         one is read on the device (:meth:`StepPreparer.prepare`). ``plan``: the DP
         ranks' agreement for this step (``lockstep`` runners get one every step)."""
+        return self.complete(self.launch_forward(so, plan))
+
+    @torch.inference_mode()
+    def launch_forward(
+        self, so: SchedulerOutput, plan: StepPlan | None = None
+    ) -> StepHandle | Forwarded:
+        """The first half of :meth:`launch`: the forward (and prompt scoring) enqueued,
+        sampling not yet. A step whose structured-output masks are filled later
+        (``so.masks_deferred``) is completed by :meth:`complete` once they are in ``so``."""
         if self.lockstep and plan is None:
             raise RuntimeError("an expert-parallel runner needs the DP step plan every step")
         self._update_states(so)
@@ -336,6 +344,25 @@ class ModelRunner:
         inp = self.prep.prepare(so)
         hidden, logits, path = self._forward(inp, plan)
         pplan, scored = self._score_prompts(inp, hidden)
+        return Forwarded(inp, hidden, logits, path, pplan, scored)
+
+    @torch.inference_mode()
+    def complete(self, fw: StepHandle | Forwarded, so: SchedulerOutput | None = None) -> StepHandle:
+        """The second half of :meth:`launch`: sampling, drafting and the copies to the
+        host. ``so``: the step's scheduler output, when its masks were filled after
+        :meth:`launch_forward`."""
+        if isinstance(fw, StepHandle):
+            return fw
+        inp, hidden, logits, path, pplan, scored = (
+            fw.inp,
+            fw.hidden,
+            fw.logits,
+            fw.path,
+            fw.prompt_plan,
+            fw.scored,
+        )
+        if so is not None and so.masks_deferred:
+            self.prep.apply_masks(inp, so)
         tokens, num, lp = self._sample(inp, logits)
         top = self._top_logprobs(inp, logits, tokens.shape[1])
         drafts = self._propose(inp, hidden, tokens, num)

@@ -47,6 +47,7 @@ class StepInputs:
     drafts: torch.Tensor | None  # [B, k] int64, device, when any request verifies drafts
     sampling: SamplingMetadata
     row_gens: np.ndarray  # the rows' generations when the step was prepared
+    last_rows: np.ndarray  # [B] each request's last logits row (the one it samples from)
 
 
 @dataclass
@@ -199,6 +200,7 @@ class StepPreparer:
                 req_idx, tok_rows, pos, is_draft, dmat, draft_j, rows, t, nreq, drafts
             )
         uniform = int(nsched[0]) if bool((nsched == nsched[0]).all()) else None
+        last_rows = row_start + ndraft
         return StepInputs(
             req_ids,
             rows,
@@ -220,10 +222,16 @@ class StepPreparer:
                 self.sampling_metadata(rows, nsched, ndraft, lreq, row_start, samples),
                 so,
                 req_ids,
-                row_start + ndraft,
+                last_rows,
             ),
             b.row_gen[rows].copy(),
+            last_rows,
         )
+
+    def apply_masks(self, inp: StepInputs, so: SchedulerOutput) -> None:
+        """Add the bitmask and bans filled after the step was prepared (``so`` with
+        ``masks_deferred``) to its sampling metadata."""
+        inp.sampling = self._with_grammar(inp.sampling, so, inp.req_ids, inp.last_rows)
 
     def _with_grammar(
         self, md: SamplingMetadata, so: SchedulerOutput, req_ids: list[str], last_row: np.ndarray
@@ -237,8 +245,8 @@ class StepPreparer:
             rows = [last_row[index[r]] for r, ids in so.bad_word_bans.items() for _ in ids]
             ids = [t for banned in so.bad_word_bans.values() for t in banned]
             extra = (
-                torch.tensor(rows, dtype=torch.int64, device=self.device),
-                torch.tensor(ids, dtype=torch.int64, device=self.device),
+                self._upload(np.asarray(rows, dtype=np.int64)),
+                self._upload(np.asarray(ids, dtype=np.int64)),
             )
             if md.banned is not None:
                 extra = (torch.cat([md.banned[0], extra[0]]), torch.cat([md.banned[1], extra[1]]))
@@ -246,11 +254,17 @@ class StepPreparer:
         if so.grammar_bitmask is None:
             return md
         lrows = np.array([last_row[index[r]] for r in so.structured_req_ids], dtype=np.int64)
-        md.grammar = (
-            torch.from_numpy(lrows).to(self.device, non_blocking=True),
-            torch.from_numpy(so.grammar_bitmask).to(self.device, non_blocking=True),
-        )
+        md.grammar = (self._upload(lrows), self._upload(so.grammar_bitmask))
         return md
+
+    def _upload(self, a: np.ndarray) -> torch.Tensor:
+        """``a`` on the device without a host sync: a copy from pageable memory would wait
+        for the stream (the forward enqueued before deferred masks), so it goes through
+        pinned memory (torch's caching host allocator keeps the block until the copy ran)."""
+        t = torch.from_numpy(a)
+        if self.device.type == "cuda":
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
 
     def _upload_block_tables(self, nreq: int, nblk: int) -> torch.Tensor:
         bt = self.buf.block_tables

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from pdserve.core_types.sampling_params import MAX_LOGPROBS
-from pdserve.runner.prompt_logprobs import PromptLogprobsHost, PromptLogprobsPlan
+from pdserve.runner.prompt_logprobs import PromptLogprobsHost, PromptLogprobsPlan, Scored
 from pdserve.runner.step_inputs import InFlight, StepInputs
 
 
@@ -33,6 +33,19 @@ class HostOutputs:
         if self.prompt is None:
             self.prompt = PromptLogprobsHost(max_tokens, self.pin)
         return self.prompt
+
+
+@dataclass
+class Forwarded:
+    """A step whose forward is enqueued and whose sampling is not (yet): what
+    :meth:`ModelRunner.complete <pdserve.runner.model_runner.ModelRunner.complete>` needs."""
+
+    inp: StepInputs
+    hidden: torch.Tensor
+    logits: torch.Tensor
+    path: str
+    prompt_plan: PromptLogprobsPlan | None
+    scored: Scored | None
 
 
 @dataclass
