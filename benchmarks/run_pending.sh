@@ -54,6 +54,14 @@ llama_ckpt() {
   fi
 }
 
+# The tests that use the GPU: every kernel test (they run on CUDA when it is there,
+# compiled, rather than in Triton's interpreter) and the gpu-marked tests elsewhere.
+gpu_tests() {
+  timeout "$1" python3 -m pytest -p no:cacheprovider tests/kernels
+  timeout "$1" python3 -m pytest -p no:cacheprovider -m gpu tests/kv_transfer tests/engine \
+    tests/models
+}
+
 glm5_config() {  # glm5-m12-e64's weights (53 GB) do not fit the disk: drawn at load
   [ -f "$1/config.json" ] || pdserve make-checkpoint --arch GlmMoeDsaForCausalLM \
     --preset glm5-m12-e64 --out "$1" --config-only >/dev/null || exit 1
@@ -61,8 +69,7 @@ glm5_config() {  # glm5-m12-e64's weights (53 GB) do not fit the disk: drawn at 
 
 case "$stage" in
   ab1)  # one call: the correctness runs side by side, then the timed ones alone
-    timeout 270 python3 -m pytest -p no:cacheprovider -q -m gpu tests/kernels tests/layers \
-      tests/kv_transfer tests/engine > "$OUT/gpu_tests.log" 2>&1 &
+    gpu_tests 270 > "$OUT/gpu_tests.log" 2>&1 &
     tests=$!
     timeout 240 python3 tools/demo_gate.py --device cuda --dtype bfloat16 --num-prompts 32 \
       --max-new-tokens 64 --json "$OUT/gate-bf16.json" > "$OUT/gate.log" 2>&1 &
@@ -82,8 +89,7 @@ case "$stage" in
       | tee "$OUT/glm5_kernels.log" | quiet
     ;;
   a)
-    timeout 240 python3 -m pytest -p no:cacheprovider -q -m gpu tests/kernels tests/layers \
-      tests/kv_transfer tests/engine 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
+    gpu_tests 240 2>&1 | tail -25 | tee "$OUT/gpu_tests.log"
     timeout 300 python3 benchmarks/fp8_bench.py --out "$OUT/fp8_bench.json" 2>&1 \
       | tee "$OUT/fp8_bench.log" | quiet
     ;;

@@ -349,7 +349,8 @@ def table(report: dict[str, Any]) -> str:
         acc = f"{r['mtp_acceptance_rate']:.3f}" if "mtp_acceptance_rate" in r else "-"
         pos = ",".join(f"{x:.2f}" for x in r.get("acceptance_per_pos", [])) or "-"
         div = ",".join(
-            f"{x['prompt']}@{x['first_divergence']}" + (f"(gap {x['ref_top2_gap']:.3g})" if x.get("ref_top2_gap") is not None else "")
+            f"{x['prompt']}@{x['first_divergence']}"
+            + (f"(gap {x['ref_top2_gap']:.3g})" if x.get("ref_top2_gap") is not None else "")
             for x in r["mismatches"][:6]
         )
         lines.append(
