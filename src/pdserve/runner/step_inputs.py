@@ -24,6 +24,18 @@ from pdserve.runner.input_batch import InputBatch
 from pdserve.runner.input_buffers import InputBuffers
 
 
+def upload(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``a`` on ``device`` without making the host wait for the stream. A copy from
+    pageable memory is staged by the driver and can wait for the work already queued
+    (the step in flight, or a forward launched before deferred masks), which would undo
+    async scheduling; from pinned memory it is a queued DMA (torch's caching host
+    allocator keeps the pinned block until the copy has run)."""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 @dataclass
 class StepInputs:
     req_ids: list[str]
@@ -245,8 +257,8 @@ class StepPreparer:
             rows = [last_row[index[r]] for r, ids in so.bad_word_bans.items() for _ in ids]
             ids = [t for banned in so.bad_word_bans.values() for t in banned]
             extra = (
-                self._upload(np.asarray(rows, dtype=np.int64)),
-                self._upload(np.asarray(ids, dtype=np.int64)),
+                upload(np.asarray(rows, dtype=np.int64), self.device),
+                upload(np.asarray(ids, dtype=np.int64), self.device),
             )
             if md.banned is not None:
                 extra = (torch.cat([md.banned[0], extra[0]]), torch.cat([md.banned[1], extra[1]]))
@@ -254,17 +266,8 @@ class StepPreparer:
         if so.grammar_bitmask is None:
             return md
         lrows = np.array([last_row[index[r]] for r in so.structured_req_ids], dtype=np.int64)
-        md.grammar = (self._upload(lrows), self._upload(so.grammar_bitmask))
+        md.grammar = (upload(lrows, self.device), upload(so.grammar_bitmask, self.device))
         return md
-
-    def _upload(self, a: np.ndarray) -> torch.Tensor:
-        """``a`` on the device without a host sync: a copy from pageable memory would wait
-        for the stream (the forward enqueued before deferred masks), so it goes through
-        pinned memory (torch's caching host allocator keeps the block until the copy ran)."""
-        t = torch.from_numpy(a)
-        if self.device.type == "cuda":
-            t = t.pin_memory()
-        return t.to(self.device, non_blocking=True)
 
     def _upload_block_tables(self, nreq: int, nblk: int) -> torch.Tensor:
         bt = self.buf.block_tables
@@ -407,7 +410,7 @@ class StepPreparer:
         dev = self.device
 
         def tensor(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a)).to(dev, non_blocking=True)
+            return upload(a, dev)
 
         all_greedy = bool(greedy.all())
         temperature = top_k = top_p = min_p = greedy_rows = None
@@ -448,8 +451,8 @@ class StepPreparer:
         banned = None
         if ban_rows:
             banned = (
-                torch.tensor(ban_rows, dtype=torch.int64, device=dev),
-                torch.tensor(ban_ids, dtype=torch.int64, device=dev),
+                upload(np.asarray(ban_rows, dtype=np.int64), dev),
+                upload(np.asarray(ban_ids, dtype=np.int64), dev),
             )
         need_lp = any(p is not None and p.logprobs is not None for p in params)
         num_top = max((p.logprobs or 0 for p in params if p is not None), default=0)
@@ -498,7 +501,7 @@ class StepPreparer:
         ).astype(np.int64)
 
         def up(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a)).to(dev, non_blocking=True)
+            return upload(a, dev)
 
         shape = (len(sel), self.vocab_size)
         counts = torch.zeros(shape, dtype=torch.float32, device=dev)
@@ -539,11 +542,7 @@ class StepPreparer:
         ids = np.concatenate([bv[0] for _, bv in parts])
         vals = np.concatenate([bv[1] for _, bv in parts])
         dev = self.device
-        return (
-            torch.from_numpy(rows).to(dev, non_blocking=True),
-            torch.from_numpy(ids).to(dev, non_blocking=True),
-            torch.from_numpy(vals).to(dev, non_blocking=True),
-        )
+        return upload(rows, dev), upload(ids, dev), upload(vals, dev)
 
     def _allowed(self, rrows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(restricted rows mask, logits rows, allowed ids) of ``allowed_token_ids``."""
@@ -556,8 +555,4 @@ class StepPreparer:
         rows = np.concatenate([np.full(len(a), i, dtype=np.int64) for i, a in parts])
         ids = np.concatenate([a for _, a in parts])
         dev = self.device
-        return (
-            torch.from_numpy(restricted).to(dev, non_blocking=True),
-            torch.from_numpy(rows).to(dev, non_blocking=True),
-            torch.from_numpy(ids).to(dev, non_blocking=True),
-        )
+        return upload(restricted, dev), upload(rows, dev), upload(ids, dev)
