@@ -3,8 +3,11 @@
     python3 benchmarks/structured_bench.py --ckpt /tmp/llama-8b --out $OUT/structured.json
 
 One engine (``llama-8b-shape``, bf16, async scheduling on, CUDA graphs as configured) runs
-the same batch four times: no constraint, a JSON schema on every request, penalties on
-every request (presence 0.5, frequency 0.5, repetition 1.1), and both. Each run adds
+the same batch five times: no constraint, a JSON schema on every request, penalties on
+every request (presence 0.5, frequency 0.5, repetition 1.1), both, and the JSON schema
+again with its masks filled before the step is launched (``:land_first``, the order
+without deferred masks; the others defer them, see
+:mod:`pdserve.engine.structured_output`). Each run adds
 ``--batch`` requests of ``--prompt-len`` random tokens, prefills them, runs a few
 warm-up steps, then times ``--steps`` engine steps and counts the tokens they produced:
 decode tok/s = tokens / seconds, and the step time. The schema is an array of exactly
@@ -53,7 +56,7 @@ SCHEMA = {
     },
 }
 PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)
-VARIANTS = ("free", "json_schema", "penalties", "json_schema+penalties")
+VARIANTS = ("free", "json_schema", "penalties", "json_schema+penalties", "json_schema:land_first")
 
 
 def _params(variant: str, seed: int, max_tokens: int) -> SamplingParams:
@@ -74,6 +77,9 @@ def run_variant(
     llm: LLM, variant: str, batch: int, prompt_len: int, steps: int, device: str
 ) -> dict[str, Any]:
     eng = llm.engine
+    # ":land_first": masks filled only after the step in flight landed, before the next
+    # step is launched (no overlap with the forward: the order before deferred masks)
+    eng.scheduler.defer_masks = not variant.endswith(":land_first")
     g = torch.Generator().manual_seed(len(variant))
     vocab = min(eng.vocab_size, 30000)
     max_tokens = steps + 16
