@@ -53,9 +53,13 @@ References, per shape and M:
            torch._scaled_mm on 8192^3 with per-tensor scales, both measured in this run
   bf16     torch.matmul of bf16 x and bf16 weights (cuBLAS; the fp8 weights dequantized,
            so the same values), timed the same way
+  smm      M >= 256 only: torch._scaled_mm with 1x128 / 128x128 block scales
+           (scaled_mm_block_fp8, activation quantization included), which
+           pdserve.layers.fp8 uses from 256 tokens on outside CUDA graphs where this
+           PyTorch supports it; "-" where it is not supported (the error is in the JSON)
 
 Table, one line per shape and M (all times in ms per call):
-  roof, bf16           the references above
+  roof, bf16, smm      the references above
   default (xR)         today's heuristic config and its ratio to the roofline (the
                        decode target is xR <= 1.3)
   best (xR) bf16/best  the fastest good point of any variant, its roofline ratio, and
@@ -112,6 +116,7 @@ SMALL_M = 64  # up to here: split-K decode shapes
 LARGE_M = 1024  # from here: prefill shapes, no split, grouped order
 TOL = 2e-2  # max |out - ref| / max |ref| for a point to count
 TOP = 3  # tile configs per shape and M that phase 2 refines
+SCALED_MM_MIN = 256  # pdserve.layers.fp8.SCALED_MM_MIN_TOKENS
 PROXY_N, PROXY_K = 256, 2048  # the compile workers' problem: same specializations
 
 
@@ -493,6 +498,14 @@ class Bench:
             ref["bf16_ms"] = self.time_ms(lambda i: x @ w16[i].t(), len(w16))
         except Exception as e:
             ref["bf16_error"] = _err(e)
+        if self.cuda and m >= SCALED_MM_MIN:  # what pdserve.layers.fp8 uses there, if it can
+            smm, wl = _kernels().scaled_mm_block_fp8, self.weights[name]
+            try:
+                ref["scaled_mm_ms"] = self.time_ms(
+                    lambda i: smm(x, wl[i][0], wl[i][1], torch.bfloat16), len(wl)
+                )
+            except Exception as e:
+                ref["scaled_mm_error"] = _err(e)
         nbytes = n * k + (-(-n // 128)) * (-(-k // 128)) * 4 + 2 * m * k + 2 * m * n
         ref["bytes"] = nbytes
         ref["memory_roofline_ms"] = nbytes / self.limits["copy_bandwidth_Bps"] * 1e3
@@ -553,6 +566,7 @@ def summarize(points: list[Point], references: dict[tuple[str, int], dict[str, A
             "m": ref["m"],
             "roofline_ms": ref["roofline_ms"],
             "bf16_ms": ref.get("bf16_ms"),
+            "scaled_mm_ms": ref.get("scaled_mm_ms"),
             "default_ms": default.ms if default else None,
             "default_config": asdict(default.resolved) if default else None,
             "points": len(group),
@@ -577,27 +591,30 @@ def print_table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
         + (f" | fp8 matmul {peak / 1e12:.0f} TFLOP/s" if peak else "")
     )
 
-    def f(v: float | None, fmt: str = ".4f") -> str:
-        return "-" if v is None else format(v, fmt)
+    def f(v: float | None) -> str:
+        return "-" if v is None else f"{v:.4f}"
+
+    def x(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f}" if v < 100 else f"{v:.0f}"
 
     print(
-        f"{'shape':<8}{'M':>6}{'roof':>9}{'bf16':>9}{'default':>9}{'(xR)':>7}"
+        f"{'shape':<8}{'M':>6}{'roof':>9}{'bf16':>9}{'smm':>9}{'default':>9}{'(xR)':>7}"
         f"{'best':>9}{'(xR)':>7}{'bf16/best':>10}  config"
     )
     for r in rows:
         roof = r["roofline_ms"]
-        d, b, bf = r["default_ms"], r["best_ms"], r["bf16_ms"]
+        d, b, bf, smm = r["default_ms"], r["best_ms"], r["bf16_ms"], r["scaled_mm_ms"]
         print(
-            f"{r['shape']:<8}{r['m']:>6}{f(roof):>9}{f(bf):>9}{f(d):>9}"
-            f"{f(d / roof if d else None, '.2f'):>7}{f(b):>9}{f(b / roof if b else None, '.2f'):>7}"
-            f"{f(bf / b if bf and b else None, '.2f'):>10}  {r['best_label'] or '-'}"
+            f"{r['shape']:<8}{r['m']:>6}{f(roof):>9}{f(bf):>9}{f(smm):>9}{f(d):>9}"
+            f"{x(d / roof if d else None):>7}{f(b):>9}{x(b / roof if b else None):>7}"
+            f"{x(bf / b if bf and b else None):>10}  {r['best_label'] or '-'}"
             + (f"  [{r['failed']} failed]" if r["failed"] else "")
             + (f"  [{r['bad']} BAD]" if r["bad"] else "")
             + (f"  [{r['skipped']} skipped]" if r["skipped"] else "")
         )
         if r["det_label"] and r["det_label"] != r["best_label"]:
             dm = r["det_ms"]
-            print(f"{'':<14}det {f(dm)} (x{f(dm / roof, '.2f')})  {r['det_label']}")
+            print(f"{'':<14}det {f(dm)} (x{x(dm / roof)})  {r['det_label']}")
 
 
 # ----------------------------------------------------------------------------- main
