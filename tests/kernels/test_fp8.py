@@ -13,7 +13,12 @@ import pytest
 import torch
 from _paged import make_paged, tol
 
-from pdserve.kernels.fp8_gemm import block_fp8_gemm, choose_splits
+from pdserve.kernels.fp8_gemm import (
+    Fp8GemmConfig,
+    block_fp8_gemm,
+    choose_splits,
+    resolve_fp8_gemm_config,
+)
 from pdserve.kernels.kv_cache_write import write_kv_cache, write_kv_cache_reference
 from pdserve.kernels.reference import (
     FP8_DTYPE,
@@ -74,6 +79,66 @@ def test_block_fp8_gemm_refuses_bad_scales(device: torch.device) -> None:
     with pytest.raises(ValueError, match="weight_scale_inv has shape"):
         block_fp8_gemm(torch.randn(2, 128, device=device), wq.to(device), ws.to(device), 1)
     assert choose_splits(1, 4, 32, 132) == 16 and choose_splits(64, 64, 32, 132) == 1
+
+
+# tile configurations and variants: 3 M-tiles x 3 N-tiles (partial last ones), 3 K blocks
+CONFIGS = {
+    "tiles": Fp8GemmConfig(block_m=16, block_n=32, num_warps=8, num_stages=2, num_splits=2),
+    "grouped": Fp8GemmConfig(block_m=16, block_n=32, num_splits=1, group_m=2),
+    "atomic": Fp8GemmConfig(block_m=32, block_n=64, num_splits=3, atomic_splits=True),
+    "weight_only": Fp8GemmConfig(block_n=32, num_splits=2, weight_only=True),
+    "weight_only_atomic": Fp8GemmConfig(
+        block_n=64, num_splits=3, group_m=4, weight_only=True, atomic_splits=True
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "name,dtype",
+    [(name, torch.float32) for name in CONFIGS] + [("weight_only_atomic", torch.bfloat16)],
+    ids=[*CONFIGS, "weight_only_atomic-bf16"],
+)
+def test_block_fp8_gemm_configs_match_reference(
+    device: torch.device, name: str, dtype: torch.dtype
+) -> None:
+    """Every variant against its reference: the activation-quantized matmul, or for
+    ``weight_only`` the float32 matmul of ``x`` with the dequantized weights (atomic
+    split sums differ from run to run in the last float32 bits only)."""
+    cfg = CONFIGS[name]
+    m, n, k = 40, 80, 384
+    g = torch.Generator().manual_seed(7)
+    wq, ws = quantize_fp8_blocks(torch.randn(n, k, generator=g) * 0.05, (128, 128))
+    x = torch.randn(m, k, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g)
+    wq, ws, x, bias = wq.to(device), ws.to(device), x.to(device), bias.to(device)
+    out = block_fp8_gemm(x, wq, ws, bias=bias, config=cfg)
+    assert out.shape == (m, n) and out.dtype == dtype
+    if cfg.weight_only:
+        ref = x.float() @ dequantize_fp8_blocks(wq, ws, (128, 128)).t() + bias
+        tol = 1e-2 if dtype == torch.bfloat16 else 1e-5  # bf16 output rounding
+    else:
+        ref = block_fp8_matmul_reference(x, wq, ws, bias).float()
+        tol = 1e-2
+    assert _rel(out, ref) < tol
+
+
+def test_fp8_gemm_config_defaults_are_the_heuristic(device: torch.device) -> None:
+    """``None`` fields resolve to the heuristic (llama-8b down_proj on 132 SMs), and an
+    empty config launches exactly what no config does."""
+    down = resolve_fp8_gemm_config(1, 4096, 14336, 132)
+    assert down == Fp8GemmConfig(16, 64, 4, 3, 5, 1, False, False)
+    assert resolve_fp8_gemm_config(8192, 4096, 14336, 132) == Fp8GemmConfig(64, 128, 4, 3, 1, 1)
+    assert resolve_fp8_gemm_config(20, 256, 256, 4, Fp8GemmConfig(num_splits=5)).num_splits == 2
+    assert resolve_fp8_gemm_config(64, 4096, 14336, 132, Fp8GemmConfig(block_n=256)) == (
+        Fp8GemmConfig(64, 256, 4, 3, 16, 1)  # 16 tiles: 17 splits wanted, 16 at most
+    )
+    with pytest.raises(ValueError, match="power of two"):
+        Fp8GemmConfig(block_n=48)
+    g = torch.Generator().manual_seed(3)
+    wq, ws = quantize_fp8_blocks(torch.randn(96, 256, generator=g), (128, 128))
+    x = torch.randn(3, 256, generator=g).to(device)
+    wq, ws = wq.to(device), ws.to(device)
+    assert torch.equal(block_fp8_gemm(x, wq, ws, config=Fp8GemmConfig()), block_fp8_gemm(x, wq, ws))
 
 
 def test_fp8_kv_cache_write_matches_reference(device: torch.device) -> None:

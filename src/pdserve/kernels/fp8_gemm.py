@@ -15,12 +15,34 @@ then split over several programs (split-K) whose float32 partials one ``sum`` ad
 The grid depends only on shapes (no host sync), so the launch can be captured in a CUDA
 graph.
 
+Tile configuration: :class:`Fp8GemmConfig` (``block_fp8_gemm(..., config=...)``) sets the
+tile sizes, warps, pipeline stages and K splits; every field left ``None`` takes the
+default heuristic (:func:`resolve_fp8_gemm_config`), so ``config=None`` launches exactly
+what the heuristic chose before configs existed. Its other fields select variants of the
+same kernel (constexpr flags, off by default):
+
+- ``group_m`` > 1: programs walk the output tiles in groups of ``group_m`` M-tiles
+  (the usual L2 swizzle) instead of M-tile-fastest order; same values, another order.
+- ``weight_only``: no activation quantization; the kernel feeds ``x`` (bf16/fp16) and
+  the fp8 weight tile upcast to ``x``'s dtype to the MMA and scales the partial product
+  by the weight block's scale: ``x @ (w_fp8 * scale)^T`` with float32 accumulation. Its
+  reference is the float32 matmul of ``x`` with the dequantized weights, not
+  :func:`~pdserve.kernels.reference.block_fp8_matmul_reference`.
+- ``atomic_splits``: with more than one K split, each program adds its float32 partial
+  into one zeroed float32 output with atomics, instead of storing it for a separate
+  ``sum``. The order of those additions varies from run to run, so results are not
+  bitwise deterministic (they differ in the last bits of float32).
+
+``BLOCK_K`` is always 128, one weight scale per K step.
+
 ``torch._scaled_mm`` with 1x128 / 128x128 block scales (PyTorch's blockwise FP8 recipe,
 Hopper only) is an alternative for large M; :func:`scaled_mm_block_fp8` wraps it and
 :mod:`pdserve.layers.fp8` checks it once against the reference before using it.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -29,6 +51,8 @@ import triton.language as tl
 from pdserve.kernels._utils import (
     check_device,
     dot_fp8,
+    dot_precision,
+    dot_upcast,
     fp8_mma,
     interpret_mode,
     num_sms,
@@ -61,9 +85,23 @@ def _block_fp8_gemm_kernel(
     FP8_DOT: tl.constexpr,
     QMAX: tl.constexpr,
     ROUND_FIRST: tl.constexpr,
+    GROUP_M: tl.constexpr = 1,
+    WEIGHT_ONLY: tl.constexpr = False,
+    ATOMIC: tl.constexpr = False,
+    UPCAST: tl.constexpr = False,
+    DOT_PREC: tl.constexpr = "tf32",
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    if GROUP_M == 1:
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+    else:  # grouped order: GROUP_M M-tiles sweep the N-tiles together (L2 reuse)
+        num_m = tl.num_programs(0)
+        width = GROUP_M * tl.num_programs(1)
+        pid = tl.program_id(1) * num_m + tl.program_id(0)  # launch order
+        first_m = (pid // width) * GROUP_M
+        size_m = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % width) % size_m
+        pid_n = (pid % width) // size_m
     split = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -77,22 +115,46 @@ def _block_fp8_gemm_kernel(
     for kb in range(kb0, tl.minimum(kb0 + k_blocks_per_split, num_kb)):
         ks = kb * BLOCK_K + offs_k
         k_ok = ks < K
-        a = tl.load(
-            x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + ks[None, :],
-            mask=m_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        a_q, a_scale = quantize_rows_e4m3(a, QMAX, ROUND_FIRST)  # a_scale: [BLOCK_M]
-        b = tl.load(
-            w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + ks[:, None],
-            mask=n_ok[None, :] & k_ok[:, None],
-            other=0.0,
-        )  # [BLOCK_K, BLOCK_N] fp8
-        part = dot_fp8(a_q, b, FP8_DOT)
-        b_scale = tl.load(ws_ptr + w_scale_rows + kb, mask=n_ok, other=0.0)  # [BLOCK_N]
-        acc += part * a_scale[:, None] * b_scale[None, :]
-    out = out_ptr + split * stride_os + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        if WEIGHT_ONLY:  # x as it is, the fp8 weights upcast; only the weight scale
+            a = tl.load(
+                x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + ks[None, :],
+                mask=m_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            b = tl.load(
+                w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + ks[:, None],
+                mask=n_ok[None, :] & k_ok[:, None],
+                other=0.0,
+            )  # [BLOCK_K, BLOCK_N] fp8
+            if UPCAST:  # the interpreter multiplies bf16 bits: go through float32
+                part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+            else:
+                part = tl.dot(a, b.to(a.dtype), input_precision=DOT_PREC)
+            b_scale = tl.load(ws_ptr + w_scale_rows + kb, mask=n_ok, other=0.0)
+            acc += part * b_scale[None, :]
+        else:
+            a = tl.load(
+                x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + ks[None, :],
+                mask=m_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            a_q, a_scale = quantize_rows_e4m3(a, QMAX, ROUND_FIRST)  # a_scale: [BLOCK_M]
+            b = tl.load(
+                w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + ks[:, None],
+                mask=n_ok[None, :] & k_ok[:, None],
+                other=0.0,
+            )  # [BLOCK_K, BLOCK_N] fp8
+            part = dot_fp8(a_q, b, FP8_DOT)
+            b_scale = tl.load(ws_ptr + w_scale_rows + kb, mask=n_ok, other=0.0)  # [BLOCK_N]
+            acc += part * a_scale[:, None] * b_scale[None, :]
+    if ATOMIC:  # every split adds into the same float32 [M, N]
+        out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        tl.atomic_add(out, acc, mask=m_ok[:, None] & n_ok[None, :], sem="relaxed")
+    else:
+        out = (
+            out_ptr + split * stride_os + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        )
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def choose_splits(m_tiles: int, n_tiles: int, k_blocks: int, sms: int) -> int:
@@ -103,6 +165,60 @@ def choose_splits(m_tiles: int, n_tiles: int, k_blocks: int, sms: int) -> int:
     return max(1, min(k_blocks, -(-2 * sms // tiles), 16))
 
 
+@dataclass(frozen=True)
+class Fp8GemmConfig:
+    """Launch configuration of :func:`block_fp8_gemm`; ``None`` fields take the default
+    heuristic (:func:`resolve_fp8_gemm_config`). ``block_m`` and ``block_n`` are powers of
+    two >= 16 (``tl.dot``'s smallest tile); ``num_splits`` is the number of K splits asked
+    for (the launch may use fewer so that none is empty); ``group_m``, ``weight_only`` and
+    ``atomic_splits`` select the kernel variants the module docstring describes."""
+
+    block_m: int | None = None
+    block_n: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    num_splits: int | None = None
+    group_m: int | None = None
+    weight_only: bool = False
+    atomic_splits: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "num_warps"):
+            v = getattr(self, name)
+            if v is not None and (v < (16 if name != "num_warps" else 1) or v & (v - 1)):
+                raise ValueError(f"Fp8GemmConfig.{name} must be a power of two, got {v}")
+        for name in ("num_stages", "num_splits", "group_m"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"Fp8GemmConfig.{name} must be >= 1, got {v}")
+
+
+def resolve_fp8_gemm_config(
+    m: int, n: int, k: int, sms: int, config: Fp8GemmConfig | None = None
+) -> Fp8GemmConfig:
+    """``config`` with every ``None`` field filled in for an [m, k] x [n, k]^T GEMM on a
+    GPU of ``sms`` multiprocessors: block_m 16/32/64 by ``m``, block_n 64 up to 64 rows
+    else 128, 4 warps, 3 stages, K splits from :func:`choose_splits`, no grouping. The
+    returned ``num_splits`` is the one the launch uses (no split left empty)."""
+    cfg = config or Fp8GemmConfig()
+    block_m = cfg.block_m or (16 if m <= 16 else 32 if m <= 32 else 64)
+    block_n = cfg.block_n or (64 if m <= 64 else 128)
+    k_blocks = triton.cdiv(k, GROUP_K)
+    splits = cfg.num_splits or choose_splits(
+        triton.cdiv(m, block_m), triton.cdiv(n, block_n), k_blocks, sms
+    )
+    per_split = triton.cdiv(k_blocks, min(splits, k_blocks))
+    return replace(
+        cfg,
+        block_m=block_m,
+        block_n=block_n,
+        num_warps=cfg.num_warps or 4,
+        num_stages=cfg.num_stages or 3,
+        num_splits=triton.cdiv(k_blocks, per_split),
+        group_m=cfg.group_m or 1,
+    )
+
+
 def block_fp8_gemm(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -111,10 +227,13 @@ def block_fp8_gemm(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     num_splits: int | None = None,
+    config: Fp8GemmConfig | None = None,
 ) -> torch.Tensor:
     """``x`` [..., K] (bf16/fp16/fp32) times ``w`` [N, K] fp8 transposed, with
     ``w_scale_inv`` [ceil(N/scale_n), ceil(K/128)]; returns [..., N] in ``out_dtype``
-    (default ``x``'s dtype). ``num_splits`` overrides the split-K heuristic (tests)."""
+    (default ``x``'s dtype). ``num_splits`` overrides the split-K heuristic (and
+    ``config.num_splits``); ``config`` sets the launch (:class:`Fp8GemmConfig`; ``None``:
+    the heuristic)."""
     check_device(x, "block_fp8_gemm")
     lead, k = x.shape[:-1], x.shape[-1]
     n = w.shape[0]
@@ -133,13 +252,17 @@ def block_fp8_gemm(
     dtype = out_dtype or x.dtype
     if m == 0:
         return x.new_empty(*lead, n, dtype=dtype)
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n = 64 if m <= 64 else 128
-    m_tiles, n_tiles = triton.cdiv(m, block_m), triton.cdiv(n, block_n)
-    splits = num_splits or choose_splits(m_tiles, n_tiles, k_blocks, num_sms(x.device))
+    if num_splits:
+        config = replace(config or Fp8GemmConfig(), num_splits=num_splits)
+    cfg = resolve_fp8_gemm_config(m, n, k, num_sms(x.device), config)
+    assert cfg.block_m and cfg.block_n and cfg.num_splits  # resolved
+    m_tiles, n_tiles = triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n)
+    splits = cfg.num_splits
     per_split = triton.cdiv(k_blocks, splits)
-    splits = triton.cdiv(k_blocks, per_split)
-    if splits == 1:
+    atomic = cfg.atomic_splits and splits > 1
+    if atomic:
+        out = torch.zeros(1, m, n, dtype=torch.float32, device=x.device)
+    elif splits == 1:
         out = torch.empty(1, m, n, dtype=dtype, device=x.device)
     else:
         out = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
@@ -159,16 +282,21 @@ def block_fp8_gemm(
         out.stride(1),
         per_split,
         SCALE_N=scale_n,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
         BLOCK_K=GROUP_K,
         FP8_DOT=fp8_mma(x.device),
         QMAX=FP8_MAX,
         ROUND_FIRST=interpret_mode(),
-        num_warps=4,
-        num_stages=1 if interpret_mode() else 3,
+        GROUP_M=cfg.group_m,
+        WEIGHT_ONLY=cfg.weight_only,
+        ATOMIC=atomic,
+        UPCAST=cfg.weight_only and dot_upcast(x2.dtype),
+        DOT_PREC=dot_precision(x2.dtype),
+        num_warps=cfg.num_warps,
+        num_stages=1 if interpret_mode() else cfg.num_stages,
     )
-    y = out[0] if splits == 1 else out.sum(0)
+    y = out[0] if splits == 1 or atomic else out.sum(0)
     if bias is not None:
         y = y + bias
     return y.to(dtype).view(*lead, n)
