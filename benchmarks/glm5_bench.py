@@ -1,20 +1,40 @@
 """The GLM-5 family on the GPU (issue 13): correctness at real shapes, and reference-path
-speed next to transformers and the roofline.
+speed next to transformers and the roofline; ``--profile``: where a decode step's time goes.
 
     python3 benchmarks/glm5_bench.py --out $OUT/glm5.json [--sections accuracy,speed]
-                                     [--presets glm5-s4-e16,glm5-m12-e64]
+                                     [--presets glm5-s4-e16,glm5-m12-e64] [--long]
+    python3 benchmarks/glm5_bench.py --out $OUT/glm5_profile.json --presets glm5-m12-e64 \
+                                     --long --profile 1x1024,32x1024
+    python3 benchmarks/glm5_bench.py --out /tmp/glm5_cpu.json --device cpu --profile   (smoke)
 
 accuracy  glm5-s4-e16 (written on the GPU): pdserve bf16 against transformers fp32 on one
           2560-token prompt (longer than index_topk 2048, so DSA decides), with
           transformers' own bf16 error as the yardstick: mean KL(fp32 || x) over positions,
           argmax agreement, and the indexer's top-2048 overlap per layer (rows >= 2048)
 speed     per preset: decode step at batch 1 and 32 with 1K and 16K contexts (graphs on;
-          ``--long``: also batch 8 with 128K), and one 16K prompt's prefill; the roofline of a decode step is
-          (non-expert weights + active experts + LM head + latents of the selected keys
-          + indexer keys of the whole context) / the copy bandwidth measured now;
-          transformers' GlmMoeDsaForCausalLM (bf16, eager) on the same preset where it fits
-          glm5-m12-e64 is drawn on the device (--load-format dummy; 53 GB does not fit
-          the disk); transformers' copy gets its own random init
+          ``--long``: also batch 8 with 128K), and one 16K prompt's prefill. A case adds
+          its requests, steps until all of them decode, and times 12 steps in which every
+          one of them runs (``live`` in the table: the fewest that ran in a timed step;
+          requests may generate up to max_model_len, so none finishes early). The roofline
+          is the bytes the step must read (:mod:`pdserve.bench.decode_roofline`: weights
+          but the embedding and MTP layers, the routed experts the batch's tokens reach,
+          min(context, index_topk) latents per layer, indexer keys in the layers that run
+          their indexer and only for contexts above index_topk) over the copy bandwidth
+          measured now. The experts reached are counted in one eager step of the batch
+          after the timed ones ("roof ms"); "uniform-routing roof ms" assumes independent
+          uniform routing instead. transformers' GlmMoeDsaForCausalLM (bf16, eager) on the
+          same preset where it fits. glm5-m12-e64 is drawn on the device (--load-format
+          dummy; 53 GB does not fit the disk); transformers' copy gets its own random init
+profile   per point BxCTX, the same steady batch, then one profiled step each
+          (:mod:`pdserve.bench.step_profile`): the CUDA-graph replay, the captured forward
+          run eagerly (same kernels; module ranges name their categories, which the
+          replay's kernels inherit in order), and a plain eager step (graphs off: the
+          step's own metadata). Device time by category (MoE experts, router, MLA
+          attention, indexer score, top-k select, dense GEMMs, norms/RoPE, other) and
+          the idle gap, as shares of the step's device span.
+``--device cpu`` runs speed and profile on the tiny GLM-5 preset (index_topk 16; contexts
+8 and 40; one thread) with the torch reference paths: a smoke run of the code, not a
+measurement (operators' CPU self time stands in for kernels).
 
 Every number goes to the JSON file; a table is printed last.
 """
@@ -27,6 +47,8 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -37,17 +59,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_suite import measure_limits  # noqa: E402
 
 from pdserve import LLM, SamplingParams  # noqa: E402
+from pdserve.bench.decode_roofline import DecodeByteModel  # noqa: E402
+from pdserve.bench.step_profile import align_categories, format_tables, profile_step  # noqa: E402
 from pdserve.layers.attention import CommonAttentionMetadata  # noqa: E402
 from pdserve.layers.attention.dsa import Indexer  # noqa: E402
 from pdserve.testing.checkpoint import make_checkpoint  # noqa: E402
 
 ARCH = "GlmMoeDsaForCausalLM"
-TOPK = 2048
+TOPK = 2048  # the accuracy section's index_topk (glm5-s4-e16)
 
 
 def _free() -> None:
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _prompt(n: int, seed: int, vocab: int = 150000) -> list[int]:
@@ -152,63 +177,222 @@ def bench_accuracy(workdir: Path) -> dict:
 
 
 # ---------------------------------------------------------------------------- speed
-def _roofline_bytes(cfg: dict, batch: int, ctx: int, expert_bytes: int, other_bytes: int) -> int:
-    """Bytes a decode step must read: every non-expert weight once, the experts the
-    batch's routing activates (expected count for random routing), the latents of the
-    selected keys per query and the indexer keys of each request's whole context."""
-    e, k = cfg["n_routed_experts"], cfg["num_experts_per_tok"]
-    moe_layers = cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
-    per_expert = expert_bytes / (moe_layers * e)
-    active = e * (1 - (1 - k / e) ** batch)
-    latent = (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 2
-    index_key = cfg["index_head_dim"] * 2
-    layers = cfg["num_hidden_layers"]
-    kv = batch * layers * (min(ctx, TOPK) * latent + ctx * index_key)
-    return int(other_bytes + moe_layers * active * per_expert + kv)
+LONG_CTX = 131072
+CPU_PRESET = "tiny"  # --device cpu: the CPU-sized GLM-5 (index_topk 16, 8 experts)
+CPU_CASES = [(1, 8), (3, 40)]  # one context within index_topk over the steps, one above it
+CPU_LIMITS = dict(max_model_len=512, max_num_seqs=4, max_num_batched_tokens=64)
 
 
-def _split_weights(llm: LLM) -> tuple[int, int]:
-    expert = other = 0
-    for name, p in llm.engine.runner.model.named_parameters():
-        nbytes = p.numel() * p.element_size()
-        if ".experts." in name:
-            expert += nbytes
-        elif "embed_tokens" not in name:
-            other += nbytes
-    return expert, other
+def _sync(llm: LLM) -> None:
+    if llm.engine.runner.device.type == "cuda":
+        torch.cuda.synchronize()
 
 
-def _decode(llm: LLM, batch: int, ctx: int, steps: int = 12) -> dict:
-    eng = llm.engine
-    sp = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
-    for i in range(batch):
-        eng.add_request(llm.processor.make_request(f"d{batch}-{ctx}-{i}", _prompt(ctx, 10 + i), sp))
+def _engine(preset: str, workdir: Path, long: bool, device: str) -> tuple[LLM, bool, float]:
+    """The preset's engine (graphs on where the device has them), whether its weights
+    were drawn at load (``dummy``), and its start-up seconds."""
+    cpu = device == "cpu"
+    path = workdir / preset
+    dummy = preset not in ("glm5-s4-e16", CPU_PRESET)
+    if not (path / "config.json").is_file():
+        make_checkpoint(
+            ARCH,
+            preset,
+            path,
+            dtype="float32" if cpu else "bfloat16",
+            device="cpu" if cpu else "cuda",
+            config_only=dummy,
+        )
     t0 = time.perf_counter()
-    while eng.scheduler.waiting or any(
-        not r.output_token_ids for r in eng.scheduler.requests.values()
-    ):
+    if cpu:
+        llm = LLM(str(path), dtype="float32", device="cpu", **CPU_LIMITS)  # type: ignore[arg-type]
+        return llm, dummy, time.perf_counter() - t0
+    llm = LLM(
+        str(path),
+        dtype="bfloat16",
+        load_format="dummy" if dummy else "auto",
+        max_model_len=(LONG_CTX if long else 16384) + 256,
+        max_num_seqs=32,
+        max_num_batched_tokens=8192,
+        gpu_memory_utilization=0.9,
+        compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]},
+    )
+    return llm, dummy, time.perf_counter() - t0
+
+
+def _byte_model(llm: LLM) -> DecodeByteModel:
+    r = llm.engine.runner
+    return DecodeByteModel.from_model(r.model, r.kv_cache_config)
+
+
+def _seed(batch: int, ctx: int, i: int) -> int:
+    """Distinct prompts for every case: no prefix-cache hit between cases."""
+    return 1_000_003 * batch + 7919 * ctx + i
+
+
+def _fill_batch(llm: LLM, batch: int, ctx: int) -> tuple[list[str], float]:
+    """Add ``batch`` requests of ``ctx`` prompt tokens and step until every one of them
+    decodes (chunked prefills interleave with the decodes of those already done), then
+    two more steps. Each may generate up to ``max_model_len``, so none finishes before
+    the caller aborts it: with ``max_tokens`` fixed small, the first requests of a long
+    batch (32 x 16K: 64 steps of prefill) ran out while the last were still prefilling,
+    and the timed steps decoded only a few of them. Returns (request ids, seconds)."""
+    eng = llm.engine
+    room = eng.max_model_len - ctx
+    sp = SamplingParams(temperature=0.0, max_tokens=room, ignore_eos=True)
+    ids = [f"d{batch}x{ctx}-{i}" for i in range(batch)]
+    vocab = min(150000, eng.vocab_size)
+    for i, rid in enumerate(ids):
+        prompt = _prompt(ctx, _seed(batch, ctx, i), vocab)
+        eng.add_request(llm.processor.make_request(rid, prompt, sp))
+    reqs = eng.scheduler.requests
+    t0 = time.perf_counter()
+    while eng.scheduler.waiting or any(not reqs[r].output_token_ids for r in ids if r in reqs):
         eng.step()
     prefill_s = time.perf_counter() - t0
     for _ in range(2):
         eng.step()
-    torch.cuda.synchronize()
-    times = []
-    paths = dict(eng.stats().step_paths)
+    _sync(llm)
+    return ids, prefill_s
+
+
+def _live(llm: LLM, ids: list[str]) -> int:
+    running = {r.request_id for r in llm.engine.scheduler.running}
+    return sum(rid in running for rid in ids)
+
+
+def _contexts(llm: LLM, ids: list[str]) -> list[int]:
+    reqs = llm.engine.scheduler.requests
+    return [reqs[r].num_tokens if r in reqs else 0 for r in ids]
+
+
+def _timed_steps(llm: LLM, ids: list[str], steps: int) -> dict:
+    """Time ``steps`` engine steps of the batch; each request's context over them (the
+    mean of before and after), how many of the batch each step ran, the graph replays
+    and the preemptions among them."""
+    eng = llm.engine
+    before = eng.stats()
+    ctx0 = _contexts(llm, ids)
+    times, live = [], []
     for _ in range(steps):
+        live.append(_live(llm, ids))
         t = time.perf_counter()
         eng.step()
         times.append(time.perf_counter() - t)
-    after = eng.stats().step_paths
-    eng.abort_requests(list(eng.scheduler.requests))
+    _sync(llm)
+    after = eng.stats()
+    ctx1 = _contexts(llm, ids)
+    return {
+        "step_ms": statistics.median(times) * 1e3,
+        "live_min": min(live),
+        "live_max": max(live),
+        "graph_steps": after.step_paths.get("graph", 0) - before.step_paths.get("graph", 0),
+        "preemptions": after.num_preemptions - before.num_preemptions,
+        "seq_lens": [(a + b) / 2 for a, b in zip(ctx0, ctx1, strict=True)],
+    }
+
+
+@contextmanager
+def _graphs_off(llm: LLM) -> Iterator[None]:
+    """Steps run eagerly (the path ``enforce_eager`` gives: ``eager:graphs_off``), with
+    the step's own metadata (``max_seq_len`` the batch's longest context)."""
+    runner = llm.engine.runner
+    graphs, runner.graphs = runner.graphs, None
+    try:
+        yield
+    finally:
+        runner.graphs = graphs
+
+
+@contextmanager
+def _graph_forward_eager(llm: LLM) -> Iterator[None]:
+    """Steps that would replay a graph run the captured forward eagerly instead: the
+    graph's padded batch and metadata (``max_seq_len`` = ``max_model_len``), so the same
+    kernels as the replay, launched one by one where module ranges can see them."""
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None
+    graphs.replay = graphs._forward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del graphs.replay
+
+
+@contextmanager
+def _routing(llm: LLM, rows: int) -> Iterator[list[torch.Tensor]]:
+    """Collect each target MoE layer's expert ids of the first ``rows`` tokens."""
+    from pdserve.bench.decode_roofline import layer_index
+    from pdserve.layers.moe import TopKRouter
+
+    r = llm.engine.runner
+    n = int(r.hf_config.num_hidden_layers)
+    got: list[torch.Tensor] = []
+    hooks = [
+        m.register_forward_hook(lambda mod, a, out: got.append(out[1][:rows].detach().clone()))
+        for name, m in r.model.named_modules()
+        if isinstance(m, TopKRouter) and (layer_index(name) or 0) < n
+    ]
+    try:
+        yield got
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def _active(ids: list[torch.Tensor]) -> list[int]:
+    return [int(t.unique().numel()) for t in ids]
+
+
+def _routing_step(llm: LLM, ids: list[str]) -> list[int]:
+    """One eager step of the batch (no padding rows): distinct experts per MoE layer."""
+    with _graphs_off(llm), _routing(llm, len(ids)) as got:
+        llm.engine.step()
+        _sync(llm)
+    return _active(got)
+
+
+def _drop(llm: LLM, ids: list[str]) -> None:
+    eng = llm.engine
+    eng.abort_requests([r for r in ids if r in eng.scheduler.requests])
     for _ in range(3):
         eng.step()
-    return {
-        "batch": batch,
-        "ctx": ctx,
-        "step_ms": statistics.median(times) * 1e3,
-        "prefill_s_all": prefill_s,
-        "graph_steps": after.get("graph", 0) - paths.get("graph", 0),
+
+
+def _roofline(
+    bm: DecodeByteModel, seq_lens: list[float], active: list[int], bw: float | None
+) -> dict:
+    taken = bm.step_bytes(seq_lens, active)
+    uniform = bm.step_bytes(seq_lens)
+    out: dict = {
+        "active_experts": active,
+        "bytes": {k: v for k, v in taken.items()},
+        "bytes_uniform_routing": uniform["total"],
+        "mean_seq_len": statistics.mean(seq_lens),
     }
+    if bw:
+        out["roofline_ms"] = taken["total"] / bw * 1e3
+        out["roofline_uniform_ms"] = uniform["total"] / bw * 1e3
+    return out
+
+
+def _decode(llm: LLM, bm: DecodeByteModel, batch: int, ctx: int, bw: float | None,
+            steps: int = 12) -> dict:  # fmt: skip
+    ids, prefill_s = _fill_batch(llm, batch, ctx)
+    timed = _timed_steps(llm, ids, steps)
+    active = _routing_step(llm, ids)
+    _drop(llm, ids)
+    r = {"batch": batch, "ctx": ctx, "prefill_s_all": prefill_s, **timed}
+    r.update(_roofline(bm, timed["seq_lens"], active, bw))
+    del r["seq_lens"]
+    if "roofline_ms" in r:
+        r["ratio"] = r["step_ms"] / r["roofline_ms"]
+    if timed["live_min"] < batch or timed["preemptions"]:
+        r["warning"] = (
+            f"only {timed['live_min']} of {batch} requests ran in some timed step "
+            f"({timed['preemptions']} preemptions): the step is not a {batch}-request step"
+        )
+        print(f"WARNING {batch}x{ctx}: {r['warning']}", flush=True)
+    return r
 
 
 def _hf_speed(path: Path, dummy: bool, cases: list[tuple[int, int]]) -> dict:
@@ -264,84 +448,207 @@ def _hf_speed(path: Path, dummy: bool, cases: list[tuple[int, int]]) -> dict:
     return out
 
 
-LONG_CTX = 131072
-
-
-def bench_speed(
-    preset: str, workdir: Path, limits: dict, hf_peer: bool, long: bool = False
-) -> dict:
-    path = workdir / preset
-    dummy = preset != "glm5-s4-e16"
-    if not (path / "config.json").is_file():
-        make_checkpoint(ARCH, preset, path, dtype="bfloat16", device="cuda", config_only=dummy)
-    cfg = json.loads((path / "config.json").read_text())
-    t0 = time.perf_counter()
-    llm = LLM(
-        str(path),
-        dtype="bfloat16",
-        load_format="dummy" if dummy else "auto",
-        max_model_len=(LONG_CTX if long else 16384) + 256,
-        max_num_seqs=32,
-        max_num_batched_tokens=8192,
-        gpu_memory_utilization=0.9,
-        compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]},
-    )
-    res: dict = {"preset": preset, "startup_s": time.perf_counter() - t0, "decode": []}
-    expert_b, other_b = _split_weights(llm)
-    res["expert_weight_bytes"], res["other_weight_bytes"] = expert_b, other_b
-    bw = limits["copy_bandwidth_Bps"]
-    cases = [(1, 1024), (32, 1024), (1, 16384), (32, 16384)] + ([(8, LONG_CTX)] if long else [])
+def bench_speed(llm: LLM, preset: str, bw: float | None, long: bool = False) -> dict:
+    cpu = llm.engine.runner.device.type == "cpu"
+    res: dict = {"preset": preset, "decode": []}
+    bm = _byte_model(llm)
+    res["weight_bytes_per_step"] = bm.dense_weight_bytes
+    res["expert_bytes_per_layer"] = [e * bm.num_experts for e in bm.expert_bytes]
+    if cpu:
+        cases, steps = CPU_CASES, 3
+    else:
+        cases = [(1, 1024), (32, 1024), (1, 16384), (32, 16384)] + ([(8, LONG_CTX)] if long else [])
+        steps = 12
     for batch, ctx in cases:
-        r = _decode(llm, batch, ctx)
-        r["roofline_ms"] = _roofline_bytes(cfg, batch, ctx, expert_b, other_b) / bw * 1e3
-        r["ratio"] = r["step_ms"] / r["roofline_ms"]
+        r = _decode(llm, bm, batch, ctx, bw, steps)
         res["decode"].append(r)
         print(json.dumps(r), flush=True)
     sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    ids = _prompt(16384, 99)
-    torch.cuda.synchronize()
+    n = 64 if cpu else 16384
+    ids = _prompt(n, 99, min(150000, llm.engine.vocab_size))
+    _sync(llm)
     t0 = time.perf_counter()
     llm.generate([{"prompt_token_ids": ids}], sp)
-    torch.cuda.synchronize()
-    res["prefill_16k_s"] = time.perf_counter() - t0
-    del llm
-    _free()
-    if hf_peer:
-        res["transformers"] = _hf_speed(path, dummy, [(1, 1024), (32, 1024), (1, 16384)])
+    _sync(llm)
+    res["prefill_tokens"], res["prefill_s"] = n, time.perf_counter() - t0
+    if n == 16384:
+        res["prefill_16k_s"] = res["prefill_s"]  # the key earlier runs wrote
     return res
 
 
-def main() -> None:
+# -------------------------------------------------------------------------- profile
+def parse_points(text: str) -> list[tuple[int, int]]:
+    """``"1x1024,32x1024"`` -> [(1, 1024), (32, 1024)] (batch x context)."""
+    out = []
+    for item in text.split(","):
+        b, _, c = item.strip().lower().partition("x")
+        if not (b.isdigit() and c.isdigit()):
+            raise ValueError(f"profile point {item!r} is not BATCHxCTX (e.g. 32x1024)")
+        out.append((int(b), int(c)))
+    return out
+
+
+def profile_point(llm: LLM, bm: DecodeByteModel, batch: int, ctx: int, bw: float | None,
+                  steps: int = 4) -> dict:  # fmt: skip
+    """A steady decode batch of ``batch`` x ``ctx``: a few timed steps, then one profiled
+    step of each kind: the graph replay, the captured forward run eagerly (same kernels,
+    module ranges visible; its categories name the replay's kernels), and a plain eager
+    step (graphs off: the step's own metadata, e.g. the indexer's sort-free path for
+    short contexts). Device time by category with the idle gap, per kind."""
+    eng, runner = llm.engine, llm.engine.runner
+    ids, prefill_s = _fill_batch(llm, batch, ctx)
+    timed = _timed_steps(llm, ids, steps)
+    was_async = eng.scheduler.async_scheduling
+    eng.set_async_scheduling(False)  # one call = one whole step while profiling
+    dev, model = runner.device, runner.model
+    cols: dict[str, dict] = {}
+    try:
+        if runner.graphs is not None:
+            with _graph_forward_eager(llm):
+                shaped = profile_step(eng.step, model, dev)
+            graph = profile_step(eng.step, None, dev)
+            align_categories(graph, shaped)
+            if len(graph.spans) < len(shaped.spans) // 2:
+                graph.notes.append("the profiler saw few kernels inside the graph replay")
+            cols["graph replay"] = graph.table()
+            cols["eager, graph shape"] = shaped.table()
+        with _graphs_off(llm), _routing(llm, batch) as got:
+            plain = profile_step(eng.step, model, dev)
+        cols["eager"] = plain.table()
+    finally:
+        eng.set_async_scheduling(was_async)
+    active = _active(got)
+    _drop(llm, ids)
+    out = {"batch": batch, "ctx": ctx, "prefill_s_all": prefill_s, **timed, "steps": cols}
+    out.update(_roofline(bm, timed["seq_lens"], active, bw))
+    del out["seq_lens"]
+    if "roofline_ms" in out:
+        out["ratio"] = out["step_ms"] / out["roofline_ms"]
+    return out
+
+
+def bench_profile(llm: LLM, preset: str, points: list[tuple[int, int]], bw: float | None) -> dict:
+    bm = _byte_model(llm)
+    res: dict = {"preset": preset, "points": []}
+    for batch, ctx in points:
+        t0 = time.perf_counter()
+        p = profile_point(llm, bm, batch, ctx, bw)
+        p["seconds"] = time.perf_counter() - t0
+        res["points"].append(p)
+        _print_profile(preset, p)
+    return res
+
+
+def _print_profile(preset: str, p: dict) -> None:
+    roof = f", roofline {p['roofline_ms']:.2f} ms" if "roofline_ms" in p else ""
+    print(
+        f"\n{preset} {p['batch']}x{p['ctx']}: step {p['step_ms']:.2f} ms "
+        f"({p['graph_steps']} graph replays of {p['live_min']}..{p['live_max']} requests)"
+        f"{roof}; active experts per MoE layer {p['active_experts']}"
+    )
+    print(format_tables(p["steps"]))
+    for name, t in p["steps"].items():
+        for note in t["notes"]:
+            print(f"  {name}: {note}")
+        tops = "; ".join(
+            f"{k['name'][:48]} ({k['category']}) {k['ms']:.3f} ms" for k in t["top"][:5]
+        )
+        print(f"  {name} top: {tops}")
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--sections", default="accuracy,speed")
-    ap.add_argument("--presets", default="glm5-s4-e16,glm5-m12-e64")
+    ap.add_argument(
+        "--sections",
+        default=None,
+        help="accuracy,speed,profile (default accuracy,speed; with --profile: profile)",
+    )
+    ap.add_argument("--presets", default=None, help="default glm5-s4-e16,glm5-m12-e64 (CPU: tiny)")
     ap.add_argument("--workdir", default="/tmp/glm5")
     ap.add_argument("--no-peer", action="store_true", help="skip transformers' speed runs")
-    ap.add_argument("--long", action="store_true", help="also decode at batch 8 x 128K")
-    args = ap.parse_args()
+    ap.add_argument(
+        "--long",
+        action="store_true",
+        help="max_model_len 128K + 256 (else 16K + 256), and speed also decodes 8 x 128K; "
+        "the graphs' indexer scores max_model_len-wide rows, so profile with the same flag "
+        "as the run it explains",
+    )
+    ap.add_argument(
+        "--profile",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="BxCTX,...",
+        help="profile decode steps at these points (default 1x1024,32x1024; CPU: "
+        + ",".join(f"{b}x{c}" for b, c in CPU_CASES)
+        + ")",
+    )
+    ap.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    args = ap.parse_args(argv)
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    cpu = device == "cpu"
+    sections = args.sections or ("profile" if args.profile is not None else "accuracy,speed")
+    sections = sections.split(",")
+    if cpu and "accuracy" in sections:
+        sys.exit("the accuracy section needs a GPU (transformers fp32 at real shapes)")
+    presets = (args.presets or (CPU_PRESET if cpu else "glm5-s4-e16,glm5-m12-e64")).split(",")
+    if args.profile:
+        points = parse_points(args.profile)
+    else:
+        points = CPU_CASES if cpu else [(1, 1024), (32, 1024)]
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    sections = args.sections.split(",")
-    res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
-    res["limits"] = measure_limits()
-    if "accuracy" in sections:
-        res["accuracy"] = bench_accuracy(workdir)
-        print(json.dumps(res["accuracy"]), flush=True)
-    if "speed" in sections:
-        res["speed"] = [
-            bench_speed(p, workdir, res["limits"], not args.no_peer, args.long)
-            for p in args.presets.split(",")
-        ]
+    threads = torch.get_num_threads()
+    if cpu:  # a smoke run: two-thread ops stall for milliseconds on a shared CPU
+        torch.set_num_threads(1)
+    try:
+        res = _run(args, sections, presets, points, workdir, device)
+    finally:
+        torch.set_num_threads(threads)
     Path(args.out).write_text(json.dumps(res, indent=2))
     _table(res)
 
 
+def _run(args: argparse.Namespace, sections: list[str], presets: list[str],
+         points: list[tuple[int, int]], workdir: Path, device: str) -> dict:  # fmt: skip
+    cpu = device == "cpu"
+    res: dict = {"gpu": "cpu" if cpu else torch.cuda.get_device_name(), "torch": torch.__version__}
+    res["limits"] = {} if cpu else measure_limits()
+    bw = res["limits"].get("copy_bandwidth_Bps")
+    if "accuracy" in sections:
+        res["accuracy"] = bench_accuracy(workdir)
+        print(json.dumps(res["accuracy"]), flush=True)
+    for preset in presets:
+        if not {"speed", "profile"} & set(sections):
+            break
+        llm, dummy, startup = _engine(preset, workdir, args.long, device)
+        if "profile" in sections:
+            prof = bench_profile(llm, preset, points, bw)
+            prof["startup_s"] = startup
+            res.setdefault("profile", []).append(prof)
+        sp = None
+        if "speed" in sections:
+            sp = bench_speed(llm, preset, bw, args.long)
+            sp["startup_s"] = startup
+            res.setdefault("speed", []).append(sp)
+        del llm
+        if cpu:
+            continue
+        _free()
+        if sp is not None and not args.no_peer:  # after the engine is gone: memory
+            cases = [(1, 1024), (32, 1024), (1, 16384)]
+            sp["transformers"] = _hf_speed(workdir / preset, dummy, cases)
+    return res
+
+
 def _table(res: dict) -> None:
     lim = res["limits"]
-    print(
-        f"\n== {res['gpu']} | torch {res['torch']} | copy {lim['copy_bandwidth_Bps'] / 1e12:.2f} TB/s"
-    )
+    bw = lim.get("copy_bandwidth_Bps")
+    copy = f" | copy {bw / 1e12:.2f} TB/s" if bw else ""
+    print(f"\n== {res['gpu']} | torch {res['torch']}{copy}")
     acc = res.get("accuracy")
     if acc:
         for k in ("pdserve_bf16_vs_hf_fp32", "hf_bf16_vs_hf_fp32"):
@@ -353,18 +660,42 @@ def _table(res: dict) -> None:
             )
     for sp in res.get("speed", []):
         print(
-            f"\n{sp['preset']}: start-up {sp['startup_s']:.0f}s, prefill 16K {sp['prefill_16k_s']:.2f}s"
+            f"\n{sp['preset']}: start-up {sp['startup_s']:.0f}s, prefill "
+            f"{sp['prefill_tokens']} tokens {sp['prefill_s']:.2f}s"
         )
-        print(" batch    ctx   step ms   roof ms  ratio  graph steps")
+        print(
+            " batch    ctx   step ms   roof ms  ratio  uniform-routing roof ms  live  graph steps"
+            "  experts/layer  GB read"
+        )
         for r in sp["decode"]:
+            roof = r.get("roofline_ms", float("nan"))
+            uni = r.get("roofline_uniform_ms", float("nan"))
             print(
-                f"{r['batch']:6d} {r['ctx']:6d} {r['step_ms']:9.2f} {r['roofline_ms']:9.2f} "
-                f"{r['ratio']:6.2f}  {r['graph_steps']}"
+                f"{r['batch']:6d} {r['ctx']:6d} {r['step_ms']:9.2f} {roof:9.2f} "
+                f"{r.get('ratio', float('nan')):6.2f} {uni:24.2f} {r['live_min']:5d} "
+                f"{r['graph_steps']:12d} {statistics.mean(r['active_experts']):14.1f} "
+                f"{r['bytes']['total'] / 1e9:8.3f}"
             )
         hf = sp.get("transformers")
         if hf:
             dec = ", ".join(f"{d['batch']}x{d['ctx']}: {_ms(d['step_ms'])}" for d in hf["decode"])
             print(f" transformers: prefill 16K {hf['prefill_16k_s']}, decode {dec}")
+    for pr in res.get("profile", []):  # the tables were printed as each point finished
+        print(f"\n{pr['preset']} profile (start-up {pr['startup_s']:.0f}s):")
+        for p in pr["points"]:
+            roof = p.get("roofline_ms", float("nan"))
+            kind = "graph replay" if "graph replay" in p["steps"] else "eager"
+            shares = ", ".join(f"{c} {v['share'] * 100:.0f}%" for c, v in _shares(p["steps"][kind]))
+            print(
+                f"  {p['batch']}x{p['ctx']}: step {p['step_ms']:.2f} ms, roofline {roof:.2f} ms, "
+                f"profiled in {p['seconds']:.1f}s; {kind}: {shares}"
+            )
+
+
+def _shares(table: dict) -> list[tuple[str, dict]]:
+    """The categories and the idle gap, largest share first."""
+    items = [*table["categories"].items(), ("idle_gap", table["idle_gap"])]
+    return sorted(items, key=lambda kv: -kv[1]["share"])
 
 
 def _ms(v: float | str) -> str:

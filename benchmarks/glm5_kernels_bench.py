@@ -12,9 +12,16 @@ Sections (default: all):
            per request, batch 16 with 1+3 verify rows, and the dense path (context 1K);
            MLATritonBackend vs MLATorchBackend, both writing this step's latents
   indexer  DSA indexer scores + top-2048 select (32 heads x 128, bf16 keys): batch
-           1/16/64 at 16K context and batch 8 at 128K; IndexerTritonBackend (radix
-           select up to 32K keys a row, torch.topk beyond) vs IndexerTorchBackend, plus
-           the score kernel, the radix select and torch.topk alone
+           1/16/64 at 16K context and batch 8 at 128K, with the score width the step's
+           context; then batch 1 and 32 at 1K and batch 32 at 16K with the width a
+           CUDA graph of the engine uses (max_model_len, 128K + 256 under glm5_bench
+           --long). IndexerTritonBackend (radix select up to 32K keys a row, torch.topk
+           beyond) vs IndexerTorchBackend (not run at the graph width), plus the parts
+           the backend runs, each alone: the score kernel (score_ms) and the select it
+           uses (select_ms; select_path names it), so triton_ms ~ score_ms + select_ms
+           (+ the key write and the -1 fill). radix_ms / topk_ms time the two selects
+           on the same rows whichever is used (radix_ms at 128K is not part of
+           triton_ms: rows that wide go to torch.topk)
   moe      routed experts (hidden 6144, moe_intermediate 2048, top-8, bf16) for 64
            experts at 1/16/64/512/4096 tokens and 256 experts at 1/64 tokens:
            fused_experts vs the eager sorted reference (and the graph reference,
@@ -52,7 +59,11 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from pdserve.kernels.dsa_indexer import indexer_logits, topk_select  # noqa: E402
+from pdserve.kernels.dsa_indexer import (  # noqa: E402
+    SORT_FREE_MAX_WIDTH,
+    indexer_logits,
+    topk_select,
+)
 from pdserve.kernels.fused_moe import fused_experts  # noqa: E402
 from pdserve.kernels.fused_moe_fp8 import fused_experts_fp8  # noqa: E402
 from pdserve.kernels.moe_router import router_select  # noqa: E402
@@ -100,18 +111,24 @@ def measure_limits() -> tuple[float, float]:
     return bw, flops
 
 
-def decode_metadata(batch: int, ctx: int, q_len: int, page: int) -> CommonAttentionMetadata:
-    """``batch`` requests of ``ctx`` tokens (the last ``q_len`` computed now), shuffled blocks."""
+def decode_metadata(
+    batch: int, ctx: int, q_len: int, page: int, width: int | None = None
+) -> CommonAttentionMetadata:
+    """``batch`` requests of ``ctx`` tokens (the last ``q_len`` computed now), shuffled blocks.
+    ``width``: the step's ``max_seq_len`` when it is not the context (a CUDA graph's is
+    ``max_model_len``); block-table columns past the context point at the null block 0."""
     dev = torch.device("cuda")
     nblk = -(-ctx // page)
     bt = (1 + torch.randperm(batch * nblk, device=dev)).view(batch, nblk).to(torch.int32)
+    if width is not None and -(-width // page) > nblk:
+        bt = F.pad(bt, (0, -(-width // page) - nblk))
     pos = ctx - q_len + torch.arange(q_len, device=dev)
     slots = (bt[:, pos // page].long() * page + (pos % page)[None, :]).reshape(-1)
     return CommonAttentionMetadata(
         num_reqs=batch,
         num_actual_tokens=batch * q_len,
         max_query_len=q_len,
-        max_seq_len=ctx,
+        max_seq_len=width or ctx,
         block_size=page,
         query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=dev) * q_len,
         seq_lens=torch.full((batch,), ctx, dtype=torch.int32, device=dev),
@@ -166,13 +183,19 @@ def run_mla(bw: float, peak: float, page: int, quick: bool) -> list[dict[str, An
 
 
 # --------------------------------------------------------------------------- indexer
+GRAPH_WIDTH = 131072 + 256  # glm5_bench --long: max_model_len, every graph's score width
+
+
 def run_indexer(bw: float, peak: float, page: int, quick: bool) -> list[dict[str, Any]]:
-    cases = [(1, 16384), (16, 16384), (64, 16384), (8, 131072)]
+    cases: list[tuple[int, int, int | None]] = [
+        (1, 16384, None), (16, 16384, None), (64, 16384, None), (8, 131072, None),
+        (1, 1024, GRAPH_WIDTH), (32, 1024, GRAPH_WIDTH), (32, 16384, GRAPH_WIDTH),
+    ]  # fmt: skip
     if quick:
-        cases = [(2, 8192)]
+        cases = [(2, 8192, None), (2, 1024, 40960)]
     rows = []
-    for batch, ctx in cases:
-        md = decode_metadata(batch, ctx, 1, page)
+    for batch, ctx, graph_width in cases:
+        md = decode_metadata(batch, ctx, 1, page, graph_width)
         t = md.num_actual_tokens
         cache = torch.randn(1 + batch * -(-ctx // page), page, IDX_DIM, device="cuda", dtype=DT)
         q = torch.randn(t, IDX_HEADS, IDX_DIM, device="cuda", dtype=DT)
@@ -181,21 +204,27 @@ def run_indexer(bw: float, peak: float, page: int, quick: bool) -> list[dict[str
         fast, ref = IndexerTritonBackend(), IndexerTorchBackend()
         args = (q, k, w, cache, md, TOPK, IDX_DIM**-0.5)
         ms = bench_graph(partial(fast.forward, *args))
-        ref_ms = bench_graph(partial(ref.forward, *args))
+        # the reference gathers the whole width: not at a graph's
+        ref_ms = bench_graph(partial(ref.forward, *args)) if graph_width is None else None
+        width = -(-md.max_seq_len // page) * page  # as the backend rounds it
+        sort_free = width <= SORT_FREE_MAX_WIDTH  # the backend's choice (dsa_triton)
         place = (md.seq_lens, md.query_start_loc, md.token_req_idx, md.token_q_idx)
         score = partial(
-            indexer_logits, q, w, cache, md.block_tables, *place, IDX_DIM**-0.5, t, ctx, TOPK
+            indexer_logits, q, w, cache, md.block_tables, *place, IDX_DIM**-0.5, t, width, TOPK
         )
-        logits = score()
-        score_ms = bench_graph(score)
-        select_ms = bench_graph(partial(topk_select, logits, *place, TOPK, t))
+        logits = score()  # radix select's input: rows up to their position only
         full = score(for_select=False)  # -inf past each position, as torch.topk needs
-        torch_topk_ms = bench_graph(partial(torch.topk, full, TOPK, dim=-1, sorted=False))
+        score_ms = bench_graph(partial(score, for_select=sort_free))
+        radix_ms = bench_graph(partial(topk_select, logits, *place, TOPK, t))
+        topk_ms = bench_graph(partial(torch.topk, full, min(TOPK, width), dim=-1, sorted=False))
         nbytes = t * ctx * IDX_DIM * 2
         flops = 2 * t * ctx * IDX_HEADS * IDX_DIM
+        name = f"b{batch} ctx{ctx}" + (f" width{width}" if graph_width else "")
         rows.append(
-            _row(f"b{batch} ctx{ctx}", ms, ref_ms, nbytes, flops, bw, peak,
-                 score_ms=score_ms, select_ms=select_ms, torch_topk_ms=torch_topk_ms)
+            _row(name, ms, ref_ms, nbytes, flops, bw, peak, score_ms=score_ms,
+                 select_path="radix" if sort_free else "torch.topk",
+                 select_ms=radix_ms if sort_free else topk_ms,
+                 radix_ms=radix_ms, topk_ms=topk_ms)
         )  # fmt: skip
         torch.cuda.empty_cache()
     return rows

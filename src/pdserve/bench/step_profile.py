@@ -1,0 +1,361 @@
+"""Where one engine step's time goes: a ``torch.profiler`` capture of the step, its device
+time by kernel category, and the idle gaps between kernels (``benchmarks/glm5_bench.py
+--profile``).
+
+Categories (:data:`CATEGORIES`): routed MoE experts (the fused expert kernels and their
+token alignment), the MoE router, MLA attention (the latent-cache write, the attention
+kernel and its split combine, the absorbed ``W_UK`` / ``W_UV`` products), the DSA
+indexer's scoring (its scores and everything around them but the select), the indexer's
+top-k select, dense GEMMs (every linear layer: attention projections, indexer
+projections, dense MLPs and shared experts, LM head), norms and RoPE, and the rest.
+
+How a kernel gets its category:
+
+- **eager steps**: while profiling, forward hooks put a ``record_function`` range named
+  ``pdserve:<category>`` around every module of a known kind (:func:`module_category`).
+  A kernel inherits the innermost range around the operator that launched it, except
+  that a select / sort kernel inside the indexer is ``topk_select`` and a norm or RoPE
+  kernel inside attention or the indexer is ``norm_rope`` (by name, :data:`NAME_RULES`).
+  The router and the routed experts keep everything they launch (the experts' token
+  alignment sorts too). A kernel outside every range goes by its name alone.
+- **CUDA-graph replays** launch all their kernels from one ``cudaGraphLaunch``, so no
+  module range reaches them. Their kernel names are matched in order against an eager
+  run of the same captured forward (:func:`align_categories`: the graph's batch shape
+  and metadata, run eagerly); a kernel the alignment misses takes the category its name
+  had most often in that eager run, else the name rules.
+- **on a CPU** there are no kernels: each operator's self time counts, categorised the
+  same way.
+
+The idle gap is the step's device span (first kernel start to last kernel end; on a CPU
+the profiled span) less the time some kernel (operator) ran: launch latency, host work
+the device waited for, synchronisations. Shares are of that span.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+CATEGORIES = (
+    "moe_experts",
+    "router",
+    "mla_attention",
+    "indexer_score",
+    "topk_select",
+    "dense_gemm",
+    "norm_rope",
+    "other",
+)
+GAP = "idle_gap"
+SCOPE_PREFIX = "pdserve:"
+
+# (category, pattern over the lower-cased kernel or operator name); the first match wins
+NAME_RULES: tuple[tuple[str, str], ...] = (
+    ("topk_select", r"topk|_select_kernel|radix|sort|kthvalue|bitonic"),
+    ("indexer_score", r"_logits_kernel"),
+    ("mla_attention", r"_mla_kernel|decode_attention|flash"),
+    ("moe_experts", r"_gate_up_kernel|_down_kernel|fused_moe"),
+    ("router", r"_router_kernel"),
+    ("norm_rope", r"rms_?norm|layer_?norm|_rope_kernel|rotary"),
+    (
+        "dense_gemm",
+        r"gemm|gemv|nvjet|cutlass|xmma|cublas|s16816|s1688|splitk"
+        r"|aten::(mm|addmm|bmm|linear|matmul)$",
+    ),
+)
+_RULES = tuple((cat, re.compile(pat)) for cat, pat in NAME_RULES)
+_KEEP_SCOPE = ("moe_experts", "router")  # everything these launch is theirs
+_KIND_OVER = ("indexer_score", "mla_attention", "other")  # scopes a kind rule overrides
+
+
+def name_category(name: str) -> str | None:
+    """The category :data:`NAME_RULES` give a kernel or operator name (None: no rule)."""
+    low = name.lower()
+    for cat, pat in _RULES:
+        if pat.search(low):
+            return cat
+    return None
+
+
+def categorize(name: str, scope: str | None) -> str:
+    """The category of a kernel named ``name`` launched inside the module range ``scope``
+    (None: outside every range)."""
+    if scope in _KEEP_SCOPE:
+        return scope
+    rule = name_category(name)
+    if rule in ("topk_select", "norm_rope") and (scope is None or scope in _KIND_OVER):
+        return rule
+    if scope is not None:
+        return scope
+    return rule or "other"
+
+
+def module_category(mod: Any) -> str | None:
+    """The range a module of a known kind runs in (None: it gets none of its own)."""
+    from pdserve.layers.attention.dsa import Indexer
+    from pdserve.layers.attention.mla import MLAAttention
+    from pdserve.layers.embedding import LMHead
+    from pdserve.layers.linear import Linear
+    from pdserve.layers.moe import MoE, RoutedExperts, TopKRouter
+    from pdserve.layers.norm import LayerNorm, RMSNorm
+
+    kinds: tuple[tuple[type | tuple[type, ...], str], ...] = (
+        (TopKRouter, "router"),
+        (RoutedExperts, "moe_experts"),
+        (MoE, "moe_experts"),  # its own leftovers (routed + shared sum); children override
+        (MLAAttention, "mla_attention"),
+        (Indexer, "indexer_score"),
+        ((RMSNorm, LayerNorm), "norm_rope"),
+        ((Linear, LMHead), "dense_gemm"),
+    )
+    for kind, cat in kinds:
+        if isinstance(mod, kind):
+            return cat
+    from pdserve.layers.moe import DenseMLP
+
+    return "dense_gemm" if isinstance(mod, DenseMLP) else None
+
+
+@contextmanager
+def module_scopes(model: Any) -> Iterator[None]:
+    """Put a ``pdserve:<category>`` profiler range around every categorised module's
+    forward while the context is open."""
+    import torch
+
+    stack: list[Any] = []
+    handles = []
+
+    def enter(name: str) -> Callable[..., None]:
+        def hook(mod: Any, args: Any) -> None:
+            rf = torch.autograd.profiler.record_function(SCOPE_PREFIX + name)
+            rf.__enter__()
+            stack.append(rf)
+
+        return hook
+
+    def leave(mod: Any, args: Any, out: Any) -> None:
+        stack.pop().__exit__(None, None, None)
+
+    for mod in model.modules():
+        cat = module_category(mod)
+        if cat is not None:
+            handles.append(mod.register_forward_pre_hook(enter(cat)))
+            handles.append(mod.register_forward_hook(leave))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        while stack:  # a forward that raised
+            stack.pop().__exit__(None, None, None)
+
+
+@dataclass
+class Span:
+    """One kernel (or, on a CPU, one operator's self time) of a profiled step."""
+
+    name: str
+    start_us: float
+    end_us: float
+    category: str
+    busy_us: float = -1.0  # time it counts (self time for a CPU operator), default: its span
+
+    def __post_init__(self) -> None:
+        if self.busy_us < 0:
+            self.busy_us = self.end_us - self.start_us
+
+
+@dataclass
+class StepProfile:
+    """One profiled step: its kernels in start order and the host wall time."""
+
+    spans: list[Span]
+    wall_ms: float
+    device: str  # "cuda" (kernels) or "cpu" (operators' self time)
+    notes: list[str] = field(default_factory=list)
+
+    def table(self) -> dict[str, Any]:
+        """Time by category (ms, share of the device span, count), the idle gap, the
+        span, and the ten longest kernels (name, category, total ms, count)."""
+        spans = self.spans
+        cats: dict[str, dict[str, float]] = {c: {"ms": 0.0, "count": 0} for c in CATEGORIES}
+        if not spans:
+            return {"span_ms": 0.0, "wall_ms": self.wall_ms, "kernels": 0, "categories": cats,
+                    GAP: {"ms": 0.0, "share": 0.0}, "top": [], "device": self.device,
+                    "notes": self.notes}  # fmt: skip
+        start = min(s.start_us for s in spans)
+        end = max(s.end_us for s in spans)
+        span_ms = (end - start) / 1e3
+        for s in spans:
+            c = cats.setdefault(s.category, {"ms": 0.0, "count": 0})
+            c["ms"] += s.busy_us / 1e3
+            c["count"] += 1
+        # a CPU's operators nest (self times add up); kernels may overlap (union)
+        busy = sum(s.busy_us for s in spans) / 1e3 if self.device == "cpu" else _union_ms(spans)
+        gap = max(span_ms - busy, 0.0)
+        for c in cats.values():
+            c["share"] = c["ms"] / span_ms if span_ms else 0.0
+        by_name: dict[tuple[str, str], list[float]] = {}
+        for s in spans:
+            by_name.setdefault((s.name, s.category), []).append(s.busy_us)
+        top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:10]
+        return {
+            "device": self.device,
+            "wall_ms": self.wall_ms,
+            "span_ms": span_ms,
+            "kernels": len(spans),
+            "categories": cats,
+            GAP: {"ms": gap, "share": gap / span_ms if span_ms else 0.0},
+            "top": [
+                {"name": n[:120], "category": c, "ms": sum(v) / 1e3, "count": len(v)}
+                for (n, c), v in top
+            ],
+            "notes": self.notes,
+        }
+
+
+def _union_ms(spans: list[Span]) -> float:
+    total, cur_s, cur_e = 0.0, None, None
+    for s in sorted(spans, key=lambda s: s.start_us):
+        if cur_e is None or s.start_us > cur_e:
+            if cur_e is not None and cur_s is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s.start_us, s.end_us
+        else:
+            cur_e = max(cur_e, s.end_us)
+    if cur_e is not None and cur_s is not None:
+        total += cur_e - cur_s
+    return total / 1e3
+
+
+def _scope_of(evt: Any) -> str | None:
+    """The innermost ``pdserve:`` range around a CPU event (itself included)."""
+    e = evt
+    while e is not None:
+        if e.name.startswith(SCOPE_PREFIX):
+            return str(e.name[len(SCOPE_PREFIX) :])
+        e = e.cpu_parent
+    return None
+
+
+def _annotation(e: Any) -> bool:
+    kind = str(getattr(e, "activity_type", "") or "").lower()
+    return bool(
+        e.name.startswith(SCOPE_PREFIX)
+        or getattr(e, "is_user_annotation", False)
+        or "annotation" in kind
+    )
+
+
+def spans_from_events(events: Any, device: str) -> list[Span]:
+    """The step's spans from ``prof.events()``: on CUDA every device activity (kernels,
+    copies, memsets) with the category of the operator that launched it; on a CPU every
+    operator's self time (ranges themselves and runtime calls left out)."""
+    from torch.autograd import DeviceType
+
+    cpu = [e for e in events if e.device_type == DeviceType.CPU]
+    out: list[Span] = []
+    if device == "cpu":
+        for e in cpu:
+            if _annotation(e):
+                continue
+            if getattr(e, "linked_correlation_id", 0):
+                continue
+            s, t = e.time_range.start, e.time_range.end
+            cat = categorize(e.name, _scope_of(e))
+            out.append(Span(e.name, s, t, cat, busy_us=e.self_cpu_time_total))
+    else:
+        by_id = {e.id: e for e in cpu if not getattr(e, "linked_correlation_id", 0)}
+        for e in events:
+            if e.device_type != DeviceType.CUDA or _annotation(e):
+                continue  # the device mirror of a range is no kernel
+            op = by_id.get(getattr(e, "linked_correlation_id", 0))
+            scope = _scope_of(op) if op is not None else None
+            cat = categorize(e.name, scope)
+            out.append(Span(e.name, e.time_range.start, e.time_range.end, cat))
+    out.sort(key=lambda s: s.start_us)
+    return out
+
+
+def profile_step(run: Callable[[], Any], model: Any | None, device: Any) -> StepProfile:
+    """Profile one call of ``run`` (one engine step) on ``device``: CUDA activity on a GPU,
+    operators on a CPU. With ``model`` its modules run inside category ranges."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize(dev)
+    scopes = module_scopes(model) if model is not None else _nothing()
+    with profile(activities=acts) as prof, scopes:
+        t0 = time.perf_counter()
+        run()
+        if cuda:
+            torch.cuda.synchronize(dev)
+        wall = (time.perf_counter() - t0) * 1e3
+    kind = "cuda" if cuda else "cpu"
+    return StepProfile(spans_from_events(prof.events(), kind), wall, kind)
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+def align_categories(graph: StepProfile, eager: StepProfile) -> int:
+    """Give a graph replay's kernels the categories of the same kernels in an eager run of
+    the captured forward, matched in order by name; the rest by the name's most common
+    category in that run, else by the name rules. Returns how many were matched in order."""
+    a = [s.name for s in eager.spans]
+    b = [s.name for s in graph.spans]
+    matched = 0
+    done = [False] * len(b)
+    if a == b:
+        blocks = [difflib.Match(0, 0, len(a))]
+    else:
+        blocks = difflib.SequenceMatcher(None, a, b, autojunk=False).get_matching_blocks()
+    for blk in blocks:
+        for j in range(blk.size):
+            graph.spans[blk.b + j].category = eager.spans[blk.a + j].category
+            done[blk.b + j] = True
+            matched += 1
+    common: dict[str, str] = {}
+    votes: dict[str, Counter[str]] = {}
+    for s in eager.spans:
+        votes.setdefault(s.name, Counter())[s.category] += 1
+    for name, c in votes.items():
+        common[name] = c.most_common(1)[0][0]
+    for s, ok in zip(graph.spans, done, strict=True):
+        if not ok:
+            s.category = common.get(s.name) or categorize(s.name, None)
+    graph.notes.append(f"{matched} of {len(b)} kernels matched in order to the eager run")
+    return matched
+
+
+def format_tables(columns: dict[str, dict[str, Any]]) -> str:
+    """Side-by-side text table of :meth:`StepProfile.table` results (column name -> table)."""
+    names = list(columns)
+    head = f"{'category':14s}" + "".join(f" | {n[:22]:>22s}" for n in names)
+    lines = [head, "-" * len(head)]
+    for cat in (*CATEGORIES, GAP):
+        cells = []
+        for n in names:
+            t = columns[n]
+            c = t[GAP] if cat == GAP else t["categories"].get(cat, {"ms": 0.0, "share": 0.0})
+            cells.append(f" | {c['ms']:9.3f} ms {100 * c['share']:6.1f}%")
+        lines.append(f"{cat:14s}" + "".join(cells))
+    lines.append(
+        f"{'span (wall)':14s}"
+        + "".join(
+            f" | {columns[n]['span_ms']:7.2f} ({columns[n]['wall_ms']:6.2f}) ms" for n in names
+        )
+    )
+    return "\n".join(lines)

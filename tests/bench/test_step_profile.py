@@ -1,0 +1,176 @@
+"""Step profiles (pdserve.bench.step_profile): the category rules, the table's arithmetic,
+the replay's categories from the eager run, and ``benchmarks/glm5_bench.py --device cpu
+--profile`` end to end on the tiny GLM-5 (a smoke run of the GPU profile's code path)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.bench.step_profile import (
+    CATEGORIES,
+    GAP,
+    Span,
+    StepProfile,
+    align_categories,
+    categorize,
+    format_tables,
+    profile_step,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(
+    ("name", "scope", "want"),
+    [
+        ("_select_kernel", "indexer_score", "topk_select"),  # the indexer's select
+        ("void at::native::sbtopk::gatherTopK<float>", "indexer_score", "topk_select"),
+        ("_logits_kernel", "indexer_score", "indexer_score"),
+        ("DeviceRadixSortOnesweepKernel", "moe_experts", "moe_experts"),  # expert alignment
+        ("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", "router", "router"),  # the router's GEMM
+        ("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", None, "dense_gemm"),
+        ("aten::bmm", "mla_attention", "mla_attention"),  # absorbed W_UK / W_UV
+        ("_rope_kernel", "indexer_score", "norm_rope"),
+        ("_rmsnorm_kernel", None, "norm_rope"),
+        ("_mla_kernel", None, "mla_attention"),
+        ("_gate_up_kernel", None, "moe_experts"),
+        ("Memcpy HtoD (Pinned -> Device)", None, "other"),
+        ("void at::native::vectorized_elementwise_kernel<4>", "dense_gemm", "dense_gemm"),
+    ],
+)
+def test_categorize(name: str, scope: str | None, want: str) -> None:
+    assert categorize(name, scope) == want
+
+
+def test_table_shares_and_idle_gap() -> None:
+    """Kernels 0-10 us, 12-20 us and 15-18 us (overlapping): span 20 us, busy 18 us."""
+    p = StepProfile(
+        [Span("g", 0, 10, "dense_gemm"), Span("e", 12, 20, "moe_experts"),
+         Span("e2", 15, 18, "moe_experts")],
+        wall_ms=0.05,
+        device="cuda",
+    )  # fmt: skip
+    t = p.table()
+    assert t["span_ms"] == pytest.approx(0.020)
+    assert t[GAP]["ms"] == pytest.approx(0.002)
+    assert t[GAP]["share"] == pytest.approx(0.1)
+    assert t["categories"]["moe_experts"]["ms"] == pytest.approx(0.011)
+    assert t["categories"]["moe_experts"]["count"] == 2
+    assert t["categories"]["dense_gemm"]["share"] == pytest.approx(0.5)
+    assert t["top"][0]["name"] == "g"
+    text = format_tables({"graph replay": t})
+    assert "idle_gap" in text and "moe_experts" in text
+
+
+def test_replay_kernels_take_the_eager_runs_categories() -> None:
+    eager = StepProfile(
+        [Span("copy", 0, 1, "other"), Span("k", 1, 2, "indexer_score"),
+         Span("sort", 2, 3, "moe_experts"), Span("k", 3, 4, "mla_attention")],
+        1.0, "cuda",
+    )  # fmt: skip
+    graph = StepProfile(
+        [Span("k", 0, 1, "other"), Span("sort", 1, 2, "other"), Span("k", 2, 3, "other"),
+         Span("x_gemm", 3, 4, "other"), Span("sort", 4, 5, "other")],
+        1.0, "cuda",
+    )  # fmt: skip
+    assert align_categories(graph, eager) == 3
+    cats = [s.category for s in graph.spans]
+    # in order; then the eager run's category of the name; then the name rules
+    assert cats == ["indexer_score", "moe_experts", "mla_attention", "dense_gemm", "moe_experts"]
+    assert "3 of 5" in graph.notes[0]
+
+
+def test_cpu_profile_names_module_ranges() -> None:
+    from pdserve.layers.linear import Linear
+    from pdserve.layers.norm import RMSNorm
+
+    class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = RMSNorm(32, 1e-5, torch.float32)
+            self.proj = Linear(32, 32, dtype=torch.float32)
+            torch.nn.init.normal_(self.proj.weight)
+            torch.nn.init.ones_(self.norm.weight)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.proj(self.norm(x)).relu()
+
+    m = Tiny()
+    x = torch.randn(4, 32)
+    p = profile_step(lambda: m(x), m, "cpu")
+    cats = {s.category for s in p.spans}
+    assert {"dense_gemm", "norm_rope"} <= cats
+    assert all(s.category in CATEGORIES for s in p.spans)
+    relu = [s for s in p.spans if s.name in ("aten::relu", "aten::clamp_min")]
+    assert relu and all(s.category == "other" for s in relu)  # outside every module range
+
+
+def _load_bench() -> object:
+    spec = importlib.util.spec_from_file_location("glm5_bench", ROOT / "benchmarks/glm5_bench.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["glm5_bench"] = bench
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def _stand_in_graphs(llm: object) -> None:
+    """CUDA graphs on a CPU, stood in for: a "replay" runs the captured forward (the
+    graph's padded batch and metadata) eagerly, so the runner takes its graph path."""
+    from pdserve.runner.cuda_graph import CudaGraphManager
+
+    runner = llm.engine.runner  # type: ignore[attr-defined]
+    g = CudaGraphManager(runner.step, [1, 2, 4], (1,))
+
+    class Replay:
+        def __init__(self, key: tuple[int, int]) -> None:
+            self.key = key
+
+        def replay(self) -> None:
+            g.outputs[self.key] = g._forward(*self.key)
+
+    for size in g.sizes:
+        g.graphs[(size, 1)] = Replay((size, 1))  # type: ignore[assignment]
+    runner.graphs = g
+
+
+def test_glm5_bench_cpu_profile_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The --profile path on the CPU: a 4 x 48 batch whose prompts prefill over several
+    64-token steps, every request decoding in every timed step (graph path, stood in),
+    then one profiled step of each kind; the replay's operators take the categories of
+    the eager run of the same forward."""
+    bench = _load_bench()
+    engine = bench._engine  # type: ignore[attr-defined]
+
+    def with_graphs(*args: object) -> object:
+        llm, dummy, startup = engine(*args)
+        _stand_in_graphs(llm)
+        return llm, dummy, startup
+
+    monkeypatch.setattr(bench, "_engine", with_graphs)
+    threads = torch.get_num_threads()
+    out = tmp_path / "p.json"
+    argv = ["--device", "cpu", "--profile", "4x48", "--out", str(out), "--workdir", str(tmp_path)]
+    bench.main(argv)  # type: ignore[attr-defined]
+    assert torch.get_num_threads() == threads  # the smoke run's one thread is given back
+    res = json.loads(out.read_text())
+    (pr,) = res["profile"]
+    (p,) = pr["points"]
+    assert (p["batch"], p["ctx"]) == (4, 48)
+    assert p["live_min"] == p["live_max"] == 4 and p["preemptions"] == 0
+    assert p["graph_steps"] == 4  # every timed step took the graph path
+    assert len(p["active_experts"]) == 3 and all(2 <= a <= 8 for a in p["active_experts"])
+    assert p["mean_seq_len"] > 48 and p["bytes"]["index_keys"] > 0  # past index_topk 16
+    steps = p["steps"]
+    assert set(steps) == {"graph replay", "eager, graph shape", "eager"}
+    for name, t in steps.items():
+        for cat in ("moe_experts", "router", "mla_attention", "indexer_score", "dense_gemm"):
+            assert t["categories"][cat]["ms"] > 0, (name, cat)
+        assert t["span_ms"] > 0 and 0 <= t[GAP]["share"] < 1
+    assert "matched in order" in steps["graph replay"]["notes"][0]
