@@ -360,14 +360,12 @@ class Scheduler:
             so.grammar_bitmask = self._bitmask.fill(
                 [r.grammar if r is not None and not r.is_finished else None for r in live]
             )
-        bans: dict[str, list[int]] = {}
-        for rid in so.num_scheduled_tokens:
-            r = self.requests.get(rid)
-            if r is None or rid not in so.sampling_req_ids or not r.bad_words:
-                continue
-            if banned := r.bad_word_bans():
-                bans[rid] = banned
-        so.bad_word_bans = bans
+        sampling = [
+            self.requests.get(r) for r in so.num_scheduled_tokens if r in so.sampling_req_ids
+        ]
+        so.bad_word_bans = {
+            r.request_id: b for r in sampling if r and r.bad_words and (b := r.bad_word_bans())
+        }
 
     def _drafts(self, req: Request, num_new: int, budget: int) -> list[int]:
         """The drafts ``req`` verifies this step (see the module doc); [] for none."""

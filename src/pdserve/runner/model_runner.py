@@ -315,10 +315,6 @@ class ModelRunner:
         for cached in so.scheduled_cached_reqs:
             self.batch.update(cached)
 
-    def execute_model(self, so: SchedulerOutput, plan: StepPlan | None = None) -> RunnerOutput:
-        """Run one step to the end: :meth:`launch` then :meth:`finish`."""
-        return self.finish(self.launch(so, plan))
-
     def launch(self, so: SchedulerOutput, plan: StepPlan | None = None) -> StepHandle:
         """Enqueue the step's forward, sampling and drafting on the device and start
         copying the results to the host; returns without waiting for the device. The
@@ -331,9 +327,8 @@ class ModelRunner:
     def launch_forward(
         self, so: SchedulerOutput, plan: StepPlan | None = None
     ) -> StepHandle | Forwarded:
-        """The first half of :meth:`launch`: the forward (and prompt scoring) enqueued,
-        sampling not yet. A step whose structured-output masks are filled later
-        (``so.masks_deferred``) is completed by :meth:`complete` once they are in ``so``."""
+        """:meth:`launch` up to the forward and prompt scoring; :meth:`complete` does the
+        rest (after deferred structured-output masks are filled into ``so``)."""
         if self.lockstep and plan is None:
             raise RuntimeError("an expert-parallel runner needs the DP step plan every step")
         self._update_states(so)
@@ -348,24 +343,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def complete(self, fw: StepHandle | Forwarded, so: SchedulerOutput | None = None) -> StepHandle:
-        """The second half of :meth:`launch`: sampling, drafting and the copies to the
-        host. ``so``: the step's scheduler output, when its masks were filled after
-        :meth:`launch_forward`."""
+        """:meth:`launch` from sampling on (drafting, the copies to the host); ``so``
+        brings masks filled after :meth:`launch_forward`."""
         if isinstance(fw, StepHandle):
             return fw
-        inp, hidden, logits, path, pplan, scored = (
-            fw.inp,
-            fw.hidden,
-            fw.logits,
-            fw.path,
-            fw.prompt_plan,
-            fw.scored,
-        )
+        inp = fw.inp
         if so is not None and so.masks_deferred:
             self.prep.apply_masks(inp, so)
-        tokens, num, lp = self._sample(inp, logits)
-        top = self._top_logprobs(inp, logits, tokens.shape[1])
-        drafts = self._propose(inp, hidden, tokens, num)
+        tokens, num, lp = self._sample(inp, fw.logits)
+        top = self._top_logprobs(inp, fw.logits, tokens.shape[1])
+        drafts = self._propose(inp, fw.hidden, tokens, num)
         flight = self.prep.record_launch(inp, tokens, num, drafts)
         n, width = len(inp.req_ids), tokens.shape[1]
         self._slot ^= 1
@@ -382,15 +369,15 @@ class ModelRunner:
             num_top = top[0].shape[2]
             host.top_ids[:n, :width, :num_top].copy_(top[0], non_blocking=True)
             host.top_lps[:n, :width, :num_top].copy_(top[1], non_blocking=True)
-        if scored is not None:
-            host.prompt_host(self.max_num_tokens).copy_from(scored)
+        if fw.scored is not None:
+            host.prompt_host(self.max_num_tokens).copy_from(fw.scored)
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
         return StepHandle(
             inp,
-            path,
+            fw.path,
             host,
             width,
             num is not None,
@@ -399,7 +386,7 @@ class ModelRunner:
             num_top,
             event,
             flight,
-            pplan,
+            fw.prompt_plan,
         )
 
     def finish(self, handle: StepHandle) -> RunnerOutput:
