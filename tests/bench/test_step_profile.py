@@ -129,14 +129,15 @@ def _stand_in_graphs(llm: object) -> None:
     g = CudaGraphManager(runner.step, [1, 2, 4], (1,))
 
     class Replay:
-        def __init__(self, key: tuple[int, int]) -> None:
+        def __init__(self, key: tuple[int, int, int]) -> None:
             self.key = key
 
         def replay(self) -> None:
             g.outputs[self.key] = g._forward(*self.key)
 
     for size in g.sizes:
-        g.graphs[(size, 1)] = Replay((size, 1))  # type: ignore[assignment]
+        for width in g.widths:
+            g.graphs[(size, 1, width)] = Replay((size, 1, width))  # type: ignore[assignment]
     runner.graphs = g
 
 

@@ -81,6 +81,7 @@ class _Graphs:
     """The two things ``plan_graph_key`` reads of a CudaGraphManager."""
 
     query_lens = (1, 4)
+    widths = [256, 1024]
 
     def padded_size(self, num_reqs: int, q: int) -> int | None:
         return next((s for s in (1, 2, 4, 8) if s >= num_reqs), None)
@@ -90,8 +91,8 @@ def test_every_rank_picks_the_same_graph_from_the_plan() -> None:
     from pdserve.runner.dummy_step import plan_graph_key
 
     g = _Graphs()
-    assert plan_graph_key(g, agree(step(3, 3, 1), step())) == (4, 1)  # type: ignore[arg-type]
-    assert plan_graph_key(g, agree(step(8, 2, 4), step(3, 1, 4))) == (2, 4)  # type: ignore[arg-type]
+    assert plan_graph_key(g, agree(step(3, 3, 1), step())) == (4, 1, 1024)  # type: ignore[arg-type]
+    assert plan_graph_key(g, agree(step(8, 2, 4), step(3, 1, 4))) == (2, 4, 1024)  # type: ignore[arg-type]
     assert plan_graph_key(g, agree(step(9, 9, 1), step())) is None  # type: ignore[arg-type]
     assert plan_graph_key(g, agree(step(6, 3, 2), step())) is None  # type: ignore[arg-type]
     assert plan_graph_key(None, agree(step(3, 3, 1), step())) is None

@@ -44,15 +44,16 @@ class DraftGraphManager:
         self.zeros = torch.zeros(p, dtype=i64, device=dev)
         # a dummy row's first token under each query length: row i starts at token i*q
         self.dummy_first = {q: torch.arange(p, device=dev) * q for q in target.query_lens}
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        # keyed as the target's graphs: (padded size, q, width)
+        self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int, int], torch.Tensor] = {}
         self.capture_seconds = 0.0
         self.replays = 0
 
-    def _batch(self, size: int, q: int) -> DraftBatch:
+    def _batch(self, size: int, q: int, width: int) -> DraftBatch:
         b = self.buffers
         t = size * q
-        common = b.common_metadata(size, t, q, self.max_model_len)
+        common = b.common_metadata(size, t, q, width)
         none = np.zeros(size, dtype=np.int64)
         return DraftBatch(
             req_ids=[""] * size,
@@ -61,11 +62,11 @@ class DraftGraphManager:
             token_table=np.zeros((size, 1), dtype=np.int32),
             num_prompt_tokens=none,
             num_known=none,
-            max_context=self.max_model_len,
+            max_context=min(width + 1, self.max_model_len),
             sampled=self.sampled[:size],
             num_sampled=self.num[:size],
             next_positions=self.zeros[:size],
-            hidden=self.target.outputs[(size, q)][0],
+            hidden=self.target.outputs[(size, q, width)][0],
             query_start_loc=common.query_start_loc,
             input_ids=b.input_ids.dev[:t],
             positions=b.positions.dev[:t],
@@ -88,45 +89,45 @@ class DraftGraphManager:
         """Capture one proposal graph per target graph (call right after the target's)."""
         t0 = time.perf_counter()
         dev = self.target.step.device
-        for size, q in sorted(self.target.graphs, reverse=True):
+        for key in sorted(self.target.graphs, reverse=True):
+            size, q, width = key
             self.buffers.fill_padding(0, 0, size, q)
             self._inert(0, size, q)
-            batch = self._batch(size, q)
+            batch = self._batch(size, q, width)
             self.proposer.propose(batch)  # warm-up
             torch.cuda.synchronize(dev)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.target.pool):
                 out = self.proposer.propose(batch)
-            self.graphs[(size, q)] = g
-            self.outputs[(size, q)] = out
+            self.graphs[key] = g
+            self.outputs[key] = out
         torch.cuda.synchronize(dev)
         self.capture_seconds = time.perf_counter() - t0
         logger.info("captured %d MTP draft graphs in %.1fs", len(self.graphs), self.capture_seconds)
 
-    def replay_inert(self, padded: int, q: int) -> None:
-        """Replay the proposal of (``padded``, ``q``) with every row inert: an idle data-
+    def replay_inert(self, key: tuple[int, int, int]) -> None:
+        """Replay the proposal of target graph ``key`` with every row inert: an idle data-
         parallel rank matching its peers' collectives (its drafts are dropped)."""
-        self._inert(0, padded, q)
-        self.graphs[(padded, q)].replay()
+        self._inert(0, key[0], key[1])
+        self.graphs[key].replay()
 
     def run(
         self,
-        padded: int,
-        q: int,
+        key: tuple[int, int, int],  # the target graph the step replayed
         tokens: torch.Tensor,  # [n, w] accepted tokens of the step
         counts: torch.Tensor,  # [n]
         first_token: torch.Tensor,  # [n]
         next_ids: torch.Tensor,  # [n]
         sample_mask: torch.Tensor,  # [n]
     ) -> torch.Tensor:
-        """Drafts [n, k] of the step just replayed at (``padded``, ``q``)."""
+        """Drafts [n, k] of the step just replayed at target graph ``key``."""
         n, w = tokens.shape
         self.sampled[:n, :w].copy_(tokens)
         self.num[:n].copy_(counts)
         self.samples[:n].copy_(sample_mask)
         self.first_token[:n].copy_(first_token)
         self.next_ids[:n].copy_(next_ids)
-        self._inert(n, padded, q)
-        self.graphs[(padded, q)].replay()
+        self._inert(n, key[0], key[1])
+        self.graphs[key].replay()
         self.replays += 1
-        return self.outputs[(padded, q)][:n].clone()
+        return self.outputs[key][:n].clone()

@@ -29,14 +29,15 @@ from pdserve.runner.draft_graph import DraftGraphManager
 from pdserve.runner.model_step import ModelStep
 
 
-def plan_graph_key(graphs: CudaGraphManager | None, plan: StepPlan) -> tuple[int, int] | None:
+def plan_graph_key(graphs: CudaGraphManager | None, plan: StepPlan) -> tuple[int, int, int] | None:
     """The graph every rank replays for ``plan`` (the same on every rank: the same
-    captures and the same agreed values), or None: all run eagerly."""
+    captures and the same agreed values; the widest width, as no context length is
+    agreed), or None: all run eagerly."""
     q = plan.uniform_q
     if graphs is None or q is None or q not in graphs.query_lens:
         return None
     padded = graphs.padded_size(plan.max_reqs, q)
-    return (padded, q) if padded is not None else None
+    return (padded, q, graphs.widths[-1]) if padded is not None else None
 
 
 class DummyStep:
@@ -76,13 +77,12 @@ class DummyStep:
         self,
         graphs: CudaGraphManager,
         draft_graphs: DraftGraphManager | None,
-        padded: int,
-        q: int,
+        key: tuple[int, int, int],
     ) -> None:
-        """Replay graph (``padded``, ``q``) over dummy requests only. The caller owns the
+        """Replay graph ``key`` (padded, q, width) over dummy requests only. The caller owns the
         pinned staging buffers :meth:`InputBuffers.fill_padding` writes (it waits for the
         previous step's uploads first and marks them read after)."""
-        self.step.buffers.fill_padding(0, 0, padded, q)
-        graphs.replay(padded, q)
-        if draft_graphs is not None and (padded, q) in draft_graphs.graphs:
-            draft_graphs.replay_inert(padded, q)
+        self.step.buffers.fill_padding(0, 0, key[0], key[1])
+        graphs.replay(*key)
+        if draft_graphs is not None and key in draft_graphs.graphs:
+            draft_graphs.replay_inert(key)

@@ -175,7 +175,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.graphs: CudaGraphManager | None = None
         self.draft_graphs: DraftGraphManager | None = None
-        self._graph_key: tuple[int, int] | None = None  # the graph the last step replayed
+        self._graph_key: tuple[int, int, int] | None = None  # the graph the last step replayed
         pin = self.device.type == "cuda"
         self._host = [HostOutputs(self.max_num_reqs, self.num_spec + 1, pin) for _ in range(2)]
         self._slot = 0
@@ -454,7 +454,7 @@ class ModelRunner:
             return "dummy:eager"
         assert self.graphs is not None
         self.prep.wait_staging()  # fill_padding rewrites the pinned staging buffers
-        self.dummy.run_graph(self.graphs, self.draft_graphs, *key)
+        self.dummy.run_graph(self.graphs, self.draft_graphs, key)
         self.prep.mark_staging_read()
         return "dummy:graph"
 
@@ -477,11 +477,12 @@ class ModelRunner:
             path = "eager:not_uniform_decode"  # prompts, chunks, mixed batches
         else:
             padded = self.graphs.padded_size(size, q)
-            self._graph_key = (padded, q) if padded is not None else None
             if padded is not None:
+                width = self.graphs.width_for(inp.common.max_seq_len if plan is None else None)
+                self._graph_key = (padded, q, width)
                 self.buffers.fill_padding(nreq, t, padded, q)
                 self.prep.mark_staging_read()
-                hidden, logits = self.graphs.replay(padded, q)
+                hidden, logits = self.graphs.replay(padded, q, width)
                 return hidden[:t], self._logit_rows(inp, logits), "graph"
             path = "eager:no_graph_for_shape"
         self.prep.mark_staging_read()
@@ -549,8 +550,8 @@ class ModelRunner:
         dg = self.draft_graphs
         if dg is not None and self._graph_key in dg.graphs:
             assert inp.next_ids is not None and inp.sample_mask is not None
-            padded, q = self._graph_key
-            return dg.run(padded, q, tokens, counts, inp.first_token, inp.next_ids, inp.sample_mask)
+            key = self._graph_key
+            return dg.run(key, tokens, counts, inp.first_token, inp.next_ids, inp.sample_mask)
         b = self.batch
         batch = DraftBatch(
             req_ids=inp.req_ids,

@@ -60,6 +60,13 @@ class AttentionBackend(ABC):
         """Turn the common metadata into this backend's own (default: use it as is)."""
         return common
 
+    def graph_context_widths(self, max_model_len: int) -> list[int]:
+        """Context widths (a step's ``max_seq_len``) below ``max_model_len`` to capture
+        decode graphs at as well: a backend whose captured work grows with the width it
+        was captured at asks for narrower graphs, which steps whose longest context
+        fits replay instead (default: none)."""
+        return []
+
     def prepare_for_capture(  # noqa: B027 (an optional hook with a no-op default)
         self,
         max_batch: int,

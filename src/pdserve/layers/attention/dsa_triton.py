@@ -11,6 +11,12 @@ tokens whose request's context is at most ``index_topk`` are not scored (they se
 every causal key; MLA attends densely there). Wider rows go to ``torch.topk`` (a
 multi-block radix select, faster on few long rows) over fully written scores. The choice
 is a host int (the width), so a captured graph keeps one path. No host sync.
+
+A graph captured at ``max_model_len`` above ``SORT_FREE_MAX_WIDTH`` would score every
+key up to that width and ``torch.topk`` it in every indexer layer, whatever the batch's
+real contexts; so the backend asks for graphs captured at ``SORT_FREE_MAX_WIDTH`` too
+(:meth:`graph_context_widths`), which steps whose longest context fits replay: the
+sort-free path, with short rows not scored at all.
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ _CHUNK_BYTES = 1 << 30  # the score buffer of one chunk of tokens
 class IndexerTritonBackend(AttentionBackend):
     name = "indexer_triton"
     supports_cuda_graphs = True
+
+    def graph_context_widths(self, max_model_len: int) -> list[int]:
+        return [SORT_FREE_MAX_WIDTH] if max_model_len > SORT_FREE_MAX_WIDTH else []
 
     def forward(
         self,
