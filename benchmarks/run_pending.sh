@@ -14,6 +14,9 @@
 # ab1, ab2  the same runs as a and b in two calls: ab1 runs the GPU tests and the bf16
 #       quality gate side by side (correctness only), then structured_bench (on drawn
 #       weights) and transfer_bench alone; ab2 runs fp8_bench and glm5_kernels_bench.
+# s9    structured_bench (deferred masks against land-first), the GLM-5 decode profile at
+#       1x1K and 32x1K (--long: graphs at two context widths), an FP8 GEMM sweep of
+#       down_proj at 1/16/64 tokens, then the GPU tests that changed (about 7 minutes).
 # a     GPU-marked tests of the kernels, layers, KV transfer and engine (parity of every
 #       Triton kernel against its torch reference on the device; issues 15, 19, 20, 21),
 #       then benchmarks/fp8_bench.py (issue 19: FP8 decode against the FP8 roofline,
@@ -35,7 +38,7 @@
 #       --enable-expert-parallel against one GPU, the same closed-loop load per rank
 #       (32 streams per GPU, 1024 in / 256 out): output tok/s per GPU and mean TPOT.
 set -uo pipefail
-stage="${1:?usage: run_pending.sh ab1|ab2|a|b|glm5|glm5-sla|nixl-install|nixl|x2|dpep N}"
+stage="${1:?usage: run_pending.sh s9|ab1|ab2|a|b|glm5|glm5-sla|nixl-install|nixl|x2|dpep N}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 source scripts/gpu-env
 echo "commit ${PDSERVE_COMMIT:-unknown} stage $stage"
@@ -81,6 +84,21 @@ case "$stage" in
       --out "$OUT/structured.json" 2>&1 | tee "$OUT/structured.log" | quiet
     timeout 120 python3 benchmarks/transfer_bench.py --transports cuda_ipc --no-equality \
       --out "$OUT/transfer.json" 2>&1 | tee "$OUT/transfer.log" | quiet
+    ;;
+  s9)  # session 9's last call: what changed after runs 33-37, most wanted first
+    llama_config
+    timeout 100 python3 benchmarks/structured_bench.py --ckpt $cfg8b --load-format dummy \
+      --out "$OUT/structured.json" 2>&1 | tee "$OUT/structured.log" | quiet | tail -7
+    timeout 80 python3 benchmarks/glm5_bench.py --out "$OUT/glm5_profile.json" \
+      --presets glm5-m12-e64 --long --profile 1x1024,32x1024 2>&1 | tee "$OUT/glm5_profile.log" \
+      | quiet | tail -60
+    timeout 60 python3 benchmarks/fp8_gemm_sweep.py --out "$OUT/fp8_gemm_sweep.json" \
+      --shapes down --tokens 1,16,64 --budget-s 45 2>&1 | tee "$OUT/fp8_gemm_sweep.log" | tail -30
+    timeout 100 python3 -m pytest -p no:cacheprovider -m gpu tests/kv_transfer tests/engine \
+      tests/models 2>&1 | tail -8
+    timeout 120 python3 -m pytest -p no:cacheprovider tests/kernels/test_graph_widths.py \
+      tests/kernels/test_dsa_indexer.py tests/kernels/test_sparse_mla.py \
+      tests/kernels/test_fused_moe.py tests/kernels/test_fp8.py 2>&1 | tail -8
     ;;
   ab2)
     timeout 300 python3 benchmarks/fp8_bench.py --out "$OUT/fp8_bench.json" 2>&1 \

@@ -2,14 +2,15 @@
 ``SORT_FREE_MAX_WIDTH`` below ``max_model_len``): a step replays the narrowest graph
 its longest context fits, and the tokens equal eager steps'. On a CPU the graphs are
 stood in for (a "replay" runs the captured forward, at the graph's padded batch and
-width, eagerly) and the Triton kernels run in the interpreter; the sort-free limit is
-lowered so the tiny model's contexts cross it."""
+width, eagerly; on a GPU too) and the Triton kernels run in the interpreter; the
+sort-free limit is lowered so the tiny model's contexts cross it."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
 
 from pdserve import LLM, SamplingParams
 from pdserve.layers.attention import dsa_triton
@@ -37,7 +38,7 @@ def _stand_in_graphs(llm: LLM, replayed: list[tuple[int, int, int]]) -> CudaGrap
 
 
 def test_a_step_replays_the_narrowest_graph_its_context_fits(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device: torch.device
 ) -> None:
     monkeypatch.setattr(dsa_triton, "SORT_FREE_MAX_WIDTH", 32)
     # the interpreter's warm-up forwards take most of a minute and check nothing here
@@ -48,7 +49,7 @@ def test_a_step_replays_the_narrowest_graph_its_context_fits(
     )  # fmt: skip
     kw = dict(
         dtype="float32",
-        device="cpu",
+        device=device.type,
         block_size=4,
         max_model_len=64,
         max_num_seqs=4,
