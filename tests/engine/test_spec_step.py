@@ -215,7 +215,10 @@ def test_uniform_verify_batches_replay_graphs(
     spec = _spec(tiny_llama, OracleDrafter, 3, reference, **kw)
     graphs = spec.engine.runner.graphs
     assert graphs is not None
-    assert set(graphs.graphs) == {(s, q) for q in (1, 4) for s in (1, 2, 4, 8)}
+    # keys (padded size, q, width): a Llama asks for no narrower width than max_model_len
+    w = spec.engine.runner.max_model_len
+    assert graphs.widths == [w]
+    assert set(graphs.graphs) == {(s, q, w) for q in (1, 4) for s in (1, 2, 4, 8)}
     assert outputs(spec, prompts[:4], params) == want
     st = spec.engine.stats()
     assert st.step_paths.get("graph", 0) >= 4 and st.spec_num_accepted_tokens > 0
