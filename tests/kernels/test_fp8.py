@@ -125,8 +125,10 @@ def test_block_fp8_gemm_configs_match_reference(
 def test_fp8_gemm_config_defaults_are_the_heuristic(device: torch.device) -> None:
     """``None`` fields resolve to the heuristic (llama-8b down_proj on 132 SMs), and an
     empty config launches exactly what no config does."""
-    down = resolve_fp8_gemm_config(1, 4096, 14336, 132)
-    assert down == Fp8GemmConfig(16, 64, 4, 3, 5, 1, False, False)
+    down = resolve_fp8_gemm_config(1, 4096, 14336, 132)  # split-K: 128-wide tiles
+    assert down == Fp8GemmConfig(16, 128, 4, 3, 9, 1, False, False)
+    gate_up = resolve_fp8_gemm_config(1, 28672, 4096, 132)  # 224 tiles of 128: no split
+    assert gate_up == Fp8GemmConfig(16, 64, 4, 3, 1, 1, False, False)
     assert resolve_fp8_gemm_config(8192, 4096, 14336, 132) == Fp8GemmConfig(64, 128, 4, 3, 1, 1)
     assert resolve_fp8_gemm_config(20, 256, 256, 4, Fp8GemmConfig(num_splits=5)).num_splits == 2
     assert resolve_fp8_gemm_config(64, 4096, 14336, 132, Fp8GemmConfig(block_n=256)) == (

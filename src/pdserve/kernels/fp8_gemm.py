@@ -197,12 +197,18 @@ def resolve_fp8_gemm_config(
     m: int, n: int, k: int, sms: int, config: Fp8GemmConfig | None = None
 ) -> Fp8GemmConfig:
     """``config`` with every ``None`` field filled in for an [m, k] x [n, k]^T GEMM on a
-    GPU of ``sms`` multiprocessors: block_m 16/32/64 by ``m``, block_n 64 up to 64 rows
-    else 128, 4 warps, 3 stages, K splits from :func:`choose_splits`, no grouping. The
-    returned ``num_splits`` is the one the launch uses (no split left empty)."""
+    GPU of ``sms`` multiprocessors: block_m 16/32/64 by ``m``; block_n 128, except 64
+    for up to 64 rows when 128-wide tiles would fill the GPU without splitting K; 4
+    warps, 3 stages, K splits from :func:`choose_splits`, no grouping. The returned
+    ``num_splits`` is the one the launch uses (no split left empty).
+
+    Split-K tiles are 128 wide from the H200 sweep of 2026-12-02 (RESULTS.md, run 38:
+    llama-8b down_proj, graph replays): 1 and 16 rows 33.0 -> 25.7 and 32.4 -> 26.6 us,
+    64 rows 54.5 -> 46.8 us against 64-wide tiles, splits by the same heuristic."""
     cfg = config or Fp8GemmConfig()
     block_m = cfg.block_m or (16 if m <= 16 else 32 if m <= 32 else 64)
-    block_n = cfg.block_n or (64 if m <= 64 else 128)
+    split_k = triton.cdiv(m, block_m) * triton.cdiv(n, 128) < sms
+    block_n = cfg.block_n or (64 if m <= 64 and not split_k else 128)
     k_blocks = triton.cdiv(k, GROUP_K)
     splits = cfg.num_splits or choose_splits(
         triton.cdiv(m, block_m), triton.cdiv(n, block_n), k_blocks, sms
