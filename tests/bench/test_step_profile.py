@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _stand_in_graphs import stand_in_graphs
 from pdserve.bench.step_profile import (
     CATEGORIES,
     GAP,
@@ -120,27 +121,6 @@ def _load_bench() -> object:
     return bench
 
 
-def _stand_in_graphs(llm: object) -> None:
-    """CUDA graphs on a CPU, stood in for: a "replay" runs the captured forward (the
-    graph's padded batch and metadata) eagerly, so the runner takes its graph path."""
-    from pdserve.runner.cuda_graph import CudaGraphManager
-
-    runner = llm.engine.runner  # type: ignore[attr-defined]
-    g = CudaGraphManager(runner.step, [1, 2, 4], (1,))
-
-    class Replay:
-        def __init__(self, key: tuple[int, int, int]) -> None:
-            self.key = key
-
-        def replay(self) -> None:
-            g.outputs[self.key] = g._forward(*self.key)
-
-    for size in g.sizes:
-        for width in g.widths:
-            g.graphs[(size, 1, width)] = Replay((size, 1, width))  # type: ignore[assignment]
-    runner.graphs = g
-
-
 def test_glm5_bench_cpu_profile_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The --profile path on the CPU: a 4 x 48 batch whose prompts prefill over several
     64-token steps, every request decoding in every timed step (graph path, stood in),
@@ -151,7 +131,7 @@ def test_glm5_bench_cpu_profile_smoke(tmp_path: Path, monkeypatch: pytest.Monkey
 
     def with_graphs(*args: object) -> object:
         llm, dummy, startup = engine(*args)
-        _stand_in_graphs(llm)
+        stand_in_graphs(llm)
         return llm, dummy, startup
 
     monkeypatch.setattr(bench, "_engine", with_graphs)

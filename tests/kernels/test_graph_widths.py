@@ -12,29 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from _stand_in_graphs import stand_in_graphs
 from pdserve import LLM, SamplingParams
 from pdserve.layers.attention import dsa_triton
-from pdserve.runner.cuda_graph import CudaGraphManager
 from pdserve.testing.checkpoint import make_checkpoint
-
-
-def _stand_in_graphs(llm: LLM, replayed: list[tuple[int, int, int]]) -> CudaGraphManager:
-    runner = llm.engine.runner
-    g = CudaGraphManager(runner.step, [1, 2, 4], (1,))
-
-    class Replay:
-        def __init__(self, key: tuple[int, int, int]) -> None:
-            self.key = key
-
-        def replay(self) -> None:
-            replayed.append(self.key)
-            g.outputs[self.key] = g._forward(*self.key)
-
-    for size in g.sizes:
-        for width in g.widths:
-            g.graphs[(size, 1, width)] = Replay((size, 1, width))  # type: ignore[assignment]
-    runner.graphs = g
-    return g
 
 
 def test_a_step_replays_the_narrowest_graph_its_context_fits(
@@ -60,7 +41,7 @@ def test_a_step_replays_the_narrowest_graph_its_context_fits(
     llm = LLM(str(ckpt), **kw)  # type: ignore[arg-type]
     eager = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
     replayed: list[tuple[int, int, int]] = []
-    g = _stand_in_graphs(llm, replayed)
+    g = stand_in_graphs(llm, replayed)
     assert g.widths == [32, 64]
     assert g.width_for(20) == 32 and g.width_for(32) == 32 and g.width_for(33) == 64
     graphed = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
