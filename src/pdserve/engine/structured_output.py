@@ -221,18 +221,17 @@ class BitmaskFiller:
         """One row per grammar; a None row allows every token."""
         import torch
 
-        out = np.full((len(grammars), self.words), -1, np.int32)
         rows = [i for i, g in enumerate(grammars) if g is not None]
         matchers = [g.matcher for g in grammars if g is not None]
-        if len(rows) == len(grammars) and len(rows) > 1:
-            self._batch.batch_fill_next_token_bitmask(matchers, torch.from_numpy(out))
-        elif rows:
-            part = np.empty((len(rows), self.words), np.int32)
-            if len(rows) == 1:
-                matchers[0].fill_next_token_bitmask(torch.from_numpy(part), 0)
-            else:
-                self._batch.batch_fill_next_token_bitmask(matchers, torch.from_numpy(part))
-            out[rows] = part
+        filled = np.empty((len(rows), self.words), np.int32)
+        if len(matchers) == 1:
+            matchers[0].fill_next_token_bitmask(torch.from_numpy(filled), 0)
+        elif matchers:
+            self._batch.batch_fill_next_token_bitmask(matchers, torch.from_numpy(filled))
+        if len(rows) == len(grammars):
+            return filled
+        out = np.full((len(grammars), self.words), -1, np.int32)
+        out[rows] = filled
         return out
 
 

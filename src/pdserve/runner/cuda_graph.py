@@ -2,14 +2,14 @@
 
 A uniform decode batch has every request computing the same ``q_len`` tokens (1, or
 1+k when verifying k drafts). Its whole forward (model + logits of every token) is
-captured once per key ``(padded batch size, q_len, width)``, largest first, all graphs
-sharing one memory pool. ``width`` is the ``max_seq_len`` the graph was captured at:
-``max_model_len``, and narrower widths where an attention backend asks for them
+captured once per key ``(padded batch size, q_len, width)``, largest first, all
+graphs sharing one memory pool. ``width`` is the ``max_seq_len`` the graph was captured
+at: ``max_model_len``, and narrower widths where an attention backend asks for them
 (``graph_context_widths``: the DSA indexer's work in a graph grows with it); a step
-replays the narrowest graph its longest context fits. At run time the batch is padded up to the next captured
-size with dummy requests on the null block (:meth:`InputBuffers.fill_padding`); the
-runner takes the hidden states and logits of the real rows from the graph's static
-outputs.
+replays the narrowest graph its longest context fits. At run time the batch is padded
+up to the next captured size with dummy requests on the null block
+(:meth:`InputBuffers.fill_padding`); the runner takes the hidden states and logits of
+the real rows from the graph's static outputs.
 
 Contract with the runner: every input the graph reads is a static device buffer of
 :class:`~pdserve.runner.input_buffers.InputBuffers`; a replay only rewrites their
@@ -102,12 +102,10 @@ class CudaGraphManager:
         self.capture_seconds = time.perf_counter() - t0
         logger.info("captured %d CUDA graphs in %.1fs", len(self.graphs), self.capture_seconds)
 
-    def replay(
-        self, padded: int, q_len: int, width: int | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replay the graph for (``padded``, ``q_len``, ``width``; None: the widest) after
+    def replay(self, padded: int, q_len: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the graph for (``padded``, ``q_len``, ``width``) after
         :meth:`InputBuffers.fill_padding`; returns its static (hidden states, logits) of
         all ``padded * q_len`` tokens."""
-        key = (padded, q_len, width or self.widths[-1])
+        key = (padded, q_len, width)
         self.graphs[key].replay()
         return self.outputs[key]

@@ -409,24 +409,21 @@ class StepPreparer:
         )
         dev = self.device
 
-        def tensor(a: np.ndarray) -> torch.Tensor:
-            return upload(a, dev)
-
         all_greedy = bool(greedy.all())
         temperature = top_k = top_p = min_p = greedy_rows = None
         generators: dict[int, torch.Generator] = {}
         if not all_greedy:
-            temperature = tensor(b.temperature[rrows])
-            greedy_rows = tensor(greedy) if greedy.any() else None
+            temperature = upload(b.temperature[rrows], dev)
+            greedy_rows = upload(greedy, dev) if greedy.any() else None
             tk = b.top_k[rrows]
             if (tk > 0).any():
-                top_k = tensor(np.where(tk > 0, tk, self.vocab_size))
+                top_k = upload(np.where(tk > 0, tk, self.vocab_size), dev)
             tp = b.top_p[rrows]
             if (tp < 1.0).any():
-                top_p = tensor(tp)
+                top_p = upload(tp, dev)
             mp = b.min_p[rrows]
             if (mp > 0.0).any():
-                min_p = tensor(mp)
+                min_p = upload(mp, dev)
             for i, r in enumerate(rrows):
                 if samples is not None and not samples[lreq[i]]:
                     continue  # a prompt chunk short of its end: its row samples nothing
@@ -500,14 +497,11 @@ class StepPreparer:
             [b.token_ids[r, :p] for r, p in zip(prow, plen, strict=True)]
         ).astype(np.int64)
 
-        def up(a: np.ndarray) -> torch.Tensor:
-            return upload(a, dev)
-
         shape = (len(sel), self.vocab_size)
         counts = torch.zeros(shape, dtype=torch.float32, device=dev)
-        out_rows = up(np.repeat(k, host_end - plen))
+        out_rows = upload(np.repeat(k, host_end - plen), dev)
         counts.index_put_(
-            (out_rows, up(out_ids)), torch.ones(len(out_ids), device=dev), accumulate=True
+            (out_rows, upload(out_ids, dev)), torch.ones(len(out_ids), device=dev), accumulate=True
         )
         miss = np.maximum(upto - np.maximum(host_end, computed), 0)
         if miss.any():
@@ -515,20 +509,22 @@ class StepPreparer:
             first = cu[req] + np.maximum(host_end, computed) - computed
             off = np.arange(int(miss.sum())) - np.repeat(np.cumsum(miss) - miss, miss)
             flat = np.repeat(first, miss) + off
-            toks = self.buf.input_ids.dev.index_select(0, up(flat)).to(torch.int64)
+            toks = self.buf.input_ids.dev.index_select(0, upload(flat, dev)).to(torch.int64)
             counts.index_put_(
-                (up(np.repeat(k, miss)), toks), torch.ones(len(flat), device=dev), accumulate=True
+                (upload(np.repeat(k, miss), dev), toks),
+                torch.ones(len(flat), device=dev),
+                accumulate=True,
             )
         prompt = torch.zeros(shape, dtype=torch.bool, device=dev)
-        prompt[up(np.repeat(k, plen)), up(prompt_ids)] = True
+        prompt[upload(np.repeat(k, plen), dev), upload(prompt_ids, dev)] = True
         ps = [params[i] for i in sel]
         return Penalties(
-            up(sel),
+            upload(sel, dev),
             counts,
             prompt,
-            up(np.array([p.presence_penalty for p in ps], dtype=np.float32)),
-            up(np.array([p.frequency_penalty for p in ps], dtype=np.float32)),
-            up(np.array([p.repetition_penalty for p in ps], dtype=np.float32)),
+            upload(np.array([p.presence_penalty for p in ps], dtype=np.float32), dev),
+            upload(np.array([p.frequency_penalty for p in ps], dtype=np.float32), dev),
+            upload(np.array([p.repetition_penalty for p in ps], dtype=np.float32), dev),
         )
 
     def _bias(self, rrows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
