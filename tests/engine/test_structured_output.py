@@ -2,7 +2,7 @@
 per-token reference, the offline engine under async scheduling (masks deferred: the
 next step's forward is launched before the step in flight lands and the matchers
 advance; the same tokens as landing first), a grammar that fails to compile, an abort
-while compiling, and the refusal with speculative decoding."""
+while compiling. (With speculative decoding: test_spec_constraints.py.)"""
 
 from __future__ import annotations
 
@@ -140,13 +140,3 @@ def test_abort_while_compiling(llm: LLM) -> None:
     assert core.has_unfinished_requests()
     (out,) = core.abort_requests(["r-abort"], RequestStatus.FINISHED_ABORTED)
     assert out.finish_reason == "abort" and not core.has_unfinished_requests()
-
-
-def test_refused_with_speculative_decoding(tiny_llama: Path) -> None:
-    from pdserve.frontend.processor import InputProcessor
-    from pdserve.frontend.tokenizer import Tokenizer
-
-    proc = InputProcessor(Tokenizer.from_pretrained(tiny_llama), 256, 512, speculative=True)
-    sp = SamplingParams(max_tokens=4, structured_outputs=_so(choice=["a"]))
-    with pytest.raises(ValueError, match="speculative decoding"):
-        proc.make_request("r", [5, 6], sp)

@@ -47,10 +47,11 @@ returns them by default. Chat ``top_logprobs`` > 0 needs ``logprobs=true``.
 ``logit_bias`` (token id -> bias in [-100, 100], added to the logits) and the vLLM extra
 ``allowed_token_ids`` (every other id masked out) are applied on the device, and so are
 ``presence_penalty`` / ``frequency_penalty`` (over the output tokens) and
-``repetition_penalty`` (over prompt and output tokens) with vLLM's definitions;
-penalties are refused (400) on an engine with speculative decoding, and so is the vLLM
+``repetition_penalty`` (over prompt and output tokens) with vLLM's definitions (under
+speculative decoding each verified position counts the drafts before it). The vLLM
 extra ``bad_words`` (each word is banned as vLLM bans it: its tokens as given and after
-a space; the last token of a sequence is masked where the output ends with the rest).
+a space; the last token of a sequence is masked where the output ends with the rest) is
+refused (400) on an engine with speculative decoding.
 
 ``kv_transfer_params`` stays a plain JSON object here: its signature is checked first
 (403 when it does not verify) and its fields are parsed after that
