@@ -83,22 +83,28 @@ def _ebnf_literal(text: str) -> str:
     return '"' + "".join(out) + '"'
 
 
-# xgrammar's character of a string with minLength / maxLength admits raw control
-# characters (U+0000-U+001F), which RFC 8259 forbids inside strings and json.loads rejects
-_LENGTH_CHAR = r"[^\"\\\r\n]"
-_JSON_CHAR = r"[^\0-\x1f\"\\]"
+# Characters of JSON strings as xgrammar's schema converter writes them: a plain string's
+# admits UTF-8-encoded surrogates (U+D800-U+DFFF, not valid UTF-8: they decode as
+# replacement characters), and a minLength / maxLength string's admits raw control
+# characters too (U+0000-U+001F, which RFC 8259 forbids inside strings and json.loads
+# rejects). Both are rewritten to exclude them.
+_STRING_CHARS = (r'[^\0-\x1f\"\\\r\n]', r'[^\"\\\r\n]')
+_JSON_CHAR = r'[^\0-\x1f\"\\\ud800-\udfff]'
 
 
 def _json_only(grammar: Any) -> Any:
     """``grammar`` (converted from a JSON schema) with every string character rule
-    excluding the control characters, as its plain strings already do: what it accepts
-    then always parses with a strict JSON parser."""
+    excluding control characters and surrogates: what it accepts then always parses with
+    a strict JSON parser, and a string's length is what the schema's validator counts."""
     import xgrammar as xgr
 
     text = str(grammar)
-    if _LENGTH_CHAR not in text:
+    fixed = text
+    for chars in _STRING_CHARS:
+        fixed = fixed.replace(chars, _JSON_CHAR)
+    if fixed == text:
         return grammar
-    return xgr.Grammar.from_ebnf(text.replace(_LENGTH_CHAR, _JSON_CHAR))
+    return xgr.Grammar.from_ebnf(fixed)
 
 
 def build_grammar(spec: StructuredOutputsParams) -> Any:
