@@ -185,7 +185,7 @@ def _add_routes(app: FastAPI, ctx: ServingContext, health_timeout: float) -> Non
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(ctx, body, request)
 
-    @app.post("/v1/responses", responses={**_ERRORS, 200: _JSON_OR_SSE})
+    @app.post("/v1/responses", responses={**_PD_ERRORS, 200: _JSON_OR_SSE})
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         return await create_response(ctx, body, request)
 

@@ -258,7 +258,7 @@ class ProxyResponse(Response):
                         "POST",
                         url + self.path,
                         instance=url,
-                        json=prefill_body(self.client_body, core.secret),
+                        json=prefill_body(self.client_body, core.secret, self.path),
                         headers=self.upstream_headers,
                         timeout=core.leg_timeout(streaming=False),
                     )
