@@ -287,7 +287,8 @@ class Scheduler:
                 self.stats.spec_num_padded_steps += 1
                 n += len(pad)
             self.waiting.popleft()
-            self.kv.record_lookup(req.num_tokens, num_hit)
+            if req.request_id not in self._remote_tokens:  # a pulled prompt's was, parked
+                self.kv.record_lookup(req.num_tokens, num_hit)
             if req.num_cached_tokens < 0:  # first admission: account the prompt's sources
                 req.num_cached_tokens = num_hit
                 local_hit, external = self._remote_tokens.pop(req.request_id, (num_hit, 0))

@@ -150,7 +150,7 @@ class ResponsesRequest(CheckedModel):
         out = []
         for item in v:
             kind = item.get("type", "message") if isinstance(item, dict) else None
-            if kind not in _ITEMS:
+            if not isinstance(kind, str) or kind not in _ITEMS:
                 raise RequestError(
                     f"input item type {kind!r} is not supported on /v1/responses (messages, "
                     "function_call and function_call_output)",
