@@ -248,3 +248,27 @@ def test_forced_required_calls_that_do_not_parse_are_content() -> None:
     # a named call cut short keeps its text as the call's arguments
     named = ForcedToolCalls("get_weather")
     assert named.whole('{"city": "Os').tool_calls[0].function.arguments == '{"city": "Os'
+
+
+@pytest.mark.parametrize(
+    ("argv", "reason"),
+    [
+        (["--all2all-backend", "deepep_low_latency"], "own dispatchers"),
+        (["--fingerprint-mode", "none"], "system_fingerprint"),
+        (["--trust-remote-code"], "no code from model folders"),
+    ],
+)
+def test_vllm_flags_refused_with_a_reason(
+    argv: list[str], reason: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import argparse
+
+    from pdserve.serving.api.cli import add_cli_args
+
+    p = argparse.ArgumentParser()
+    add_cli_args(p)
+    with pytest.raises(SystemExit):
+        p.parse_args(["m", *argv])
+    err = capsys.readouterr().err
+    assert f"{argv[0]} is not supported by pdserve" in err and reason in err
+
