@@ -212,3 +212,26 @@ def test_bad_flags_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
         == 2
     )
     assert cli_main(["bench", "sla", "--search", "concurrency", "--start", "0"]) == 2
+
+
+def test_sla_repeat_script_smoke(tmp_path: Path) -> None:
+    """benchmarks/sla_repeat.py (the repeatability check for a quiet machine): one short
+    run against a CPU server, its table and JSON."""
+    import subprocess
+    import sys
+
+    from _ports import free_port
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "sla_repeat.py"
+    out = tmp_path / "repeat.json"
+    done = subprocess.run(
+        [sys.executable, str(script), "--out", str(out), "--runs", "1", "--num-prompts", "8",
+         "--port", str(free_port()), "--sla-args", "--random-input-len", "8",
+         "--random-output-len", "4", "--start", "64", "--max-load", "64", "--num-warmups", "1",
+         "--sla-ttft-ms", "1e6", "--sla-tpot-ms", "1e6"],  # one point that passes
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.loads(out.read_text())
+    assert data["spread"] == 0.0 and data["runs"][0]["capacity"] == 64
+    assert "capacity req/s" in done.stdout
