@@ -13,7 +13,7 @@ penalised as the engine without speculation penalises that position.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -22,8 +22,15 @@ from pdserve.layers.sampler import Penalties
 from pdserve.runner.input_batch import InputBatch
 from pdserve.runner.input_buffers import InputBuffers, upload
 
-if TYPE_CHECKING:
-    from pdserve.runner.step_inputs import InFlight
+
+class InFlight(Protocol):
+    """What these counts read of the step in flight (``step_inputs.InFlight``)."""
+
+    tokens: torch.Tensor  # [B, k+1] accepted tokens
+    num: torch.Tensor | None  # [B] accepted counts
+    index: np.ndarray  # row -> its batch index in that step, -1: sampled none
+    num_rows: np.ndarray | None  # row -> tokens it verified
+    row_gens: np.ndarray  # row -> its generation when that step was prepared
 
 
 def penalties(
