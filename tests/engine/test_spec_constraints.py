@@ -111,9 +111,16 @@ def test_ngram_same_greedy_output(tiny_llama: Path, llama_case, async_scheduling
     assert llm.engine.stats().spec_num_accepted_tokens > 0
 
 
+@pytest.fixture(scope="module")
+def glm_case(tiny_glm5: Path) -> tuple[list[list[int]], list[tuple]]:
+    return _case(tiny_glm5)
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_mtp_same_greedy_output_tiny_glm5(tiny_glm5: Path, async_scheduling: bool) -> None:
-    prompts, want = _case(tiny_glm5)
+def test_mtp_same_greedy_output_tiny_glm5(
+    tiny_glm5: Path, glm_case, async_scheduling: bool
+) -> None:
+    prompts, want = glm_case
     spec = {"method": "mtp", "num_speculative_tokens": 3}
     llm = LLM(str(tiny_glm5), async_scheduling=async_scheduling, speculative_config=spec, **KW)
     _check(llm, prompts, want)
@@ -221,3 +228,19 @@ def test_probabilistic_rejection_never_accepts_a_masked_draft() -> None:
             torch.tensor([2]),
         )
         assert int(num[0]) == 1 and 10 <= int(tokens[0, 0]) < 20
+
+
+def test_a_run_is_cut_where_the_grammar_ends(tiny_llama: Path) -> None:
+    """A verify may accept tokens past the one that ends the grammar (with ignore_eos the
+    EOS does not stop the request): they are not fed and do not belong to the output."""
+    from pdserve.engine.structured_output import RequestGrammar, StructuredOutputManager
+    from pdserve.frontend.tokenizer import Tokenizer
+
+    mgr = StructuredOutputManager(tiny_llama, 512)
+    compiled = mgr.submit(StructuredOutputsParams(choice=["ab"])).result()
+    ab = list(Tokenizer.from_pretrained(tiny_llama).encode("ab", add_special_tokens=False))
+    g = RequestGrammar(compiled, [2])
+    assert g.accept_run([*ab, 2, 7, 8]) == (len(ab) + 1, True) and g.terminated
+    g = RequestGrammar(compiled, [2])
+    assert g.accept_run([ab[0], 9]) == (2, False) and g.failed
+    mgr.shutdown()
