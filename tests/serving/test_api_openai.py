@@ -346,3 +346,4 @@ def test_completion_with_a_list_of_prompts(make_server: ServerFactory) -> None:
     assert texts == {0: "ababc", 1: "cdabc", 2: "efabc"}
     assert not chunks[-1].choices and chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == 9
+    assert engine.aborted == []  # every prompt's requests ran to their end
