@@ -80,7 +80,7 @@ def test_a_batch_of_prompts_is_aborted_whole_on_disconnect(
             c.stream("POST", "/v1/completions", json=body, headers={"X-Request-Id": rid}) as r,
         ):
             assert r.status_code == 200
-            for n, line in enumerate(ln for ln in r.iter_lines() if ln.startswith("data: ")):
+            for n, _ in enumerate(ln for ln in r.iter_lines() if ln.startswith("data: ")):
                 if n == 5:
                     break
     else:
