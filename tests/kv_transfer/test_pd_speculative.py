@@ -38,7 +38,7 @@ def _pd_run(path: Path, p_spec: dict, d_spec: dict, async_scheduling: bool, sps=
             # the prompt's blocks only, not the lookahead slots MTP drafting reserved
             assert len(params.remote_block_ids or []) == -(-len(ids) // 4)
             d.add_request(dp.make_request(f"r{i}", ids, sps[i] if sps else SP, params))
-        outs = run(d, {f"r{i}" for i in range(len(PROMPTS))})
+        outs = run(d, {f"r{i}" for i in range(len(PROMPTS))}, limit=90.0)  # a shared CPU
         got = [tokens(outs[f"r{i}"]) for i in range(len(PROMPTS))]
         st = d.stats()
         assert st.kv_transfer_failures == 0
