@@ -171,9 +171,11 @@ def format_table(rows: list[Module]) -> str:
         )
     tot = {k: sum(getattr(r, k) for r in rows) for k in OUTCOMES}
     bad = sum(r.bad for r in rows)
+    idle = sum(r.verdict() == "NOT RUN" for r in rows)
+    title = f"total ({len(rows)} modules, {bad} not ok, {idle} not run)"
     lines.append("-" * len(head))
     lines.append(
-        f"{f'total ({len(rows)} modules, {bad} not ok)':<{width}}  {'':<9}{tot['passed']:>6}"
+        f"{title:<{width}}  {'':<9}{tot['passed']:>6}"
         f"{tot['failed']:>6}{tot['errors']:>6}{tot['skipped']:>6}"
     )
     for r in rows:

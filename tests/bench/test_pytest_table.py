@@ -98,7 +98,7 @@ def test_table_from_reports_and_a_manifest(
     assert row["tests/kernels/test_slow.py"][1:3] == ["TIMED", "OUT"]
     assert "exit 124; no report" in text
     assert row["tests/serving/test_api_openai.py"][1:3] == ["NOT", "RUN"]
-    assert "total (3 modules, 2 not ok)" in text
+    assert "total (3 modules, 2 not ok, 1 not run)" in text
     assert "FAILED tests/kernels/test_mixed.py::test_param[2]" in text
     assert "ERROR tests/kernels/test_mixed.py::test_uses_broken" in text
     data = json.loads(out.read_text())
