@@ -211,7 +211,7 @@ def run(args: argparse.Namespace, kind: str) -> list[dict]:
     return rows
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -234,7 +234,7 @@ def main() -> int:
     ap.add_argument("--sla-tpot-ms", type=float, default=20.0)
     ap.add_argument("--sla-start", type=float, default=0.5, help="first rate of the search")
     ap.add_argument("--sla-tolerance", type=float, default=0.2)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     rows = []
     for t in args.topologies.split(","):
         if t not in TOPOLOGIES:
