@@ -171,3 +171,44 @@ def test_warm_diag(tmp_path: Path) -> None:
     res = json.loads(out.read_text())
     assert [r["len"] for r in res["rows"]] == [33, 33, 32, 32, 17, 17, 1, 1]
     assert {"sdpa_flash_37", "gemms_37", "sdpa_default_45"} <= set(res["first_call_ms"])
+
+
+def test_fp8_bench(tmp_path: Path) -> None:
+    """Its own interpreter: ``--device cpu`` sets TRITON_INTERPRET before the Triton GEMM
+    is imported (so it runs the same on a machine with a GPU)."""
+    out = tmp_path / "fp8.json"
+    done = _script("fp8_bench", "--device", "cpu", "--workdir", str(tmp_path), "--out", str(out))
+    res = json.loads(out.read_text())
+    assert [k for k in res if k.endswith("_error")] == []
+    assert res["limits"]["fp8_matmul_flops"] > 0
+    assert [g["tokens"] for g in res["gemm"]] == [1, 16]
+    assert all(g["triton_fp8_ms"] > 0 and g["bf16_ms"] > 0 for g in res["gemm"])
+    v = res["variants"]
+    assert (
+        set(v) == {"bf16", "fp8"}
+        and v["fp8"]["kv_bytes_per_token"] < v["bf16"]["kv_bytes_per_token"]
+    )
+    for r in v.values():
+        assert [d["batch"] for d in r["decode"]] == [1, 2] and all(
+            "step_ms" in d for d in r["decode"]
+        )
+        assert r["prefill"]["share_of_fp8_peak"] > 0 and r["offline"]["output_tok_s"] > 0
+    assert "offline out tok/s" in done.stdout
+
+
+def test_kernels_bench(tmp_path: Path) -> None:
+    """Every section and the sweeps, the kernels in the interpreter (its own
+    interpreter process, as for fp8_bench)."""
+    out = tmp_path / "k.json"
+    _script("kernels_bench", "--device", "cpu", "--sections", "all", "--sweep", "--out", str(out))
+    res = json.loads(out.read_text())
+    assert [(r["batch"], r["context"]) for r in res["decode"]] == [(1, 40), (2, 40)]
+    assert all(set(r["sweep_ms"]) == {"1", "2"} and r["ms"] > 0 for r in res["decode"])
+    for r in res["decode_configs"]:  # the engine's own pick is among the timed configs
+        assert r["engine_pick_us"] > 0 and len(r["top5"]) >= 2
+    assert [(r["cached"], r["new"]) for r in res["prefill"]] == [(0, 24), (16, 8)]
+    assert res["prefill"][0]["sdpa_ms"] > 0 and len(res["prefill"][1]["sweep_ms"]) == 5
+    assert {(r["batch"], r["mode"]) for r in res["sampling"]} == {
+        (b, m) for b in (1, 2) for m in ("top_p", "top_k+top_p")
+    }
+    assert [r["op"] for r in res["norm"]] == ["fused_add_rmsnorm", "rope"]
