@@ -32,6 +32,12 @@ Sections (default: all):
            rate (FP8's is about twice), so compute-bound rows understate x_bound
   router   the float32 router's selection for 256 experts, top-8 (n_group 1, and 8/4 as
            DeepSeek-V3.2 has it): router_select vs grouped_topk's tail, 64 and 4096 tokens
+  indexer_prefill, indexer_verify
+           the indexer's query-tiled score kernel for prefill (4K/16K/64K prompts, a
+           second 8K chunk) and verify rows (batch 64-256 x 1+3 at 16K), with a config
+           sweep and the top-k selects: see benchmarks/indexer_sections.py (about 2.5
+           minutes for both). Not in the default set. ``--cpu-smoke`` runs just these two
+           at toy shapes under TRITON_INTERPRET=1 on the CPU (CI's check of the code)
 
 Bounds use the copy bandwidth and the bf16 matmul rate measured in the same call:
 bound = max(bytes that must move / bandwidth, FLOPs / matmul rate). Bytes: MLA, the
@@ -58,7 +64,11 @@ import torch.nn.functional as F
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from indexer_sections import run_indexer_prefill, run_indexer_verify  # noqa: E402
+
+from pdserve.kernels._utils import interpret_mode  # noqa: E402
 from pdserve.kernels.dsa_indexer import (  # noqa: E402
     SORT_FREE_MAX_WIDTH,
     indexer_logits,
@@ -338,34 +348,58 @@ def table(title: str, rows: list[dict[str, Any]]) -> None:
         print(" | ".join(cells))
 
 
-def main() -> None:
+CPU_SECTIONS = ("indexer_prefill", "indexer_verify")
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="JSON output path")
     ap.add_argument("--sections", default="mla,indexer,moe,moe_fp8,router")
     ap.add_argument("--block-size", type=int, default=64, help="KV cache block size")
     ap.add_argument("--quick", action="store_true", help="small shapes: a smoke run")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("glm5_kernels_bench.py needs a CUDA GPU")
+    ap.add_argument(
+        "--cpu-smoke",
+        action="store_true",
+        help=f"{', '.join(CPU_SECTIONS)} only, toy shapes on the CPU under TRITON_INTERPRET=1",
+    )
+    args = ap.parse_args(argv)
+    if args.cpu_smoke:
+        bad = [s for s in args.sections.split(",") if s not in CPU_SECTIONS]
+        if bad:
+            sys.exit(f"--cpu-smoke runs only {', '.join(CPU_SECTIONS)}, not {', '.join(bad)}")
+        if not interpret_mode():
+            sys.exit("--cpu-smoke needs TRITON_INTERPRET=1 in the environment")
+    elif not torch.cuda.is_available():
+        sys.exit("glm5_kernels_bench.py needs a CUDA GPU (or --cpu-smoke)")
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    bw, peak = measure_limits()
+    bw, peak = (None, None) if args.cpu_smoke else measure_limits()
     result: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(),
+        "device": "cpu (interpreter)" if args.cpu_smoke else torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
-        "copy_bandwidth_GBps": bw / 1e9,
-        "bf16_matmul_TFLOPs": peak / 1e12,
+        "copy_bandwidth_GBps": bw / 1e9 if bw else None,
+        "bf16_matmul_TFLOPs": peak / 1e12 if peak else None,
         "block_size": args.block_size,
         "quick": args.quick,
+        "cpu_smoke": args.cpu_smoke,
     }
-    print(f"{result['device']}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s")
+    if bw and peak:
+        print(
+            f"{result['device']}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s"
+        )
     runners: dict[str, Callable[[], list[dict[str, Any]]]] = {
         "mla": lambda: run_mla(bw, peak, args.block_size, args.quick),
         "indexer": lambda: run_indexer(bw, peak, args.block_size, args.quick),
         "moe": lambda: run_moe(bw, peak, args.quick),
         "moe_fp8": lambda: run_moe_fp8(bw, peak, args.quick),
         "router": lambda: run_router(bw, peak, args.quick),
+        "indexer_prefill": lambda: run_indexer_prefill(
+            bw, peak, args.block_size, args.quick, args.cpu_smoke
+        ),
+        "indexer_verify": lambda: run_indexer_verify(
+            bw, peak, args.block_size, args.quick, args.cpu_smoke
+        ),
     }
     chosen = args.sections.split(",")
     for name in chosen:

@@ -11,7 +11,7 @@ import torch
 from _sparse_batch import SparseBatch, sparse_batch
 from test_dsa_indexer import _assert_same_selection, _keys
 
-from pdserve.kernels import dsa_indexer_tiled
+from pdserve.kernels import dsa_indexer_tiled, dsa_select
 from pdserve.kernels.dsa_indexer import indexer_topk_reference, topk_select
 from pdserve.kernels.dsa_indexer_tiled import TileConfig, indexer_logits_tiled
 from pdserve.kernels.dsa_select import reg_topk_select
@@ -131,9 +131,14 @@ def test_token_chunks_cut_requests(device: torch.device, variant: str) -> None:
         torch.testing.assert_close(got, scores[lo:hi], atol=TOL, rtol=TOL)
 
 
-def test_register_select_ties_and_short_rows(device: torch.device) -> None:
+@pytest.mark.parametrize("chunk", [2048, 32])
+def test_register_select_ties_and_short_rows(
+    device: torch.device, chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Exactly k keys on ties (lowest positions first), negatives, rows on each size
-    class of a wide buffer (a quarter, a half, the whole), and rows within k."""
+    class of a wide buffer (a quarter, a half, the whole), and rows within k; the
+    writing pass in one chunk and in several."""
+    monkeypatch.setattr(dsa_select, "REG_SELECT_CHUNK", chunk)
     g = torch.Generator().manual_seed(5)
     n, k = 256, 24
     rows = torch.tensor([20, 50, 100, 180, 255, 255])  # positions (n = pos + 1 keys)

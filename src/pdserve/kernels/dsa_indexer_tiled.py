@@ -33,13 +33,17 @@ by reasoning for an H200 (132 SMs, 228 KB shared memory an SM, wgmma: 64 rows a
 warpgroup) until a sweep (``benchmarks/glm5_kernels_bench.py --sections
 indexer_prefill,indexer_verify``) says otherwise:
 
-* prefill ``heads``, BT=64, BN=256, 8 warps: one 64-row wgmma tile a head, two
-  warpgroups splitting the 256 keys; ``Q_h`` reloads cost BN FLOP a byte of L2 traffic
-  (256: ~2 TB/s at 500 TFLOP/s); K tile 64 KB + 2 stages of ``Q_h`` 16 KB: two programs
-  an SM. SPAN 1024 keys a program (16K prefill: ~2.2K live programs, 8 waves).
-* verify ``rows``, BT = the rows a request (rounded to a power of two, at most 8), BN=64,
-  4 warps (8 when ``BT * heads > 128``), 3 stages: a 16K context is 4 MB of keys a
-  request; 3 stages of 16 KB key tiles in flight keep HBM busy.
+* prefill ``heads``, BT=64, BN=128, 8 warps, 2 stages: one 64-row wgmma tile a head
+  (the two warpgroups split the 128 keys); ``Q_h`` tiles double-buffered with cp.async;
+  compiled for sm_90: 127 registers a thread, 64 KB shared memory, so two programs an SM.
+  ``Q_h`` reloads cost BN FLOP a byte of L2 traffic (128: ~4 TB/s at 500 TFLOP/s; BN=256
+  halves it but needs ~250 registers with 8 warps: one program an SM). SPAN 1024 keys a
+  program (16K prefill: ~2.2K live programs, 8 waves).
+* verify ``rows``, BT = the rows a request (rounded up to a power of two, at most 8),
+  BN=64, 4 warps (8 when ``BT * heads > 128``), 3 stages: at 1+3 rows 128 MMA rows,
+  ~210 registers, 66 KB shared memory; the reshape to [BT, heads, BN] is a register
+  relabelling (no shared-memory round trip), the head sum shuffles within warps. A 16K
+  context is 4 MB of keys a request; key tiles stream through cp.async stages.
 
 ``span`` is the most keys a program covers: the launcher halves it (not below ``bn``)
 while the estimated number of live programs is under two waves of the GPU.
@@ -76,7 +80,7 @@ class TileConfig:
             raise ValueError(f"TileConfig.span {self.span} < bn {self.bn}")
 
 
-PREFILL_TILE = TileConfig("heads", bt=64, bn=256, span=1024, num_warps=8, num_stages=2)
+PREFILL_TILE = TileConfig("heads", bt=64, bn=128, span=1024, num_warps=8, num_stages=2)
 VERIFY_TILE = TileConfig("rows", bt=8, bn=64, span=1024, num_warps=4, num_stages=3)
 SMALL_QUERY_ROWS = 8  # requests with at most this many query rows go to VERIFY_TILE
 
@@ -217,6 +221,34 @@ def _tiled_logits_kernel(
                 )
 
 
+def tile_grid(
+    cfg: TileConfig,
+    nh: int,
+    rows: int,
+    num_reqs: int,
+    width: int,
+    device: torch.device,
+    auto_span: bool = True,
+) -> tuple[int, int, tuple[int, int, int]]:
+    """(tokens a tile, keys a program, grid) of a launch of ``cfg`` over ``num_reqs``
+    requests of up to ``rows`` query rows and a score width ``width`` (host ints only)."""
+    block_h = next_pow2(nh)
+    bt = cfg.bt
+    if cfg.variant == "rows":
+        bt = max(min(cfg.bt, next_pow2(rows)), -(-16 // block_h))  # >= 16 MMA rows
+    elif bt < 16:
+        raise ValueError(f"heads tile of {bt} tokens < 16 MMA rows")
+    tiles = triton.cdiv(rows, bt)
+    span = cfg.span
+    if auto_span:  # enough live programs (about half the tile x range grid is causal)
+        while span > cfg.bn and num_reqs * tiles * triton.cdiv(width, span) < 4 * num_sms(device):
+            span //= 2
+    grid = (num_reqs, tiles, triton.cdiv(width, span))
+    if grid[1] > 65535 or grid[2] > 65535:
+        raise ValueError(f"indexer tile grid {grid} exceeds 65535 programs on an axis")
+    return bt, span, grid
+
+
 def _launch(
     cfg: TileConfig,
     q: torch.Tensor,
@@ -241,22 +273,7 @@ def _launch(
     """One launch over the requests with ``min_q < q_len <= max_q``; ``rows``: the most
     query rows any of them has in ``[tok_lo, tok_hi)``."""
     _, nh, d = q.shape
-    block_h = next_pow2(nh)
-    bt = cfg.bt
-    if cfg.variant == "rows":
-        bt = max(min(cfg.bt, next_pow2(rows)), -(-16 // block_h))  # >= 16 MMA rows
-        if bt * block_h < 16:
-            raise ValueError(f"rows tile {bt} x {block_h} heads < 16 MMA rows")
-    elif bt < 16:
-        raise ValueError(f"heads tile of {bt} tokens < 16 MMA rows")
-    tiles = triton.cdiv(rows, bt)
-    span = cfg.span
-    if auto_span:  # enough live programs (about half the tile x range grid is causal)
-        while span > cfg.bn and num_reqs * tiles * triton.cdiv(width, span) < 4 * num_sms(q.device):
-            span //= 2
-    grid = (num_reqs, tiles, triton.cdiv(width, span))
-    if grid[1] > 65535 or grid[2] > 65535:
-        raise ValueError(f"indexer tile grid {grid} exceeds 65535 programs on an axis")
+    bt, span, grid = tile_grid(cfg, nh, rows, num_reqs, width, q.device, auto_span)
     _tiled_logits_kernel[grid](
         q,
         weights,
@@ -281,7 +298,7 @@ def _launch(
         out.stride(0),
         NH=nh,
         D=d,
-        BLOCK_H=block_h,
+        BLOCK_H=next_pow2(nh),
         BLOCK_D=max(16, next_pow2(d)),
         PAGE=cache.shape[1],
         BT=bt,
@@ -297,12 +314,14 @@ def _launch(
 
 
 def verify_config(rows: int, nh: int, cfg: TileConfig | None = None) -> TileConfig:
-    """:data:`VERIFY_TILE` for requests of up to ``rows`` query rows (8 warps when the tile
-    has more than 128 MMA rows)."""
-    cfg = cfg or VERIFY_TILE
-    bt = min(cfg.bt, next_pow2(rows))
-    warps = max(cfg.num_warps, 8) if bt * next_pow2(nh) > 128 else cfg.num_warps
-    return replace(cfg, num_warps=warps) if cfg is VERIFY_TILE else cfg
+    """The config of the launch for requests of up to ``rows`` query rows: ``cfg`` as
+    given, else :data:`VERIFY_TILE` (with 8 warps when its tile has over 128 MMA rows)."""
+    if cfg is not None:
+        return cfg
+    bt = min(VERIFY_TILE.bt, next_pow2(rows))
+    if bt * next_pow2(nh) > 128 and VERIFY_TILE.num_warps < 8:
+        return replace(VERIFY_TILE, num_warps=8)
+    return VERIFY_TILE
 
 
 def indexer_logits_tiled(

@@ -9,8 +9,9 @@ One program per row loads the row once (``BLOCK`` = the score width rounded up t
 of two; float bits mapped to order-preserving unsigned keys, 0 outside the row) and keeps
 it in registers: the K-th largest key is found bit by bit, most significant first (32
 steps, each ``count(key >= prefix | bit) >= K``: one compare and one sum over the row,
-no histogram, no memory traffic), then one pass writes the positions above it and the
-first ones equal to it (two prefix sums give each its slot). A row is processed at the
+no histogram, no memory traffic), then one pass over the row (re-read from L2 in chunks
+of ``REG_SELECT_CHUNK``) writes the positions above it and the first ones equal to it
+(two prefix sums give each its slot). A row is processed at the
 smallest of ``BLOCK``, ``BLOCK/2``, ``BLOCK/4`` that holds it (``SPLITS``), so short rows
 of a wide buffer cost less. Rows wider than :data:`REG_SELECT_MAX_WIDTH` keep the
 histogram radix kernel of :mod:`~pdserve.kernels.dsa_indexer`.
@@ -29,11 +30,12 @@ from pdserve.kernels._utils import next_pow2
 REG_SELECT_MAX_WIDTH = 32768  # wider rows: the radix kernel (dsa_indexer)
 REG_SELECT_PER_THREAD = 64  # keys a thread holds (sets num_warps, 4..16)
 REG_SELECT_SPLITS = 2  # also compile BLOCK/2 .. BLOCK/2**SPLITS paths for short rows
+REG_SELECT_CHUNK = 2048  # keys a step of the writing pass
 
 
 @triton.jit
-def _select_row(row, dst, n, K, BLOCK: tl.constexpr):
-    """Write the top-``K`` positions of ``row[0:n]`` (``n <= BLOCK``) to ``dst``."""
+def _select_row(row, dst, n, K, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    """Write the top-``K`` positions of ``row[0:n]`` (``K < n <= BLOCK``) to ``dst``."""
     offs = tl.arange(0, BLOCK)
     in_row = offs < n
     bits = tl.load(row + offs, mask=in_row, other=0.0).to(tl.int32, bitcast=True)
@@ -42,18 +44,30 @@ def _select_row(row, dst, n, K, BLOCK: tl.constexpr):
     key = tl.where(in_row, key, tl.zeros_like(key))  # below every real score's key
     thr = tl.zeros([], tl.uint32)
     top = tl.full([], 2147483648, tl.uint32)
-    for b in range(32):
+    for b in range(32):  # the largest thr with count(key >= thr) >= K: the K-th key
         cand = thr | (top >> b)
         cnt = tl.sum((key >= cand).to(tl.int32))
         thr = tl.where(cnt >= K, cand, thr)
-    gt = in_row & (key > thr)
-    eq = in_row & (key == thr)
-    above = tl.sum(gt.to(tl.int32))
-    gt_rank = tl.cumsum(gt.to(tl.int32), 0) - 1
-    eq_rank = tl.cumsum(eq.to(tl.int32), 0) - 1
-    take_eq = eq & (eq_rank < K - above)
-    slot = tl.where(gt, gt_rank, above + eq_rank)
-    tl.store(dst + slot, offs.to(tl.int64), mask=gt | take_eq)
+    above = tl.sum((key > thr).to(tl.int32))  # all taken; then the first K - above equal
+    # the positions, in chunks re-read from L2 (a prefix sum over the whole row in
+    # registers would double the registers a key needs)
+    n_gt = tl.zeros([], tl.int32)
+    n_eq = tl.zeros([], tl.int32)
+    for c0 in range(0, n, CHUNK):
+        s = c0 + tl.arange(0, CHUNK)
+        ok = s < n
+        cb = tl.load(row + s, mask=ok, other=0.0).to(tl.int32, bitcast=True)
+        cb = cb ^ ((cb >> 31) & 0x7FFFFFFF)
+        ck = (cb ^ (-2147483648)).to(tl.uint32, bitcast=True)
+        gt = ok & (ck > thr)
+        eq = ok & (ck == thr)
+        gt_rank = n_gt + tl.cumsum(gt.to(tl.int32), 0) - 1
+        eq_rank = n_eq + tl.cumsum(eq.to(tl.int32), 0) - 1
+        take_eq = eq & (eq_rank < K - above)
+        slot = tl.where(gt, gt_rank, above + eq_rank)
+        tl.store(dst + slot, s.to(tl.int64), mask=gt | take_eq)
+        n_gt += tl.sum(gt.to(tl.int32))
+        n_eq += tl.sum(eq.to(tl.int32))
 
 
 @triton.jit
@@ -70,6 +84,7 @@ def _reg_select_kernel(
     BLOCK: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLITS: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     req = tl.load(req_ptr + t)
@@ -84,18 +99,18 @@ def _reg_select_kernel(
             tl.store(dst + j, tl.where(j < n, j, -1).to(tl.int64), mask=j < K)
     elif SPLITS >= 2:
         if n <= BLOCK // 4:
-            _select_row(row, dst, n, K, BLOCK // 4)
+            _select_row(row, dst, n, K, BLOCK // 4, CHUNK)
         elif n <= BLOCK // 2:
-            _select_row(row, dst, n, K, BLOCK // 2)
+            _select_row(row, dst, n, K, BLOCK // 2, CHUNK)
         else:
-            _select_row(row, dst, n, K, BLOCK)
+            _select_row(row, dst, n, K, BLOCK, CHUNK)
     elif SPLITS == 1:
         if n <= BLOCK // 2:
-            _select_row(row, dst, n, K, BLOCK // 2)
+            _select_row(row, dst, n, K, BLOCK // 2, CHUNK)
         else:
-            _select_row(row, dst, n, K, BLOCK)
+            _select_row(row, dst, n, K, BLOCK, CHUNK)
     else:
-        _select_row(row, dst, n, K, BLOCK)
+        _select_row(row, dst, n, K, BLOCK, CHUNK)
 
 
 def reg_select_warps(width: int) -> int:
@@ -133,6 +148,7 @@ def reg_topk_select(
         BLOCK=block,
         BLOCK_K=min(1024, next_pow2(topk)),
         SPLITS=min(splits, max(0, block.bit_length() - 5)),  # keep BLOCK >> SPLITS >= 16
+        CHUNK=min(block, REG_SELECT_CHUNK),
         num_warps=num_warps or reg_select_warps(width),
     )
     return out
