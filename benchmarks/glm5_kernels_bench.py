@@ -15,13 +15,14 @@ Sections (default: all):
            1/16/64 at 16K context and batch 8 at 128K, with the score width the step's
            context; then batch 1 and 32 at 1K and batch 32 at 16K with the width a
            CUDA graph of the engine uses (max_model_len, 128K + 256 under glm5_bench
-           --long). IndexerTritonBackend (radix select up to 32K keys a row, torch.topk
-           beyond) vs IndexerTorchBackend (not run at the graph width), plus the parts
-           the backend runs, each alone: the score kernel (score_ms) and the select it
-           uses (select_ms; select_path names it), so triton_ms ~ score_ms + select_ms
-           (+ the key write and the -1 fill). radix_ms / topk_ms time the two selects
-           on the same rows whichever is used (radix_ms at 128K is not part of
-           triton_ms: rows that wide go to torch.topk)
+           --long). IndexerTritonBackend (register "rows" select up to 32K keys a row,
+           torch.topk beyond) vs IndexerTorchBackend (not run at the graph width), plus
+           the parts the backend runs, each alone: the score kernel (score_ms) and the
+           select it uses (select_ms; select_path names it), so triton_ms ~ score_ms +
+           select_ms (+ the key write and the -1 fill). rows_ms (up to 32K keys) /
+           radix_ms / topk_ms time the selects on the same rows whichever is used
+           (radix_ms is never part of triton_ms; at 128K neither is rows_ms: rows that
+           wide go to torch.topk)
   moe      routed experts (hidden 6144, moe_intermediate 2048, top-8, bf16) for 64
            experts at 1/16/64/512/4096 tokens and 256 experts at 1/64 tokens:
            fused_experts vs the eager sorted reference (and the graph reference,
@@ -74,6 +75,7 @@ from pdserve.kernels.dsa_indexer import (  # noqa: E402
     indexer_logits,
     topk_select,
 )
+from pdserve.kernels.dsa_select import REG_SELECT_MAX_WIDTH  # noqa: E402
 from pdserve.kernels.fused_moe import fused_experts  # noqa: E402
 from pdserve.kernels.fused_moe_fp8 import fused_experts_fp8  # noqa: E402
 from pdserve.kernels.moe_router import router_select  # noqa: E402
@@ -225,16 +227,19 @@ def run_indexer(bw: float, peak: float, page: int, quick: bool) -> list[dict[str
         logits = score()  # radix select's input: rows up to their position only
         full = score(for_select=False)  # -inf past each position, as torch.topk needs
         score_ms = bench_graph(partial(score, for_select=sort_free))
-        radix_ms = bench_graph(partial(topk_select, logits, *place, TOPK, t))
+        radix_ms = bench_graph(partial(topk_select, logits, *place, TOPK, t, variant="radix"))
+        rows_ms = None
+        if width <= REG_SELECT_MAX_WIDTH:
+            rows_ms = bench_graph(partial(topk_select, logits, *place, TOPK, t, variant="rows"))
         topk_ms = bench_graph(partial(torch.topk, full, min(TOPK, width), dim=-1, sorted=False))
+        path = ("rows" if width <= REG_SELECT_MAX_WIDTH else "radix") if sort_free else "torch.topk"
         nbytes = t * ctx * IDX_DIM * 2
         flops = 2 * t * ctx * IDX_HEADS * IDX_DIM
         name = f"b{batch} ctx{ctx}" + (f" width{width}" if graph_width else "")
         rows.append(
             _row(name, ms, ref_ms, nbytes, flops, bw, peak, score_ms=score_ms,
-                 select_path="radix" if sort_free else "torch.topk",
-                 select_ms=radix_ms if sort_free else topk_ms,
-                 radix_ms=radix_ms, topk_ms=topk_ms)
+                 select_path=path, select_ms={"rows": rows_ms, "radix": radix_ms}.get(path, topk_ms),
+                 rows_ms=rows_ms, radix_ms=radix_ms, topk_ms=topk_ms)
         )  # fmt: skip
         torch.cuda.empty_cache()
     return rows
