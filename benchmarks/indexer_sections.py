@@ -21,8 +21,10 @@ indexer_verify   batch 64/128/256 x (1+3) rows at 16K context (and batch 128 at 
                  the tiled one (a sweep of "rows" configs at batch 128), and the selects.
 
 FLOPs: 2 * causal (query, key) pairs * heads * dim (each score's dot products; the ReLU,
-weights and head sum are not counted), against the bf16 matmul rate measured in the same
-call (x_matmul). Verify bytes: each request's keys once (ctx * dim * 2) plus the scores
+weights and head sum are not counted), over the rows the select reads: all rows when
+every score is written (64K), else those with pos + 1 > top-k (the tiled kernel skips
+the others, the per-token kernel scores them anyway); against the bf16 matmul rate
+measured in the same call (x_matmul). Verify bytes: each request's keys once (ctx * dim * 2) plus the scores
 written (rows * ctx * 4), against the copy bandwidth (x_copy).
 
 With ``tiny`` (glm5_kernels_bench.py --cpu-smoke, under TRITON_INTERPRET=1) every code
@@ -198,8 +200,10 @@ class Case:
         self.chunks = token_chunks(t, width * 4, chunk_bytes)
         self.sort_free = width <= SORT_FREE_MAX_WIDTH  # the backend's choice
         self.place = (md.seq_lens, md.query_start_loc, md.token_req_idx, md.token_q_idx)
-        # FLOPs: 2 * causal pairs * heads * dim (queries at positions ctx - q_len .. ctx - 1)
-        pairs = batch * (q_len * (ctx - q_len) + q_len * (q_len + 1) // 2)
+        # FLOPs: 2 * causal pairs * heads * dim over the rows the select reads (queries
+        # at positions ctx - q_len .. ctx - 1; pos + 1 > topk unless every score is written)
+        lo = ctx - q_len if not self.sort_free else min(ctx, max(ctx - q_len, shape.topk))
+        pairs = batch * (ctx * (ctx + 1) - lo * (lo + 1)) // 2  # sum of p + 1, p in [lo, ctx)
         self.flops = 2.0 * pairs * shape.heads * shape.dim
         self.key_bytes = batch * ctx * shape.dim * 2
 
@@ -225,10 +229,12 @@ class Case:
             score(a, b)
 
     def max_diff(self, got: torch.Tensor, ref: torch.Tensor, a: int) -> float:
-        """Max |got - ref| over the causal entries of rows a.. (both -inf elsewhere or
-        unwritten)."""
+        """Max |got - ref| over the causal entries of the rows a.. the select reads
+        (elsewhere -inf, or not written)."""
         pos = self.ctx - self.q_len + self.md.token_q_idx[a : a + got.shape[0]]
         causal = torch.arange(self.width, device=got.device)[None, :] <= pos[:, None]
+        if self.sort_free:  # rows with pos + 1 <= topk: not scored for the select
+            causal &= (pos >= self.shape.topk)[:, None]
         d = torch.where(causal, (got - ref).abs(), torch.zeros_like(got))
         return float(d.max()) if d.numel() else 0.0
 

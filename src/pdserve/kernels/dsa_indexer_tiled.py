@@ -132,7 +132,8 @@ def _tiled_logits_kernel(
     last_pos = first_pos + n_t - 1
     start = tl.program_id(2) * SPAN
     live = (n_t > 0) & (q_len > min_q) & (q_len <= max_q)
-    scored = live & (start <= last_pos) & (seq_len > topk_k)
+    # for the select (topk_k > 0): rows with pos + 1 <= topk_k take every key unread
+    scored = live & (start <= last_pos) & (seq_len > topk_k) & (last_pos >= topk_k)
     kend = tl.minimum(start + SPAN, last_pos + 1)  # keys past it: masked for every token
     offs_t = tl.arange(0, BT)
     t_ok = offs_t < n_t
@@ -349,7 +350,8 @@ def indexer_logits_tiled(
 
     ``for_select`` as :func:`~pdserve.kernels.dsa_indexer.indexer_logits`: only what the
     select reads (rows up to their position; rows whose request's context is at most
-    ``topk`` not at all); otherwise every score, -inf past each position. ``uniform``:
+    ``topk`` not at all, nor tiles whose rows all have ``pos + 1 <= topk``); otherwise
+    every score, -inf past each position. ``uniform``:
     every request has ``max_query_len`` rows (a host fact: then only one launch runs).
     ``prefill`` / ``verify``: configs other than the module's (benchmarks)."""
     check_device(q, "indexer_logits_tiled")
