@@ -298,7 +298,7 @@ def _perf(c: Case, ms: float | None, peak: float | None, bw: float | None) -> di
 
 def run_indexer_prefill(
     bw: float | None, peak: float | None, page: int, quick: bool, tiny: bool = False,
-    budget_s: float = 110.0,
+    budget_s: float = 80.0,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Rows of the prefill section (see the module doc); the sweep stops adding configs
     past ``budget_s`` seconds (the skipped ones get a row with error "budget")."""
@@ -386,7 +386,7 @@ def _selects(c: Case, name: str, timer: Timer, graph: bool) -> list[dict[str, An
 
 def run_indexer_verify(
     bw: float | None, peak: float | None, page: int, quick: bool, tiny: bool = False,
-    budget_s: float = 50.0,
+    budget_s: float = 40.0,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Rows of the verify section (see the module doc)."""
     device = torch.device("cpu" if tiny else "cuda")
