@@ -125,6 +125,64 @@ _MOE_INTS = frozenset({"H", "INTER", "stride_xt", "stride_at", "stride_we", "str
                        "stride_ot"})  # fmt: skip
 
 
+def _indexer_kernel() -> Any:
+    from pdserve.kernels.dsa_indexer_tiled import _tiled_logits_kernel
+
+    return _tiled_logits_kernel
+
+
+def _indexer_tile(which: str) -> Any:
+    from pdserve.kernels import dsa_indexer_tiled as m
+
+    return m.PREFILL_TILE if which == "prefill" else m.verify_config(4, 32)  # 1 + 3 rows
+
+
+def _indexer_consts(which: str) -> Callable[[], dict[str, Any]]:
+    def consts() -> dict[str, Any]:
+        from pdserve.kernels._utils import next_pow2
+
+        cfg = _indexer_tile(which)
+        bt = cfg.bt if which == "prefill" else min(cfg.bt, next_pow2(4))
+        return dict(NH=32, D=128, BLOCK_H=32, BLOCK_D=128, PAGE=64, BT=bt, BN=cfg.bn,
+                    SPAN=cfg.span, HEAD_LOOP=cfg.variant == "heads", DOT_PREC="tf32",
+                    UPCAST=False, FILL=False)  # fmt: skip
+
+    return consts
+
+
+_INDEXER_PTRS = {"q_ptr": "*bf16", "w_ptr": "*fp32", "cache_ptr": "*bf16", "bt_ptr": "*i32",
+                 "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "out_ptr": "*fp32"}  # fmt: skip
+_INDEXER_INTS = frozenset({"stride_qt", "stride_qh", "stride_wt", "stride_cb", "stride_cs",
+                           "stride_ot", "width", "topk_k"})  # fmt: skip
+
+
+def _select_kernel() -> Any:
+    from pdserve.kernels.dsa_select import _reg_select_kernel
+
+    return _reg_select_kernel
+
+
+def _select_consts(width: int) -> Callable[[], dict[str, Any]]:
+    def consts() -> dict[str, Any]:
+        from pdserve.kernels import dsa_select as m
+
+        block = width
+        return dict(BLOCK=block, BLOCK_K=1024, SPLITS=min(m.REG_SELECT_SPLITS,
+                    block.bit_length() - 5), CHUNK=min(block, m.REG_SELECT_CHUNK))  # fmt: skip
+
+    return consts
+
+
+def _select_warps(width: int) -> int:
+    from pdserve.kernels.dsa_select import reg_select_warps
+
+    return reg_select_warps(width)
+
+
+_SELECT_PTRS = {"logits_ptr": "*fp32", "seq_lens_ptr": "*i32", "qsl_ptr": "*i32",
+                "req_ptr": "*i64", "qidx_ptr": "*i64", "out_ptr": "*i64"}  # fmt: skip
+
+
 def variants() -> list[Variant]:
     """The checked launch shapes (launch options resolved from the kernel modules)."""
     out = []
@@ -144,6 +202,16 @@ def variants() -> list[Variant]:
                                _moe_consts(tokens, down), _DOWN_PTRS if down else _GATE_UP_PTRS,
                                _MOE_INTS, frozenset(), warps, stages, expect_wgmma=True,
                                expect_cp_async=True, expect_no_spills=True))  # fmt: skip
+    for which in ("prefill", "verify"):
+        cfg = _indexer_tile(which)
+        out.append(Variant(f"indexer_{which}", _indexer_kernel, _indexer_consts(which),
+                           _INDEXER_PTRS, _INDEXER_INTS, frozenset({"scale"}), cfg.num_warps,
+                           cfg.num_stages, expect_wgmma=True, expect_cp_async=True,
+                           expect_no_spills=True))  # fmt: skip
+    for width in (16384, 32768):  # rows of a 16K / 32K prefill, held in registers
+        out.append(Variant(f"select_{width // 1024}k", _select_kernel, _select_consts(width),
+                           _SELECT_PTRS, frozenset({"stride_lt", "stride_ot", "K"}),
+                           frozenset(), _select_warps(width), 1, expect_no_spills=True))  # fmt: skip
     return out
 
 
