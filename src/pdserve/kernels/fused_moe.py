@@ -24,6 +24,8 @@ of ``CHUNK_TOKENS`` tokens to bound the [T*k, H] buffer.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -180,14 +182,24 @@ def _down_kernel(
         tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=ok[:, None] & n_ok[None, :])
 
 
-def _config(num_pairs: int, num_experts: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps): small M tiles when few pairs share an expert."""
+class MoeConfig(NamedTuple):
+    """Tile shape of both grouped GEMMs, warps and software-pipelining stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int = 3
+
+
+def _config(num_pairs: int, num_experts: int) -> MoeConfig:
+    """Small M tiles when few pairs share an expert."""
     per_expert = num_pairs / max(1, num_experts)
     if per_expert <= 16:  # decode: weight streaming, one 16-row block per expert
-        return 16, 64, 128, 4
+        return MoeConfig(16, 64, 128, 4)
     if per_expert <= 128:
-        return 64, 128, 64, 4
-    return 128, 128, 64, 8
+        return MoeConfig(64, 128, 64, 4)
+    return MoeConfig(128, 128, 64, 8)
 
 
 def fused_experts(
@@ -197,9 +209,11 @@ def fused_experts(
     weights: torch.Tensor,
     ids: torch.Tensor,
     out: torch.Tensor | None = None,
+    config: MoeConfig | None = None,
 ) -> torch.Tensor:
     """Routed experts' output [T, H] in ``x``'s dtype: ``sum_j weights[t, j] *
-    down_e(silu(gate_e(x_t)) * up_e(x_t))`` with ``e = ids[t, j]``."""
+    down_e(silu(gate_e(x_t)) * up_e(x_t))`` with ``e = ids[t, j]``. ``config``: the
+    launch shape (default: by pairs per expert, :func:`_config`)."""
     check_device(x, "fused_experts")
     t, h = x.shape
     num_experts, two_i, hw = w13.shape
@@ -211,7 +225,7 @@ def fused_experts(
         out = torch.empty_like(x)
     for a in range(0, t, CHUNK_TOKENS):
         b = min(t, a + CHUNK_TOKENS)
-        _fused_chunk(x[a:b], w13, w2, weights[a:b], ids[a:b], out[a:b])
+        _fused_chunk(x[a:b], w13, w2, weights[a:b], ids[a:b], out[a:b], config)
     return out
 
 
@@ -222,6 +236,7 @@ def _fused_chunk(
     weights: torch.Tensor,
     ids: torch.Tensor,
     out: torch.Tensor,
+    config: MoeConfig | None,
 ) -> None:
     t, h = x.shape
     k = ids.shape[1]
@@ -230,7 +245,7 @@ def _fused_chunk(
     n = t * k
     if n == 0:
         return
-    bm, bn, bk, warps = _config(n, num_experts)
+    bm, bn, bk, warps, stages = config or _config(n, num_experts)
     pairs, block_expert = align_by_expert(ids, num_experts, bm)
     nb = block_expert.shape[0]
     act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
@@ -255,6 +270,7 @@ def _fused_chunk(
         DOT_PREC=prec,
         UPCAST=up,
         num_warps=warps,
+        num_stages=stages,
     )
     per_pair = torch.empty(n, h, dtype=x.dtype, device=x.device)
     wflat = weights.reshape(-1).to(torch.float32)
@@ -278,6 +294,7 @@ def _fused_chunk(
         DOT_PREC=prec,
         UPCAST=up,
         num_warps=warps,
+        num_stages=stages,
     )
     out.copy_(per_pair.view(t, k, h).sum(dim=1, dtype=torch.float32))
 

@@ -49,7 +49,7 @@ class MLATritonBackend(AttentionBackend):
         flat = cache.view(-1, cache.shape[-1])
         write_paged(flat, md.slot_mapping[:t], entry, kv_scale)  # fp8: / kv_scale, saturated
         bound = topk.shape[1] if topk is not None else (self.max_model_len or md.max_seq_len)
-        splits = choose_splits(t, q_lat.shape[1], bound, num_sms(q_lat.device))
+        splits = choose_splits(t, q_lat.shape[1], bound, num_sms(q_lat.device), q_lat.shape[2])
         out = torch.empty_like(q_lat)
         sparse_mla_attention(
             q_lat.contiguous(),
