@@ -219,9 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     if cpu:  # the Triton GEMM in the interpreter: set before any kernel module is imported
         os.environ.setdefault("TRITON_INTERPRET", "1")
         if "pdserve.kernels.fp8_gemm" not in sys.modules:
-            from fp8_gemm_sweep import _interpreter_fix
+            from _interp import interpreter_fix
 
-            _interpreter_fix()
+            interpreter_fix()
     sizes, (points, shape, tokens) = (CPU_SIZES, CPU_POINTS) if cpu else (GPU_SIZES, GPU_POINTS)
     dev = torch.device(args.device)
     t0 = time.perf_counter()

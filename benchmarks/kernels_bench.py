@@ -355,9 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     if cpu:  # the kernels in the interpreter: set before any kernel module is imported
         os.environ.setdefault("TRITON_INTERPRET", "1")
         if "pdserve.kernels.decode_attention" not in sys.modules:
-            from fp8_gemm_sweep import _interpreter_fix
+            from _interp import interpreter_fix
 
-            _interpreter_fix()
+            interpreter_fix()
     elif not torch.cuda.is_available():
         sys.exit("kernels_bench.py needs a CUDA GPU (--device cpu: the smoke run)")
     import triton
