@@ -3,6 +3,10 @@
 # of at most 10 minutes each; every stage prints its tables and leaves JSON and logs under
 # $OUT. Record the commit yourself: the device copy of the tree may carry a stale .git.
 #
+#   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh k10
+#   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh p10
+#   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh glm5-sla [mtp]
+#   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh d10
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh gpu1
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh gpu2
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh a
@@ -13,6 +17,19 @@
 #   nvidia-h200-x2 (carry [".whl"]):   bash benchmarks/run_pending.sh x2
 #   nvidia-h200-x4/-x8 (carry [".whl"]): bash benchmarks/run_pending.sh dpep 4   (or 8)
 #
+# k10   the GLM-5 prefill / verify kernels (issues 26, 27), most wanted first: their parity
+#       tests compiled on CUDA (sparse MLA with the wide shape, the tiled indexer and the
+#       register select, the fused MoE, graph widths, the Triton GLM-5 model), then
+#       benchmarks/prefill_sweep.py (sparse MLA launch shapes at prefill 2K/4K/16K, verify
+#       and decode at 64-256 x 16K; fused MoE at 512-16K tokens; TFLOP/s against the
+#       matmul rate of the call) and glm5_kernels_bench.py indexer_prefill,indexer_verify
+#       (tiled scores and selects). The best configs become the kernels' defaults.
+# p10   benchmarks/glm5_bench.py on glm5-m12-e64 with --long (issue 26): the prefill
+#       section (4K / 16K / 64K: tok/s, TFLOP/s by kernel category against the matmul
+#       rate), decode speed against the roofline, the accuracy gate (glm5-s4-e16, KL to
+#       transformers fp32 against transformers' own bf16), transformers' prefill and decode.
+# d10   benchmarks/spec_bench.py decode (issue 27): TPOT by streams 1-256 x 16K for no
+#       speculation and MTP k=1/k=3 at synthetic 0.5/0.7/0.9, with the step roofline.
 # gpu1, gpu2  every GPU test and the whole gpu_suite in two calls (issue 29), one pytest
 #       process per test module (a device-side assert fails only its own module), each
 #       under a timeout, until the call's deadline; each call prints a table first (per
@@ -39,7 +56,9 @@
 # glm5  benchmarks/glm5_bench.py speed on glm5-m12-e64 (issue 15): decode at batch 1/32
 #       x 1K/16K and 8 x 128K against the roofline with graph steps counted, a 16K
 #       prefill, transformers' GlmMoeDsaForCausalLM on the same preset.
-# glm5-sla  `pdserve bench sla` of glm5-m12-e64 at 16384/1000 (issue 15's serve target).
+# glm5-sla  `pdserve bench sla` of glm5-m12-e64 at 16384/1000 (issue 26's serve target:
+#       48 prompts a point); `glm5-sla mtp` serves it with MTP k=3 at synthetic acceptance
+#       0.7.
 # nixl  transfer_bench over cuda_ipc and nixl with the 1P1D-over-nixl equality, then a
 #       1P1D nixl serve run at 16384/1000 (issue 20): transfer failures and leases left.
 # x2    two GPUs (issue 21): cuda_ipc across GPUs (test and transfer time against the
@@ -49,7 +68,7 @@
 #       --enable-expert-parallel against one GPU, the same closed-loop load per rank
 #       (32 streams per GPU, 1024 in / 256 out): output tok/s per GPU and mean TPOT.
 set -uo pipefail
-stage="${1:?usage: run_pending.sh gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla|nixl-install|nixl|x2|dpep N}"
+stage="${1:?usage: run_pending.sh k10|p10|d10|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl-install|nixl|x2|dpep N}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 start=$(date +%s)
 source scripts/gpu-env
@@ -140,6 +159,27 @@ glm5_config() {  # glm5-m12-e64's weights (53 GB) do not fit the disk: drawn at 
 }
 
 case "$stage" in
+  k10)
+    timeout 150 python3 -m pytest -p no:cacheprovider -q tests/kernels/test_sparse_mla.py \
+      tests/kernels/test_dsa_indexer.py tests/kernels/test_dsa_indexer_tiled.py \
+      tests/kernels/test_fused_moe.py tests/kernels/test_graph_widths.py \
+      tests/kernels/test_glm5_triton_model.py 2>&1 | tail -6
+    timeout 270 python3 benchmarks/prefill_sweep.py --out "$OUT/prefill_sweep.json" \
+      --budget-s 230 > "$OUT/prefill_sweep.log" 2>&1
+    sed -n '/^== /,$p' "$OUT/prefill_sweep.log" || tail -20 "$OUT/prefill_sweep.log"
+    left=$(( start + 575 - $(date +%s) ))
+    timeout "$left" python3 benchmarks/glm5_kernels_bench.py --sections \
+      indexer_prefill,indexer_verify --out "$OUT/indexer_sweep.json" 2>&1 \
+      | tee "$OUT/indexer_sweep.log" | quiet | tail -40
+    ;;
+  p10)
+    GLM_TIMEOUT=560 bash benchmarks/run_glm5.sh accuracy,speed,prefill glm5-m12-e64 --long
+    ;;
+  d10)
+    timeout 570 python3 benchmarks/spec_bench.py --sections decode --out "$OUT/spec_decode.json" \
+      > "$OUT/spec_decode.log" 2>&1
+    quiet < "$OUT/spec_decode.log" | tail -30
+    ;;
   gpu1)  # tests/kernels, a process per module
     manifest="$OUT/tests/gpu1.tsv"; mkdir -p "$OUT/tests"; : > "$manifest"
     module_tests $(( start + ${TESTS_BUDGET:-530} )) "$manifest" tests/kernels/test_*.py
@@ -205,14 +245,21 @@ case "$stage" in
   glm5-sla)
     g=/tmp/glm5-m12-e64
     glm5_config $g
+    spec=()
+    tag=none
+    if [ "${2:-}" = mtp ]; then
+      spec=(--speculative-config '{"method": "mtp", "num_speculative_tokens": 3,
+        "rejection_sample_method": "synthetic", "synthetic_acceptance_rate": 0.7}')
+      tag=mtp3-0.7
+    fi
     pdserve serve $g --host 127.0.0.1 --port 8000 --load-format dummy \
-      --max-model-len 17500 > "$OUT/glm5_server.log" 2>&1 &
+      --max-model-len 17500 "${spec[@]}" > "$OUT/glm5_server.log" 2>&1 &
     server=$!
     timeout 540 python3 -m pdserve.cli bench sla --base-url http://127.0.0.1:8000 --model $g \
-      --random-input-len 16384 --random-output-len 1000 --num-prompts 32 --num-warmups 1 \
-      --start 0.5 --tolerance 0.2 --sla-ttft-ms 2500 --sla-tpot-ms 20 --num-gpus 1 \
+      --random-input-len 16384 --random-output-len 1000 --num-prompts 48 --num-warmups 1 \
+      --start 1.0 --tolerance 0.2 --sla-ttft-ms 2500 --sla-tpot-ms 20 --num-gpus 1 \
       --ready-check-timeout-sec 300 --disable-tqdm --result-dir "$OUT" \
-      --result-filename glm5-sla-16384-1000.json 2>&1 | quiet
+      --result-filename "glm5-sla-16384-1000-$tag.json" 2>&1 | quiet
     curl -s http://127.0.0.1:8000/metrics | grep -E "^pdserve:(forward_steps_total|num_requests_running)"
     kill $server; wait $server 2>/dev/null
     ;;

@@ -3,22 +3,16 @@ path on the tiny GLM-5 preset, so a renamed key or signature fails here, not on 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from _scripts import load_script
 
 
 def test_spec_bench_cpu_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    spec = importlib.util.spec_from_file_location("spec_bench", ROOT / "benchmarks/spec_bench.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["spec_bench"] = bench  # dataclasses look their module up
-    spec.loader.exec_module(bench)
+    bench = load_script("spec_bench")
     out = tmp_path / "spec.json"
     bench.main(["--device", "cpu", "--sections", "curve,pd,decode", "--out", str(out),
                 "--workdir", str(tmp_path)])  # fmt: skip

@@ -3,26 +3,19 @@ shapes under the interpreter), so a renamed key or signature fails here, not on 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "prefill_sweep.py"
+from _scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def sweep() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("prefill_sweep", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["prefill_sweep"] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("prefill_sweep")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the sweep is a benchmark run")
