@@ -229,14 +229,52 @@ def test_disconnect_during_prefill_aborts_it_without_release(make_pd: PDFactory)
     assert fake_p.releases == [] and pd.decode[0].seen == []
 
 
-def test_decode_connection_error_releases_and_is_502(make_pd: PDFactory) -> None:
-    pd = make_pd(queue_timeout=0.3)
+def test_decode_connection_error_releases_and_is_503(make_pd: PDFactory) -> None:
+    """A decode leg that cannot connect does not wait for its instance (the KV it would
+    pull is held meanwhile): with no other decode instance, 503 at once."""
+    pd = make_pd(queue_timeout=10)
     pd.stop_upstream(pd.decode[0])
+    t0 = time.monotonic()
     r = post(pd, headers={"X-Request-Id": "rid-d-down"})
-    err = assert_openai_error(r, 502)
-    assert "decode" in err["message"]
+    err = assert_openai_error(r, 503)
+    assert "decode" in err["message"] and time.monotonic() - t0 < 5
     assert wait_until(lambda: pd.prefill[0].releases == [{"request_id": "rid-d-down"}])
     assert pd.core.decode.instances[0].failures == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_decode_that_dies_under_a_request_is_replaced_by_a_new_prefill(
+    make_pd: PDFactory, stream: bool
+) -> None:
+    """The decode instance drops the request's connection (as a killed process does):
+    the KV it was given is released and the request runs again, re-prefilled (fresh
+    params), on the other decode instance; no leg is re-sent with the first params."""
+    pd = make_pd(1, 2, decode_knobs=[{"drop": True}, {}])
+    dead, alive = pd.decode
+    pd.core.decode.instances[1].in_flight = 1  # the dead one is picked first
+    r = post(pd, dict(BODY, stream=stream), headers={"X-Request-Id": "rid-redo"})
+    pd.core.decode.instances[1].in_flight = 0
+    assert r.status_code == 200, r.text
+    assert len(pd.prefill[0].seen) == 2 and len(alive.seen) == 1
+    first, second = (s.body["kv_transfer_params"] for s in pd.prefill[0].seen)
+    assert first["pd_nonce"] != second["pd_nonce"]
+    # (a pooled connection that broke is retried once on a new one, signed afresh)
+    sent = [s.body["kv_transfer_params"] for s in dead.seen + alive.seen]
+    assert len({kv["pd_nonce"] for kv in sent}) == len(sent)
+    assert {s.kv["remote_request_id"] for s in dead.seen + alive.seen if s.kv} == {"rid-redo"}
+    assert pd.prefill[0].releases == [{"request_id": "rid-redo"}]  # the first KV only
+    text = pd.metrics()
+    assert metric_value(text, "pdserve:proxy_retries_total", pool="decode") == 1
+
+
+def test_a_decode_that_dies_with_no_other_is_503_at_once(make_pd: PDFactory) -> None:
+    pd = make_pd(decode_knobs={"drop": True}, queue_timeout=10)
+    t0 = time.monotonic()
+    r = post(pd, headers={"X-Request-Id": "rid-dead"})
+    err = assert_openai_error(r, 503)
+    assert "failed under this request" in err["message"] and time.monotonic() - t0 < 2
+    assert len(pd.prefill[0].seen) == 1  # not prefilled again for nobody
+    assert wait_until(lambda: pd.prefill[0].releases == [{"request_id": "rid-dead"}])
 
 
 def test_decode_error_status_is_returned_and_releases(make_pd: PDFactory) -> None:
@@ -252,7 +290,7 @@ def test_unexpected_proxy_error_is_500_and_releases(
 ) -> None:
     from pdserve.serving.proxy.forward import ProxyResponse
 
-    async def boom(self: ProxyResponse, kv_params: dict | None) -> None:
+    async def boom(self: ProxyResponse, *args: object) -> None:
         raise RuntimeError("bug")
 
     monkeypatch.setattr(ProxyResponse, "_answer_leg", boom)

@@ -1,6 +1,8 @@
-"""kv_transfer_params only from the proxy: unsigned, forged, tampered or expired params get
-403 before anything reaches the engine; an instance without the P/D secret refuses them
-all; signed params pass, and signed but malformed ones are a 400 naming the field."""
+"""kv_transfer_params only from the proxy, for their request, once: unsigned, forged,
+tampered or expired params, params signed for another request id, params presented a
+second time and decode params issued for another prompt get 403 before anything reaches
+the engine; an instance without the P/D secret refuses them all; signed params pass, and
+signed but malformed ones are a 400 naming the field."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import pytest
 from pdserve.core_types.kv_transfer_params import KVTransferParams
 from pdserve.core_types.pd_auth import new_secret, sign_kv_params
 
-from .conftest import FakeEngineClient, ServerFactory, ServerThread, signed
+from .conftest import FakeEngineClient, ServerFactory, ServerThread, prompt_ids_of, signed
 
 DECODE_KV: dict[str, Any] = {
     "do_remote_prefill": True,
@@ -37,6 +39,8 @@ REFUSED: list[tuple[str, Any, str]] = [
     ("tampered", _tampered(), "did not make"),
     ("expired", signed(DECODE_KV, now=time.time() - 3600), "expired"),
     ("bad-signature", {**signed(DECODE_KV), "pd_signature": "zz"}, "malformed signature"),
+    ("other-request", signed(DECODE_KV, "someone-else"), "issued for request 'someone-else'"),
+    ("no-request", signed({"do_remote_decode": True}), "issued for request None"),
 ]
 
 
@@ -88,18 +92,53 @@ def test_instance_without_secret_refuses_all_kv_params(
 def test_signed_kv_params_reach_the_engine_typed(
     server: ServerThread, server_engine: FakeEngineClient
 ) -> None:
+    body = _body("/v1/chat/completions", None)
+    ids = prompt_ids_of(server.url, body)
     with httpx.Client(base_url=server.url, timeout=10) as c:
         r = c.post(
             "/v1/chat/completions",
-            json=_body("/v1/chat/completions", signed(DECODE_KV)),
+            json={**body, "kv_transfer_params": signed(DECODE_KV, "signed-chat-1", ids)},
             headers={"X-Request-Id": "signed-chat-1"},
         )
     assert r.status_code == 200, r.text
-    assert server_engine.requests["signed-chat-1"][2] == KVTransferParams(**DECODE_KV)
+    digest = signed(DECODE_KV, prompt_ids=ids)["remote_prompt_digest"]
+    want = KVTransferParams(**DECODE_KV, remote_prompt_digest=digest)
+    assert server_engine.requests["signed-chat-1"][2] == want
+
+
+def test_params_are_single_use_and_bound_to_their_prompt(
+    server: ServerThread, server_engine: FakeEngineClient
+) -> None:
+    """The replays of the report: decode params captured once and sent again (same
+    prompt), or with another prompt of the same length; prefill params sent again."""
+    path = "/v1/completions"
+    body = _body(path, None)
+    ids = prompt_ids_of(server.url, body)
+    with httpx.Client(base_url=server.url, timeout=10) as c:
+
+        def post(rid: str, kv: dict[str, Any], prompt: str = "hi") -> httpx.Response:
+            data = {**body, "prompt": prompt, "kv_transfer_params": kv}
+            return c.post(path, json=data, headers={"X-Request-Id": rid})
+
+        decode_kv = signed(DECODE_KV, "bind-1", ids)
+        assert post("bind-1", decode_kv).status_code == 200
+        replayed = post("bind-1", decode_kv)
+        assert replayed.status_code == 403 and "already used" in replayed.text
+        other = post("bind-2", signed(DECODE_KV, "bind-2", ids), prompt="ho")  # same length
+        assert other.status_code == 403 and "another prompt" in other.text
+        assert "choices" not in other.json()
+        undigested = post("bind-3", signed(DECODE_KV, "bind-3"))
+        assert undigested.status_code == 403 and "remote_prompt_digest" in undigested.text
+        prefill_kv = signed({"do_remote_decode": True}, "bind-4")
+        assert post("bind-4", prefill_kv).status_code == 200
+        for prompt in ("hi", "another prompt entirely"):
+            r = post("bind-4", prefill_kv, prompt)
+            assert r.status_code == 403 and "already used" in r.text
+    assert set(server_engine.requests) & {f"bind-{i}" for i in range(1, 5)} == {"bind-1", "bind-4"}
 
 
 def test_signed_but_malformed_is_400(server: ServerThread, server_engine: FakeEngineClient) -> None:
-    kv = signed({"do_remote_prefill": True, "remote_host": "h"})
+    kv = signed({"do_remote_prefill": True, "remote_host": "h"}, "malformed-1")
     with httpx.Client(base_url=server.url, timeout=10) as c:
         r = c.post(
             "/v1/completions",
@@ -130,8 +169,12 @@ def test_kv_release_only_from_the_proxy(
             assert r.status_code == 403, (body, r.text)
             assert "KV releases" in r.json()["error"]["message"]
         assert server_engine.released == []
-        r = c.post("/v1/kv_transfer/release", json=signed({"request_id": "victim"}))
+        release = signed({"request_id": "victim"})
+        r = c.post("/v1/kv_transfer/release", json=release)
         assert r.status_code == 200, r.text
+        assert server_engine.released == ["victim"]
+        r = c.post("/v1/kv_transfer/release", json=release)  # replayed
+        assert r.status_code == 403 and "already used" in r.text
         assert server_engine.released == ["victim"]
     srv = make_server(engine, pd_secret=None)
     r = httpx.post(f"{srv.url}/v1/kv_transfer/release", json=signed({"request_id": "x"}))

@@ -241,7 +241,7 @@ def _add_routes(app: FastAPI, ctx: ServingContext, health_timeout: float) -> Non
     @app.post("/v1/kv_transfer/release", responses=_ERRORS)
     async def release_kv(body: ReleaseKVRequest) -> dict[str, str]:
         """Prefill side: the proxy gave a request up; free the KV held for its decode."""
-        verify_release(body.model_dump(exclude_none=True), ctx.pd_secret)
+        verify_release(body.model_dump(exclude_none=True), ctx.pd_secret, ctx.pd_nonces)
         release = getattr(engine, "release_kv", None)
         if release is None:
             raise APIError(404, "this engine holds no KV for remote decode")
