@@ -214,6 +214,7 @@ class ProxyResponse(Response):
             await self._reply(self._unavailable(core.decode))  # no prefill work for nothing
             return
         failed: dict[str, int] = {}  # decode instances that failed under it -> generation
+        answer = Reply.error(503, "no healthy decode instance")  # (the last failure's)
         for _ in range(2):  # once more, re-prefilled, after a decode failed under it
             pre = await self._attempts(core.prefill, self._prefill_once, tries=2)
             if isinstance(pre, Reply):
@@ -224,7 +225,7 @@ class ProxyResponse(Response):
             redo = await self._answer_leg(pre.kv_params, failed)
             if redo is None:
                 return
-            failed[redo.url] = redo.generation
+            failed[redo.url], answer = redo.generation, redo.reply
             if core.decode.pick(self._excluded(core.decode, failed)) is None:
                 break
             core.metrics.retried("decode")
@@ -233,7 +234,7 @@ class ProxyResponse(Response):
                 self.request_id,
                 redo.url,
             )
-        await self._reply(redo.reply)
+        await self._reply(answer)
 
     @staticmethod
     def _excluded(pool: InstancePool, tried: dict[str, int]) -> list[str]:
