@@ -180,3 +180,47 @@ def test_kv_release_only_from_the_proxy(
     r = httpx.post(f"{srv.url}/v1/kv_transfer/release", json=signed({"request_id": "x"}))
     assert r.status_code == 403 and "PDSERVE_PD_SECRET" in r.json()["error"]["message"]
     assert engine.released == []
+
+
+class _LostLease(FakeEngineClient):
+    """A decode engine whose pull failed: the request ends with the engine's error."""
+
+    def generate(self, request_id, prompt, prompt_token_ids, params, kv_transfer_params=None):  # type: ignore[no-untyped-def,override]
+        from pdserve.core_types.kv_connector import KV_LOAD_FAILED
+        from pdserve.frontend.outputs import CompletionOutput, RequestOutput
+
+        self.requests[request_id] = (list(prompt_token_ids), params, kv_transfer_params)
+        error = f"{KV_LOAD_FAILED}: prefill no longer holds the KV of request 'p-1'"
+
+        async def run() -> Any:
+            yield RequestOutput(
+                request_id,
+                prompt,
+                list(prompt_token_ids),
+                [CompletionOutput(0, "", [], finish_reason="error")],
+                finished=True,
+                error=error,
+            )
+
+        return run()
+
+
+def test_a_lost_lease_is_503_naming_the_cause(make_server: ServerFactory) -> None:
+    """Not a 500: the instance is fine, the prompt's KV is gone (a decode that died
+    pulled it, or its lease ran out); the proxy may prefill the request again."""
+    srv = make_server(_LostLease())
+    body = _body("/v1/completions", None)
+    ids = prompt_ids_of(srv.url, body)
+    with httpx.Client(base_url=srv.url, timeout=10) as c:
+        for stream in (False, True):
+            rid = f"lost-{stream}"
+            kv = signed(DECODE_KV, rid, ids)
+            r = c.post(
+                "/v1/completions",
+                json={**body, "stream": stream, "kv_transfer_params": kv},
+                headers={"X-Request-Id": rid},
+            )
+            assert r.status_code == 503, r.text
+            err = r.json()["error"]
+            assert err["type"] == "ServiceUnavailableError"
+            assert "no longer holds the KV" in err["message"]

@@ -6,6 +6,11 @@ from dataclasses import dataclass, field
 
 from pdserve.core_types.kv_transfer_params import KVTransferParams
 
+# how a request's error begins when its prompt's KV could not be loaded from prefill
+# (its lease was gone, the prefill instance died, the read was refused): the API server
+# answers it 503, naming the cause, rather than 500
+KV_LOAD_FAILED = "the prompt's KV could not be loaded from its prefill instance"
+
 
 @dataclass(frozen=True)
 class KVPeer:

@@ -231,12 +231,13 @@ def _add_routes(app: FastAPI, ctx: ServingContext, health_timeout: float) -> Non
         return DetokenizeResponse(prompt=text)
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
-    async def health() -> Response:
+    async def health() -> dict[str, str]:
+        """``{"status": "ok"}`` while the engine is healthy, else 503 saying why."""
         try:
             await asyncio.wait_for(engine.check_health(), timeout=health_timeout)
         except Exception as e:
             raise APIError(503, f"engine is unhealthy: {e!r}") from e
-        return Response(status_code=200)
+        return {"status": "ok"}
 
     @app.get("/metrics")
     async def metrics() -> Response:
