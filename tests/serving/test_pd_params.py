@@ -121,12 +121,14 @@ def test_params_are_single_use_and_bound_to_their_prompt(
             return c.post(path, json=data, headers={"X-Request-Id": rid})
 
         decode_kv = signed(DECODE_KV, "bind-1", ids)
-        assert post("bind-1", decode_kv).status_code == 200
-        replayed = post("bind-1", decode_kv)
-        assert replayed.status_code == 403 and "already used" in replayed.text
-        other = post("bind-2", signed(DECODE_KV, "bind-2", ids), prompt="ho")  # same length
+        other = post("bind-1", decode_kv, prompt="ho")  # captured, sent with another prompt
         assert other.status_code == 403 and "another prompt" in other.text
         assert "choices" not in other.json()
+        assert post("bind-1", decode_kv).status_code == 200  # (the thief spent nothing)
+        for prompt in ("hi", "ho"):
+            replayed = post("bind-1", decode_kv, prompt)
+            assert replayed.status_code == 403, replayed.text
+            assert "already used" in replayed.text or "another prompt" in replayed.text
         undigested = post("bind-3", signed(DECODE_KV, "bind-3"))
         assert undigested.status_code == 403 and "remote_prompt_digest" in undigested.text
         prefill_kv = signed({"do_remote_decode": True}, "bind-4")

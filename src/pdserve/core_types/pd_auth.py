@@ -182,9 +182,16 @@ def verify_kv_params(
             f"not for this one ({request_id!r})"
         )
     if nonces is not None:
-        nonce = params.get(NONCE_FIELD)
-        if not isinstance(nonce, str) or not nonce:
-            raise SignatureError("kv_transfer_params carry no nonce (single use)")
-        if not nonces.use(nonce, float(expires), now):
-            raise SignatureError("kv_transfer_params were already used (a replay)")
+        use_nonce(params, nonces, now)
     return {k: v for k, v in params.items() if k not in AUTH_FIELDS}
+
+
+def use_nonce(params: dict[str, Any], nonces: NonceCache, now: float | None = None) -> None:
+    """Record the nonce of verified params; :class:`SignatureError` if they carry none or
+    it was used before (a replay)."""
+    nonce = params.get(NONCE_FIELD)
+    expires = params.get(EXPIRES_FIELD)
+    if not isinstance(nonce, str) or not nonce or not isinstance(expires, int | float):
+        raise SignatureError("kv_transfer_params carry no nonce (single use)")
+    if not nonces.use(nonce, float(expires), time.time() if now is None else now):
+        raise SignatureError("kv_transfer_params were already used (a replay)")

@@ -99,9 +99,7 @@ async def prepare_chat(
     ctx: ServingContext, req: ChatCompletionRequest, request: Request
 ) -> EngineJob:
     engine = ctx.engine
-    kv_params = verified_kv_params(
-        req.kv_transfer_params, ctx.pd_secret, request.state.request_id, ctx.pd_nonces
-    )
+    kv_params = verified_kv_params(req.kv_transfer_params, ctx.pd_secret, request.state.request_id)
     ctx.parsing.check_request(req)
     truncating = req.truncate_prompt_tokens is not None
     text, ids = await ctx.run_blocking(
@@ -120,7 +118,8 @@ async def prepare_chat(
         raise RequestError("the rendered chat prompt is empty", "messages")
     if truncating:
         ids = req.truncated(ids, engine.max_model_len)
-    check_prompt_binding(kv_params, ids)  # 403: params issued for another prompt
+    # 403: params issued for another prompt, or used before (then spent)
+    check_prompt_binding(kv_params, ids, req.kv_transfer_params, ctx.pd_nonces)
     params = req.to_sampling_params(
         prompt_len=len(ids), max_model_len=engine.max_model_len, vocab_size=engine.vocab_size
     )

@@ -11,14 +11,15 @@ reaches the engine:
 * no secret configured → 403 for any ``kv_transfer_params`` (the message says why);
 * unsigned, forged, malformed signature, or expired → 403 with the reason;
 * signed for another request id (the leg's ``X-Request-Id``) → 403;
-* signed params presented a second time (their nonce was seen: a replay) → 403;
 * signed, but a field is malformed → 400 naming the field (the signature is checked
   before the fields are parsed).
 
-A decode leg's params carry the digest of the prompt prefill computed
-(``remote_prompt_digest``); once this instance has the prompt's token ids
-(:func:`check_prompt_binding`) it refuses (403) params issued for another prompt, so one
-client's KV never answers another client's prompt.
+Once the prompt is tokenized (:func:`check_prompt_binding`): a decode leg's params carry
+the digest of the prompt prefill computed (``remote_prompt_digest``), and params issued
+for another prompt are refused (403), so one client's KV never answers another
+client's prompt; then the params' nonce is spent, and params presented again (a
+replay) are refused (403). (Spent only then: a replay with another prompt cannot use up
+the legitimate request's params.)
 
 ``POST /v1/kv_transfer/release`` frees the KV held for a request id, so it is signed the
 same way (:func:`verify_release`): otherwise anyone who learned a request id could drop
@@ -36,6 +37,7 @@ from pdserve.core_types.pd_auth import (
     NonceCache,
     SignatureError,
     prompt_digest,
+    use_nonce,
     verify_kv_params,
 )
 from pdserve.serving.api.errors import APIError
@@ -78,29 +80,41 @@ def verify_release(
 
 
 def verified_kv_params(
-    raw: dict[str, Any] | None,
-    secret: bytes | None,
-    request_id: str | None = None,
-    nonces: NonceCache | None = None,
+    raw: dict[str, Any] | None, secret: bytes | None, request_id: str | None = None
 ) -> KVTransferParams | None:
     """The typed params of a request, if this topology's proxy signed them for
-    ``request_id`` and they are presented for the first time (``nonces``); else
-    :class:`APIError` 403, or :class:`RequestError` (400) for a malformed field."""
+    ``request_id``; else :class:`APIError` 403, or :class:`RequestError` (400) for a
+    malformed field. (Their nonce is spent by :func:`check_prompt_binding`.)"""
     if raw is None:
         return None
-    fields = _verify(raw, secret, PARAM, request_id=request_id, nonces=nonces)
+    fields = _verify(raw, secret, PARAM, request_id=request_id)
     try:
         return KVTransferParams.parse(fields)
     except ValueError as e:
         raise RequestError(str(e), PARAM) from None
 
 
-def check_prompt_binding(kv: KVTransferParams | None, token_ids: Sequence[int]) -> None:
-    """403 unless a decode leg's params were issued for this very prompt: their
-    ``remote_prompt_digest`` is the digest of ``token_ids`` (the prompt as this instance
-    tokenized it, after any truncation)."""
-    if kv is None or not kv.do_remote_prefill:
+def check_prompt_binding(
+    kv: KVTransferParams | None,
+    token_ids: Sequence[int],
+    raw: dict[str, Any] | None,
+    nonces: NonceCache,
+) -> None:
+    """403 unless a decode leg's params were issued for this very prompt (their
+    ``remote_prompt_digest`` is the digest of ``token_ids``: the prompt as this instance
+    tokenized it, after any truncation), or if the params (``raw``, as verified) were
+    used before; else their nonce is spent."""
+    if kv is None or raw is None:
         return
+    if kv.do_remote_prefill:
+        _check_digest(kv, token_ids)
+    try:
+        use_nonce(raw, nonces)
+    except SignatureError as e:
+        raise APIError(FORBIDDEN, str(e), param=PARAM) from None
+
+
+def _check_digest(kv: KVTransferParams, token_ids: Sequence[int]) -> None:
     if kv.remote_prompt_digest is None:
         raise APIError(
             FORBIDDEN,
