@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import socket
@@ -230,15 +231,16 @@ def test_disconnect_during_prefill_aborts_it_without_release(make_pd: PDFactory)
 
 
 def test_decode_connection_error_releases_and_is_503(make_pd: PDFactory) -> None:
-    """A decode leg that cannot connect does not wait for its instance (the KV it would
-    pull is held meanwhile): with no other decode instance, 503 at once."""
-    pd = make_pd(queue_timeout=10)
+    """A decode leg that cannot connect does not wait for its instance holding the KV:
+    the KV is released at once; the request waits for a decode instance as a new one
+    does (queue_timeout), and with none, is 503."""
+    pd = make_pd(queue_timeout=0.5)
     pd.stop_upstream(pd.decode[0])
     t0 = time.monotonic()
     r = post(pd, headers={"X-Request-Id": "rid-d-down"})
     err = assert_openai_error(r, 503)
     assert "decode" in err["message"] and time.monotonic() - t0 < 5
-    assert wait_until(lambda: pd.prefill[0].releases == [{"request_id": "rid-d-down"}])
+    assert pd.prefill[0].releases == [{"request_id": "rid-d-down"}]  # before the wait
     assert pd.core.decode.instances[0].failures == 1
 
 
@@ -267,14 +269,38 @@ def test_a_decode_that_dies_under_a_request_is_replaced_by_a_new_prefill(
     assert metric_value(text, "pdserve:proxy_retries_total", pool="decode") == 1
 
 
-def test_a_decode_that_dies_with_no_other_is_503_at_once(make_pd: PDFactory) -> None:
-    pd = make_pd(decode_knobs={"drop": True}, queue_timeout=10)
+def test_a_decode_that_dies_with_no_other_is_503(make_pd: PDFactory) -> None:
+    pd = make_pd(decode_knobs={"drop": True}, queue_timeout=0.5)
     t0 = time.monotonic()
     r = post(pd, headers={"X-Request-Id": "rid-dead"})
     err = assert_openai_error(r, 503)
     assert "failed under this request" in err["message"] and time.monotonic() - t0 < 2
     assert len(pd.prefill[0].seen) == 1  # not prefilled again for nobody
     assert wait_until(lambda: pd.prefill[0].releases == [{"request_id": "rid-dead"}])
+
+
+def test_a_request_whose_decode_died_runs_again_once_the_decode_is_back(
+    make_pd: PDFactory,
+) -> None:
+    """1P1D, the decode dies under a request and is restarted (the probes see it go
+    and come back): the request's KV is released at once, and the request waits for the
+    new decode and completes there, re-prefilled; nothing waits on the first KV."""
+    pd = make_pd(decode_knobs={"drop": True}, queue_timeout=10)
+    fake, pool = pd.decode[0], pd.core.decode
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(post, pd, None, headers={"X-Request-Id": "rid-back"})
+        assert wait_until(lambda: pd.prefill[0].releases == [{"request_id": "rid-back"}])
+        assert not fut.done() and len(pd.prefill[0].seen) == 1
+        fake.drop = False
+
+        async def restarted() -> None:
+            pool.set_healthy(pool.instances[0], False, "killed")
+            pool.set_healthy(pool.instances[0], True)
+
+        pd.loop.call(restarted())
+        r = fut.result(10)
+    assert r.status_code == 200, r.text
+    assert len(pd.prefill[0].seen) == 2 and fake.completed == 1
 
 
 def test_decode_error_status_is_returned_and_releases(make_pd: PDFactory) -> None:

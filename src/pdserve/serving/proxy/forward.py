@@ -44,13 +44,14 @@ decode). When the leg fails after it may have reached the instance (the connecti
 dropped, also when a new connection is then refused:
 :class:`~pdserve.serving.proxy.upstream.ConnectionLost`; the instance was marked down;
 or it answered 503, e.g. its prompt's KV was lost) and nothing went to the client yet,
-the KV is released and the whole request runs once more, **re-prefilled**, on another
-decode instance, if one is healthy right now; else it is answered 503 at once, naming
-the failure. A decode leg whose connection was never established goes to another
-healthy decode instance with the same (never used) params, or, when none is eligible
-now, is answered 503 at once: held KV never waits for an instance to come back. A
-failure after the first chunk ends the stream with an error event (503 when the
-instance went away).
+the KV is released at once and the whole request runs once more, **re-prefilled**, on
+another decode instance (or the same one once it came back: a new generation), waiting
+for one as a new request does (``queue_timeout``); if none comes, 503 naming the
+failure. A decode leg whose connection was never established goes to another healthy
+decode instance with the same (never used) params; when none is eligible right now the
+KV is released and the request waits and runs again the same way: held KV never waits
+for an instance (so nothing waits on a lease that may be gone). A failure after the
+first chunk ends the stream with an error event (503 when the instance went away).
 
 KV ownership: once the prefill leg returned parameters, the prefill instance holds the
 prompt's KV until decode pulls it. If the decode leg does not end normally (client
@@ -129,12 +130,10 @@ class _Failed:
 
 @dataclass
 class _Redo:
-    """A decode leg that failed on ``url`` (``generation``) after it may have reached it,
-    with nothing sent to the client and its KV released: the request may run again from
-    its prefill leg on another decode instance; ``reply`` if it cannot."""
+    """A decode leg that failed with nothing sent to the client (its instance went away
+    under it, answered 503, or none could take it) and its KV released: the request may
+    run again from its prefill leg on another decode instance; ``reply`` if it cannot."""
 
-    url: str
-    generation: int
     reply: Reply
 
 
@@ -213,27 +212,31 @@ class ProxyResponse(Response):
         if core.decode.num_healthy == 0 and not await self._wait_healthy(core.decode):
             await self._reply(self._unavailable(core.decode))  # no prefill work for nothing
             return
-        failed: dict[str, int] = {}  # decode instances that failed under it -> generation
-        answer = Reply.error(503, "no healthy decode instance")  # (the last failure's)
-        for _ in range(2):  # once more, re-prefilled, after a decode failed under it
+        tried: dict[str, int] = {}  # decode instances tried (URL -> generation)
+        answer: Reply | None = None  # the last decode failure's, if no decode takes it
+        for again in (False, True):  # once more, re-prefilled, after a decode failed
+            if again:  # a decode instance other than the ones that failed, or 503
+                deadline = asyncio.get_running_loop().time() + core.settings.queue_timeout
+                if await core.decode.wait_pick(tried, deadline) is None:
+                    break
+                core.metrics.retried("decode")
+                logger.warning(
+                    "request %s: decode failed on %s; prefilling it again for another "
+                    "decode instance",
+                    self.request_id,
+                    ", ".join(tried),
+                )
             pre = await self._attempts(core.prefill, self._prefill_once, tries=2)
             if isinstance(pre, Reply):
                 await self._reply(pre)
                 return
             if pre.kv_params is not None:
                 self._held = pre.instance.url
-            redo = await self._answer_leg(pre.kv_params, failed)
+            redo = await self._answer_leg(pre.kv_params, tried)
             if redo is None:
                 return
-            failed[redo.url], answer = redo.generation, redo.reply
-            if core.decode.pick(self._excluded(core.decode, failed)) is None:
-                break
-            core.metrics.retried("decode")
-            logger.warning(
-                "request %s: decode on %s failed; prefilling it again for another decode instance",
-                self.request_id,
-                redo.url,
-            )
+            answer = redo.reply
+        assert answer is not None
         await self._reply(answer)
 
     @staticmethod
@@ -260,11 +263,12 @@ class ProxyResponse(Response):
         attempt whose connection was never established (:class:`_NotSent`) does not
         count (before any failure, the next one waits for an eligible instance up to
         ``queue_timeout``, unless not ``wait``; see the module docstring). ``tried``:
-        instances (URL -> generation) not to use unless they came back. Returns what
+        instances (URL -> generation) not to use unless they came back; the instances
+        this call tries are added to it. Returns what
         ``once`` returned otherwise (a success, or a :class:`Reply` to give as is), or the
         last failure's reply (503 if no instance was eligible)."""
         deadline = asyncio.get_running_loop().time() + self.core.settings.queue_timeout
-        tried = dict(tried or {})  # URL -> generation when tried
+        tried = {} if tried is None else tried  # URL -> generation when tried
         last = ""  # the URL of this call's last attempt
         failure: Reply | None = None  # the answer if no attempt succeeds
         failed = 0
@@ -363,12 +367,13 @@ class ProxyResponse(Response):
 
     # -- the answer: decode, or colocated ------------------------------------------
     async def _answer_leg(
-        self, kv_params: dict[str, Any] | None, failed: dict[str, int] | None = None
+        self, kv_params: dict[str, Any] | None, tried: dict[str, int] | None = None
     ) -> _Redo | None:
         """The leg whose answer goes to the client: the decode leg (with the prefill's
         ``kv_params``), or a colocated request (``None``; retried once, see the module
-        docstring). A decode leg does not wait for an instance (``failed``: instances
-        not to use) and returns :class:`_Redo` when its instance failed under it."""
+        docstring). A decode leg does not wait for an instance holding KV (``tried``:
+        instances not to use, updated with those it tries) and returns :class:`_Redo`
+        when it fails before the client got a byte."""
         pool = self.core.answer
         colocated = self.core.colocated
         tries = 2 if colocated else 1
@@ -376,11 +381,13 @@ class ProxyResponse(Response):
         async def once(inst: Instance) -> _Failed | _NotSent | _Redo | None:
             return await self._answer_once(inst, kv_params)
 
-        result = await self._attempts(pool, once, tries=tries, tried=failed, wait=colocated)
+        result = await self._attempts(pool, once, tries=tries, tried=tried, wait=colocated)
         if isinstance(result, Reply):
             self._release("no_decode_instance")
-            await self._reply(result)
-            return None
+            if colocated:
+                await self._reply(result)
+                return None
+            return _Redo(result)
         return result
 
     async def _answer_once(
@@ -438,7 +445,7 @@ class ProxyResponse(Response):
             if retry and reply.status >= 500:
                 return _Failed(reply)
             if reply.status == 503 and not retry:  # e.g. its prompt's KV was lost
-                return _Redo(url, inst.generation, reply)
+                return _Redo(reply)
             await self._reply(reply)
         return None
 
@@ -515,9 +522,9 @@ class ProxyResponse(Response):
         if gone:
             why = (
                 f"decode instance {url} failed under this request ({outcome}) and no other "
-                "decode instance is healthy; retry later"
+                "decode instance took it; retry later"
             )
-            return _Redo(url, inst.generation, Reply.error(503, why))
+            return _Redo(Reply.error(503, why))
         await self._reply(failure)
         return None
 
