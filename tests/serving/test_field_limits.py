@@ -154,3 +154,21 @@ def _models_latency_under(url: str, payloads: list[tuple[str, bytes]]) -> tuple[
             time.sleep(0.005)
     worker.join(60)
     return max(latencies), statuses
+
+
+def test_a_client_gone_mid_upload_leaves_no_traceback() -> None:
+    import socket
+
+    srv = ProcServer()
+    try:
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", srv.port)) as s:
+                s.sendall(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                    b"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n{"
+                )
+        with httpx.Client(base_url=srv.url, timeout=10) as c:
+            assert c.post("/v1/completions", json={"prompt": "p", "max_tokens": 2}).status_code == 200
+    finally:
+        err = srv.stop()
+    assert "Traceback" not in err and "Exception in ASGI" not in err, err[-3000:]

@@ -28,7 +28,7 @@ from typing import Any
 
 import msgspec
 from fastapi.routing import APIRoute
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from pdserve.serving.api.protocol import RequestError
@@ -176,7 +176,11 @@ class LimitedRoute(APIRoute):
 
         async def limited(request: Request) -> Response:
             if request.method == "POST":
-                check_field_limits(await request.body())
+                try:
+                    body = await request.body()
+                except ClientDisconnect:  # gone mid-upload: nobody to answer
+                    return Response(status_code=499)
+                check_field_limits(body)
             return await handler(request)
 
         return limited
