@@ -58,9 +58,7 @@ def _slowloris_closed(port: int) -> tuple[float, bytes]:
         return time.monotonic() - t0, got
 
 
-def test_captured_params_are_refused_and_slowloris_is_cut(
-    tiny_llama: Path, tmp_path: Path
-) -> None:
+def test_captured_params_are_refused_and_slowloris_is_cut(tiny_llama: Path, tmp_path: Path) -> None:
     topo, ports = _topology(tiny_llama, prefill=1, colocated=False)
     topo["common_args"] = [*topo["common_args"], "--header-timeout", "1"]
     topo["proxy"]["args"] = ["--header-timeout", "1"]

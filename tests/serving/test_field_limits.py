@@ -168,7 +168,9 @@ def test_a_client_gone_mid_upload_leaves_no_traceback() -> None:
                     b"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n{"
                 )
         with httpx.Client(base_url=srv.url, timeout=10) as c:
-            assert c.post("/v1/completions", json={"prompt": "p", "max_tokens": 2}).status_code == 200
+            assert (
+                c.post("/v1/completions", json={"prompt": "p", "max_tokens": 2}).status_code == 200
+            )
     finally:
         err = srv.stop()
     assert "Traceback" not in err and "Exception in ASGI" not in err, err[-3000:]

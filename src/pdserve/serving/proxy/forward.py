@@ -239,11 +239,6 @@ class ProxyResponse(Response):
         assert answer is not None
         await self._reply(answer)
 
-    @staticmethod
-    def _excluded(pool: InstancePool, tried: dict[str, int]) -> list[str]:
-        """The URLs in ``tried`` that have not come back since (same generation)."""
-        return [u for u, g in tried.items() if pool.get(u).generation == g]
-
     async def _wait_healthy(self, pool: InstancePool) -> bool:
         deadline = asyncio.get_running_loop().time() + self.core.settings.queue_timeout
         return await pool.wait_healthy(deadline)
@@ -276,7 +271,7 @@ class ProxyResponse(Response):
             if failed == 0 and wait:
                 inst = await pool.wait_pick(tried, deadline)
             else:
-                inst = pool.pick(self._excluded(pool, tried))
+                inst = pool.pick(pool.not_back(tried))
             if inst is None:
                 break
             if last:
