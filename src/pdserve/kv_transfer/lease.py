@@ -4,9 +4,9 @@ Thread-safety: the KV server thread (reads, heartbeats, done notices) and the
 scheduler thread (registration, expiry sweeps, proxy releases) share one table under
 a lock. An entry being read is never expired, so blocks cannot be freed under a read.
 
-A lease may be read at most ``max_reads`` times (decode reads once; a retry after a
-broken connection is the only reason for a second): past that :meth:`begin_read`
-raises :class:`ReadLimitError`, so no peer can keep re-reading (and pinning) held KV.
+A lease may be read at most ``max_reads`` times (``max_reads_per_lease``, default 1:
+decode reads once): past that :meth:`begin_read` raises :class:`ReadLimitError`, so no
+peer can keep re-reading (and pinning) held KV.
 
 A lease is bound to its prompt and, from its first read on, to one consumer: a read must
 name the digest of the prompt the KV was computed for (``prompt_digest``, see
@@ -42,7 +42,7 @@ class ReadLimitError(ReadRefused):
 
 
 class LeaseTable:
-    def __init__(self, initial_seconds: float, max_reads: int = 3) -> None:
+    def __init__(self, initial_seconds: float, max_reads: int = 1) -> None:
         self.initial = initial_seconds
         self.max_reads = max_reads
         self.extension = initial_seconds * 2 / 3
