@@ -1,0 +1,115 @@
+"""Device launches of one graph-shaped decode step, per decoder layer by submodule
+(issue 30; :mod:`pdserve.bench.launch_count` counts them).
+
+    python3 benchmarks/launch_count.py --out /tmp/launches.json                    (CPU, tiny)
+    python3 benchmarks/launch_count.py --device cuda --out $OUT/launches.json \
+        --presets glm5-m12-e64,llama-8b-shape --context 1024 --width 32768
+
+On a CPU the tiny GLM-5 and Llama run their CUDA code paths under Triton's interpreter
+(``TRITON_INTERPRET=1`` and ``PDSERVE_FUSED_KERNELS=1``, set before any kernel module is
+imported); on a GPU the same counter runs compiled, at real presets (weights drawn on
+the device, ``--load-format dummy``), and its step total can be set beside the kernels
+per step that ``glm5_bench.py --profile`` sees in the graph replay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+ARCH = {"glm5": "GlmMoeDsaForCausalLM", "llama": "LlamaForCausalLM"}
+
+
+def _arch(preset: str) -> str:
+    return ARCH["llama"] if preset.startswith("llama") else ARCH["glm5"]
+
+
+def count_preset(name: str, preset: str, device: str, dtype: str, batch: int, context: int,
+                 width: int, workdir: Path) -> dict:  # fmt: skip
+    import torch
+
+    from pdserve.bench.launch_count import decode_step_launches, format_table, layer_table
+    from pdserve.models import load_model
+    from pdserve.testing.checkpoint import make_checkpoint
+
+    arch = ARCH[name] if preset == "tiny" else _arch(preset)
+    ckpt = make_checkpoint(arch, preset, workdir / f"{arch}-{preset}", config_only=True)
+    model, cfg = load_model(ckpt, dtype, torch.device(device), load_format="dummy")
+    t0 = time.perf_counter()
+    counts = decode_step_launches(model, batch, context, width)
+    seconds = time.perf_counter() - t0
+    names, per = layer_table(counts)
+    table = format_table(counts)
+    print(f"\n{arch} {preset} ({dtype}, {device}): batch {batch}, context {context}, "
+          f"width {width}\n{table}", flush=True)  # fmt: skip
+    del model
+    return {
+        "arch": arch,
+        "preset": preset,
+        "layers": cfg.num_hidden_layers,
+        "total": counts.total,
+        "per_layer": {str(i): dict(c) for i, c in per.items()},
+        "outside_layers": dict(counts.outside_layers()),
+        "syncs": [s.name for s in counts.syncs],
+        "multi_kernel": dict(counts.multi_kernel()),
+        "by_name": dict(counts.by_name()),
+        "seconds": seconds,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="JSON results file")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--presets", default=None,
+                    help="comma-separated (default: tiny GLM-5 and tiny Llama; on CUDA "
+                         "glm5-m12-e64,llama-8b-shape)")  # fmt: skip
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=None, help="cached tokens (CPU 32, GPU 1024)")
+    ap.add_argument("--width", type=int, default=None,
+                    help="the captured max_seq_len (CPU 64, GPU 32768)")  # fmt: skip
+    ap.add_argument("--dtype", default="bfloat16")
+    args = ap.parse_args(argv)
+    cpu = args.device == "cpu"
+    if cpu:  # the kernels under the interpreter: set before any kernel module is imported
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        os.environ["PDSERVE_FUSED_KERNELS"] = "1"
+        from _interp import interpreter_fix
+
+        interpreter_fix()
+        import torch
+
+        torch.set_num_threads(1)
+    if args.presets:
+        points = [("glm5" if "Glm" in _arch(p) else "llama", p) for p in args.presets.split(",")]
+    else:
+        points = [("glm5", "tiny"), ("llama", "tiny")] if cpu else [
+            ("glm5", "glm5-m12-e64"), ("llama", "llama-8b-shape")]  # fmt: skip
+    context = args.context if args.context is not None else (32 if cpu else 1024)
+    width = args.width if args.width is not None else (64 if cpu else 32768)
+    res = {"device": args.device, "batch": args.batch, "context": context, "width": width,
+           "dtype": args.dtype, "models": []}  # fmt: skip
+    with tempfile.TemporaryDirectory() as d:
+        for name, preset in points:
+            res["models"].append(count_preset(name, preset, args.device, args.dtype, args.batch,
+                                              context, width, Path(d)))  # fmt: skip
+    Path(args.out).write_text(json.dumps(res, indent=2))
+    for m in res["models"]:
+        per = m["per_layer"]
+        mean = sum(sum(c.values()) for c in per.values()) / max(1, len(per))
+        print(f"{m['arch']:24s} {m['preset']:16s} step {m['total']:5d}  "
+              f"{mean:6.1f} a layer over {m['layers']} layers")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""Device launches of a graph-shaped decode step (issue 30), counted on the CPU with the
+CUDA code paths selected (the Triton backends and fused kernels, under the interpreter
+here): the counter itself, and per-layer budgets for the tiny GLM-5 and Llama, so a
+change that adds kernels to the decode path fails here before it costs GPU time."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from torch import nn
+
+from pdserve.bench.launch_count import LaunchCounter, decode_step_launches, format_table
+from pdserve.models import load_model
+from pdserve.testing.checkpoint import make_checkpoint
+
+
+@triton.jit
+def _double_kernel(x_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    tl.store(x_ptr + offs, x * 2, mask=offs < n)
+
+
+class _Toy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(4, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.inner(x.view(2, 4)).t().contiguous()  # mm, then a copy (t is a view)
+        z = y[:, :2].unsqueeze(0).expand(3, -1, -1)  # views only
+        y[0, :0].zero_()  # empty: launches nothing
+        _double_kernel[(1,)](y, y.numel(), BLOCK=16)  # one Triton launch, whatever it moves
+        return z + 1
+
+
+def test_counter_counts_kernels_not_views(device: torch.device) -> None:
+    model = _Toy().to(device)
+    x = torch.ones(8, device=device)
+    with torch.no_grad(), LaunchCounter(model) as counter:
+        model(x)
+    got = [(x.kind, x.name, x.module) for x in counter.counts.launches]
+    assert got == [
+        ("aten", "mm", "inner"),
+        ("aten", "clone", ""),
+        ("triton", "_double_kernel", ""),
+        ("aten", "add", ""),
+    ]
+    assert not counter.counts.syncs
+    x.sum().item()  # outside the counter: not seen
+    with LaunchCounter() as counter:
+        x.sum().item()
+    assert [s.name for s in counter.counts.syncs] == ["_local_scalar_dense"]
+
+
+def _model(
+    arch: str, tmp: Path, monkeypatch: pytest.MonkeyPatch, device: torch.device
+) -> nn.Module:
+    monkeypatch.setenv("PDSERVE_FUSED_KERNELS", "1")
+    overrides = {"num_hidden_layers": 2} if arch == "GlmMoeDsaForCausalLM" else None
+    ckpt = make_checkpoint(arch, "tiny", tmp, config_only=True, config_overrides=overrides)
+    model, _ = load_model(ckpt, "bfloat16", device, load_format="dummy")
+    return model
+
+
+# per decoder layer, the most launches a graph-shaped batch-1 decode step may issue, by
+# submodule; the layer kinds are GLM-5's dense first layer, its MoE layers, and Llama's
+BUDGETS: dict[str, dict[int, dict[str, int]]] = {
+    "GlmMoeDsaForCausalLM": {
+        0: {"total": 65},
+        1: {"total": 100},
+    },
+    "LlamaForCausalLM": {0: {"total": 10}, 1: {"total": 10}},
+}
+
+
+@pytest.mark.parametrize("arch", sorted(BUDGETS))
+def test_decode_launches_per_layer_within_budget(
+    arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device: torch.device
+) -> None:
+    model = _model(arch, tmp_path, monkeypatch, device)
+    counts = decode_step_launches(model, batch=1, context=32, width=64)
+    table = format_table(counts)
+    assert not counts.syncs, table  # a graph-shaped step never waits on the device
+    per = counts.per_layer()
+    assert sorted(per) == sorted(BUDGETS[arch]), table
+    for layer, budget in BUDGETS[arch].items():
+        got: Counter[str] = per[layer]
+        assert sum(got.values()) <= budget["total"], f"layer {layer}\n{table}"
+        for name, most in budget.items():
+            if name != "total":
+                assert got.get(name, 0) <= most, f"layer {layer} {name}\n{table}"
+    assert sum(counts.outside_layers().values()) <= 4, table  # embedding, final norm, head
