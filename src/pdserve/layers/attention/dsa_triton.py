@@ -44,7 +44,7 @@ class IndexerTritonBackend(AttentionBackend):
     def forward(
         self,
         q: torch.Tensor,  # [T, n_heads, D]
-        k: torch.Tensor,  # [T, D]
+        k: torch.Tensor | None,  # [T, D]; None: already in the cache
         weights: torch.Tensor,  # [T, n_heads] float32 (already / sqrt(n_heads))
         cache: torch.Tensor,  # [blocks, block_size, D]
         md: CommonAttentionMetadata,
@@ -52,7 +52,9 @@ class IndexerTritonBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:  # [T, topk] int64
         t = md.num_actual_tokens
-        cache.view(-1, cache.shape[-1]).index_copy_(0, md.slot_mapping[:t], k[:t].to(cache.dtype))
+        if k is not None:
+            flat = cache.view(-1, cache.shape[-1])
+            flat.index_copy_(0, md.slot_mapping[:t], k[:t].to(cache.dtype))
         out = torch.full((q.shape[0], topk), -1, dtype=torch.int64, device=q.device)
         width = -(-md.max_seq_len // md.block_size) * md.block_size
         q = q.contiguous()
