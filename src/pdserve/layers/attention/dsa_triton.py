@@ -55,11 +55,15 @@ class IndexerTritonBackend(AttentionBackend):
         if k is not None:
             flat = cache.view(-1, cache.shape[-1])
             flat.index_copy_(0, md.slot_mapping[:t], k[:t].to(cache.dtype))
-        out = torch.full((q.shape[0], topk), -1, dtype=torch.int64, device=q.device)
         width = -(-md.max_seq_len // md.block_size) * md.block_size
         q = q.contiguous()
         weights = weights.float().contiguous()
         sort_free = width <= SORT_FREE_MAX_WIDTH
+        if sort_free:  # the select writes every slot of the real rows (-1 pads)
+            out = torch.empty((q.shape[0], topk), dtype=torch.int64, device=q.device)
+            out[t:].fill_(-1)  # graph padding (no launch when there is none)
+        else:
+            out = torch.full((q.shape[0], topk), -1, dtype=torch.int64, device=q.device)
         uniform = t == md.num_reqs * md.max_query_len
         for a, b in token_chunks(t, width * 4, _CHUNK_BYTES):
             req, qi = md.token_req_idx[a:b], md.token_q_idx[a:b]
