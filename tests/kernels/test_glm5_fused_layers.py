@@ -15,14 +15,15 @@ from pdserve.models import load_model
 from pdserve.testing.checkpoint import make_checkpoint
 
 
+# DeepSeek-V3.2: the half-split indexer RoPE, YaRN tables, grouped routing (n_group 2)
+@pytest.mark.parametrize("arch", ["GlmMoeDsaForCausalLM", "DeepseekV32ForCausalLM"])
 def test_tiny_glm5_fused_layers_match_torch_layers(
-    tmp_path: Path, device: torch.device, monkeypatch: pytest.MonkeyPatch
+    arch: str, tmp_path: Path, device: torch.device, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # two layers (one dense, one MoE with an indexer) keep the interpreter fast
     ckpt = make_checkpoint(
-        "GlmMoeDsaForCausalLM", "tiny", tmp_path, seed=4, dtype="float32",
-        config_overrides={"num_hidden_layers": 2},
-    )  # fmt: skip
+        arch, "tiny", tmp_path, seed=4, dtype="float32", config_overrides={"num_hidden_layers": 2}
+    )
     models = []
     for mode in ("0", "1"):
         monkeypatch.setenv("PDSERVE_FUSED_KERNELS", mode)

@@ -195,7 +195,8 @@ class MLAAttention(FP8CacheScales, nn.Module):
         ctx = get_forward_context()
         w = kv_b_weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, -1)
         w_uk, w_uv = w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
-        q_lat = torch.einsum("thd,hdl->thl", q_nope, w_uk)
+        # [T, H, L] as a view of the [H, T, L] product (the backends take strided rows)
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
         cache = ctx.kv_caches[self.layer_name]
         out_lat = ctx.backends[self.cache_group].forward(
             q_lat,
@@ -208,5 +209,9 @@ class MLAAttention(FP8CacheScales, nn.Module):
             topk,
             self.cache_scales(cache)[0],
         )
-        out = torch.einsum("thl,hvl->thv", out_lat, w_uv)
-        return out.reshape(out.shape[0], self.num_heads * self.v_head_dim)
+        # W_UV per head, written straight into [T, H, V] rows (no copy before o_proj)
+        t = out_lat.shape[0]
+        out = torch.empty(t, self.num_heads, self.v_head_dim, dtype=out_lat.dtype,
+                          device=out_lat.device)  # fmt: skip
+        torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
+        return out.view(t, self.num_heads * self.v_head_dim)

@@ -53,7 +53,7 @@ class MLATritonBackend(AttentionBackend):
         splits = choose_splits(t, q_lat.shape[1], bound, num_sms(q_lat.device), q_lat.shape[2])
         out = torch.empty_like(q_lat)
         sparse_mla_attention(
-            q_lat.contiguous(),
+            q_lat,  # strided rows are fine (the W_UK product's [H, T, L] layout)
             q_pe.contiguous(),
             cache,
             md.block_tables,
