@@ -3,7 +3,7 @@
 
     python3 benchmarks/launch_count.py --out /tmp/launches.json                    (CPU, tiny)
     python3 benchmarks/launch_count.py --device cuda --out $OUT/launches.json \
-        --presets glm5-m12-e64,llama-8b-shape --context 1024 --width 32768
+        --points glm5=glm5-m12-e64,llama=llama-8b-shape --context 1024 --width 32768
 
 On a CPU the tiny GLM-5 and Llama run their CUDA code paths under Triton's interpreter
 (``TRITON_INTERPRET=1`` and ``PDSERVE_FUSED_KERNELS=1``, set before any kernel module is
@@ -29,20 +29,29 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 ARCH = {"glm5": "GlmMoeDsaForCausalLM", "llama": "LlamaForCausalLM"}
 
 
-def _arch(preset: str) -> str:
-    return ARCH["llama"] if preset.startswith("llama") else ARCH["glm5"]
+def parse_points(text: str) -> list[tuple[str, str]]:
+    """``glm5=tiny,llama=llama-8b-shape`` -> [(family, preset), ...]."""
+    out = []
+    for item in text.split(","):
+        fam, _, preset = item.partition("=")
+        if fam not in ARCH or not preset:
+            raise ValueError(f"point {item!r} is not FAMILY=PRESET with FAMILY in {list(ARCH)}")
+        out.append((fam, preset))
+    return out
 
 
 def count_preset(name: str, preset: str, device: str, dtype: str, batch: int, context: int,
-                 width: int, workdir: Path) -> dict:  # fmt: skip
+                 width: int, workdir: Path, layers: int | None = None) -> dict:  # fmt: skip
     import torch
 
     from pdserve.bench.launch_count import decode_step_launches, format_table, layer_table
     from pdserve.models import load_model
     from pdserve.testing.checkpoint import make_checkpoint
 
-    arch = ARCH[name] if preset == "tiny" else _arch(preset)
-    ckpt = make_checkpoint(arch, preset, workdir / f"{arch}-{preset}", config_only=True)
+    arch = ARCH[name]
+    over = {"num_hidden_layers": layers} if layers else None
+    ckpt = make_checkpoint(arch, preset, workdir / f"{arch}-{preset}", config_only=True,
+                           config_overrides=over)  # fmt: skip
     model, cfg = load_model(ckpt, dtype, torch.device(device), load_format="dummy")
     t0 = time.perf_counter()
     counts = decode_step_launches(model, batch, context, width)
@@ -70,9 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="JSON results file")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--presets", default=None,
-                    help="comma-separated (default: tiny GLM-5 and tiny Llama; on CUDA "
-                         "glm5-m12-e64,llama-8b-shape)")  # fmt: skip
+    ap.add_argument(
+        "--points",
+        default=None,
+        help="FAMILY=PRESET,... (families: glm5, llama; default glm5=tiny,"
+        "llama=tiny; on CUDA glm5=glm5-m12-e64,llama=llama-8b-shape)",
+    )
+    ap.add_argument("--layers", type=int, default=None, help="num_hidden_layers override")  # fmt: skip
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=None, help="cached tokens (CPU 32, GPU 1024)")
     ap.add_argument("--width", type=int, default=None,
@@ -86,14 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         from _interp import interpreter_fix
 
         interpreter_fix()
-        import torch
-
-        torch.set_num_threads(1)
-    if args.presets:
-        points = [("glm5" if "Glm" in _arch(p) else "llama", p) for p in args.presets.split(",")]
-    else:
-        points = [("glm5", "tiny"), ("llama", "tiny")] if cpu else [
-            ("glm5", "glm5-m12-e64"), ("llama", "llama-8b-shape")]  # fmt: skip
+    default = "glm5=tiny,llama=tiny" if cpu else "glm5=glm5-m12-e64,llama=llama-8b-shape"
+    points = parse_points(args.points or default)
     context = args.context if args.context is not None else (32 if cpu else 1024)
     width = args.width if args.width is not None else (64 if cpu else 32768)
     res = {"device": args.device, "batch": args.batch, "context": context, "width": width,
@@ -101,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as d:
         for name, preset in points:
             res["models"].append(count_preset(name, preset, args.device, args.dtype, args.batch,
-                                              context, width, Path(d)))  # fmt: skip
+                                              context, width, Path(d), args.layers))  # fmt: skip
     Path(args.out).write_text(json.dumps(res, indent=2))
     for m in res["models"]:
         per = m["per_layer"]

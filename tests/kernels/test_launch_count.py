@@ -5,6 +5,7 @@ change that adds kernels to the decode path fails here before it costs GPU time.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -111,3 +112,23 @@ def test_decode_launches_per_layer_within_budget(
     # a batch of 8 launches the same kernels (the MoE alignment: one program still)
     batch8 = decode_step_launches(model, batch=8, context=32, width=64)
     assert batch8.total == counts.total and not batch8.syncs, format_table(batch8)
+
+
+def test_launch_count_script_writes_its_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """benchmarks/launch_count.py's CPU smoke run (the GPU run counts real presets)."""
+    from _scripts import load_script
+
+    monkeypatch.setenv("PDSERVE_FUSED_KERNELS", "1")  # restored after (the script sets it)
+    bench = load_script("launch_count")
+    out = tmp_path / "launches.json"
+    assert bench.main(["--out", str(out), "--points", "llama=tiny", "--batch", "2"]) == 0
+    res = json.loads(out.read_text())
+    (m,) = res["models"]
+    assert m["arch"] == "LlamaForCausalLM" and m["layers"] == 2 and not m["syncs"]
+    assert sum(m["per_layer"]["0"].values()) <= BUDGETS[m["arch"]][0]["total"]
+    assert m["total"] == sum(sum(c.values()) for c in m["per_layer"].values()) + sum(
+        m["outside_layers"].values()
+    )
+    assert "layer total" in capsys.readouterr().out
