@@ -20,6 +20,7 @@ import os
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,7 +45,12 @@ def count_preset(name: str, preset: str, device: str, dtype: str, batch: int, co
                  width: int, workdir: Path, layers: int | None = None) -> dict:  # fmt: skip
     import torch
 
-    from pdserve.bench.launch_count import decode_step_launches, format_table, layer_table
+    from pdserve.bench.launch_count import (
+        decode_step,
+        decode_step_launches,
+        format_table,
+        layer_table,
+    )
     from pdserve.models import load_model
     from pdserve.testing.checkpoint import make_checkpoint
 
@@ -56,6 +62,17 @@ def count_preset(name: str, preset: str, device: str, dtype: str, batch: int, co
     t0 = time.perf_counter()
     counts = decode_step_launches(model, batch, context, width)
     seconds = time.perf_counter() - t0
+    profiled = None
+    if device == "cuda":  # the kernels the device really ran for the same step
+        from pdserve.bench.step_profile import profile_step
+
+        prof = profile_step(decode_step(model, batch, context, width), None, device)
+        profiled = {
+            "kernels": len(prof.spans),
+            "names": dict(Counter(s.name[:80] for s in prof.spans)),
+        }
+        print(f"profiled: {len(prof.spans)} device activities (kernels, copies, memsets) "
+              f"against {counts.total} counted", flush=True)  # fmt: skip
     names, per = layer_table(counts)
     table = format_table(counts)
     print(f"\n{arch} {preset} ({dtype}, {device}): batch {batch}, context {context}, "
@@ -72,6 +89,7 @@ def count_preset(name: str, preset: str, device: str, dtype: str, batch: int, co
         "multi_kernel": dict(counts.multi_kernel()),
         "by_name": dict(counts.by_name()),
         "seconds": seconds,
+        "profiled": profiled,
     }
 
 

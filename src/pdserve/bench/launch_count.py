@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -247,16 +247,17 @@ def decode_metadata(
     return common, bt, pos
 
 
-def decode_step_launches(
+def decode_step(
     model: Any,
     batch: int = 1,
     context: int = 32,
     width: int = 64,
     block_size: int = 16,
     backend: str = "triton",
-) -> LaunchCounts:
-    """Launches of one graph-shaped decode step of ``model`` (forward and LM head) with
-    the ``backend`` attention backends, over fresh zeroed caches."""
+) -> Callable[[], torch.Tensor]:
+    """A callable running one graph-shaped decode step of ``model`` (forward and LM head;
+    returns the logits) with the ``backend`` attention backends, over fresh zeroed caches
+    (each call writes the same slots again)."""
     from pdserve.forward_context import KVCaches, set_forward_context
     from pdserve.runner.model_step import collect_cache_layers
 
@@ -270,12 +271,31 @@ def decode_step_launches(
     md = {g: b.build_metadata(common) for g, b in backends.items()}
     ids = torch.ones(batch, dtype=torch.int64, device=device)
     pos = pos.to(device)
-    counter = LaunchCounter(model)
-    # no_grad, not inference_mode: composite operators (linear, einsum) must decompose
-    # before the dispatch mode sees them (inference mode skips the autograd key that
-    # decomposes them)
-    with torch.no_grad(), set_forward_context(backends, md, caches), counter:
-        model.compute_logits(model(ids, pos))
+
+    def run() -> torch.Tensor:
+        # no_grad, not inference_mode: composite operators (linear, einsum) must decompose
+        # before a dispatch mode sees them (inference mode skips the autograd key that
+        # decomposes them)
+        with torch.no_grad(), set_forward_context(backends, md, caches):
+            return model.compute_logits(model(ids, pos))
+
+    return run
+
+
+def decode_step_launches(
+    model: Any,
+    batch: int = 1,
+    context: int = 32,
+    width: int = 64,
+    block_size: int = 16,
+    backend: str = "triton",
+) -> LaunchCounts:
+    """Launches of one graph-shaped decode step (:func:`decode_step`)."""
+    run = decode_step(model, batch, context, width, block_size, backend)
+    if next(model.parameters()).is_cuda:
+        run()  # compile the Triton kernels outside the count
+    with LaunchCounter(model) as counter:
+        run()
     return counter.counts
 
 
