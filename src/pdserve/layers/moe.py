@@ -24,7 +24,8 @@ interpreter), :func:`pdserve.kernels.moe_router.router_select` does the router's
 selection after its float32 GEMM, and :func:`pdserve.kernels.fused_moe.fused_experts`
 replaces both expert paths: tokens aligned by expert on the device, a grouped gate/up
 GEMM with SiLU-and-mul fused, a grouped down GEMM with the routing weights applied; no
-host sync at any batch size. The shared experts stay a dense MLP (fused layers too).
+host sync at any batch size. The shared experts stay a dense MLP (fused layers too); with
+the fused kernels their output joins the routed rows' final sum (no add of its own).
 
 Tensor parallelism (``groups.tp`` of size n): the router is replicated; every expert's
 and the shared experts' intermediate dimension is split n ways (gate/up rows and down

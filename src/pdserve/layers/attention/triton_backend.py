@@ -203,7 +203,7 @@ class TritonAttentionBackend(GQABackend):
         )
         c = md.common
         t = c.num_actual_tokens
-        if rope is not None and rope.cos is None:  # kernels on: rotate and write in one launch
+        if rope is not None and rope.fused:  # kernels on: rotate and write in one launch
             r = rope.rope
             rope_write_kv(
                 q, k, v, rope.positions, r.cos_cache, r.sin_cache, kv_cache,
