@@ -50,6 +50,7 @@ class Variant:
     expect_wgmma: bool = False  # the variant must use warpgroup MMAs
     expect_cp_async: bool = False  # its tile loads must be pipelined
     expect_no_spills: bool = False
+    fp_fusion: bool = True  # False: launched with enable_fp_fusion=False (no FMA contraction)
     notes: str = field(default="", compare=False)
 
 
@@ -183,6 +184,80 @@ _SELECT_PTRS = {"logits_ptr": "*fp32", "seq_lens_ptr": "*i32", "qsl_ptr": "*i32"
                 "req_ptr": "*i64", "qidx_ptr": "*i64", "out_ptr": "*i64"}  # fmt: skip
 
 
+def _kernel(module: str, name: str) -> Callable[[], Any]:
+    def get() -> Any:
+        import importlib
+
+        return getattr(importlib.import_module(f"pdserve.kernels.{module}"), name)
+
+    return get
+
+
+def _fixed(**consts: Any) -> Callable[[], dict[str, Any]]:
+    return lambda: dict(consts)
+
+
+def decode_prep_variants() -> list[Variant]:
+    """The small fused kernels of the decode path (issue 30) at GLM-5 / Llama-8B dims: each
+    replaces a chain of torch launches, so it must stay cheap (few registers, no spills)."""
+    out = [
+        Variant("rope_kv_write", _kernel("kv_cache_write", "_rope_kv_write_kernel"),
+                _fixed(HEAD_D=128, HALF=64, BLOCK_HALF=64, BLOCK_D=128, BLOCK_H=32, PAGE=16,
+                       ROUND=True, FP8_MAX=0.0, ROUND_FIRST=False),
+                {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "kc_ptr": "*bf16",
+                 "vc_ptr": "*bf16", "pos_ptr": "*i64", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
+                 "slot_ptr": "*i64"},
+                frozenset({"stride_qt", "stride_kt", "stride_vt", "stride_vh", "stride_kcb",
+                           "stride_kcs", "stride_kch", "stride_vcb", "stride_vcs",
+                           "stride_vch", "stride_cos", "stride_sin"}),
+                frozenset({"k_scale", "v_scale"}), 4, 1, expect_no_spills=True,
+                fp_fusion=False),
+    ]  # fmt: skip
+    for cache in ("bf16", "fp8e4nv"):
+        out.append(
+            Variant(f"mla_prep_{cache[:4]}", _kernel("mla_prep", "_mla_prep_kernel"),
+                    _fixed(LAT=512, BLOCK_L=512, HALF=32, BLOCK_HALF=32, BLOCK_H=64, PAGE=64,
+                           INTERLEAVED=True, ROUND=True,
+                           FP8_MAX=448.0 if cache != "bf16" else 0.0, ROUND_FIRST=False),
+                    {"q_ptr": "*bf16", "kv_ptr": "*bf16", "w_ptr": "*bf16", "pos_ptr": "*i64",
+                     "cos_ptr": "*bf16", "sin_ptr": "*bf16", "slot_ptr": "*i64",
+                     "cache_ptr": f"*{cache}", "out_ptr": "*bf16"},
+                    frozenset({"stride_qt", "stride_qh", "stride_kvt", "stride_cos",
+                               "stride_sin", "stride_cb", "stride_cs", "stride_ot",
+                               "stride_oh"}),
+                    frozenset({"eps", "kv_scale"}), 4, 1, expect_no_spills=True,
+                    fp_fusion=False)
+        )  # fmt: skip
+    out.append(
+        Variant("indexer_prep", _kernel("mla_prep", "_indexer_prep_kernel"),
+                _fixed(D=128, BLOCK_D=128, HALF=32, BLOCK_HALF=32, BLOCK_NH=32, PAGE=64,
+                       INTERLEAVED=True, ROUND=True),
+                {"q_ptr": "*bf16", "k_ptr": "*bf16", "w_ptr": "*bf16", "lnw_ptr": "*bf16",
+                 "lnb_ptr": "*bf16", "pos_ptr": "*i64", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
+                 "slot_ptr": "*i64", "cache_ptr": "*bf16", "q_out_ptr": "*bf16",
+                 "w_out_ptr": "*fp32"},
+                frozenset({"stride_qt", "stride_cos", "stride_sin", "stride_cb", "stride_cs",
+                           "stride_qot"}),
+                frozenset({"eps", "w_scale"}), 4, 1, expect_no_spills=True, fp_fusion=False)
+    )  # fmt: skip
+    for name, n in (("moe_align_b1", 8), ("moe_align_b128", 1024)):
+        out.append(
+            Variant(name, _kernel("moe_align", "_align_kernel"),
+                    _fixed(BM=16, BLOCK_N=max(16, n), BLOCK_E=512, CHUNK=16, BLOCK_B=64,
+                           BLOCK_S=1024),
+                    {"ids_ptr": "*i64", "pairs_ptr": "*i32", "block_expert_ptr": "*i32"},
+                    frozenset(), frozenset(), 4, 1, expect_no_spills=True)
+        )  # fmt: skip
+    out.append(
+        Variant("moe_combine", _kernel("moe_align", "_combine_kernel"),
+                _fixed(K=8, BLOCK=1024, HAS_ADD=True),
+                {"rows_ptr": "*bf16", "add_ptr": "*bf16", "out_ptr": "*bf16"},
+                frozenset({"H", "stride_r", "stride_a", "stride_o"}), frozenset(), 4, 1,
+                expect_no_spills=True)
+    )  # fmt: skip
+    return out
+
+
 def variants() -> list[Variant]:
     """The checked launch shapes (launch options resolved from the kernel modules)."""
     out = []
@@ -212,7 +287,7 @@ def variants() -> list[Variant]:
         out.append(Variant(f"select_{width // 1024}k", _select_kernel, _select_consts(width),
                            _SELECT_PTRS, frozenset({"stride_lt", "stride_ot", "K"}),
                            frozenset(), _select_warps(width), 1, expect_no_spills=True))  # fmt: skip
-    return out
+    return out + decode_prep_variants()
 
 
 def _ptxas() -> Path:
@@ -245,7 +320,7 @@ def compile_variant(v: Variant) -> Any:
              for n in names if n in v.pointers or n in v.aligned_ints}  # fmt: skip
     src = ASTSource(fn, sig, constexprs={(names.index(k),): c for k, c in consts.items()},
                     attrs=attrs)  # fmt: skip
-    opts = {"num_warps": v.warps, "num_stages": v.stages}
+    opts = {"num_warps": v.warps, "num_stages": v.stages, "enable_fp_fusion": v.fp_fusion}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 

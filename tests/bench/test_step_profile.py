@@ -33,6 +33,9 @@ ROOT = Path(__file__).resolve().parents[2]
         ("_select_kernel", "indexer_score", "topk_select"),  # the indexer's select
         ("void at::native::sbtopk::gatherTopK<float>", "indexer_score", "topk_select"),
         ("_logits_kernel", "indexer_score", "indexer_score"),
+        ("_indexer_prep_kernel", "indexer_score", "norm_rope"),  # RoPE, norm, cache write
+        ("_mla_prep_kernel", None, "norm_rope"),
+        ("_align_kernel", "moe_experts", "moe_experts"),
         ("DeviceRadixSortOnesweepKernel", "moe_experts", "moe_experts"),  # expert alignment
         ("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", "router", "router"),  # the router's GEMM
         ("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", None, "dense_gemm"),
@@ -67,6 +70,7 @@ def test_table_shares_and_idle_gap() -> None:
     assert t["top"][0]["name"] == "g"
     text = format_tables({"graph replay": t})
     assert "idle_gap" in text and "moe_experts" in text
+    assert f"| {t['kernels']:22d}" in text.splitlines()[-2]  # kernels per step
 
 
 def test_replay_kernels_take_the_eager_runs_categories() -> None:

@@ -1,7 +1,7 @@
 """tools/sm90_report.py compiles the engine's launch shapes for Hopper on the CPU (Triton's
 own ptxas, no GPU): the shapes that decide GLM-5 prefill and verify speed must fit a
 Hopper multiprocessor, use warpgroup MMAs, pipeline their tile loads as cp.async and
-not spill. A config change or a kernel edit that breaks one of these fails here, before
+not spill; the decode path's small fused kernels must stay small. A config change or a kernel edit that breaks one of these fails here, before
 any device time is spent on it."""
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ def test_engine_launch_shapes_compile_well_for_hopper(
     assert wide["wgmma"] and wide["cp_async"] and wide["registers"] <= sm90_report.MAX_REGS
     for r in rows.values():
         assert r["shared_bytes"] <= sm90_report.MAX_SHARED and not r["problems"]
+    for v in sm90_report.decode_prep_variants():  # the decode path's small fused kernels
+        assert rows[v.name]["registers"] <= 128, rows[v.name]
 
 
 def test_an_unaligned_launch_is_reported(capsys: pytest.CaptureFixture[str]) -> None:

@@ -276,13 +276,14 @@ def topk_select(
     check_device(logits, "topk_select")
     if variant not in ("auto", "rows", "radix"):
         raise ValueError(f"topk_select variant must be auto, rows or radix, not {variant!r}")
-    if out is None:
-        out = torch.full((num_tokens, topk), -1, dtype=torch.int64, device=logits.device)
-    else:
+    rows = variant == "rows" or (variant == "auto" and logits.shape[1] <= REG_SELECT_MAX_WIDTH)
+    if out is None:  # the register select writes every slot of its rows (-1 pads) itself
+        out = torch.empty((num_tokens, topk), dtype=torch.int64, device=logits.device)
+    if not rows:
         out.fill_(-1)
     if num_tokens == 0:
         return out
-    if variant == "rows" or (variant == "auto" and logits.shape[1] <= REG_SELECT_MAX_WIDTH):
+    if rows:
         place = (seq_lens, query_start_loc, token_req_idx, token_q_idx)
         return reg_topk_select(logits, *place, topk, num_tokens, out)
     _select_kernel[(num_tokens,)](

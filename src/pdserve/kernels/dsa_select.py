@@ -97,20 +97,26 @@ def _reg_select_kernel(
         for k0 in range(0, K, BLOCK_K):
             j = k0 + tl.arange(0, BLOCK_K)
             tl.store(dst + j, tl.where(j < n, j, -1).to(tl.int64), mask=j < K)
-    elif SPLITS >= 2:
-        if n <= BLOCK // 4:
-            _select_row(row, dst, n, K, BLOCK // 4, CHUNK)
-        elif n <= BLOCK // 2:
-            _select_row(row, dst, n, K, BLOCK // 2, CHUNK)
-        else:
-            _select_row(row, dst, n, K, BLOCK, CHUNK)
-    elif SPLITS == 1:
-        if n <= BLOCK // 2:
-            _select_row(row, dst, n, K, BLOCK // 2, CHUNK)
-        else:
-            _select_row(row, dst, n, K, BLOCK, CHUNK)
     else:
-        _select_row(row, dst, n, K, BLOCK, CHUNK)
+        # -1 first: a row whose scores cannot be ordered (NaN) keeps no stale slot
+        for k0 in range(0, K, BLOCK_K):
+            j = k0 + tl.arange(0, BLOCK_K)
+            tl.store(dst + j, tl.full([BLOCK_K], -1, tl.int64), mask=j < K)
+        tl.debug_barrier()  # the -1s land before the row's positions overwrite them
+        if SPLITS >= 2:
+            if n <= BLOCK // 4:
+                _select_row(row, dst, n, K, BLOCK // 4, CHUNK)
+            elif n <= BLOCK // 2:
+                _select_row(row, dst, n, K, BLOCK // 2, CHUNK)
+            else:
+                _select_row(row, dst, n, K, BLOCK, CHUNK)
+        elif SPLITS == 1:
+            if n <= BLOCK // 2:
+                _select_row(row, dst, n, K, BLOCK // 2, CHUNK)
+            else:
+                _select_row(row, dst, n, K, BLOCK, CHUNK)
+        else:
+            _select_row(row, dst, n, K, BLOCK, CHUNK)
 
 
 def reg_select_warps(width: int) -> int:
@@ -129,8 +135,8 @@ def reg_topk_select(
     splits: int = REG_SELECT_SPLITS,
     num_warps: int | None = None,
 ) -> torch.Tensor:
-    """Fill ``out`` [num_tokens, topk] (already -1) from score rows of width up to
-    :data:`REG_SELECT_MAX_WIDTH`."""
+    """Fill ``out`` [num_tokens, topk] (every slot of those rows is written; -1 pads) from
+    score rows of width up to :data:`REG_SELECT_MAX_WIDTH`."""
     width = logits.shape[1]
     if width > REG_SELECT_MAX_WIDTH:
         raise ValueError(f"register select holds rows up to {REG_SELECT_MAX_WIDTH} keys: {width}")

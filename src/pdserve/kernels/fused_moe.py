@@ -15,7 +15,11 @@ stacked expert weights ``w13`` [E, 2I, H] (gate rows, then up rows) and ``w2`` [
    ``silu(gate) * up`` per pair ([T*k, I]); the [T*k, 2I] product never exists.
 3. **Down GEMM** (``_down_kernel``): program (block, column tile) multiplies the block's
    pair rows by its expert's ``w2`` and scales each row by its routing weight ([T*k, H]).
-4. The k rows of each token are summed in float32 (a deterministic reduction, no atomics).
+4. The k rows of each token are summed in float32 (a deterministic reduction, no atomics),
+   plus ``add`` (the shared experts' output) where given.
+
+Decode-sized batches align in one launch and sum in one (:mod:`pdserve.kernels.moe_align`):
+four launches for the routed experts.
 
 Each block reads its expert's weight tile once for up to ``BLOCK_M`` pairs, so a decode
 step reads every chosen expert's weights once. Prefill batches are processed in chunks
@@ -31,6 +35,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels._utils import check_device, dot_precision, dot_upcast
+from pdserve.kernels.moe_align import align_fits, moe_align, moe_combine
 
 CHUNK_TOKENS = 4096
 
@@ -210,10 +215,12 @@ def fused_experts(
     ids: torch.Tensor,
     out: torch.Tensor | None = None,
     config: MoeConfig | None = None,
+    add: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed experts' output [T, H] in ``x``'s dtype: ``sum_j weights[t, j] *
-    down_e(silu(gate_e(x_t)) * up_e(x_t))`` with ``e = ids[t, j]``. ``config``: the
-    launch shape (default: by pairs per expert, :func:`_config`)."""
+    down_e(silu(gate_e(x_t)) * up_e(x_t))`` with ``e = ids[t, j]``, plus ``add`` [T, H]
+    (rounded as ``routed + add`` rounds). ``config``: the launch shape (default: by
+    pairs per expert, :func:`_config`)."""
     check_device(x, "fused_experts")
     t, h = x.shape
     num_experts, two_i, hw = w13.shape
@@ -225,8 +232,19 @@ def fused_experts(
         out = torch.empty_like(x)
     for a in range(0, t, CHUNK_TOKENS):
         b = min(t, a + CHUNK_TOKENS)
-        _fused_chunk(x[a:b], w13, w2, weights[a:b], ids[a:b], out[a:b], config)
+        extra = add[a:b] if add is not None else None
+        _fused_chunk(x[a:b], w13, w2, weights[a:b], ids[a:b], out[a:b], config, extra)
     return out
+
+
+def align_pairs(
+    ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`align_by_expert`'s result: one launch where the batch fits
+    (:func:`~pdserve.kernels.moe_align.moe_align`), else the torch ops."""
+    if align_fits(ids.numel(), num_experts):
+        return moe_align(ids, num_experts, block_m)
+    return align_by_expert(ids, num_experts, block_m)
 
 
 def _fused_chunk(
@@ -237,6 +255,7 @@ def _fused_chunk(
     ids: torch.Tensor,
     out: torch.Tensor,
     config: MoeConfig | None,
+    add: torch.Tensor | None,
 ) -> None:
     t, h = x.shape
     k = ids.shape[1]
@@ -246,7 +265,7 @@ def _fused_chunk(
     if n == 0:
         return
     bm, bn, bk, warps, stages = config or _config(n, num_experts)
-    pairs, block_expert = align_by_expert(ids, num_experts, bm)
+    pairs, block_expert = align_pairs(ids, num_experts, bm)
     nb = block_expert.shape[0]
     act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
     prec, up = dot_precision(x.dtype), dot_upcast(x.dtype)
@@ -296,7 +315,7 @@ def _fused_chunk(
         num_warps=warps,
         num_stages=stages,
     )
-    out.copy_(per_pair.view(t, k, h).sum(dim=1, dtype=torch.float32))
+    moe_combine(per_pair, k, out, add)
 
 
 def fused_experts_reference(

@@ -44,7 +44,7 @@ class IndexerTritonBackend(AttentionBackend):
     def forward(
         self,
         q: torch.Tensor,  # [T, n_heads, D]
-        k: torch.Tensor,  # [T, D]
+        k: torch.Tensor | None,  # [T, D]; None: already in the cache
         weights: torch.Tensor,  # [T, n_heads] float32 (already / sqrt(n_heads))
         cache: torch.Tensor,  # [blocks, block_size, D]
         md: CommonAttentionMetadata,
@@ -52,12 +52,18 @@ class IndexerTritonBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:  # [T, topk] int64
         t = md.num_actual_tokens
-        cache.view(-1, cache.shape[-1]).index_copy_(0, md.slot_mapping[:t], k[:t].to(cache.dtype))
-        out = torch.full((q.shape[0], topk), -1, dtype=torch.int64, device=q.device)
+        if k is not None:
+            flat = cache.view(-1, cache.shape[-1])
+            flat.index_copy_(0, md.slot_mapping[:t], k[:t].to(cache.dtype))
         width = -(-md.max_seq_len // md.block_size) * md.block_size
         q = q.contiguous()
         weights = weights.float().contiguous()
         sort_free = width <= SORT_FREE_MAX_WIDTH
+        if sort_free:  # the select writes every slot of the real rows (-1 pads)
+            out = torch.empty((q.shape[0], topk), dtype=torch.int64, device=q.device)
+            out[t:].fill_(-1)  # graph padding (no launch when there is none)
+        else:
+            out = torch.full((q.shape[0], topk), -1, dtype=torch.int64, device=q.device)
         uniform = t == md.num_reqs * md.max_query_len
         for a, b in token_chunks(t, width * 4, _CHUNK_BYTES):
             req, qi = md.token_req_idx[a:b], md.token_q_idx[a:b]
