@@ -39,7 +39,7 @@ def ttft_ms(url: str, prompt: list[int], max_tokens: int = 4) -> float:
     return first * 1e3
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--out", required=True)
@@ -47,7 +47,7 @@ def main() -> int:
     ap.add_argument("--devices", default="0", help='"cpu" or GPU ids, as in a topology')
     ap.add_argument("--plan", default="8,8,8,1024,1024,1024,1024")
     ap.add_argument("--max-token-id", type=int, default=30000)
-    args, serve_args = ap.parse_known_args()  # the rest goes to `pdserve serve`
+    args, serve_args = ap.parse_known_args(argv)  # the rest goes to `pdserve serve`
     topo = {
         "model": args.ckpt,
         "served_model_name": "m",

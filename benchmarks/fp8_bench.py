@@ -22,6 +22,10 @@ Measured in one call, on the card it runs on:
            HTTP serve run is gpu_suite's serve section with --serve-args)
 Prints one table (bf16 | fp8 per row) and writes every number to ``--out``. About 3
 minutes on an H200.
+
+``--device cpu`` runs every part on the tiny Llama's config at gpu_suite's CPU sizes, the
+Triton GEMM in the interpreter (``TRITON_INTERPRET=1`` is set before the kernels are
+imported; tests/kernels/test_fp8_bench.py runs it): a smoke run, its numbers mean nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -41,6 +46,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_suite import (  # noqa: E402
+    CPU_SIZES,
+    GPU_SIZES,
+    Sizes,
+    _timed,
     bench_decode,
     bench_prefill,
     bench_throughput,
@@ -50,56 +59,55 @@ from gpu_suite import (  # noqa: E402
 )
 
 from pdserve import LLM  # noqa: E402
-from pdserve.kernels.fp8_gemm import block_fp8_gemm, scaled_mm_block_fp8  # noqa: E402
-from pdserve.kernels.reference import quantize_fp8_blocks  # noqa: E402
 from pdserve.testing.checkpoint import make_checkpoint  # noqa: E402
 
-DECODE_POINTS = ((1, 1024), (16, 1024), (64, 1024), (16, 16384))
+# (decode points, GEMM (n, k), GEMM token counts) on the GPU and in the CPU smoke run
+GPU_POINTS = (((1, 1024), (16, 1024), (64, 1024), (16, 16384)), (4096, 14336), (1, 16, 64, 8192))
+CPU_POINTS = (((1, 24), (2, 24)), (256, 384), (1, 16))
 VARIANTS = {
     "bf16": {},
     "fp8": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
 }
 
 
-def _time_ms(fn: Callable[[], object], reps: int = 20) -> float:
+def _time_ms(fn: Callable[[], object], dev: torch.device, reps: int = 20) -> float:
     for _ in range(3):
         fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return statistics.median(_timed(fn, dev) for _ in range(reps)) * 1e3
 
 
-def fp8_matmul_peak(m: int = 8192) -> float:
+def fp8_matmul_peak(dev: torch.device, m: int = 8192) -> float:
     """FLOP/s of torch._scaled_mm on fp8 e4m3 operands with per-tensor scales."""
-    dev = torch.device("cuda")
     a = torch.randn(m, m, device=dev).to(torch.float8_e4m3fn)
     b = torch.randn(m, m, device=dev).to(torch.float8_e4m3fn).t()  # column-major operand
     one = torch.ones((), device=dev)
-    ms = _time_ms(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), 10)
+    ms = _time_ms(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), dev, 10)
     return 2 * m**3 / (ms / 1e3)
 
 
-def bench_gemm(limits: dict, n: int = 4096, k: int = 14336) -> list[dict]:
-    dev = torch.device("cuda")
+def bench_gemm(
+    limits: dict, dev: torch.device, shape: tuple[int, int], tokens: tuple[int, ...]
+) -> list[dict]:
+    """down_proj's FP8 GEMM (``shape`` = (n, k)) at each token count: Triton, scaled_mm
+    and bf16 against the byte roofline."""
+    from pdserve.kernels.fp8_gemm import block_fp8_gemm, scaled_mm_block_fp8
+    from pdserve.kernels.reference import quantize_fp8_blocks
+
+    n, k = shape
     w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
     wq, ws = quantize_fp8_blocks(w, (128, 128))
     bw = limits["copy_bandwidth_Bps"]
     out = []
-    for m in (1, 16, 64, 8192):
+    for m in tokens:
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         row: dict = {"tokens": m, "n": n, "k": k}
-        row["bf16_ms"] = _time_ms(lambda x=x: x @ w.t())
-        row["triton_fp8_ms"] = _time_ms(lambda x=x: block_fp8_gemm(x, wq, ws))
+        row["bf16_ms"] = _time_ms(lambda x=x: x @ w.t(), dev)
+        row["triton_fp8_ms"] = _time_ms(lambda x=x: block_fp8_gemm(x, wq, ws), dev)
         try:
             row["scaled_mm_fp8_ms"] = _time_ms(
-                lambda x=x: scaled_mm_block_fp8(x, wq, ws, torch.bfloat16)
+                lambda x=x: scaled_mm_block_fp8(x, wq, ws, torch.bfloat16), dev
             )
         except Exception as e:  # the blockwise recipe needs a recent PyTorch on Hopper
             row["scaled_mm_error"] = f"{type(e).__name__}: {str(e)[:160]}"
@@ -110,19 +118,18 @@ def bench_gemm(limits: dict, n: int = 4096, k: int = 14336) -> list[dict]:
     return out  # the weights go with this frame; bench_variant empties the cache
 
 
-def bench_variant(ckpt: Path, name: str, limits: dict, args: argparse.Namespace) -> dict:
+def bench_variant(
+    ckpt: Path, name: str, limits: dict, args: argparse.Namespace, sizes: Sizes, points: tuple
+) -> dict:
+    kw: dict = dict(dtype=sizes.dtype, load_format="dummy", max_model_len=sizes.max_model_len,
+                    max_num_batched_tokens=sizes.max_num_batched_tokens)  # fmt: skip
+    if args.device == "cpu":
+        kw.update(device="cpu", max_num_seqs=sizes.max_num_seqs)
+    else:
+        kw.update(max_num_seqs=64, kv_cache_memory_bytes=args.kv_cache_gb * 2**30,
+                  compilation_config={"cudagraph_capture_sizes": [1, 16, 64]})  # fmt: skip
     t0 = time.perf_counter()
-    llm = LLM(
-        str(ckpt),
-        dtype="bfloat16",
-        load_format="dummy",
-        max_model_len=20480,
-        max_num_batched_tokens=8192,
-        max_num_seqs=64,
-        kv_cache_memory_bytes=args.kv_cache_gb * 2**30,
-        compilation_config={"cudagraph_capture_sizes": [1, 16, 64]},
-        **VARIANTS[name],
-    )
+    llm = LLM(str(ckpt), **kw, **VARIANTS[name])
     res: dict = {
         "startup_s": time.perf_counter() - t0,
         "weight_bytes": weight_bytes(llm),
@@ -130,20 +137,23 @@ def bench_variant(ckpt: Path, name: str, limits: dict, args: argparse.Namespace)
         "cudagraph_mode": llm.engine.runner.graph_mode(),
     }
     res["decode"] = []
-    for batch, ctx in DECODE_POINTS:
+    for batch, ctx in points:
         r = bench_decode(llm, batch, ctx, limits, steps=12)
         print(name, json.dumps(r), flush=True)
         res["decode"].append(r)
-    res["prefill"] = bench_prefill(llm, limits)
+    res["prefill"] = bench_prefill(llm, limits, sizes.prefill_len)
     res["prefill"]["share_of_fp8_peak"] = (
         res["prefill"]["tflops"] * 1e12 / limits["fp8_matmul_flops"]
     )
     print(name, json.dumps(res["prefill"]), flush=True)
-    res["offline"] = bench_throughput(llm, num=128)
+    num, inp, out = sizes.throughput
+    res["offline"] = bench_throughput(llm, num=num // 2, inp=inp, out=out)
     print(name, json.dumps(res["offline"]), flush=True)
+    llm.engine.shutdown()
     del llm
     gc.collect()
-    torch.cuda.empty_cache()
+    if args.device != "cpu":
+        torch.cuda.empty_cache()
     return res
 
 
@@ -154,9 +164,9 @@ def print_table(res: dict) -> None:
         f" | bf16 matmul {lim['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s"
         f" | fp8 matmul {lim['fp8_matmul_flops'] / 1e12:.0f} TFLOP/s"
     )
-    print(
-        f"{'gemm 4096x14336':<18} {'bf16 ms':>9} {'triton ms':>10} {'scaled_mm':>10} {'fp8 roof':>9}"
-    )
+    g0 = (res.get("gemm") or [{"n": 0, "k": 0}])[0]
+    title = f"gemm {g0['n']}x{g0['k']}"
+    print(f"{title:<18} {'bf16 ms':>9} {'triton ms':>10} {'scaled_mm':>10} {'fp8 roof':>9}")
     for g in res.get("gemm", []):
         sm = g.get("scaled_mm_fp8_ms")
         print(
@@ -168,7 +178,7 @@ def print_table(res: dict) -> None:
     print(f"{'':<18} " + " ".join(f"{n:>28}" for n in names))
     print(f"{'weights GB':<18} " + " ".join(f"{v[n]['weight_bytes'] / 1e9:>28.2f}" for n in names))
     print(f"{'KV B/token':<18} " + " ".join(f"{v[n]['kv_bytes_per_token']:>28}" for n in names))
-    for i, (batch, ctx) in enumerate(DECODE_POINTS):
+    for i, (batch, ctx) in enumerate(res["decode_points"]):
         cells = []
         for n in names:
             r = v[n]["decode"][i]
@@ -184,16 +194,18 @@ def print_table(res: dict) -> None:
         cells.append(
             f"{p['tok_s']:.0f} tok/s {p['share_of_matmul_peak']:.0%}bf {p['share_of_fp8_peak']:.0%}f8"
         )
-    print(f"{'prefill 8K':<18} " + " ".join(f"{c:>28}" for c in cells))
+    title = f"prefill {res['prefill_len']}"
+    print(f"{title:<18} " + " ".join(f"{c:>28}" for c in cells))
     print(
         f"{'offline out tok/s':<18} "
         + " ".join(f"{v[n]['offline']['output_tok_s']:>28.0f}" for n in names)
     )
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True, help="JSON results file")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--workdir", default="/tmp/pdserve-fp8-bench", help="config + tokenizer")
     ap.add_argument(
         "--kv-cache-gb",
@@ -202,26 +214,37 @@ def main() -> int:
         help="KV cache per engine, GiB (bf16 16 x 16K needs 33)",
     )
     ap.add_argument("--variants", default="bf16,fp8")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    cpu = args.device == "cpu"
+    if cpu:  # the Triton GEMM in the interpreter: set before any kernel module is imported
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        if "pdserve.kernels.fp8_gemm" not in sys.modules:
+            from _interp import interpreter_fix
+
+            interpreter_fix()
+    sizes, (points, shape, tokens) = (CPU_SIZES, CPU_POINTS) if cpu else (GPU_SIZES, GPU_POINTS)
+    dev = torch.device(args.device)
     t0 = time.perf_counter()
-    ckpt = make_checkpoint(
-        "LlamaForCausalLM", "llama-8b-shape", Path(args.workdir), config_only=True
-    )
+    preset = "tiny" if cpu else "llama-8b-shape"
+    ckpt = make_checkpoint("LlamaForCausalLM", preset, Path(args.workdir), config_only=True)
     res: dict = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": "cpu" if cpu else torch.cuda.get_device_name(),
         "torch": torch.__version__,
+        "decode_points": points,
+        "prefill_len": sizes.prefill_len,
         "variants": {},
     }
-    res["limits"] = measure_limits()
-    res["limits"]["fp8_matmul_flops"] = fp8_matmul_peak()
+    res["limits"] = measure_limits(args.device, sizes)
+    res["limits"]["fp8_matmul_flops"] = fp8_matmul_peak(dev, sizes.matmul_m)
     print(json.dumps(res["limits"]), flush=True)
-    res["gemm"] = bench_gemm(res["limits"])
-    torch.cuda.empty_cache()
+    res["gemm"] = bench_gemm(res["limits"], dev, shape, tokens)
+    if not cpu:
+        torch.cuda.empty_cache()
     print(json.dumps(res["gemm"]), flush=True)
     for name in args.variants.split(","):
         try:
-            res["variants"][name] = bench_variant(ckpt, name, res["limits"], args)
+            res["variants"][name] = bench_variant(ckpt, name, res["limits"], args, sizes, points)
         except Exception as e:
             res[f"{name}_error"] = f"{type(e).__name__}: {e}"
             print(name, "failed:", res[f"{name}_error"], flush=True)

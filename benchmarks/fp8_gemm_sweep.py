@@ -81,7 +81,6 @@ mean nothing, it runs the code path.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import multiprocessing
@@ -100,6 +99,9 @@ import torch
 _T0 = time.perf_counter()  # the budget counts from here (after importing torch)
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _interp import interpreter_fix  # noqa: E402
 
 if TYPE_CHECKING:
     from pdserve.kernels.fp8_gemm import Fp8GemmConfig
@@ -618,18 +620,6 @@ def print_table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
 
 
 # ----------------------------------------------------------------------------- main
-def _interpreter_fix() -> None:
-    """Standalone ``--device cpu``: Triton 3.6's interpreter needs the NumPy >= 2.3 fix
-    that tests/kernels/conftest.py applies (under pytest it is already applied)."""
-    path = ROOT / "tests" / "kernels" / "conftest.py"
-    try:
-        spec = importlib.util.spec_from_file_location("_pdserve_kernels_conftest", path)
-        if spec is not None and spec.loader is not None:
-            spec.loader.exec_module(importlib.util.module_from_spec(spec))
-    except Exception as e:  # no tests tree or no pytest: the interpreter may still work
-        print(f"interpreter fix not applied: {_err(e)}", flush=True)
-
-
 def parse_shapes(text: str | None, cpu: bool) -> dict[str, tuple[int, int]]:
     table = CPU_SHAPES if cpu else SHAPES
     if not text:
@@ -666,7 +656,7 @@ def main(argv: list[str] | None = None) -> int:
     if cpu:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         if "pdserve.kernels.fp8_gemm" not in sys.modules:
-            _interpreter_fix()
+            interpreter_fix()
     elif not torch.cuda.is_available():
         print("no CUDA device; use --device cpu for the smoke mode", file=sys.stderr)
         return 2

@@ -25,6 +25,13 @@ speed     per preset: decode step at batch 1 and 32 with 1K and 16K contexts (gr
           uniform routing instead. transformers' GlmMoeDsaForCausalLM (bf16, eager) on the
           same preset where it fits. glm5-m12-e64 is drawn on the device (--load-format
           dummy; 53 GB does not fit the disk); transformers' copy gets its own random init
+prefill   per preset (``--prefill-lens``, default 4096,16384,65536 on the GPU; prompts longer
+          than max_model_len are skipped, so give ``--long`` for 64K): one prompt's
+          prefill timed (the median of two distinct prompts; prefix-cache hits counted,
+          they must be 0), then a third prompt profiled: device time by kernel category
+          and, per category, the achieved TFLOP/s and its share of the bf16 matmul rate
+          measured in the same call (FLOP formulas: :mod:`pdserve.bench.prefill_flops`);
+          transformers' prefill of the same config where it fits (``--no-peer``: not)
 profile   per point BxCTX, the same steady batch, then one profiled step each
           (:mod:`pdserve.bench.step_profile`): the CUDA-graph replay, the captured forward
           run eagerly (same kernels; module ranges name their categories, which the
@@ -60,6 +67,7 @@ from gpu_suite import measure_limits  # noqa: E402
 
 from pdserve import LLM, SamplingParams  # noqa: E402
 from pdserve.bench.decode_roofline import DecodeByteModel  # noqa: E402
+from pdserve.bench.prefill_flops import PrefillFlopModel  # noqa: E402
 from pdserve.bench.step_profile import align_categories, format_tables, profile_step  # noqa: E402
 from pdserve.layers.attention import CommonAttentionMetadata  # noqa: E402
 from pdserve.layers.attention.dsa import Indexer  # noqa: E402
@@ -188,7 +196,8 @@ def _sync(llm: LLM) -> None:
         torch.cuda.synchronize()
 
 
-def _engine(preset: str, workdir: Path, long: bool, device: str) -> tuple[LLM, bool, float]:
+def _engine(preset: str, workdir: Path, long: bool, device: str,
+            budget: int = 8192) -> tuple[LLM, bool, float]:  # fmt: skip
     """The preset's engine (graphs on where the device has them), whether its weights
     were drawn at load (``dummy``), and its start-up seconds."""
     cpu = device == "cpu"
@@ -213,7 +222,7 @@ def _engine(preset: str, workdir: Path, long: bool, device: str) -> tuple[LLM, b
         load_format="dummy" if dummy else "auto",
         max_model_len=(LONG_CTX if long else 16384) + 256,
         max_num_seqs=32,
-        max_num_batched_tokens=8192,
+        max_num_batched_tokens=budget,
         gpu_memory_utilization=0.9,
         compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]},
     )
@@ -476,6 +485,98 @@ def bench_speed(llm: LLM, preset: str, bw: float | None, long: bool = False) -> 
     return res
 
 
+# -------------------------------------------------------------------------- prefill
+PREFILL_LENS = (4096, 16384, 65536)
+HF_PREFILL_LENS = (4096, 8192)  # transformers' eager attention holds heads x n x n scores
+CPU_PREFILL_LENS = (12, 40)  # within and beyond the tiny preset's index_topk 16
+
+
+def _prefill_once(llm: LLM, ids: list[int]) -> tuple[float, int, int]:
+    """(seconds, prefix-cache hit tokens, engine steps) of one prompt's prefill."""
+    eng = llm.engine
+    before = eng.stats()
+    sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    _sync(llm)
+    t0 = time.perf_counter()
+    llm.generate([{"prompt_token_ids": ids}], sp)
+    _sync(llm)
+    sec = time.perf_counter() - t0
+    after = eng.stats()
+    steps = sum(after.step_paths.values()) - sum(before.step_paths.values())
+    return sec, after.prefix_cache_hits - before.prefix_cache_hits, steps
+
+
+def bench_prefill(llm: LLM, preset: str, lens: list[int], peak: float | None) -> dict:
+    """Prefill speed and its kernel categories against their FLOPs (module docstring)."""
+    eng, runner = llm.engine, llm.engine.runner
+    fm = PrefillFlopModel.from_model(runner.model)
+    vocab = min(150000, eng.vocab_size)
+    res: dict = {"preset": preset, "points": [],
+                 "budget_tokens": eng.scheduler.config.max_num_batched_tokens}  # fmt: skip
+    for n in lens:
+        if n + 1 > eng.max_model_len:
+            res["points"].append({"tokens": n, "skipped": f"max_model_len {eng.max_model_len}"})
+            continue
+        runs = [_prefill_once(llm, _prompt(n, 500 + 3 * n + i, vocab)) for i in range(2)]
+        flops = fm.flops(n)
+        prof = profile_step(lambda n=n: _prefill_once(llm, _prompt(n, 7 * n + 1, vocab)),
+                            runner.model, runner.device).table()  # fmt: skip
+        cats = {}
+        for cat, v in prof["categories"].items():
+            f = flops.get(cat, 0.0)
+            row = {"ms": v["ms"], "count": v["count"], "tflop": f / 1e12}
+            if f and v["ms"]:
+                row["tflops"] = f / (v["ms"] * 1e-3) / 1e12
+                if peak:
+                    row["share_of_matmul"] = f / (v["ms"] * 1e-3) / peak
+            cats[cat] = row
+        sec = statistics.median(r[0] for r in runs)
+        point = {
+            "tokens": n,
+            "seconds": sec,
+            "tok_per_s": n / sec,
+            "runs_s": [r[0] for r in runs],
+            "prefix_cache_hits": sum(r[1] for r in runs),
+            "steps": [r[2] for r in runs],
+            "flops": flops,
+            "tflops_overall": flops["total"] / sec / 1e12,
+            "profile": {"span_ms": prof["span_ms"], "wall_ms": prof["wall_ms"],
+                        "kernels": prof["kernels"], "idle_gap_ms": prof["idle_gap"]["ms"],
+                        "categories": cats, "top": prof["top"][:6]},  # fmt: skip
+        }
+        res["points"].append(point)
+        print(json.dumps({k: v for k, v in point.items() if k != "profile"}), flush=True)
+    return res
+
+
+def _hf_prefill(path: Path, lens: list[int]) -> dict:
+    """transformers' GlmMoeDsaForCausalLM (bf16, eager, random init) prefilling the same
+    lengths: seconds, or "OOM"."""
+    import transformers
+
+    cfg = transformers.AutoConfig.from_pretrained(path)
+    with torch.device("cuda"):
+        hf = transformers.GlmMoeDsaForCausalLM._from_config(cfg, dtype=torch.bfloat16)
+    hf.eval()
+    out: dict = {}
+    for n in lens:
+        try:
+            ids = torch.tensor([_prompt(n, 11 + n)], device="cuda")
+            with torch.inference_mode():
+                hf(ids[:, :256], logits_to_keep=1)  # warm-up
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                hf(ids, logits_to_keep=1)
+                torch.cuda.synchronize()
+            out[str(n)] = time.perf_counter() - t0
+        except torch.OutOfMemoryError:
+            out[str(n)] = "OOM"
+        _free()
+    del hf
+    _free()
+    return out
+
+
 # -------------------------------------------------------------------------- profile
 def parse_points(text: str) -> list[tuple[int, int]]:
     """``"1x1024,32x1024"`` -> [(1, 1024), (32, 1024)] (batch x context)."""
@@ -562,7 +663,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--sections",
         default=None,
-        help="accuracy,speed,profile (default accuracy,speed; with --profile: profile)",
+        help="accuracy,speed,prefill,profile (default accuracy,speed; with --profile: profile)",
     )
     ap.add_argument("--presets", default=None, help="default glm5-s4-e16,glm5-m12-e64 (CPU: tiny)")
     ap.add_argument("--workdir", default="/tmp/glm5")
@@ -585,6 +686,10 @@ def main(argv: list[str] | None = None) -> None:
         + ")",
     )
     ap.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    ap.add_argument("--budget", type=int, default=8192,
+                    help="max_num_batched_tokens of the GPU engine (the serve default: 8192)")
+    ap.add_argument("--prefill-lens", type=lambda t: [int(x) for x in t.split(",")],
+                    default=None, help="prompt lengths of the prefill section")  # fmt: skip
     args = ap.parse_args(argv)
     device = args.device
     if device == "auto":
@@ -621,10 +726,17 @@ def _run(args: argparse.Namespace, sections: list[str], presets: list[str],
     if "accuracy" in sections:
         res["accuracy"] = bench_accuracy(workdir)
         print(json.dumps(res["accuracy"]), flush=True)
+    peak = res["limits"].get("bf16_matmul_flops")
     for preset in presets:
-        if not {"speed", "profile"} & set(sections):
+        if not {"speed", "profile", "prefill"} & set(sections):
             break
-        llm, dummy, startup = _engine(preset, workdir, args.long, device)
+        llm, dummy, startup = _engine(preset, workdir, args.long, device, args.budget)
+        pf = None
+        if "prefill" in sections:
+            lens = args.prefill_lens or (CPU_PREFILL_LENS if cpu else PREFILL_LENS)
+            pf = bench_prefill(llm, preset, list(lens), peak)
+            pf["startup_s"] = startup
+            res.setdefault("prefill", []).append(pf)
         if "profile" in sections:
             prof = bench_profile(llm, preset, points, bw)
             prof["startup_s"] = startup
@@ -641,6 +753,8 @@ def _run(args: argparse.Namespace, sections: list[str], presets: list[str],
         if sp is not None and not args.no_peer:  # after the engine is gone: memory
             cases = [(1, 1024), (32, 1024), (1, 16384)]
             sp["transformers"] = _hf_speed(workdir / preset, dummy, cases)
+        if pf is not None and not args.no_peer:
+            pf["transformers"] = _hf_prefill(workdir / preset, list(HF_PREFILL_LENS))
     return res
 
 
@@ -680,6 +794,8 @@ def _table(res: dict) -> None:
         if hf:
             dec = ", ".join(f"{d['batch']}x{d['ctx']}: {_ms(d['step_ms'])}" for d in hf["decode"])
             print(f" transformers: prefill 16K {hf['prefill_16k_s']}, decode {dec}")
+    for pf in res.get("prefill", []):
+        _prefill_table(pf, lim.get("bf16_matmul_flops"))
     for pr in res.get("profile", []):  # the tables were printed as each point finished
         print(f"\n{pr['preset']} profile (start-up {pr['startup_s']:.0f}s):")
         for p in pr["points"]:
@@ -690,6 +806,33 @@ def _table(res: dict) -> None:
                 f"  {p['batch']}x{p['ctx']}: step {p['step_ms']:.2f} ms, roofline {roof:.2f} ms, "
                 f"profiled in {p['seconds']:.1f}s; {kind}: {shares}"
             )
+
+
+def _prefill_table(pf: dict, peak: float | None) -> None:
+    rate = f", bf16 matmul {peak / 1e12:.0f} TFLOP/s" if peak else ""
+    print(f"\n{pf['preset']} prefill (budget {pf['budget_tokens']} tokens a step{rate}; "
+          "per category: ms / TFLOP/s / share of the matmul rate):")  # fmt: skip
+    cats = ("mla_attention", "indexer_score", "topk_select", "moe_experts", "dense_gemm",
+            "router", "norm_rope", "other")  # fmt: skip
+    print(f"{'tokens':>7} {'s':>7} {'tok/s':>8} {'hits':>5} {'gap ms':>7} "
+          + " ".join(f"{c:>22}" for c in cats))  # fmt: skip
+    for p in pf["points"]:
+        if "seconds" not in p:
+            print(f"{p['tokens']:7d} skipped: {p['skipped']}")
+            continue
+        pc = p["profile"]["categories"]
+        cells = []
+        for c in cats:
+            v = pc.get(c, {})
+            tf = f"{v['tflops']:.0f}" if "tflops" in v else "-"
+            sh = f"{v['share_of_matmul'] * 100:.0f}%" if "share_of_matmul" in v else "-"
+            cells.append(f"{v.get('ms', 0.0):9.1f}/{tf:>5}/{sh:>5}")
+        print(f"{p['tokens']:7d} {p['seconds']:7.3f} {p['tok_per_s']:8.0f} "
+              f"{p['prefix_cache_hits']:5d} {p['profile']['idle_gap_ms']:7.1f} " + " ".join(cells))
+    hf = pf.get("transformers")
+    if hf:
+        print(" transformers prefill: " + ", ".join(f"{k}: {_ms(v * 1e3 if isinstance(v, float) else v)}"
+                                                   for k, v in hf.items()))  # fmt: skip
 
 
 def _shares(table: dict) -> list[tuple[str, dict]]:

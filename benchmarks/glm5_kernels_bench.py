@@ -15,13 +15,14 @@ Sections (default: all):
            1/16/64 at 16K context and batch 8 at 128K, with the score width the step's
            context; then batch 1 and 32 at 1K and batch 32 at 16K with the width a
            CUDA graph of the engine uses (max_model_len, 128K + 256 under glm5_bench
-           --long). IndexerTritonBackend (radix select up to 32K keys a row, torch.topk
-           beyond) vs IndexerTorchBackend (not run at the graph width), plus the parts
-           the backend runs, each alone: the score kernel (score_ms) and the select it
-           uses (select_ms; select_path names it), so triton_ms ~ score_ms + select_ms
-           (+ the key write and the -1 fill). radix_ms / topk_ms time the two selects
-           on the same rows whichever is used (radix_ms at 128K is not part of
-           triton_ms: rows that wide go to torch.topk)
+           --long). IndexerTritonBackend (register "rows" select up to 32K keys a row,
+           torch.topk beyond) vs IndexerTorchBackend (not run at the graph width), plus
+           the parts the backend runs, each alone: the score kernel (score_ms) and the
+           select it uses (select_ms; select_path names it), so triton_ms ~ score_ms +
+           select_ms (+ the key write and the -1 fill). rows_ms (up to 32K keys) /
+           radix_ms / topk_ms time the selects on the same rows whichever is used
+           (radix_ms is never part of triton_ms; at 128K neither is rows_ms: rows that
+           wide go to torch.topk)
   moe      routed experts (hidden 6144, moe_intermediate 2048, top-8, bf16) for 64
            experts at 1/16/64/512/4096 tokens and 256 experts at 1/64 tokens:
            fused_experts vs the eager sorted reference (and the graph reference,
@@ -32,6 +33,12 @@ Sections (default: all):
            rate (FP8's is about twice), so compute-bound rows understate x_bound
   router   the float32 router's selection for 256 experts, top-8 (n_group 1, and 8/4 as
            DeepSeek-V3.2 has it): router_select vs grouped_topk's tail, 64 and 4096 tokens
+  indexer_prefill, indexer_verify
+           the indexer's query-tiled score kernel for prefill (4K/16K/64K prompts, a
+           second 8K chunk) and verify rows (batch 64-256 x 1+3 at 16K), with a config
+           sweep and the top-k selects: see benchmarks/indexer_sections.py (about 2.5
+           minutes for both). Not in the default set. ``--cpu-smoke`` runs just these two
+           at toy shapes under TRITON_INTERPRET=1 on the CPU (CI's check of the code)
 
 Bounds use the copy bandwidth and the bf16 matmul rate measured in the same call:
 bound = max(bytes that must move / bandwidth, FLOPs / matmul rate). Bytes: MLA, the
@@ -58,12 +65,17 @@ import torch.nn.functional as F
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from indexer_sections import run_indexer_prefill, run_indexer_verify  # noqa: E402
+
+from pdserve.kernels._utils import interpret_mode  # noqa: E402
 from pdserve.kernels.dsa_indexer import (  # noqa: E402
     SORT_FREE_MAX_WIDTH,
     indexer_logits,
     topk_select,
 )
+from pdserve.kernels.dsa_select import REG_SELECT_MAX_WIDTH  # noqa: E402
 from pdserve.kernels.fused_moe import fused_experts  # noqa: E402
 from pdserve.kernels.fused_moe_fp8 import fused_experts_fp8  # noqa: E402
 from pdserve.kernels.moe_router import router_select  # noqa: E402
@@ -215,16 +227,19 @@ def run_indexer(bw: float, peak: float, page: int, quick: bool) -> list[dict[str
         logits = score()  # radix select's input: rows up to their position only
         full = score(for_select=False)  # -inf past each position, as torch.topk needs
         score_ms = bench_graph(partial(score, for_select=sort_free))
-        radix_ms = bench_graph(partial(topk_select, logits, *place, TOPK, t))
+        radix_ms = bench_graph(partial(topk_select, logits, *place, TOPK, t, variant="radix"))
+        rows_ms = None
+        if width <= REG_SELECT_MAX_WIDTH:
+            rows_ms = bench_graph(partial(topk_select, logits, *place, TOPK, t, variant="rows"))
         topk_ms = bench_graph(partial(torch.topk, full, min(TOPK, width), dim=-1, sorted=False))
+        path = ("rows" if width <= REG_SELECT_MAX_WIDTH else "radix") if sort_free else "torch.topk"
         nbytes = t * ctx * IDX_DIM * 2
         flops = 2 * t * ctx * IDX_HEADS * IDX_DIM
         name = f"b{batch} ctx{ctx}" + (f" width{width}" if graph_width else "")
         rows.append(
             _row(name, ms, ref_ms, nbytes, flops, bw, peak, score_ms=score_ms,
-                 select_path="radix" if sort_free else "torch.topk",
-                 select_ms=radix_ms if sort_free else topk_ms,
-                 radix_ms=radix_ms, topk_ms=topk_ms)
+                 select_path=path, select_ms={"rows": rows_ms, "radix": radix_ms}.get(path, topk_ms),
+                 rows_ms=rows_ms, radix_ms=radix_ms, topk_ms=topk_ms)
         )  # fmt: skip
         torch.cuda.empty_cache()
     return rows
@@ -338,34 +353,58 @@ def table(title: str, rows: list[dict[str, Any]]) -> None:
         print(" | ".join(cells))
 
 
-def main() -> None:
+CPU_SECTIONS = ("indexer_prefill", "indexer_verify")
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="JSON output path")
     ap.add_argument("--sections", default="mla,indexer,moe,moe_fp8,router")
     ap.add_argument("--block-size", type=int, default=64, help="KV cache block size")
     ap.add_argument("--quick", action="store_true", help="small shapes: a smoke run")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("glm5_kernels_bench.py needs a CUDA GPU")
+    ap.add_argument(
+        "--cpu-smoke",
+        action="store_true",
+        help=f"{', '.join(CPU_SECTIONS)} only, toy shapes on the CPU under TRITON_INTERPRET=1",
+    )
+    args = ap.parse_args(argv)
+    if args.cpu_smoke:
+        bad = [s for s in args.sections.split(",") if s not in CPU_SECTIONS]
+        if bad:
+            sys.exit(f"--cpu-smoke runs only {', '.join(CPU_SECTIONS)}, not {', '.join(bad)}")
+        if not interpret_mode():
+            sys.exit("--cpu-smoke needs TRITON_INTERPRET=1 in the environment")
+    elif not torch.cuda.is_available():
+        sys.exit("glm5_kernels_bench.py needs a CUDA GPU (or --cpu-smoke)")
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    bw, peak = measure_limits()
+    bw, peak = (None, None) if args.cpu_smoke else measure_limits()
     result: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(),
+        "device": "cpu (interpreter)" if args.cpu_smoke else torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
-        "copy_bandwidth_GBps": bw / 1e9,
-        "bf16_matmul_TFLOPs": peak / 1e12,
+        "copy_bandwidth_GBps": bw / 1e9 if bw else None,
+        "bf16_matmul_TFLOPs": peak / 1e12 if peak else None,
         "block_size": args.block_size,
         "quick": args.quick,
+        "cpu_smoke": args.cpu_smoke,
     }
-    print(f"{result['device']}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s")
+    if bw and peak:
+        print(
+            f"{result['device']}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s"
+        )
     runners: dict[str, Callable[[], list[dict[str, Any]]]] = {
         "mla": lambda: run_mla(bw, peak, args.block_size, args.quick),
         "indexer": lambda: run_indexer(bw, peak, args.block_size, args.quick),
         "moe": lambda: run_moe(bw, peak, args.quick),
         "moe_fp8": lambda: run_moe_fp8(bw, peak, args.quick),
         "router": lambda: run_router(bw, peak, args.quick),
+        "indexer_prefill": lambda: run_indexer_prefill(
+            bw, peak, args.block_size, args.quick, args.cpu_smoke
+        ),
+        "indexer_verify": lambda: run_indexer_verify(
+            bw, peak, args.block_size, args.quick, args.cpu_smoke
+        ),
     }
     chosen = args.sections.split(",")
     for name in chosen:

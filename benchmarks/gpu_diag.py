@@ -2,6 +2,10 @@
 step, and cuda_ipc KV transfer time between two instances sharing the GPU.
 
     python3 benchmarks/gpu_diag.py --ckpt /tmp/llama-8b --out $OUT/gpu_diag.json
+
+``--device cpu`` runs the same code on a tiny Llama (made in a temporary folder unless
+``--ckpt`` is given) at small sizes, the transfer over ``--transport tcp`` (cuda_ipc
+needs a GPU): a smoke run of the script (tests/bench/test_bench_scripts.py).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,26 +27,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from pdserve import LLM, SamplingParams  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_suite import graph_replay_ms  # noqa: E402
+from gpu_suite import _sync, graph_replay_ms  # noqa: E402
+
+VOCAB = 30000  # token ids drawn below this (--device cpu: the tiny model's vocabulary)
 
 
 def _prompt(seed: int, n: int) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return {"prompt_token_ids": torch.randint(10, 30000, (n,), generator=g).tolist()}
+    return {"prompt_token_ids": torch.randint(10, VOCAB, (n,), generator=g).tolist()}
 
 
-def first_request(llm: LLM) -> dict:
-    """TTFT-like time (prefill + 1 token) of the first 1024-token request vs later ones,
+def first_request(llm: LLM, n: int = 1024) -> dict:
+    """TTFT-like time (prefill + 1 token) of the first ``n``-token request vs later ones,
     split into runner phases (each phase synchronised)."""
     r = llm.engine.runner
     phases: dict[str, float] = {}
 
     def timed(name: str, fn):  # type: ignore[no-untyped-def]
         def wrapper(*a, **k):  # type: ignore[no-untyped-def]
-            torch.cuda.synchronize()
+            _sync(r.device)
             t0 = time.perf_counter()
             out = fn(*a, **k)
-            torch.cuda.synchronize()
+            _sync(r.device)
             phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
             return out
 
@@ -55,7 +62,7 @@ def first_request(llm: LLM) -> dict:
     for i in range(6):
         phases.clear()
         t0 = time.perf_counter()
-        llm.generate(_prompt(100 + i, 1024), sp)
+        llm.generate(_prompt(100 + i, n), sp)
         out.append({"seconds": time.perf_counter() - t0, **dict(phases)})
     return {"first": out[0], "later": out[1:]}
 
@@ -76,11 +83,11 @@ def decode_split(llm: LLM, batch: int, ctx: int = 1024) -> dict:
         eng.step()
     steps = []
     for _ in range(15):
-        torch.cuda.synchronize()
+        _sync(llm.engine.runner.device)
         t0 = time.perf_counter()
         eng.step()
         steps.append(time.perf_counter() - t0)
-    replay_ms = graph_replay_ms(llm, batch)
+    replay_ms = graph_replay_ms(llm)  # the graph of the last step, None when it ran eagerly
     eng.abort_requests(list(eng.scheduler.requests))
     eng.step()
     return {
@@ -91,11 +98,13 @@ def decode_split(llm: LLM, batch: int, ctx: int = 1024) -> dict:
     }
 
 
-def _wait_healthy(url: str, timeout: float = 240) -> None:
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 240) -> None:
     import httpx
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server of {url} exited ({proc.returncode}): see its log")
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
                 return
@@ -114,35 +123,39 @@ def _metric(url: str, name: str) -> float:
     return 0.0
 
 
-def ipc_transfer(ckpt: str, bw: float, lens: list[int], log_dir: Path) -> list[dict]:
+def ipc_transfer(
+    ckpt: str,
+    bw: float,
+    lens: list[int],
+    log_dir: Path,
+    *,
+    device: str = "cuda",
+    transport: str = "cuda_ipc",
+    ports: tuple[int, int] = (8301, 8302),
+) -> list[dict]:
     import httpx
 
-    common = [
-        sys.executable,
-        "-m",
-        "pdserve",
-        "serve",
-        ckpt,
-        "--dtype",
-        "bfloat16",
-        "--max-model-len",
-        str(max(lens) + 16),
-        "--gpu-memory-utilization",
-        "0.4",
-        "--max-num-seqs",
-        "8",
-        "--enforce-eager",
-        "--uvicorn-log-level",
-        "warning",
-    ]
+    from pdserve.core_types.pd_auth import SECRET_ENV, load_secret, new_secret, sign_kv_params
+    from pdserve.serving.proxy.core import PREFILL_KV_PARAMS
+
+    os.environ.setdefault(SECRET_ENV, new_secret())  # the instances' side channel (inherited)
+    secret = load_secret()
+    assert secret is not None
+    common = [sys.executable, "-m", "pdserve", "serve", ckpt, "--max-model-len",
+              str(max(lens) + 16), "--max-num-seqs", "8", "--enforce-eager",
+              "--uvicorn-log-level", "warning"]  # fmt: skip
+    if device == "cpu":
+        common += ["--device", "cpu", "--dtype", "float32"]
+    else:
+        common += ["--dtype", "bfloat16", "--gpu-memory-utilization", "0.4"]
     procs = []
     urls = {}
-    for role, port in (("kv_producer", 8301), ("kv_consumer", 8302)):
+    for role, port in zip(("kv_producer", "kv_consumer"), ports, strict=True):
         kvt = json.dumps(
             {
                 "kv_connector": "PdConnector",
                 "kv_role": role,
-                "kv_connector_extra_config": {"transport": "cuda_ipc"},
+                "kv_connector_extra_config": {"transport": transport},
             }
         )
         log = open(log_dir / f"{role}.log", "w")  # noqa: SIM115 (lives as long as the server)
@@ -155,8 +168,8 @@ def ipc_transfer(ckpt: str, bw: float, lens: list[int], log_dir: Path) -> list[d
         )
         urls[role] = f"http://127.0.0.1:{port}"
         if role == "kv_producer":  # the second instance sizes its memory after the first
-            _wait_healthy(urls[role])
-    _wait_healthy(urls["kv_consumer"])
+            _wait_healthy(urls[role], procs[-1])
+    _wait_healthy(urls["kv_consumer"], procs[-1])
     out = []
     try:
         with httpx.Client(timeout=600) as c:
@@ -167,15 +180,18 @@ def ipc_transfer(ckpt: str, bw: float, lens: list[int], log_dir: Path) -> list[d
                     "prompt": prompt,
                     "max_tokens": 1,
                     "temperature": 0,
-                    "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
+                    # signed as the proxy signs both legs' params
+                    "kv_transfer_params": sign_kv_params(PREFILL_KV_PARAMS, secret),
                 }
                 t0 = time.perf_counter()
-                p = c.post(urls["kv_producer"] + "/v1/completions", json=body).json()
+                p = c.post(urls["kv_producer"] + "/v1/completions", json=body)
+                p.raise_for_status()
                 t1 = time.perf_counter()
                 s0 = _metric(urls["kv_consumer"], "pdserve:kv_transfer_time_seconds_sum")
                 b0 = _metric(urls["kv_consumer"], "pdserve:kv_transfer_bytes_sum")
-                body["kv_transfer_params"] = p["kv_transfer_params"]
-                d = c.post(urls["kv_consumer"] + "/v1/completions", json=body).json()
+                body["kv_transfer_params"] = sign_kv_params(p.json()["kv_transfer_params"], secret)
+                d = c.post(urls["kv_consumer"] + "/v1/completions", json=body)
+                d.raise_for_status()
                 t2 = time.perf_counter()
                 time.sleep(0.3)  # stats snapshots are sent every 100 ms
                 xfer = _metric(urls["kv_consumer"], "pdserve:kv_transfer_time_seconds_sum") - s0
@@ -188,7 +204,7 @@ def ipc_transfer(ckpt: str, bw: float, lens: list[int], log_dir: Path) -> list[d
                         "transfer_s": xfer,
                         "bytes": nbytes,
                         "d2d_bound_s": 2 * nbytes / bw,
-                        "decode_text_ok": bool(d.get("choices")),
+                        "decode_text_ok": bool(d.json().get("choices")),
                     }
                 )
                 print(json.dumps(out[-1]), flush=True)
@@ -200,43 +216,73 @@ def ipc_transfer(ckpt: str, bw: float, lens: list[int], log_dir: Path) -> list[d
     return out[1:]
 
 
-def main() -> int:
+def make_engine(ckpt: str, device: str) -> LLM:
+    if device == "cpu":
+        return LLM(ckpt, dtype="float32", device="cpu", max_model_len=256, max_num_seqs=4)
+    return LLM(
+        ckpt, dtype="bfloat16", max_model_len=8192, gpu_memory_utilization=0.5, max_num_seqs=256
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    global VOCAB
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--ckpt", help="checkpoint folder (required on cuda; cpu: a tiny one)")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--copy-bw", type=float, default=4.24e12)
     ap.add_argument("--only-ipc", action="store_true")
-    args = ap.parse_args()
-    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "gpu": torch.cuda.get_device_name()}
-    if args.only_ipc:
-        res["ipc_transfer"] = ipc_transfer(
-            args.ckpt, args.copy_bw, [1024, 16384, 65536], Path(args.out).parent
-        )
-        Path(args.out).write_text(json.dumps(res, indent=2))
-        return 0
+    ap.add_argument("--transport", default="cuda_ipc", help="of the transfer section")
+    ap.add_argument("--ports", default="8301,8302", help="the two instances' ports")
+    args = ap.parse_args(argv)
+    cpu = args.device == "cpu"
+    if args.ckpt is None and not cpu:
+        ap.error("--ckpt is needed on cuda (make one with pdserve make-checkpoint)")
+    if cpu and args.transport == "cuda_ipc":
+        ap.error("--device cpu: cuda_ipc needs a GPU (give --transport tcp)")
+    # cpu: the tiny model's sizes (prompt, batches, transfer lengths)
+    prompt_len, batches, ctx, lens = (32, (1, 2), 24, [16, 64]) if cpu else (
+        1024, (1, 16, 64), 1024, [1024, 16384, 65536])  # fmt: skip
+    ports = tuple(int(p) for p in args.ports.split(","))
+    assert len(ports) == 2, "--ports: two ports"
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.ckpt is None:
+            from pdserve.testing.checkpoint import make_checkpoint
+
+            args.ckpt = str(make_checkpoint("LlamaForCausalLM", "tiny", tmp, dtype="float32"))
+        VOCAB = 500 if cpu else 30000
+        res: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                     "gpu": "cpu" if cpu else torch.cuda.get_device_name()}  # fmt: skip
+        ipc = dict(device=args.device, transport=args.transport, ports=ports)
+        if args.only_ipc:
+            res["ipc_transfer"] = ipc_transfer(
+                args.ckpt, args.copy_bw, lens, Path(args.out).parent, **ipc
+            )
+            Path(args.out).write_text(json.dumps(res, indent=2))
+            return 0
+        return run(args, res, ipc, prompt_len, batches, ctx, lens)
+
+
+def run(args, res, ipc, prompt_len, batches, ctx, lens) -> int:  # type: ignore[no-untyped-def]
     t0 = time.perf_counter()
-    llm = LLM(
-        args.ckpt,
-        dtype="bfloat16",
-        max_model_len=8192,
-        gpu_memory_utilization=0.5,
-        max_num_seqs=256,
-    )
+    llm = make_engine(args.ckpt, args.device)
     res["startup_s"] = time.perf_counter() - t0
     res["warmup_phases"] = llm.engine.warmup_phases
-    res["first_request"] = first_request(llm)
+    res["first_request"] = first_request(llm, prompt_len)
     print(json.dumps(res["first_request"]), flush=True)
-    res["decode_split"] = [decode_split(llm, b) for b in (1, 16, 64)]
+    res["decode_split"] = [decode_split(llm, b, ctx) for b in batches]
     print(json.dumps(res["decode_split"]), flush=True)
     Path(args.out).write_text(json.dumps(res, indent=2))
+    llm.engine.shutdown()
     del llm
     import gc
 
     gc.collect()
-    torch.cuda.empty_cache()
+    if args.device != "cpu":
+        torch.cuda.empty_cache()
     log_dir = Path(args.out).parent
     try:
-        res["ipc_transfer"] = ipc_transfer(args.ckpt, args.copy_bw, [1024, 16384, 65536], log_dir)
+        res["ipc_transfer"] = ipc_transfer(args.ckpt, args.copy_bw, lens, log_dir, **ipc)
     except Exception as e:
         res["ipc_transfer_error"] = f"{type(e).__name__}: {e}"
         print("ipc transfer failed:", res["ipc_transfer_error"], flush=True)

@@ -20,6 +20,12 @@ Sections (``--sections``, comma separated; default all):
               tokenizer has the model's full vocabulary share no prefix; a checkpoint
               made before 2026-12-01 had a 512-token tokenizer and 41% hits)
 Prints a table last and writes every number to the JSON file.
+
+``--device cpu`` runs every section's code on a tiny checkpoint (made in a temporary
+folder when ``--ckpt`` is not given) at the sizes of :data:`CPU_SIZES`, in seconds: a
+smoke run of the script itself (tests/bench/test_gpu_suite.py), whose numbers mean
+nothing. Its decode graphs are whatever the engine has on the CPU (none; the test stands
+CUDA graphs in, so the graph-replay timing runs too).
 """
 
 from __future__ import annotations
@@ -30,7 +36,10 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,41 +49,95 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from pdserve import LLM, SamplingParams  # noqa: E402
 
 
-def measure_limits() -> dict:
-    dev = torch.device("cuda")
-    n = 1 << 30  # 1 Gi bf16 elements = 2 GiB per buffer
-    src = torch.randn(n, dtype=torch.bfloat16, device=dev)
+@dataclass(frozen=True)
+class Sizes:
+    """The workloads of one run: the H200's, or the CPU smoke run's (``--device cpu``).
+    ``--batches``, ``--contexts``, ``--prefill-lens`` and ``--serve-starts`` override
+    theirs."""
+
+    dtype: str
+    copy_elements: int  # limits: bf16 elements per copied buffer (1 Gi: 2 GiB)
+    matmul_m: int  # limits: an m x m x m bf16 matmul
+    max_model_len: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    throughput: tuple[int, int, int]  # prompts, input tokens, output tokens
+    batches: str
+    contexts: str
+    profile: str  # decode points profiled, "BxCTX,..."
+    prefill_len: int
+    prefill_lens: str
+    peer_batches: tuple[int, ...]
+    peer_ctx: int
+    peer_prefill_len: int
+    serve: tuple[int, int, int, int]  # prompts, input tokens, output tokens, max_model_len
+    serve_starts: int
+
+
+GPU_SIZES = Sizes(
+    dtype="bfloat16", copy_elements=1 << 30, matmul_m=8192, max_model_len=20480,
+    max_num_batched_tokens=8192, max_num_seqs=256, throughput=(256, 512, 128),
+    batches="1,16,64,256", contexts="1024,16384", profile="1x1024,16x1024,64x1024",
+    prefill_len=8192, prefill_lens="1024,4096,8192,16384", peer_batches=(1, 16, 64),
+    peer_ctx=1024, peer_prefill_len=8192, serve=(500, 1024, 128, 4096), serve_starts=3,
+)  # fmt: skip
+CPU_SIZES = Sizes(
+    dtype="float32", copy_elements=1 << 20, matmul_m=128, max_model_len=160,
+    max_num_batched_tokens=64, max_num_seqs=4, throughput=(4, 16, 4), batches="1,2",
+    contexts="24,40", profile="2x24", prefill_len=64, prefill_lens="16,64",
+    peer_batches=(1, 2), peer_ctx=24, peer_prefill_len=64, serve=(4, 16, 4, 128), serve_starts=1,
+)  # fmt: skip
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _timed(fn: Callable[[], object], dev: torch.device) -> float:
+    """Seconds of one ``fn()``: CUDA events on a GPU, the host clock on a CPU."""
+    if dev.type != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    fn()
+    e.record()
+    torch.cuda.synchronize(dev)
+    return s.elapsed_time(e) / 1e3
+
+
+def _device(llm: LLM) -> torch.device:
+    return llm.engine.runner.device
+
+
+def _ids(llm: LLM, g: torch.Generator, n: int) -> list[int]:
+    """``n`` random token ids the model's vocabulary holds."""
+    return torch.randint(10, min(30000, llm.engine.vocab_size), (n,), generator=g).tolist()
+
+
+def measure_limits(device: str = "cuda", sizes: Sizes = GPU_SIZES) -> dict:
+    dev = torch.device(device)
+    src = torch.randn(sizes.copy_elements, dtype=torch.bfloat16, device=dev)
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(10):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        dst.copy_(src)
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
+    _sync(dev)
+    times = [_timed(lambda d=dst, s=src: d.copy_(s), dev) for _ in range(10)]
     bw = 2 * src.numel() * 2 / statistics.median(times)  # bytes read + written
     del src, dst
-    m = 8192
+    m = sizes.matmul_m
     a = torch.randn(m, m, dtype=torch.bfloat16, device=dev)
     b = torch.randn(m, m, dtype=torch.bfloat16, device=dev)
     for _ in range(3):
         a @ b
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(10):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        a @ b
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
+    _sync(dev)
+    times = [_timed(lambda x=a, y=b: x @ y, dev) for _ in range(10)]
     flops = 2 * m**3 / statistics.median(times)
     del a, b
-    torch.cuda.empty_cache()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
     return {"copy_bandwidth_Bps": bw, "bf16_matmul_flops": flops}
 
 
@@ -110,15 +173,12 @@ def _drain(llm: LLM) -> None:
 
 def bench_throughput(llm: LLM, num: int = 256, inp: int = 512, out: int = 128) -> dict:
     g = torch.Generator().manual_seed(0)
-    prompts = [
-        {"prompt_token_ids": torch.randint(10, 30000, (inp,), generator=g).tolist()}
-        for _ in range(num)
-    ]
+    prompts = [{"prompt_token_ids": _ids(llm, g, inp)} for _ in range(num)]
     sp = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)
     llm.generate(
         prompts[:4], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     )  # warm-up
-    torch.cuda.synchronize()
+    _sync(_device(llm))
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp)
     dt = time.perf_counter() - t0
@@ -160,12 +220,7 @@ def bench_decode(
         }
     g = torch.Generator().manual_seed(batch * 7 + ctx)
     for i in range(batch):
-        _add(
-            llm,
-            f"d{batch}-{ctx}-{i}",
-            torch.randint(10, 30000, (ctx,), generator=g).tolist(),
-            max_tokens,
-        )
+        _add(llm, f"d{batch}-{ctx}-{i}", _ids(llm, g, ctx), max_tokens)
     # prefill everything, then run a few decode steps as warm-up
     while eng.scheduler.waiting or any(
         not r.output_token_ids for r in eng.scheduler.requests.values()
@@ -174,14 +229,14 @@ def bench_decode(
     eng.set_async_scheduling(async_scheduling)
     for _ in range(3):
         eng.step()
-    torch.cuda.synchronize()
+    _sync(_device(llm))
     times, sizes = [], []
     for _ in range(steps):
         sizes.append(len(eng.scheduler.running))
         t0 = time.perf_counter()
         eng.step()
         times.append(time.perf_counter() - t0)
-    replay = None if async_scheduling else graph_replay_ms(llm, batch)
+    replay = None if async_scheduling else graph_replay_ms(llm)
     kernels = profile_steps(llm) if profile and not async_scheduling else None
     _drain(llm)
     step = statistics.median(times)
@@ -203,37 +258,36 @@ def bench_decode(
     return out
 
 
-def graph_replay_ms(llm: LLM, batch: int, reps: int = 15) -> float | None:
-    """Device time of the decode graph's replay alone (no host prep, no sampling)."""
-    graphs = llm.engine.runner.graphs
-    padded = graphs.padded_size(batch, 1) if graphs is not None else None
-    if graphs is None or not padded:
+def graph_replay_ms(llm: LLM, reps: int = 15) -> float | None:
+    """Device time of the replay alone (no host prep, no sampling) of the graph the
+    engine's last step replayed, over that step's inputs: its key is (padded batch, query
+    length, context width), as the runner recorded it. None when the step ran eagerly."""
+    runner = llm.engine.runner
+    key = runner._graph_key  # the graph the last step replayed
+    if runner.graphs is None or key is None:
         return None
-    g = graphs.graphs[(padded, 1)]
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
+    graphs, dev = runner.graphs, _device(llm)
+    return statistics.median(_timed(lambda: graphs.replay(*key), dev) for _ in range(reps)) * 1e3
 
 
 def profile_steps(llm: LLM, steps: int = 5) -> dict:
     """Per-step device time by kernel (top 12) over ``steps`` engine steps, from the
-    CUDA profiler: where the step's device time goes."""
+    CUDA profiler: where the step's device time goes (on a CPU: operators' own time)."""
     from torch.profiler import ProfilerActivity, profile
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    dev = _device(llm)
+    cuda = dev.type == "cuda"
+    _sync(dev)
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             llm.engine.step()
-        torch.cuda.synchronize()
+        _sync(dev)
     rows = []
     for e in prof.key_averages():
-        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if cuda:
+            t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        else:  # on a CPU: each operator's own time (its children's are theirs)
+            t = e.self_cpu_time_total
         if t > 0:
             rows.append((e.key[:90], t / steps / 1e3, e.count / steps))
     rows.sort(key=lambda r: -r[1])
@@ -251,12 +305,13 @@ def bench_prefill(llm: LLM, limits: dict, n: int = 8192) -> dict:
         return {"skipped": "max_num_batched_tokens or max_model_len below the prompt"}
     g = torch.Generator().manual_seed(1)
     times = []
+    dev = _device(llm)
     for i in range(4):
-        _add(llm, f"p{i}", torch.randint(10, 30000, (n,), generator=g).tolist(), 1)
-        torch.cuda.synchronize()
+        _add(llm, f"p{i}", _ids(llm, g, n), 1)
+        _sync(dev)
         t0 = time.perf_counter()
         eng.step()
-        torch.cuda.synchronize()
+        _sync(dev)
         times.append(time.perf_counter() - t0)
         _drain(llm)
     t = statistics.median(times[1:])
@@ -272,12 +327,15 @@ def bench_prefill(llm: LLM, limits: dict, n: int = 8192) -> dict:
     }
 
 
-def bench_prefill_curve(llm: LLM, lens: list[int], budget: int = 8192) -> list[dict]:
+def bench_prefill_curve(llm: LLM, lens: list[int]) -> list[dict]:
     """Prefill throughput by prompt length as a serving engine sees it: prompts no longer
-    than the step budget are packed ``budget // L`` to a step (as the scheduler packs a
-    queue of short prompts); longer ones are chunked over several steps. Each point is the
-    median of 3 timed rounds after one untimed round; ``pdserve plan`` reads the list."""
+    than the step budget (``max_num_batched_tokens``) are packed ``budget // L`` to a step
+    (as the scheduler packs a queue of short prompts); longer ones are chunked over several
+    steps. Each point is the median of 3 timed rounds after one untimed round; ``pdserve
+    plan`` reads the list."""
     eng = llm.engine
+    budget = eng.config.scheduler.max_num_batched_tokens
+    dev = _device(llm)
     g = torch.Generator().manual_seed(2)
     out = []
     for n in lens:
@@ -288,16 +346,14 @@ def bench_prefill_curve(llm: LLM, lens: list[int], budget: int = 8192) -> list[d
         times, steps = [], 0
         for rnd in range(4):
             for i in range(k):
-                _add(
-                    llm, f"c{n}-{rnd}-{i}", torch.randint(10, 30000, (n,), generator=g).tolist(), 1
-                )
-            torch.cuda.synchronize()
+                _add(llm, f"c{n}-{rnd}-{i}", _ids(llm, g, n), 1)
+            _sync(dev)
             t0 = time.perf_counter()
             steps = 0
             while eng.has_unfinished_requests():
                 eng.step()
                 steps += 1
-            torch.cuda.synchronize()
+            _sync(dev)
             times.append(time.perf_counter() - t0)
         t = statistics.median(times[1:])
         out.append({"tokens": n, "prompts_per_round": k, "steps_per_round": steps,
@@ -305,36 +361,39 @@ def bench_prefill_curve(llm: LLM, lens: list[int], budget: int = 8192) -> list[d
     return out
 
 
-def bench_peer(ckpt: str, limits: dict, batches: list[int], ctx: int = 1024) -> dict:
+def bench_peer(ckpt: str, limits: dict, device: str = "cuda", sizes: Sizes = GPU_SIZES) -> dict:
     """The same decode and prefill workloads through transformers (the side-by-side peer)."""
     from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, attn_implementation="sdpa")
-    m = m.cuda().eval()
+    dev = torch.device(device)
+    dtype = getattr(torch, sizes.dtype)
+    m = AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, attn_implementation="sdpa")
+    m = m.to(dev).eval()
+    ctx, vocab = sizes.peer_ctx, min(30000, m.config.vocab_size)
     wbytes = sum(p.numel() * p.element_size() for p in m.parameters())
     hc = m.config
     kv_tok = (
         2
         * hc.num_hidden_layers
         * hc.num_key_value_heads
-        * (hc.hidden_size // hc.num_attention_heads)
-        * 2
+        * (getattr(hc, "head_dim", None) or hc.hidden_size // hc.num_attention_heads)
+        * dtype.itemsize
     )
     out: dict = {"decode": []}
     g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        for b in batches:
-            ids = torch.randint(10, 30000, (b, ctx), generator=g).cuda()
+        for b in sizes.peer_batches:
+            ids = torch.randint(10, vocab, (b, ctx), generator=g).to(dev)
             o = m(ids, use_cache=True, logits_to_keep=1)
             past = o.past_key_values
             nxt = o.logits[:, -1].argmax(-1, keepdim=True)
             times = []
             for i in range(13):
-                torch.cuda.synchronize()
+                _sync(dev)
                 t0 = time.perf_counter()
                 o = m(nxt, past_key_values=past, use_cache=True, logits_to_keep=1)
                 nxt = o.logits[:, -1].argmax(-1, keepdim=True)
-                torch.cuda.synchronize()
+                _sync(dev)
                 if i >= 3:
                     times.append(time.perf_counter() - t0)
                 past = o.past_key_values
@@ -345,21 +404,23 @@ def bench_peer(ckpt: str, limits: dict, batches: list[int], ctx: int = 1024) -> 
             )
             print(json.dumps(out["decode"][-1]), flush=True)
             del past, o
-            torch.cuda.empty_cache()
-        n = 8192
-        ids = torch.randint(10, 30000, (1, n), generator=g).cuda()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+        n = sizes.peer_prefill_len
+        ids = torch.randint(10, vocab, (1, n), generator=g).to(dev)
         times = []
         for _ in range(4):
-            torch.cuda.synchronize()
+            _sync(dev)
             t0 = time.perf_counter()
             m(ids, use_cache=False, logits_to_keep=1)
-            torch.cuda.synchronize()
+            _sync(dev)
             times.append(time.perf_counter() - t0)
         t = statistics.median(times[1:])
         out["prefill"] = {"tokens": n, "tok_s": n / t, "seconds": t}
         print(json.dumps(out["prefill"]), flush=True)
     del m
-    torch.cuda.empty_cache()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
     return out
 
 
@@ -368,18 +429,16 @@ def bench_serve(
     log_dir: Path,
     port: int = 8011,
     *,
-    dtype: str = "bfloat16",
-    input_len: int = 1024,
-    output_len: int = 128,
-    num_prompts: int = 500,
-    max_model_len: int = 4096,
+    device: str = "0",
+    sizes: Sizes = GPU_SIZES,
     starts: int = 3,
     extra_args: tuple[str, ...] = (),
 ) -> dict:
-    """`pdserve serve` + `pdserve bench serve` random 1024/128: warm start (the first
-    request after each of ``starts`` fresh server starts, against the median of 8 one at
-    a time on the last), then 500 prompts at rate inf, and the forward-path counts from
-    the server's /metrics (the graph share of decode steps).
+    """`pdserve serve` (on GPU ``device``, or "cpu") + `pdserve bench serve` random
+    1024/128 (``sizes.serve``): warm start (the first request after each of ``starts``
+    fresh server starts, against the median of 8 one at a time on the last), then 500
+    prompts at rate inf, and the forward-path counts from the server's /metrics (the
+    graph share of decode steps).
 
     One first request per start is a single sample with the host's noise (+-10 ms on a
     ~40 ms TTFT in run 21), so its median over several starts is what the target is
@@ -390,14 +449,15 @@ def bench_serve(
     from pdserve.serving.launch.launcher import Launcher
     from pdserve.serving.launch.topology import Topology
 
-    serve_args = ["--dtype", dtype, "--max-model-len", str(max_model_len), *extra_args]
+    num_prompts, input_len, output_len, max_model_len = sizes.serve
+    serve_args = ["--dtype", sizes.dtype, "--max-model-len", str(max_model_len), *extra_args]
     topo = Topology.from_dict(
         {
             "model": ckpt,
             "served_model_name": "m",
             "common_args": [*serve_args, "--uvicorn-log-level", "warning"],
             "startup_timeout": 300,
-            "instances": [{"role": "colocated", "port": port, "devices": "0"}],
+            "instances": [{"role": "colocated", "port": port, "devices": device}],
         }
     )
     url = f"http://127.0.0.1:{port}"
@@ -416,7 +476,8 @@ def bench_serve(
             raise RuntimeError(f"{name} warm-start requests failed: {r0.get('errors')}")
         return r0
 
-    out: dict = {"ready_s": [], "first_ttft_ms_each": []}
+    out: dict = {"ready_s": [], "first_ttft_ms_each": [], "num_prompts": num_prompts,
+                 "input_len": input_len, "output_len": output_len}  # fmt: skip
     for i in range(starts):
         t0 = time.perf_counter()
         with Launcher(topo, log_dir=log_dir / f"serve_{i}"):
@@ -473,29 +534,80 @@ def _prefix_counters(url: str) -> dict[str, float]:
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--ckpt", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--sections", default="limits,peer,serve,throughput,decode,prefill")
-    ap.add_argument("--batches", default="1,16,64,256")
-    ap.add_argument("--contexts", default="1024,16384")
-    ap.add_argument(
-        "--prefill-lens", default="1024,4096,8192,16384", help="prompt lengths of prefill_curve"
+SECTIONS = ("limits", "peer", "serve", "throughput", "decode", "prefill")
+
+
+def make_engine(ckpt: str, args: argparse.Namespace, sizes: Sizes) -> tuple[LLM, str | None]:
+    """The in-process engine of the throughput, decode and prefill sections, and the
+    error of a first start that failed (then it started eagerly)."""
+    kwargs: dict = dict(
+        dtype=sizes.dtype,
+        max_model_len=sizes.max_model_len,
+        max_num_batched_tokens=sizes.max_num_batched_tokens,
+        max_num_seqs=sizes.max_num_seqs,
+        attention_backend=args.attention_backend,
     )
+    if args.device == "cpu":
+        kwargs["device"] = "cpu"
+    else:
+        kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
+    try:
+        return LLM(ckpt, **kwargs), None
+    except Exception as e:  # keep the call useful: fall back to eager and say so
+        err = f"{type(e).__name__}: {e}"
+        print("engine start failed, retrying eagerly:", err, flush=True)
+        return LLM(ckpt, enforce_eager=True, **kwargs), err
+
+
+def _points(spec: str) -> set[tuple[int, int]]:
+    """Decode points, "BxCTX,...", as {(B, CTX)}."""
+    return {(int(b), int(c)) for b, c in (p.split("x") for p in spec.split(",") if p)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ckpt", help="checkpoint folder (required on cuda; cpu: a tiny one)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--sections", default=",".join(SECTIONS))
+    ap.add_argument("--batches", help="decode batch sizes (default: the device's sizes)")
+    ap.add_argument("--contexts", help="decode contexts (default: the device's sizes)")
+    ap.add_argument("--prefill-lens", help="prompt lengths of prefill_curve")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
     ap.add_argument("--attention-backend", default="torch")
-    ap.add_argument(
-        "--serve-starts", type=int, default=3, help="server starts for the warm-start median"
-    )
+    ap.add_argument("--serve-starts", type=int, help="server starts for the warm-start median")
+    ap.add_argument("--serve-port", type=int, default=8011)
     ap.add_argument(
         "--serve-args", default="", help='extra `pdserve serve` flags, e.g. "--async-scheduling"'
     )
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     sections = set(args.sections.split(","))
+    if sections - set(SECTIONS):
+        ap.error(f"--sections: unknown {sorted(sections - set(SECTIONS))} ({', '.join(SECTIONS)})")
+    cpu = args.device == "cpu"
+    if args.ckpt is None and not cpu:
+        ap.error("--ckpt is needed on cuda (make one with pdserve make-checkpoint)")
+    sizes = CPU_SIZES if cpu else GPU_SIZES
+    threads = torch.get_num_threads()
+    if cpu:  # a smoke run: two-thread ops stall for milliseconds on a shared CPU
+        torch.set_num_threads(1)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            if args.ckpt is None:
+                from pdserve.testing.checkpoint import make_checkpoint
+
+                ckpt = make_checkpoint("LlamaForCausalLM", "tiny", tmp, dtype="float32")
+                args.ckpt = str(ckpt)
+            return run(args, sections, sizes)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run(args: argparse.Namespace, sections: set[str], sizes: Sizes) -> int:
+    cpu = args.device == "cpu"
     res: dict = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": "cpu" if cpu else torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "fused_kernels": os.environ.get("PDSERVE_FUSED_KERNELS", "auto"),
         "serve_args": args.serve_args,
@@ -512,36 +624,28 @@ def main() -> int:
         )
     except OSError:
         res["commit"] = "unknown"
-    res["limits"] = measure_limits()
+    res["limits"] = measure_limits(args.device, sizes)  # every section's yardstick
     print(json.dumps(res["limits"]), flush=True)
     if "peer" in sections:  # first, while the card is empty
-        res["peer"] = bench_peer(args.ckpt, res["limits"], [1, 16, 64])
+        res["peer"] = bench_peer(args.ckpt, res["limits"], args.device, sizes)
     if "serve" in sections:  # a server process of its own, also before the in-process engine
         try:
             res["serve"] = bench_serve(
                 args.ckpt,
                 Path(args.out).parent,
-                starts=args.serve_starts,
+                args.serve_port,
+                device="cpu" if cpu else "0",
+                sizes=sizes,
+                starts=args.serve_starts or sizes.serve_starts,
                 extra_args=tuple(args.serve_args.split()),
             )
         except Exception as e:
             res["serve_error"] = f"{type(e).__name__}: {e}"
         print(json.dumps(res.get("serve")), flush=True)
     t0 = time.perf_counter()
-    kwargs = dict(
-        dtype="bfloat16",
-        max_model_len=20480,
-        max_num_batched_tokens=8192,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        max_num_seqs=256,
-        attention_backend=args.attention_backend,
-    )
-    try:
-        llm = LLM(args.ckpt, **kwargs)
-    except Exception as e:  # keep the call useful: fall back to eager and say so
-        res["engine_error"] = f"{type(e).__name__}: {e}"
-        print("engine start failed, retrying eagerly:", res["engine_error"], flush=True)
-        llm = LLM(args.ckpt, enforce_eager=True, **kwargs)
+    llm, err = make_engine(args.ckpt, args, sizes)
+    if err is not None:
+        res["engine_error"] = err
     res["engine_startup_s"] = time.perf_counter() - t0
     res["warmup_phases"] = llm.engine.warmup_phases
     res["num_kv_blocks"] = llm.engine.kv.pool.num_blocks
@@ -561,15 +665,16 @@ def main() -> int:
         Path(args.out).write_text(json.dumps(res, indent=2))  # partial results survive a kill
 
     if "throughput" in sections:
-        section("throughput", lambda: bench_throughput(llm))
+        section("throughput", lambda: bench_throughput(llm, *sizes.throughput))
         print(json.dumps(res.get("throughput")), flush=True)
     if "decode" in sections:
+        profiled = _points(sizes.profile)
 
         def decode_all() -> list:
             out = []
-            for ctx in map(int, args.contexts.split(",")):
-                for b in map(int, args.batches.split(",")):
-                    prof = ctx == 1024 and b in (1, 16, 64)
+            for ctx in map(int, (args.contexts or sizes.contexts).split(",")):
+                for b in map(int, (args.batches or sizes.batches).split(",")):
+                    prof = (b, ctx) in profiled
                     r = bench_decode(llm, b, ctx, res["limits"], profile=prof)
                     print(json.dumps(r), flush=True)
                     out.append(r)
@@ -582,9 +687,9 @@ def main() -> int:
 
         section("decode", decode_all)
     if "prefill" in sections:
-        section("prefill", lambda: bench_prefill(llm, res["limits"]))
+        section("prefill", lambda: bench_prefill(llm, res["limits"], sizes.prefill_len))
         print(json.dumps(res.get("prefill")), flush=True)
-        lens = [int(x) for x in args.prefill_lens.split(",") if x]
+        lens = [int(x) for x in (args.prefill_lens or sizes.prefill_lens).split(",") if x]
         section("prefill_curve", lambda: bench_prefill_curve(llm, lens))
         print(json.dumps(res.get("prefill_curve")), flush=True)
     res["step_paths"] = dict(llm.engine.stats().step_paths)
@@ -662,7 +767,8 @@ def print_table(res: dict) -> None:
     if res.get("serve"):
         sv = res["serve"]
         print(
-            f"serve 500 x 1024/128 rate inf: {sv['output_throughput']:.0f} output tok/s, mean TTFT "
+            f"serve {sv['num_prompts']} x {sv['input_len']}/{sv['output_len']} rate inf: "
+            f"{sv['output_throughput']:.0f} output tok/s, mean TTFT "
             f"{sv['mean_ttft_ms']:.0f} ms (p90 {sv['p90_ttft_ms']:.0f}), mean TPOT {sv['mean_tpot_ms']:.1f} ms "
             f"(p90 {sv['p90_tpot_ms']:.1f}); graph share of decode steps {sv['graph_share_of_decode_steps']}; "
             f"prefix-cache hits {sv['prefix_cache']['hits']:.0f} of {sv['prefix_cache']['queries']:.0f} prompt tokens"

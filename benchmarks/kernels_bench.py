@@ -15,6 +15,10 @@ Sections (``--sections``, comma separated; default ``decode``; ``all`` for every
             sort-free kernel vs the runner's sort-based torch path
   norm      fused add + RMSNorm and RoPE at 4096 tokens x hidden 4096 vs torch
 Times are medians of ``triton.testing.do_bench``. Prints a table, writes JSON.
+
+``--device cpu`` runs every section's code at tiny shapes (:data:`CPU`) with the kernels
+in Triton's interpreter, timed by the host clock, and without CUDA graphs (``ms`` is then
+the eager call too): a smoke run of the script (tests/bench/test_bench_scripts.py).
 """
 
 from __future__ import annotations
@@ -22,42 +26,85 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
+import statistics
 import sys
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pdserve.kernels._utils import num_sms  # noqa: E402
-from pdserve.kernels.decode_attention import (  # noqa: E402
-    MAX_SPLITS,
-    choose_num_splits,
-    decode_attention,
-    decode_workspace_numel,
-)
-from pdserve.kernels.prefill_attention import prefill_attention, sdpa_prefill  # noqa: E402
-from pdserve.kernels.rmsnorm import fused_add_rmsnorm, fused_add_rmsnorm_reference  # noqa: E402
-from pdserve.kernels.rope import apply_rope, apply_rope_reference  # noqa: E402
-from pdserve.kernels.sampling import sample, sample_reference  # noqa: E402
 
-H, HKV, D, PAGE = 32, 8, 128, 16
-DT = torch.bfloat16
+@dataclass(frozen=True)
+class Shapes:
+    """Every shape the sections use: Llama-3-8B's on the GPU, tiny ones on the CPU."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    page: int
+    dtype: torch.dtype
+    contexts: tuple[int, ...]  # decode
+    batches: tuple[int, ...]  # decode, decode_configs
+    sweep_splits: tuple[int, ...]
+    config_grid: tuple[tuple[int, ...], ...]  # decode_configs: splits, BLOCK_N, warps, stages
+    config_ctx: int
+    graph_len: int  # max_model_len the engine's graphs size their split count for
+    prefill: tuple[tuple[int, int], ...]  # (cached, new)
+    sampling_vocab: int
+    sampling_batches: tuple[int, ...]
+    norm_tokens: int
+    hidden: int
+    rope_positions: int
+    copy_elements: int
+
+
+GPU = Shapes(
+    heads=32, kv_heads=8, head_dim=128, page=16, dtype=torch.bfloat16, contexts=(1024, 16384),
+    batches=(1, 16, 64), sweep_splits=(1, 2, 4, 8, 16, 32, 64),
+    config_grid=((1, 2, 4, 8, 16, 32, 64), (32, 64, 128), (4, 8), (1, 2, 3)), config_ctx=1024,
+    graph_len=20480, prefill=((0, 8192), (4096, 4096)), sampling_vocab=128256,
+    sampling_batches=(1, 16, 64, 128), norm_tokens=4096, hidden=4096, rope_positions=8192,
+    copy_elements=1 << 29,
+)  # fmt: skip
+CPU = Shapes(
+    heads=4, kv_heads=2, head_dim=16, page=16, dtype=torch.float32, contexts=(40,),
+    batches=(1, 2), sweep_splits=(1, 2), config_grid=((1, 2), (32,), (4,), (1,)), config_ctx=40,
+    graph_len=64, prefill=((0, 24), (16, 8)), sampling_vocab=512, sampling_batches=(1, 2),
+    norm_tokens=8, hidden=64, rope_positions=64, copy_elements=1 << 16,
+)  # fmt: skip
+S = GPU  # the shapes in force (main sets them)
+DEV = torch.device("cuda")
 
 
 def bench(fn: Callable[[], object]) -> float:
-    """Median milliseconds of ``fn``."""
+    """Median milliseconds of ``fn`` (on a CPU: of 3 host-clock calls after one)."""
+    if DEV.type != "cuda":
+        fn()
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+    import triton
+
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
 def bench_graph(fn: Callable[[], object], reps: int = 20) -> float:
     """Median milliseconds of one ``fn`` call replayed from a CUDA graph of ``reps``
     back-to-back calls: GPU time without Python launch overhead (what a captured
-    decode step pays)."""
+    decode step pays). A CPU has no graphs: the eager call."""
+    if DEV.type != "cuda":
+        return bench(fn)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -72,7 +119,7 @@ def bench_graph(fn: Callable[[], object], reps: int = 20) -> float:
 
 def copy_bandwidth() -> float:
     """Device-to-device copy, bytes read + written per second."""
-    src = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")
+    src = torch.empty(S.copy_elements, dtype=torch.bfloat16, device=DEV)
     dst = torch.empty_like(src)
     ms = bench(lambda: dst.copy_(src))
     return 2 * src.numel() * 2 / (ms * 1e-3)
@@ -80,32 +127,38 @@ def copy_bandwidth() -> float:
 
 def paged_cache(batch: int, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Random cache with shuffled (fragmented) block tables for ``batch`` x ``ctx`` tokens."""
-    nblk = -(-ctx // PAGE)
+    nblk = -(-ctx // S.page)
     total = batch * nblk + 1
-    cache = torch.randn(2, total, PAGE, HKV, D, device="cuda", dtype=DT)
-    bt = (1 + torch.randperm(total - 1, device="cuda")).view(batch, nblk).to(torch.int32)
+    cache = torch.randn(2, total, S.page, S.kv_heads, S.head_dim, device=DEV, dtype=S.dtype)
+    bt = (1 + torch.randperm(total - 1, device=DEV)).view(batch, nblk).to(torch.int32)
     return cache, bt
 
 
 def decode_inputs(batch: int, ctx: int) -> tuple[torch.Tensor, ...]:
     """(cache, block tables, q, seq_lens, out, workspace) of a ``batch`` x ``ctx`` decode."""
+    from pdserve.kernels.decode_attention import MAX_SPLITS, decode_workspace_numel
+
     cache, bt = paged_cache(batch, ctx)
-    q = torch.randn(batch, H, D, device="cuda", dtype=DT)
-    seq = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-    ws = torch.empty(decode_workspace_numel(batch, H, D, MAX_SPLITS), device="cuda")
+    q = torch.randn(batch, S.heads, S.head_dim, device=DEV, dtype=S.dtype)
+    seq = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
+    ws = torch.empty(decode_workspace_numel(batch, S.heads, S.head_dim, MAX_SPLITS), device=DEV)
     return cache, bt, q, seq, torch.empty_like(q), ws
 
 
 def run_decode(bw: float, sweep: bool) -> list[dict[str, object]]:
-    rows = []
-    sms = num_sms(torch.device("cuda"))
-    for ctx in (1024, 16384):
-        for batch in (1, 16, 64):
-            cache, bt, q, seq, out, ws = decode_inputs(batch, ctx)
-            nbytes = 2 * batch * ctx * HKV * D * 2 + 2 * q.numel() * 2 + bt.numel() * 4
-            auto = choose_num_splits(batch, HKV, ctx, sms)
+    from pdserve.kernels._utils import num_sms
+    from pdserve.kernels.decode_attention import choose_num_splits, decode_attention
 
-            run = partial(decode_attention, q, cache, seq, bt, D**-0.5, 1, batch)
+    rows = []
+    sms = num_sms(DEV)
+    hkv, d, el = S.kv_heads, S.head_dim, S.dtype.itemsize
+    for ctx in S.contexts:
+        for batch in S.batches:
+            cache, bt, q, seq, out, ws = decode_inputs(batch, ctx)
+            nbytes = 2 * batch * ctx * hkv * d * el + 2 * q.numel() * el + bt.numel() * 4
+            auto = choose_num_splits(batch, hkv, ctx, sms)
+
+            run = partial(decode_attention, q, cache, seq, bt, d**-0.5, 1, batch)
 
             def timed(
                 s: int,
@@ -128,7 +181,7 @@ def run_decode(bw: float, sweep: bool) -> list[dict[str, object]]:
                 "pct_roofline": 100 * nbytes / bw / (ms * 1e-3),
             }
             if sweep:
-                row["sweep_ms"] = {s: timed(s) for s in (1, 2, 4, 8, 16, 32, 64)}
+                row["sweep_ms"] = {s: timed(s) for s in S.sweep_splits}
             rows.append(row)
     return rows
 
@@ -138,25 +191,26 @@ def run_decode_configs(bw: float) -> list[dict[str, object]]:
     1K context, batch 1/16/64, next to the engine's pick: its graphs size the split count
     for max_model_len (20480 in the suite), its tile config is ``_config``'s."""
     import pdserve.kernels.decode_attention as da
+    from pdserve.kernels._utils import num_sms
 
     orig_config, orig_stages = da._config, da.NUM_STAGES
-    bm, dot, bn0, warps0 = orig_config(H // HKV, D)
+    hkv, d, el = S.kv_heads, S.head_dim, S.dtype.itemsize
+    bm, dot, bn0, warps0 = orig_config(S.heads // hkv, d)
     rows: list[dict[str, object]] = []
-    sms = num_sms(torch.device("cuda"))
-    ctx = 1024
+    sms = num_sms(DEV)
+    ctx = S.config_ctx
     try:
-        for batch in (1, 16, 64):
+        for batch in S.batches:
             cache, bt, q, seq, out, ws = decode_inputs(batch, ctx)
-            pick = (choose_num_splits(batch, HKV, 20480, sms), bn0, warps0, orig_stages)
+            pick = (da.choose_num_splits(batch, hkv, S.graph_len, sms), bn0, warps0, orig_stages)
             times: dict[tuple[int, int, int, int], float] = {}
-            for cfg in itertools.product(
-                (1, 2, 4, 8, 16, 32, 64), (32, 64, 128), (4, 8), (1, 2, 3)
-            ):
+            grid = dict.fromkeys([*itertools.product(*S.config_grid), pick])  # the pick, timed
+            for cfg in grid:
                 splits, bn, warps, stages = cfg
                 da._config = lambda m, d, c=(bm, dot, bn, warps): c
                 da.NUM_STAGES = stages
                 fn = partial(
-                    decode_attention, q, cache, seq, bt, D**-0.5, 1, batch, splits, out, ws
+                    da.decode_attention, q, cache, seq, bt, d**-0.5, 1, batch, splits, out, ws
                 )
                 times[cfg] = bench_graph(fn) * 1e3
             ranked = sorted(times, key=times.__getitem__)
@@ -166,7 +220,7 @@ def run_decode_configs(bw: float) -> list[dict[str, object]]:
                     "batch": batch,
                     "engine_pick": dict(zip(keys, pick, strict=True)),
                     "engine_pick_us": times[pick],
-                    "roofline_us": 2 * batch * ctx * HKV * D * 2 / bw * 1e6,
+                    "roofline_us": 2 * batch * ctx * hkv * d * el / bw * 1e6,
                     "top5": [
                         {**dict(zip(keys, c, strict=True)), "us": times[c]} for c in ranked[:5]
                     ],
@@ -188,17 +242,20 @@ PREFILL_CONFIGS = [
 
 
 def run_prefill(sweep: bool) -> list[dict[str, object]]:
+    from pdserve.kernels.prefill_attention import prefill_attention, sdpa_prefill
+
     rows: list[dict[str, object]] = []
-    for cached, new in ((0, 8192), (4096, 4096)):
+    h, hkv, d, dt = S.heads, S.kv_heads, S.head_dim, S.dtype
+    for cached, new in S.prefill:
         n = cached + new
         cache, bt = paged_cache(1, n)
-        q = torch.randn(new, H, D, device="cuda", dtype=DT)
-        k = torch.randn(n, HKV, D, device="cuda", dtype=DT)
-        v = torch.randn(n, HKV, D, device="cuda", dtype=DT)
-        qsl = torch.tensor([0, new], dtype=torch.int32, device="cuda")
-        seq = torch.tensor([n], dtype=torch.int32, device="cuda")
-        flops = 4 * H * D * (new * cached + new * new / 2)
-        ms = bench(partial(prefill_attention, q, cache, qsl, seq, bt, D**-0.5, 1, new, new))
+        q = torch.randn(new, h, d, device=DEV, dtype=dt)
+        k = torch.randn(n, hkv, d, device=DEV, dtype=dt)
+        v = torch.randn(n, hkv, d, device=DEV, dtype=dt)
+        qsl = torch.tensor([0, new], dtype=torch.int32, device=DEV)
+        seq = torch.tensor([n], dtype=torch.int32, device=DEV)
+        flops = 4 * h * d * (new * cached + new * new / 2)
+        ms = bench(partial(prefill_attention, q, cache, qsl, seq, bt, d**-0.5, 1, new, new))
         row: dict[str, object] = {
             "cached": cached,
             "new": new,
@@ -209,27 +266,29 @@ def run_prefill(sweep: bool) -> list[dict[str, object]]:
             row["sweep_ms"] = {
                 str(cfg): bench(
                     partial(
-                        prefill_attention, q, cache, qsl, seq, bt, D**-0.5, 1, new, new, config=cfg
+                        prefill_attention, q, cache, qsl, seq, bt, d**-0.5, 1, new, new, config=cfg
                     )
                 )
                 for cfg in PREFILL_CONFIGS
             }
         if cached == 0:
-            ms2 = bench(partial(sdpa_prefill, q, k, v, D**-0.5))
+            ms2 = bench(partial(sdpa_prefill, q, k, v, d**-0.5))
             row |= {"sdpa_ms": ms2, "sdpa_TFLOPs": flops / ms2 / 1e9}
         rows.append(row)
     return rows
 
 
 def run_sampling() -> list[dict]:
+    from pdserve.kernels.sampling import sample, sample_reference
+
     rows = []
-    vocab = 128256
-    for batch in (1, 16, 64, 128):
-        logits = torch.randn(batch, vocab, device="cuda") * 3
+    vocab = S.sampling_vocab
+    for batch in S.sampling_batches:
+        logits = torch.randn(batch, vocab, device=DEV) * 3
         noise = torch.empty_like(logits).exponential_()
-        temp = torch.full((batch,), 0.8, device="cuda")
-        top_p = torch.full((batch,), 0.9, device="cuda")
-        top_k = torch.full((batch,), 50, device="cuda", dtype=torch.int64)
+        temp = torch.full((batch,), 0.8, device=DEV)
+        top_p = torch.full((batch,), 0.9, device=DEV)
+        top_k = torch.full((batch,), 50, device=DEV, dtype=torch.int64)
         for name, tk in (("top_p", None), ("top_k+top_p", top_k)):
             ms = bench(partial(sample, logits, temp, tk, top_p, noise=noise))
             ref = bench(partial(sample_reference, logits, temp, tk, top_p, noise=noise))
@@ -238,24 +297,28 @@ def run_sampling() -> list[dict]:
 
 
 def run_norm() -> list[dict]:
-    t, hidden = 4096, 4096
-    x = torch.randn(t, hidden, device="cuda", dtype=DT)
+    from pdserve.kernels.rmsnorm import fused_add_rmsnorm, fused_add_rmsnorm_reference
+    from pdserve.kernels.rope import apply_rope, apply_rope_reference
+
+    t, hidden, dt, el = S.norm_tokens, S.hidden, S.dtype, S.dtype.itemsize
+    h, hkv, d = S.heads, S.kv_heads, S.head_dim
+    x = torch.randn(t, hidden, device=DEV, dtype=dt)
     r = torch.randn_like(x)
-    w = torch.rand(hidden, device="cuda", dtype=DT)
-    nbytes = 4 * x.numel() * 2  # read x, r; write out, residual
+    w = torch.rand(hidden, device=DEV, dtype=dt)
+    nbytes = 4 * x.numel() * el  # read x, r; write out, residual
     ms = bench(lambda: fused_add_rmsnorm(x, r, w, 1e-5))
     ref = bench(lambda: fused_add_rmsnorm_reference(x, r, w, 1e-5))
     rows = [
         {"op": "fused_add_rmsnorm", "triton_ms": ms, "torch_ms": ref, "GB/s": nbytes / ms / 1e6}
     ]
-    qkv = torch.randn(t, (H + 2 * HKV) * D, device="cuda", dtype=DT)
-    q, k = qkv[:, : H * D], qkv[:, H * D : (H + HKV) * D]
-    pos = torch.randint(0, 8192, (t,), device="cuda")
-    cos = torch.randn(8192, D // 2, device="cuda", dtype=DT)
+    qkv = torch.randn(t, (h + 2 * hkv) * d, device=DEV, dtype=dt)
+    q, k = qkv[:, : h * d], qkv[:, h * d : (h + hkv) * d]
+    pos = torch.randint(0, S.rope_positions, (t,), device=DEV)
+    cos = torch.randn(S.rope_positions, d // 2, device=DEV, dtype=dt)
     sin = torch.randn_like(cos)
-    nbytes = 2 * (q.numel() + k.numel()) * 2
-    ms = bench(lambda: apply_rope(q, k, pos, cos, sin, D))
-    ref = bench(lambda: apply_rope_reference(q, k, pos, cos, sin, D))
+    nbytes = 2 * (q.numel() + k.numel()) * el
+    ms = bench(lambda: apply_rope(q, k, pos, cos, sin, d))
+    ref = bench(lambda: apply_rope_reference(q, k, pos, cos, sin, d))
     rows.append({"op": "rope", "triton_ms": ms, "torch_ms": ref, "GB/s": nbytes / ms / 1e6})
     return rows
 
@@ -274,19 +337,35 @@ def table(title: str, rows: list[dict[str, Any]]) -> None:
             print("    sweep ms:", {s: round(v, 4) for s, v in row["sweep_ms"].items()})
 
 
-def main() -> None:
+SECTIONS = ("decode", "decode_configs", "prefill", "sampling", "norm")
+
+
+def main(argv: list[str] | None = None) -> int:
+    global S, DEV
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="JSON output path")
-    ap.add_argument("--sections", default="decode")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--sections", default="decode", help=f"of {','.join(SECTIONS)}, or all")
     ap.add_argument("--sweep", action="store_true", help="time every decode split count")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("kernels_bench.py needs a CUDA GPU")
-    sections = {"decode", "decode_configs", "prefill", "sampling", "norm"}
-    chosen = sections if args.sections == "all" else set(args.sections.split(","))
+    args = ap.parse_args(argv)
+    chosen = set(SECTIONS) if args.sections == "all" else set(args.sections.split(","))
+    if chosen - set(SECTIONS):
+        ap.error(f"--sections: unknown {sorted(chosen - set(SECTIONS))}")
+    cpu = args.device == "cpu"
+    if cpu:  # the kernels in the interpreter: set before any kernel module is imported
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        if "pdserve.kernels.decode_attention" not in sys.modules:
+            from _interp import interpreter_fix
+
+            interpreter_fix()
+    elif not torch.cuda.is_available():
+        sys.exit("kernels_bench.py needs a CUDA GPU (--device cpu: the smoke run)")
+    import triton
+
+    S, DEV = (CPU, torch.device("cpu")) if cpu else (GPU, torch.device("cuda"))
     bw = copy_bandwidth()
     result: dict[str, object] = {
-        "device": torch.cuda.get_device_name(),
+        "device": "cpu (interpreter)" if cpu else torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "copy_bandwidth_GBps": bw / 1e9,
@@ -299,13 +378,14 @@ def main() -> None:
         "norm": run_norm,
         "decode_configs": lambda: run_decode_configs(bw),
     }
-    for name in ("decode", "decode_configs", "prefill", "sampling", "norm"):
+    for name in SECTIONS:
         if name in chosen:
             rows = runners[name]()
             result[name] = rows
             table(name, rows)
     Path(args.out).write_text(json.dumps(result, indent=2))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

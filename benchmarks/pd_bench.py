@@ -211,7 +211,7 @@ def run(args: argparse.Namespace, kind: str) -> list[dict]:
     return rows
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -234,11 +234,16 @@ def main() -> int:
     ap.add_argument("--sla-tpot-ms", type=float, default=20.0)
     ap.add_argument("--sla-start", type=float, default=0.5, help="first rate of the search")
     ap.add_argument("--sla-tolerance", type=float, default=0.2)
-    args = ap.parse_args()
-    rows = []
+    args = ap.parse_args(argv)
     for t in args.topologies.split(","):
         if t not in TOPOLOGIES:
             ap.error(f"--topologies: unknown topology {t!r} ({', '.join(TOPOLOGIES)})")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rows = []
     for t in args.topologies.split(","):
         rows += run(args, t)
     Path(args.out).write_text(json.dumps(rows, indent=2))

@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
-# The GPU acceptance runs still open (issues 15, 17, 18, 19, 20, 21), in device calls of
-# at most 10 minutes each; every stage prints its tables and leaves JSON and logs under
+# The GPU acceptance runs still open (issues 15, 17, 18, 19, 20, 21, 29), in device calls
+# of at most 10 minutes each; every stage prints its tables and leaves JSON and logs under
 # $OUT. Record the commit yourself: the device copy of the tree may carry a stale .git.
 #
+#   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh k10
+#   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh p10
+#   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh glm5-sla [mtp]
+#   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh d10
+#   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh gpu1
+#   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh gpu2
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh a
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh b
 #   device run (carry [".whl-nixl"]):  bash benchmarks/run_pending.sh nixl-install
@@ -11,12 +17,34 @@
 #   nvidia-h200-x2 (carry [".whl"]):   bash benchmarks/run_pending.sh x2
 #   nvidia-h200-x4/-x8 (carry [".whl"]): bash benchmarks/run_pending.sh dpep 4   (or 8)
 #
+# k10   the GLM-5 prefill / verify kernels (issues 26, 27), most wanted first: their parity
+#       tests compiled on CUDA (sparse MLA with the wide shape, the tiled indexer and the
+#       register select, the fused MoE, graph widths, the Triton GLM-5 model), then
+#       benchmarks/prefill_sweep.py (sparse MLA launch shapes at prefill 2K/4K/16K, verify
+#       and decode at 64-256 x 16K; fused MoE at 512-16K tokens; TFLOP/s against the
+#       matmul rate of the call) and glm5_kernels_bench.py indexer_prefill,indexer_verify
+#       (tiled scores and selects). The best configs become the kernels' defaults.
+# p10   benchmarks/glm5_bench.py on glm5-m12-e64 with --long (issue 26): the prefill
+#       section (4K / 16K / 64K: tok/s, TFLOP/s by kernel category against the matmul
+#       rate), decode speed against the roofline, the accuracy gate (glm5-s4-e16, KL to
+#       transformers fp32 against transformers' own bf16), transformers' prefill and decode.
+# d10   benchmarks/spec_bench.py decode (issue 27): TPOT by streams 1-256 x 16K for no
+#       speculation and MTP k=1/k=3 at synthetic 0.5/0.7/0.9, with the step roofline.
+# gpu1, gpu2  every GPU test and the whole gpu_suite in two calls (issue 29), one pytest
+#       process per test module (a device-side assert fails only its own module), each
+#       under a timeout, until the call's deadline; each call prints a table first (per
+#       module: status, passed, failed, errors, skipped, seconds; then every failed test),
+#       and leaves each module's log and JUnit XML in $OUT/tests/ and the table in
+#       $OUT/gpu1_tests.json / gpu2_tests.json (benchmarks/pytest_table.py). gpu1: every
+#       module of tests/kernels (they run on CUDA, compiled, where it is there). gpu2: the
+#       `-m gpu` tests of every other folder (kv_transfer, engine, models, and any that
+#       come), found by one collection pass; modules importing `openai` are left out where
+#       it is not installed (listed as not run), a module that fails to collect is listed
+#       as such; then benchmarks/gpu_suite.py, all sections, on llama-8b-shape (its table
+#       last; gpu_suite.json and .log under $OUT).
 # ab1, ab2  the same runs as a and b in two calls: ab1 runs the GPU tests and the bf16
 #       quality gate side by side (correctness only), then structured_bench (on drawn
 #       weights) and transfer_bench alone; ab2 runs fp8_bench and glm5_kernels_bench.
-# s9    structured_bench (deferred masks against land-first), the GLM-5 decode profile at
-#       1x1K and 32x1K (--long: graphs at two context widths), an FP8 GEMM sweep of
-#       down_proj at 1/16/64 tokens, then the GPU tests that changed (about 7 minutes).
 # a     GPU-marked tests of the kernels, layers, KV transfer and engine (parity of every
 #       Triton kernel against its torch reference on the device; issues 15, 19, 20, 21),
 #       then benchmarks/fp8_bench.py (issue 19: FP8 decode against the FP8 roofline,
@@ -28,7 +56,9 @@
 # glm5  benchmarks/glm5_bench.py speed on glm5-m12-e64 (issue 15): decode at batch 1/32
 #       x 1K/16K and 8 x 128K against the roofline with graph steps counted, a 16K
 #       prefill, transformers' GlmMoeDsaForCausalLM on the same preset.
-# glm5-sla  `pdserve bench sla` of glm5-m12-e64 at 16384/1000 (issue 15's serve target).
+# glm5-sla  `pdserve bench sla` of glm5-m12-e64 at 16384/1000 (issue 26's serve target:
+#       48 prompts a point); `glm5-sla mtp` serves it with MTP k=3 at synthetic acceptance
+#       0.7.
 # nixl  transfer_bench over cuda_ipc and nixl with the 1P1D-over-nixl equality, then a
 #       1P1D nixl serve run at 16384/1000 (issue 20): transfer failures and leases left.
 # x2    two GPUs (issue 21): cuda_ipc across GPUs (test and transfer time against the
@@ -38,8 +68,9 @@
 #       --enable-expert-parallel against one GPU, the same closed-loop load per rank
 #       (32 streams per GPU, 1024 in / 256 out): output tok/s per GPU and mean TPOT.
 set -uo pipefail
-stage="${1:?usage: run_pending.sh s9|ab1|ab2|a|b|glm5|glm5-sla|nixl-install|nixl|x2|dpep N}"
+stage="${1:?usage: run_pending.sh k10|p10|d10|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl-install|nixl|x2|dpep N}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+start=$(date +%s)
 source scripts/gpu-env
 echo "commit ${PDSERVE_COMMIT:-unknown} stage $stage"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -65,12 +96,114 @@ gpu_tests() {
     tests/models
 }
 
+# One pytest process per module, each under a timeout of at most 240 s, until the
+# deadline (epoch seconds, $1); writes $OUT/tests/<module>.log and .xml, and a manifest
+# line per module (benchmarks/pytest_table.py's format) to $2. Outside tests/kernels only
+# the gpu-marked tests of a module run.
+module_tests() {
+  local deadline=$1 manifest=$2 m base left rc t0 sel
+  shift 2
+  mkdir -p "$OUT/tests"
+  for m in "$@"; do
+    left=$(( deadline - $(date +%s) ))
+    if [ "$left" -lt 30 ]; then
+      printf '%s\t-\t-\t-\tout of time\n' "$m" >> "$manifest"
+      continue
+    fi
+    base="$OUT/tests/$(basename "$(dirname "$m")")_$(basename "$m" .py)"
+    sel=()
+    [[ $m == tests/kernels/* ]] || sel=(-m gpu)
+    t0=$(date +%s%N)
+    timeout $(( left < 240 ? left : 240 )) python3 -m pytest -p no:cacheprovider -rfE \
+      ${sel[@]+"${sel[@]}"} "$m" -o junit_family=xunit1 --junitxml="$base.xml" > "$base.log" 2>&1
+    rc=$?
+    printf '%s\t%s\t%s\t%s\t\n' "$m" "$rc" "$base.xml" \
+      "$(awk -v t="$(( $(date +%s%N) - t0 ))" 'BEGIN { printf "%.1f", t / 1e9 }')" >> "$manifest"
+  done
+}
+
+# The modules outside tests/kernels holding gpu-marked tests, one a line, from one
+# collection pass over tests/. Without `openai` its importers are left out, and they and
+# any module that fails to collect get a manifest line in $1.
+gpu_marked_modules() {
+  local rows=$1 ignore=() f
+  mkdir -p "$OUT/tests"
+  if ! python3 -c "import openai" 2>/dev/null; then
+    for f in $(grep -rlE "^(import openai|from openai)" tests --include='*.py' | sort); do
+      ignore+=(--ignore="$f")
+      printf '%s\t-\t-\t-\tneeds openai (not installed here)\n' "$f" >> "$rows"
+    done
+  fi
+  python3 -m pytest -p no:cacheprovider --collect-only -q -m gpu tests --ignore=tests/kernels \
+    ${ignore[@]+"${ignore[@]}"} > "$OUT/tests/collect.log" 2>&1
+  local rc=$?
+  grep -E '^ERROR tests/' "$OUT/tests/collect.log" | awk '{ print $2 }' | sort -u | while read -r f; do
+    printf '%s\t2\t-\t-\tcollection error (tests/collect.log)\n' "$f" >> "$rows"
+  done
+  if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ] && ! grep -qE '^ERROR tests/' "$OUT/tests/collect.log"; then
+    printf 'tests (collection pass)\t%s\t-\t-\tsee tests/collect.log\n' "$rc" >> "$rows"
+  fi
+  grep -oE '^tests/[^: ]+\.py(::|: [0-9]+$)' "$OUT/tests/collect.log" | sed -E 's/(::|: ).*//' \
+    | sort -u
+}
+
+# Prints the table of a manifest and writes it as JSON ($2).
+test_table() {
+  python3 benchmarks/pytest_table.py --manifest "$1" --json "$2"
+  echo "(logs and JUnit XML: \$OUT/tests/; table: $2)"
+}
+
 glm5_config() {  # glm5-m12-e64's weights (53 GB) do not fit the disk: drawn at load
   [ -f "$1/config.json" ] || pdserve make-checkpoint --arch GlmMoeDsaForCausalLM \
     --preset glm5-m12-e64 --out "$1" --config-only >/dev/null || exit 1
 }
 
 case "$stage" in
+  k10)
+    timeout 150 python3 -m pytest -p no:cacheprovider -q tests/kernels/test_sparse_mla.py \
+      tests/kernels/test_dsa_indexer.py tests/kernels/test_dsa_indexer_tiled.py \
+      tests/kernels/test_fused_moe.py tests/kernels/test_graph_widths.py \
+      tests/kernels/test_glm5_triton_model.py 2>&1 | tail -6
+    timeout 270 python3 benchmarks/prefill_sweep.py --out "$OUT/prefill_sweep.json" \
+      --budget-s 230 > "$OUT/prefill_sweep.log" 2>&1
+    sed -n '/^== /,$p' "$OUT/prefill_sweep.log" || tail -20 "$OUT/prefill_sweep.log"
+    left=$(( start + 575 - $(date +%s) ))
+    timeout "$left" python3 benchmarks/glm5_kernels_bench.py --sections \
+      indexer_prefill,indexer_verify --out "$OUT/indexer_sweep.json" 2>&1 \
+      | tee "$OUT/indexer_sweep.log" | quiet | tail -40
+    ;;
+  p10)
+    GLM_TIMEOUT=560 bash benchmarks/run_glm5.sh accuracy,speed,prefill glm5-m12-e64 --long
+    ;;
+  d10)
+    timeout 570 python3 benchmarks/spec_bench.py --sections decode --out "$OUT/spec_decode.json" \
+      > "$OUT/spec_decode.log" 2>&1
+    quiet < "$OUT/spec_decode.log" | tail -30
+    ;;
+  gpu1)  # tests/kernels, a process per module
+    manifest="$OUT/tests/gpu1.tsv"; mkdir -p "$OUT/tests"; : > "$manifest"
+    module_tests $(( start + ${TESTS_BUDGET:-530} )) "$manifest" tests/kernels/test_*.py
+    test_table "$manifest" "$OUT/gpu1_tests.json"
+    ;;
+  gpu2)  # the gpu-marked tests elsewhere, then gpu_suite.py (all sections)
+    manifest="$OUT/tests/gpu2.tsv"; mkdir -p "$OUT/tests"; : > "$manifest"
+    notes="$OUT/tests/gpu2_not_run.tsv"; : > "$notes"
+    mapfile -t marked < <(gpu_marked_modules "$notes")
+    module_tests $(( start + ${TESTS_BUDGET:-240} )) "$manifest" ${marked[@]+"${marked[@]}"}
+    cat "$notes" >> "$manifest"
+    test_table "$manifest" "$OUT/gpu2_tests.json"
+    llama_ckpt || exit 1
+    left=$(( start + 575 - $(date +%s) ))
+    echo "gpu_suite: all sections, ${left}s left"
+    timeout "$left" python3 benchmarks/gpu_suite.py --ckpt $ck --out "$OUT/gpu_suite.json" \
+      > "$OUT/gpu_suite.log" 2>&1
+    echo "gpu_suite exit $?"
+    if grep -q '^== ' "$OUT/gpu_suite.log"; then
+      sed -n '/^== /,$p' "$OUT/gpu_suite.log"
+    else  # killed before its table: what it printed last (the JSON holds every finished section)
+      quiet < "$OUT/gpu_suite.log" | tail -20
+    fi
+    ;;
   ab1)  # one call: the correctness runs side by side, then the timed ones alone
     gpu_tests 270 > "$OUT/gpu_tests.log" 2>&1 &
     tests=$!
@@ -84,21 +217,6 @@ case "$stage" in
       --out "$OUT/structured.json" 2>&1 | tee "$OUT/structured.log" | quiet
     timeout 120 python3 benchmarks/transfer_bench.py --transports cuda_ipc --no-equality \
       --out "$OUT/transfer.json" 2>&1 | tee "$OUT/transfer.log" | quiet
-    ;;
-  s9)  # session 9's last call: what changed after runs 33-37, most wanted first
-    llama_config
-    timeout 100 python3 benchmarks/structured_bench.py --ckpt $cfg8b --load-format dummy \
-      --out "$OUT/structured.json" 2>&1 | tee "$OUT/structured.log" | quiet | tail -7
-    timeout 80 python3 benchmarks/glm5_bench.py --out "$OUT/glm5_profile.json" \
-      --presets glm5-m12-e64 --long --profile 1x1024,32x1024 2>&1 | tee "$OUT/glm5_profile.log" \
-      | quiet | tail -60
-    timeout 60 python3 benchmarks/fp8_gemm_sweep.py --out "$OUT/fp8_gemm_sweep.json" \
-      --shapes down --tokens 1,16,64 --budget-s 45 2>&1 | tee "$OUT/fp8_gemm_sweep.log" | tail -30
-    timeout 100 python3 -m pytest -p no:cacheprovider -m gpu tests/kv_transfer tests/engine \
-      tests/models 2>&1 | tail -8
-    timeout 120 python3 -m pytest -p no:cacheprovider tests/kernels/test_graph_widths.py \
-      tests/kernels/test_dsa_indexer.py tests/kernels/test_sparse_mla.py \
-      tests/kernels/test_fused_moe.py tests/kernels/test_fp8.py 2>&1 | tail -8
     ;;
   ab2)
     timeout 300 python3 benchmarks/fp8_bench.py --out "$OUT/fp8_bench.json" 2>&1 \
@@ -127,14 +245,21 @@ case "$stage" in
   glm5-sla)
     g=/tmp/glm5-m12-e64
     glm5_config $g
+    spec=()
+    tag=none
+    if [ "${2:-}" = mtp ]; then
+      spec=(--speculative-config '{"method": "mtp", "num_speculative_tokens": 3,
+        "rejection_sample_method": "synthetic", "synthetic_acceptance_rate": 0.7}')
+      tag=mtp3-0.7
+    fi
     pdserve serve $g --host 127.0.0.1 --port 8000 --load-format dummy \
-      --max-model-len 17500 > "$OUT/glm5_server.log" 2>&1 &
+      --max-model-len 17500 "${spec[@]}" > "$OUT/glm5_server.log" 2>&1 &
     server=$!
     timeout 540 python3 -m pdserve.cli bench sla --base-url http://127.0.0.1:8000 --model $g \
-      --random-input-len 16384 --random-output-len 1000 --num-prompts 32 --num-warmups 1 \
-      --start 0.5 --tolerance 0.2 --sla-ttft-ms 2500 --sla-tpot-ms 20 --num-gpus 1 \
+      --random-input-len 16384 --random-output-len 1000 --num-prompts 48 --num-warmups 1 \
+      --start 1.0 --tolerance 0.2 --sla-ttft-ms 2500 --sla-tpot-ms 20 --num-gpus 1 \
       --ready-check-timeout-sec 300 --disable-tqdm --result-dir "$OUT" \
-      --result-filename glm5-sla-16384-1000.json 2>&1 | quiet
+      --result-filename "glm5-sla-16384-1000-$tag.json" 2>&1 | quiet
     curl -s http://127.0.0.1:8000/metrics | grep -E "^pdserve:(forward_steps_total|num_requests_running)"
     kill $server; wait $server 2>/dev/null
     ;;

@@ -1,6 +1,7 @@
 """Speculative decoding on the GPU (issue 14).
 
-    python3 benchmarks/spec_bench.py --out $OUT/spec.json [--sections curve,pd]
+    python3 benchmarks/spec_bench.py --out $OUT/spec.json [--sections curve,pd,decode]
+    python3 benchmarks/spec_bench.py --out /tmp/spec.json --device cpu    (smoke: tiny preset)
 
 curve  glm5-d24-e32 (drawn on the device, --load-format dummy), where one MTP draft step
        is a small share of a target step as in the real model. One model with its MTP
@@ -13,6 +14,21 @@ curve  glm5-d24-e32 (drawn on the device, --load-format dummy), where one MTP dr
        graphs, draft-graph replays, and the mean acceptance length the engine counted.
        Caveat: requests reading one shared prefix may hit L2 on KV reads; at 16K the KV
        is about 6% of a step's bytes on this preset (weights dominate).
+decode glm5-m12-e64 (dummy; real GLM-5 per-layer dims) decoding at a 16K context (issue 27):
+       TPOT by streams (--streams, default 1,64,128,192,256) for no speculation and MTP
+       k=1 and k=3 at synthetic acceptance 0.5 / 0.7 / 0.9, one engine per k on one drawn
+       model. Every request shares one 16K prefix (prefilled once; the prefix-cache hits
+       are counted) plus a distinct 32-token tail, so the timed part is steady decode:
+       from the step at which every stream has its first token to the last token. Per
+       point: TPOT, the mean step time, the batch reached (streams decoding in every
+       timed step), the share of steps replayed from CUDA graphs, draft-graph replays,
+       acceptance length, and the step's byte roofline (pdserve.bench.decode_roofline:
+       weights, the experts B * (1 + k) tokens reach under uniform routing, latents once
+       per query row, indexer keys once per request; plus k MTP draft steps, each
+       reading the MTP layer's weights (its experts as reached), the LM head, its latents
+       and indexer keys) over the copy bandwidth measured in the same call, the
+       roofline's TPOT (step roofline / tokens a request gains per step) and TPOT against
+       no speculation. Caveat (as in curve): a shared prefix's KV may be served from L2.
 pd     glm5-s4-e16 (dummy) 1P1D in one process over tcp on loopback: prefill MTP k=1,
        decode MTP k=3, 32 requests of 1K prompts arriving 4 at a time while earlier ones
        decode; the decode instance's steps by path, with speculative padding on and off.
@@ -29,6 +45,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +54,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from pdserve import LLM, SamplingParams  # noqa: E402
+from pdserve.bench.decode_roofline import DecodeByteModel, layer_index  # noqa: E402
 from pdserve.config import EngineConfig  # noqa: E402
 from pdserve.engine.engine_core import EngineCore  # noqa: E402
 from pdserve.frontend.processor import InputProcessor  # noqa: E402
@@ -49,6 +67,11 @@ CTX = 16384  # --ctx
 TAIL = 32
 OUT_TOKENS = 96
 DEVICE = "cuda"  # --device cpu: a smoke run of the script itself (tiny preset, short ctx)
+DTYPE = "bfloat16"  # float32 on the CPU
+KV_BYTES = 6 << 30  # each engine's KV cache (64 MiB on the CPU)
+CPU_PRESET = "tiny"
+DECODE_STREAMS = (1, 64, 128, 192, 256)
+RATES = (0.5, 0.7, 0.9)
 
 
 def _prompt(n: int, seed: int, vocab: int = 150000) -> list[int]:
@@ -80,9 +103,16 @@ def _decode(llm: LLM, tag: str, batch: int, prefix: list[int]) -> dict[str, Any]
     replays0 = dg.replays if dg is not None else 0
     decode_start = None
     steps0 = None
+    live: list[int] = []  # streams of this batch scheduled in each timed step
+    full: list[float] = []  # durations of the timed steps that ran every stream
     while len(last) < batch:
+        if decode_start is not None:
+            live.append(sum(r.request_id in first for r in eng.scheduler.running))
+        t_step = time.perf_counter()
         outs = eng.step()
         now = time.perf_counter()
+        if live and live[-1] == batch and len(live) > 1:  # not the step that began timing
+            full.append(now - t_step)
         for o in outs:
             if o.new_token_ids:
                 first.setdefault(o.request_id, now)
@@ -107,6 +137,10 @@ def _decode(llm: LLM, tag: str, batch: int, prefix: list[int]) -> dict[str, Any]
         "tpot_ms": statistics.mean(tpot) * 1e3,
         "decode_tok_s": sum(count.values()) / (max(last.values()) - decode_start),
         "decode_steps": decode_steps,
+        "decode_s": max(last.values()) - decode_start,
+        "live_min": min(live, default=0),
+        "live_mean": statistics.mean(live) if live else 0.0,
+        "full_step_ms": statistics.median(full) * 1e3 if full else None,
         "graph_share": paths.get("graph", 0) / max(decode_steps, 1),
         "paths": paths,
         "draft_graph_replays": (dg.replays - replays0) if dg is not None else 0,
@@ -116,13 +150,9 @@ def _decode(llm: LLM, tag: str, batch: int, prefix: list[int]) -> dict[str, Any]
 
 
 def bench_curve(workdir: Path, preset: str, save: Any) -> dict[str, Any]:
-    path = workdir / preset
-    if not (path / "config.json").is_file():
-        make_checkpoint(ARCH, preset, path, dtype="bfloat16", device=DEVICE, config_only=True)
+    path = _config_dir(workdir, preset)
     t0 = time.perf_counter()
-    model, cfg = loader.load_model(
-        path, "bfloat16", DEVICE, load_format="dummy", seed=0, with_mtp=True
-    )
+    model, cfg = loader.load_model(path, DTYPE, DEVICE, load_format="dummy", seed=0, with_mtp=True)
     res: dict[str, Any] = {"preset": preset, "draw_s": time.perf_counter() - t0, "runs": []}
     real_load = loader.load_model
     loader.load_model = lambda *a, **k: (model, cfg)  # one model for every engine
@@ -138,17 +168,7 @@ def bench_curve(workdir: Path, preset: str, save: Any) -> dict[str, Any]:
                     "synthetic_acceptance_rate": 0.5,
                 }
             t0 = time.perf_counter()
-            llm = LLM(
-                str(path),
-                device=DEVICE,
-                dtype="bfloat16",
-                max_model_len=CTX + 256,
-                max_num_seqs=32,
-                max_num_batched_tokens=2048,
-                kv_cache_memory_bytes=6 << 30,
-                speculative_config=spec,
-                compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]},
-            )
+            llm = _llm(path, spec, 32)
             start = time.perf_counter() - t0
             t0 = time.perf_counter()
             _decode(llm, "warm", 1, prefix)  # the shared prefix, prefilled once
@@ -157,7 +177,7 @@ def bench_curve(workdir: Path, preset: str, save: Any) -> dict[str, Any]:
             for rate in (0.5, 0.7, 0.9) if k else (None,):
                 if rate is not None:
                     runner.synthetic_rate = rate
-                for batch in (1, 32):
+                for batch in (1, 32) if DEVICE == "cuda" else (1, 3):
                     r = _decode(llm, f"k{k}-{rate}", batch, prefix)
                     r.update(k=k, rate=rate, startup_s=start, warm_prefill_s=prefill_s)
                     res["runs"].append(r)
@@ -170,17 +190,134 @@ def bench_curve(workdir: Path, preset: str, save: Any) -> dict[str, Any]:
     return res
 
 
+# -------------------------------------------------------------------------- decode
+def _config_dir(workdir: Path, preset: str) -> Path:
+    """The preset's config (and tokenizer): weights are drawn at load (``dummy``)."""
+    path = workdir / preset
+    if not (path / "config.json").is_file():
+        make_checkpoint(ARCH, preset, path, dtype=DTYPE, device="cpu", config_only=True)
+    return path
+
+
+def _llm(path: Path, spec: dict[str, Any] | None, max_seqs: int) -> LLM:
+    sizes = sorted({1, 2, 4, 8, 16, 32, 64, 128, 192, 256, max_seqs})
+    return LLM(
+        str(path),
+        device=DEVICE,
+        dtype=DTYPE,
+        max_model_len=CTX + 256,
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=2048,
+        kv_cache_memory_bytes=KV_BYTES,
+        speculative_config=spec,
+        compilation_config={"cudagraph_capture_sizes": [b for b in sizes if b <= max_seqs]},
+    )
+
+
+def _synthetic(k: int, rate: float) -> dict[str, Any]:
+    return {"method": "mtp", "num_speculative_tokens": k, "rejection_sample_method": "synthetic",
+            "synthetic_acceptance_rate": rate}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DraftBytes:
+    """What one MTP draft step of B requests reads: the MTP layer's weights but its routed
+    experts, the experts B tokens reach, the LM head, and the layer's latents and indexer
+    keys (its own indexer scores every draft)."""
+
+    dense: int
+    expert: int  # one routed expert
+    head: int
+
+    @classmethod
+    def from_model(cls, model: Any) -> DraftBytes:
+        from pdserve.layers.moe import RoutedExperts
+
+        n = int(model.config.num_hidden_layers)
+        dense = expert = 0
+        experts = {f"{name}.{p}" for name, m in model.named_modules()
+                   if isinstance(m, RoutedExperts) for p, _ in m.named_parameters()}  # fmt: skip
+        for name, m in model.named_modules():
+            if isinstance(m, RoutedExperts) and (layer_index(name) or 0) >= n:
+                expert = sum(t.numel() * t.element_size() for t in m.parameters()) // max(
+                    1, m.num_local_experts)
+        for name, t in model.named_parameters():
+            if (layer_index(name) or 0) >= n and name not in experts:
+                dense += t.numel() * t.element_size()
+        head = model.lm_head.weight
+        return cls(dense, expert, head.numel() * head.element_size())
+
+    def step(self, bm: DecodeByteModel, batch: int, ctx: float) -> float:
+        lat = bm.latent_row_bytes[0] if bm.latent_row_bytes else 0
+        key = bm.index_key_bytes[0] if bm.index_key_bytes else 0
+        topk = bm.index_topk
+        attended = ctx if topk is None else min(ctx, topk)
+        scored = ctx if topk is not None and ctx > topk else 0
+        return (self.dense + self.head + bm.expected_active_experts(batch) * self.expert
+                + batch * (attended * lat + scored * key))  # fmt: skip
+
+
+def bench_decode(workdir: Path, preset: str, streams: list[int], bw: float | None,
+                 save: Any) -> dict[str, Any]:  # fmt: skip
+    path = _config_dir(workdir, preset)
+    t0 = time.perf_counter()
+    model, cfg = loader.load_model(path, DTYPE, DEVICE, load_format="dummy", seed=0, with_mtp=True)
+    res: dict[str, Any] = {"preset": preset, "ctx": CTX, "streams": streams,
+                           "draw_s": time.perf_counter() - t0, "runs": []}  # fmt: skip
+    draft = DraftBytes.from_model(model)
+    real_load = loader.load_model
+    loader.load_model = lambda *a, **k: (model, cfg)  # one model for every engine
+    prefix = _prompt(CTX, 7, cfg.vocab_size)
+    base: dict[int, float] = {}
+    try:
+        for k in (0, 1, 3):
+            t0 = time.perf_counter()
+            llm = _llm(path, _synthetic(k, RATES[0]) if k else None, max(streams))
+            start = time.perf_counter() - t0
+            runner = llm.engine.runner
+            bm = DecodeByteModel.from_model(runner.model, runner.kv_cache_config)
+            _decode(llm, "warm", 1, prefix)  # the shared prefix, prefilled once
+            for rate in RATES if k else (None,):
+                if rate is not None:
+                    runner.synthetic_rate = rate
+                for b in streams:
+                    r = _decode(llm, f"d{k}-{rate}", b, prefix)
+                    ctx = CTX + TAIL + OUT_TOKENS / 2
+                    step_bytes = bm.step_bytes([ctx] * b, rows_per_request=1 + k)["total"]
+                    step_bytes += k * draft.step(bm, b, ctx)
+                    gain = sum((rate or 0.0) ** i for i in range(k + 1))  # tokens a step
+                    r.update(k=k, rate=rate, startup_s=start,
+                             step_ms=r["decode_s"] / max(r["decode_steps"], 1) * 1e3,
+                             step_bytes=step_bytes, expected_tokens_per_step=gain)  # fmt: skip
+                    if bw:  # against the steps that ran the whole batch
+                        r["roofline_step_ms"] = step_bytes / bw * 1e3
+                        r["roofline_tpot_ms"] = r["roofline_step_ms"] / gain
+                        if r["full_step_ms"]:
+                            r["step_x_roofline"] = r["full_step_ms"] / r["roofline_step_ms"]
+                    if k == 0:
+                        base[b] = r["tpot_ms"]
+                    r["tpot_vs_none"] = r["tpot_ms"] / base[b] if b in base else None
+                    res["runs"].append(r)
+                    print(json.dumps(r), flush=True)
+                    save(res)
+            del llm, runner
+            _free()
+    finally:
+        loader.load_model = real_load
+    return res
+
+
 # ------------------------------------------------------------------------------ pd
 def _engine(path: Path, role: str, spec: dict[str, Any]) -> EngineCore:
     cfg = EngineConfig.from_kwargs(
         model=str(path),
         device=DEVICE,
-        dtype="bfloat16",
+        dtype=DTYPE,
         load_format="dummy",
         max_model_len=min(4096, CTX + 256),
         max_num_seqs=32,
         max_num_batched_tokens=4096,
-        kv_cache_memory_bytes=8 << 30,
+        kv_cache_memory_bytes=KV_BYTES,
         speculative_config=spec,
         compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]},
         kv_transfer_config={
@@ -194,9 +331,7 @@ def _engine(path: Path, role: str, spec: dict[str, Any]) -> EngineCore:
 
 def bench_pd(workdir: Path, preset: str) -> list[dict[str, Any]]:
     os.environ.setdefault("PDSERVE_PD_SECRET", os.urandom(32).hex())
-    path = workdir / preset
-    if not (path / "config.json").is_file():
-        make_checkpoint(ARCH, preset, path, dtype="bfloat16", device=DEVICE, config_only=True)
+    path = _config_dir(workdir, preset)
     out = []
     for pad in (True, False):
         p = _engine(path, "kv_producer", {"method": "mtp", "num_speculative_tokens": 1})
@@ -208,7 +343,8 @@ def bench_pd(workdir: Path, preset: str) -> list[dict[str, Any]]:
         psp = SamplingParams(temperature=0.0, max_tokens=1)
         dsp = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
         remote = {"do_remote_decode": True, "do_remote_prefill": False}
-        prompts = {f"pd{pad}-{i}": _prompt(min(1024, CTX), 50 + i, p.vocab_size) for i in range(32)}
+        n = 32 if DEVICE == "cuda" else 8
+        prompts = {f"pd{pad}-{i}": _prompt(min(1024, CTX), 50 + i, p.vocab_size) for i in range(n)}
         pending = list(prompts)
         done: set[str] = set()
         before = d.stats()
@@ -252,18 +388,29 @@ def bench_pd(workdir: Path, preset: str) -> list[dict[str, Any]]:
     return out
 
 
-def main() -> None:
-    global CTX, DEVICE
+def main(argv: list[str] | None = None) -> None:
+    global CTX, DEVICE, DTYPE, KV_BYTES, OUT_TOKENS
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--sections", default="curve,pd")
+    ap.add_argument("--sections", default="curve,pd", help="curve,pd,decode")
     ap.add_argument("--curve-preset", default="glm5-d24-e32")
     ap.add_argument("--pd-preset", default="glm5-s4-e16")
+    ap.add_argument("--decode-preset", default="glm5-m12-e64")
+    ap.add_argument("--streams", default=",".join(map(str, DECODE_STREAMS)),
+                    help="decode section: concurrent streams per point")  # fmt: skip
+    ap.add_argument("--out-tokens", type=int, default=OUT_TOKENS)
     ap.add_argument("--workdir", default="/tmp/pdserve-spec")
-    ap.add_argument("--ctx", type=int, default=CTX)
-    ap.add_argument("--device", default=DEVICE)
-    a = ap.parse_args()
-    CTX, DEVICE = a.ctx, a.device
+    ap.add_argument("--ctx", type=int, default=None, help=f"context (default {CTX}; CPU 40)")
+    ap.add_argument("--device", default=DEVICE, choices=("cuda", "cpu"))
+    a = ap.parse_args(argv)
+    DEVICE = a.device
+    cpu = DEVICE == "cpu"
+    CTX = a.ctx or (40 if cpu else CTX)
+    OUT_TOKENS = a.out_tokens if not cpu or a.out_tokens != OUT_TOKENS else 8
+    if cpu:  # a smoke run of every section: the tiny preset in float32, small buffers
+        DTYPE, KV_BYTES = "float32", 64 << 20
+        a.curve_preset = a.pd_preset = a.decode_preset = CPU_PRESET
+    streams = [int(x) for x in a.streams.split(",")] if not cpu else [1, 3]
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
     res: dict[str, Any] = {
@@ -272,15 +419,30 @@ def main() -> None:
         "commit": os.environ.get("PDSERVE_COMMIT", "unknown"),
     }
     sections = a.sections.split(",")
+    unknown = set(sections) - {"curve", "pd", "decode"}
+    if unknown:
+        sys.exit(f"unknown section(s) {sorted(unknown)}: choose from curve, pd, decode")
+    if "decode" in sections and not cpu:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from gpu_suite import measure_limits
+
+        res["limits"] = measure_limits()
     if "pd" in sections:
         res["pd"] = bench_pd(work, a.pd_preset)
         Path(a.out).write_text(json.dumps(res, indent=1))
-    if "curve" in sections:
+    for name, run in (
+        ("curve", lambda save: bench_curve(work, a.curve_preset, save)),
+        ("decode", lambda save: bench_decode(work, a.decode_preset, streams,
+                                             res.get("limits", {}).get("copy_bandwidth_Bps"),
+                                             save)),
+    ):  # fmt: skip
+        if name not in sections:
+            continue
 
-        def save(curve: dict[str, Any]) -> None:
-            Path(a.out).write_text(json.dumps({**res, "curve": curve}, indent=1))
+        def save(part: dict[str, Any], name: str = name) -> None:
+            Path(a.out).write_text(json.dumps({**res, name: part}, indent=1))
 
-        res["curve"] = bench_curve(work, a.curve_preset, save)
+        res[name] = run(save)
         Path(a.out).write_text(json.dumps(res, indent=1))
     _table(res)
 
@@ -299,6 +461,21 @@ def _table(res: dict[str, Any]) -> None:
                 f"  {r['decode_tok_s']:7.0f}  {r['decode_steps']:5d}  {100 * r['graph_share']:5.1f}"
                 f"  {r['draft_graph_replays']:12d}  {acc:>10}   x{speed:.2f} vs k=0"
             )
+    if "decode" in res:
+        d = res["decode"]
+        print(f"\n{d['preset']}: decode at a {d['ctx']}-token context (shared prefix), TPOT by streams")
+        print("  k  rate  streams  TPOT ms  vs none  step ms  full-batch step  roof step  x roof"
+              "  roof TPOT  live min  graph%  accept-len")  # fmt: skip
+        for r in d["runs"]:
+            acc = f"{r['mean_accept_len']:.2f}" if r["mean_accept_len"] else "-"
+            vs = f"{r['tpot_vs_none']:.2f}" if r["tpot_vs_none"] else "-"
+            roof = r.get("roofline_step_ms", float("nan"))
+            fs = f"{r['full_step_ms']:.2f}" if r["full_step_ms"] else "-"
+            print(f"  {r['k']}  {r['rate'] or '-':>4}  {r['batch']:>7}  {r['tpot_ms']:7.2f}"
+                  f"  {vs:>7}  {r['step_ms']:7.2f}  {fs:>15}  {roof:9.2f}"
+                  f"  {r.get('step_x_roofline', 0):6.2f}"
+                  f"  {r.get('roofline_tpot_ms', float('nan')):9.2f}  {r['live_min']:8d}"
+                  f"  {100 * r['graph_share']:5.1f}  {acc:>10}")  # fmt: skip
     for r in res.get("pd", []):
         print(
             f"1P1D decode (k=3, padding {'on' if r['pad'] else 'off'}): "

@@ -16,17 +16,21 @@ Each point is the median of ``--reps`` reads after one warm-up read per transpor
 handshake, mapping and kernel compile). The copied blocks are checked against prefill's.
 
 Part 2 (equality, unless ``--no-equality``): a prefill engine (spawned) and a decode
-engine (here) on ``transport: nixl`` serve greedy requests; the tokens must equal a
-colocated engine's. A tiny random Llama checkpoint is made unless ``--ckpt`` is given.
+engine (here) on ``transport: nixl`` (``--equality-transport``; nixl's runs only where
+nixl imports) serve greedy requests; the tokens must equal a colocated engine's. A tiny
+random Llama checkpoint is made unless ``--ckpt`` is given.
 
     # H200 (about 1-2 minutes):
     python3 benchmarks/transfer_bench.py --out $OUT/transfer.json
     # two GPUs of one host (prefill on cuda:1, decode here on cuda:0):
     python3 benchmarks/transfer_bench.py --device cuda:0 --prefill-device cuda:1 \
         --transports cuda_ipc,tcp --no-equality --out $OUT/transfer_x2.json
-    # CPU smoke run (tcp and nixl, small geometry):
+    # CPU smoke run (tcp, and nixl where it imports; small geometry):
     python3 benchmarks/transfer_bench.py --device cpu --layers 2 --lens 64,256 \\
         --transports tcp,nixl --out /tmp/transfer.json
+    # the same with the equality part over tcp (tests/bench/test_bench_scripts.py):
+    python3 benchmarks/transfer_bench.py --device cpu --layers 2 --heads 2 --head-dim 16 \\
+        --lens 64,256 --reps 2 --transports tcp --equality-transport tcp --out /tmp/t.json
 """
 
 from __future__ import annotations
@@ -229,7 +233,7 @@ def transfers(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def _engine(ckpt: str, role: str | None, device: str):  # type: ignore[no-untyped-def]
+def _engine(ckpt: str, role: str | None, device: str, transport: str = "nixl"):  # type: ignore[no-untyped-def]
     from pdserve.config import EngineConfig
     from pdserve.engine.engine_core import EngineCore
 
@@ -241,7 +245,7 @@ def _engine(ckpt: str, role: str | None, device: str):  # type: ignore[no-untype
         kw["kv_transfer_config"] = {
             "kv_connector": "PdConnector",
             "kv_role": role,
-            "kv_connector_extra_config": {"transport": "nixl", "lease_seconds": 120},
+            "kv_connector_extra_config": {"transport": transport, "lease_seconds": 120},
         }
     return EngineCore(EngineConfig.from_kwargs(**kw))
 
@@ -252,12 +256,12 @@ def _prompts() -> list[list[int]]:
     ]
 
 
-def prefill_engine(ckpt: str, device: str, conn) -> None:  # type: ignore[no-untyped-def]
+def prefill_engine(ckpt: str, device: str, transport: str, conn) -> None:  # type: ignore[no-untyped-def]
     from pdserve import SamplingParams
     from pdserve.frontend.processor import InputProcessor
     from pdserve.frontend.tokenizer import Tokenizer
 
-    core = _engine(ckpt, "kv_producer", device)
+    core = _engine(ckpt, "kv_producer", device, transport)
     proc = InputProcessor(Tokenizer.from_pretrained(ckpt), core.max_model_len, core.vocab_size)
     one = SamplingParams(temperature=0, max_tokens=1)
     out = []
@@ -305,9 +309,10 @@ def equality(args: argparse.Namespace) -> dict:
         torch.cuda.empty_cache()  # the KV pools below are sized from what is free
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=prefill_engine, args=(ckpt, args.device, child))
+    transport = args.equality_transport
+    proc = ctx.Process(target=prefill_engine, args=(ckpt, args.device, transport, child))
     proc.start()
-    d = _engine(ckpt, "kv_consumer", args.device)
+    d = _engine(ckpt, "kv_consumer", args.device, transport)
     dp = InputProcessor(Tokenizer.from_pretrained(ckpt), d.max_model_len, d.vocab_size)
     got: dict[str, list[int]] = {}
     try:
@@ -324,6 +329,7 @@ def equality(args: argparse.Namespace) -> dict:
         st = d.stats()
         tokens = [got[f"r{i}"] for i in range(len(_prompts()))]
         return {
+            "transport": transport,
             "identical": tokens == want,
             "prompts": [len(p) for p in _prompts()],
             "transfer_failures": st.kv_transfer_failures,
@@ -350,6 +356,9 @@ def main() -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--ckpt", default=None, help="equality model (default: a tiny random Llama)")
     ap.add_argument("--no-equality", action="store_true")
+    ap.add_argument(
+        "--equality-transport", default="nixl", help="the 1P1D engines' transport (part 2)"
+    )
     args = ap.parse_args()
     args.prefill_device = args.prefill_device or args.device
     os.environ.setdefault(SECRET_ENV, new_secret())  # the engines' side channel (inherited)
@@ -385,12 +394,14 @@ def main() -> int:
             f"{r['transfer_ratio']:>7.2f}",
             flush=True,
         )
-    if has_nixl and not args.no_equality:
+    over = args.equality_transport
+    if not args.no_equality and (has_nixl or over != "nixl"):
+        key = f"{over}_equality"  # nixl_equality: the name earlier runs recorded
         try:
-            res["nixl_equality"] = equality(args)
+            res[key] = equality(args)
         except Exception as e:
-            res["nixl_equality"] = {"error": f"{type(e).__name__}: {e}"}
-        print("1P1D over nixl vs colocated:", res["nixl_equality"], flush=True)
+            res[key] = {"error": f"{type(e).__name__}: {e}"}
+        print(f"1P1D over {over} vs colocated:", res[key], flush=True)
     res["seconds"] = time.perf_counter() - t0
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2))

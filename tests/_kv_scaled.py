@@ -70,15 +70,16 @@ def decode_logits(
 ) -> torch.Tensor:
     """Logits of every token of the last of ``steps`` (token counts that add up to
     ``len(ids)``, run one after another over one request's cache: a prompt, then chunks
-    and decodes reading what the earlier steps cached), over a float32 or an fp8 cache."""
+    and decodes reading what the earlier steps cached), over a float32 or an fp8 cache
+    on the model's device."""
     kv = PagedKV(model, 1, 64, backend=backend)
     if fp8:
         cfg, _ = collect_cache_layers(model, kv.block_size, "float32", "float8_e4m3fn")
         kv.caches = KVCaches.allocate(cfg, kv.caches.num_blocks, kv.device)
-    t, done = torch.tensor(ids), 0
+    t, done = torch.tensor(ids, device=kv.device), 0
     with torch.no_grad():
         for n in steps:
             with kv.step([done], [n]):
-                hidden = model(t[done : done + n], torch.arange(done, done + n))
+                hidden = model(t[done : done + n], torch.arange(done, done + n, device=kv.device))
             done += n
         return model.compute_logits(hidden)

@@ -20,7 +20,7 @@ from pdserve.kv_transfer.server import KVServer
 from pdserve.kv_transfer.transports.tcp import TcpServer
 
 NUM_BLOCKS = 8
-COMPAT = {"connector_version": 3, "block_size": 4, "model_config_hash": "test"}
+COMPAT = {"connector_version": 4, "block_size": 4, "model_config_hash": "test"}
 
 
 def cache_config() -> KVCacheConfig:
@@ -46,13 +46,18 @@ def kv_server(
 
 
 class RawPeer:
-    """A DEALER that sends whatever frames it is given (no MAC unless asked)."""
+    """A DEALER that sends whatever frames it is given (no MAC unless asked). Its
+    authenticated calls (:meth:`call`) run in one side-channel session, opened by a
+    handshake on first use; :attr:`sent` keeps every sealed request (to replay one)."""
 
     def __init__(self, port: int) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(f"tcp://127.0.0.1:{port}")
+        self.session = W.NO_SESSION
+        self.counter = 0
+        self.sent: list[list[bytes]] = []
 
     def send(self, frames: list[bytes]) -> None:
         self.sock.send_multipart(frames)
@@ -66,12 +71,32 @@ class RawPeer:
         self.send(frames)
         return self.recv(timeout)
 
+    def seal(self, secret: bytes, msg: W.ToServer) -> list[bytes]:
+        """The frames of an authenticated request, next in this peer's session."""
+        if isinstance(msg, W.Handshake):
+            frames = list(W.seal_request(secret, msg))
+        else:
+            self.counter += 1
+            frames = list(W.seal_request(secret, msg, self.session, self.counter))
+        self.sent.append(frames)
+        return frames
+
     def call(self, secret: bytes, msg: W.ToServer) -> tuple[W.FromServer, list]:
-        """An authenticated request; the verified reply."""
-        tag, payload = W.seal_request(secret, msg)
-        parts = self.ask([tag, payload])
+        """An authenticated request (after a handshake, if none was made yet); the
+        verified reply."""
+        if not isinstance(msg, W.Handshake) and self.session == W.NO_SESSION:
+            reply, _ = self.call(secret, W.Handshake(COMPAT, W.client_nonce()))
+            assert isinstance(reply, W.HandshakeReply), reply
+        return self.replay(secret, self.seal(secret, msg))
+
+    def replay(self, secret: bytes, frames: list[bytes]) -> tuple[W.FromServer, list]:
+        """Send ``frames`` (sealed earlier) as they are; the verified reply."""
+        parts = self.ask(frames)
         assert parts is not None, "no reply"
-        return W.open_reply(secret, tag, parts)
+        reply, bulk = W.open_reply(secret, frames[0], parts)
+        if isinstance(reply, W.HandshakeReply):
+            self.session, self.counter = reply.session, 0
+        return reply, bulk
 
     def close(self) -> None:
         self.sock.close(linger=0)

@@ -9,7 +9,8 @@ its ``x-request-id`` header.
 ``GET /metrics`` answers like a pdserve instance: prefix-cache counters (each prompt
 word is one query token, ``prefix_hit_ratio`` of them hits), ``num_requests_running``
 (streams open now), ``kv_cache_usage_perc`` and the API process's RSS, which grows by
-``rss_bytes_per_request`` per finished request. ``latency_of(in_flight)`` (optional)
+``rss_bytes_per_request`` per finished request, plus a warm-up that flattens:
+``rss_warmup_bytes`` · (1 - exp(-finished / ``rss_warmup_requests``)). ``latency_of(in_flight)`` (optional)
 picks ``(ttft_s, itl_s)`` before each token from the number of streams open then (a
 stream leaves the count before its last token is sent), a load-dependent server for the
 SLA search; ``serial_s`` makes first tokens wait for one slot (a server that completes at
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -93,6 +95,8 @@ class FakeBehavior:
     prefix_hit_ratio: float = 0.0
     metrics: bool = True  # False: /metrics is 404 (an OpenAI server without it)
     rss_bytes_per_request: int = 0
+    rss_warmup_bytes: int = 0
+    rss_warmup_requests: float = 30.0
     latency_of: Callable[[int], tuple[float, float]] | None = None
     serial_s: float = 0.0  # > 0: first tokens one at a time, this long each (1/serial_s req/s)
 
@@ -225,7 +229,7 @@ def _make_app(state: FakeServer) -> web.Application:
             f"pdserve:num_requests_waiting{{{lab}}} 0.0",
             f"pdserve:kv_cache_usage_perc{{{lab}}} {min(1.0, state.in_flight / 100)}",
             f'pdserve:process_rss_bytes{{{lab},process="api_server"}} '
-            f"{float(100_000_000 + b.rss_bytes_per_request * state.finished)}",
+            f"{100e6 + b.rss_bytes_per_request * state.finished + _warmup(b, state.finished)}",
             f'pdserve:process_rss_bytes{{{lab},process="engine_core"}} 200000000.0',
         ]
         return web.Response(text="\n".join(lines) + "\n")
@@ -243,6 +247,10 @@ def _make_app(state: FakeServer) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     return app
+
+
+def _warmup(b: FakeBehavior, finished: int) -> float:
+    return b.rss_warmup_bytes * (1.0 - math.exp(-finished / b.rss_warmup_requests))
 
 
 @pytest.fixture

@@ -89,6 +89,20 @@ def test_step_bytes_match_a_hand_count(raw_config: dict[str, Any]) -> None:
         bm.step_bytes([10], active_experts=[1, 1])
 
 
+def test_verify_rows_read_their_own_latents(raw_config: dict[str, Any]) -> None:
+    """A verify step of 1 + 3 rows a request: latents once a row, weights once a step,
+    indexer keys once a request, experts as 4 times the tokens reach them."""
+    bm = _byte_model(raw_config)
+    one = bm.step_bytes([10, 40], active_experts=[3, 2, 4])
+    four = bm.step_bytes([10, 40], active_experts=[3, 2, 4], rows_per_request=4)
+    assert four["latents"] == 4 * one["latents"]
+    for part in ("weights", "experts", "index_keys"):
+        assert four[part] == one[part]
+    assert bm.step_bytes([10, 40], rows_per_request=4)["experts"] == pytest.approx(
+        3 * bm.expected_active_experts(8) * EXPERT
+    )
+
+
 def test_index_sharing_layers_read_no_indexer_keys(raw_config: dict[str, Any]) -> None:
     """GLM-5.2 style F, S, F, S: two layers run an indexer (weights and keys), all four
     attend to their top-k latents."""

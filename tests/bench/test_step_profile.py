@@ -33,6 +33,9 @@ ROOT = Path(__file__).resolve().parents[2]
         ("_select_kernel", "indexer_score", "topk_select"),  # the indexer's select
         ("void at::native::sbtopk::gatherTopK<float>", "indexer_score", "topk_select"),
         ("_logits_kernel", "indexer_score", "indexer_score"),
+        ("_indexer_prep_kernel", "indexer_score", "norm_rope"),  # RoPE, norm, cache write
+        ("_mla_prep_kernel", None, "norm_rope"),
+        ("_align_kernel", "moe_experts", "moe_experts"),
         ("DeviceRadixSortOnesweepKernel", "moe_experts", "moe_experts"),  # expert alignment
         ("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", "router", "router"),  # the router's GEMM
         ("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", None, "dense_gemm"),
@@ -67,6 +70,7 @@ def test_table_shares_and_idle_gap() -> None:
     assert t["top"][0]["name"] == "g"
     text = format_tables({"graph replay": t})
     assert "idle_gap" in text and "moe_experts" in text
+    assert f"| {t['kernels']:22d}" in text.splitlines()[-2]  # kernels per step
 
 
 def test_replay_kernels_take_the_eager_runs_categories() -> None:
@@ -155,3 +159,24 @@ def test_glm5_bench_cpu_profile_smoke(tmp_path: Path, monkeypatch: pytest.Monkey
             assert t["categories"][cat]["ms"] > 0, (name, cat)
         assert t["span_ms"] > 0 and 0 <= t[GAP]["share"] < 1
     assert "matched in order" in steps["graph replay"]["notes"][0]
+
+
+def test_glm5_bench_cpu_prefill_smoke(tmp_path: Path) -> None:
+    """The prefill section on the CPU: prompts within and beyond index_topk, each timed
+    twice without a prefix-cache hit and profiled once; the categories carry the FLOP
+    model's counts (the indexer scores only the prompt beyond top-k)."""
+    bench = _load_bench()
+    out = tmp_path / "p.json"
+    argv = ["--device", "cpu", "--sections", "prefill", "--prefill-lens", "12,40,900",
+            "--out", str(out), "--workdir", str(tmp_path)]  # fmt: skip
+    bench.main(argv)  # type: ignore[attr-defined]
+    (pf,) = json.loads(out.read_text())["prefill"]
+    short, long_, skipped = pf["points"]
+    assert "max_model_len" in skipped["skipped"]  # 900 + 1 > the CPU engine's 512
+    for p in (short, long_):
+        assert p["prefix_cache_hits"] == 0 and p["seconds"] > 0 and len(p["runs_s"]) == 2
+        cats = p["profile"]["categories"]
+        for cat in ("mla_attention", "moe_experts", "dense_gemm"):
+            assert cats[cat]["ms"] > 0 and cats[cat]["tflop"] == p["flops"][cat] / 1e12
+    assert short["flops"]["indexer_score"] == 0.0 and long_["flops"]["indexer_score"] > 0
+    assert long_["profile"]["categories"]["indexer_score"]["ms"] > 0

@@ -208,7 +208,7 @@ def test_stats_line_and_metrics_report_acceptance(tiny_llama: Path, llama_case) 
         assert f'{series}{{engine="0",model_name="tiny",position="{pos}"}} {float(n)}' in text
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_mtp_verify_and_draft_steps_replay_graphs_on_cuda(
     tiny_glm5: Path, glm_case, async_scheduling: bool

@@ -82,6 +82,25 @@ def test_select_breaks_ties_to_exactly_k(device: torch.device) -> None:
         assert torch.equal(logits[t][sel].sort().values, ref)
 
 
+@pytest.mark.parametrize("variant", ["rows", "radix"])
+def test_select_writes_every_slot_of_a_stale_buffer(device: torch.device, variant: str) -> None:
+    """The register select needs no -1 fill before it (the decode path passes an empty
+    buffer): short rows pad with -1, long ones get k positions, NaN rows keep no stale
+    slot; the radix select fills its buffer itself."""
+    rows, n, k = 3, 40, 16
+    logits = torch.randn(rows, n, generator=torch.Generator().manual_seed(4)).to(device)
+    logits[1] = float("nan")
+    seq = torch.tensor([n, 9], dtype=torch.int32, device=device)
+    qsl = torch.tensor([0, 2, 3], dtype=torch.int32, device=device)
+    req = torch.tensor([0, 0, 1], dtype=torch.int64, device=device)
+    qidx = torch.tensor([0, 1, 0], dtype=torch.int64, device=device)
+    out = torch.full((rows, k), 999, dtype=torch.int64, device=device)
+    topk_select(logits, seq, qsl, req, qidx, k, rows, out, variant=variant)
+    assert int(out.max()) < n and int(out.min()) >= -1  # NaN row 1 included: nothing stale
+    assert torch.unique(out[0]).numel() == k  # position 38: k of its 39 keys
+    assert torch.equal(out[2], torch.tensor(list(range(9)) + [-1] * 7, device=device))
+
+
 @pytest.mark.parametrize("sort_free_max_width", [32768, 16])
 def test_triton_indexer_backend_matches_torch_backend(
     device: torch.device, sort_free_max_width: int, monkeypatch: pytest.MonkeyPatch

@@ -129,14 +129,15 @@ def test_triton_mla_applies_the_scale_once(device: torch.device) -> None:
 
 
 def test_tiny_llama_with_checkpoint_scales_on_the_triton_backend(
-    tiny_llama: Path, tmp_path: Path
+    tiny_llama: Path, tmp_path: Path, device: torch.device
 ) -> None:
     """A prompt (SDPA), a chunk over its prefix (prefill kernel), a verify-shaped step of
     3 tokens (decode kernel): the Triton backend over the fp8 cache stays as close to the
     float32 cache as the torch reference does (the SDPA prompt step attends over
-    unquantized K/V, so the two fp8 runs differ by a little more than rounding)."""
+    unquantized K/V, so the two fp8 runs differ by a little more than rounding). On the
+    kernel tests' device: the compiled kernels on CUDA, the interpreter on a CPU."""
     loud_kv_checkpoint(tiny_llama, tmp_path / "loud", 2000.0)
-    model, _ = load_model(tmp_path / "loud", "float32")
+    model, _ = load_model(tmp_path / "loud", "float32", device)
     ids, steps = PROMPTS[3][:16], [8, 5, 3]
     ref = decode_logits(model, ids, False, steps, "torch")
     torch_fp8 = decode_logits(model, ids, True, steps, "torch")

@@ -1,5 +1,6 @@
 """Both tiny architectures give the same logits with the fused Triton RMSNorm/RoPE/SiLU-mul kernels
-as with the torch layers (on the CPU through TRITON_INTERPRET, on a GPU compiled)."""
+as with the torch layers (on the CPU through TRITON_INTERPRET, on a GPU compiled); with the
+Triton attention backend the fused model rotates q/k and writes K/V in one launch."""
 
 from __future__ import annotations
 
@@ -11,13 +12,20 @@ from test_model_backends import BLOCK, _metadata
 
 from _attn_helper import model_caches
 from pdserve.forward_context import set_forward_context
+from pdserve.layers.attention.backend import AttentionBackend
 from pdserve.layers.attention.torch_ref import TorchReferenceBackend
+from pdserve.layers.attention.triton_backend import TritonAttentionBackend
 from pdserve.models import load_model
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
 def test_fused_layers_match_torch_layers(
-    tiny_ckpts: dict[str, Path], device: torch.device, arch: str, monkeypatch: pytest.MonkeyPatch
+    tiny_ckpts: dict[str, Path],
+    device: torch.device,
+    arch: str,
+    backend: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     models = []
     for mode in ("0", "1"):
@@ -28,7 +36,8 @@ def test_fused_layers_match_torch_layers(
     assert models[1].model.rotary_emb.fused
     assert models[1].model.layers[0].mlp.act_fn.fused
     bt = (1 + torch.arange(8)).view(2, 4).to(torch.int32).to(device)
-    be = TorchReferenceBackend()
+    bes: list[AttentionBackend] = [TorchReferenceBackend()]
+    bes.append(TritonAttentionBackend() if backend == "triton" else TorchReferenceBackend())
     caches = [model_caches(m, 9, BLOCK) for m in models]
     g = torch.Generator().manual_seed(3)
     computed = [0, 0]
@@ -37,8 +46,9 @@ def test_fused_layers_match_torch_layers(
         pos = torch.cat([torch.arange(c, c + n) for c, n in zip(computed, new, strict=True)])
         md = _metadata(computed, new, bt, device)
         logits = []
-        for model, cache in zip(models, caches, strict=True):
-            with torch.no_grad(), set_forward_context({"attn": be}, {"attn": md}, cache):
+        for model, cache, be in zip(models, caches, bes, strict=True):
+            ctx = set_forward_context({"attn": be}, {"attn": be.build_metadata(md)}, cache)
+            with torch.no_grad(), ctx:
                 logits.append(model.compute_logits(model(ids, pos.to(device))))
         torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
         computed = [c + n for c, n in zip(computed, new, strict=True)]

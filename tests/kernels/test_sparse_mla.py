@@ -8,7 +8,12 @@ import torch
 from _sparse_batch import sparse_batch
 
 from pdserve.kernels.reference import to_fp8
-from pdserve.kernels.sparse_mla import choose_splits, sparse_mla_attention, sparse_mla_reference
+from pdserve.kernels.sparse_mla import (
+    CONFIG_WIDE,
+    choose_splits,
+    sparse_mla_attention,
+    sparse_mla_reference,
+)
 from pdserve.layers.attention.mla import MLATorchBackend
 from pdserve.layers.attention.mla_triton import MLATritonBackend
 
@@ -77,6 +82,33 @@ def test_triton_mla_backend_matches_torch_backend(
 
 def test_choose_splits_is_host_only_and_bounded() -> None:
     assert choose_splits(1, 64, 2048, 132) == 16  # a lone decode row splits its 2048 keys
-    assert choose_splits(64, 64, 2048, 132) == 4
+    assert choose_splits(16, 64, 2048, 132) == 16
+    assert choose_splits(64, 64, 2048, 132) == 2  # the wide config: one program per SM
     assert choose_splits(4096, 64, 2048, 132) == 1  # prefill: enough programs already
     assert choose_splits(1, 64, 100, 132) == 1  # too few keys to split
+
+
+@pytest.mark.parametrize("heads,lat,rope", [(64, 32, 16), (20, 48, 8)])
+def test_wide_config_matches_reference(
+    device: torch.device, heads: int, lat: int, rope: int
+) -> None:
+    """The prefill/verify launch shape (every head of a token in one program, two
+    warpgroups): with widths that are their tiles (no feature masks) and without, over a
+    chunked prefill (cached prefix, rows within and beyond top-k) and a verify batch."""
+    g = torch.Generator().manual_seed(heads + lat)
+    sb = sparse_batch([40, 24, 9], [12, 4, 4], PAGE, g, device)
+    md = sb.md
+    t = md.num_actual_tokens
+    cache = torch.randn(sb.num_blocks, PAGE, lat + rope, generator=g).to(device)
+    q_lat = torch.randn(t, heads, lat, generator=g).to(device)
+    q_pe = torch.randn(t, heads, rope, generator=g).to(device)
+    topk = sb.random_topk(16, g)
+    for splits in (1, 2):
+        out = sparse_mla_attention(
+            q_lat, q_pe, cache, md.block_tables, md.seq_lens, md.query_start_loc,
+            md.token_req_idx, md.token_q_idx, topk, 0.2, t, splits, config=CONFIG_WIDE,
+        )  # fmt: skip
+        ref = sparse_mla_reference(
+            q_lat, q_pe, cache, md.block_tables, sb.positions, sb.req, topk, 0.2
+        )
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

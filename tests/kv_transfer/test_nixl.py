@@ -123,9 +123,9 @@ def test_reads_move_every_group_register_once_and_release_the_lease(pair) -> Non
     p, fabric, leases = pair
     real_finish = leases.finish
 
-    def finish(rid: str) -> bool:
+    def finish(rid: str, *args: str | None) -> bool:
         fabric.log("prefill", f"done {rid}")
-        return real_finish(rid)
+        return real_finish(rid, *args)
 
     leases.finish = finish  # type: ignore[method-assign]
     held = {"a": [5, 6, 7, 1], "b": [9, 10]}

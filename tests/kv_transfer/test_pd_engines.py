@@ -73,6 +73,30 @@ def test_decode_abort_before_pull_frees_prefill_promptly(pd) -> None:
     assert time.monotonic() - t0 < 0.9
 
 
+def test_params_of_one_prompt_never_pull_kv_for_another(pd) -> None:
+    """Decode params of prompt X given with another prompt of the same block count: the
+    prefill refuses the read (prompt digests differ) and the request fails without a
+    token of X's continuation; X's own decode still reads the KV afterwards."""
+    p, d, pp, dp = pd
+    x = PROMPTS[3]
+    other = [t + 1 for t in x]  # as long: the same block count
+    params = prefill(p, pp, "x", x)
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    d.add_request(dp.make_request("thief", other, sp, params))
+    out = run(d, {"thief"})["thief"]
+    assert out[-1].finish_reason == "error" and tokens(out) == []
+    assert "another prompt" in (out[-1].error or "")
+    for _ in range(20):  # the thief's give-up notice reaches prefill: it frees nothing
+        d.step()
+        p.step()
+        time.sleep(0.01)
+    assert p.stats().kv_held_for_remote_decode == 1
+    d.add_request(dp.make_request("x", x, sp, params))  # the real decode of X
+    out = run(d, {"x"})["x"]
+    assert out[-1].finish_reason == "length" and len(tokens(out)) == 4
+    settle(p, d)
+
+
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
 def test_prefill_gone_before_transfer(tiny_llama: Path, reference, policy: str) -> None:
     p = engine(tiny_llama, "kv_producer")

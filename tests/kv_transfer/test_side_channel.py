@@ -32,27 +32,110 @@ def _read(rid: str = "r") -> W.Read:
 
 
 def test_envelope_verifies_before_decoding() -> None:
-    tag, payload = W.seal_request(SECRET, W.Heartbeat(["a"]))
-    assert W.open_request(SECRET, [tag, payload]) == (tag, W.Heartbeat(["a"]))
-    for frames in ([tag, payload + b"x"], [tag[:-1] + b"\0", payload], [b"", payload]):
+    session = b"s" * W.SESSION_BYTES
+    tag, head, payload = W.seal_request(SECRET, W.Heartbeat(["a"]), session, 7)
+    assert W.open_request(SECRET, [tag, head, payload]) == (tag, session, 7, W.Heartbeat(["a"]))
+    for frames in (
+        [tag, head, payload + b"x"],
+        [tag[:-1] + b"\0", head, payload],
+        [b"", head, payload],
+        [tag, W.header(session, 8), payload],  # the counter is covered
+        [tag, W.header(b"t" * W.SESSION_BYTES, 7), payload],  # and the session
+    ):
         with pytest.raises(W.NotAuthenticated):
             W.open_request(SECRET, frames)
     with pytest.raises(W.NotAuthenticated):
-        W.open_request(OTHER, [tag, payload])
-    for frames in ([payload], [tag, payload, b""], []):
-        with pytest.raises(W.Malformed, match="expected 2 frames"):
+        W.open_request(OTHER, [tag, head, payload])
+    for frames in ([payload], [tag, payload], [tag, head, payload, b""], []):
+        with pytest.raises(W.Malformed, match="expected 3 frames"):
             W.open_request(SECRET, frames)
     junk = b"\xc1not msgpack"
     with pytest.raises(W.Malformed, match="undecodable"):
-        W.open_request(SECRET, [mac(SECRET, W.REQUEST_LABEL, junk), junk])
+        W.open_request(SECRET, [mac(SECRET, W.REQUEST_LABEL, head, junk), head, junk])
+    # a handshake opens a session, nothing else may come without one
+    with pytest.raises(W.Malformed, match="needs one"):
+        W.open_request(SECRET, list(W.seal_request(SECRET, W.Heartbeat(["a"]))))
+    with pytest.raises(W.Malformed, match="opens a session"):
+        W.open_request(SECRET, list(W.seal_request(SECRET, W.Handshake({}), session, 1)))
     # a reply is bound to its request: the same reply to another request does not verify
     rtag, rpayload = W.seal_reply(SECRET, tag, W.Ack())
     assert W.open_reply(SECRET, tag, [rtag, rpayload, b"bulk"]) == (W.Ack(), [b"bulk"])
-    other_tag, _ = W.seal_request(SECRET, W.Heartbeat(["b"]))
+    other_tag, _, _ = W.seal_request(SECRET, W.Heartbeat(["a"]), session, 8)
     with pytest.raises(W.NotAuthenticated):
         W.open_reply(SECRET, other_tag, [rtag, rpayload])
     with pytest.raises(W.NotAuthenticated, match=f"unverified.*not authenticated.*{SECRET_ENV}"):
         W.open_reply(SECRET, tag, list(W.unsigned_error(W.NOT_AUTHENTICATED)))
+
+
+def test_sessions_accept_each_counter_once() -> None:
+    sessions = W.Sessions(max_sessions=2)
+    a = sessions.open()
+    sessions.accept(a, 1)
+    sessions.accept(a, 5)  # gaps are fine (a request that timed out on the way)
+    for counter in (5, 3, 0):
+        with pytest.raises(W.Replayed, match="replayed"):
+            sessions.accept(a, counter)
+    with pytest.raises(W.Replayed, match="unknown"):
+        sessions.accept(b"x" * W.SESSION_BYTES, 1)
+    b, c = sessions.open(), sessions.open()  # a is the least recently used: forgotten
+    assert len(sessions) == 2 and len({a, b, c}) == 3
+    with pytest.raises(W.Replayed, match="unknown"):
+        sessions.accept(a, 6)
+    sessions.accept(b, 1)
+    sessions.accept(c, 1)
+
+
+def test_recorded_frames_are_refused() -> None:
+    """A recorded heartbeat, read or done notice sent again (on its connection or on
+    another) is refused before it renews, reads or frees anything."""
+    leases = _leases(max_reads=3)
+    srv = kv_server(SECRET, leases)
+    peer, spy = RawPeer(srv.port), RawPeer(srv.port)
+    try:
+        reply, _ = peer.call(SECRET, W.Heartbeat(["r"]))
+        assert isinstance(reply, W.Ack)
+        heartbeat = peer.sent[-1]
+        reply, frames = peer.call(SECRET, _read())
+        assert isinstance(reply, W.ReadReply) and len(frames) == 1
+        read = peer.sent[-1]
+        expiry = leases._leases["r"].expiry
+        for recorded in (heartbeat, read):
+            for via in (peer, spy):  # the same connection, and another one
+                reply, frames = via.replay(SECRET, recorded)
+                assert isinstance(reply, W.Error) and "replayed" in reply.message
+                assert frames == []
+        lease = leases._leases["r"]
+        assert lease.reads == 1 and lease.expiry == expiry and not lease.finished
+        reply, _ = peer.call(SECRET, W.Done(["r"]))
+        assert isinstance(reply, W.Ack) and leases.take_done() == ["r"]
+        leases.add("r", HELD)  # held again: a recorded done notice must not free it
+        reply, _ = spy.replay(SECRET, peer.sent[-1])
+        assert isinstance(reply, W.Error) and "replayed" in reply.message
+        assert leases.take_done() == [] and "r" in leases._leases
+        assert srv.handler.rejected["replayed"] == 5
+    finally:
+        peer.close()
+        spy.close()
+        srv.close()
+
+
+def test_reads_are_bound_to_the_prompt_and_the_first_consumer() -> None:
+    leases = LeaseTable(30.0, max_reads=3)
+    leases.add("r", HELD, "digest-of-r")
+    srv = kv_server(SECRET, leases)
+    peer = RawPeer(srv.port)
+    try:
+        n = len(HELD)
+        reply, frames = peer.call(SECRET, W.Read("r", 0, n, n, "digest-of-x", "decode-a"))
+        assert isinstance(reply, W.Error) and "another prompt" in reply.message and not frames
+        reply, frames = peer.call(SECRET, W.Read("r", 0, n, n, "digest-of-r", "decode-a"))
+        assert isinstance(reply, W.ReadReply) and len(frames) == 1
+        reply, frames = peer.call(SECRET, W.Read("r", 0, n, n, "digest-of-r", "decode-b"))
+        assert isinstance(reply, W.Error) and "another decode instance" in reply.message
+        assert leases._leases["r"].reads == 1 and srv.handler.rejected["limit"] == 2
+    finally:
+        peer.close()
+        srv.close()
 
 
 def test_server_survives_any_byte_sequence() -> None:
@@ -61,10 +144,11 @@ def test_server_survives_any_byte_sequence() -> None:
     peer = RawPeer(srv.port)
     try:
         # the message that killed the thread on main: two frames (ROUTER sees three)
-        assert error_of(peer.ask([b"hello", b"world"])) == W.NOT_AUTHENTICATED
-        assert "expected 2 frames" in error_of(peer.ask([b""]))  # an empty message
-        assert "expected 2 frames" in error_of(peer.ask([b"a", b"b", b"c"]))
-        assert "expected 2 frames" in error_of(peer.ask([b"z" * 1000] * 500))
+        assert "expected 3 frames" in error_of(peer.ask([b"hello", b"world"]))
+        assert "expected 3 frames" in error_of(peer.ask([b""]))  # an empty message
+        assert error_of(peer.ask([b"a", b"b", b"c"])) == W.NOT_AUTHENTICATED
+        assert "expected 3 frames" in error_of(peer.ask([b"a", b"b", b"c", b"d"]))
+        assert "expected 3 frames" in error_of(peer.ask([b"z" * 1000] * 500))
         rng = random.Random(0)
         for _ in range(200):
             frames = [rng.randbytes(rng.randrange(0, 80)) for _ in range(rng.randrange(1, 5))]
@@ -97,18 +181,22 @@ def test_unauthenticated_messages_are_refused_and_change_nothing() -> None:
         msgs: list[W.ToServer] = [W.Handshake(COMPAT), _read(), W.Done(["r"]), W.Heartbeat(["r"])]
         for msg in msgs:
             payload = W.encode(msg)
+            head = W.header(W.NO_SESSION, 0)
             forged = [
                 [payload],  # no MAC at all
-                [b"\0" * 32, payload],  # a made-up MAC
+                [b"\0" * 32, head, payload],  # a made-up MAC
                 list(W.seal_request(OTHER, msg)),  # another topology's secret
-                [mac(SECRET, W.REPLY_LABEL, payload), payload],  # a tag for another purpose
+                [mac(SECRET, W.REPLY_LABEL, head, payload), head, payload],  # another purpose
             ]
             for frames in forged:
                 parts = peer.ask(frames)
                 assert parts is not None and b"compat" not in b"".join(parts)
                 assert b"model_config_hash" not in b"".join(parts)
                 msg_text = error_of(parts)
-                assert msg_text in (W.NOT_AUTHENTICATED, "expected 2 frames (mac, message), got 1")
+                assert msg_text in (
+                    W.NOT_AUTHENTICATED,
+                    "expected 3 frames (mac, header, message), got 1",
+                )
         lease = leases._leases["r"]  # still held, never read, not renewed, not released
         assert lease.expiry == expiry and lease.reads == 0 and not lease.finished
         assert leases.take_done() == []
@@ -131,8 +219,9 @@ def test_oversize_heartbeat_and_done_are_refused() -> None:
             reply, _ = peer.call(SECRET, msg)
             assert isinstance(reply, W.Error) and "max_ids_per_message" in reply.message
         # the 200k-id heartbeat of the review
-        tag, payload = W.seal_request(SECRET, W.Heartbeat([str(i) for i in range(200_000)]))
-        parts = peer.ask([tag, payload], timeout=1.0)
+        frames = peer.seal(SECRET, W.Heartbeat([str(i) for i in range(200_000)]))
+        tag = frames[0]
+        parts = peer.ask(frames, timeout=1.0)
         if parts is not None:  # (or disconnected for its size: refused either way)
             reply, _ = W.open_reply(SECRET, tag, parts)
             assert isinstance(reply, W.Error) and "200000 request ids" in reply.message

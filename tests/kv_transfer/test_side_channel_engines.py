@@ -71,8 +71,9 @@ def test_hostile_bytes_leave_the_kv_server_serving(pd) -> None:
     port = _server(p).port
     peer = RawPeer(port)
     try:
-        assert error_of(peer.ask([b"x", b"y"])) == W.NOT_AUTHENTICATED  # killed main's server
-        assert "expected 2 frames" in error_of(peer.ask([b""]))  # an empty message
+        assert "expected 3" in error_of(peer.ask([b"x", b"y"]))  # killed main's server
+        assert error_of(peer.ask([b"x", b"y", b"z"])) == W.NOT_AUTHENTICATED
+        assert "expected 3 frames" in error_of(peer.ask([b""]))  # an empty message
         rng = random.Random(1)
         for _ in range(50):
             peer.send([rng.randbytes(rng.randrange(0, 64)) for _ in range(rng.randrange(1, 6))])
@@ -101,7 +102,7 @@ def test_an_unauthenticated_peer_cannot_read_release_or_pin_held_kv(pd) -> None:
     try:
         msgs: list[W.ToServer] = [
             W.Handshake({}),
-            W.Read("held", 0, n, n),
+            W.Read("held", 0, n, n, params.remote_prompt_digest or "", "evil"),
             W.Done(["held"]),
             W.Heartbeat(["held"] * 100_000),
         ]
@@ -112,7 +113,7 @@ def test_an_unauthenticated_peer_cannot_read_release_or_pin_held_kv(pd) -> None:
                 assert b"compat" not in parts[1] and b"engine_id" not in parts[1]
                 assert error_of(parts) in (
                     W.NOT_AUTHENTICATED,
-                    "expected 2 frames (mac, message), got 1",
+                    "expected 3 frames (mac, header, message), got 1",
                 )
     finally:
         peer.close()

@@ -192,11 +192,13 @@ def test_devices_must_cover_the_ranks() -> None:
 
 
 def test_fixed_kv_port_is_refused_when_shared() -> None:
-    kv = {"connector": "PdConnector", "extra_config": {"port": 18100}}
-    assert "kv_transfer.extra_config.port: all 2 prefill/decode processes would bind" in err(
-        base(kv_transfer=kv)
-    )
-    d = base(kv_transfer=kv, proxy=None)
+    kv = {"connector": "PdConnector", "extra_config": {"port": 18300}}
+    d = base(kv_transfer=kv)  # 1P1D: only the prefill binds a KV server
+    plans = plan(d)
+    assert '"port": 18300' in flag(plans["prefill-0"].cmd, "--kv-transfer-config")
+    d["instances"][0]["replicas"] = 2
+    assert "kv_transfer.extra_config.port: all 2 prefill processes would bind" in err(d)
+    d = base(kv_transfer={**kv, "extra_config": {"port": 18100}}, proxy=None)
     d["instances"][1]["role"] = "colocated"
     assert "kv_transfer.extra_config.port: port 18100 of the KV server clashes with" in err(d)
 

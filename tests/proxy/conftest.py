@@ -20,7 +20,7 @@ import pytest
 import uvicorn
 from aiohttp import web
 
-from pdserve.core_types.pd_auth import SignatureError, load_secret, verify_kv_params
+from pdserve.core_types.pd_auth import NonceCache, SignatureError, load_secret, verify_kv_params
 from pdserve.serving.proxy.app import build_proxy_app
 from pdserve.serving.proxy.core import ProxyCore
 
@@ -96,6 +96,7 @@ class FakeUpstream:
     completed: int = 0
     sent_bytes: list[bytes] = field(default_factory=list)
     url: str = ""
+    nonces: NonceCache = field(default_factory=NonceCache)  # as an instance: params once
     _runner: web.AppRunner | None = None
     # transport -> time of its last answer; keyed by the transport object itself (held
     # alive here), not by id(): a new connection's transport can reuse a closed one's id
@@ -165,7 +166,7 @@ class FakeUpstream:
         secret = load_secret()
         assert secret is not None, "PDSERVE_PD_SECRET is not set"
         try:  # an instance takes releases signed by the proxy only
-            body = verify_kv_params(await request.json(), secret)
+            body = verify_kv_params(await request.json(), secret, nonces=self.nonces)
         except SignatureError as e:
             err = {"message": str(e), "type": "PermissionError", "param": None, "code": 403}
             return web.json_response({"error": err}, status=403)
@@ -183,7 +184,12 @@ class FakeUpstream:
             secret = load_secret()
             assert secret is not None  # tests/conftest.py sets it for the session
             try:
-                seen.kv = verify_kv_params(body["kv_transfer_params"], secret)
+                seen.kv = verify_kv_params(
+                    body["kv_transfer_params"],
+                    secret,
+                    request_id=request.headers.get("X-Request-Id"),
+                    nonces=self.nonces,
+                )
             except SignatureError as e:
                 err = {"message": str(e), "type": "PermissionError", "param": None, "code": 403}
                 return web.json_response({"error": err}, status=403)

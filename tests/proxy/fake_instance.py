@@ -28,7 +28,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pdserve.core_types.pd_auth import SignatureError, load_secret, verify_kv_params
+from pdserve.core_types.pd_auth import NonceCache, SignatureError, load_secret, verify_kv_params
 from pdserve.serving.uvicorn_server import UvicornServer
 
 
@@ -37,6 +37,7 @@ def build_app(role: str, *, delay: float, chunks: int, chunk_delay: float, verif
     stats = {"requests": 0, "verified": 0, "rejected": 0, "released": 0, "health": 0}
     peers: set[Any] = set()
     secret = load_secret()
+    nonces = NonceCache()
     rng = random.Random(os.getpid())
 
     @app.middleware("http")
@@ -60,7 +61,7 @@ def build_app(role: str, *, delay: float, chunks: int, chunk_delay: float, verif
         if verify:
             try:
                 assert secret is not None, "PDSERVE_PD_SECRET is not set"
-                verify_kv_params(body, secret)
+                verify_kv_params(body, secret, nonces=nonces)
             except SignatureError:
                 stats["rejected"] += 1
                 return JSONResponse({}, status_code=403)
@@ -74,7 +75,7 @@ def build_app(role: str, *, delay: float, chunks: int, chunk_delay: float, verif
         if "kv_transfer_params" in body and verify:
             try:
                 assert secret is not None, "PDSERVE_PD_SECRET is not set"
-                verify_kv_params(body["kv_transfer_params"], secret)
+                verify_kv_params(body["kv_transfer_params"], secret, request_id=rid, nonces=nonces)
             except SignatureError as e:
                 stats["rejected"] += 1
                 err = {"message": str(e), "type": "PermissionError", "param": None, "code": 403}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import socket
@@ -229,14 +230,77 @@ def test_disconnect_during_prefill_aborts_it_without_release(make_pd: PDFactory)
     assert fake_p.releases == [] and pd.decode[0].seen == []
 
 
-def test_decode_connection_error_releases_and_is_502(make_pd: PDFactory) -> None:
-    pd = make_pd(queue_timeout=0.3)
+def test_decode_connection_error_releases_and_is_503(make_pd: PDFactory) -> None:
+    """A decode leg that cannot connect does not wait for its instance holding the KV:
+    the KV is released at once; the request waits for a decode instance as a new one
+    does (queue_timeout), and with none, is 503."""
+    pd = make_pd(queue_timeout=0.5)
     pd.stop_upstream(pd.decode[0])
+    t0 = time.monotonic()
     r = post(pd, headers={"X-Request-Id": "rid-d-down"})
-    err = assert_openai_error(r, 502)
-    assert "decode" in err["message"]
-    assert wait_until(lambda: pd.prefill[0].releases == [{"request_id": "rid-d-down"}])
+    err = assert_openai_error(r, 503)
+    assert "decode" in err["message"] and time.monotonic() - t0 < 5
+    assert pd.prefill[0].releases == [{"request_id": "rid-d-down"}]  # before the wait
     assert pd.core.decode.instances[0].failures == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_decode_that_dies_under_a_request_is_replaced_by_a_new_prefill(
+    make_pd: PDFactory, stream: bool
+) -> None:
+    """The decode instance drops the request's connection (as a killed process does):
+    the KV it was given is released and the request runs again, re-prefilled (fresh
+    params), on the other decode instance; no leg is re-sent with the first params."""
+    pd = make_pd(1, 2, decode_knobs=[{"drop": True}, {}])
+    dead, alive = pd.decode
+    pd.core.decode.instances[1].in_flight = 1  # the dead one is picked first
+    r = post(pd, dict(BODY, stream=stream), headers={"X-Request-Id": "rid-redo"})
+    pd.core.decode.instances[1].in_flight = 0
+    assert r.status_code == 200, r.text
+    assert len(pd.prefill[0].seen) == 2 and len(alive.seen) == 1
+    first, second = (s.body["kv_transfer_params"] for s in pd.prefill[0].seen)
+    assert first["pd_nonce"] != second["pd_nonce"]
+    # (a pooled connection that broke is retried once on a new one, signed afresh)
+    sent = [s.body["kv_transfer_params"] for s in dead.seen + alive.seen]
+    assert len({kv["pd_nonce"] for kv in sent}) == len(sent)
+    assert {s.kv["remote_request_id"] for s in dead.seen + alive.seen if s.kv} == {"rid-redo"}
+    assert pd.prefill[0].releases == [{"request_id": "rid-redo"}]  # the first KV only
+    text = pd.metrics()
+    assert metric_value(text, "pdserve:proxy_retries_total", pool="decode") == 1
+
+
+def test_a_decode_that_dies_with_no_other_is_503(make_pd: PDFactory) -> None:
+    pd = make_pd(decode_knobs={"drop": True}, queue_timeout=0.5)
+    t0 = time.monotonic()
+    r = post(pd, headers={"X-Request-Id": "rid-dead"})
+    err = assert_openai_error(r, 503)
+    assert "failed under this request" in err["message"] and time.monotonic() - t0 < 2
+    assert len(pd.prefill[0].seen) == 1  # not prefilled again for nobody
+    assert wait_until(lambda: pd.prefill[0].releases == [{"request_id": "rid-dead"}])
+
+
+def test_a_request_whose_decode_died_runs_again_once_the_decode_is_back(
+    make_pd: PDFactory,
+) -> None:
+    """1P1D, the decode dies under a request and is restarted (the probes see it go
+    and come back): the request's KV is released at once, and the request waits for the
+    new decode and completes there, re-prefilled; nothing waits on the first KV."""
+    pd = make_pd(decode_knobs={"drop": True}, queue_timeout=10)
+    fake, pool = pd.decode[0], pd.core.decode
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(post, pd, None, headers={"X-Request-Id": "rid-back"})
+        assert wait_until(lambda: pd.prefill[0].releases == [{"request_id": "rid-back"}])
+        assert not fut.done() and len(pd.prefill[0].seen) == 1
+        fake.drop = False
+
+        async def restarted() -> None:
+            pool.set_healthy(pool.instances[0], False, "killed")
+            pool.set_healthy(pool.instances[0], True)
+
+        pd.loop.call(restarted())
+        r = fut.result(10)
+    assert r.status_code == 200, r.text
+    assert len(pd.prefill[0].seen) == 2 and fake.completed == 1
 
 
 def test_decode_error_status_is_returned_and_releases(make_pd: PDFactory) -> None:
@@ -252,7 +316,7 @@ def test_unexpected_proxy_error_is_500_and_releases(
 ) -> None:
     from pdserve.serving.proxy.forward import ProxyResponse
 
-    async def boom(self: ProxyResponse, kv_params: dict | None) -> None:
+    async def boom(self: ProxyResponse, *args: object) -> None:
         raise RuntimeError("bug")
 
     monkeypatch.setattr(ProxyResponse, "_answer_leg", boom)

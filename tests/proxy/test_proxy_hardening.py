@@ -4,6 +4,7 @@ hangs end once it is marked down, and both legs' kv_transfer_params are signed."
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import os
 import signal
@@ -137,15 +138,15 @@ def test_n_consecutive_failures_mark_down_and_successes_reset(make_pd: PDFactory
     fake, inst = pd.decode[0], pd.core.decode.instances[0]
     assert pd.core.decode.failure_threshold == 3
     fake.drop = True  # closes every connection unanswered, new ones too
-    for n in (1, 2):
-        assert post(pd).status_code == 502
+    for n in (1, 2):  # the decode went away under it and no other is there: 503
+        assert post(pd).status_code == 503
         assert inst.failures == n and inst.healthy
     fake.drop = False
     assert post(pd).status_code == 200
     assert inst.failures == 0  # a success resets the count
     fake.drop = True
     for n in (1, 2, 3):
-        assert post(pd).status_code == 502
+        assert post(pd).status_code == 503
         assert inst.failures == n and inst.healthy is (n < 3)
     r = post(pd)  # marked down: nothing is sent to it, 503 after queue_timeout
     assert r.status_code == 503 and "no healthy decode instance" in r.json()["error"]["message"]
@@ -213,7 +214,7 @@ def test_legs_on_a_hung_instance_end_once_it_is_marked_down(
             assert b"decode stream from" in rest and b"instance_down" in rest
             assert b"[DONE]" not in rest
         else:
-            assert status == 502 and b"instance_down" in rest
+            assert status == 503 and b"instance_down" in rest
         assert wait_until(lambda: pd.prefill[0].releases != [], 5)  # its KV is released
         labels = {"pool": "decode", "instance": dec.url, "outcome": "instance_down"}
         assert metric_value(pd.metrics(), "pdserve:proxy_requests_total", **labels) == 1
@@ -247,3 +248,52 @@ def test_heap_trimmer_runs_and_stops() -> None:
 
     asyncio.run(run())
     assert len(calls) >= 3 and set(calls) == {0}
+
+
+def test_a_refused_retry_after_a_dropped_connection_is_not_taken_for_never_sent() -> None:
+    """The instance drops a pooled connection under a request and is gone when the retry
+    dials it (a killed decode): that is ConnectionLost, a failure after the request may
+    have reached it, not a connect error (whose leg the proxy may send elsewhere as is).
+    Each attempt's body is made afresh (single-use signatures)."""
+    from pdserve.serving.proxy.core import classify_error, not_sent
+    from pdserve.serving.proxy.upstream import ConnectionLost, Upstream
+
+    async def run() -> tuple[BaseException, list[int]]:
+        served: list[int] = []
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while await reader.readuntil(b"\r\n\r\n"):
+                served.append(1)
+                if len(served) == 2:  # the second request: die (connection and listener)
+                    server.close()
+                    writer.close()
+                    return
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                await writer.drain()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/x"
+        up = Upstream(connect_timeout=2.0)
+        up.open()
+        bodies: list[int] = []
+
+        def body() -> dict[str, int]:
+            bodies.append(len(bodies))
+            return {"n": bodies[-1]}
+
+        try:
+            resp = await up.request("GET", url)
+            assert resp.status == 200 and await resp.read() == b"ok"
+            resp.release()  # back to the pool
+            try:
+                await up.request("POST", url, json_factory=body)
+            except Exception as e:  # noqa: BLE001 - what it is, is the test
+                return e, bodies
+            raise AssertionError("the request did not fail")
+        finally:
+            await up.close()
+
+    exc, bodies = asyncio.run(run())
+    assert isinstance(exc, ConnectionLost), repr(exc)
+    assert not not_sent(exc) and classify_error(exc) == ("connection_error", True)
+    assert bodies == [0, 1]

@@ -258,14 +258,14 @@ def test_url_validation() -> None:
 def test_prefill_body_rules() -> None:
     secret = new_secret().encode()
     chat = {"messages": [], "max_completion_tokens": 50, "stream": True, "n": 3, "best_of": 3}
-    out = prefill_body(chat, secret)
+    out = prefill_body(chat, secret, "r")
     assert out["max_tokens"] == 1 and out["max_completion_tokens"] == 1
     assert "n" not in out and "best_of" not in out and chat["n"] == 3  # one sample on P
     assert out["stream"] is False and chat["stream"] is True
-    assert "max_completion_tokens" not in prefill_body({"prompt": "x"}, secret)
+    assert "max_completion_tokens" not in prefill_body({"prompt": "x"}, secret, "r")
     assert verify_kv_params(out["kv_transfer_params"], secret)["do_remote_decode"] is True
     # the Responses API names its limit max_output_tokens (and has no max_tokens)
-    resp = prefill_body({"input": "x", "max_output_tokens": 9}, secret, "/v1/responses")
+    resp = prefill_body({"input": "x", "max_output_tokens": 9}, secret, "r", "/v1/responses")
     assert resp["max_output_tokens"] == 1 and "max_tokens" not in resp
 
 

@@ -66,10 +66,17 @@ def main() -> None:
                     counter["sent"] += 1
                     n = counter["sent"]
                 body: dict = {"model": args.model, "prompt": f"soak {n} hello", "max_tokens": 1}
+                rid = f"soak-{n}"
                 if not args.plain:
                     kv = {"do_remote_decode": True}
-                    body["kv_transfer_params"] = kv if args.unsigned else sign_kv_params(kv, secret)
-                conn.request("POST", "/v1/completions", body=json.dumps(body), headers=headers)
+                    signed = sign_kv_params(kv, secret, request_id=rid)
+                    body["kv_transfer_params"] = kv if args.unsigned else signed
+                conn.request(
+                    "POST",
+                    "/v1/completions",
+                    body=json.dumps(body),
+                    headers={**headers, "X-Request-Id": rid},
+                )
                 r = conn.getresponse()
                 r.read()
                 if r.status != 200:

@@ -17,7 +17,7 @@ import jinja2.sandbox
 import pytest
 
 from pdserve.core_types.kv_transfer_params import KVTransferParams
-from pdserve.core_types.pd_auth import load_secret, sign_kv_params
+from pdserve.core_types.pd_auth import load_secret, prompt_digest, sign_kv_params
 from pdserve.core_types.sampling_params import SamplingParams
 from pdserve.core_types.scheduler_output import PromptLogprobs
 from pdserve.core_types.stats import SchedulerStats
@@ -40,9 +40,29 @@ def pd_secret() -> bytes:
     return secret
 
 
-def signed(kv: dict[str, Any], **kw: Any) -> dict[str, Any]:
-    """``kv`` signed as this topology's proxy signs it."""
-    return sign_kv_params(kv, pd_secret(), **kw)
+def signed(
+    kv: dict[str, Any],
+    request_id: str | None = None,
+    prompt_ids: list[int] | None = None,
+    **kw: Any,
+) -> dict[str, Any]:
+    """``kv`` signed as this topology's proxy signs it, for the request ``request_id``
+    (its ``X-Request-Id``); a decode leg's for the prompt ``prompt_ids`` too (its
+    ``remote_prompt_digest``, as the prefill instance computes it)."""
+    if prompt_ids is not None:
+        kv = {**kv, "remote_prompt_digest": prompt_digest(prompt_ids)}
+    return sign_kv_params(kv, pd_secret(), request_id=request_id, **kw)
+
+
+def prompt_ids_of(url: str, body: dict[str, Any]) -> list[int]:
+    """The prompt token ids the server at ``url`` makes of a completion's ``prompt`` or a
+    chat's ``messages`` (its ``/tokenize``)."""
+    import httpx
+
+    keys = ("prompt",) if "prompt" in body else ("messages", "add_generation_prompt")
+    r = httpx.post(f"{url}/tokenize", json={k: body[k] for k in keys if k in body}, timeout=10)
+    assert r.status_code == 200, r.text
+    return list(r.json()["tokens"])
 
 
 class FakeTokenizer:

@@ -12,7 +12,14 @@ from typing import Any
 import httpx
 import pytest
 
-from .conftest import FakeEngineClient, FakeTokenizer, ServerFactory, fake_prompt_logprobs, signed
+from .conftest import (
+    FakeEngineClient,
+    FakeTokenizer,
+    ServerFactory,
+    fake_prompt_logprobs,
+    prompt_ids_of,
+    signed,
+)
 
 DECODE_KV = {
     "do_remote_prefill": True,
@@ -213,13 +220,18 @@ def test_echo_logprobs_on_pd_legs(make_server: ServerFactory) -> None:
     engine = FakeEngineClient()
     srv = make_server(engine)
     body = {"prompt": "q", "max_tokens": 2, "logprobs": 1, "echo": True}
-    r = _post(srv.url, {**body, "kv_transfer_params": signed(DECODE_KV)}, "pd1")
+    kv = signed(DECODE_KV, "pd1", prompt_ids_of(srv.url, body))
+    r = _post(srv.url, {**body, "kv_transfer_params": kv}, "pd1")
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == "echo"
     assert "echo=true with logprobs" in err["message"] and "do_remote_prefill" in err["message"]
     assert engine.requests == {}
     # a prefill leg computes the whole prompt: it can score it
-    prefill = {**body, "max_tokens": 1, "kv_transfer_params": signed({"do_remote_decode": True})}
+    prefill = {
+        **body,
+        "max_tokens": 1,
+        "kv_transfer_params": signed({"do_remote_decode": True}, "pd2"),
+    }
     r = _post(srv.url, prefill, "pd2")
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["logprobs"]["tokens"] == ["<s>", "q", "a"]

@@ -208,7 +208,7 @@ def test_kv_transfer_params_round_trip(
     with httpx.Client(base_url=server.url, timeout=10) as c:
         r = c.post(
             "/v1/completions",
-            json={"prompt": "p", "max_tokens": 1, "kv_transfer_params": signed(kv)},
+            json={"prompt": "p", "max_tokens": 1, "kv_transfer_params": signed(kv, "pd-1")},
             headers={"X-Request-Id": "pd-1"},
         )
     assert r.status_code == 200
@@ -236,10 +236,12 @@ def test_bad_kv_transfer_params_get_400_naming_the_field(
     server: ServerThread, server_engine: FakeEngineClient, kv: object, field: str
 ) -> None:
     """Signed by the proxy but malformed: 400 (a non-object cannot be signed at all)."""
-    body_kv = signed(kv) if isinstance(kv, dict) else kv
+    body_kv = signed(kv, "bad-kv") if isinstance(kv, dict) else kv
     with httpx.Client(base_url=server.url, timeout=10) as c:
         r = c.post(
-            "/v1/completions", json={"prompt": "p", "max_tokens": 1, "kv_transfer_params": body_kv}
+            "/v1/completions",
+            json={"prompt": "p", "max_tokens": 1, "kv_transfer_params": body_kv},
+            headers={"X-Request-Id": "bad-kv"},
         )
     assert r.status_code == 400
     assert field in r.json()["error"]["message"]

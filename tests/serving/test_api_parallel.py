@@ -11,7 +11,7 @@ import httpx
 
 from _polling import wait_until
 
-from .conftest import FakeEngineClient, ServerFactory, signed
+from .conftest import FakeEngineClient, ServerFactory, prompt_ids_of, signed
 
 DECODE_KV: dict[str, Any] = {
     "do_remote_prefill": True,
@@ -83,7 +83,8 @@ def test_decode_leg_siblings_wait_for_the_pulled_prompt(make_server: ServerFacto
     srv = make_server(engine)
     for stream in (False, True):
         rid = f"d{int(stream)}"
-        body = {"prompt": "q", "max_tokens": 3, "n": 3, "kv_transfer_params": signed(DECODE_KV)}
+        body: dict[str, Any] = {"prompt": "q", "max_tokens": 3, "n": 3}
+        body["kv_transfer_params"] = signed(DECODE_KV, rid, prompt_ids_of(srv.url, body))
         r = httpx.post(
             f"{srv.url}/v1/completions",
             json={**body, "stream": stream},
@@ -102,21 +103,17 @@ def test_decode_leg_siblings_wait_for_the_pulled_prompt(make_server: ServerFacto
 def test_pd_refusals(make_server: ServerFactory) -> None:
     engine = FakeEngineClient()
     srv = make_server(engine)
-    prefill_kv = signed({"do_remote_decode": True})
+    prefill_kv = signed({"do_remote_decode": True}, "pre")
     r = httpx.post(
         f"{srv.url}/v1/completions",
         json={"prompt": "q", "max_tokens": 1, "n": 2, "kv_transfer_params": prefill_kv},
+        headers={"X-Request-Id": "pre"},
     )
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == "n" and "do_remote_decode" in err["message"]
-    r = httpx.post(
-        f"{srv.url}/v1/chat/completions",
-        json={
-            "messages": [{"role": "user", "content": "x"}],
-            "prompt_logprobs": 1,
-            "kv_transfer_params": signed(DECODE_KV),
-        },
-    )
+    chat: dict[str, Any] = {"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 1}
+    chat["kv_transfer_params"] = signed(DECODE_KV, "dec", prompt_ids_of(srv.url, chat))
+    r = httpx.post(f"{srv.url}/v1/chat/completions", json=chat, headers={"X-Request-Id": "dec"})
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == "prompt_logprobs"
     assert "do_remote_prefill" in err["message"]

@@ -241,3 +241,12 @@ def test_tokenize_chat_with_tools() -> None:
     r = TestClient(app).post("/tokenize", json=body)
     assert r.status_code == 200, r.text
     assert r.json()["tokens"] == [ord(ch) for ch in "f|q"]
+
+
+def test_health_answers_json_as_its_schema_says(server: ServerThread) -> None:
+    r = httpx.get(f"{server.url}/health", timeout=5)
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+    assert r.json() == {"status": "ok"}
+    schema = httpx.get(f"{server.url}/openapi.json", timeout=5).json()
+    ok = schema["paths"]["/health"]["get"]["responses"]["200"]["content"]
+    assert ok["application/json"]["schema"]["type"] == "object"

@@ -119,16 +119,22 @@ class DecodeByteModel:
         return e * (1.0 - (1.0 - k / e) ** num_tokens)
 
     def step_bytes(
-        self, seq_lens: Sequence[float], active_experts: Sequence[float] | None = None
+        self,
+        seq_lens: Sequence[float],
+        active_experts: Sequence[float] | None = None,
+        rows_per_request: int = 1,
     ) -> dict[str, float]:
         """Bytes a decode step of ``len(seq_lens)`` requests must read, by part (and
         ``total``). ``seq_lens``: each request's context after this step's token (a mean
         over steps may be fractional). ``active_experts``: the distinct routed experts of
-        each MoE layer (None: the uniform-routing expectation for the batch)."""
+        each MoE layer (None: the uniform-routing expectation for the batch's tokens).
+        ``rows_per_request``: query rows a request runs (``1 + k`` in a speculative verify
+        step): each row attends to its own selection, so latents count once a row, while
+        weights and indexer keys are read once a step and once a request."""
         b = len(seq_lens)
         layers = len(self.expert_bytes)
         if active_experts is None:
-            active_experts = [self.expected_active_experts(b)] * layers
+            active_experts = [self.expected_active_experts(b * rows_per_request)] * layers
         if len(active_experts) != layers:
             raise ValueError(f"active_experts has {len(active_experts)} layers, not {layers}")
         topk = self.index_topk
@@ -139,7 +145,7 @@ class DecodeByteModel:
             "experts": float(
                 sum(a * e for a, e in zip(active_experts, self.expert_bytes, strict=True))
             ),
-            "latents": float(sum(self.latent_row_bytes) * attended),
+            "latents": float(sum(self.latent_row_bytes) * attended * rows_per_request),
             "index_keys": float(sum(self.index_key_bytes) * scored),
             "other_kv": float(sum(self.full_row_bytes) * sum(seq_lens)),
         }

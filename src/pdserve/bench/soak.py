@@ -17,8 +17,11 @@ proxy itself) is scraped for ``process_rss_bytes`` of every process, KV-cache us
 running/waiting requests (:mod:`.soak_sampler`).
 
 For each process RSS is fitted against the number of completed requests
-(:mod:`.soak_fit`); the verdict is **LEAK** when the 95 % confidence interval of the
-slope lies wholly above ``--leak-threshold-kb-per-1k`` KiB per 1,000 requests. Output:
+(:mod:`.soak_fit`): an overall line, a warm-up that flattens (its growth, MiB) apart
+from a steady slope, and the slope of the run's second half, each with a 95 %
+confidence interval. The verdict is **LEAK** only when the steady slope and the second
+half's slope both lie wholly above ``--leak-threshold-kb-per-1k`` KiB per 1,000
+requests: growth that persists, not a warm-up. Output:
 a table per process, ``soak-<date>.csv`` (every sample), ``soak-<date>.png`` (RSS against
 requests with the fitted lines; KV usage and running requests against time) and
 ``soak-<date>.json`` (the verdicts). Exit status: 0 when no process leaks, 1 when one
@@ -49,9 +52,11 @@ from pdserve.bench.runner import RunSpec, run_requests
 from pdserve.bench.scrape import metrics_url
 from pdserve.bench.soak_fit import (
     fit_slope,
+    fit_tail,
+    fit_warmup,
     kb_per_1k,
+    leak_verdict,
     threshold_bytes_per_request,
-    verdict,
 )
 from pdserve.bench.soak_sampler import SoakSamples, take_sample
 from pdserve.bench.tokenizer import load_tokenizer
@@ -144,36 +149,64 @@ def judge(samples: SoakSamples, threshold_kb_per_1k: float) -> list[dict[str, An
     out = []
     for key, (xs, ys) in sorted(samples.rss_series().items()):
         fit = fit_slope(xs, ys)
+        warm = fit_warmup(xs, ys)
+        tail = fit_tail(xs, ys)
         out.append(
             {
                 "process": key,
                 "samples": fit.n,
                 "rss_first_bytes": ys[0],
                 "rss_last_bytes": ys[-1],
+                # the overall line
                 "slope_bytes_per_request": fit.slope,
                 "intercept_bytes": fit.intercept,
                 "slope_kb_per_1k": kb_per_1k(fit.slope),
                 "ci95_low_kb_per_1k": kb_per_1k(fit.ci_low),
                 "ci95_high_kb_per_1k": kb_per_1k(fit.ci_high),
-                "verdict": verdict(fit, limit),
+                # warm-up (growth that flattens) apart from the steady slope
+                "warmup_mib": warm.warmup / 2**20,
+                "warmup_ci95_low_mib": warm.warmup_ci_low / 2**20,
+                "warmup_ci95_high_mib": warm.warmup_ci_high / 2**20,
+                "warmup_tau_requests": warm.tau,
+                "steady_slope_kb_per_1k": kb_per_1k(warm.slope),
+                "steady_ci95_low_kb_per_1k": kb_per_1k(warm.slope_ci_low),
+                "steady_ci95_high_kb_per_1k": kb_per_1k(warm.slope_ci_high),
+                # the second half of the run
+                "tail_slope_kb_per_1k": kb_per_1k(tail.slope),
+                "tail_ci95_low_kb_per_1k": kb_per_1k(tail.ci_low),
+                "tail_ci95_high_kb_per_1k": kb_per_1k(tail.ci_high),
+                "verdict": leak_verdict(warm, tail, limit),
             }
         )
     return out
 
 
+def _ci(r: dict[str, Any], key: str, low: str, high: str) -> str:
+    return f"{r[key]:.1f} [{r[low]:.1f}, {r[high]:.1f}]"
+
+
 def format_verdicts(records: list[dict[str, Any]], threshold_kb_per_1k: float) -> str:
-    head = f"{'process':<48} {'n':>4} {'RSS MiB':>16} {'KiB/1k req [95% CI]':>30}  verdict"
+    head = (
+        f"{'process':<40} {'n':>4} {'RSS MiB':>14} {'overall KiB/1k':>24} "
+        f"{'warm-up MiB':>22} {'steady KiB/1k':>24} {'2nd half KiB/1k':>24}  verdict"
+    )
     lines = [head, "-" * len(head)]
     for r in records:
         rss = f"{r['rss_first_bytes'] / 2**20:.1f}->{r['rss_last_bytes'] / 2**20:.1f}"
-        ci = (
-            f"{r['slope_kb_per_1k']:.1f} [{r['ci95_low_kb_per_1k']:.1f}, "
-            f"{r['ci95_high_kb_per_1k']:.1f}]"
+        overall = _ci(r, "slope_kb_per_1k", "ci95_low_kb_per_1k", "ci95_high_kb_per_1k")
+        warm = _ci(r, "warmup_mib", "warmup_ci95_low_mib", "warmup_ci95_high_mib")
+        steady = _ci(
+            r, "steady_slope_kb_per_1k", "steady_ci95_low_kb_per_1k", "steady_ci95_high_kb_per_1k"
         )
+        tail = _ci(r, "tail_slope_kb_per_1k", "tail_ci95_low_kb_per_1k", "tail_ci95_high_kb_per_1k")
         lines.append(
-            f"{r['process'][-48:]:<48} {r['samples']:>4} {rss:>16} {ci:>30}  {r['verdict'].upper()}"
+            f"{r['process'][-40:]:<40} {r['samples']:>4} {rss:>14} {overall:>24} {warm:>22} "
+            f"{steady:>24} {tail:>24}  {r['verdict'].upper()}"
         )
-    lines.append(f"(leak: the whole 95% CI above {threshold_kb_per_1k:g} KiB per 1,000 requests)")
+    lines.append(
+        "(values [95% CI]; leak: the steady slope's and the second half's whole CIs above "
+        f"{threshold_kb_per_1k:g} KiB per 1,000 requests; a warm-up that flattens is not one)"
+    )
     return "\n".join(lines)
 
 

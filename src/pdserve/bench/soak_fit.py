@@ -1,12 +1,27 @@
-"""The leak test of ``soak``: a least-squares line of RSS against completed requests.
+"""The leak test of ``soak``: RSS against completed requests, growth that flattens told
+apart from growth that persists.
 
 For one process, ``x`` = requests completed when a sample was taken and ``y`` = its RSS
-in bytes. The slope ``b`` (bytes per request) of the ordinary least-squares line has
-standard error ``sqrt(SSE / (n - 2) / Sxx)``; its two-sided 95 % confidence interval is
-``b ± t(0.975, n - 2) · se``. The verdict is **leak** when the interval's lower bound is
-above the threshold (so a leak is claimed only when the data make a slope that steep
-unlikely to be noise), **ok** otherwise, and **inconclusive** with fewer than three
-samples or a single ``x`` value.
+in bytes. A fresh server's RSS grows while it warms up (allocator arenas, caches, lazily
+built objects) and then flattens; a leak keeps growing. A single line through a short
+run mistakes the first for the second, so three fits are made:
+
+* **overall**: the ordinary least-squares line (slope ``b``, standard error
+  ``sqrt(SSE / (n - 2) / Sxx)``, 95 % CI ``b ± t(0.975, n - 2) · se``), as a summary;
+* **warm-up + steady** (:func:`fit_warmup`): ``y = a + b·x + c·(1 - exp(-(x - x0)/τ))``,
+  growth ``c`` that saturates with scale ``τ`` plus a steady slope ``b``. For each ``τ``
+  of a geometric grid from 1/40 to 1/4 of the run's ``x`` span (a warm-up must flatten
+  within the run to be told apart) the model is linear in ``a, b, c`` and solved by
+  least squares; the ``τ`` of the smallest residual is kept, and ``b`` and ``c`` get
+  95 % CIs from the fit's covariance with ``n - 4`` degrees of freedom (``τ`` counted);
+* **tail**: the least-squares line through the second half of the samples (by ``x``):
+  what is left of the growth once the warm-up is over, whatever its shape.
+
+The verdict is **leak** only when the steady slope *and* the tail slope both have their
+CI's lower bound above the threshold: a slope that persists through the whole run and
+into its second half, which noise or a flattening warm-up make unlikely; **ok**
+otherwise, and **inconclusive** with fewer than six samples (or too few distinct ``x``
+values) to fit the model.
 
 The t-quantile comes from a table for 1..30 degrees of freedom and a Cornish-Fisher
 expansion above (within 1e-3 there), so no statistics package is needed.
@@ -91,3 +106,77 @@ def verdict(fit: SlopeFit, threshold_bytes: float) -> str:
 def kb_per_1k(bytes_per_request: float) -> float:
     """Bytes per request in KiB per 1,000 requests (the unit the verdict prints)."""
     return bytes_per_request * 1000.0 / 1024.0
+
+
+MIN_SAMPLES = 6  # the warm-up model has four parameters; its CIs need a few more points
+_TAU_STEPS = 24
+
+
+@dataclass(frozen=True)
+class WarmupFit:
+    """``y = a + b·x + c·(1 - exp(-(x - x0)/τ))``: the steady slope ``b`` (bytes per
+    request) and the warm-up growth ``c`` (bytes) with their 95 % CIs (``nan`` when
+    unknown), the scale ``tau`` (requests) and ``x0`` (the first sample's ``x``)."""
+
+    n: int
+    slope: float
+    slope_ci_low: float
+    slope_ci_high: float
+    warmup: float
+    warmup_ci_low: float
+    warmup_ci_high: float
+    tau: float
+    x0: float
+    intercept: float
+
+
+def _nan_warmup(n: int) -> WarmupFit:
+    nan = math.nan
+    return WarmupFit(n, nan, nan, nan, nan, nan, nan, nan, nan, nan)
+
+
+def fit_warmup(xs: Sequence[float], ys: Sequence[float]) -> WarmupFit:
+    """The warm-up + steady-slope model of the module docstring (least squares over a
+    grid of ``τ``)."""
+    x = np.asarray(xs, dtype=np.float64)
+    y = np.asarray(ys, dtype=np.float64)
+    n = int(x.size)
+    if n < MIN_SAMPLES or y.size != n or np.unique(x).size < MIN_SAMPLES - 1:
+        return _nan_warmup(n)
+    x0 = float(x.min())
+    t = x - x0
+    span = float(t.max())
+    best: tuple[float, float, np.ndarray, np.ndarray] | None = None  # sse, tau, coef, design
+    for tau in np.geomspace(span / 40, span / 4, _TAU_STEPS):
+        design = np.column_stack([np.ones(n), t, 1.0 - np.exp(-t / tau)])
+        coef, *_ = np.linalg.lstsq(design, y, rcond=None)
+        sse = float(((y - design @ coef) ** 2).sum())
+        if best is None or sse < best[0]:
+            best = (sse, float(tau), coef, design)
+    assert best is not None
+    sse, tau, coef, design = best
+    try:
+        cov = np.linalg.inv(design.T @ design) * (sse / (n - 4))
+    except np.linalg.LinAlgError:
+        return _nan_warmup(n)
+    half = t_quantile_975(n - 4) * np.sqrt(np.maximum(np.diag(cov), 0.0))
+    a, b, c = (float(v) for v in coef)
+    return WarmupFit(
+        n, b, b - float(half[1]), b + float(half[1]),
+        c, c - float(half[2]), c + float(half[2]), tau, x0, a,
+    )  # fmt: skip
+
+
+def fit_tail(xs: Sequence[float], ys: Sequence[float]) -> SlopeFit:
+    """:func:`fit_slope` over the second half of the samples (by ``x``)."""
+    order = np.argsort(np.asarray(xs, dtype=np.float64), kind="stable")
+    keep = order[len(order) // 2 :]
+    return fit_slope([xs[i] for i in keep], [ys[i] for i in keep])
+
+
+def leak_verdict(steady: WarmupFit, tail: SlopeFit, threshold_bytes: float) -> str:
+    """``"leak"``, ``"ok"`` or ``"inconclusive"`` (see the module docstring)."""
+    if math.isnan(steady.slope_ci_low) or math.isnan(tail.ci_low):
+        return "inconclusive"
+    persists = steady.slope_ci_low > threshold_bytes and tail.ci_low > threshold_bytes
+    return "leak" if persists else "ok"

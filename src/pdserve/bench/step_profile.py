@@ -7,7 +7,8 @@ token alignment), the MoE router, MLA attention (the latent-cache write, the att
 kernel and its split combine, the absorbed ``W_UK`` / ``W_UV`` products), the DSA
 indexer's scoring (its scores and everything around them but the select), the indexer's
 top-k select, dense GEMMs (every linear layer: attention projections, indexer
-projections, dense MLPs and shared experts, LM head), norms and RoPE, and the rest.
+projections, dense MLPs and shared experts, LM head), norms and RoPE (with the fused
+kernels that also write this step's cache rows), and the rest.
 
 How a kernel gets its category:
 
@@ -60,9 +61,10 @@ NAME_RULES: tuple[tuple[str, str], ...] = (
     ("topk_select", r"topk|_select_kernel|radix|sort|kthvalue|bitonic"),
     ("indexer_score", r"_logits_kernel"),
     ("mla_attention", r"_mla_kernel|decode_attention|flash"),
-    ("moe_experts", r"_gate_up_kernel|_down_kernel|fused_moe"),
+    ("moe_experts", r"_gate_up_kernel|_down_kernel|fused_moe|_align_kernel|_combine_kernel"),
     ("router", r"_router_kernel"),
-    ("norm_rope", r"rms_?norm|layer_?norm|_rope_kernel|rotary"),
+    # the fused preparation kernels (norm + RoPE + cache write) count as norms and RoPE
+    ("norm_rope", r"rms_?norm|layer_?norm|_rope_kernel|rotary|_prep_kernel|_rope_kv_write"),
     (
         "dense_gemm",
         r"gemm|gemv|nvjet|cutlass|xmma|cublas|s16816|s1688|splitk"
@@ -341,7 +343,8 @@ def align_categories(graph: StepProfile, eager: StepProfile) -> int:
 
 
 def format_tables(columns: dict[str, dict[str, Any]]) -> str:
-    """Side-by-side text table of :meth:`StepProfile.table` results (column name -> table)."""
+    """Side-by-side text table of :meth:`StepProfile.table` results (column name -> table):
+    time by category, the idle gap, the kernels (device activities) of the step, its span."""
     names = list(columns)
     head = f"{'category':14s}" + "".join(f" | {n[:22]:>22s}" for n in names)
     lines = [head, "-" * len(head)]
@@ -352,6 +355,7 @@ def format_tables(columns: dict[str, dict[str, Any]]) -> str:
             c = t[GAP] if cat == GAP else t["categories"].get(cat, {"ms": 0.0, "share": 0.0})
             cells.append(f" | {c['ms']:9.3f} ms {100 * c['share']:6.1f}%")
         lines.append(f"{cat:14s}" + "".join(cells))
+    lines.append(f"{'kernels':14s}" + "".join(f" | {columns[n]['kernels']:22d}" for n in names))
     lines.append(
         f"{'span (wall)':14s}"
         + "".join(

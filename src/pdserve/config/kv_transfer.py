@@ -30,8 +30,9 @@ class KVTransferConfig:
     topology's secret, ``PDSERVE_PD_SECRET``; these bound what an authenticated peer
     may do):
 
-    - ``max_reads_per_lease`` (prefill, default 3): reads of one held request's KV;
-      later reads are refused.
+    - ``max_reads_per_lease`` (prefill, default 1): reads of one held request's KV (all
+      by the decode that read it first, for the same prompt); later reads are refused.
+      A decode reads a lease once; more only for a transport of one's own that retries.
     - ``max_reads_per_second`` (prefill, default 1000): reads per second from one decode
       connection (a token bucket with a burst of the same size); excess reads are refused.
     - ``max_ids_per_message`` (both, default 1024): request ids in one heartbeat or done
@@ -143,7 +144,7 @@ class KVTransferConfig:
 
     @property
     def max_reads_per_lease(self) -> int:
-        return int(self.kv_connector_extra_config.get("max_reads_per_lease", 3))
+        return int(self.kv_connector_extra_config.get("max_reads_per_lease", 1))
 
     @property
     def max_reads_per_second(self) -> float:

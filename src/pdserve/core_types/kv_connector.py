@@ -6,6 +6,11 @@ from dataclasses import dataclass, field
 
 from pdserve.core_types.kv_transfer_params import KVTransferParams
 
+# how a request's error begins when its prompt's KV could not be loaded from prefill
+# (its lease was gone, the prefill instance died, the read was refused): the API server
+# answers it 503, naming the cause, rather than 500
+KV_LOAD_FAILED = "the prompt's KV could not be loaded from its prefill instance"
+
 
 @dataclass(frozen=True)
 class KVPeer:
@@ -31,14 +36,18 @@ class KVLoad:
     local_block_ids: list[int]
     first_block: int  # blocks before this one decode has from its own prefix cache
     num_blocks: int  # blocks prefill holds for the request in all (consistency check)
+    prompt_digest: str = ""  # of the local prompt: prefill serves KV computed for it only
 
 
 @dataclass(frozen=True)
 class KVNotice:
-    """Request ids to renew (heartbeat) or release (done) at one prefill engine."""
+    """Request ids to renew (heartbeat) or release (done) at one prefill engine; a done
+    notice names the digest of each request's local prompt (prefill frees only a lease
+    whose prompt it is: a decode given another prompt's params cannot free that KV)."""
 
     peer: KVPeer
     request_ids: list[str]
+    prompt_digests: list[str] = field(default_factory=list)  # done notices: one per id
 
 
 @dataclass

@@ -3,8 +3,11 @@
 Field names are vLLM's. The proxy sends ``{"do_remote_decode": true}`` with the prefill
 leg; the prefill instance answers with where decode can pull the prompt's KV
 (``do_remote_prefill`` and the ``remote_*`` fields); the proxy copies that answer into
-the decode leg. ``remote_num_tokens`` and ``remote_lease_seconds`` are pdserve's
-additions (the prompt length prefill computed, and the lease it holds the blocks under).
+the decode leg. ``remote_num_tokens``, ``remote_lease_seconds`` and
+``remote_prompt_digest`` are pdserve's additions (the prompt length prefill computed, the
+lease it holds the blocks under, and the digest of the prompt's token ids,
+:func:`pdserve.core_types.pd_auth.prompt_digest`: decode refuses params for another
+prompt, and prefill serves the KV only to a read for the same prompt).
 
 :meth:`KVTransferParams.parse` turns a client's JSON object into an instance or raises
 ``ValueError`` naming the offending field; every later hop carries the typed struct.
@@ -31,6 +34,7 @@ class KVTransferParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
     tp_size: int = 1
     remote_num_tokens: int | None = None
     remote_lease_seconds: float | None = None
+    remote_prompt_digest: str | None = None
 
     @classmethod
     def parse(cls, obj: Any) -> KVTransferParams:
@@ -69,6 +73,9 @@ class KVTransferParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
             raise ValueError(f"kv_transfer_params.tp_size must be 1, got {self.tp_size}")
         if self.remote_num_tokens is not None and self.remote_num_tokens < 1:
             raise ValueError("kv_transfer_params.remote_num_tokens must be positive")
+        digest = self.remote_prompt_digest
+        if digest is not None and not (0 < len(digest) <= 64 and digest.isalnum()):
+            raise ValueError("kv_transfer_params.remote_prompt_digest must be 1-64 hex characters")
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object a response carries (fields at their defaults are left out)."""

@@ -47,7 +47,7 @@ from __future__ import annotations
 from collections import deque
 
 from pdserve.config import SchedulerConfig
-from pdserve.core_types.kv_connector import KVConnectorOutput
+from pdserve.core_types.kv_connector import KV_LOAD_FAILED, KVConnectorOutput
 from pdserve.core_types.kv_transfer_params import KVTransferParams
 from pdserve.core_types.scheduler_output import (
     CachedRequestData,
@@ -456,9 +456,9 @@ class Scheduler:
                 req.status = RequestStatus.WAITING
                 self.waiting.appendleft(req)  # prefilled locally from here on
             else:
-                req.error = why
+                req.error = f"{KV_LOAD_FAILED}: {why}"
                 self._free(req, RequestStatus.FINISHED_ERROR)
-                outputs.append(EngineCoreOutput(rid, [], finish_reason="error", error=why))
+                outputs.append(EngineCoreOutput(rid, [], finish_reason="error", error=req.error))
         self.stats.kv_transfer_seconds.extend(out.transfer_seconds)
         self.stats.kv_transfer_bytes.extend(out.transfer_bytes)
         return outputs

@@ -112,10 +112,12 @@ class InputProcessor:
         """The token sequences of ``words`` as vLLM bans them: each word as given (its
         leading spaces dropped) and after one space, when the two differ."""
         seqs: list[list[int]] = []
+        seen: set[tuple[int, ...]] = set()  # (a set: linear in the words, not quadratic)
         for word in words:
             for text in (word.lstrip(), " " + word.lstrip()):
                 ids = list(self.tokenizer.encode(text, add_special_tokens=False))
-                if ids and ids not in seqs:
+                if ids and tuple(ids) not in seen:
+                    seen.add(tuple(ids))
                     seqs.append(ids)
         return seqs
 

@@ -5,8 +5,11 @@ request (``cache`` [blocks, block_size, D], one shared key head):
 
     I[t, s] = sum_h w[t, h] * ReLU(scale * q[t, h] . k[s])          (float32)
 
-**Scores** (``_logits_kernel``): program ``(token, key range)`` keeps the token's
-``n_heads x D`` query tile and streams ``KEYS_PER_PROGRAM`` keys in ``BLOCK_N`` tiles:
+**Scores** (``_logits_kernel``; the indexer backend uses it for decode, one query row a
+request: prefill and verify rows go to the query-tiled kernel of
+:mod:`~pdserve.kernels.dsa_indexer_tiled`, which reads each key once for a tile of a
+request's tokens): program ``(token, key range)`` keeps the token's ``n_heads x D`` query
+tile and streams ``KEYS_PER_PROGRAM`` keys in ``BLOCK_N`` tiles:
 gather through the block table, one ``[heads, D] x [D, BLOCK_N]`` dot, ReLU, the
 weighted head sum. The result goes to a ``[T, width]`` float32 buffer (``width``: the
 step's context bound, ``max_model_len`` under a CUDA graph); key ranges past ``pos``
@@ -22,7 +25,9 @@ request's context is at most ``K``) take every causal key, and their scores are 
 computed: the caller then attends densely anyway. One program per row bounds its speed
 on few long rows (H200, 8 rows of 128K: 0.47 ms against 0.09 ms for ``torch.topk``'s
 multi-block radix select; 16K rows: 0.06 ms against 0.08-0.10 ms), so the indexer
-backend hands rows wider than ``SORT_FREE_MAX_WIDTH`` to ``torch.topk``.
+backend hands rows wider than ``SORT_FREE_MAX_WIDTH`` to ``torch.topk``. Rows up to
+``REG_SELECT_MAX_WIDTH`` keys go to :mod:`~pdserve.kernels.dsa_select` by default (the
+row held in registers, one read); this kernel stays for wider rows and as a variant.
 
 Output: ``[T, K]`` int64 key positions (the reference returns them sorted by score; this
 one in position order within the two groups: attention does not care about order).
@@ -35,6 +40,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels._utils import check_device, dot_precision, dot_upcast, next_pow2, num_sms
+from pdserve.kernels.dsa_select import REG_SELECT_MAX_WIDTH, reg_topk_select
 
 BLOCK_N = 64
 KEYS_PER_PROGRAM = 256
@@ -259,15 +265,27 @@ def topk_select(
     topk: int,
     num_tokens: int,
     out: torch.Tensor | None = None,
+    variant: str = "auto",
 ) -> torch.Tensor:
-    """Positions [T, topk] int64 of each token's ``topk`` best causal scores (-1 pads)."""
+    """Positions [T, topk] int64 of each token's ``topk`` best causal scores (-1 pads).
+
+    ``variant``: ``"rows"`` holds each row in registers
+    (:func:`~pdserve.kernels.dsa_select.reg_topk_select`, rows up to
+    ``REG_SELECT_MAX_WIDTH`` keys), ``"radix"`` the histogram kernel here (any width),
+    ``"auto"`` the first where the width allows."""
     check_device(logits, "topk_select")
-    if out is None:
-        out = torch.full((num_tokens, topk), -1, dtype=torch.int64, device=logits.device)
-    else:
+    if variant not in ("auto", "rows", "radix"):
+        raise ValueError(f"topk_select variant must be auto, rows or radix, not {variant!r}")
+    rows = variant == "rows" or (variant == "auto" and logits.shape[1] <= REG_SELECT_MAX_WIDTH)
+    if out is None:  # the register select writes every slot of its rows (-1 pads) itself
+        out = torch.empty((num_tokens, topk), dtype=torch.int64, device=logits.device)
+    if not rows:
         out.fill_(-1)
     if num_tokens == 0:
         return out
+    if rows:
+        place = (seq_lens, query_start_loc, token_req_idx, token_q_idx)
+        return reg_topk_select(logits, *place, topk, num_tokens, out)
     _select_kernel[(num_tokens,)](
         logits,
         seq_lens,

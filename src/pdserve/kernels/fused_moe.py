@@ -15,7 +15,11 @@ stacked expert weights ``w13`` [E, 2I, H] (gate rows, then up rows) and ``w2`` [
    ``silu(gate) * up`` per pair ([T*k, I]); the [T*k, 2I] product never exists.
 3. **Down GEMM** (``_down_kernel``): program (block, column tile) multiplies the block's
    pair rows by its expert's ``w2`` and scales each row by its routing weight ([T*k, H]).
-4. The k rows of each token are summed in float32 (a deterministic reduction, no atomics).
+4. The k rows of each token are summed in float32 (a deterministic reduction, no atomics),
+   plus ``add`` (the shared experts' output) where given.
+
+Decode-sized batches align in one launch and sum in one (:mod:`pdserve.kernels.moe_align`):
+four launches for the routed experts.
 
 Each block reads its expert's weight tile once for up to ``BLOCK_M`` pairs, so a decode
 step reads every chosen expert's weights once. Prefill batches are processed in chunks
@@ -24,11 +28,14 @@ of ``CHUNK_TOKENS`` tokens to bound the [T*k, H] buffer.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from pdserve.kernels._utils import check_device, dot_precision, dot_upcast
+from pdserve.kernels.moe_align import align_fits, moe_align, moe_combine
 
 CHUNK_TOKENS = 4096
 
@@ -180,14 +187,24 @@ def _down_kernel(
         tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=ok[:, None] & n_ok[None, :])
 
 
-def _config(num_pairs: int, num_experts: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps): small M tiles when few pairs share an expert."""
+class MoeConfig(NamedTuple):
+    """Tile shape of both grouped GEMMs, warps and software-pipelining stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int = 3
+
+
+def _config(num_pairs: int, num_experts: int) -> MoeConfig:
+    """Small M tiles when few pairs share an expert."""
     per_expert = num_pairs / max(1, num_experts)
     if per_expert <= 16:  # decode: weight streaming, one 16-row block per expert
-        return 16, 64, 128, 4
+        return MoeConfig(16, 64, 128, 4)
     if per_expert <= 128:
-        return 64, 128, 64, 4
-    return 128, 128, 64, 8
+        return MoeConfig(64, 128, 64, 4)
+    return MoeConfig(128, 128, 64, 8)
 
 
 def fused_experts(
@@ -197,9 +214,13 @@ def fused_experts(
     weights: torch.Tensor,
     ids: torch.Tensor,
     out: torch.Tensor | None = None,
+    config: MoeConfig | None = None,
+    add: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed experts' output [T, H] in ``x``'s dtype: ``sum_j weights[t, j] *
-    down_e(silu(gate_e(x_t)) * up_e(x_t))`` with ``e = ids[t, j]``."""
+    down_e(silu(gate_e(x_t)) * up_e(x_t))`` with ``e = ids[t, j]``, plus ``add`` [T, H]
+    (rounded as ``routed + add`` rounds). ``config``: the launch shape (default: by
+    pairs per expert, :func:`_config`)."""
     check_device(x, "fused_experts")
     t, h = x.shape
     num_experts, two_i, hw = w13.shape
@@ -211,8 +232,19 @@ def fused_experts(
         out = torch.empty_like(x)
     for a in range(0, t, CHUNK_TOKENS):
         b = min(t, a + CHUNK_TOKENS)
-        _fused_chunk(x[a:b], w13, w2, weights[a:b], ids[a:b], out[a:b])
+        extra = add[a:b] if add is not None else None
+        _fused_chunk(x[a:b], w13, w2, weights[a:b], ids[a:b], out[a:b], config, extra)
     return out
+
+
+def align_pairs(
+    ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`align_by_expert`'s result: one launch where the batch fits
+    (:func:`~pdserve.kernels.moe_align.moe_align`), else the torch ops."""
+    if align_fits(ids.numel(), num_experts):
+        return moe_align(ids, num_experts, block_m)
+    return align_by_expert(ids, num_experts, block_m)
 
 
 def _fused_chunk(
@@ -222,6 +254,8 @@ def _fused_chunk(
     weights: torch.Tensor,
     ids: torch.Tensor,
     out: torch.Tensor,
+    config: MoeConfig | None,
+    add: torch.Tensor | None,
 ) -> None:
     t, h = x.shape
     k = ids.shape[1]
@@ -230,8 +264,8 @@ def _fused_chunk(
     n = t * k
     if n == 0:
         return
-    bm, bn, bk, warps = _config(n, num_experts)
-    pairs, block_expert = align_by_expert(ids, num_experts, bm)
+    bm, bn, bk, warps, stages = config or _config(n, num_experts)
+    pairs, block_expert = align_pairs(ids, num_experts, bm)
     nb = block_expert.shape[0]
     act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
     prec, up = dot_precision(x.dtype), dot_upcast(x.dtype)
@@ -255,6 +289,7 @@ def _fused_chunk(
         DOT_PREC=prec,
         UPCAST=up,
         num_warps=warps,
+        num_stages=stages,
     )
     per_pair = torch.empty(n, h, dtype=x.dtype, device=x.device)
     wflat = weights.reshape(-1).to(torch.float32)
@@ -278,8 +313,9 @@ def _fused_chunk(
         DOT_PREC=prec,
         UPCAST=up,
         num_warps=warps,
+        num_stages=stages,
     )
-    out.copy_(per_pair.view(t, k, h).sum(dim=1, dtype=torch.float32))
+    moe_combine(per_pair, k, out, add)
 
 
 def fused_experts_reference(

@@ -43,7 +43,8 @@ from pdserve.kernels._utils import (
     interpret_mode,
     quantize_rows_e4m3,
 )
-from pdserve.kernels.fused_moe import align_by_expert
+from pdserve.kernels.fused_moe import align_pairs
+from pdserve.kernels.moe_align import moe_combine
 from pdserve.kernels.reference import FP8_DTYPE, FP8_GROUP, FP8_MAX
 
 
@@ -234,10 +235,12 @@ def fused_experts_fp8(
     weights: torch.Tensor,
     ids: torch.Tensor,
     out: torch.Tensor | None = None,
+    add: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed experts' output [T, H] in ``x``'s dtype (bf16/fp16/fp32) with block-FP8
     expert weights: ``sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))``,
-    ``e = ids[t, j]``, activations quantized per token per 128 channels (module doc)."""
+    ``e = ids[t, j]``, activations quantized per token per 128 channels (module doc),
+    plus ``add`` [T, H] where given."""
     check_device(x, "fused_experts_fp8")
     _check(x, w13, w13_scale_inv, w2, w2_scale_inv)
     if out is None:
@@ -245,7 +248,10 @@ def fused_experts_fp8(
     step = fused_moe.CHUNK_TOKENS
     for a in range(0, x.shape[0], step):
         b = min(x.shape[0], a + step)
-        _fp8_chunk(x[a:b], w13, w13_scale_inv, w2, w2_scale_inv, weights[a:b], ids[a:b], out[a:b])
+        extra = add[a:b] if add is not None else None
+        _fp8_chunk(
+            x[a:b], w13, w13_scale_inv, w2, w2_scale_inv, weights[a:b], ids[a:b], out[a:b], extra
+        )
     return out
 
 
@@ -258,6 +264,7 @@ def _fp8_chunk(
     weights: torch.Tensor,
     ids: torch.Tensor,
     out: torch.Tensor,
+    add: torch.Tensor | None,
 ) -> None:
     t, h = x.shape
     k = ids.shape[1]
@@ -267,7 +274,7 @@ def _fp8_chunk(
     if n == 0:
         return
     bm, bn, warps = _fp8_config(n, num_experts)
-    pairs, block_expert = align_by_expert(ids, num_experts, bm)
+    pairs, block_expert = align_pairs(ids, num_experts, bm)
     nb = block_expert.shape[0]
     interp = interpret_mode()
     stages = 1 if interp else 3
@@ -329,4 +336,4 @@ def _fp8_chunk(
         num_warps=warps,
         num_stages=stages,
     )
-    out.copy_(per_pair.view(t, k, h).sum(dim=1, dtype=torch.float32))
+    moe_combine(per_pair, k, out, add)

@@ -44,6 +44,47 @@ def _rotate(base, offs, h_ok, c, s, HALF: tl.constexpr, ROUND: tl.constexpr):
 
 
 @triton.jit
+def load_pairs(base, offs, mask, HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """The (x1, x2) tiles of the rotation pairs of the rows at ``base`` (a pointer tile
+    [rows, 1]; ``offs`` [BLOCK_HALF] pair indices): dims (2i, 2i+1) when ``INTERLEAVED``
+    (GPT-J / DeepSeek), (i, i + HALF) otherwise (neox)."""
+    if INTERLEAVED:
+        p1 = base + 2 * offs[None, :]
+        p2 = p1 + 1
+    else:
+        p1 = base + offs[None, :]
+        p2 = p1 + HALF
+    return tl.load(p1, mask=mask, other=0.0), tl.load(p2, mask=mask, other=0.0)
+
+
+@triton.jit
+def rotate_pairs(x1r, x2r, c, s, ROUND: tl.constexpr):
+    """(x1 c - x2 s, x2 c + x1 s) in the inputs' dtype; ``ROUND``: each product rounded
+    to that dtype first, as torch computes it in a 16-bit dtype. Either layout stores
+    the first at dims [0, HALF) of the rotated part and the second at [HALF, 2 HALF)
+    (HF's order for the interleaved layout too)."""
+    dt = x1r.dtype
+    x1 = x1r.to(tl.float32)
+    x2 = x2r.to(tl.float32)
+    if ROUND:
+        y1 = ((x1 * c).to(dt).to(tl.float32) - (x2 * s).to(dt).to(tl.float32)).to(dt)
+        y2 = ((x2 * c).to(dt).to(tl.float32) + (x1 * s).to(dt).to(tl.float32)).to(dt)
+    else:
+        y1 = (x1 * c - x2 * s).to(dt)
+        y2 = (x2 * c + x1 * s).to(dt)
+    return y1, y2
+
+
+@triton.jit
+def load_cos_sin(cos_ptr, sin_ptr, pos, stride_cos, stride_sin, offs, HALF: tl.constexpr):
+    """cos and sin rows [1, BLOCK_HALF] (float32) of position ``pos``."""
+    ok = offs < HALF
+    c = tl.load(cos_ptr + pos * stride_cos + offs, mask=ok, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + pos * stride_sin + offs, mask=ok, other=0.0).to(tl.float32)
+    return c[None, :], s[None, :]
+
+
+@triton.jit
 def _rope_kernel(
     q_ptr,
     k_ptr,

@@ -31,6 +31,8 @@ log-sum-exp and a second kernel combines them. ``num_splits`` comes from host in
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -41,18 +43,38 @@ from pdserve.kernels.decode_attention import _reduce_kernel
 MAX_SPLITS = 32
 MIN_KEYS_PER_SPLIT = 128
 CTAS_PER_SM = 4
-# (heads per program, candidate keys per tile, warps, stages) at kv_lora_rank 512, from
-# an H200 sweep (64 heads, top-k 2048): each gathered cache row serves the whole head block
-CONFIG_FEW_TOKENS = (16, 64, 8, 2)  # up to FEW_TOKENS query rows: more, smaller programs
-CONFIG_MANY_TOKENS = (32, 32, 4, 3)
-CONFIG_SMALL = (16, 32, 4, 2)  # narrow latents (tests, toy models)
+
+
+class MlaConfig(NamedTuple):
+    """Launch shape: heads per program, candidate keys per tile, warps, pipeline stages."""
+
+    block_h: int
+    block_n: int
+    warps: int
+    stages: int
+
+
+# At kv_lora_rank 512, from H200 sweeps (64 heads, top-k 2048): each gathered cache row
+# serves the whole head block, so the more heads a program holds the fewer times a row
+# is gathered. WIDE holds 64 heads (every head of a GLM-5 / DeepSeek-V3.2 token at TP1)
+# in one 64-row MMA tile: its [64, 512] float32 accumulator needs two warpgroups.
+CONFIG_FEW_TOKENS = MlaConfig(16, 64, 8, 2)  # up to FEW_TOKENS query rows: more programs
+CONFIG_MANY_TOKENS = MlaConfig(32, 32, 4, 3)
+CONFIG_WIDE = MlaConfig(64, 32, 8, 3)  # WIDE_MIN_TOKENS+ rows of 64+ heads (prefill, verify)
+CONFIG_SMALL = MlaConfig(16, 32, 4, 2)  # narrow latents (tests, toy models)
 FEW_TOKENS = 4
+WIDE_MIN_TOKENS = 64
+WIDE_CTAS_PER_SM = 1  # a WIDE program takes most of a multiprocessor's shared memory
 
 
-def _config(num_tokens: int, block_l: int) -> tuple[int, int, int, int]:
+def _config(num_tokens: int, num_heads: int, block_l: int) -> MlaConfig:
     if block_l < 256:
         return CONFIG_SMALL
-    return CONFIG_FEW_TOKENS if num_tokens <= FEW_TOKENS else CONFIG_MANY_TOKENS
+    if num_tokens <= FEW_TOKENS:
+        return CONFIG_FEW_TOKENS
+    if num_heads >= CONFIG_WIDE.block_h and num_tokens >= WIDE_MIN_TOKENS:
+        return CONFIG_WIDE
+    return CONFIG_MANY_TOKENS
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -92,6 +114,7 @@ def _mla_kernel(
     BLOCK_N: tl.constexpr,
     HAS_TOPK: tl.constexpr,
     SPLIT: tl.constexpr,
+    EVEN: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -113,9 +136,13 @@ def _mla_kernel(
     heads = hb * BLOCK_HH + tl.arange(0, BLOCK_HH)
     h_ok = heads < NUM_HEADS
     offs_l = tl.arange(0, BLOCK_L)
-    l_ok = offs_l < LAT
     offs_r = tl.arange(0, BLOCK_R)
-    r_ok = offs_r < ROPE
+    if EVEN:  # widths are their tiles: no feature masks, so gathers stay 16-byte wide
+        l_ok = offs_l < BLOCK_L
+        r_ok = offs_r < BLOCK_R
+    else:
+        l_ok = offs_l < LAT
+        r_ok = offs_r < ROPE
     ql = tl.load(
         qlat_ptr + t * stride_qlt + heads[:, None] * stride_qlh + offs_l[None, :],
         mask=h_ok[:, None] & l_ok[None, :],
@@ -149,14 +176,22 @@ def _mla_kernel(
         p = tl.where(ok, p, 0)
         blk = tl.load(bt_row + p // PAGE, mask=ok, other=0).to(tl.int64)
         row = blk * stride_cb + (p % PAGE).to(tl.int64) * stride_cs
-        kl = tl.load(
-            cache_ptr + row[:, None] + offs_l[None, :], mask=ok[:, None] & l_ok[None, :], other=0.0
-        )  # [BLOCK_N, BLOCK_L]
-        kr = tl.load(
-            cache_ptr + row[:, None] + LAT + offs_r[None, :],
-            mask=ok[:, None] & r_ok[None, :],
-            other=0.0,
-        )
+        if EVEN:
+            kl = tl.load(cache_ptr + row[:, None] + offs_l[None, :], mask=ok[:, None], other=0.0)
+            kr = tl.load(
+                cache_ptr + row[:, None] + LAT + offs_r[None, :], mask=ok[:, None], other=0.0
+            )
+        else:
+            kl = tl.load(
+                cache_ptr + row[:, None] + offs_l[None, :],
+                mask=ok[:, None] & l_ok[None, :],
+                other=0.0,
+            )  # [BLOCK_N, BLOCK_L]
+            kr = tl.load(
+                cache_ptr + row[:, None] + LAT + offs_r[None, :],
+                mask=ok[:, None] & r_ok[None, :],
+                other=0.0,
+            )
         kl = kl.to(ql.dtype)  # an fp8 cache is read in the query dtype (its scale: caller's)
         kr = kr.to(qr.dtype)
         s = tl.dot(ql, tl.trans(kl), input_precision=DOT_PREC)
@@ -183,13 +218,23 @@ def _mla_kernel(
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & l_ok[None, :])
 
 
-def choose_splits(num_tokens: int, num_heads: int, max_candidates: int, num_sms: int) -> int:
+def choose_splits(
+    num_tokens: int,
+    num_heads: int,
+    max_candidates: int,
+    num_sms: int,
+    lat: int = 512,
+    config: MlaConfig | None = None,
+) -> int:
     """Power-of-two split count from host facts (graph-safe): about ``CTAS_PER_SM``
-    programs per multiprocessor, at least ``MIN_KEYS_PER_SPLIT`` candidates per split
-    (``max_candidates``: ``K`` with top-k, else a static context bound)."""
-    block_h = _config(num_tokens, 512 if num_heads >= 16 else 0)[0]
-    programs = max(1, num_tokens * triton.cdiv(num_heads, block_h))
-    target = CTAS_PER_SM * num_sms
+    programs per multiprocessor (``WIDE_CTAS_PER_SM`` for 64-head programs), at least
+    ``MIN_KEYS_PER_SPLIT`` candidates per split (``max_candidates``: ``K`` with top-k,
+    else a static context bound). ``config``: the launch shape to split for (default:
+    the one :func:`sparse_mla_attention` picks)."""
+    cfg = config or _config(num_tokens, num_heads, max(16, next_pow2(lat)))
+    programs = max(1, num_tokens * triton.cdiv(num_heads, cfg.block_h))
+    per_sm = WIDE_CTAS_PER_SM if cfg.block_h >= CONFIG_WIDE.block_h else CTAS_PER_SM
+    target = per_sm * num_sms
     s = 1
     while (
         s * 2 <= MAX_SPLITS
@@ -214,10 +259,12 @@ def sparse_mla_attention(
     num_tokens: int,
     num_splits: int = 1,
     out: torch.Tensor | None = None,
+    config: MlaConfig | None = None,
 ) -> torch.Tensor:
     """Attention of the first ``num_tokens`` rows of ``q_lat`` [T, H, L] / ``q_pe``
     [T, H, R] over ``cache`` [blocks, block_size, L + R]; returns ``out`` [T, H, L] (rows
-    past ``num_tokens`` untouched). ``topk`` [T, K] (any int dtype) or None for dense."""
+    past ``num_tokens`` untouched). ``topk`` [T, K] (any int dtype) or None for dense.
+    ``config``: the launch shape (default: by token count and heads, :func:`_config`)."""
     check_device(q_lat, "sparse_mla_attention")
     _, num_heads, lat = q_lat.shape
     rope = q_pe.shape[-1]
@@ -241,7 +288,8 @@ def sparse_mla_attention(
     has_topk = topk is not None
     tk = topk if topk is not None else seq_lens
     block_l = max(16, next_pow2(lat))
-    block_h, block_n, warps, stages = _config(num_tokens, block_l)
+    block_r = max(16, next_pow2(rope))
+    block_h, block_n, warps, stages = config or _config(num_tokens, num_heads, block_l)
     _mla_kernel[(num_tokens, triton.cdiv(num_heads, block_h), num_splits)](
         q_lat,
         q_pe,
@@ -272,12 +320,13 @@ def sparse_mla_attention(
         LAT=lat,
         ROPE=rope,
         BLOCK_L=block_l,
-        BLOCK_R=max(16, next_pow2(rope)),
+        BLOCK_R=block_r,
         PAGE=page,
         BLOCK_HH=block_h,
         BLOCK_N=block_n if block_l <= 512 else 16,
         HAS_TOPK=has_topk,
         SPLIT=split,
+        EVEN=block_l == lat and block_r == rope,
         DOT_PREC=dot_precision(q_lat.dtype),
         UPCAST=dot_upcast(q_lat.dtype),
         num_warps=warps,

@@ -33,10 +33,16 @@ Request lifecycle, decode side (kv_consumer or kv_both):
 
 The side channel (decode's puller ↔ prefill's KV server, ZMQ) is hostile ground:
   - Every message carries an HMAC with the topology's secret (``PDSERVE_PD_SECRET``;
-    a P/D role refuses to start without it) and every reply one bound to its request
-    (``wire``). The server verifies before it decodes; anything else gets an
-    unsigned "not authenticated" / malformed error, is counted and never acted upon,
-    and no byte sequence stops the server thread (``handler``, ``server``).
+    a P/D role refuses to start without it) over a per-connection session and a
+    counter, and every reply one bound to its request (``wire``). The server verifies
+    before it decodes; anything else, and any recorded message sent again, gets an
+    error, is counted and never acted upon, and no byte sequence stops the server
+    thread (``handler``, ``server``).
+  - Leases are bound to their prompt: prefill records the digest of the prompt's token
+    ids with the lease (and returns it as ``remote_prompt_digest``); a read or a done
+    notice names the digest of decode's own prompt and decode's engine id, and prefill
+    serves the KV only for the same prompt, to the first decode that read it
+    (``lease``). Decode params for one prompt never pull (or free) another's KV.
   - Authenticated peers are bounded: reads per lease, reads per second per
     connection, request ids per heartbeat / done notice (``KVTransferConfig``).
   - Decode runs one worker per prefill endpoint with per-job deadlines, so a dead or

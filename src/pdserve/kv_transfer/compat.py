@@ -12,7 +12,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-CONNECTOR_VERSION = 3  # 3: authenticated side channel (wire.py envelope)
+CONNECTOR_VERSION = 4  # 3: authenticated side channel (wire.py envelope); 4: sessions, bound reads
 
 
 def compat_info(

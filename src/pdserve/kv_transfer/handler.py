@@ -4,7 +4,13 @@
 socket delivered them (the peer's identity first) and returns the frames to send back.
 It never raises for any input: frames of the wrong count, a tag that does not verify
 and a payload that does not decode are refused with an ``Error`` reply before anything
-is decoded or acted upon, and counted by kind in :attr:`KVRequestHandler.rejected`.
+is decoded or acted upon, and counted by kind in :attr:`KVRequestHandler.rejected`. An
+authenticated message outside a session, or one whose counter was seen (a recorded
+message sent again: :class:`~pdserve.kv_transfer.wire.Sessions`), is refused the same
+way (kind ``replayed``), before it is acted upon.
+
+Reads are bound to their lease's prompt and first reader (:class:`LeaseTable`): a read
+names the digest of decode's prompt and decode's engine id.
 
 Bounds on authenticated peers (``kv_connector_extra_config``, see ``KVTransferConfig``):
 reads per lease (in :class:`LeaseTable`), reads per second per connection (a token
@@ -20,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.kv_transfer import wire as W
-from pdserve.kv_transfer.lease import LeaseTable, ReadLimitError
+from pdserve.kv_transfer.lease import LeaseTable, ReadRefused
 from pdserve.kv_transfer.transports.base import ServerTransport
 
 logger = logging.getLogger(__name__)
@@ -69,12 +75,19 @@ class KVRequestHandler:
         self.limits = limits
         self._buckets: dict[bytes, _TokenBucket] = {}
         self._lock = threading.Lock()  # the counters are read from the engine's thread
-        self._rejected: dict[str, int] = {"unauthenticated": 0, "malformed": 0, "limit": 0}
+        self._rejected: dict[str, int] = {
+            "unauthenticated": 0,
+            "malformed": 0,
+            "limit": 0,
+            "replayed": 0,
+        }
+        self.sessions = W.Sessions()
         self._logged_at: dict[str, float] = {}
 
     @property
     def rejected(self) -> dict[str, int]:
-        """Messages refused since start, by kind (unauthenticated, malformed, limit)."""
+        """Messages refused since start, by kind (unauthenticated, malformed, limit,
+        replayed)."""
         with self._lock:
             return dict(self._rejected)
 
@@ -85,22 +98,32 @@ class KVRequestHandler:
             return []
         ident, body = frames[0], frames[1:]
         try:
-            tag, msg = W.open_request(self.secret, body)
+            tag, session, counter, msg = W.open_request(self.secret, body)
         except W.Refused as e:
             self._count(e.kind, str(e))
             return [ident, *W.unsigned_error(str(e))]
+        if isinstance(msg, W.Handshake):
+            session = self.sessions.open()
+        else:
+            try:
+                self.sessions.accept(session, counter)
+            except W.Replayed as e:  # authentic, but not new: answered, never acted upon
+                self._count(e.kind, str(e))
+                return [ident, *W.seal_reply(self.secret, tag, W.Error(str(e)))]
         try:
-            reply, bulk = self._handle(ident, msg)
+            reply, bulk = self._handle(ident, msg, session)
         except Exception as e:  # a bug or a transport failure answers, never kills the server
             logger.exception("KV server: %s failed", type(msg).__name__)
             reply, bulk = W.Error(f"{type(e).__name__}: {e}"), []
         return [ident, *W.seal_reply(self.secret, tag, reply), *bulk]
 
     # -- authenticated messages -------------------------------------------------------------
-    def _handle(self, peer: bytes, msg: W.ToServer) -> tuple[W.FromServer, list[Any]]:
+    def _handle(
+        self, peer: bytes, msg: W.ToServer, session: bytes
+    ) -> tuple[W.FromServer, list[Any]]:
         if isinstance(msg, W.Handshake):
             return W.HandshakeReply(
-                self.engine_id, self.compat, self.transport.transport_info()
+                self.engine_id, self.compat, self.transport.transport_info(), session
             ), []
         if isinstance(msg, W.Heartbeat | W.Done):
             n, most = len(msg.request_ids), self.limits.max_ids_per_message
@@ -111,9 +134,14 @@ class KVRequestHandler:
                 )
             if isinstance(msg, W.Heartbeat):
                 self.leases.renew(msg.request_ids)  # renews only leases that exist
-            else:
-                for rid in msg.request_ids:
-                    self.leases.finish(rid)
+                return W.Ack(), []
+            digests = msg.prompt_digests
+            for i, rid in enumerate(msg.request_ids):
+                digest = digests[i] if i < len(digests) else ""
+                try:
+                    self.leases.finish(rid, digest, msg.consumer)
+                except ReadRefused as e:  # another prompt's or consumer's: left held
+                    self._count("limit", f"a done notice refused: {e}")
             return W.Ack(), []
         if isinstance(msg, W.Read):
             return self._read(peer, msg)
@@ -136,8 +164,8 @@ class KVRequestHandler:
                 f"{self.limits.max_reads_per_second:g})"
             )
         try:
-            held = self.leases.begin_read(rid)
-        except ReadLimitError as e:
+            held = self.leases.begin_read(rid, msg.prompt_digest, msg.consumer)
+        except ReadRefused as e:
             return self._refuse(str(e))
         if held is None:
             return W.Error(

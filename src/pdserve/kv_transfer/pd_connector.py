@@ -21,7 +21,7 @@ from pdserve.core_types.kv_connector import (
     KVPeer,
 )
 from pdserve.core_types.kv_transfer_params import KVTransferParams
-from pdserve.core_types.pd_auth import SECRET_ENV, load_secret
+from pdserve.core_types.pd_auth import SECRET_ENV, load_secret, prompt_digest
 from pdserve.core_types.utils import cdiv
 from pdserve.forward_context import KVCaches
 from pdserve.kv_transfer.base import (
@@ -131,7 +131,13 @@ class PdConnectorScheduler(KVConnectorScheduler):
             )
         assert p.remote_request_id is not None
         self._pending[req.request_id] = KVLoad(
-            req.request_id, KVPeer.of(p), p.remote_request_id, block_ids[first:last], first, held
+            req.request_id,
+            KVPeer.of(p),
+            p.remote_request_id,
+            block_ids[first:last],
+            first,
+            held,
+            prompt_digest(req.prompt_token_ids),
         )
 
     def build_connector_meta(self) -> KVConnectorMetadata:
@@ -161,11 +167,13 @@ class PdConnectorScheduler(KVConnectorScheduler):
     def give_up(self, req: ConnectorRequest) -> None:
         """Decode will not read this request's KV (load failed, or recompute instead)."""
         self._remote.pop(req.request_id, None)
-        self._cancel(req.kv_transfer_params)
+        self._cancel(req)
 
-    def _cancel(self, p: KVTransferParams | None) -> None:
+    def _cancel(self, req: ConnectorRequest) -> None:
+        p = req.kv_transfer_params
         if p is not None and p.do_remote_prefill and p.remote_request_id is not None:
-            self._cancels.append(KVNotice(KVPeer.of(p), [p.remote_request_id]))
+            digest = prompt_digest(req.prompt_token_ids)
+            self._cancels.append(KVNotice(KVPeer.of(p), [p.remote_request_id], [digest]))
 
     # -- both sides -------------------------------------------------------------------------
     def request_finished(
@@ -173,12 +181,12 @@ class PdConnectorScheduler(KVConnectorScheduler):
     ) -> tuple[bool, KVTransferParams | None]:
         rid = req.request_id
         if rid in self._remote:  # decode side, KV not (fully) pulled
-            p = self._remote.pop(rid)
+            self._remote.pop(rid)
             self._pending.pop(rid, None)
             if rid in self._loading:  # a pull is writing into our blocks: free after it stops
                 self._abandoned.add(rid)
                 return True, None
-            self._cancel(p)
+            self._cancel(req)
             return False, None
         ok = req.finished_normally
         if not (self.cfg.is_producer and wants_remote_decode(req) and ok and block_ids):
@@ -188,7 +196,8 @@ class PdConnectorScheduler(KVConnectorScheduler):
         # the prompt's blocks only: lookahead slots past it (MTP drafting) hold no prompt
         # KV (they are freed with the rest when the lease ends)
         prompt_blocks = block_ids[: cdiv(req.num_prompt_tokens, self.block_size)]
-        self.s.leases.add(rid, prompt_blocks)
+        digest = prompt_digest(req.prompt_token_ids)
+        self.s.leases.add(rid, prompt_blocks, digest)
         return True, KVTransferParams(
             do_remote_prefill=True,
             do_remote_decode=False,
@@ -200,6 +209,7 @@ class PdConnectorScheduler(KVConnectorScheduler):
             tp_size=1,
             remote_num_tokens=req.num_prompt_tokens,
             remote_lease_seconds=self.cfg.lease_seconds,
+            remote_prompt_digest=digest,
         )
 
     def take_freeable(self) -> list[str]:
@@ -263,6 +273,7 @@ class PdConnectorWorker(KVConnectorWorker):
                 max_ids_per_message=cfg.max_ids_per_message,
                 allowed=cfg.allowed_prefill,
                 max_peers=cfg.max_prefill_peers,
+                consumer=self.s.engine_id,
             )
         self.supervisor = Supervisor(self.s.server, self.s.puller)
 

@@ -2,8 +2,9 @@
 
 A :class:`PeerLink` is a ZMQ DEALER socket that handshakes on first use (the peer's
 compatibility, engine id and transport payload, all in an authenticated reply) and
-then carries one request at a time, each reply checked against the topology's secret
-and bound to its request. It belongs to one thread (ZMQ sockets are not thread-safe):
+then carries one request at a time in the session the handshake opened (each request
+numbered one above the last, so none can be replayed), each reply checked against the
+topology's secret and bound to its request. It belongs to one thread (ZMQ sockets are not thread-safe):
 the puller's worker for that peer. Any failure leaves the link unusable; the worker
 closes it and the next job dials and handshakes again (so a restarted prefill is
 picked up).
@@ -43,6 +44,8 @@ class PeerLink:
         self.stop = stop
         self.engine_id: str | None = None
         self.transport: ClientTransport | None = None
+        self.session = W.NO_SESSION  # until the handshake opens one
+        self.counter = 0  # the last request's number in the session
         self.sock: zmq.Socket = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(f"tcp://{target.host}:{target.port}")
@@ -58,7 +61,7 @@ class PeerLink:
         self.sock.close(linger=0)
 
     def handshake(self, timeout: float) -> None:
-        reply, _ = self.request(W.Handshake(self.compat), timeout)
+        reply, _ = self.request(W.Handshake(self.compat, W.client_nonce()), timeout)
         if isinstance(reply, W.Error):
             raise RuntimeError(f"handshake refused by prefill: {reply.message}")
         if not isinstance(reply, W.HandshakeReply):
@@ -71,18 +74,23 @@ class PeerLink:
             raise RuntimeError(
                 f"prefill at {self.name} is engine {reply.engine_id}, not {expected} (restarted?)"
             )
+        if len(reply.session) != W.SESSION_BYTES:
+            raise RuntimeError("the prefill KV server opened no side-channel session")
         self.transport = self.make_client(reply.transport_info)
         self.engine_id = reply.engine_id
+        self.session, self.counter = reply.session, 0
 
     def request(self, msg: W.ToServer, timeout: float) -> tuple[W.FromServer, list]:
         """Send ``msg``; the authenticated reply and its bulk frames, or an exception
         (``TimeoutError`` after ``timeout`` s, :class:`wire.Refused` for a reply that
         does not verify)."""
-        tag, payload = W.seal_request(self.secret, msg)
+        if not isinstance(msg, W.Handshake):
+            self.counter += 1
+        tag, head, payload = W.seal_request(self.secret, msg, self.session, self.counter)
         ms = max(1, int(timeout * 1000))
         self.sock.setsockopt(zmq.SNDTIMEO, ms)
         try:
-            self.sock.send_multipart([tag, payload])
+            self.sock.send_multipart([tag, head, payload])
         except zmq.Again:
             raise TimeoutError(f"could not send to the prefill KV server in {timeout:g}s") from None
         deadline = time.monotonic() + timeout

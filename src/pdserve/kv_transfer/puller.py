@@ -102,6 +102,7 @@ class KVPuller:
         allowed: frozenset[tuple[str, int]] | None = None,
         max_peers: int = 64,
         idle_seconds: float = 60.0,
+        consumer: str = "",
     ) -> None:
         self.compat = compat
         self.make_client = make_client
@@ -112,6 +113,7 @@ class KVPuller:
         self.allowed = allowed
         self.max_peers = max_peers
         self.idle_seconds = idle_seconds
+        self.consumer = consumer  # this decode engine's id: named in every read
         self._ctx = zmq.Context()
         self._workers: dict[tuple[str, int], _Worker] = {}  # (host, port) -> its worker
         self._results: list[LoadResult] = []
@@ -186,11 +188,10 @@ class KVPuller:
 
     # -- queueing ----------------------------------------------------------------------------
     def _notice(self, notice: KVNotice, kind: int, budget: float) -> None:
-        ids = notice.request_ids
-        for i in range(0, len(ids), self.max_ids):  # prefill refuses longer notices
-            why = self._submit(
-                notice.peer, kind, budget, KVNotice(notice.peer, ids[i : i + self.max_ids])
-            )
+        ids, digests, n = notice.request_ids, notice.prompt_digests, self.max_ids
+        for i in range(0, len(ids), n):  # prefill refuses longer notices
+            part = KVNotice(notice.peer, ids[i : i + n], digests[i : i + n])
+            why = self._submit(notice.peer, kind, budget, part)
             if why is not None:
                 logger.warning(
                     "KV %s to %s not sent: %s", _KIND_NAME[kind], _name(notice.peer), why
@@ -284,7 +285,8 @@ class KVPuller:
             logger.info("KV %s to %s dropped: past its deadline", _KIND_NAME[job.kind], w.name)
             return
         try:
-            self._link(w, job).notify(_notice_msg(job), min(self.handshake_timeout, left))
+            msg = _notice_msg(job, self.consumer)
+            self._link(w, job).notify(msg, min(self.handshake_timeout, left))
         except Exception as e:
             logger.warning("KV side channel to %s: %s", w.name, e)
             self._drop(w)
@@ -329,7 +331,14 @@ class KVPuller:
                 raise TimeoutError("it waited in the queue past its deadline")
             link = self._link(w, job)
             rid = load.remote_request_id
-            read = W.Read(rid, load.first_block, len(load.local_block_ids), load.num_blocks)
+            read = W.Read(
+                rid,
+                load.first_block,
+                len(load.local_block_ids),
+                load.num_blocks,
+                load.prompt_digest,
+                self.consumer,
+            )
             left = max(0.001, job.deadline - time.monotonic())
             pending = link.start_read(read, load.local_block_ids, min(self.transfer_timeout, left))
             link_ok = self._notices_while(w, link, pending, job.deadline)
@@ -345,7 +354,7 @@ class KVPuller:
             if not link_ok:  # a notice failed on it meanwhile: dial again
                 self._drop(w)
                 link = self._link(w, job)
-            link.notify(W.Done([rid]), self.handshake_timeout)
+            link.notify(W.Done([rid], [load.prompt_digest], self.consumer), self.handshake_timeout)
         except Exception as e:
             logger.warning("KV side channel to %s: done notice failed: %s", w.name, e)
             self._drop(w)
@@ -365,7 +374,7 @@ class KVPuller:
             if left <= 0:
                 continue  # past its deadline: superseded by the next heartbeat or expiry
             try:
-                link.notify(_notice_msg(job), min(self.handshake_timeout, left))
+                link.notify(_notice_msg(job, self.consumer), min(self.handshake_timeout, left))
             except Exception as e:
                 logger.warning("KV side channel to %s: %s", w.name, e)
                 return False
@@ -388,8 +397,11 @@ def _next_notice(jobs: queue.PriorityQueue[_Job]) -> _Job | None:
     return job
 
 
-def _notice_msg(job: _Job) -> W.Done | W.Heartbeat:
-    return W.Done(job.arg.request_ids) if job.kind == _DONE else W.Heartbeat(job.arg.request_ids)
+def _notice_msg(job: _Job, consumer: str) -> W.Done | W.Heartbeat:
+    notice: KVNotice = job.arg
+    if job.kind == _DONE:
+        return W.Done(notice.request_ids, notice.prompt_digests, consumer)
+    return W.Heartbeat(notice.request_ids)
 
 
 def _name(peer: KVPeer) -> str:

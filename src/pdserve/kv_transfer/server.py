@@ -31,7 +31,7 @@ _POLL_MS = 100
 _BASE_MESSAGE_BYTES = 1 << 20
 _BYTES_PER_ID = 512  # room per request id in a heartbeat / done notice
 _RCVHWM = 64  # messages queued per connection before libzmq stops reading it
-_KEEP_FRAMES = 4  # identity + tag + payload, and one more to see it is too many
+_KEEP_FRAMES = 5  # identity + tag + header + payload, and one more to see it is too many
 _BIND_TRIES = 10
 _MAX_FAILURES_IN_A_ROW = 100
 

@@ -24,7 +24,8 @@ interpreter), :func:`pdserve.kernels.moe_router.router_select` does the router's
 selection after its float32 GEMM, and :func:`pdserve.kernels.fused_moe.fused_experts`
 replaces both expert paths: tokens aligned by expert on the device, a grouped gate/up
 GEMM with SiLU-and-mul fused, a grouped down GEMM with the routing weights applied; no
-host sync at any batch size. The shared experts stay a dense MLP (fused layers too).
+host sync at any batch size. The shared experts stay a dense MLP (fused layers too); with
+the fused kernels their output joins the routed rows' final sum (no add of its own).
 
 Tensor parallelism (``groups.tp`` of size n): the router is replicated; every expert's
 and the shared experts' intermediate dimension is split n ways (gate/up rows and down
@@ -267,21 +268,31 @@ class RoutedExperts(nn.Module):
         """The global ids of the experts this rank holds."""
         return range(self.expert_offset, self.expert_offset + self.num_local_experts)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        add: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The routed experts' output [T, H], plus ``add`` [T, H] where given (the shared
+        experts' output: the fused kernels add it in their final sum, no launch of its own)."""
         if self.fp8:
             s13, s2 = self.fp8_scales()
             if self.fused:
                 from pdserve.kernels.fused_moe_fp8 import fused_experts_fp8
 
-                return fused_experts_fp8(x, self.w13, s13, self.w2, s2, weights, ids)
-            return fused_experts_fp8_reference(x, self.w13, s13, self.w2, s2, weights, ids)
-        if self.fused and self.w13.dtype in _FUSED_DTYPES:
+                return fused_experts_fp8(x, self.w13, s13, self.w2, s2, weights, ids, add=add)
+            out = fused_experts_fp8_reference(x, self.w13, s13, self.w2, s2, weights, ids)
+        elif self.fused and self.w13.dtype in _FUSED_DTYPES:
             from pdserve.kernels.fused_moe import fused_experts
 
-            return fused_experts(x, self.w13, self.w2, weights, ids)
-        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        fn = experts_dense if capturing else experts_sorted
-        return fn(x, self.w13, self.w2, weights, ids)
+            return fused_experts(x, self.w13, self.w2, weights, ids, add=add)
+        else:
+            capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+            fn = experts_dense if capturing else experts_sorted
+            out = fn(x, self.w13, self.w2, weights, ids)
+        return out if add is None else out + add
 
     def expert_views(self, e: int) -> dict[str, torch.Tensor]:
         """HF's per-expert names (relative to ``experts.{e}.``, ``e`` a global id this rank
@@ -418,12 +429,13 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        if self.ep.size == 1:
-            out = self.experts(x, weights, ids)
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        if self.ep.size == 1:  # the shared output joins the routed experts' final sum
+            out = self.experts(x, weights, ids, add=shared)
         else:  # graph capture needs static shapes: the all-gather path (module docstring)
             capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
             dispatch = self.all_gather if capturing else self.all_to_all
             out = dispatch(x, weights, ids, self.experts)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            if shared is not None:
+                out = out + shared
         return self.tp.all_reduce(out)  # the ranks' partial sums (identity without TP)

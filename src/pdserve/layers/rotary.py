@@ -185,6 +185,12 @@ class RopeInputs:
     cos: torch.Tensor | None  # None on the fused path
     sin: torch.Tensor | None
 
+    @property
+    def fused(self) -> bool:
+        """Whether the fused kernels are on: they read the tables by position themselves
+        (and may fuse the rotation with what follows it, e.g. a cache write)."""
+        return self.cos is None or self.sin is None
+
     def rotate(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [T, H, D] and k [T, Hkv, D]; the fused kernel works in place."""
         if self.cos is None or self.sin is None:

@@ -145,12 +145,11 @@ class MLASelfAttention(nn.Module):
             qr, q = x, self.q_proj(x)
         q = q.view(t, self.num_heads, dc.qk_head_dim)
         q_nope, q_pe = q.split([dc.qk_nope_head_dim, dc.qk_rope_head_dim], dim=-1)
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split(
-            [dc.kv_lora_rank, dc.qk_rope_head_dim], dim=-1
+        # q_pe's RoPE, the latent's norm, k_pe's RoPE (and, where the fused kernels are
+        # on, this step's latent-cache rows: then latent and k_pe are None): one launch
+        q_pe, latent, k_pe = self.attn.prepare(
+            q_pe, self.kv_a_proj_with_mqa(x), self.kv_a_layernorm, rope, dc.rope_interleave
         )
-        latent = self.kv_a_layernorm(latent)
-        q_pe = rope.apply(q_pe, dc.rope_interleave)
-        k_pe = rope.apply(k_pe.unsqueeze(1), dc.rope_interleave)[:, 0]
         if self.indexer is not None and not reuse_topk:
             topk = self.indexer(x, qr, rope)
         else:

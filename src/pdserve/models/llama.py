@@ -81,8 +81,8 @@ class LlamaAttention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:  # Qwen3
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope.rotate(q, k)
-        out = self.attn(q.flatten(1), k.flatten(1), v)
+        # RoPE is applied with the cache write (one launch where the kernels are on)
+        out = self.attn(q.flatten(1), k.flatten(1), v, rope)
         return self.o_proj(out)
 
 

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from starlette.responses import JSONResponse
-from starlette.types import Receive
+from starlette.types import Receive, Send
 
 ERROR_TYPES: dict[int, str] = {
     400: "BadRequestError",
@@ -40,6 +40,29 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
 def error_json(status: int, message: str, param: str | None = None) -> bytes:
     """:func:`error_body` as JSON bytes (for raw ASGI sends and proxied replies)."""
     return json.dumps(error_body(status, message, param)).encode()
+
+
+async def send_error_json(
+    send: Send,
+    status: int,
+    message: str,
+    param: str | None = None,
+    headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    """An error response sent straight on an ASGI ``send`` (from a middleware)."""
+    body = error_json(status, message, param)
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *(headers or []),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
 
 
 def error_response(

@@ -30,6 +30,13 @@ pools of the clients that talk to pdserve servers (the P/D proxy keeps idle upst
 connections 60 s, ``pdserve.serving.proxy.upstream``; browsers, aiohttp and common load
 balancers keep them 60 s or less). An idle connection costs a file descriptor and a few
 KB, so holding it longer is cheap. ``timeout_keep_alive`` in ``uvicorn_kwargs`` overrides it.
+
+Connection limits (:mod:`pdserve.serving.conn_limits`): a request's headers must arrive
+within ``header_timeout`` of its first byte, its body within ``body_timeout`` of its
+headers (else 408 and the connection is closed), a connection that never sends a byte
+is closed after the keep-alive timeout, and at most ``max_idle_connections`` idle
+connections are kept (``limits``, :class:`~pdserve.serving.conn_limits.ConnectionLimits`;
+both servers' ``--header-timeout``, ``--body-timeout`` and ``--max-idle-connections``).
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
+from pdserve.serving.conn_limits import ConnectionLimits, protocol_class
 from pdserve.serving.net import bind_tcp
 
 if TYPE_CHECKING:
@@ -71,7 +79,8 @@ class UvicornServer:
     """One uvicorn server for one app; see the module docstring for the lifecycle.
 
     ``uvicorn_kwargs`` go to ``uvicorn.Config`` (e.g. ``timeout_graceful_shutdown``,
-    ``timeout_keep_alive``, which defaults to :data:`KEEP_ALIVE_S`).
+    ``timeout_keep_alive``, which defaults to :data:`KEEP_ALIVE_S`); ``limits`` are the
+    connection limits (default :class:`ConnectionLimits`'s).
     """
 
     def __init__(
@@ -83,15 +92,21 @@ class UvicornServer:
         log_level: str = "info",
         install_signal_handlers: bool = True,
         access_log: bool = False,
+        limits: ConnectionLimits | None = None,
         **uvicorn_kwargs: Any,
     ) -> None:
         self.app = app
+        self.limits = limits or ConnectionLimits()
         self.access_log = access_log
         self.host = host
         self.requested_port = port
         self.log_level = log_level
         self.install_signal_handlers = install_signal_handlers
-        self.uvicorn_kwargs = {"timeout_keep_alive": KEEP_ALIVE_S, **uvicorn_kwargs}
+        self.uvicorn_kwargs = {
+            "timeout_keep_alive": KEEP_ALIVE_S,
+            "http": protocol_class(self.limits),
+            **uvicorn_kwargs,
+        }
         self.started = threading.Event()  # set once uvicorn accepts connections
         self._sock: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -18,10 +18,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from pdserve.layers.rotary import RopeInputs
 
 
 @dataclass
@@ -85,7 +88,11 @@ class GQABackend(AttentionBackend):
     ``k_scale`` / ``v_scale``: an fp8 cache's static per-layer scales (it stores
     ``k / k_scale``, attention reads ``stored * k_scale``); 1.0 for any other cache.
     Every read path applies each exactly once; one that attends over this step's
-    unquantized K/V instead of the cache applies neither."""
+    unquantized K/V instead of the cache applies neither.
+
+    ``rope``: q and k come unrotated; the backend rotates them (in place where the
+    fused kernels are on, :meth:`RopeInputs.rotate`) before it writes and attends, and
+    may fuse the rotation with its cache write (one launch)."""
 
     @abstractmethod
     def forward(
@@ -98,5 +105,6 @@ class GQABackend(AttentionBackend):
         scale: float,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        rope: RopeInputs | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         ...

@@ -45,7 +45,7 @@ class IndexerTorchBackend(AttentionBackend):
     def forward(
         self,
         q: torch.Tensor,  # [T, n_heads, D]
-        k: torch.Tensor,  # [T, D]
+        k: torch.Tensor | None,  # [T, D]; None: already in the cache
         weights: torch.Tensor,  # [T, n_heads] float32 (already / sqrt(n_heads))
         cache: torch.Tensor,  # [blocks, block_size, D]
         md: CommonAttentionMetadata,
@@ -53,7 +53,9 @@ class IndexerTorchBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:  # [T, topk] int64
         t = md.num_actual_tokens
-        cache.view(-1, cache.shape[-1]).index_copy_(0, md.slot_mapping[:t], k[:t].to(cache.dtype))
+        if k is not None:
+            flat = cache.view(-1, cache.shape[-1])
+            flat.index_copy_(0, md.slot_mapping[:t], k[:t].to(cache.dtype))
         ctx, _ = gather_context(md, cache)  # [B, S, D]
         s = ctx.shape[1]
         out = torch.full((q.shape[0], topk), -1, dtype=torch.int64, device=q.device)
@@ -118,18 +120,27 @@ class Indexer(nn.Module):
         t = x.shape[0]
         r = self.rope_dim
         q = self.wq_b(qr).view(t, self.n_heads, self.head_dim)
-        k = self.k_norm(self.wk(x))
-        q = torch.cat([rope.apply(q[..., :r], self.rope_interleaved), q[..., r:]], dim=-1)
-        k_rot = rope.apply(k[:, None, :r], self.rope_interleaved)[:, 0]
-        k = torch.cat([k_rot, k[:, r:]], dim=-1)
-        weights = self.weights_proj(x).float() * self.n_heads**-0.5
         ctx = get_forward_context()
+        cache = ctx.kv_caches[self.layer_name]
+        md = ctx.attn_metadata[self.cache_group]
+        k: torch.Tensor | None
+        if rope.fused:  # one kernel: q's RoPE, the weights' scale, k's norm, RoPE and write
+            from pdserve.kernels.mla_prep import indexer_prepare
+
+            c = getattr(md, "common", md)
+            rt, kn = rope.rope, self.k_norm
+            q, weights = indexer_prepare(
+                q, self.wk(x), self.weights_proj(x), kn.weight, kn.bias, kn.eps,
+                rope.positions, rt.cos_cache[:, : r // 2], rt.sin_cache[:, : r // 2],
+                self.rope_interleaved, cache, c.slot_mapping[: c.num_actual_tokens],
+            )  # fmt: skip
+            k = None
+        else:
+            k = self.k_norm(self.wk(x))
+            q = torch.cat([rope.apply(q[..., :r], self.rope_interleaved), q[..., r:]], dim=-1)
+            k_rot = rope.apply(k[:, None, :r], self.rope_interleaved)[:, 0]
+            k = torch.cat([k_rot, k[:, r:]], dim=-1)
+            weights = self.weights_proj(x).float() * self.n_heads**-0.5
         return ctx.backends[self.cache_group].forward(
-            q,
-            k,
-            weights,
-            ctx.kv_caches[self.layer_name],
-            ctx.attn_metadata[self.cache_group],
-            self.topk,
-            self.head_dim**-0.5,
+            q, k, weights, cache, md, self.topk, self.head_dim**-0.5
         )

@@ -2,10 +2,13 @@
 
 Same cache layout and contract as :class:`~pdserve.layers.attention.dsa.IndexerTorchBackend`:
 write this step's keys through the slot mapping, then per token the ``index_topk`` best
-causal key positions ([T, K] int64, -1 pads). Scores come from
-:func:`~pdserve.kernels.dsa_indexer.indexer_logits` into a float32 buffer as wide as the
+causal key positions ([T, K] int64, -1 pads). Scores go to a float32 buffer as wide as the
 step's ``max_seq_len`` (``max_model_len`` under a CUDA graph), chunked over tokens to
-bound it. Up to ``SORT_FREE_MAX_WIDTH`` keys a row,
+bound it. A step with one query row per request (decode) scores with
+:func:`~pdserve.kernels.dsa_indexer.indexer_logits` (a program per token); any other
+(prefill chunks, verify rows: ``max_query_len > 1``, a host int, fixed in a verify graph)
+with :func:`~pdserve.kernels.dsa_indexer_tiled.indexer_logits_tiled`, which reads each key
+once for a tile of a request's query tokens. Up to ``SORT_FREE_MAX_WIDTH`` keys a row,
 :func:`~pdserve.kernels.dsa_indexer.topk_select` picks the top-k without a sort, and
 tokens whose request's context is at most ``index_topk`` are not scored (they select
 every causal key; MLA attends densely there). Wider rows go to ``torch.topk`` (a
@@ -24,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.kernels.dsa_indexer import SORT_FREE_MAX_WIDTH, indexer_logits, topk_select
+from pdserve.kernels.dsa_indexer_tiled import indexer_logits_tiled
 from pdserve.layers.attention.backend import AttentionBackend, CommonAttentionMetadata
 from pdserve.layers.attention.paged_gather import token_chunks
 
@@ -40,7 +44,7 @@ class IndexerTritonBackend(AttentionBackend):
     def forward(
         self,
         q: torch.Tensor,  # [T, n_heads, D]
-        k: torch.Tensor,  # [T, D]
+        k: torch.Tensor | None,  # [T, D]; None: already in the cache
         weights: torch.Tensor,  # [T, n_heads] float32 (already / sqrt(n_heads))
         cache: torch.Tensor,  # [blocks, block_size, D]
         md: CommonAttentionMetadata,
@@ -48,29 +52,55 @@ class IndexerTritonBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:  # [T, topk] int64
         t = md.num_actual_tokens
-        cache.view(-1, cache.shape[-1]).index_copy_(0, md.slot_mapping[:t], k[:t].to(cache.dtype))
-        out = torch.full((q.shape[0], topk), -1, dtype=torch.int64, device=q.device)
+        if k is not None:
+            flat = cache.view(-1, cache.shape[-1])
+            flat.index_copy_(0, md.slot_mapping[:t], k[:t].to(cache.dtype))
         width = -(-md.max_seq_len // md.block_size) * md.block_size
         q = q.contiguous()
         weights = weights.float().contiguous()
+        sort_free = width <= SORT_FREE_MAX_WIDTH
+        if sort_free:  # the select writes every slot of the real rows (-1 pads)
+            out = torch.empty((q.shape[0], topk), dtype=torch.int64, device=q.device)
+            out[t:].fill_(-1)  # graph padding (no launch when there is none)
+        else:
+            out = torch.full((q.shape[0], topk), -1, dtype=torch.int64, device=q.device)
+        uniform = t == md.num_reqs * md.max_query_len
         for a, b in token_chunks(t, width * 4, _CHUNK_BYTES):
             req, qi = md.token_req_idx[a:b], md.token_q_idx[a:b]
-            sort_free = width <= SORT_FREE_MAX_WIDTH
-            logits = indexer_logits(
-                q[a:b],
-                weights[a:b],
-                cache,
-                md.block_tables,
-                md.seq_lens,
-                md.query_start_loc,
-                req,
-                qi,
-                scale,
-                b - a,
-                width,
-                topk,
-                for_select=sort_free,
-            )
+            if md.max_query_len > 1:
+                logits = indexer_logits_tiled(
+                    q,
+                    weights,
+                    cache,
+                    md.block_tables,
+                    md.seq_lens,
+                    md.query_start_loc,
+                    md.num_reqs,
+                    md.max_query_len,
+                    a,
+                    b,
+                    scale,
+                    width,
+                    topk,
+                    for_select=sort_free,
+                    uniform=uniform,
+                )
+            else:
+                logits = indexer_logits(
+                    q[a:b],
+                    weights[a:b],
+                    cache,
+                    md.block_tables,
+                    md.seq_lens,
+                    md.query_start_loc,
+                    req,
+                    qi,
+                    scale,
+                    b - a,
+                    width,
+                    topk,
+                    for_select=sort_free,
+                )
             if sort_free:
                 topk_select(logits, md.seq_lens, md.query_start_loc, req, qi, topk, b - a, out[a:b])
             else:

@@ -10,13 +10,16 @@ from pdserve.forward_context import get_forward_context
 from pdserve.layers.attention.backend import GQABackend
 from pdserve.layers.attention.kv_scale import FP8CacheScales
 from pdserve.layers.attention.registry import gqa_backend
+from pdserve.layers.rotary import RopeInputs
 
 
 class Attention(FP8CacheScales, nn.Module):
     """Paged attention; K/V of this step are written to this layer's cache.
 
     Inputs are flat over the step's tokens: q [T, num_heads*head_dim], k and v
-    [T, num_kv_heads*head_dim], already rotated. Output is [T, num_heads*head_dim].
+    [T, num_kv_heads*head_dim], already rotated, or rotated here given ``rope`` (the
+    backend may fuse the rotation with its cache write; q and k are then rotated in
+    place). Output is [T, num_heads*head_dim].
     The layer owns a cache of K and V per KV head (group ``cache_group``, layout
     ``[2, blocks, block_size, num_kv_heads, head_dim]``); ``layer_name`` is set by the
     runner when it allocates the caches. The cache may be float8_e4m3fn
@@ -54,7 +57,9 @@ class Attention(FP8CacheScales, nn.Module):
     def make_backend(self, choice: str, device: torch.device, max_model_len: int) -> GQABackend:
         return gqa_backend(choice, device, max_model_len)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: RopeInputs | None = None
+    ) -> torch.Tensor:
         ctx = get_forward_context()
         t = q.shape[0]
         cache = ctx.kv_caches[self.layer_name]
@@ -68,5 +73,6 @@ class Attention(FP8CacheScales, nn.Module):
             self.scale,
             k_scale,
             v_scale,
+            rope,
         )
         return out.reshape(t, self.num_heads * self.head_dim)

@@ -39,6 +39,8 @@ from pdserve.layers.attention.paged_gather import (
     positions_to_slots,
     token_chunks,
 )
+from pdserve.layers.norm import RMSNorm
+from pdserve.layers.rotary import RopeInputs
 
 _CHUNK_BYTES = 1 << 30  # working memory one chunk of queries may take
 
@@ -55,8 +57,8 @@ class MLATorchBackend(AttentionBackend):
         self,
         q_lat: torch.Tensor,  # [T, H, L]: q_nope absorbed through W_UK
         q_pe: torch.Tensor,  # [T, H, R]
-        latent: torch.Tensor,  # [T, L]
-        k_pe: torch.Tensor,  # [T, R]
+        latent: torch.Tensor | None,  # [T, L]; None (and k_pe): already in the cache
+        k_pe: torch.Tensor | None,  # [T, R]
         cache: torch.Tensor,  # [blocks, block_size, L + R]
         md: CommonAttentionMetadata,
         scale: float,
@@ -64,10 +66,11 @@ class MLATorchBackend(AttentionBackend):
         kv_scale: float = 1.0,  # an fp8 cache's scale (1.0 for any other)
     ) -> torch.Tensor:  # [T, H, L]
         t = md.num_actual_tokens
-        lat_dim = latent.shape[-1]
-        entry = torch.cat([latent[:t], k_pe[:t]], dim=-1)
+        lat_dim = q_lat.shape[-1]
         flat = cache.view(-1, cache.shape[-1])
-        write_paged(flat, md.slot_mapping[:t], entry, kv_scale)  # fp8: / kv_scale, saturated
+        if latent is not None and k_pe is not None:  # None: the caller wrote them
+            entry = torch.cat([latent[:t], k_pe[:t]], dim=-1)
+            write_paged(flat, md.slot_mapping[:t], entry, kv_scale)  # fp8: / kv_scale, saturated
         out = q_lat.new_zeros(q_lat.shape)
         q = torch.cat([q_lat, q_pe], dim=-1)
         if topk is not None:
@@ -150,19 +153,50 @@ class MLAAttention(FP8CacheScales, nn.Module):
             return MLATritonBackend(max_model_len)
         return MLATorchBackend()
 
+    def prepare(
+        self,
+        q_pe: torch.Tensor,  # [T, H, R], not rotated (a view of q_b_proj's output)
+        kv: torch.Tensor,  # [T, L + R]: kv_a_proj_with_mqa's output
+        norm: RMSNorm,  # kv_a_layernorm
+        rope: RopeInputs,
+        interleaved: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(rotated ``q_pe``, normalised latent, rotated ``k_pe``) of this step's tokens.
+        Where the fused kernels are on (``rope.fused``) one kernel does it all and also
+        writes this step's cache rows: then the latent and ``k_pe`` come back None, and
+        :meth:`forward` takes them so (nothing left to write)."""
+        if rope.fused:
+            from pdserve.kernels.mla_prep import mla_prepare
+
+            ctx = get_forward_context()
+            cache = ctx.kv_caches[self.layer_name]
+            md = ctx.attn_metadata[self.cache_group]
+            md = getattr(md, "common", md)
+            r = rope.rope
+            q_pe = mla_prepare(
+                q_pe, kv, norm.weight, norm.eps, rope.positions, r.cos_cache, r.sin_cache,
+                interleaved, cache, md.slot_mapping[: md.num_actual_tokens],
+                self.cache_scales(cache)[0],
+            )  # fmt: skip
+            return q_pe, None, None
+        latent, k_pe = kv.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        q_pe = rope.apply(q_pe, interleaved)
+        return q_pe, norm(latent), rope.apply(k_pe.unsqueeze(1), interleaved)[:, 0]
+
     def forward(
         self,
         q_nope: torch.Tensor,  # [T, H, nope]
         q_pe: torch.Tensor,  # [T, H, R], rotated
-        latent: torch.Tensor,  # [T, L], normalised
-        k_pe: torch.Tensor,  # [T, R], rotated
+        latent: torch.Tensor | None,  # [T, L], normalised; None: written by prepare()
+        k_pe: torch.Tensor | None,  # [T, R], rotated
         kv_b_weight: torch.Tensor,  # [H * (nope + v), L]
         topk: torch.Tensor | None,
     ) -> torch.Tensor:
         ctx = get_forward_context()
         w = kv_b_weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, -1)
         w_uk, w_uv = w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
-        q_lat = torch.einsum("thd,hdl->thl", q_nope, w_uk)
+        # [T, H, L] as a view of the [H, T, L] product (the backends take strided rows)
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
         cache = ctx.kv_caches[self.layer_name]
         out_lat = ctx.backends[self.cache_group].forward(
             q_lat,
@@ -175,5 +209,9 @@ class MLAAttention(FP8CacheScales, nn.Module):
             topk,
             self.cache_scales(cache)[0],
         )
-        out = torch.einsum("thl,hvl->thv", out_lat, w_uv)
-        return out.reshape(out.shape[0], self.num_heads * self.v_head_dim)
+        # W_UV per head, written straight into [T, H, V] rows (no copy before o_proj)
+        t = out_lat.shape[0]
+        out = torch.empty(t, self.num_heads, self.v_head_dim, dtype=out_lat.dtype,
+                          device=out_lat.device)  # fmt: skip
+        torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2), out=out.transpose(0, 1))
+        return out.view(t, self.num_heads * self.v_head_dim)

@@ -36,8 +36,8 @@ class MLATritonBackend(AttentionBackend):
         self,
         q_lat: torch.Tensor,  # [T, H, L]
         q_pe: torch.Tensor,  # [T, H, R]
-        latent: torch.Tensor,  # [T, L]
-        k_pe: torch.Tensor,  # [T, R]
+        latent: torch.Tensor | None,  # [T, L]; None (and k_pe): already in the cache
+        k_pe: torch.Tensor | None,  # [T, R]
         cache: torch.Tensor,  # [blocks, block_size, L + R]
         md: CommonAttentionMetadata,
         scale: float,
@@ -45,14 +45,15 @@ class MLATritonBackend(AttentionBackend):
         kv_scale: float = 1.0,  # an fp8 cache's scale (1.0 for any other)
     ) -> torch.Tensor:  # [T, H, L]
         t = md.num_actual_tokens
-        entry = torch.cat([latent[:t], k_pe[:t]], dim=-1)
-        flat = cache.view(-1, cache.shape[-1])
-        write_paged(flat, md.slot_mapping[:t], entry, kv_scale)  # fp8: / kv_scale, saturated
+        if latent is not None and k_pe is not None:  # None: the layer's prepare wrote them
+            entry = torch.cat([latent[:t], k_pe[:t]], dim=-1)
+            flat = cache.view(-1, cache.shape[-1])
+            write_paged(flat, md.slot_mapping[:t], entry, kv_scale)  # fp8: / kv_scale, saturated
         bound = topk.shape[1] if topk is not None else (self.max_model_len or md.max_seq_len)
-        splits = choose_splits(t, q_lat.shape[1], bound, num_sms(q_lat.device))
+        splits = choose_splits(t, q_lat.shape[1], bound, num_sms(q_lat.device), q_lat.shape[2])
         out = torch.empty_like(q_lat)
         sparse_mla_attention(
-            q_lat.contiguous(),
+            q_lat,  # strided rows are fine (the W_UK product's [H, T, L] layout)
             q_pe.contiguous(),
             cache,
             md.block_tables,

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from pdserve.kernels.reference import write_kv_reference
 from pdserve.layers.attention.backend import CommonAttentionMetadata, GQABackend
+from pdserve.layers.rotary import RopeInputs
 
 
 def paged_attention_reference(
@@ -75,8 +76,11 @@ class TorchReferenceBackend(GQABackend):
         scale: float,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        rope: RopeInputs | None = None,
     ) -> torch.Tensor:
         t = metadata.num_actual_tokens
+        if rope is not None:
+            q, k = rope.rotate(q, k)
         write_kv_reference(k[:t], v[:t], kv_cache, metadata.slot_mapping[:t], k_scale, v_scale)
         out = paged_attention_reference(q[:t], kv_cache, metadata, scale, k_scale, v_scale)
         if q.shape[0] > t:  # padded tokens (graph padding) get zeros

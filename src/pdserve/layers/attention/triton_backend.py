@@ -7,7 +7,8 @@ a cache the other wrote.
 Forward, per layer:
 
 1. write this step's K/V with :func:`write_kv_cache` (first ``num_actual_tokens``
-   tokens, through ``slot_mapping``);
+   tokens, through ``slot_mapping``); given the step's ``rope`` with the fused kernels
+   on, :func:`rope_write_kv` rotates q and k and writes K/V in one launch;
 2. a *uniform* batch (every request has ``uniform_query_len`` tokens, see
    :meth:`TritonAttentionBackend.build_metadata`) goes to the split-K paged decode
    kernel :func:`decode_attention`; every other batch (prompts, chunks, mixed
@@ -62,9 +63,10 @@ from pdserve.kernels.decode_attention import (
     decode_attention,
     decode_workspace_numel,
 )
-from pdserve.kernels.kv_cache_write import write_kv_cache
+from pdserve.kernels.kv_cache_write import rope_write_kv, write_kv_cache
 from pdserve.kernels.prefill_attention import prefill_attention, sdpa_prefill
 from pdserve.layers.attention.backend import CommonAttentionMetadata, GQABackend
+from pdserve.layers.rotary import RopeInputs
 
 MAX_UNIFORM_QUERY_LEN = 8
 
@@ -192,6 +194,7 @@ class TritonAttentionBackend(GQABackend):
         scale: float,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        rope: RopeInputs | None = None,
     ) -> torch.Tensor:
         md = (
             metadata
@@ -200,7 +203,16 @@ class TritonAttentionBackend(GQABackend):
         )
         c = md.common
         t = c.num_actual_tokens
-        write_kv_cache(k, v, kv_cache, c.slot_mapping[:t], k_scale, v_scale)
+        if rope is not None and rope.fused:  # kernels on: rotate and write in one launch
+            r = rope.rope
+            rope_write_kv(
+                q, k, v, rope.positions, r.cos_cache, r.sin_cache, kv_cache,
+                c.slot_mapping[:t], k_scale, v_scale,
+            )  # fmt: skip
+        else:
+            if rope is not None:
+                q, k = rope.rotate(q, k)
+            write_kv_cache(k, v, kv_cache, c.slot_mapping[:t], k_scale, v_scale)
         out = torch.empty_like(q)
         ql = md.uniform_query_len
         from_cache = True

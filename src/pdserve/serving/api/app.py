@@ -13,7 +13,10 @@ model not served), ``POST /tokenize``, ``POST /detokenize``, ``GET /health``,
 ``/metrics``, ``/version`` and the OpenAPI docs needs ``Authorization: Bearer <key>``
 (``/tokenize`` and ``/detokenize`` included). Request bodies over
 ``max_request_body_bytes`` get 413 before they are read; ``kv_transfer_params`` not
-signed with ``pd_secret`` get 403 (:mod:`.middleware`, :mod:`.pd_params`).
+signed with ``pd_secret`` get 403 (:mod:`.middleware`, :mod:`.pd_params`); fields whose
+cost grows with their size (``bad_words``, ``logit_bias``, ``allowed_token_ids``, stop
+lists, tools, chat messages and their parts) are bounded before the body is parsed
+(400 naming the field and the limit, :mod:`.field_limits`).
 
 The app never runs model work and never blocks its event loop on a large input:
 tokenization, chat-template rendering, detokenization and large ``/tokenize`` answers
@@ -41,6 +44,7 @@ from pdserve.serving.api.chat_template import ChatTemplates
 from pdserve.serving.api.completions import create_completion
 from pdserve.serving.api.completions_batch import create_batched_completion
 from pdserve.serving.api.errors import APIError, install_exception_handlers
+from pdserve.serving.api.field_limits import LimitedRoute
 from pdserve.serving.api.generate import check_token_ids, token_strings
 from pdserve.serving.api.leak_plant import install_leak_plant
 from pdserve.serving.api.middleware import DEFAULT_MAX_REQUEST_BODY_BYTES, ServingMiddleware
@@ -144,6 +148,7 @@ def build_app(
             ctx.close()
 
     app = FastAPI(title="pdserve", version=ctx.version, lifespan=lifespan)
+    app.router.route_class = LimitedRoute  # bounded fields before parsing (field_limits)
     app.state.pdserve = ctx
     install_exception_handlers(app)
     app.add_middleware(
@@ -229,12 +234,13 @@ def _add_routes(app: FastAPI, ctx: ServingContext, health_timeout: float) -> Non
         return DetokenizeResponse(prompt=text)
 
     @app.get("/health", responses={503: {"model": ErrorResponse}})
-    async def health() -> Response:
+    async def health() -> dict[str, str]:
+        """``{"status": "ok"}`` while the engine is healthy, else 503 saying why."""
         try:
             await asyncio.wait_for(engine.check_health(), timeout=health_timeout)
         except Exception as e:
             raise APIError(503, f"engine is unhealthy: {e!r}") from e
-        return Response(status_code=200)
+        return {"status": "ok"}
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -244,7 +250,7 @@ def _add_routes(app: FastAPI, ctx: ServingContext, health_timeout: float) -> Non
     @app.post("/v1/kv_transfer/release", responses=_ERRORS)
     async def release_kv(body: ReleaseKVRequest) -> dict[str, str]:
         """Prefill side: the proxy gave a request up; free the KV held for its decode."""
-        verify_release(body.model_dump(exclude_none=True), ctx.pd_secret)
+        verify_release(body.model_dump(exclude_none=True), ctx.pd_secret, ctx.pd_nonces)
         release = getattr(engine, "release_kv", None)
         if release is None:
             raise APIError(404, "this engine holds no KV for remote decode")

@@ -38,7 +38,7 @@ from pdserve.serving.api.generate import (
     safe_logprob,
     token_strings,
 )
-from pdserve.serving.api.pd_params import verified_kv_params
+from pdserve.serving.api.pd_params import check_prompt_binding, verified_kv_params
 from pdserve.serving.api.protocol import (
     ChatCompletionLogProbs,
     ChatCompletionRequest,
@@ -99,7 +99,7 @@ async def prepare_chat(
     ctx: ServingContext, req: ChatCompletionRequest, request: Request
 ) -> EngineJob:
     engine = ctx.engine
-    kv_params = verified_kv_params(req.kv_transfer_params, ctx.pd_secret)
+    kv_params = verified_kv_params(req.kv_transfer_params, ctx.pd_secret, request.state.request_id)
     ctx.parsing.check_request(req)
     truncating = req.truncate_prompt_tokens is not None
     text, ids = await ctx.run_blocking(
@@ -118,6 +118,8 @@ async def prepare_chat(
         raise RequestError("the rendered chat prompt is empty", "messages")
     if truncating:
         ids = req.truncated(ids, engine.max_model_len)
+    # 403: params issued for another prompt, or used before (then spent)
+    check_prompt_binding(kv_params, ids, req.kv_transfer_params, ctx.pd_nonces)
     params = req.to_sampling_params(
         prompt_len=len(ids), max_model_len=engine.max_model_len, vocab_size=engine.vocab_size
     )

@@ -31,6 +31,7 @@ from pdserve.serving.api.generate import (
     EngineRequest,
     collect,
     engine_failure,
+    failed_request,
     make_usage,
     run_until_disconnect,
     start_and_wait,
@@ -164,7 +165,7 @@ async def run_choices(
         choices.close()
     for acc in accs:
         if acc.finish_reason == "error":  # the engine failed it: not the client's fault
-            raise APIError(500, f"the engine failed this request: {acc.error or 'unknown error'}")
+            raise failed_request(acc.error)
     return accs
 
 
@@ -216,4 +217,10 @@ async def open_choices(
     :class:`Choices` and must ``close`` them."""
     choices = Choices(ctx, job)
     first = await start_and_wait(ctx, choices, choices.requests[0].next_output, request)
-    return None if first is None else (choices, first[0])
+    if first is None:
+        return None
+    out = first[0]
+    if out is not None and any(c.finish_reason == "error" for c in out.outputs[:1]):
+        choices.close()  # failed before its first token: a plain HTTP error, not a stream
+        raise failed_request(out.error)
+    return choices, out

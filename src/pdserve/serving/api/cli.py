@@ -19,8 +19,9 @@ from pdserve.config import EngineConfig, add_engine_args
 from pdserve.core_types.pd_auth import load_secret
 from pdserve.frontend.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from pdserve.heap import freeze_startup_heap
+from pdserve.serving import conn_limits
 from pdserve.serving.api.chat_output import OutputParsing
-from pdserve.serving.api.middleware import DEFAULT_MAX_REQUEST_BODY_BYTES
+from pdserve.serving.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         f"limit (default {DEFAULT_MAX_REQUEST_BODY_BYTES} = 32 MiB: about 4 million prompt "
         "token ids)",
     )
+    conn_limits.add_cli_args(p)
     p.add_argument(
         "--enable-prompt-tokens-details",
         action="store_true",
@@ -149,6 +151,7 @@ async def serve(args: argparse.Namespace) -> int:
     from pdserve.serving.api.server import serve_app
 
     config = EngineConfig.from_cli(args)
+    limits = conn_limits.from_args(args)
     # refuse bad parser settings before the engine starts
     OutputParsing(args.reasoning_parser, args.tool_call_parser, args.enable_auto_tool_choice)
     pd_secret = load_secret()  # ValueError (a too-short secret) before anything starts
@@ -194,6 +197,7 @@ async def serve(args: argparse.Namespace) -> int:
             args.shutdown_timeout,
             log_level=args.uvicorn_log_level,
             access_log=not args.disable_uvicorn_access_log,
+            limits=limits,
         )
     finally:
         await engine.shutdown()

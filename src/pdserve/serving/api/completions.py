@@ -48,7 +48,7 @@ from pdserve.serving.api.generate import (
     check_token_ids,
     render_prompt_logprobs,
 )
-from pdserve.serving.api.pd_params import verified_kv_params
+from pdserve.serving.api.pd_params import check_prompt_binding, verified_kv_params
 from pdserve.serving.api.protocol import (
     CompletionLogProbs,
     CompletionRequest,
@@ -72,7 +72,7 @@ async def prepare_completion(
     """Verify, tokenize (off the event loop) and validate, in the order of the module
     docstring; raises :class:`APIError` (403) or :class:`RequestError` (400)."""
     engine = ctx.engine
-    kv_params = verified_kv_params(req.kv_transfer_params, ctx.pd_secret)
+    kv_params = verified_kv_params(req.kv_transfer_params, ctx.pd_secret, request.state.request_id)
     prompt = req.single_prompt()
     truncating = req.truncate_prompt_tokens is not None
     text: str | None
@@ -94,6 +94,8 @@ async def prepare_completion(
     if truncating:
         ids = req.truncated(list(ids), engine.max_model_len)
         text = None  # the engine gets the kept tokens only
+    # 403: params issued for another prompt, or used before (then spent)
+    check_prompt_binding(kv_params, ids, req.kv_transfer_params, ctx.pd_nonces)
     params = req.to_sampling_params(
         prompt_len=len(ids), max_model_len=engine.max_model_len, vocab_size=engine.vocab_size
     )

@@ -30,6 +30,7 @@ from typing import Any, Protocol, TypeVar
 from starlette.requests import Request
 from starlette.types import Receive
 
+from pdserve.core_types.kv_connector import KV_LOAD_FAILED
 from pdserve.core_types.kv_transfer_params import KVTransferParams
 from pdserve.core_types.sampling_params import SamplingParams
 from pdserve.frontend.outputs import CompletionOutput, PromptLogprobList, RequestOutput
@@ -295,6 +296,14 @@ async def collect(er: EngineRequest, acc: Accumulated | None = None) -> Accumula
     return acc
 
 
+def failed_request(error: str | None) -> APIError:
+    """The error for a request the engine failed (not the client's fault): 503 when its
+    prompt's KV could not be loaded from its prefill instance (the message says why:
+    the lease was gone, the prefill died, ...), 500 for anything else."""
+    message = f"the engine failed this request: {error or 'unknown error'}"
+    return APIError(503 if (error or "").startswith(KV_LOAD_FAILED) else 500, message)
+
+
 async def engine_failure(ctx: ServingContext, exc: BaseException) -> APIError:
     """The 500 for an engine that raised something other than ``ValueError``."""
     logger.error("engine error: %r", exc, exc_info=exc)
@@ -324,7 +333,7 @@ async def run_to_completion(
     finally:
         er.close()
     if acc.finish_reason == "error":  # the engine failed it: not the client's fault
-        raise APIError(500, f"the engine failed this request: {acc.error or 'unknown error'}")
+        raise failed_request(acc.error)
     return acc
 
 

@@ -7,11 +7,12 @@ Per request, in order:
 3. the API key (when one is set): every path except :data:`OPEN_PATHS` (``/health``,
    ``/metrics``, ``/version`` and the OpenAPI docs) needs ``Authorization: Bearer <key>``,
    so ``/tokenize`` and ``/detokenize`` are covered like ``/v1/*`` (401);
-4. the request-body limit (``--max-request-body-bytes``, 413): a ``Content-Length``
-   over the limit is refused before a byte of the body is read; a body without one
-   (chunked) is read here up to the limit and refused as soon as it goes over. The
-   rest of a refused body is discarded by the HTTP server as it arrives (nothing is
-   buffered), and the connection stays usable;
+4. the request-body limit (``--max-request-body-bytes``, 413,
+   :mod:`pdserve.serving.body_limit`): a ``Content-Length`` over the limit is refused
+   before a byte of the body is read; a body without one (chunked) is read here up to
+   the limit and refused as soon as it goes over. The rest of a refused body is
+   discarded by the HTTP server as it arrives (nothing is buffered), and the
+   connection stays usable;
 5. in-flight accounting until the app returns.
 
 It puts ``request_id`` and ``arrival_time`` (``time.monotonic``) in ``scope["state"]``.
@@ -27,19 +28,21 @@ import uuid
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.serving.api.state import ServerState
+from pdserve.serving.body_limit import (
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    declared_over,
+    read_limited,
+    replay,
+    too_large_message,
+)
 from pdserve.serving.http import (
     MAX_REQUEST_ID_LEN,
     REQUEST_ID_HEADER,
-    error_json,
+    send_error_json,
     valid_request_id,
 )
 
-# 32 MiB: a prompt of token ids costs at most 8 bytes per token in JSON ("151643, "), so
-# this admits about 4 million ids, ten times a context of a few hundred thousand tokens,
-# and the same context as text even when every character is a JSON escape ("\u6f22",
-# 6 bytes) at ~1.5 characters per token. It bounds what one request can make the API
-# process parse and hold.
-DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 2**20
+__all__ = ["DEFAULT_MAX_REQUEST_BODY_BYTES", "OPEN_PATHS", "ServingMiddleware", "send_error"]
 
 # endpoints that stay open with an API key (as in vLLM): probes, metrics, the docs
 OPEN_PATHS = frozenset(
@@ -90,12 +93,8 @@ class ServingMiddleware:
             return
         limit = self.max_body_bytes
         declared = headers.get(b"content-length")
-        if limit is not None and declared is not None and _over(declared, limit):
-            msg = (
-                f"request body is {declared.decode('latin-1')} bytes, over this server's "
-                f"limit of {limit} bytes (--max-request-body-bytes)"
-            )
-            await send_error(send, 413, msg, None, rid)
+        if limit is not None and declared_over(declared, limit):
+            await send_error(send, 413, too_large_message(limit, declared), None, rid)
             return
         scope.setdefault("state", {})
         scope["state"]["request_id"] = rid
@@ -113,57 +112,15 @@ class ServingMiddleware:
             self.state.request_started()
         try:
             if limit is not None and declared is None and b"transfer-encoding" in headers:
-                body = await _read_limited(receive, limit)
+                body = await read_limited(receive, limit)
                 if body is None:
-                    msg = (
-                        f"request body is over this server's limit of {limit} bytes "
-                        "(--max-request-body-bytes)"
-                    )
-                    await send_error(send, 413, msg, None, rid)
+                    await send_error(send, 413, too_large_message(limit), None, rid)
                     return
-                receive = _replay(body, receive)
+                receive = replay(body, receive)
             await self.app(scope, receive, send_with_id)
         finally:
             if tracked:
                 self.state.request_finished()
-
-
-def _over(declared: bytes, limit: int) -> bool:
-    # the HTTP server has already refused a malformed Content-Length
-    try:
-        return int(declared) > limit
-    except ValueError:
-        return False
-
-
-async def _read_limited(receive: Receive, limit: int) -> Message | None:
-    """The whole body as one ``http.request`` message, or ``None`` once it passes
-    ``limit`` (the rest is never read). A disconnect is passed on as it is."""
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            return message
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            return None
-        if chunk:
-            chunks.append(chunk)
-        if not message.get("more_body", False):
-            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-
-
-def _replay(first: Message, receive: Receive) -> Receive:
-    pending: list[Message] = [first]
-
-    async def replay() -> Message:
-        if pending:
-            return pending.pop()
-        return await receive()
-
-    return replay
 
 
 def _authorized(headers: dict[bytes, bytes], key: bytes) -> bool:
@@ -175,16 +132,5 @@ async def send_error(
     send: Send, status: int, message: str, param: str | None, request_id: str
 ) -> None:
     """An OpenAI error body straight from the middleware (the app never sees the request)."""
-    body = error_json(status, message, param)
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (REQUEST_ID_HEADER.encode(), request_id.encode("latin-1")),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
+    rid = (REQUEST_ID_HEADER.encode(), request_id.encode("latin-1"))
+    await send_error_json(send, status, message, param, [rid])

@@ -590,10 +590,10 @@ class VersionResponse(_Response):
 
 
 class ReleaseKVRequest(_CheckedRequest):
-    """``POST /v1/kv_transfer/release``: free the KV a prefill instance holds for
-    ``request_id``. Signed by the proxy like ``kv_transfer_params`` (``pd_expires``,
-    ``pd_signature``; :mod:`pdserve.serving.api.pd_params`)."""
+    """``POST /v1/kv_transfer/release``: free the KV held for ``request_id``; signed by
+    the proxy like ``kv_transfer_params`` (:mod:`pdserve.serving.api.pd_params`)."""
 
     request_id: str = Field(min_length=1, max_length=512)
     pd_expires: float | None = None
+    pd_nonce: str | None = Field(default=None, max_length=64)
     pd_signature: str | None = Field(default=None, max_length=256)

@@ -26,6 +26,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from pdserve.core_types.pd_auth import NonceCache
 from pdserve.metrics.prometheus import PrometheusMetrics
 from pdserve.serving.api.chat_output import OutputParsing
 from pdserve.serving.api.errors import APIError
@@ -118,6 +119,8 @@ class ServingContext:
     state: ServerState = field(default_factory=ServerState)
     # the P/D secret kv_transfer_params must be signed with (None: refuse them all)
     pd_secret: bytes | None = None
+    # nonces of the signed kv_transfer_params (and releases) accepted: a second use is refused
+    pd_nonces: NonceCache = field(default_factory=NonceCache)
     # tokenizer / template work; threads started on first use, closed at lifespan end
     pool: BlockingPool = field(default_factory=BlockingPool)
     # reasoning and tool-call parsing of chat output (--reasoning-parser, ...)

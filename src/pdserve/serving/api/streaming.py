@@ -31,6 +31,7 @@ from pdserve.serving.api.generate import (
     CLIENT_CLOSED,
     ClientDisconnected,
     EngineJob,
+    failed_request,
     now_s,
     run_until_disconnect,
 )
@@ -122,7 +123,7 @@ async def sse_events(
                 cached = max(cached, out.num_cached_tokens)
             for c in out.outputs[:1]:
                 if c.finish_reason == "error":
-                    raise APIError(500, f"the engine failed this request: {out.error or 'error'}")
+                    raise failed_request(out.error)
                 if not c.token_ids and not c.text and c.finish_reason is None:
                     continue
                 completion_tokens += len(c.token_ids)

@@ -560,14 +560,15 @@ def _check_whole(top: Topology, instances: tuple[InstanceSpec, ...]) -> tuple[st
             "instance's KV server binds (and advertises to decode) its node's IP; leave "
             "`host` out"
         )
-    n_pd = sum(x.replicas for x in instances if x.role in KV_ROLES)
-    if kv_port is not None and n_pd > 1:
+    # only prefill instances (kv_producer) bind a KV server; decode ones only dial out
+    n_servers = sum(x.replicas for x in instances if x.role == "prefill")
+    if kv_port is not None and n_servers > 1:
         raise TopologyError(
-            f"kv_transfer.extra_config.port: all {n_pd} prefill/decode processes would bind "
+            f"kv_transfer.extra_config.port: all {n_servers} prefill processes would bind "
             f"KV port {kv_port}; leave it out (each instance then picks a free port)"
         )
-    if isinstance(kv_port, int) and n_pd == 1:  # DP rank r serves on kv_port + r
-        dp = next(x.data_parallel_size for x in instances if x.role in KV_ROLES)
+    if isinstance(kv_port, int) and n_servers == 1:  # DP rank r serves on kv_port + r
+        dp = next(x.data_parallel_size for x in instances if x.role == "prefill")
         for r in range(dp):
             claim(kv_port + r, "the KV server", "kv_transfer.extra_config.port")
     n = {role: sum(x.replicas for x in instances if x.role == role) for role in ROLES}

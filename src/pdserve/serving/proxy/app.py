@@ -11,6 +11,12 @@ instance, which share the model and tokenizer), ``GET /health`` (200 iff each po
 ``GET /version`` (pdserve's version, open like ``/health``) and ``GET /metrics``
 (Prometheus text, :mod:`pdserve.serving.proxy.metrics`).
 
+Request bodies: over ``max_request_body_bytes`` (``--max-request-body-bytes``, 32 MiB by
+default, as on the instances) they are answered 413 before they are read
+(:mod:`pdserve.serving.body_limit`); a body that is not a JSON object, JSON nested too
+deep to parse included, is a 400; a client that disconnects mid-upload ends its request
+quietly.
+
 With an API key, every ``/v1/*`` route needs ``Authorization: Bearer KEY`` (401
 otherwise). Upstream, the proxy sends ``--upstream-api-key`` if given, else the
 client's own ``Authorization`` header.
@@ -47,7 +53,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pdserve
 from pdserve.core_types.pd_auth import SECRET_ENV, load_secret
-from pdserve.serving.http import MAX_REQUEST_ID_LEN, error_response, valid_request_id
+from pdserve.serving.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimitMiddleware
+from pdserve.serving.http import (
+    MAX_REQUEST_ID_LEN,
+    error_response,
+    send_error_json,
+    valid_request_id,
+)
 from pdserve.serving.proxy.core import ProxyCore, ProxySettings, classify_error
 from pdserve.serving.proxy.forward import ProxyResponse
 from pdserve.serving.proxy.health import (
@@ -138,6 +150,7 @@ def build_proxy_app(
     pool_keep_alive: float = POOL_KEEP_ALIVE_S,
     pool_name: str = "pdserve",
     secret: bytes | None = None,
+    max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES,
 ) -> FastAPI:
     """The proxy app. Raises ``ValueError`` with a clear message for bad arguments.
 
@@ -159,6 +172,11 @@ def build_proxy_app(
         raise ValueError(f"--failure-threshold must be an integer >= 1, got {failure_threshold}")
     if not queue_timeout >= 0:
         raise ValueError(f"--queue-timeout must be >= 0 seconds, got {queue_timeout}")
+    if max_request_body_bytes is not None and max_request_body_bytes < 1:
+        raise ValueError(
+            f"--max-request-body-bytes must be >= 1 (0 on the command line: no limit), "
+            f"got {max_request_body_bytes}"
+        )
     settings = ProxySettings(
         request_timeout=_positive("--request-timeout", request_timeout),
         connect_timeout=_positive("--connect-timeout", connect_timeout),
@@ -237,6 +255,9 @@ def build_proxy_app(
             await core.close()
 
     app = FastAPI(title="pdserve proxy", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(
+        BodyLimitMiddleware, max_body_bytes=max_request_body_bytes, send_error=send_error_json
+    )
     app.state.proxy = core
     app.state.health = health
     app.state.spec_stats = spec_stats
@@ -317,8 +338,9 @@ def build_proxy_app(
 def _parse_body(raw: bytes, *, pd: bool) -> dict[str, Any]:
     try:
         body = json.loads(raw)
-    except ValueError:
-        raise _ProxyError(400, "request body is not valid JSON") from None
+    except (ValueError, RecursionError) as e:  # RecursionError: nested too deep to parse
+        why = "nested too deeply" if isinstance(e, RecursionError) else "not valid JSON"
+        raise _ProxyError(400, f"request body is {why}") from None
     if not isinstance(body, dict):
         raise _ProxyError(400, "request body must be a JSON object")
     stream = body.get("stream", False)

@@ -18,6 +18,10 @@ signs nothing and does not need it. ``pdserve launch``
 passes it, and any of these flags through the topology's ``proxy: args``.
 ``python -m pdserve.serving.proxy`` runs the same command without the rest of the
 ``pdserve`` CLI.
+
+Client-side limits are the instances' (``--max-request-body-bytes``, ``--header-timeout``,
+``--body-timeout``, ``--max-idle-connections``; :mod:`pdserve.serving.body_limit`,
+:mod:`pdserve.serving.conn_limits`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ import sys
 from fastapi import FastAPI
 
 from pdserve.heap import freeze_startup_heap
+from pdserve.serving import conn_limits
+from pdserve.serving.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
+from pdserve.serving.conn_limits import ConnectionLimits
 from pdserve.serving.proxy.app import build_proxy_app
 from pdserve.serving.proxy.core import ProxyCore
 from pdserve.serving.uvicorn_server import UvicornServer
@@ -141,8 +148,26 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
         default=30.0,
         help="seconds in-flight requests get to finish after SIGTERM",
     )
+    p.add_argument(
+        "--max-request-body-bytes",
+        type=_bytes_or_zero,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="answer 413 to a request body larger than this, before reading it; 0 for no "
+        f"limit (default {DEFAULT_MAX_REQUEST_BODY_BYTES} = 32 MiB, as on the instances)",
+    )
+    conn_limits.add_cli_args(p)
     p.add_argument("--uvicorn-log-level", default="warning")
     p.set_defaults(func=main)
+
+
+def _bytes_or_zero(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of bytes") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0: no limit), got {text}")
+    return value
 
 
 async def serve_proxy(
@@ -152,6 +177,7 @@ async def serve_proxy(
     *,
     shutdown_timeout: float = 30.0,
     log_level: str = "warning",
+    limits: ConnectionLimits | None = None,
 ) -> int:
     """Serve ``app`` until SIGTERM/SIGINT (see the module docstring); 0 after a clean
     stop, 1 if the port cannot be bound or the app fails to start."""
@@ -161,6 +187,7 @@ async def serve_proxy(
         port=port,
         log_level=log_level,
         timeout_graceful_shutdown=math.ceil(shutdown_timeout),
+        limits=limits,
     )
     try:
         server.bind()
@@ -190,7 +217,9 @@ def main(args: argparse.Namespace) -> int:
             queue_timeout=getattr(args, "queue_timeout", 30.0),
             request_timeout=args.request_timeout,
             connect_timeout=getattr(args, "connect_timeout", 10.0),
+            max_request_body_bytes=getattr(args, "max_request_body_bytes", None) or None,
         )
+        limits = conn_limits.from_args(args)
     except ValueError as e:
         print(f"pdserve proxy: error: {e}", file=sys.stderr)
         return 2
@@ -202,5 +231,6 @@ def main(args: argparse.Namespace) -> int:
             args.port,
             shutdown_timeout=getattr(args, "shutdown_timeout", 30.0),
             log_level=getattr(args, "uvicorn_log_level", "warning"),
+            limits=limits,
         )
     )

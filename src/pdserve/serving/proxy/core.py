@@ -10,9 +10,11 @@ See :mod:`pdserve.serving.proxy.forward` for what one request does with them. Er
 bodies are :func:`pdserve.serving.http.error_body`, the same as the API server's.
 
 Signing: instances accept ``kv_transfer_params`` only when this topology's proxy signed
-them (:mod:`pdserve.core_types.pd_auth`). The proxy signs the params it puts on every
-prefill leg and re-signs the prefill's answer it puts on the decode leg, each time with
-a fresh expiry; whatever ``kv_transfer_params`` a client sent never reaches an instance.
+them (:mod:`pdserve.core_types.pd_auth`), for the leg's request id, once. The proxy
+signs the params it puts on every prefill leg and re-signs the prefill's answer it puts
+on the decode leg, each time with a fresh expiry and nonce and bound to the request's
+``X-Request-Id``; whatever ``kv_transfer_params`` a client sent never reaches an
+instance.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ _NOT_ON_PREFILL = ("stream_options", "min_tokens", "n", "best_of")
 
 
 def prefill_body(
-    body: dict[str, Any], secret: bytes, path: str = "/v1/completions"
+    body: dict[str, Any], secret: bytes, request_id: str, path: str = "/v1/completions"
 ) -> dict[str, Any]:
     """The prefill leg's body (a new dict; ``body`` is not modified), with signed
     :data:`PREFILL_KV_PARAMS`: one sample (``n`` and ``best_of`` left out, so 1) of one
@@ -62,20 +64,20 @@ def prefill_body(
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
     out["stream"] = False
-    out["kv_transfer_params"] = sign_kv_params(PREFILL_KV_PARAMS, secret)
+    out["kv_transfer_params"] = sign_kv_params(PREFILL_KV_PARAMS, secret, request_id=request_id)
     return out
 
 
 def decode_body(
-    body: dict[str, Any], kv_params: dict[str, Any] | None, secret: bytes
+    body: dict[str, Any], kv_params: dict[str, Any] | None, secret: bytes, request_id: str
 ) -> dict[str, Any]:
     """The decode leg's body: the client's, with the prefill's params signed by the proxy
-    (or without any: also the body of a colocated request)."""
+    for ``request_id`` (or without any: also the body of a colocated request)."""
     out = dict(body)
     if kv_params is None:
         out.pop("kv_transfer_params", None)
     else:
-        out["kv_transfer_params"] = sign_kv_params(kv_params, secret)
+        out["kv_transfer_params"] = sign_kv_params(kv_params, secret, request_id=request_id)
     return out
 
 

@@ -15,10 +15,13 @@ proxy):
    ``kv_transfer_params``, re-signed by the proxy, sent to the least-loaded healthy
    decode instance; its status, headers' content type and body go back to the client, a
    stream chunk by chunk as it arrives (no buffering; the client's reading paces the
-   upstream).
+   upstream). A stream's status line waits for its first chunk, so a decode that fails
+   before it can still be replaced (below).
 
-Both legs carry the same ``X-Request-Id``. A 200 prefill answer without
-``kv_transfer_params`` is counted and logged (decode will then recompute the prompt).
+Both legs carry the same ``X-Request-Id``; every attempt's ``kv_transfer_params`` are
+signed afresh for it (single use, :mod:`pdserve.core_types.pd_auth`). A 200 prefill
+answer without ``kv_transfer_params`` is counted and logged (decode will then recompute
+the prompt).
 
 Choosing an instance: a connection that could not be established (refused,
 unreachable, connect timeout) means the request never reached the instance, so it does
@@ -26,16 +29,29 @@ not use up the leg's attempt: the leg goes to another instance of the pool. When
 has no eligible instance (none healthy, or the only ones refused this request), the
 request waits for one to come (back) up, for at most ``queue_timeout`` seconds (e.g.
 while the launcher restarts a pool's one instance), then gets 503 (or the last
-connection error, 502). Before the prefill leg the decode pool must have a healthy
-instance too (waiting the same way), so no prefill work is spent for nothing.
+connection error, 502); a decode leg does not wait (see below). Before the prefill leg
+the decode pool must have a healthy instance too (waiting the same way), so no prefill
+work is spent for nothing.
 
 Deadlines follow health: each leg runs under its instance's guard
 (:meth:`pdserve.serving.proxy.pool.InstancePool.guard`). When the instance is marked
 down (probes time out: it hangs; or connections fail: it died), the leg is failed at
-once with outcome ``instance_down``: a prefill leg is retried on another instance; a
-decode leg is answered 502 (or, mid-stream, ends with an error event). A decode leg is
-not re-sent to another instance: the instance that was marked down may already be
-pulling the prompt's KV, and a second pull would race it.
+once with outcome ``instance_down``: a prefill leg is retried on another instance.
+
+A decode instance that dies under a request: a decode leg is never re-sent with the
+same prompt KV (the instance may have pulled it already; prefill serves a lease to one
+decode). When the leg fails after it may have reached the instance (the connection
+dropped, also when a new connection is then refused:
+:class:`~pdserve.serving.proxy.upstream.ConnectionLost`; the instance was marked down;
+or it answered 503, e.g. its prompt's KV was lost) and nothing went to the client yet,
+the KV is released at once and the whole request runs once more, **re-prefilled**, on
+another decode instance (or the same one once it came back: a new generation), waiting
+for one as a new request does (``queue_timeout``); if none comes, 503 naming the
+failure. A decode leg whose connection was never established goes to another healthy
+decode instance with the same (never used) params; when none is eligible right now the
+KV is released and the request waits and runs again the same way: held KV never waits
+for an instance (so nothing waits on a lease that may be gone). A failure after the
+first chunk ends the stream with an error event (503 when the instance went away).
 
 KV ownership: once the prefill leg returned parameters, the prefill instance holds the
 prompt's KV until decode pulls it. If the decode leg does not end normally (client
@@ -108,6 +124,15 @@ class _NotSent:
 class _Failed:
     """An attempt that failed after it may have reached its instance, with nothing sent
     to the client yet, so another instance may take the leg; ``reply`` if it is the last."""
+
+    reply: Reply
+
+
+@dataclass
+class _Redo:
+    """A decode leg that failed with nothing sent to the client (its instance went away
+    under it, answered 503, or none could take it) and its KV released: the request may
+    run again from its prefill leg on another decode instance; ``reply`` if it cannot."""
 
     reply: Reply
 
@@ -187,13 +212,32 @@ class ProxyResponse(Response):
         if core.decode.num_healthy == 0 and not await self._wait_healthy(core.decode):
             await self._reply(self._unavailable(core.decode))  # no prefill work for nothing
             return
-        pre = await self._attempts(core.prefill, self._prefill_once, tries=2)
-        if isinstance(pre, Reply):
-            await self._reply(pre)
-            return
-        if pre.kv_params is not None:
-            self._held = pre.instance.url
-        await self._answer_leg(pre.kv_params)
+        tried: dict[str, int] = {}  # decode instances tried (URL -> generation)
+        answer: Reply | None = None  # the last decode failure's, if no decode takes it
+        for again in (False, True):  # once more, re-prefilled, after a decode failed
+            if again:  # a decode instance other than the ones that failed, or 503
+                deadline = asyncio.get_running_loop().time() + core.settings.queue_timeout
+                if await core.decode.wait_pick(tried, deadline) is None:
+                    break
+                core.metrics.retried("decode")
+                logger.warning(
+                    "request %s: decode failed on %s; prefilling it again for another "
+                    "decode instance",
+                    self.request_id,
+                    ", ".join(tried),
+                )
+            pre = await self._attempts(core.prefill, self._prefill_once, tries=2)
+            if isinstance(pre, Reply):
+                await self._reply(pre)
+                return
+            if pre.kv_params is not None:
+                self._held = pre.instance.url
+            redo = await self._answer_leg(pre.kv_params, tried)
+            if redo is None:
+                return
+            answer = redo.reply
+        assert answer is not None
+        await self._reply(answer)
 
     async def _wait_healthy(self, pool: InstancePool) -> bool:
         deadline = asyncio.get_running_loop().time() + self.core.settings.queue_timeout
@@ -205,36 +249,41 @@ class ProxyResponse(Response):
         once: Callable[[Instance], Awaitable[_T | Reply | _Failed | _NotSent]],
         *,
         tries: int,
+        tried: dict[str, int] | None = None,
+        wait: bool = True,
     ) -> _T | Reply:
         """Send one leg to ``pool`` with ``once(instance)``: at most ``tries`` attempts
         that reached an instance (after a :class:`_Failed` one the leg goes to another
         healthy instance if one is there now, else that failure is the answer); an
         attempt whose connection was never established (:class:`_NotSent`) does not
         count (before any failure, the next one waits for an eligible instance up to
-        ``queue_timeout``; see the module docstring). Returns what ``once`` returned otherwise (a success,
-        or a :class:`Reply` to give as is), or the last failure's reply (503 if no
-        instance was eligible)."""
+        ``queue_timeout``, unless not ``wait``; see the module docstring). ``tried``:
+        instances (URL -> generation) not to use unless they came back; the instances
+        this call tries are added to it. Returns what
+        ``once`` returned otherwise (a success, or a :class:`Reply` to give as is), or the
+        last failure's reply (503 if no instance was eligible)."""
         deadline = asyncio.get_running_loop().time() + self.core.settings.queue_timeout
-        tried: dict[str, int] = {}  # URL -> generation when tried
+        tried = {} if tried is None else tried  # URL -> generation when tried
+        last = ""  # the URL of this call's last attempt
         failure: Reply | None = None  # the answer if no attempt succeeds
         failed = 0
         while failed < tries:
-            if failed == 0:
+            if failed == 0 and wait:
                 inst = await pool.wait_pick(tried, deadline)
             else:
-                inst = pool.pick(u for u, g in tried.items() if pool.get(u).generation == g)
+                inst = pool.pick(pool.not_back(tried))
             if inst is None:
                 break
-            if tried:
+            if last:
                 self.core.metrics.retried(pool.role)
                 logger.warning(
                     "request %s: retrying the %s leg on %s after failure on %s",
                     self.request_id,
                     pool.role,
                     inst.url,
-                    next(reversed(tried)),
+                    last,
                 )
-            tried[inst.url] = inst.generation
+            tried[inst.url], last = inst.generation, inst.url
             result = await once(inst)
             if isinstance(result, _NotSent):
                 failure = result.reply
@@ -258,7 +307,9 @@ class ProxyResponse(Response):
                         "POST",
                         url + self.path,
                         instance=url,
-                        json=prefill_body(self.client_body, core.secret, self.path),
+                        json_factory=lambda: prefill_body(
+                            self.client_body, core.secret, self.request_id, self.path
+                        ),
                         headers=self.upstream_headers,
                         timeout=core.leg_timeout(streaming=False),
                     )
@@ -310,28 +361,38 @@ class ProxyResponse(Response):
         return _PrefillDone(inst, params)
 
     # -- the answer: decode, or colocated ------------------------------------------
-    async def _answer_leg(self, kv_params: dict[str, Any] | None) -> None:
+    async def _answer_leg(
+        self, kv_params: dict[str, Any] | None, tried: dict[str, int] | None = None
+    ) -> _Redo | None:
         """The leg whose answer goes to the client: the decode leg (with the prefill's
         ``kv_params``), or a colocated request (``None``; retried once, see the module
-        docstring)."""
+        docstring). A decode leg does not wait for an instance holding KV (``tried``:
+        instances not to use, updated with those it tries) and returns :class:`_Redo`
+        when it fails before the client got a byte."""
         pool = self.core.answer
-        tries = 2 if self.core.colocated else 1
+        colocated = self.core.colocated
+        tries = 2 if colocated else 1
 
-        async def once(inst: Instance) -> _Failed | _NotSent | None:
+        async def once(inst: Instance) -> _Failed | _NotSent | _Redo | None:
             return await self._answer_once(inst, kv_params)
 
-        reply = await self._attempts(pool, once, tries=tries)
-        if reply is not None:
+        result = await self._attempts(pool, once, tries=tries, tried=tried, wait=colocated)
+        if isinstance(result, Reply):
             self._release("no_decode_instance")
-            await self._reply(reply)
+            if colocated:
+                await self._reply(result)
+                return None
+            return _Redo(result)
+        return result
 
     async def _answer_once(
         self, inst: Instance, kv_params: dict[str, Any] | None
-    ) -> _Failed | _NotSent | None:
+    ) -> _Failed | _NotSent | _Redo | None:
         """One attempt: ``None`` once the client has its answer, else the error to give
         if no other instance takes the request (:class:`_NotSent`: its connection was
         never established; :class:`_Failed`: a colocated request that failed before any
-        byte went to the client)."""
+        byte went to the client; :class:`_Redo`: a decode leg that failed so, its KV
+        released)."""
         core, pool, url = self.core, self.core.answer, inst.url
         retry = core.colocated  # nothing was pulled: another instance may take it
         self._decode_counted = False
@@ -345,13 +406,15 @@ class ProxyResponse(Response):
                         "POST",
                         url + self.path,
                         instance=url,
-                        json=decode_body(self.client_body, kv_params, core.secret),
+                        json_factory=lambda: decode_body(
+                            self.client_body, kv_params, core.secret, self.request_id
+                        ),
                         headers=self.upstream_headers,
                         timeout=core.leg_timeout(streaming=self.streaming),
                     )
                     pool.record_success(inst)
                     if resp.status == 200 and self.streaming:
-                        await self._stream(url, resp, hold_status=retry)
+                        await self._stream(url, resp)
                     else:
                         reply = await self._whole(url, resp)
                     clean = True
@@ -362,7 +425,10 @@ class ProxyResponse(Response):
                 if resp is None and not_sent(e):
                     outcome = self._leg_error(pool, inst, e, count=False)
                     core.metrics.leg_done(pool.role, url, outcome)
-                    return _NotSent(Reply.error(502, f"{pool.role} leg failed on {url}: {outcome}"))
+                    code = 502 if retry else 503  # held KV does not wait for an instance
+                    return _NotSent(
+                        Reply.error(code, f"{pool.role} leg failed on {url}: {outcome}")
+                    )
                 return await self._answer_failed(inst, e, retry=retry)
             finally:
                 if resp is not None:
@@ -373,6 +439,8 @@ class ProxyResponse(Response):
         if reply is not None:
             if retry and reply.status >= 500:
                 return _Failed(reply)
+            if reply.status == 503 and not retry:  # e.g. its prompt's KV was lost
+                return _Redo(reply)
             await self._reply(reply)
         return None
 
@@ -395,15 +463,13 @@ class ProxyResponse(Response):
         ctype = resp.headers.get("Content-Type", "application/json")
         return Reply(resp.status, data, ctype)
 
-    async def _stream(self, url: str, resp: aiohttp.ClientResponse, *, hold_status: bool) -> None:
+    async def _stream(self, url: str, resp: aiohttp.ClientResponse) -> None:
         """Pass the SSE stream through (a break is handled by :meth:`_answer_failed`).
-        With ``hold_status`` the status line waits for the first chunk, so a stream that
-        breaks before it can still be retried."""
+        The status line waits for the first chunk, so a stream that breaks before it can
+        still be retried or redone."""
         core = self.core
         ctype = resp.headers.get("Content-Type", "text/event-stream")
         extra = [(b"cache-control", b"no-cache")]
-        if not hold_status:
-            await self._start(200, ctype, extra=extra)
         meter = self._meter = SSEMeter()
         async for chunk in resp.content.iter_any():
             had_first = meter.first is not None
@@ -424,16 +490,18 @@ class ProxyResponse(Response):
 
     async def _answer_failed(
         self, inst: Instance, exc: Exception, *, retry: bool
-    ) -> _Failed | None:
+    ) -> _Failed | _Redo | None:
         """The answer leg broke after it may have reached the instance: count it; with
         ``retry`` and nothing sent to the client yet, return the error for another
-        attempt; else free the KV and tell the client (a 502/504, or mid-stream: an
-        error event if the break fell between events, then the end of the response
-        without ``[DONE]``)."""
+        attempt; else free the KV and, for a decode instance that went away before
+        anything reached the client, return :class:`_Redo` (503 if nothing takes it);
+        else tell the client (a 502/504, or mid-stream: an error event if the break fell
+        between events, then the end of the response without ``[DONE]``)."""
         url, pool = inst.url, self.core.answer
         outcome = self._leg_error(pool, inst, exc, count=False)
         self._decode_outcome(url, outcome)
-        code = 504 if outcome == "timeout" else 502
+        gone = outcome in ("connection_error", "instance_down")  # it died, or hangs
+        code = 504 if outcome == "timeout" else 503 if gone else 502
         failure = Reply.error(code, f"{pool.role} leg failed on {url}: {outcome}")
         if retry and not self._response_started:
             return _Failed(failure)
@@ -443,9 +511,15 @@ class ProxyResponse(Response):
             meter = self._meter
             tail = b""
             if meter is None or meter.at_event_boundary:
-                tail = sse_error(502, f"{pool.role} stream from {url} broke: {outcome}").encode()
+                tail = sse_error(code, f"{pool.role} stream from {url} broke: {outcome}").encode()
             await self._body(tail, more=False)
             return None
+        if gone:
+            why = (
+                f"decode instance {url} failed under this request ({outcome}) and no other "
+                "decode instance took it; retry later"
+            )
+            return _Redo(Reply.error(503, why))
         await self._reply(failure)
         return None
 

@@ -201,8 +201,7 @@ class InstancePool:
         ``deadline`` (``loop.time()``), then ``None``."""
         loop = asyncio.get_running_loop()
         while True:
-            exclude = [u for u, gen in tried.items() if self.get(u).generation == gen]
-            inst = self.pick(exclude)
+            inst = self.pick(self.not_back(tried))
             if inst is not None:
                 return inst
             left = deadline - loop.time()
@@ -211,6 +210,11 @@ class InstancePool:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(left):
                     await self._came_up.wait()
+
+    def not_back(self, tried: dict[str, int]) -> list[str]:
+        """The URLs in ``tried`` (URL -> ``generation`` when tried) that have not come
+        back since."""
+        return [u for u, gen in tried.items() if self.get(u).generation == gen]
 
     async def wait_healthy(self, deadline: float) -> bool:
         """Wait until some instance is healthy or ``deadline`` (``loop.time()``) passes."""

@@ -17,7 +17,14 @@ closed an idle connection, so it never read the request; the bytes the client wr
 went into a socket the server had already closed. Connect errors, timeouts and failures
 on a connection that was new are not retried here (the instance is unreachable, slow or
 broken; the caller decides). If the instance did die between the two attempts, the new
-connection is refused at once, so the retry costs nothing.
+connection is refused at once, so the retry costs nothing; that refusal is raised as
+:class:`ConnectionLost`, never as a connect error: the dropped connection may have
+carried the request to the instance before it died (a P/D decode leg may have pulled its
+prompt's KV), so the caller must not take it for a request that was never sent.
+
+Each attempt's body comes from ``json_factory`` when one is given, so the retry carries
+a fresh signature (signed ``kv_transfer_params`` are single-use: an instance that did
+read the first attempt refuses the same params again).
 """
 
 from __future__ import annotations
@@ -45,6 +52,11 @@ async def _on_reuse(session: aiohttp.ClientSession, ctx: SimpleNamespace, params
     attempt = ctx.trace_request_ctx
     if isinstance(attempt, _Attempt):
         attempt.reused = True
+
+
+class ConnectionLost(aiohttp.ClientConnectionError):
+    """A pooled connection broke under a request and its instance then refused a new
+    one: the instance went away, perhaps after it read the request."""
 
 
 def stale_connection_error(exc: BaseException) -> bool:
@@ -111,12 +123,21 @@ class Upstream:
                 await s.close()
 
     async def request(
-        self, method: str, url: str, *, instance: str = "", **kwargs: Any
+        self,
+        method: str,
+        url: str,
+        *,
+        instance: str = "",
+        json_factory: Callable[[], Any] | None = None,
+        **kwargs: Any,
     ) -> aiohttp.ClientResponse:
         """``session.request(method, url, **kwargs)`` with the retry rule of the module
         docstring. The caller reads the response and then releases or closes it (it is
-        not a context manager here). ``instance`` names the instance for ``on_retry``."""
+        not a context manager here). ``instance`` names the instance for ``on_retry``;
+        ``json_factory`` makes each attempt's JSON body."""
         attempt = _Attempt()
+        if json_factory is not None:
+            kwargs["json"] = json_factory()
         try:
             return await self.pooled.request(method, url, trace_request_ctx=attempt, **kwargs)
         except asyncio.CancelledError:
@@ -124,6 +145,15 @@ class Upstream:
         except Exception as e:
             if not (attempt.reused and stale_connection_error(e)) or self._fresh is None:
                 raise
+            dropped = e
         if self.on_retry is not None:
             self.on_retry(instance or url)
-        return await self._fresh.request(method, url, **kwargs)
+        if json_factory is not None:
+            kwargs["json"] = json_factory()
+        try:
+            return await self._fresh.request(method, url, **kwargs)
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
+            raise ConnectionLost(
+                f"the connection to {instance or url} broke under the request ({dropped!r}) "
+                f"and a new one was refused ({e})"
+            ) from e

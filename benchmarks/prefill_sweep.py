@@ -1,0 +1,374 @@
+"""Launch-shape sweeps of the GLM-5 kernels that set prefill and verify speed (issues 26
+and 27): the absorbed sparse MLA kernel and the fused MoE, each config timed on the same
+inputs, checked against the default config's output, and set against the bf16 matmul
+rate and the copy bandwidth measured in the same call.
+
+    PYTHONPATH=src python3 benchmarks/prefill_sweep.py --out $OUT/sweep.json \\
+        [--sections mla,moe] [--budget-s 240]
+    python3 benchmarks/prefill_sweep.py --device cpu --out /tmp/sweep.json   (smoke)
+
+mla   64 heads, kv_lora_rank 512 + rope 64, bf16, top-k 2048, KV block 64 (glm5-m12-e64).
+      Cases: one request prefilling 2K tokens (every row within top-k: dense causal), 4K
+      and 16K (rows past 2048 read their own 2048 selected keys); verify steps of
+      64/128/256 requests x 4 rows at 16K context; decode steps of 64/128/256 x 1 row.
+      Each config (heads per program, keys per tile, warps, stages) runs with the split
+      count the backend would choose for it. FLOPs = 2 * pairs * heads * (2 * 512 + 64)
+      (scores over 576 dims, values over 512), pairs = sum over rows of the keys a row
+      reads (min(pos + 1, 2048)); bytes = pairs * 576 * 2 (each row's gathered latents,
+      read once per head block) + queries and outputs. Prefill is timed eagerly (as the
+      engine runs it), verify and decode replayed from CUDA graphs.
+moe   routed experts of one MoE layer (hidden 6144, moe_intermediate 2048, top-8 of 64,
+      bf16) at 512 and 1024 tokens (verify steps of 128 and 256 requests x 4 rows; graph
+      replays) and 2048, 4096 and 16384 (prefill, in chunks of CHUNK_TOKENS): FLOPs = 2 *
+      T * 8 * 3 * 6144 * 2048, bytes = every expert's weights once (all 64 are reached).
+
+``--device cpu`` runs every code path at tiny shapes under Triton's interpreter, with the
+defaults and one other config of each grid (a smoke run for the test suite, not a
+measurement). Rows go to the JSON as they finish; a table
+per section and the best config per case are printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _interp import interpreter_fix  # noqa: E402
+
+# (heads per program, keys per tile, warps, stages); the defaults are among them
+MLA_GRID = [
+    (32, 32, 4, 3),
+    (16, 64, 8, 2),
+    (64, 16, 8, 3),
+    (64, 16, 8, 4),
+    (64, 32, 8, 2),
+    (64, 32, 8, 3),
+    (64, 32, 8, 4),
+    (64, 64, 8, 2),
+]
+# (block_m, block_n, block_k, warps, stages)
+MOE_GRID = [
+    (128, 128, 64, 8, 3),
+    (128, 128, 64, 8, 4),
+    (128, 128, 32, 8, 5),
+    (64, 128, 64, 4, 3),
+    (64, 128, 64, 4, 4),
+    (64, 64, 128, 4, 4),
+    (64, 256, 64, 8, 3),
+    (128, 64, 64, 4, 4),
+]
+
+
+@dataclass(frozen=True)
+class Shapes:
+    heads: int
+    lat: int
+    rope: int
+    topk: int
+    page: int
+    hidden: int
+    inter: int
+    experts: int
+    top_k: int
+
+
+GPU = Shapes(64, 512, 64, 2048, 64, 6144, 2048, 64, 8)
+CPU = Shapes(64, 32, 16, 16, 4, 64, 32, 8, 2)
+
+
+# ------------------------------------------------------------------------------ timing
+def _median_ms(fn: Callable[[], object], dev: torch.device, reps: int) -> float:
+    if dev.type != "cuda":
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    import triton
+
+    return float(triton.testing.do_bench(fn, warmup=5, rep=reps, return_mode="median"))
+
+
+def _graph_ms(fn: Callable[[], object], dev: torch.device, reps: int) -> float:
+    """One call's median ms replayed from a CUDA graph of 10 calls (eager on the CPU)."""
+    if dev.type != "cuda":
+        return _median_ms(fn, dev, reps)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(10):
+            fn()
+    return _median_ms(graph.replay, dev, reps) / 10
+
+
+def measure(dev: torch.device) -> tuple[float, float]:
+    """(copy bytes/s read + written, bf16 matmul FLOP/s); nominal ones on the CPU."""
+    if dev.type != "cuda":
+        return 1e11, 1e12
+    from gpu_suite import measure_limits
+
+    lim = measure_limits()
+    return lim["copy_bandwidth_Bps"], lim["bf16_matmul_flops"]
+
+
+# --------------------------------------------------------------------------------- MLA
+@dataclass
+class MlaCase:
+    name: str
+    kind: str  # prefill | verify | decode
+    reqs: int
+    ctx: int
+    q_len: int
+
+
+def mla_cases(cpu: bool) -> list[MlaCase]:
+    if cpu:
+        return [MlaCase("prefill 12", "prefill", 1, 12, 12), MlaCase("prefill 40", "prefill", 1, 40, 40),
+                MlaCase("verify 3x4", "verify", 3, 24, 4)]  # fmt: skip
+    out = [MlaCase(f"prefill {n // 1024}K", "prefill", 1, n, n) for n in (2048, 4096, 16384)]
+    out += [MlaCase(f"verify {b}x4 16K", "verify", b, 16384, 4) for b in (64, 128, 256)]
+    out += [MlaCase(f"decode {b}x1 16K", "decode", b, 16384, 1) for b in (64, 128, 256)]
+    return out
+
+
+def _mla_inputs(case: MlaCase, sh: Shapes, dev: torch.device) -> dict[str, Any]:
+    from pdserve.layers.attention.backend import CommonAttentionMetadata
+
+    g = torch.Generator(device=dev).manual_seed(case.reqs * 7919 + case.ctx)
+    nblk = -(-case.ctx // sh.page)
+    bt = (1 + torch.randperm(case.reqs * nblk, device=dev, generator=g)).view(case.reqs, nblk)
+    t = case.reqs * case.q_len
+    pos = (case.ctx - case.q_len + torch.arange(case.q_len, device=dev)).repeat(case.reqs)
+    md = CommonAttentionMetadata(
+        num_reqs=case.reqs,
+        num_actual_tokens=t,
+        max_query_len=case.q_len,
+        max_seq_len=case.ctx,
+        block_size=sh.page,
+        query_start_loc=torch.arange(case.reqs + 1, dtype=torch.int32, device=dev) * case.q_len,
+        seq_lens=torch.full((case.reqs,), case.ctx, dtype=torch.int32, device=dev),
+        block_tables=bt.to(torch.int32),
+        slot_mapping=torch.zeros(t, dtype=torch.int64, device=dev),
+        token_req_idx=torch.arange(case.reqs, device=dev).repeat_interleave(case.q_len),
+        token_q_idx=torch.arange(case.q_len, device=dev).repeat(case.reqs),
+    )
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    cache = torch.randn(1 + case.reqs * nblk, sh.page, sh.lat + sh.rope, device=dev,
+                        generator=g).to(dt)  # fmt: skip
+    q_lat = torch.randn(t, sh.heads, sh.lat, device=dev, generator=g).to(dt)
+    q_pe = torch.randn(t, sh.heads, sh.rope, device=dev, generator=g).to(dt)
+    topk = None
+    if case.ctx > sh.topk:  # each row's own selection among its causal keys, -1 pads
+        topk = torch.empty(t, sh.topk, dtype=torch.int64, device=dev)
+        for a in range(0, t, 2048):
+            b = min(t, a + 2048)
+            r = torch.rand(b - a, case.ctx, device=dev, generator=g)
+            r.masked_fill_(torch.arange(case.ctx, device=dev)[None, :] > pos[a:b, None], -1.0)
+            vals, idx = r.topk(sh.topk, dim=-1)
+            topk[a:b] = torch.where(vals >= 0, idx, -1)
+    pairs = int(torch.clamp(pos + 1, max=sh.topk).sum())
+    return {"md": md, "cache": cache, "q_lat": q_lat, "q_pe": q_pe, "topk": topk, "pairs": pairs}
+
+
+def run_mla(sh: Shapes, dev: torch.device, bw: float, peak: float, deadline: float,
+            reps: int) -> list[dict[str, Any]]:  # fmt: skip
+    from pdserve.kernels._utils import num_sms
+    from pdserve.kernels.sparse_mla import MlaConfig, _config, choose_splits, sparse_mla_attention
+
+    rows: list[dict[str, Any]] = []
+    grid = [MlaConfig(*c) for c in (MLA_GRID[4:5] if dev.type == "cpu" else MLA_GRID)]
+    for case in mla_cases(dev.type == "cpu"):
+        inp = _mla_inputs(case, sh, dev)
+        md, t = inp["md"], inp["md"].num_actual_tokens
+        default = _config(t, sh.heads, max(16, sh.lat))
+        bound = sh.topk if inp["topk"] is not None else case.ctx
+
+        def call(cfg: MlaConfig, splits: int, out: torch.Tensor, inp: dict = inp,
+                 md: Any = md, t: int = t) -> torch.Tensor:  # fmt: skip
+            return sparse_mla_attention(
+                inp["q_lat"], inp["q_pe"], inp["cache"], md.block_tables, md.seq_lens,
+                md.query_start_loc, md.token_req_idx, md.token_q_idx, inp["topk"],
+                0.0625, t, splits, out, config=cfg,
+            )  # fmt: skip
+
+        ref = call(default, choose_splits(t, sh.heads, bound, num_sms(dev), sh.lat),
+                   torch.empty_like(inp["q_lat"])).float()  # fmt: skip
+        flops = 2 * inp["pairs"] * sh.heads * (2 * sh.lat + sh.rope)
+        for cfg in [default] + [c for c in grid if c != default]:
+            if time.perf_counter() > deadline:
+                rows.append({"case": case.name, "config": list(cfg), "skipped": "budget"})
+                continue
+            splits = choose_splits(t, sh.heads, bound, num_sms(dev), sh.lat, cfg)
+            blocks = -(-sh.heads // cfg.block_h)
+            nbytes = inp["pairs"] * (sh.lat + sh.rope) * 2 * blocks + t * sh.heads * (
+                2 * sh.lat + sh.rope) * 2  # fmt: skip
+            out = torch.empty_like(inp["q_lat"])
+            row: dict[str, Any] = {"case": case.name, "kind": case.kind, "config": list(cfg),
+                                   "default": cfg == default, "splits": splits}  # fmt: skip
+            try:
+                got = call(cfg, splits, out).float()
+                row["max_abs_diff"] = float((got - ref).abs().max())
+                timer = _median_ms if case.kind == "prefill" else _graph_ms
+                ms = timer(partial(call, cfg, splits, out), dev, reps)
+            except Exception as e:  # out of shared memory, registers: the config is out
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                continue
+            row.update(ms=ms, tflops=flops / ms / 1e9, share_of_matmul=flops / (ms * 1e-3) / peak,
+                       gbps=nbytes / (ms * 1e-3) / 1e9,
+                       x_bound=ms / (max(flops / peak, nbytes / bw) * 1e3))  # fmt: skip
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del inp, ref
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+# --------------------------------------------------------------------------------- MoE
+def run_moe(sh: Shapes, dev: torch.device, bw: float, peak: float, deadline: float,
+            reps: int) -> list[dict[str, Any]]:  # fmt: skip
+    from pdserve.kernels.fused_moe import MoeConfig, _config, fused_experts
+
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    g = torch.Generator(device=dev).manual_seed(5)
+    w13 = (torch.randn(sh.experts, 2 * sh.inter, sh.hidden, device=dev, generator=g)
+           * sh.hidden**-0.5).to(dt)  # fmt: skip
+    w2 = (torch.randn(sh.experts, sh.hidden, sh.inter, device=dev, generator=g)
+          * sh.inter**-0.5).to(dt)  # fmt: skip
+    rows: list[dict[str, Any]] = []
+    for t in (32,) if dev.type == "cpu" else (512, 1024, 2048, 4096, 16384):
+        x = torch.randn(t, sh.hidden, device=dev, generator=g).to(dt)
+        ids = torch.rand(t, sh.experts, device=dev, generator=g).topk(sh.top_k).indices
+        weights = torch.rand(t, sh.top_k, device=dev, generator=g)
+        default = _config(t * sh.top_k, sh.experts)
+        ref = fused_experts(x, w13, w2, weights, ids, config=default).float()
+        flops = 2 * t * sh.top_k * 3 * sh.hidden * sh.inter
+        nbytes = 3 * sh.experts * sh.hidden * sh.inter * 2 + 2 * t * sh.hidden * 2
+        grid = [MoeConfig(*c) for c in (MOE_GRID[4:5] if dev.type == "cpu" else MOE_GRID)]
+        for cfg in [default] + [c for c in grid if c != default]:
+            row: dict[str, Any] = {"case": f"T{t}", "config": list(cfg), "default": cfg == default}
+            if time.perf_counter() > deadline:
+                rows.append({**row, "skipped": "budget"})
+                continue
+            out = torch.empty_like(x)
+            fn = partial(fused_experts, x, w13, w2, weights, ids, out, cfg)
+            try:
+                fn()
+                row["max_abs_diff"] = float((out.float() - ref).abs().max())
+                ms = (_graph_ms if t <= 1024 else _median_ms)(fn, dev, reps)
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                continue
+            row.update(ms=ms, tflops=flops / ms / 1e9, share_of_matmul=flops / (ms * 1e-3) / peak,
+                       x_bound=ms / (max(flops / peak, nbytes / bw) * 1e3))  # fmt: skip
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+# ------------------------------------------------------------------------------ report
+def best_per_case(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per case: the default config's ms and the fastest config (errors, skips left out)."""
+    out = []
+    for case in dict.fromkeys(r["case"] for r in rows):
+        timed = [r for r in rows if r["case"] == case and "ms" in r]
+        if not timed:
+            continue
+        best = min(timed, key=lambda r: r["ms"])
+        default = next((r for r in timed if r.get("default")), None)
+        out.append({"case": case, "best_config": best["config"], "best_ms": best["ms"],
+                    "best_tflops": best["tflops"], "best_share": best["share_of_matmul"],
+                    "default_ms": default["ms"] if default else None})  # fmt: skip
+    return out
+
+
+def _table(name: str, rows: list[dict[str, Any]]) -> None:
+    print(f"\n== {name}: ms (TFLOP/s, share of the bf16 matmul rate) per config")
+    cfgs = list(dict.fromkeys(tuple(r["config"]) for r in rows))
+    print(f"{'case':>18} | " + " | ".join(f"{str(c):>22}" for c in cfgs))
+    for case in dict.fromkeys(r["case"] for r in rows):
+        cells = []
+        for c in cfgs:
+            r = next((r for r in rows if r["case"] == case and tuple(r["config"]) == c), None)
+            if r is None or "ms" not in r:
+                cells.append(f"{('err' if r and 'error' in r else '-'):>22}")
+            else:
+                mark = "*" if r.get("default") else " "
+                cells.append(f"{r['ms']:8.3f} ({r['tflops']:5.0f}, {r['share_of_matmul']:4.0%}){mark}")
+        print(f"{case:>18} | " + " | ".join(cells))
+    for b in best_per_case(rows):
+        d = f"{b['default_ms']:.3f}" if b["default_ms"] is not None else "-"
+        print(f"  {b['case']}: best {b['best_config']} {b['best_ms']:.3f} ms "
+              f"({b['best_share']:.0%} of matmul), default {d} ms")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--sections", default="mla,moe")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--budget-s", type=float, default=240.0, help="stop timing new configs after")
+    args = ap.parse_args(argv)
+    if args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        interpreter_fix()
+    elif not torch.cuda.is_available():
+        print("no CUDA device; use --device cpu for the smoke mode", file=sys.stderr)
+        return 2
+    dev = torch.device(args.device)
+    sh = GPU if dev.type == "cuda" else CPU
+    t0 = time.perf_counter()
+    bw, peak = measure(dev)
+    res: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "copy_bandwidth_Bps": bw,
+        "bf16_matmul_flops": peak,
+        "shapes": sh.__dict__,
+    }
+    print(f"{res['device']}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s")
+    runners = {"mla": run_mla, "moe": run_moe}
+    sections = args.sections.split(",")
+    for name in sections:
+        if name not in runners:
+            print(f"unknown section {name!r}; choose from {', '.join(runners)}", file=sys.stderr)
+            return 2
+    deadline = t0 + args.budget_s
+    reps = 1 if dev.type == "cpu" else 80
+    with torch.inference_mode():
+        for name in sections:
+            res[name] = runners[name](sh, dev, bw, peak, deadline, reps)
+            res[f"{name}_best"] = best_per_case(res[name])
+            Path(args.out).write_text(json.dumps(res, indent=2))
+    res["seconds"] = time.perf_counter() - t0
+    Path(args.out).write_text(json.dumps(res, indent=2))
+    for name in sections:
+        _table(name, res[name])
+    print(f"\n{res['seconds']:.0f} s; medians: "
+          + ", ".join(f"{n} {statistics.median([r['ms'] for r in res[n] if 'ms' in r] or [0]):.3f} ms"
+                      for n in sections))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""The matrix FLOPs one prompt's prefill does in the DeepSeek / GLM-5 family, by the kernel
+categories of :mod:`pdserve.bench.step_profile`: the compute side of the prefill section
+of ``benchmarks/glm5_bench.py`` (achieved TFLOP/s of a category = its FLOPs over its
+profiled device time).
+
+One request of ``n`` prompt tokens, no cached prefix, positions ``0 .. n-1``; a matrix
+product of ``m x k`` by ``k x n`` counts ``2 m k n``. Per target layer (MTP layers do not
+run in a plain prefill):
+
+- **mla_attention**: a query row at position ``p`` reads ``keys(p)`` latent rows:
+  ``min(p + 1, index_topk)`` with an indexer, ``p + 1`` without; each costs
+  ``2 * heads * (kv_lora_rank + rope)`` for the scores and ``2 * heads * kv_lora_rank``
+  for the values. Plus the absorbed products of every token: ``q_nope`` through ``W_UK``
+  (``2 * heads * nope * kv_lora_rank``) and the latent output through ``W_UV``
+  (``2 * heads * kv_lora_rank * v_head_dim``).
+- **indexer_score** (layers that run their own indexer, and only when ``n >
+  index_topk``: a shorter prompt selects every key and is not scored): each row scores
+  every causal key, ``n (n + 1) / 2`` pairs, ``2 * index_heads * index_head_dim`` each.
+- **moe_experts**: ``2 * n * experts_per_token * 3 * hidden * moe_intermediate``.
+- **router**: ``2 * n * hidden * n_routed_experts`` per MoE layer.
+- **dense_gemm**: ``2 * n * (in * out)`` of every other linear layer of the target
+  (attention and indexer projections, dense MLPs, shared experts; ``kv_b_proj`` is
+  absorbed into attention, above), and the LM head for the last token only.
+
+Top-k selection, norms and RoPE do no matrix work and have no FLOP count here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.bench.decode_roofline import layer_index
+
+
+@dataclass(frozen=True)
+class PrefillFlopModel:
+    num_heads: int
+    kv_lora_rank: int
+    rope_dim: int
+    nope_dim: int
+    v_head_dim: int
+    index_topk: int | None
+    attention_layers: int
+    indexer_layers: int  # layers that run their own indexer
+    index_heads: int
+    index_head_dim: int
+    moe_layers: int
+    experts_per_token: int
+    num_experts: int
+    hidden: int
+    moe_intermediate: int
+    dense_weights: int  # in * out summed over the other linear layers of the target
+    lm_head: int  # vocabulary x hidden
+
+    @classmethod
+    def from_model(cls, model: Any) -> PrefillFlopModel:
+        """The FLOP model of ``model`` (a DeepSeek / GLM-5 family ``CausalLM``, any
+        device); head counts are this rank's (tensor parallelism splits them)."""
+        from pdserve.layers.attention.dsa import Indexer
+        from pdserve.layers.linear import Linear
+        from pdserve.layers.moe import RoutedExperts
+
+        hc, dc = model.config, model.dc
+        n = int(hc.num_hidden_layers)
+        attn = [m for name, m in model.named_modules() if name.endswith("self_attn")
+                and (layer_index(name) or 0) < n]  # fmt: skip
+        dense = moe_layers = indexers = 0
+        for name, mod in model.named_modules():
+            i = layer_index(name)
+            if i is not None and i >= n:
+                continue  # the MTP layers
+            if isinstance(mod, RoutedExperts):
+                moe_layers += 1
+            elif isinstance(mod, Indexer):
+                indexers += 1
+            elif isinstance(mod, Linear) and not name.endswith("kv_b_proj"):
+                dense += mod.in_features * mod.out_features
+        heads = int(attn[0].num_heads) if attn else 0
+        return cls(
+            num_heads=heads,
+            kv_lora_rank=int(dc.kv_lora_rank),
+            rope_dim=int(dc.qk_rope_head_dim),
+            nope_dim=int(dc.qk_nope_head_dim),
+            v_head_dim=int(dc.v_head_dim),
+            index_topk=dc.index_topk,
+            attention_layers=len(attn),
+            indexer_layers=indexers,
+            index_heads=int(dc.index_n_heads),
+            index_head_dim=int(dc.index_head_dim),
+            moe_layers=moe_layers,
+            experts_per_token=int(dc.num_experts_per_tok),
+            num_experts=int(dc.n_routed_experts),
+            hidden=int(hc.hidden_size),
+            moe_intermediate=int(dc.moe_intermediate_size),
+            dense_weights=dense,
+            lm_head=int(hc.vocab_size) * int(hc.hidden_size),
+        )
+
+    def attended_pairs(self, n: int) -> int:
+        """(query row, latent row) pairs of attention over a prompt of ``n`` tokens."""
+        k = self.index_topk
+        if k is None or n <= k:
+            return n * (n + 1) // 2
+        return k * (k + 1) // 2 + (n - k) * k  # rows 0..k-1 read p + 1, the rest k
+
+    def flops(self, n: int) -> dict[str, float]:
+        """FLOPs of a prefill of ``n`` tokens by category, and ``total``."""
+        h, lat = self.num_heads, self.kv_lora_rank
+        per_pair = 2 * h * (lat + self.rope_dim) + 2 * h * lat
+        absorbed = 2 * h * (self.nope_dim * lat + lat * self.v_head_dim)
+        scored = n * (n + 1) // 2 if self.index_topk is not None and n > self.index_topk else 0
+        out = {
+            "mla_attention": float(self.attention_layers * (self.attended_pairs(n) * per_pair
+                                                             + n * absorbed)),  # fmt: skip
+            "indexer_score": float(
+                self.indexer_layers * scored * 2 * self.index_heads * self.index_head_dim
+            ),
+            "moe_experts": float(self.moe_layers * 2 * n * self.experts_per_token * 3
+                                 * self.hidden * self.moe_intermediate),  # fmt: skip
+            "router": float(self.moe_layers * 2 * n * self.hidden * self.num_experts),
+            "dense_gemm": float(2 * n * self.dense_weights + 2 * self.lm_head),
+        }
+        out["total"] = sum(out.values())
+        return out

@@ -1,0 +1,377 @@
+"""The DSA indexer's scores for query tiles: every query token of a tile shares one pass
+over its request's keys (prefill chunks, MTP verify rows).
+
+Same scores as :func:`~pdserve.kernels.dsa_indexer.indexer_logits` (token ``t`` at
+position ``pos`` of request ``b``; keys ``k[s]`` from the paged cache, one shared head):
+
+    I[t, s] = sum_h w[t, h] * ReLU(scale * q[t, h] . k[s])          (float32)
+
+computed as ``sum_h (scale * w[t, h]) * ReLU(q[t, h] . k[s])`` (``scale > 0``). The
+per-token kernel gathers every key once per query token; here program ``(request, tile,
+key range)`` takes ``BT`` consecutive query tokens of the request, reads each key of the
+range once for all of them (through the block table), and applies each token's causal
+mask. Programs past the request's query rows, or whose key range starts past the tile's
+last position, do no work. Two formulations (:class:`TileConfig` ``variant``):
+
+``rows``   one ``[BT * heads, D] x [D, BN]`` dot per key block (the tile's queries stay
+           in registers/shared memory for the whole range), ReLU, the per-row weight, and
+           a sum over each token's heads (a reshape). ``BT * heads`` rows fill the MMA even
+           for a few tokens: the verify shape (1+k rows per request).
+``heads``  ``BT`` tokens as the MMA's rows; per key block a loop over heads,
+           ``acc += ReLU(Q_h K^T) * w[:, h]`` with ``Q_h`` ([BT, D]) reloaded per head
+           (from L2). No reshape; it needs ``BT >= 16`` tokens: prefill.
+
+The grid comes from host ints only (``num_reqs``, the step's ``max_query_len``, the score
+width), so a CUDA graph of verify steps (fixed ``1+k`` rows) captures one launch. One
+launch serves the requests whose query length lies in ``(min_q, max_q]``:
+:func:`indexer_logits_tiled` sends requests of at most ``SMALL_QUERY_ROWS`` rows (verify
+rows; decode rows of a mixed step) to the ``rows`` launch and longer ones to the prefill
+launch, so a one-row request never occupies a 64-token tile.
+
+Launch configs are module constants (:data:`PREFILL_TILE`, :data:`VERIFY_TILE`), chosen
+by reasoning for an H200 (132 SMs, 228 KB shared memory an SM, wgmma: 64 rows a
+warpgroup) until a sweep (``benchmarks/glm5_kernels_bench.py --sections
+indexer_prefill,indexer_verify``) says otherwise:
+
+* prefill ``heads``, BT=64, BN=128, 8 warps, 2 stages: one 64-row wgmma tile a head
+  (the two warpgroups split the 128 keys); ``Q_h`` tiles double-buffered with cp.async;
+  compiled for sm_90: 127 registers a thread, 64 KB shared memory, so two programs an SM.
+  ``Q_h`` reloads cost BN FLOP a byte of L2 traffic (128: ~4 TB/s at 500 TFLOP/s; BN=256
+  halves it but needs ~250 registers with 8 warps: one program an SM). SPAN 1024 keys a
+  program (16K prefill: ~2.2K live programs, 8 waves).
+* verify ``rows``, BT = the rows a request (rounded up to a power of two, at most 8),
+  BN=64, 4 warps (8 when ``BT * heads > 128``), 3 stages: at 1+3 rows 128 MMA rows,
+  ~210 registers, 66 KB shared memory; the reshape to [BT, heads, BN] is a register
+  relabelling (no shared-memory round trip), the head sum shuffles within warps. A 16K
+  context is 4 MB of keys a request; key tiles stream through cp.async stages.
+
+``span`` is the most keys a program covers: the launcher halves it (not below ``bn``)
+while the estimated number of live programs is under two waves of the GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from pdserve.kernels._utils import check_device, dot_precision, dot_upcast, next_pow2, num_sms
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    variant: str  # "rows" | "heads" (see the module doc)
+    bt: int  # query tokens a tile ("rows": the most; a launch uses next_pow2(rows) up to it)
+    bn: int  # keys a block (one dot)
+    span: int  # keys a program (at most; see the module doc)
+    num_warps: int
+    num_stages: int
+
+    def __post_init__(self) -> None:
+        if self.variant not in ("rows", "heads"):
+            raise ValueError(f"TileConfig.variant must be 'rows' or 'heads', not {self.variant!r}")
+        for name in ("bt", "bn", "span"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"TileConfig.{name} must be a power of two, got {v}")
+        if self.span < self.bn:
+            raise ValueError(f"TileConfig.span {self.span} < bn {self.bn}")
+
+
+PREFILL_TILE = TileConfig("heads", bt=64, bn=128, span=1024, num_warps=8, num_stages=2)
+VERIFY_TILE = TileConfig("rows", bt=8, bn=64, span=1024, num_warps=4, num_stages=3)
+SMALL_QUERY_ROWS = 8  # requests with at most this many query rows go to VERIFY_TILE
+
+
+@triton.jit
+def _tiled_logits_kernel(
+    q_ptr,
+    w_ptr,
+    cache_ptr,
+    bt_ptr,
+    seq_lens_ptr,
+    qsl_ptr,
+    out_ptr,
+    tok_lo,
+    tok_hi,
+    min_q,
+    max_q,
+    scale,
+    width,
+    topk_k,
+    stride_qt,
+    stride_qh,
+    stride_wt,
+    stride_cb,
+    stride_cs,
+    stride_bt,
+    stride_ot,
+    NH: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BT: tl.constexpr,
+    BN: tl.constexpr,
+    SPAN: tl.constexpr,
+    HEAD_LOOP: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    FILL: tl.constexpr,
+):
+    req = tl.program_id(0)
+    q0 = tl.load(qsl_ptr + req)
+    q1 = tl.load(qsl_ptr + req + 1)
+    seq_len = tl.load(seq_lens_ptr + req)
+    q_len = q1 - q0
+    t0 = tl.maximum(q0, tok_lo) + tl.program_id(1) * BT  # first token of the tile
+    n_t = tl.minimum(tl.minimum(q1, tok_hi) - t0, BT)  # its tokens (<= 0: none)
+    first_pos = seq_len - q1 + t0  # position of token t0 in its request
+    last_pos = first_pos + n_t - 1
+    start = tl.program_id(2) * SPAN
+    live = (n_t > 0) & (q_len > min_q) & (q_len <= max_q)
+    # for the select (topk_k > 0): rows with pos + 1 <= topk_k take every key unread
+    scored = live & (start <= last_pos) & (seq_len > topk_k) & (last_pos >= topk_k)
+    kend = tl.minimum(start + SPAN, last_pos + 1)  # keys past it: masked for every token
+    offs_t = tl.arange(0, BT)
+    t_ok = offs_t < n_t
+    pos_t = first_pos + offs_t
+    out_rows = out_ptr + (t0 - tok_lo + offs_t).to(tl.int64) * stride_ot  # [BT]
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    if scored:
+        bt_row = bt_ptr + req.to(tl.int64) * stride_bt
+        if HEAD_LOOP:
+            tok_t = (t0 + offs_t).to(tl.int64)
+            for s0 in range(start, kend, BN):
+                s_pos = s0 + tl.arange(0, BN)
+                ok = s_pos < kend
+                blk = tl.load(bt_row + s_pos // PAGE, mask=ok, other=0).to(tl.int64)
+                krow = blk * stride_cb + (s_pos % PAGE).to(tl.int64) * stride_cs
+                k = tl.load(
+                    cache_ptr + krow[None, :] + offs_d[:, None],
+                    mask=ok[None, :] & d_ok[:, None],
+                    other=0.0,
+                )  # [BLOCK_D, BN]
+                if UPCAST:  # noqa: SIM108 (a constexpr branch: only one side is compiled)
+                    k = k.to(tl.float32)
+                else:
+                    k = k.to(q_ptr.dtype.element_ty)
+                acc = tl.zeros([BT, BN], tl.float32)
+                for h in range(NH):
+                    qh = tl.load(
+                        q_ptr + tok_t[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                        mask=t_ok[:, None] & d_ok[None, :],
+                        other=0.0,
+                    )  # [BT, BLOCK_D]
+                    if UPCAST:
+                        qh = qh.to(tl.float32)
+                    wh = tl.load(w_ptr + tok_t * stride_wt + h, mask=t_ok, other=0.0) * scale
+                    s = tl.dot(qh, k, input_precision=DOT_PREC)
+                    acc += tl.maximum(s, 0.0) * wh[:, None]
+                causal = s_pos[None, :] <= pos_t[:, None]
+                tl.store(
+                    out_rows[:, None] + s_pos[None, :],
+                    tl.where(causal, acc, float("-inf")),
+                    mask=t_ok[:, None] & (s_pos < width)[None, :],
+                )
+        else:
+            offs_m = tl.arange(0, BT * BLOCK_H)
+            mt = offs_m // BLOCK_H
+            mh = offs_m % BLOCK_H
+            m_ok = (mt < n_t) & (mh < NH)
+            tok_m = (t0 + mt).to(tl.int64)
+            q = tl.load(
+                q_ptr + tok_m[:, None] * stride_qt + mh[:, None] * stride_qh + offs_d[None, :],
+                mask=m_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            )  # [BT * BLOCK_H, BLOCK_D]: token-major rows
+            if UPCAST:
+                q = q.to(tl.float32)
+            w = tl.load(w_ptr + tok_m * stride_wt + mh, mask=m_ok, other=0.0) * scale
+            for s0 in range(start, kend, BN):
+                s_pos = s0 + tl.arange(0, BN)
+                ok = s_pos < kend
+                blk = tl.load(bt_row + s_pos // PAGE, mask=ok, other=0).to(tl.int64)
+                krow = blk * stride_cb + (s_pos % PAGE).to(tl.int64) * stride_cs
+                k = tl.load(
+                    cache_ptr + krow[None, :] + offs_d[:, None],
+                    mask=ok[None, :] & d_ok[:, None],
+                    other=0.0,
+                )  # [BLOCK_D, BN]
+                s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PREC)  # [BT * BLOCK_H, BN]
+                r = tl.maximum(s, 0.0) * w[:, None]
+                idx = tl.sum(tl.reshape(r, (BT, BLOCK_H, BN)), axis=1)  # [BT, BN]
+                causal = s_pos[None, :] <= pos_t[:, None]
+                tl.store(
+                    out_rows[:, None] + s_pos[None, :],
+                    tl.where(causal, idx, float("-inf")),
+                    mask=t_ok[:, None] & (s_pos < width)[None, :],
+                )
+    if FILL:  # noqa: SIM102 (constexpr, then runtime): -inf over the rest of the range
+        if live:
+            fill_from = tl.where(scored, start + tl.cdiv(kend - start, BN) * BN, start)
+            for s0 in range(fill_from, start + SPAN, BN):
+                s_pos = s0 + tl.arange(0, BN)
+                tl.store(
+                    out_rows[:, None] + s_pos[None, :],
+                    tl.full([BT, BN], float("-inf"), tl.float32),
+                    mask=t_ok[:, None] & (s_pos < width)[None, :],
+                )
+
+
+def tile_grid(
+    cfg: TileConfig,
+    nh: int,
+    rows: int,
+    num_reqs: int,
+    width: int,
+    device: torch.device,
+    auto_span: bool = True,
+) -> tuple[int, int, tuple[int, int, int]]:
+    """(tokens a tile, keys a program, grid) of a launch of ``cfg`` over ``num_reqs``
+    requests of up to ``rows`` query rows and a score width ``width`` (host ints only)."""
+    block_h = next_pow2(nh)
+    bt = cfg.bt
+    if cfg.variant == "rows":
+        bt = max(min(cfg.bt, next_pow2(rows)), -(-16 // block_h))  # >= 16 MMA rows
+    elif bt < 16:
+        raise ValueError(f"heads tile of {bt} tokens < 16 MMA rows")
+    tiles = triton.cdiv(rows, bt)
+    span = cfg.span
+    if auto_span:  # enough live programs (about half the tile x range grid is causal)
+        while span > cfg.bn and num_reqs * tiles * triton.cdiv(width, span) < 4 * num_sms(device):
+            span //= 2
+    grid = (num_reqs, tiles, triton.cdiv(width, span))
+    if grid[1] > 65535 or grid[2] > 65535:
+        raise ValueError(f"indexer tile grid {grid} exceeds 65535 programs on an axis")
+    return bt, span, grid
+
+
+def _launch(
+    cfg: TileConfig,
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    out: torch.Tensor,
+    num_reqs: int,
+    rows: int,
+    tok_lo: int,
+    tok_hi: int,
+    min_q: int,
+    max_q: int,
+    scale: float,
+    width: int,
+    skip_below: int,
+    fill: bool,
+    auto_span: bool,
+) -> None:
+    """One launch over the requests with ``min_q < q_len <= max_q``; ``rows``: the most
+    query rows any of them has in ``[tok_lo, tok_hi)``."""
+    _, nh, d = q.shape
+    bt, span, grid = tile_grid(cfg, nh, rows, num_reqs, width, q.device, auto_span)
+    _tiled_logits_kernel[grid](
+        q,
+        weights,
+        cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        out,
+        tok_lo,
+        tok_hi,
+        min_q,
+        max_q,
+        scale,
+        width,
+        skip_below,
+        q.stride(0),
+        q.stride(1),
+        weights.stride(0),
+        cache.stride(0),
+        cache.stride(1),
+        block_tables.stride(0),
+        out.stride(0),
+        NH=nh,
+        D=d,
+        BLOCK_H=next_pow2(nh),
+        BLOCK_D=max(16, next_pow2(d)),
+        PAGE=cache.shape[1],
+        BT=bt,
+        BN=cfg.bn,
+        SPAN=span,
+        HEAD_LOOP=cfg.variant == "heads",
+        DOT_PREC=dot_precision(q.dtype),
+        UPCAST=dot_upcast(q.dtype),
+        FILL=fill,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+
+
+def verify_config(rows: int, nh: int, cfg: TileConfig | None = None) -> TileConfig:
+    """The config of the launch for requests of up to ``rows`` query rows: ``cfg`` as
+    given, else :data:`VERIFY_TILE` (with 8 warps when its tile has over 128 MMA rows)."""
+    if cfg is not None:
+        return cfg
+    bt = min(VERIFY_TILE.bt, next_pow2(rows))
+    if bt * next_pow2(nh) > 128 and VERIFY_TILE.num_warps < 8:
+        return replace(VERIFY_TILE, num_warps=8)
+    return VERIFY_TILE
+
+
+def indexer_logits_tiled(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_reqs: int,
+    max_query_len: int,
+    tok_lo: int,
+    tok_hi: int,
+    scale: float,
+    width: int,
+    topk: int,
+    for_select: bool = True,
+    uniform: bool = False,
+    prefill: TileConfig | None = None,
+    verify: TileConfig | None = None,
+    auto_span: bool = True,
+) -> torch.Tensor:
+    """Index scores of tokens ``tok_lo..tok_hi`` of the step ([tok_hi - tok_lo, width]
+    float32; ``q`` [T, heads, D] and ``weights`` [T, heads] are the whole step's).
+
+    ``for_select`` as :func:`~pdserve.kernels.dsa_indexer.indexer_logits`: only what the
+    select reads (rows up to their position; rows whose request's context is at most
+    ``topk`` not at all, nor tiles whose rows all have ``pos + 1 <= topk``); otherwise
+    every score, -inf past each position. ``uniform``:
+    every request has ``max_query_len`` rows (a host fact: then only one launch runs).
+    ``prefill`` / ``verify``: configs other than the module's (benchmarks)."""
+    check_device(q, "indexer_logits_tiled")
+    _, nh, d = q.shape
+    if cache.shape[-1] != d or q.stride(-1) != 1 or cache.stride(-1) != 1:
+        raise ValueError(f"indexer cache width {cache.shape[-1]} != head dim {d} (unit stride)")
+    if not scale > 0:
+        raise ValueError(f"indexer scale must be positive (folded into the weights): {scale}")
+    n = tok_hi - tok_lo
+    out = torch.empty(n, width, dtype=torch.float32, device=q.device)
+    if n <= 0 or width == 0 or num_reqs == 0:
+        return out
+    rows = min(max_query_len, n)
+    common = (q, weights, cache, block_tables, seq_lens, query_start_loc, out, num_reqs)
+    tail = (scale, width, topk if for_select else 0, not for_select, auto_span)
+    small = min(rows, SMALL_QUERY_ROWS)
+    if not (uniform and max_query_len > SMALL_QUERY_ROWS):  # requests of <= SMALL rows
+        cfg = verify_config(small, nh, verify)
+        _launch(cfg, *common, small, tok_lo, tok_hi, 0, SMALL_QUERY_ROWS, *tail)
+    if max_query_len > SMALL_QUERY_ROWS:  # longer ones
+        cfg = prefill or PREFILL_TILE
+        _launch(cfg, *common, rows, tok_lo, tok_hi, SMALL_QUERY_ROWS, max_query_len, *tail)
+    return out

@@ -1,0 +1,160 @@
+"""Top-k select of DSA indexer score rows held in registers (prefill rows up to 32K keys).
+
+Same contract as :func:`~pdserve.kernels.dsa_indexer.topk_select`: per token the ``K``
+causal positions of its best scores, the ones equal to the K-th best taken lowest
+position first, -1 pads; rows with ``pos + 1 <= K`` keys (or whose request's context is
+at most ``K``) take every causal key without reading the row.
+
+One program per row loads the row once (``BLOCK`` = the score width rounded up to a power
+of two; float bits mapped to order-preserving unsigned keys, 0 outside the row) and keeps
+it in registers: the K-th largest key is found bit by bit, most significant first (32
+steps, each ``count(key >= prefix | bit) >= K``: one compare and one sum over the row,
+no histogram, no memory traffic), then one pass over the row (re-read from L2 in chunks
+of ``REG_SELECT_CHUNK``) writes the positions above it and the first ones equal to it
+(two prefix sums give each its slot). A row is processed at the
+smallest of ``BLOCK``, ``BLOCK/2``, ``BLOCK/4`` that holds it (``SPLITS``), so short rows
+of a wide buffer cost less. Rows wider than :data:`REG_SELECT_MAX_WIDTH` keep the
+histogram radix kernel of :mod:`~pdserve.kernels.dsa_indexer`.
+
+Warps: about :data:`REG_SELECT_PER_THREAD` keys a thread (8 warps at 16K, 16 at 32K).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pdserve.kernels._utils import next_pow2
+
+REG_SELECT_MAX_WIDTH = 32768  # wider rows: the radix kernel (dsa_indexer)
+REG_SELECT_PER_THREAD = 64  # keys a thread holds (sets num_warps, 4..16)
+REG_SELECT_SPLITS = 2  # also compile BLOCK/2 .. BLOCK/2**SPLITS paths for short rows
+REG_SELECT_CHUNK = 2048  # keys a step of the writing pass
+
+
+@triton.jit
+def _select_row(row, dst, n, K, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    """Write the top-``K`` positions of ``row[0:n]`` (``K < n <= BLOCK``) to ``dst``."""
+    offs = tl.arange(0, BLOCK)
+    in_row = offs < n
+    bits = tl.load(row + offs, mask=in_row, other=0.0).to(tl.int32, bitcast=True)
+    bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # float order as signed ints
+    key = (bits ^ (-2147483648)).to(tl.uint32, bitcast=True)  # ... as unsigned ints
+    key = tl.where(in_row, key, tl.zeros_like(key))  # below every real score's key
+    thr = tl.zeros([], tl.uint32)
+    top = tl.full([], 2147483648, tl.uint32)
+    for b in range(32):  # the largest thr with count(key >= thr) >= K: the K-th key
+        cand = thr | (top >> b)
+        cnt = tl.sum((key >= cand).to(tl.int32))
+        thr = tl.where(cnt >= K, cand, thr)
+    above = tl.sum((key > thr).to(tl.int32))  # all taken; then the first K - above equal
+    # the positions, in chunks re-read from L2 (a prefix sum over the whole row in
+    # registers would double the registers a key needs)
+    n_gt = tl.zeros([], tl.int32)
+    n_eq = tl.zeros([], tl.int32)
+    for c0 in range(0, n, CHUNK):
+        s = c0 + tl.arange(0, CHUNK)
+        ok = s < n
+        cb = tl.load(row + s, mask=ok, other=0.0).to(tl.int32, bitcast=True)
+        cb = cb ^ ((cb >> 31) & 0x7FFFFFFF)
+        ck = (cb ^ (-2147483648)).to(tl.uint32, bitcast=True)
+        gt = ok & (ck > thr)
+        eq = ok & (ck == thr)
+        gt_rank = n_gt + tl.cumsum(gt.to(tl.int32), 0) - 1
+        eq_rank = n_eq + tl.cumsum(eq.to(tl.int32), 0) - 1
+        take_eq = eq & (eq_rank < K - above)
+        slot = tl.where(gt, gt_rank, above + eq_rank)
+        tl.store(dst + slot, s.to(tl.int64), mask=gt | take_eq)
+        n_gt += tl.sum(gt.to(tl.int32))
+        n_eq += tl.sum(eq.to(tl.int32))
+
+
+@triton.jit
+def _reg_select_kernel(
+    logits_ptr,
+    seq_lens_ptr,
+    qsl_ptr,
+    req_ptr,
+    qidx_ptr,
+    out_ptr,
+    stride_lt,
+    stride_ot,
+    K,
+    BLOCK: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLITS: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    req = tl.load(req_ptr + t)
+    seq_len = tl.load(seq_lens_ptr + req)
+    pos = seq_len - tl.load(qsl_ptr + req + 1) + tl.load(qsl_ptr + req) + tl.load(qidx_ptr + t)
+    n = pos + 1
+    row = logits_ptr + t * stride_lt
+    dst = out_ptr + t * stride_ot
+    if (n <= K) | (seq_len <= K):
+        for k0 in range(0, K, BLOCK_K):
+            j = k0 + tl.arange(0, BLOCK_K)
+            tl.store(dst + j, tl.where(j < n, j, -1).to(tl.int64), mask=j < K)
+    else:
+        # -1 first: a row whose scores cannot be ordered (NaN) keeps no stale slot
+        for k0 in range(0, K, BLOCK_K):
+            j = k0 + tl.arange(0, BLOCK_K)
+            tl.store(dst + j, tl.full([BLOCK_K], -1, tl.int64), mask=j < K)
+        tl.debug_barrier()  # the -1s land before the row's positions overwrite them
+        if SPLITS >= 2:
+            if n <= BLOCK // 4:
+                _select_row(row, dst, n, K, BLOCK // 4, CHUNK)
+            elif n <= BLOCK // 2:
+                _select_row(row, dst, n, K, BLOCK // 2, CHUNK)
+            else:
+                _select_row(row, dst, n, K, BLOCK, CHUNK)
+        elif SPLITS == 1:
+            if n <= BLOCK // 2:
+                _select_row(row, dst, n, K, BLOCK // 2, CHUNK)
+            else:
+                _select_row(row, dst, n, K, BLOCK, CHUNK)
+        else:
+            _select_row(row, dst, n, K, BLOCK, CHUNK)
+
+
+def reg_select_warps(width: int) -> int:
+    return max(4, min(16, next_pow2(width) // (32 * REG_SELECT_PER_THREAD)))
+
+
+def reg_topk_select(
+    logits: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    token_req_idx: torch.Tensor,
+    token_q_idx: torch.Tensor,
+    topk: int,
+    num_tokens: int,
+    out: torch.Tensor,
+    splits: int = REG_SELECT_SPLITS,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """Fill ``out`` [num_tokens, topk] (every slot of those rows is written; -1 pads) from
+    score rows of width up to :data:`REG_SELECT_MAX_WIDTH`."""
+    width = logits.shape[1]
+    if width > REG_SELECT_MAX_WIDTH:
+        raise ValueError(f"register select holds rows up to {REG_SELECT_MAX_WIDTH} keys: {width}")
+    block = max(16, next_pow2(width))
+    _reg_select_kernel[(num_tokens,)](
+        logits,
+        seq_lens,
+        query_start_loc,
+        token_req_idx,
+        token_q_idx,
+        out,
+        logits.stride(0),
+        out.stride(0),
+        topk,
+        BLOCK=block,
+        BLOCK_K=min(1024, next_pow2(topk)),
+        SPLITS=min(splits, max(0, block.bit_length() - 5)),  # keep BLOCK >> SPLITS >= 16
+        CHUNK=min(block, REG_SELECT_CHUNK),
+        num_warps=num_warps or reg_select_warps(width),
+    )
+    return out

@@ -1,0 +1,111 @@
+"""How many drafts a speculative step verifies: the adaptive choice (``0..k`` per step).
+
+A verify step of ``B`` requests with ``j`` drafts each costs ``cost(B, j)`` (the target's
+forward over ``B * (1 + j)`` rows plus the drafting the step does), and each request
+gains, in expectation,
+
+    E(j) = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_j
+
+tokens, where ``a_m`` is the chance that draft ``m`` is accepted given that drafts
+``1 .. m-1`` were (acceptance stops at the first rejection). The policy picks the ``j``
+with the most tokens per second, ``E(j) / cost(B, j)``, so with the costs measured on the
+device speculation is never chosen where it costs more than it gives: ``j = 0`` (plain
+decode) is always a candidate. ``k`` (``num_speculative_tokens``) is the ceiling.
+
+**Costs** come from the runner, which times every CUDA graph it captured (target and
+draft graphs; :meth:`DraftPolicy.set_costs`) for each padded batch size and query length.
+A batch size between captured sizes runs at the next captured size, so it takes that
+size's costs. With no costs known (a CPU engine, graphs off) the policy keeps ``k``.
+
+**Acceptance** per position is counted from the steps that verified drafts, with counts
+decaying by ``DECAY`` a step so the estimate follows the traffic: ``a_m = accepted_m /
+reached_m``, ``reached_m`` the verify rows that had a draft ``m`` and accepted drafts
+``1 .. m-1``. Until a position has ``MIN_EVIDENCE`` rows, its prior ``PRIOR`` stands in
+(blended in proportion), so a fresh engine speculates and measures before it decides.
+
+Pure host arithmetic on small tables: no torch, no device.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Mapping, Sequence
+
+PRIOR = 0.6  # acceptance assumed at a position with no evidence yet
+MIN_EVIDENCE = 64.0  # verify rows at a position before the measured rate stands alone
+DECAY = 0.995  # per step: about 200 steps of memory
+
+
+class DraftPolicy:
+    def __init__(self, k: int, prior: float = PRIOR, decay: float = DECAY) -> None:
+        if k < 1:
+            raise ValueError(f"a draft policy needs num_speculative_tokens >= 1, got {k}")
+        self.k = k
+        self.prior = prior
+        self.decay = decay
+        self.reached = [0.0] * (k + 1)  # index m: rows that verified a draft m, 1..m-1 accepted
+        self.accepted = [0.0] * (k + 1)
+        self.sizes: list[int] = []
+        self.costs: dict[int, list[float]] = {}  # padded size -> seconds for j = 0..k
+        self.last_choice = k
+
+    # -- inputs -------------------------------------------------------------------------
+    def set_costs(self, costs: Mapping[tuple[int, int], float]) -> None:
+        """Seconds a step takes per (padded batch size, drafts j). Sizes missing some
+        ``j`` are left out (the policy never picks a shape it has no cost for)."""
+        table: dict[int, list[float]] = {}
+        for size in sorted({s for s, _ in costs}):
+            row = [costs.get((size, j)) for j in range(self.k + 1)]
+            if all(c is not None and c > 0 for c in row):
+                table[size] = [float(c) for c in row if c is not None]
+        self.costs = table
+        self.sizes = sorted(table)
+
+    def observe(self, verified: Sequence[int], accepted: Sequence[int]) -> None:
+        """One step's verify rows: for each, the drafts it verified and how many of them
+        were accepted (placeholders never count; a row with 0 drafts is skipped)."""
+        d = self.decay
+        self.reached = [r * d for r in self.reached]
+        self.accepted = [a * d for a in self.accepted]
+        for j, a in zip(verified, accepted, strict=True):
+            if j <= 0:
+                continue
+            a = min(a, j)
+            for m in range(1, min(a + 1, j) + 1):  # drafts 1..a accepted, a+1 tried
+                self.reached[m] += 1.0
+                if m <= a:
+                    self.accepted[m] += 1.0
+
+    # -- outputs ------------------------------------------------------------------------
+    def acceptance(self) -> list[float]:
+        """``a_1 .. a_k``: measured rates blended with the prior where evidence is thin."""
+        out = []
+        for m in range(1, self.k + 1):
+            r = self.reached[m]
+            w = min(1.0, r / MIN_EVIDENCE)
+            rate = self.accepted[m] / r if r > 0 else self.prior
+            out.append(w * rate + (1.0 - w) * self.prior)
+        return out
+
+    def expected_tokens(self) -> list[float]:
+        """``E(0) .. E(k)``: tokens a request gains per step with ``j`` drafts."""
+        out, run, total = [1.0], 1.0, 1.0
+        for a in self.acceptance():
+            run *= a
+            total += run
+            out.append(total)
+        return out
+
+    def choose(self, batch: int) -> int:
+        """Drafts for a step of ``batch`` requests: the ``j`` with the most tokens per
+        second at the captured size the batch runs at; ``k`` with no costs for it."""
+        i = bisect.bisect_left(self.sizes, batch)
+        if i == len(self.sizes):
+            self.last_choice = self.k
+            return self.k
+        cost = self.costs[self.sizes[i]]
+        gain = self.expected_tokens()
+        rates = [gain[j] / cost[j] for j in range(self.k + 1)]
+        best = max(range(self.k + 1), key=lambda j: (rates[j], -j))  # ties: fewer drafts
+        self.last_choice = best
+        return best

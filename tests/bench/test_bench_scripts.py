@@ -1,0 +1,265 @@
+"""CPU smoke runs of the benchmark scripts (benchmarks/*.py) that measure on the H200:
+each runs its own code paths on a tiny Llama, so a renamed key, field or signature fails
+here rather than in a device call. Numbers are not checked, only that every part ran and
+wrote what its table reads. (gpu_suite: test_gpu_suite.py; pytest_table:
+test_pytest_table.py; the Triton benches: tests/kernels/test_*_bench.py.)"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import pytest
+
+from _ports import free_port, free_ports
+from _scripts import BENCHMARKS, load_script
+from _stand_in_graphs import stand_in_graphs
+
+
+def _script(name: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """``benchmarks/<name>.py args`` in a fresh interpreter (as the device runs it)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    cmd = [sys.executable, str(BENCHMARKS / f"{name}.py"), *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def test_structured_bench(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_script("structured_bench")
+    out = tmp_path / "s.json"
+    argv = ["--device", "cpu", "--out", str(out), "--batch", "4", "--prompt-len", "16"]
+    assert bench.main([*argv, "--steps", "4"]) == 0
+    res = json.loads(out.read_text())
+    assert [r["variant"] for r in res["runs"]] == list(bench.VARIANTS)
+    for r in res["runs"]:
+        assert r["tokens"] > 0 and r["running_during_timing"] == [4, 4] and r["vs_free"] > 0
+    assert "json_schema:land_first" in capsys.readouterr().out
+
+
+def test_transfer_bench_over_tcp_with_the_equality_part(tmp_path: Path) -> None:
+    out = tmp_path / "t.json"
+    done = _script(
+        "transfer_bench", "--device", "cpu", "--layers", "2", "--heads", "2", "--head-dim",
+        "16", "--lens", "64,256", "--reps", "2", "--transports", "tcp",
+        "--equality-transport", "tcp", "--out", str(out),
+    )  # fmt: skip
+    res = json.loads(out.read_text())
+    rows = res["transfers"]
+    assert [(r["transport"], r["prompt"]) for r in rows] == [("tcp", 64), ("tcp", 256)]
+    for r in rows:
+        assert r["bytes"] > 0 and r["copy_ms"] > 0 and r["transfer_ms"] >= r["copy_ms"]
+        assert r["bound_ms"] > 0 and r["transfer_ratio"] > 0
+    eq = res["tcp_equality"]
+    assert eq["identical"] and eq["transfer_failures"] == 0 and eq["external_kv_tokens"] > 0
+    assert "xfer/bd" in done.stdout
+
+
+def test_pd_bench_runs_1p1d_and_colocated(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bench = load_script("pd_bench")
+    monkeypatch.setattr(bench, "_port", free_port)  # below the ephemeral range
+    out = tmp_path / "pd.json"
+    argv = ["--ckpt", str(tiny_llama), "--device", "cpu", "--dtype", "float32",
+            "--input-len", "16", "--output-len", "4", "--rates", "8", "--num-prompts", "4",
+            "--transport", "tcp", "--log-dir", str(tmp_path / "logs"), "--out", str(out)]  # fmt: skip
+    assert bench.main(argv) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["topology"], r["completed"], r["failed"]) for r in rows] == [
+        ("1P1D", 4, 0),
+        ("colocated", 4, 0),
+    ]
+    health = rows[0]["pd_health"]
+    assert set(health) == {"prefill-0", "decode-0"}
+    for counters in health.values():  # nothing failed, expired or left held
+        assert counters == {name: 0.0 for name in bench.PD_COUNTERS}
+
+
+@pytest.mark.parametrize("device", ["cpu", "0,1"])
+def test_pd_bench_topologies_are_valid(tiny_llama: Path, device: str) -> None:
+    """Every topology pd_bench can start is one the launcher accepts (checked without
+    starting it), on CPUs and on two GPUs with a GPU each for prefill and decode."""
+    from pdserve.serving.launch.topology import Topology
+
+    bench = load_script("pd_bench")
+    argv = ["--ckpt", str(tiny_llama), "--out", "x.json", "--device", device]
+    if device != "cpu":
+        argv += ["--prefill-device", "0", "--decode-device", "1"]
+    args = bench.parse_args(argv + ["--topologies", ",".join(bench.TOPOLOGIES)])
+    gpus = {"pd": 1 if device == "cpu" else 2, "colocated": 1, "replicas": 1, "tp": 1}
+    if device != "cpu":
+        gpus.update(replicas=2, tp=2)
+    for kind in bench.TOPOLOGIES:
+        topo = Topology.from_dict(bench.topology(args, kind))
+        assert topo.instances, kind
+        assert bench.num_gpus(args, kind) == gpus[kind], kind
+    with pytest.raises(SystemExit):
+        bench.parse_args(argv + ["--topologies", "pd,nope"])
+
+
+def _knee(limit: int) -> Callable[[int], tuple[float, float]]:
+    """Fast (TPOT 4 ms) while at most ``limit`` streams are open, slow (40 ms) above."""
+    return lambda in_flight: (0.01, 0.004 if in_flight <= limit else 0.04)
+
+
+def test_pd_bench_sla_search_against_a_fake_instance(
+    fake_server: Callable[..., Any],
+    tiny_llama: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--sla: the search of one topology and the comparison table, with the launcher
+    stood in by a fake instance whose latency has a knee (a live SLA search takes
+    minutes)."""
+    bench = load_script("pd_bench")
+    srv = fake_server(latency_of=_knee(3))
+    port = urlparse(srv.url).port
+    assert port is not None
+    launched: list[Any] = []
+
+    @contextlib.contextmanager
+    def launcher(topo: Any, log_dir: Path | None = None) -> Iterator[None]:
+        launched.append(topo)
+        yield None
+
+    monkeypatch.setattr(bench, "Launcher", launcher)
+    monkeypatch.setattr(bench, "_port", lambda: port)
+    out = tmp_path / "sla.json"
+    argv = ["--ckpt", str(tiny_llama), "--device", "cpu", "--dtype", "float32",
+            "--topologies", "colocated", "--sla", "--sla-start", "8", "--sla-tolerance", "0.5",
+            "--num-prompts", "16", "--input-len", "8", "--output-len", "4", "--out", str(out)]  # fmt: skip
+    assert bench.main(argv) == 0
+    (rec,) = json.loads(out.read_text())
+    assert rec["label"] == "colocated" and rec["num_gpus"] == 1 and len(launched) == 1
+    assert rec["points"] and "capacity" in rec
+    assert "tok/s/GPU" in capsys.readouterr().out
+
+
+def test_first_request(tiny_llama: Path, tmp_path: Path) -> None:
+    bench = load_script("first_request")
+    out = tmp_path / "f.json"
+    argv = ["--ckpt", str(tiny_llama), "--out", str(out), "--devices", "cpu",
+            "--port", str(free_port()), "--plan", "8,16", "--max-token-id", "500",
+            "--dtype", "float32", "--max-model-len", "256"]  # fmt: skip
+    assert bench.main(argv) == 0
+    res = json.loads(out.read_text())
+    assert [r["prompt_tokens"] for r in res["rows"]] == [8, 16]
+    assert all(r["ttft_ms"] > 0 for r in res["rows"])
+    assert res["serve_args"] == ["--dtype", "float32", "--max-model-len", "256"]
+
+
+def test_gpu_diag(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """First-request phases and the decode split (graph replay timed, CUDA graphs stood
+    in) in process, then the two-instance transfer over tcp."""
+    diag = load_script("gpu_diag")
+    make = diag.make_engine
+
+    def with_graphs(*args: object) -> object:
+        llm = make(*args)
+        stand_in_graphs(llm)
+        return llm
+
+    monkeypatch.setattr(diag, "make_engine", with_graphs)
+    out = tmp_path / "d.json"
+    ports = ",".join(map(str, free_ports(2)))
+    argv = ["--device", "cpu", "--transport", "tcp", "--ports", ports, "--out", str(out)]
+    assert diag.main(argv) == 0
+    res = json.loads(out.read_text())
+    assert "ipc_transfer_error" not in res, res.get("ipc_transfer_error")
+    first = res["first_request"]["first"]
+    assert {"prepare_inputs", "forward", "sample"} <= set(first)
+    assert [d["batch"] for d in res["decode_split"]] == [1, 2]
+    assert all(d["graph_replay_ms"] > 0 for d in res["decode_split"])
+    rows = res["ipc_transfer"]
+    assert [r["prompt_tokens"] for r in rows] == [16, 64]
+    assert all(r["decode_text_ok"] and r["bytes"] > 0 and r["transfer_s"] > 0 for r in rows)
+    with pytest.raises(SystemExit):  # cuda_ipc cannot run on a CPU
+        diag.main(["--device", "cpu", "--out", str(out)])
+
+
+def test_warm_diag(tmp_path: Path) -> None:
+    """In its own interpreter: the script points TRITON_CACHE_DIR at a fresh folder."""
+    out = tmp_path / "w.json"
+    _script("warm_diag", "--device", "cpu", "--out", str(out))
+    res = json.loads(out.read_text())
+    assert [r["len"] for r in res["rows"]] == [33, 33, 32, 32, 17, 17, 1, 1]
+    assert {"sdpa_flash_37", "gemms_37", "sdpa_default_45"} <= set(res["first_call_ms"])
+
+
+def test_fp8_bench(tmp_path: Path) -> None:
+    """Its own interpreter: ``--device cpu`` sets TRITON_INTERPRET before the Triton GEMM
+    is imported (so it runs the same on a machine with a GPU)."""
+    out = tmp_path / "fp8.json"
+    done = _script("fp8_bench", "--device", "cpu", "--workdir", str(tmp_path), "--out", str(out))
+    res = json.loads(out.read_text())
+    assert [k for k in res if k.endswith("_error")] == []
+    assert res["limits"]["fp8_matmul_flops"] > 0
+    assert [g["tokens"] for g in res["gemm"]] == [1, 16]
+    assert all(g["triton_fp8_ms"] > 0 and g["bf16_ms"] > 0 for g in res["gemm"])
+    v = res["variants"]
+    assert (
+        set(v) == {"bf16", "fp8"}
+        and v["fp8"]["kv_bytes_per_token"] < v["bf16"]["kv_bytes_per_token"]
+    )
+    for r in v.values():
+        assert [d["batch"] for d in r["decode"]] == [1, 2] and all(
+            "step_ms" in d for d in r["decode"]
+        )
+        assert r["prefill"]["share_of_fp8_peak"] > 0 and r["offline"]["output_tok_s"] > 0
+    assert "offline out tok/s" in done.stdout
+
+
+def test_kernels_bench(tmp_path: Path) -> None:
+    """Every section and the sweeps, the kernels in the interpreter (its own
+    interpreter process, as for fp8_bench)."""
+    out = tmp_path / "k.json"
+    _script("kernels_bench", "--device", "cpu", "--sections", "all", "--sweep", "--out", str(out))
+    res = json.loads(out.read_text())
+    assert [(r["batch"], r["context"]) for r in res["decode"]] == [(1, 40), (2, 40)]
+    assert all(set(r["sweep_ms"]) == {"1", "2"} and r["ms"] > 0 for r in res["decode"])
+    for r in res["decode_configs"]:  # the engine's own pick is among the timed configs
+        assert r["engine_pick_us"] > 0 and len(r["top5"]) >= 2
+    assert [(r["cached"], r["new"]) for r in res["prefill"]] == [(0, 24), (16, 8)]
+    assert res["prefill"][0]["sdpa_ms"] > 0 and len(res["prefill"][1]["sweep_ms"]) == 5
+    assert {(r["batch"], r["mode"]) for r in res["sampling"]} == {
+        (b, m) for b in (1, 2) for m in ("top_p", "top_k+top_p")
+    }
+    assert [r["op"] for r in res["norm"]] == ["fused_add_rmsnorm", "rope"]
+
+
+# Scripts whose CPU smoke test covers only part of them (others edit them as of issue 29).
+PARTIAL = {
+    "glm5_kernels_bench": "--cpu-smoke runs its indexer sections only; the rest is CUDA only",
+}
+
+
+def test_every_benchmark_script_has_a_smoke_test() -> None:
+    """Each benchmarks/*.py script (a file with a ``__main__`` entry; the others are
+    modules the scripts import) is named by some test; PARTIAL says which run only in
+    part."""
+    tests = Path(__file__).resolve().parents[1]
+    text = "\n".join(
+        p.read_text() for p in tests.rglob("test_*.py") if p.name != Path(__file__).name
+    )
+    text += "\n".join(f'"{name}"' for name in PARTIAL)
+    scripts = [
+        p.stem
+        for p in sorted(BENCHMARKS.glob("*.py"))
+        if 'if __name__ == "__main__":' in p.read_text()
+    ]
+    mine = Path(__file__).read_text().split("# Scripts whose")[0]  # this file's tests only
+    missing = [
+        name
+        for name in scripts
+        if not any(f'"{name}"' in t or f"{name}.py" in t for t in (text, mine))
+    ]
+    assert missing == [], f"benchmark scripts without a CPU smoke test: {missing}"

@@ -1,0 +1,32 @@
+"""benchmarks/spec_bench.py --device cpu: every section (curve, pd, decode) runs its code
+path on the tiny GLM-5 preset, so a renamed key or signature fails here, not on the GPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from _scripts import load_script
+
+
+def test_spec_bench_cpu_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bench = load_script("spec_bench")
+    out = tmp_path / "spec.json"
+    bench.main(["--device", "cpu", "--sections", "curve,pd,decode", "--out", str(out),
+                "--workdir", str(tmp_path)])  # fmt: skip
+    res = json.loads(out.read_text())
+    assert {(r["k"], r["rate"]) for r in res["decode"]["runs"]} == {
+        (0, None), *((k, r) for k in (1, 3) for r in (0.5, 0.7, 0.9))
+    }
+    for r in res["decode"]["runs"] + res["curve"]["runs"]:
+        assert r["tpot_ms"] > 0 and r["decode_steps"] > 0 and r["prefix_hit_tokens"] > 0
+    for r in res["decode"]["runs"]:
+        assert r["step_bytes"] > 0 and r["tpot_vs_none"] > 0
+        assert r["expected_tokens_per_step"] == sum((r["rate"] or 0) ** i for i in range(r["k"] + 1))
+        if r["k"]:
+            assert r["mean_accept_len"] is not None
+    assert [r["pad"] for r in res["pd"]] == [True, False]
+    assert res["pd"][0]["padded_first_steps"] > 0 == res["pd"][1]["padded_first_steps"]
+    assert "decode at a 40-token context" in capsys.readouterr().out

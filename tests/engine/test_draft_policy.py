@@ -1,0 +1,58 @@
+"""The adaptive draft count (pdserve.spec_decode.draft_policy): acceptance per position
+from verify rows, the expected tokens per step, and the choice by tokens per second."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.spec_decode.draft_policy import MIN_EVIDENCE, DraftPolicy
+
+
+def _costs(k: int, sizes: dict[int, list[float]]) -> dict[tuple[int, int], float]:
+    return {(s, j): c for s, row in sizes.items() for j, c in enumerate(row)}
+
+
+def test_acceptance_is_conditional_on_the_earlier_drafts() -> None:
+    p = DraftPolicy(3, decay=1.0)
+    # 1000 rows of 3 drafts: 400 reject the first, 300 accept one, 200 two, 100 all three
+    verified = [3] * 1000
+    accepted = [0] * 400 + [1] * 300 + [2] * 200 + [3] * 100
+    p.observe(verified, accepted)
+    assert p.reached[1:] == [1000, 600, 300] and p.accepted[1:] == [600, 300, 100]
+    assert p.acceptance() == pytest.approx([0.6, 0.5, 1 / 3])
+    assert p.expected_tokens() == pytest.approx([1.0, 1.6, 1.9, 2.0])
+
+
+def test_thin_evidence_leans_on_the_prior_and_rows_without_drafts_count_nothing() -> None:
+    p = DraftPolicy(2, prior=0.5, decay=1.0)
+    p.observe([0, 2, 2], [0, 2, 2])  # the 0-draft row (a first step) is no evidence
+    w = 2 / MIN_EVIDENCE
+    assert p.acceptance()[0] == pytest.approx(w * 1.0 + (1 - w) * 0.5)
+    q = DraftPolicy(2, decay=0.5)
+    q.observe([2], [2])
+    q.observe([1], [0])  # decays the first step's counts, then adds its own
+    assert q.reached[1:] == [1.5, 0.5] and q.accepted[1:] == [0.5, 0.5]
+
+
+def test_choice_maximises_tokens_per_second_and_never_loses() -> None:
+    p = DraftPolicy(3, decay=1.0)
+    p.observe([3] * 1000, [3] * 700 + [0] * 300)  # 0.7 at the first draft, 1.0 after
+    gain = p.expected_tokens()
+    assert gain == pytest.approx([1.0, 1.7, 2.4, 3.1])
+    # small batches: a verify costs little more than a decode step; large ones: much more
+    p.set_costs(_costs(3, {8: [10.0, 10.5, 11.0, 11.5], 128: [20.0, 40.0, 60.0, 85.0]}))
+    assert p.choose(1) == 3 and p.choose(8) == 3  # runs at the captured size 8
+    assert p.choose(100) == 0  # at size 128 every j is slower per token than none
+    assert p.choose(300) == 3  # past every captured size: no costs, the ceiling
+    p.set_costs(_costs(3, {64: [20.0, 25.0, 40.0, 50.0]}))
+    assert p.choose(64) == 1  # 1.7 / 25 beats 1 / 20, 2.4 / 40 and 3.1 / 50
+    p.set_costs({(64, 0): 1.0, (64, 1): 1.0})  # sizes missing some j are left out
+    assert p.sizes == [] and p.choose(64) == 3
+
+
+def test_ties_take_fewer_drafts_and_k_must_be_positive() -> None:
+    p = DraftPolicy(1, prior=0.0)
+    p.set_costs({(4, 0): 1.0, (4, 1): 1.0})
+    assert p.choose(4) == 0  # a draft never accepted gains nothing
+    with pytest.raises(ValueError, match="num_speculative_tokens >= 1"):
+        DraftPolicy(0)

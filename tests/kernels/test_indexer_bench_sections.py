@@ -1,0 +1,65 @@
+"""benchmarks/glm5_kernels_bench.py's indexer_prefill / indexer_verify sections: their
+whole code path (sweep, checks, selects, backend, JSON, tables) at toy shapes under the
+interpreter on the CPU (``--cpu-smoke``), or ``--quick`` on a GPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "glm5_kernels_bench", BENCH / "glm5_kernels_bench.py"
+    )
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["glm5_kernels_bench"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_indexer_sections_smoke(
+    bench: ModuleType, device: torch.device, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "idx.json"
+    mode = "--quick" if device.type == "cuda" else "--cpu-smoke"
+    bench.main(["--out", str(out), "--sections", "indexer_prefill,indexer_verify", mode])
+    res = json.loads(out.read_text())
+    for section, kinds in (("indexer_prefill", "prefill"), ("indexer_verify", "verify")):
+        rows = res[section]
+        cases = {r["case"] for r in rows}
+        assert cases and all(c.startswith(kinds) for c in cases)
+        for case in cases:
+            mine = {r["kernel"]: r for r in rows if r["case"] == case}
+            assert mine["old per-token"]["ms"] > 0
+            tiled = [r for k, r in mine.items() if k.startswith("tiled ")]
+            assert tiled and all(r["error"] is None and r["ms"] > 0 for r in tiled)
+            assert all(r["max_abs_diff"] < 2e-2 and r["TFLOP/s"] > 0 for r in tiled)
+            assert mine["best"]["ms"] == min(r["ms"] for r in tiled)
+            selects = [r for k, r in mine.items() if k.startswith("select ")]
+            assert {"select radix", "select torch.topk"} <= {r["kernel"] for r in selects}
+            assert all(r["max_abs_diff"] < 2e-2 for r in selects)
+            assert sum(r["used"] for r in selects) == 1
+            if section == "indexer_prefill":
+                assert mine["backend"]["ms"] > 0
+            else:
+                assert all(r["GB/s"] > 0 for r in tiled)
+    chunked = [r for r in res["indexer_prefill"] if r["kernel"] == "select rows"]
+    assert chunked  # the rows select ran
+    printed = capsys.readouterr().out
+    assert "== indexer_prefill" in printed and "== indexer_verify" in printed
+
+
+def test_cpu_smoke_refuses_other_sections(bench: ModuleType, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="--cpu-smoke runs only"):
+        bench.main(["--out", str(tmp_path / "x.json"), "--sections", "mla", "--cpu-smoke"])

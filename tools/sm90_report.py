@@ -1,0 +1,394 @@
+"""What pdserve's Triton kernels compile to on Hopper (sm_90a), on any machine: no GPU
+needed, only the ``ptxas`` that Triton's wheel carries.
+
+    .venv/bin/python tools/sm90_report.py [--only mla_wide,moe_prefill] [--json OUT]
+
+Each variant is one kernel with the launch shape the engine gives it on an H200 at GLM-5 /
+DeepSeek-V3.2 dims (the configs are imported from the kernel modules, so a changed
+default is what gets checked). Arguments are specialised as a real launch specialises
+them: pointers 16-byte aligned, the integer arguments a variant lists as multiples of 16
+(strides of contiguous rows). Per variant: registers per thread and spill bytes (from
+``ptxas -v``), shared memory, and how many warpgroup MMAs (``wgmma``), warp MMAs
+(``mma.sync``) and asynchronous copies (``cp.async``) the PTX holds.
+
+What it answers before any device time is spent: whether a tile config fits a Hopper
+multiprocessor (``MAX_SHARED`` bytes a block, 255 registers a thread), whether it spills,
+whether its dots became wgmma and whether its tile loads are pipelined as cp.async (a
+load that Triton cannot prove 16-byte aligned stays a synchronous register load). It
+does not time anything: speed needs the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+MAX_SHARED = 232448  # bytes of shared memory a block may use on sm_90 (227 KiB)
+MAX_REGS = 255
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    kernel: Callable[[], Any]  # returns the @triton.jit function (imported late)
+    constexprs: Callable[[], dict[str, Any]]  # evaluated late too (configs live in modules)
+    pointers: dict[str, str]  # argument -> Triton pointer type ("*bf16")
+    aligned_ints: frozenset[str] = frozenset()  # those of them the kernel has
+    floats: frozenset[str] = frozenset()
+    warps: int = 4
+    stages: int = 3
+    expect_wgmma: bool = False  # the variant must use warpgroup MMAs
+    expect_cp_async: bool = False  # its tile loads must be pipelined
+    expect_no_spills: bool = False
+    fp_fusion: bool = True  # False: launched with enable_fp_fusion=False (no FMA contraction)
+    notes: str = field(default="", compare=False)
+
+
+def _mla_kernel() -> Any:
+    from pdserve.kernels.sparse_mla import _mla_kernel
+
+    return _mla_kernel
+
+
+def _mla_consts(cfg_name: str, split: bool) -> Callable[[], dict[str, Any]]:
+    def consts() -> dict[str, Any]:
+        from pdserve.kernels import sparse_mla
+
+        cfg = getattr(sparse_mla, cfg_name)
+        return dict(NUM_HEADS=64, LAT=512, ROPE=64, BLOCK_L=512, BLOCK_R=64, PAGE=64,
+                    BLOCK_HH=cfg.block_h, BLOCK_N=cfg.block_n, HAS_TOPK=True, SPLIT=split,
+                    EVEN=True, DOT_PREC="tf32", UPCAST=False)  # fmt: skip
+
+    return consts
+
+
+def _mla_launch(cfg_name: str) -> tuple[int, int]:
+    from pdserve.kernels import sparse_mla
+
+    cfg = getattr(sparse_mla, cfg_name)
+    return cfg.warps, cfg.stages
+
+
+_MLA_PTRS = {
+    "qlat_ptr": "*bf16", "qpe_ptr": "*bf16", "cache_ptr": "*bf16", "bt_ptr": "*i32",
+    "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "req_ptr": "*i64", "qidx_ptr": "*i64",
+    "topk_ptr": "*i64", "out_ptr": "*bf16", "ws_o_ptr": "*fp32", "ws_lse_ptr": "*fp32",
+}  # fmt: skip
+_MLA_INTS = frozenset({"stride_qlt", "stride_qlh", "stride_qpt", "stride_qph", "stride_cb",
+                       "stride_cs", "stride_tk", "stride_ot", "stride_oh", "num_cand_k"})  # fmt: skip
+
+
+def _moe_consts(tokens: int, down: bool) -> Callable[[], dict[str, Any]]:
+    def consts() -> dict[str, Any]:
+        from pdserve.kernels.fused_moe import _config
+
+        cfg = _config(tokens * 8, 64)
+        c = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                 DOT_PREC="tf32", UPCAST=False)  # fmt: skip
+        if not down:
+            c["TOPK"] = 8
+        return c
+
+    return consts
+
+
+def _moe_launch(tokens: int) -> tuple[int, int]:
+    from pdserve.kernels.fused_moe import _config
+
+    cfg = _config(tokens * 8, 64)
+    return cfg.warps, cfg.stages
+
+
+def _moe_kernel(down: bool) -> Callable[[], Any]:
+    def get() -> Any:
+        from pdserve.kernels import fused_moe
+
+        return fused_moe._down_kernel if down else fused_moe._gate_up_kernel
+
+    return get
+
+
+_GATE_UP_PTRS = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "pairs_ptr": "*i32",
+                 "block_expert_ptr": "*i32"}  # fmt: skip
+_DOWN_PTRS = {**{k: v for k, v in _GATE_UP_PTRS.items() if k != "x_ptr"}, "a_ptr": "*bf16",
+              "weights_ptr": "*fp32"}  # fmt: skip
+_MOE_INTS = frozenset({"H", "INTER", "stride_xt", "stride_at", "stride_we", "stride_wn",
+                       "stride_ot"})  # fmt: skip
+
+
+def _indexer_kernel() -> Any:
+    from pdserve.kernels.dsa_indexer_tiled import _tiled_logits_kernel
+
+    return _tiled_logits_kernel
+
+
+def _indexer_tile(which: str) -> Any:
+    from pdserve.kernels import dsa_indexer_tiled as m
+
+    return m.PREFILL_TILE if which == "prefill" else m.verify_config(4, 32)  # 1 + 3 rows
+
+
+def _indexer_consts(which: str) -> Callable[[], dict[str, Any]]:
+    def consts() -> dict[str, Any]:
+        from pdserve.kernels._utils import next_pow2
+
+        cfg = _indexer_tile(which)
+        bt = cfg.bt if which == "prefill" else min(cfg.bt, next_pow2(4))
+        return dict(NH=32, D=128, BLOCK_H=32, BLOCK_D=128, PAGE=64, BT=bt, BN=cfg.bn,
+                    SPAN=cfg.span, HEAD_LOOP=cfg.variant == "heads", DOT_PREC="tf32",
+                    UPCAST=False, FILL=False)  # fmt: skip
+
+    return consts
+
+
+_INDEXER_PTRS = {"q_ptr": "*bf16", "w_ptr": "*fp32", "cache_ptr": "*bf16", "bt_ptr": "*i32",
+                 "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "out_ptr": "*fp32"}  # fmt: skip
+_INDEXER_INTS = frozenset({"stride_qt", "stride_qh", "stride_wt", "stride_cb", "stride_cs",
+                           "stride_ot", "width", "topk_k"})  # fmt: skip
+
+
+def _select_kernel() -> Any:
+    from pdserve.kernels.dsa_select import _reg_select_kernel
+
+    return _reg_select_kernel
+
+
+def _select_consts(width: int) -> Callable[[], dict[str, Any]]:
+    def consts() -> dict[str, Any]:
+        from pdserve.kernels import dsa_select as m
+
+        block = width
+        return dict(BLOCK=block, BLOCK_K=1024, SPLITS=min(m.REG_SELECT_SPLITS,
+                    block.bit_length() - 5), CHUNK=min(block, m.REG_SELECT_CHUNK))  # fmt: skip
+
+    return consts
+
+
+def _select_warps(width: int) -> int:
+    from pdserve.kernels.dsa_select import reg_select_warps
+
+    return reg_select_warps(width)
+
+
+_SELECT_PTRS = {"logits_ptr": "*fp32", "seq_lens_ptr": "*i32", "qsl_ptr": "*i32",
+                "req_ptr": "*i64", "qidx_ptr": "*i64", "out_ptr": "*i64"}  # fmt: skip
+
+
+def _kernel(module: str, name: str) -> Callable[[], Any]:
+    def get() -> Any:
+        import importlib
+
+        return getattr(importlib.import_module(f"pdserve.kernels.{module}"), name)
+
+    return get
+
+
+def _fixed(**consts: Any) -> Callable[[], dict[str, Any]]:
+    return lambda: dict(consts)
+
+
+def decode_prep_variants() -> list[Variant]:
+    """The small fused kernels of the decode path (issue 30) at GLM-5 / Llama-8B dims: each
+    replaces a chain of torch launches, so it must stay cheap (few registers, no spills)."""
+    out = [
+        Variant("rope_kv_write", _kernel("kv_cache_write", "_rope_kv_write_kernel"),
+                _fixed(HEAD_D=128, HALF=64, BLOCK_HALF=64, BLOCK_D=128, BLOCK_H=32, PAGE=16,
+                       ROUND=True, FP8_MAX=0.0, ROUND_FIRST=False),
+                {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "kc_ptr": "*bf16",
+                 "vc_ptr": "*bf16", "pos_ptr": "*i64", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
+                 "slot_ptr": "*i64"},
+                frozenset({"stride_qt", "stride_kt", "stride_vt", "stride_vh", "stride_kcb",
+                           "stride_kcs", "stride_kch", "stride_vcb", "stride_vcs",
+                           "stride_vch", "stride_cos", "stride_sin"}),
+                frozenset({"k_scale", "v_scale"}), 4, 1, expect_no_spills=True,
+                fp_fusion=False),
+    ]  # fmt: skip
+    for cache in ("bf16", "fp8e4nv"):
+        out.append(
+            Variant(f"mla_prep_{cache[:4]}", _kernel("mla_prep", "_mla_prep_kernel"),
+                    _fixed(LAT=512, BLOCK_L=512, HALF=32, BLOCK_HALF=32, BLOCK_H=64, PAGE=64,
+                           INTERLEAVED=True, ROUND=True,
+                           FP8_MAX=448.0 if cache != "bf16" else 0.0, ROUND_FIRST=False),
+                    {"q_ptr": "*bf16", "kv_ptr": "*bf16", "w_ptr": "*bf16", "pos_ptr": "*i64",
+                     "cos_ptr": "*bf16", "sin_ptr": "*bf16", "slot_ptr": "*i64",
+                     "cache_ptr": f"*{cache}", "out_ptr": "*bf16"},
+                    frozenset({"stride_qt", "stride_qh", "stride_kvt", "stride_cos",
+                               "stride_sin", "stride_cb", "stride_cs", "stride_ot",
+                               "stride_oh"}),
+                    frozenset({"eps", "kv_scale"}), 4, 1, expect_no_spills=True,
+                    fp_fusion=False)
+        )  # fmt: skip
+    out.append(
+        Variant("indexer_prep", _kernel("mla_prep", "_indexer_prep_kernel"),
+                _fixed(D=128, BLOCK_D=128, HALF=32, BLOCK_HALF=32, BLOCK_NH=32, PAGE=64,
+                       INTERLEAVED=True, ROUND=True),
+                {"q_ptr": "*bf16", "k_ptr": "*bf16", "w_ptr": "*bf16", "lnw_ptr": "*bf16",
+                 "lnb_ptr": "*bf16", "pos_ptr": "*i64", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
+                 "slot_ptr": "*i64", "cache_ptr": "*bf16", "q_out_ptr": "*bf16",
+                 "w_out_ptr": "*fp32"},
+                frozenset({"stride_qt", "stride_cos", "stride_sin", "stride_cb", "stride_cs",
+                           "stride_qot"}),
+                frozenset({"eps", "w_scale"}), 4, 1, expect_no_spills=True, fp_fusion=False)
+    )  # fmt: skip
+    for name, n in (("moe_align_b1", 8), ("moe_align_b128", 1024)):
+        out.append(
+            Variant(name, _kernel("moe_align", "_align_kernel"),
+                    _fixed(BM=16, BLOCK_N=max(16, n), BLOCK_E=512, CHUNK=16, BLOCK_B=64,
+                           BLOCK_S=1024),
+                    {"ids_ptr": "*i64", "pairs_ptr": "*i32", "block_expert_ptr": "*i32"},
+                    frozenset(), frozenset(), 4, 1, expect_no_spills=True)
+        )  # fmt: skip
+    out.append(
+        Variant("moe_combine", _kernel("moe_align", "_combine_kernel"),
+                _fixed(K=8, BLOCK=1024, HAS_ADD=True),
+                {"rows_ptr": "*bf16", "add_ptr": "*bf16", "out_ptr": "*bf16"},
+                frozenset({"H", "stride_r", "stride_a", "stride_o"}), frozenset(), 4, 1,
+                expect_no_spills=True)
+    )  # fmt: skip
+    return out
+
+
+def variants() -> list[Variant]:
+    """The checked launch shapes (launch options resolved from the kernel modules)."""
+    out = []
+    for name, cfg, split, strict in (
+        ("mla_wide", "CONFIG_WIDE", False, True),  # prefill and large verify / decode
+        ("mla_many", "CONFIG_MANY_TOKENS", True, False),
+        ("mla_few", "CONFIG_FEW_TOKENS", True, False),  # decode of a few rows, split-K
+    ):
+        warps, stages = _mla_launch(cfg)
+        out.append(Variant(name, _mla_kernel, _mla_consts(cfg, split), _MLA_PTRS, _MLA_INTS,
+                           frozenset({"qk_scale"}), warps, stages, expect_wgmma=strict,
+                           expect_cp_async=strict, expect_no_spills=strict))  # fmt: skip
+    for name, tokens in (("moe_prefill", 4096), ("moe_verify", 512)):
+        warps, stages = _moe_launch(tokens)
+        for down in (False, True):
+            out.append(Variant(f"{name}_{'down' if down else 'gate_up'}", _moe_kernel(down),
+                               _moe_consts(tokens, down), _DOWN_PTRS if down else _GATE_UP_PTRS,
+                               _MOE_INTS, frozenset(), warps, stages, expect_wgmma=True,
+                               expect_cp_async=True, expect_no_spills=True))  # fmt: skip
+    for which in ("prefill", "verify"):
+        cfg = _indexer_tile(which)
+        out.append(Variant(f"indexer_{which}", _indexer_kernel, _indexer_consts(which),
+                           _INDEXER_PTRS, _INDEXER_INTS, frozenset({"scale"}), cfg.num_warps,
+                           cfg.num_stages, expect_wgmma=True, expect_cp_async=True,
+                           expect_no_spills=True))  # fmt: skip
+    for width in (16384, 32768):  # rows of a 16K / 32K prefill, held in registers
+        out.append(Variant(f"select_{width // 1024}k", _select_kernel, _select_consts(width),
+                           _SELECT_PTRS, frozenset({"stride_lt", "stride_ot", "K"}),
+                           frozenset(), _select_warps(width), 1, expect_no_spills=True))  # fmt: skip
+    return out + decode_prep_variants()
+
+
+def _ptxas() -> Path:
+    import triton
+
+    return Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+
+def compile_variant(v: Variant) -> Any:
+    """The Triton ``CompiledKernel`` of ``v`` for sm_90a (no device involved)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = v.kernel()
+    consts = v.constexprs()
+    names = list(fn.arg_names)
+    unknown = (set(consts) | set(v.pointers) | v.floats) - set(names)
+    if unknown:
+        raise ValueError(f"{v.name}: {fn.__name__} has no argument(s) {sorted(unknown)}")
+    sig = {}
+    for n in names:
+        if n in consts:
+            sig[n] = "constexpr"
+        elif n in v.pointers:
+            sig[n] = v.pointers[n]
+        else:
+            sig[n] = "fp32" if n in v.floats else "i32"
+    attrs = {(names.index(n),): [["tt.divisibility", 16]]
+             for n in names if n in v.pointers or n in v.aligned_ints}  # fmt: skip
+    src = ASTSource(fn, sig, constexprs={(names.index(k),): c for k, c in consts.items()},
+                    attrs=attrs)  # fmt: skip
+    opts = {"num_warps": v.warps, "num_stages": v.stages, "enable_fp_fusion": v.fp_fusion}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+def report(v: Variant) -> dict[str, Any]:
+    """Resources and instruction counts of ``v`` compiled for sm_90a, with ``problems``:
+    the expectations of the variant it misses (empty: all met)."""
+    k = compile_variant(v)
+    ptx = k.asm["ptx"]
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "k.ptx"
+        path.write_text(ptx)
+        res = subprocess.run([str(_ptxas()), "-arch=sm_90a", "-v", str(path), "-o", "/dev/null"],
+                             capture_output=True, text=True, check=True)  # fmt: skip
+    info = res.stderr
+    regs = re.search(r"Used (\d+) registers", info)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
+    out: dict[str, Any] = {
+        "variant": v.name,
+        "warps": v.warps,
+        "stages": v.stages,
+        "constexprs": {k_: c for k_, c in v.constexprs().items() if k_.startswith("BLOCK")},
+        "registers": int(regs.group(1)) if regs else None,
+        "spill_stores": int(spills.group(1)) if spills else 0,
+        "spill_loads": int(spills.group(2)) if spills else 0,
+        "shared_bytes": int(k.metadata.shared),
+        "wgmma": ptx.count("wgmma.mma_async"),
+        "mma_sync": ptx.count("mma.sync"),
+        "cp_async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
+    }
+    problems = []
+    if out["shared_bytes"] > MAX_SHARED:
+        problems.append(f"shared memory {out['shared_bytes']} > {MAX_SHARED}")
+    if v.expect_no_spills and (out["spill_stores"] or out["spill_loads"]):
+        problems.append(f"spills {out['spill_stores']}/{out['spill_loads']} bytes")
+    if v.expect_wgmma and not out["wgmma"]:
+        problems.append("no wgmma")
+    if v.expect_cp_async and not out["cp_async"]:
+        problems.append("no cp.async: tile loads are synchronous")
+    out["problems"] = problems
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", default=None, help="comma-separated variant names")
+    ap.add_argument("--json", default=None, help="write the reports here")
+    args = ap.parse_args(argv)
+    chosen = variants()
+    if args.only:
+        names = args.only.split(",")
+        missing = set(names) - {v.name for v in chosen}
+        if missing:
+            print(f"unknown variant(s) {sorted(missing)}; have {[v.name for v in chosen]}",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        chosen = [v for v in chosen if v.name in names]
+    rows = [report(v) for v in chosen]
+    print(f"{'variant':<18} {'warps':>5} {'stages':>6} {'regs':>5} {'spill st/ld':>12} "
+          f"{'smem KB':>8} {'wgmma':>6} {'mma':>5} {'cp.async':>8}  problems")  # fmt: skip
+    for r in rows:
+        print(f"{r['variant']:<18} {r['warps']:5d} {r['stages']:6d} {r['registers']:5d} "
+              f"{r['spill_stores']:5d}/{r['spill_loads']:<6d} {r['shared_bytes'] / 1024:8.1f} "
+              f"{r['wgmma']:6d} {r['mma_sync']:5d} {r['cp_async']:8d}  "
+              f"{'; '.join(r['problems']) or '-'}")  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 1 if any(r["problems"] for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
