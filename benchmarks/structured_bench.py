@@ -18,6 +18,10 @@ one multi-threaded xgrammar call per step, overlapped with the step's forward un
 async scheduling: the masks are deferred until the step before has landed) and its
 mask on the device.
 
+``--speculative-config`` runs the same with speculative decoding (MTP on a GLM-5-family
+checkpoint, n-gram on any): each verified position then has its own bitmask row and
+penalty counts, and a step may produce several tokens per request.
+
 ``--device cpu`` runs the script itself on a tiny checkpoint (made in a temporary folder
 when ``--ckpt`` is not given), for a smoke test. Prints a table last; every number goes
 to the JSON file.
@@ -82,7 +86,7 @@ def run_variant(
     eng.scheduler.defer_masks = not variant.endswith(":land_first")
     g = torch.Generator().manual_seed(len(variant))
     vocab = min(eng.vocab_size, 30000)
-    max_tokens = steps + 16
+    max_tokens = steps * (1 + eng.runner.num_spec) + 16  # a verify may take 1 + k a step
     for i in range(batch):
         ids = torch.randint(10, vocab, (prompt_len,), generator=g).tolist()
         eng.add_request(
@@ -126,13 +130,20 @@ def run_variant(
 
 
 def run(
-    ckpt: str, batch: int, prompt_len: int, steps: int, device: str, load_format: str = "auto"
+    ckpt: str,
+    batch: int,
+    prompt_len: int,
+    steps: int,
+    device: str,
+    load_format: str = "auto",
+    speculative: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     kwargs: dict[str, Any] = dict(
         load_format=load_format,
-        max_model_len=prompt_len + steps + 64,
+        max_model_len=prompt_len + 8 * steps + 64,  # room for accepted drafts (k <= 7)
         max_num_seqs=max(batch, 8),
         async_scheduling=True,
+        speculative_config=speculative,
     )
     if device == "cuda":
         kwargs.update(dtype="bfloat16", max_num_batched_tokens=8192, gpu_memory_utilization=0.85)
@@ -147,6 +158,7 @@ def run(
         "cudagraph_mode": llm.engine.runner.graph_mode(),
         "schema": SCHEMA,
         "penalties": PENALTIES,
+        "speculative": speculative,
     }
     # warm-up: compiles the schema once (cached) and runs each path once
     for v in VARIANTS:
@@ -181,7 +193,14 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="dummy: random weights drawn on the device (a --config-only checkpoint will do)",
     )
+    ap.add_argument(
+        "--speculative-config",
+        default=None,
+        help='JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 3}\': the same runs '
+        "with speculative decoding (each verified position masked and penalised)",
+    )
     args = ap.parse_args(argv)
+    spec = json.loads(args.speculative_config) if args.speculative_config else None
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = args.ckpt
         if ckpt is None:
@@ -191,7 +210,9 @@ def main(argv: list[str] | None = None) -> int:
 
             make_checkpoint("LlamaForCausalLM", "tiny", tmp, dtype="float32")
             ckpt = tmp
-        res = run(ckpt, args.batch, args.prompt_len, args.steps, args.device, args.load_format)
+        res = run(
+            ckpt, args.batch, args.prompt_len, args.steps, args.device, args.load_format, spec
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=2))
     print_table(res)

@@ -42,14 +42,57 @@ EOT = "<|endoftext|>"
 SPECIAL = ["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>",
            "<|user|>", "<|assistant|>", "<|observation|>"]  # fmt: skip
 GENERATION_EOS = ["<|endoftext|>", "<|user|>", "<|observation|>"]
-CHAT_TEMPLATE = (
-    "[gMASK]<sop>{%- for m in messages %}"
-    "{%- if m['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
-    "{{- raise_exception('unsupported role: ' + m['role']) }}{%- endif %}"
-    "{%- set tag = '<|observation|>' if m['role'] == 'tool' else '<|' + m['role'] + '|>' %}"
-    "{{- tag + '\\n' + m['content'] }}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- endif %}"
-)
+# GLM's chat format: tools in a system block, earlier calls in the glm47 format
+# (--tool-call-parser glm47), results as observations, the thinking switch
+# (enable_thinking=false closes an empty <think></think>); plain chats render as
+# "<|role|>\ncontent" turns
+CHAT_TEMPLATE = r"""[gMASK]<sop>
+{%- if tools -%}
+<|system|>
+# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{% for tool in tools %}{{ (tool.function if tool.function is defined else tool) | tojson }}
+{% endfor %}</tools>
+
+For each function call, output the function name and arguments within the following XML format:
+<tool_call>{function-name}<arg_key>{arg-key-1}</arg_key><arg_value>{arg-value-1}</arg_value><arg_key>{arg-key-2}</arg_key><arg_value>{arg-value-2}</arg_value>...</tool_call>
+{%- endif -%}
+{%- for m in messages -%}
+    {%- if m['role'] not in ['system', 'user', 'assistant', 'tool'] -%}
+        {{- raise_exception('unsupported role: ' + m['role']) -}}
+    {%- endif -%}
+    {%- if m['role'] == 'tool' -%}
+        {{- '<|observation|>\n<tool_response>' + m['content'] + '</tool_response>' -}}
+    {%- elif m['role'] == 'assistant' -%}
+        {{- '<|assistant|>\n' -}}
+        {%- if m['reasoning_content'] is defined and m['reasoning_content'] -%}
+            {{- '<think>' + m['reasoning_content'] + '</think>' -}}
+        {%- endif -%}
+        {{- m['content'] if m['content'] else '' -}}
+        {%- if m['tool_calls'] is defined and m['tool_calls'] -%}
+            {%- for tc in m['tool_calls'] -%}
+                {%- set f = tc['function'] if tc['function'] is defined else tc -%}
+                {{- '<tool_call>' + f['name'] -}}
+                {%- for k, v in (f['arguments'] or {}).items() -%}
+                    {{- '<arg_key>' + k + '</arg_key><arg_value>' + (v if v is string else v | tojson) + '</arg_value>' -}}
+                {%- endfor -%}
+                {{- '</tool_call>' -}}
+            {%- endfor -%}
+        {%- endif -%}
+    {%- else -%}
+        {{- '<|' + m['role'] + '|>\n' + m['content'] -}}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<|assistant|>\n' -}}
+    {%- if enable_thinking is defined and enable_thinking is false -%}
+        {{- '<think></think>' -}}
+    {%- endif -%}
+{%- endif -%}"""
 SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
          r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")  # fmt: skip
 

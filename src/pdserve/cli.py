@@ -58,7 +58,10 @@ def _run_generate(args: argparse.Namespace) -> int:
         seed=args.sampling_seed,
         ignore_eos=args.ignore_eos,
     )
-    outs = llm.generate(args.prompt, sp)
+    try:
+        outs = llm.generate(args.prompt, sp)
+    finally:  # tensor-parallel followers leave cleanly, their temp dir goes
+        llm.shutdown()
     t2 = time.perf_counter()
     ntok = 0
     for o in outs:

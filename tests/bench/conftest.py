@@ -13,7 +13,8 @@ word is one query token, ``prefix_hit_ratio`` of them hits), ``num_requests_runn
 ``rss_warmup_bytes`` · (1 - exp(-finished / ``rss_warmup_requests``)). ``latency_of(in_flight)`` (optional)
 picks ``(ttft_s, itl_s)`` before each token from the number of streams open then (a
 stream leaves the count before its last token is sent), a load-dependent server for the
-SLA search.
+SLA search; ``serial_s`` makes first tokens wait for one slot (a server that completes at
+most ``1 / serial_s`` requests a second, whatever the latencies say).
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ class FakeBehavior:
     rss_warmup_bytes: int = 0
     rss_warmup_requests: float = 30.0
     latency_of: Callable[[int], tuple[float, float]] | None = None
+    serial_s: float = 0.0  # > 0: first tokens one at a time, this long each (1/serial_s req/s)
 
 
 @dataclass
@@ -120,6 +122,7 @@ def _index(request: web.Request) -> int:
 
 def _make_app(state: FakeServer) -> web.Application:
     b = state.behavior
+    serial = asyncio.Lock()  # the one "prefill slot" of a serial_s server
 
     async def health(request: web.Request) -> web.Response:
         state.health_calls += 1
@@ -186,6 +189,9 @@ def _make_app(state: FakeServer) -> web.Application:
         if mode == "ok":
             for k in range(n):
                 await asyncio.sleep(delay(k))
+                if k == 0 and b.serial_s > 0:
+                    async with serial:
+                        await asyncio.sleep(b.serial_s)
                 if k == n - 1:  # leave the count before the client can see the end
                     leave()
                 if chat:

@@ -83,5 +83,8 @@ def test_two_colocated_replicas_behind_the_proxy(tiny_llama: Path, tmp_path: Pat
         assert sum(ok) == len(prompts) and min(ok) > 0, ok
         models = httpx.get(f"{proxy}/v1/models", timeout=10).json()
         assert [m["id"] for m in models["data"]] == ["tiny"]
+        assert httpx.get(f"{proxy}/v1/models/tiny", timeout=10).json()["id"] == "tiny"
+        tokens = httpx.post(f"{proxy}/tokenize", json={"prompt": "a b"}, timeout=10).json()
+        assert tokens["count"] == len(tokens["tokens"]) > 0
         health = httpx.get(f"{proxy}/health", timeout=10).json()
         assert health["colocated"] == {"healthy": 2, "total": 2}

@@ -89,6 +89,65 @@ def test_glm5_1p1d_with_mtp_matches_colocated(tiny_glm5: Path, tmp_path: Path) -
         moved = metric(urls["decode"], "pdserve:kv_transfer_bytes_sum")
         blocks = sum(-(-(len(p) - 1) // BLOCK) for p in prompts)  # decode recomputes the last
         assert moved == blocks * sum(per_block.values()), (moved, per_block)
+        # a JSON schema, a forced tool call and penalties, through the proxy with MTP
+        # on the decode: the colocated server's answers (no speculation there)
+        forced = [asyncio.run(_forced(urls[r])) for r in ("proxy", "colocated")]
+        assert forced[0] == forced[1]
+        (text, _, why), (_, calls, why_call), _ = forced[0]
+        assert why == "stop" and set(json.loads(text or "")) == {"n", "s"}
+        assert why_call == "tool_calls" and calls[0][0] == "get_weather"
         for url in urls.values():
             if url != urls["proxy"]:
                 assert wait_until(lambda u=url: _usage_zero(u), 10, step=0.05), url
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 10}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+
+
+async def _forced(url: str) -> list[tuple[str | None, list[tuple[str, str]], str]]:
+    """(content, [(name, arguments)], finish reason) of three greedy chat answers."""
+    msgs = [{"role": "user", "content": "weather in Paris?"}]
+    schema = {
+        "type": "object",
+        "properties": {
+            "n": {"type": "integer", "minimum": 0, "maximum": 99},
+            "s": {"type": "string", "maxLength": 6},
+        },
+        "required": ["n", "s"],
+    }
+    common = {"model": "tiny", "messages": msgs, "temperature": 0, "max_tokens": 80}
+    bodies = [
+        {
+            **common,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": schema},
+            },
+        },
+        {**common, "tools": TOOLS, "tool_choice": "required"},
+        {**common, "presence_penalty": 0.5, "frequency_penalty": 0.5, "max_tokens": 16},
+    ]
+    out = []
+    async with httpx.AsyncClient(timeout=120) as c:
+        for body in bodies:
+            r = await c.post(f"{url}/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            ch = r.json()["choices"][0]
+            calls = [
+                (t["function"]["name"], t["function"]["arguments"])
+                for t in ch["message"].get("tool_calls") or []
+            ]
+            out.append((ch["message"]["content"], calls, ch["finish_reason"]))
+    return out

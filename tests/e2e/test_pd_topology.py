@@ -128,8 +128,33 @@ def test_1p1d_matches_colocated_and_transfers_the_prompt(tiny_llama: Path, tmp_p
         assert local == len(prompts)
         assert _metric(proxy, "pdserve:proxy_prefill_missing_kv_params_total") == 0
         assert _metric(decode, "pdserve:kv_transfer_time_seconds_count") == len(prompts)
+        _instance_routes_through_the_proxy(proxy, colo)
+        assert _metric(decode, "pdserve:kv_transfer_time_seconds_count") == len(prompts) + 1
         for url in (prefill, decode, colo):
             assert wait_until(lambda u=url: _usage_zero(u), 10, step=0.05), url
+
+
+def _instance_routes_through_the_proxy(proxy: str, colo: str) -> None:
+    """The proxy answers what an instance answers: /v1/responses (in two legs: one KV
+    transfer), /v1/models/{id}, /tokenize and /detokenize."""
+    body = {"model": "tiny", "input": "hello there", "max_output_tokens": 6, "temperature": 0}
+    with httpx.Client(timeout=60) as c:
+        answers = [c.post(u + "/v1/responses", json=body) for u in (proxy, colo)]
+        assert [r.status_code for r in answers] == [200, 200], answers[0].text
+        texts = [r.json()["output"][0]["content"][0]["text"] for r in answers]
+        assert texts[0] == texts[1] and answers[0].json()["status"] == "incomplete"
+        assert "kv_transfer_params" not in answers[0].json()
+        card = c.get(proxy + "/v1/models/tiny")
+        assert card.status_code == 200 and card.json()["id"] == "tiny"
+        assert c.get(proxy + "/v1/models/nope").status_code == 404
+        tok = [
+            c.post(u + "/tokenize", json={"model": "tiny", "prompt": "hi there"})
+            for u in (proxy, colo)
+        ]
+        assert tok[0].status_code == 200 and tok[0].json() == tok[1].json()
+        ids = tok[0].json()["tokens"]
+        text = c.post(proxy + "/detokenize", json={"model": "tiny", "tokens": ids})
+        assert text.status_code == 200 and text.json()["prompt"] == "hi there"
 
 
 def test_2p1d_uses_both_prefills_and_survives_losing_one(tiny_llama: Path, tmp_path: Path) -> None:

@@ -223,11 +223,12 @@ def test_large_frequency_penalty_prevents_repeats(llm: LLM) -> None:
     assert len(set(toks)) > len(set(free))
 
 
-def test_penalties_are_refused_with_speculative_decoding(tiny_llama: Path) -> None:
+def test_bad_words_are_refused_with_speculative_decoding(tiny_llama: Path) -> None:
+    """(Penalties with speculative decoding: tests/engine/test_spec_constraints.py.)"""
     spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2}
     sllm = LLM(str(tiny_llama), speculative_config=spec, **KW)
-    with pytest.raises(ValueError, match="penalties with speculative decoding"):
-        sllm.generate(PROMPT, _greedy(4, repetition_penalty=1.2))
+    with pytest.raises(ValueError, match="bad_words with speculative decoding"):
+        sllm.generate(PROMPT, _greedy(4, bad_words=["a"]))
 
 
 def test_bad_words_single_and_multi_token(llm: LLM) -> None:

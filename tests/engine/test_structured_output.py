@@ -2,7 +2,7 @@
 per-token reference, the offline engine under async scheduling (masks deferred: the
 next step's forward is launched before the step in flight lands and the matchers
 advance; the same tokens as landing first), a grammar that fails to compile, an abort
-while compiling, and the refusal with speculative decoding."""
+while compiling. (With speculative decoding: test_spec_constraints.py.)"""
 
 from __future__ import annotations
 
@@ -142,11 +142,37 @@ def test_abort_while_compiling(llm: LLM) -> None:
     assert out.finish_reason == "abort" and not core.has_unfinished_requests()
 
 
-def test_refused_with_speculative_decoding(tiny_llama: Path) -> None:
-    from pdserve.frontend.processor import InputProcessor
+@pytest.mark.parametrize(
+    "string",
+    [{"type": "string"}, {"type": "string", "maxLength": 8}, {"type": "string", "minLength": 2}],
+)
+def test_json_strings_admit_no_control_character_or_surrogate(
+    tiny_llama: Path, string: dict[str, Any]
+) -> None:
+    """Inside a JSON string the grammar refuses a raw control character (json.loads
+    rejects it) and a UTF-8-encoded surrogate (invalid UTF-8), byte token by byte
+    token, and takes an ordinary character of several bytes (xgrammar's own rules admit
+    surrogates everywhere and control characters in length-bounded strings)."""
+    import xgrammar as xgr
+
+    from pdserve.engine.structured_output import StructuredOutputManager, tokenizer_info
     from pdserve.frontend.tokenizer import Tokenizer
 
-    proc = InputProcessor(Tokenizer.from_pretrained(tiny_llama), 256, 512, speculative=True)
-    sp = SamplingParams(max_tokens=4, structured_outputs=_so(choice=["a"]))
-    with pytest.raises(ValueError, match="speculative decoding"):
-        proc.make_request("r", [5, 6], sp)
+    info = tokenizer_info(tiny_llama, 512)
+    byte_token = {b[0]: i for i, b in reversed(list(enumerate(info.decoded_vocab))) if len(b) == 1}
+    assert len(byte_token) == 256
+    schema = {"type": "object", "properties": {"a": string}, "required": ["a"]}
+    mgr = StructuredOutputManager(tiny_llama, 512)
+    compiled = mgr.submit(_so(json=json.dumps(schema))).result()
+    head = Tokenizer.from_pretrained(tiny_llama).encode('{"a": "x', add_special_tokens=False)
+
+    def takes(raw: bytes) -> bool:
+        m = xgr.GrammarMatcher(compiled)
+        assert all(m.accept_token(t) for t in head)
+        return all(m.accept_token(byte_token[b]) for b in raw)
+
+    assert takes("é".encode()) and takes("你".encode())
+    assert takes(b"\\n") == (len(string) == 1)  # a bounded string takes no escapes
+    for bad in (b"\x03", b"\x1f", b"\n", b"\xed\xa0\x80", b"\xed\xbf\xbf"):
+        assert not takes(bad), bad
+    mgr.shutdown()

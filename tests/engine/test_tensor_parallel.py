@@ -314,3 +314,34 @@ def test_watchdog_ends_a_leader_stuck_with_a_dead_rank(
     )
     with pytest.raises(RankFailure, match="rank 1 .* exited with code -9"):
         leader.check()
+
+
+@pytest.mark.parametrize("how", ["generate_cli", "llm_left_to_exit"])
+def test_a_clean_exit_logs_no_error_and_leaves_no_temp_dir(
+    tiny_llama: Path, tmp_path: Path, how: str
+) -> None:
+    """`pdserve generate --tensor-parallel-size 2` (which shuts the engine down), and an
+    LLM the script never shuts down (the engine's exit hook does): the follower leaves on
+    the shutdown broadcast, so nothing logs an ERROR, and the temp dir is removed."""
+    import subprocess
+    import sys
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    if how == "generate_cli":
+        args = ["-m", "pdserve", "generate", str(tiny_llama), "--prompt", "hi",
+                "--max-tokens", "3", "--tensor-parallel-size", "2", "--dtype", "float32"]  # fmt: skip
+    else:
+        code = (
+            "from pdserve import LLM, SamplingParams\n"
+            f"llm = LLM({str(tiny_llama)!r}, tensor_parallel_size=2, dtype='float32')\n"
+            "print(llm.generate('hi', SamplingParams(max_tokens=3))[0].outputs[0].text)\n"
+        )
+        args = ["-c", code]
+    done = subprocess.run(
+        [sys.executable, *args], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "ERROR" not in done.stderr + done.stdout, done.stderr[-2000:]
+    assert not list(tmp.glob("pdserve-tp-*"))

@@ -52,7 +52,8 @@ def test_compat_mismatch_names_each_field():
 @pytest.mark.parametrize(
     "cfg,match",
     [
-        ({"kv_connector": "NixlConnector", "kv_role": "kv_producer"}, "not supported"),
+        ({"kv_connector": "NixlConnector", "kv_role": "kv_producer"}, '"transport": "nixl"'),
+        ({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}, "not supported"),
         ({"kv_connector": "PdConnector", "kv_role": "producer"}, "kv_role"),
         ({"kv_connector": "PdConnector"}, "kv_role"),
         ({"kv_connector": "PdConnector", "kv_role": "kv_both", "x": 1}, "unknown key"),

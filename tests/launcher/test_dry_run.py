@@ -121,6 +121,12 @@ def test_glm5_example_matches_the_reference(capsys: pytest.CaptureFixture[str]) 
     }
     assert json.loads(val(dec, "--compilation-config")) == {"cudagraph_mode": "FULL_DECODE_ONLY"}
     assert val(dec, "--max-num-batched-tokens") == "1024"
+    for argv in (dec, cmds["prefill-0"]):  # the reference's API on both roles
+        assert "--enable-auto-tool-choice" in argv
+        assert (val(argv, "--tool-call-parser"), val(argv, "--reasoning-parser")) == (
+            "glm47",
+            "glm45",
+        )
     kv = json.loads(val(dec, "--kv-transfer-config"))
     assert kv["kv_role"] == "kv_consumer" and kv["kv_connector_extra_config"] == {
         "transport": "nixl"

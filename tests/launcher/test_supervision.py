@@ -282,3 +282,32 @@ def test_a_port_in_use_is_refused_before_anything_starts(tmp_path: Path, marker:
         with pytest.raises(LaunchError, match=f"colocated-1: cannot use 127.0.0.1:{b} "):
             la.start()
     assert la.children == []
+
+
+def test_health_probe_of_a_port_that_answers_non_http() -> None:
+    """Another program on the port (it answers, but not HTTP): not healthy, no traceback."""
+    import socket
+    import threading
+
+    from pdserve.serving.launch.children import healthy
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+    port = srv.getsockname()[1]
+
+    def answer() -> None:
+        for _ in range(2):
+            conn, _ = srv.accept()
+            with conn:
+                conn.recv(1024)
+                conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")
+
+    t = threading.Thread(target=answer, daemon=True)
+    t.start()
+    try:
+        assert healthy(f"http://127.0.0.1:{port}") is False
+        assert healthy(f"http://127.0.0.1:{port}") is False
+    finally:
+        t.join(timeout=10)
+        srv.close()

@@ -264,6 +264,9 @@ def test_prefill_body_rules() -> None:
     assert out["stream"] is False and chat["stream"] is True
     assert "max_completion_tokens" not in prefill_body({"prompt": "x"}, secret, "r")
     assert verify_kv_params(out["kv_transfer_params"], secret)["do_remote_decode"] is True
+    # the Responses API names its limit max_output_tokens (and has no max_tokens)
+    resp = prefill_body({"input": "x", "max_output_tokens": 9}, secret, "r", "/v1/responses")
+    assert resp["max_output_tokens"] == 1 and "max_tokens" not in resp
 
 
 def test_sse_meter() -> None:

@@ -54,8 +54,13 @@ COMPLETION_400 = [
     ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty", ""),
     ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", ""),
     ({"prompt": "x", "repetition_penalty": 2.5}, "repetition_penalty", ""),
-    ({"prompt": ["a", "b"]}, "prompt", "batched"),
-    ({"prompt": [[1, 2], [3]]}, "prompt", "batched"),
+    ({"prompt": ["a", "b"], "kv_transfer_params": {}}, "prompt", "list of prompts"),
+    ({"prompt": [[1, 2], [3, 999]]}, "prompt", "outside the vocabulary"),
+    (
+        {"prompt": ["a", "b"], "stream": True, "stream_options": {"continuous_usage_stats": True}},
+        "stream_options",
+        "list of prompts",
+    ),  # fmt: skip
     ({"prompt": []}, "prompt", "empty"),
     ({"prompt": [5, 999]}, "prompt", "outside the vocabulary"),
     ({"prompt": [5, -1]}, "prompt", "outside the vocabulary"),

@@ -63,6 +63,34 @@ def test_non_streaming_disconnect_aborts(make_server: ServerFactory) -> None:
     assert wait_until(lambda: srv.server.ctx.state.in_flight == 0, timeout=5)
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_batch_of_prompts_is_aborted_whole_on_disconnect(
+    make_server: ServerFactory, stream: bool
+) -> None:
+    """A completions request with a list of prompts: the client leaving aborts every
+    prompt's engine request, streamed or not."""
+    engine = FakeEngineClient(token_delay=0.01)
+    srv = make_server(engine)
+    body = {"prompt": ["x", "y", "z"], "max_tokens": 100, "stream": stream}
+    rid = f"batch-gone-{stream}"
+    ids = {f"{rid}-{i}" for i in range(3)}
+    if stream:
+        with (
+            httpx.Client(base_url=srv.url, timeout=10) as c,
+            c.stream("POST", "/v1/completions", json=body, headers={"X-Request-Id": rid}) as r,
+        ):
+            assert r.status_code == 200
+            for n, _ in enumerate(ln for ln in r.iter_lines() if ln.startswith("data: ")):
+                if n == 5:
+                    break
+    else:
+        with httpx.Client(base_url=srv.url, timeout=0.3) as c, pytest.raises(httpx.ReadTimeout):
+            c.post("/v1/completions", json=body, headers={"X-Request-Id": rid})
+    assert wait_until(lambda: ids <= set(engine.aborted), timeout=5), engine.aborted
+    assert wait_until(lambda: srv.server.ctx.state.in_flight == 0, timeout=5)
+    assert srv.server.ctx.state.active_request_ids() == []
+
+
 def test_finished_requests_are_not_aborted(
     server: ServerThread, server_engine: FakeEngineClient
 ) -> None:

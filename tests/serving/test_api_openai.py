@@ -313,3 +313,39 @@ def test_chat_template_file_override(
         body = {"messages": [{"role": "user", "content": "q"}]}
         ids = c.post("/tokenize", json=body).json()["tokens"]
         assert c.post("/detokenize", json={"tokens": ids}).json()["prompt"] == "[q]"
+
+
+def test_completion_with_a_list_of_prompts(make_server: ServerFactory) -> None:
+    """A batch of prompts: each its own engine request, choices numbered prompt * n +
+    sample (vLLM's order), usage summed, whole and streamed."""
+    engine = FakeEngineClient()
+    c = client_for(make_server(engine))
+    one = [c.completions.create(model=MODEL, prompt=p, max_tokens=2) for p in ("hello", "hi")]
+    r = c.completions.create(model=MODEL, prompt=["hello", "hi"], max_tokens=2, echo=True, n=2)
+    assert [ch.index for ch in r.choices] == [0, 1, 2, 3]
+    assert [ch.text for ch in r.choices] == ["helloab", "helloab", "hiab", "hiab"]
+    assert r.usage is not None and r.id.startswith("cmpl-")
+    assert r.usage.prompt_tokens == sum(o.usage.prompt_tokens for o in one)  # type: ignore[union-attr]
+    assert r.usage.completion_tokens == 8
+    rid = r.id.removeprefix("cmpl-")
+    assert {f"0_{rid}-0", f"1_{rid}-0", f"0_{rid}-1", f"1_{rid}-1"} <= set(engine.requests)
+    r = c.completions.create(model=MODEL, prompt=[[104, 105], [104]], max_tokens=1, echo=True)
+    assert [ch.text for ch in r.choices] == ["hia", "ha"]
+    stream = c.completions.create(
+        model=MODEL,
+        prompt=["ab", "cd", "ef"],
+        max_tokens=3,
+        echo=True,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    texts: dict[int, str] = {}
+    for ch in chunks[:-1]:
+        (choice,) = ch.choices
+        texts[choice.index] = texts.get(choice.index, "") + choice.text
+        assert ch.usage is None and ch.id == chunks[0].id
+    assert texts == {0: "ababc", 1: "cdabc", 2: "efabc"}
+    assert not chunks[-1].choices and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 9
+    assert engine.aborted == []  # every prompt's requests ran to their end

@@ -142,15 +142,20 @@ def test_penalties_reach_the_engine(server: ServerThread, server_engine: FakeEng
     assert params.repetition_penalty == 1.3 and params.has_penalties
 
 
-def test_the_input_processor_refuses_penalties_with_speculation() -> None:
+def test_the_input_processor_with_speculation() -> None:
+    """Penalties and structured output are served with speculative decoding; bad_words
+    are refused with a reason."""
     import pytest
 
-    from pdserve.core_types.sampling_params import SamplingParams
+    from pdserve.core_types.sampling_params import SamplingParams, StructuredOutputsParams
     from pdserve.frontend.processor import InputProcessor
 
     from .conftest import FakeTokenizer
 
     proc = InputProcessor(FakeTokenizer(), 64, 256, speculative=True)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="penalties with speculative decoding"):
-        proc.make_request("r", [5, 6], SamplingParams(frequency_penalty=0.5))
+    with pytest.raises(ValueError, match="bad_words with speculative decoding"):
+        proc.make_request("r", [5, 6], SamplingParams(bad_words=["x"]))
+    proc.make_request("r", [5, 6], SamplingParams(frequency_penalty=0.5))
+    so = StructuredOutputsParams(choice=["a"])
+    proc.make_request("r", [5, 6], SamplingParams(structured_outputs=so))
     proc.make_request("r", [5, 6], SamplingParams(logit_bias={5: 1.0}))

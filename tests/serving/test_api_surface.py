@@ -83,10 +83,11 @@ def test_responses_streaming_with_reasoning(make_server: ServerFactory) -> None:
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"tools": [{"type": "function", "name": "f"}]}, "tools"),
+        ({"tools": [{"type": "web_search"}]}, "tools"),
+        ({"tools": [{"type": "function", "name": "f"}]}, "tool_choice"),  # auto needs flags
         ({"previous_response_id": "resp_1"}, "previous_response_id"),
         ({"text": {"format": {"type": "json_object"}}}, "text"),
-        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input"),
+        ({"input": [{"type": "input_image", "image_url": "x"}]}, "input"),
     ],
 )
 def test_responses_refusals(server: ServerThread, extra: dict, param: str) -> None:

@@ -252,3 +252,62 @@ def test_parallel_tool_calls_false_keeps_the_first(make_server: ServerFactory) -
         if c.choices and c.choices[0].logprobs
     )
     assert n == len(one + two)
+
+
+RESPONSES_TOOLS: list[Any] = [{"type": "function", **TOOLS[0]["function"]}]
+
+
+def test_responses_with_tools(make_server: ServerFactory) -> None:
+    """/v1/responses takes function tools in its own shape and earlier calls and their
+    outputs as input items; parsed calls come back as function_call items, whole and
+    streamed."""
+    srv = tool_server(make_server, GLM_OUT)
+    client = client_for(srv)
+    history: list[Any] = [
+        {"role": "user", "content": "weather?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Rome"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+        {"role": "user", "content": "and Paris?"},
+    ]  # fmt: skip
+    r = client.responses.create(model=MODEL, input=history, tools=RESPONSES_TOOLS)
+    assert prompt_of(srv) == (
+        "[tools:get_weather;]<|user|>weather?\n<|assistant|>{call get_weather city=Rome}\n"
+        "<|tool|>sunny(for call_1)\n<|user|>and Paris?\n<|assistant|>"
+    )
+    kinds = [item.type for item in r.output]
+    assert kinds == ["reasoning", "message", "function_call"]
+    call = r.output[-1]
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris", "days": 2}  # type: ignore[union-attr]
+    assert r.output_text == "Let me look.\n" and r.tools[0].name == "get_weather"  # type: ignore[union-attr]
+    events = list(client.responses.create(model=MODEL, input="w?", tools=RESPONSES_TOOLS, stream=True))
+    args = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(args) == 1 and json.loads(args[0].arguments)["city"] == "Paris"  # type: ignore[union-attr]
+    final = events[-1].response  # type: ignore[union-attr]
+    assert [i.type for i in final.output] == ["reasoning", "message", "function_call"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_responses_forced_tool_choice(make_server: ServerFactory) -> None:
+    """tool_choice required / named constrain the output (structured output) and need
+    no parser flags; the answer has the calls and no empty message."""
+    call = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]'
+    srv = make_server(FakeEngineClient(FakeTokenizer(TOOL_TEMPLATE), script=call))
+    client = client_for(srv)
+    r = client.responses.create(
+        model=MODEL, input="w?", tools=RESPONSES_TOOLS, tool_choice="required"
+    )
+    assert [i.type for i in r.output] == ["function_call"]
+    assert json.loads(r.output[0].arguments) == {"city": "Oslo"}  # type: ignore[union-attr]
+    engine = srv.app.state.pdserve.engine
+    spec = list(engine.requests.values())[-1][1].structured_outputs
+    assert spec is not None and "get_weather" in (spec.json or "")
+    named = {"type": "function", "name": "get_weather"}
+    with httpx.Client(base_url=srv.url, timeout=10) as c:
+        bad = c.post("/v1/responses", json={"input": "w", "tools": RESPONSES_TOOLS,
+                                            "tool_choice": {"type": "file_search"}})  # fmt: skip
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "tool_choice"
+        ok = c.post("/v1/responses", json={"input": "w", "tools": RESPONSES_TOOLS,
+                                           "tool_choice": named})  # fmt: skip
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["output"][0]["name"] == "get_weather"

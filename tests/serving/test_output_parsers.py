@@ -227,3 +227,48 @@ def test_server_parser_settings() -> None:
     assert (args.tool_call_parser, args.reasoning_parser) == ("glm47", "glm45")
     assert args.enable_auto_tool_choice and args.disable_uvicorn_access_log
     assert args.metrics_vllm_aliases
+
+
+def test_forced_required_calls_that_do_not_parse_are_content() -> None:
+    """tool_choice "required": a whole array of calls becomes calls; text that is not
+    one (cut by max_tokens) reaches the client as content, whole and streamed."""
+    from pdserve.serving.api.chat_output import ForcedToolCalls
+
+    good = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]'
+    msg = ForcedToolCalls(None).whole(good)
+    assert msg.content is None and [c.function.name for c in msg.tool_calls] == ["get_weather"]
+    assert json.loads(msg.tool_calls[0].function.arguments) == {"city": "Oslo"}
+    for cut in (good[:30], "[]x", '[{"nam": 1}]', "7"):
+        msg = ForcedToolCalls(None).whole(cut)
+        assert msg.tool_calls == [] and msg.content == cut
+        p = ForcedToolCalls(None)
+        streamed = p.feed(cut[:3]) + p.feed(cut[3:], last=True)
+        assert "".join(d.content or "" for d in streamed) == cut and not p.calls
+        assert p.finish_reason("length") == "length"
+    # a named call cut short keeps its text as the call's arguments
+    named = ForcedToolCalls("get_weather")
+    assert named.whole('{"city": "Os').tool_calls[0].function.arguments == '{"city": "Os'
+
+
+@pytest.mark.parametrize(
+    ("argv", "reason"),
+    [
+        (["--all2all-backend", "deepep_low_latency"], "own dispatchers"),
+        (["--fingerprint-mode", "none"], "system_fingerprint"),
+        (["--trust-remote-code"], "no code from model folders"),
+    ],
+)
+def test_vllm_flags_refused_with_a_reason(
+    argv: list[str], reason: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import argparse
+
+    from pdserve.serving.api.cli import add_cli_args
+
+    p = argparse.ArgumentParser()
+    add_cli_args(p)
+    with pytest.raises(SystemExit):
+        p.parse_args(["m", *argv])
+    err = capsys.readouterr().err
+    assert f"{argv[0]} is not supported by pdserve" in err and reason in err
+

@@ -38,8 +38,10 @@ def test_prompt_forms() -> None:
     assert CompletionRequest(prompt=[1, 2]).single_prompt() == [1, 2]
     assert CompletionRequest(prompt=["hi"]).single_prompt() == "hi"
     assert CompletionRequest(prompt=[[3, 4]]).single_prompt() == [3, 4]
-    with pytest.raises(ValidationError, match="batched"):
-        CompletionRequest(prompt=["a", "b"])
+    assert CompletionRequest(prompt=["a", "b"]).prompts() == ["a", "b"]
+    assert CompletionRequest(prompt=[[1], [2, 3]]).prompts() == [[1], [2, 3]]
+    with pytest.raises(ValidationError, match="empty"):
+        CompletionRequest(prompt=["a", ""])
     with pytest.raises(ValidationError, match="empty"):
         CompletionRequest(prompt=[])
 

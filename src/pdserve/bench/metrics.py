@@ -14,6 +14,13 @@
 * ``max_output_tokens_per_s``: token chunks (first chunk + one per ITL gap) binned
   into 1-s buckets counted from the earliest successful start; the busiest bucket.
 * ``max_concurrent_requests``: exact sweep over half-open ``[start, start+latency)``.
+* ``offered_request_rate`` / ``achieved_request_rate`` (:func:`sustained_rates`, runs
+  at a finite request rate): the rate at which the run's successful requests arrived
+  and the rate at which they completed, each over the middle 80% of its events (the
+  10th to the 90th percentile arrival, and completion; a least-squares fit of event time
+  against event number). A server that keeps up
+  completes requests as fast as they arrive; one that cannot builds a queue and
+  completes them at its own pace, so the achieved rate falls below the offered one.
 """
 
 from __future__ import annotations
@@ -201,3 +208,26 @@ def calculate_metrics(
         stats=stats,
     )
     return metrics, out_lens
+
+
+def sustained_rates(
+    outputs: Sequence[RequestOutput], request_rate: float
+) -> dict[str, float | None]:
+    """``offered_request_rate`` and ``achieved_request_rate`` in req/s (see the module
+    doc); None for a run without a finite request rate or with under 10 successes."""
+    ok = [o for o in outputs if o.success]
+    none: dict[str, float | None] = {"offered_request_rate": None, "achieved_request_rate": None}
+    if math.isinf(request_rate) or len(ok) < 10:
+        return none
+    lo, hi = round(0.1 * (len(ok) - 1)), round(0.9 * (len(ok) - 1)) + 1
+    k = np.arange(lo, hi, dtype=np.float64)
+    rates = []
+    for times in ([o.start_time - o.client_queue_time for o in ok],
+                  [o.start_time + o.latency for o in ok]):  # fmt: skip
+        # seconds per event: the least-squares slope of the k-th time against k, which
+        # averages out the latency noise two single events would carry
+        slope = float(np.polyfit(k, np.sort(times)[lo:hi], 1)[0])
+        if not slope > 0:
+            return none
+        rates.append(1.0 / slope)
+    return {"offered_request_rate": rates[0], "achieved_request_rate": rates[1]}

@@ -41,7 +41,12 @@ from pdserve.bench.datasets import (
 )
 from pdserve.bench.endpoint import get_first_model, wait_until_ready
 from pdserve.bench.errors import BenchError
-from pdserve.bench.metrics import GOODPUT_METRICS, PERCENTILE_METRICS, calculate_metrics
+from pdserve.bench.metrics import (
+    GOODPUT_METRICS,
+    PERCENTILE_METRICS,
+    calculate_metrics,
+    sustained_rates,
+)
 from pdserve.bench.report import (
     build_result,
     default_result_filename,
@@ -354,22 +359,9 @@ def _check_args(args: argparse.Namespace) -> None:
         raise BenchError("--request-rate and --burstiness must be > 0")
 
 
-def _redacted(args: argparse.Namespace) -> str:
-    """The run's settings as one ``key=value`` line: the API key masked, the CLI's
-    dispatch fields (functions, sub-command names) left out."""
-    shown = []
-    for key, value in sorted(vars(args).items()):
-        if callable(value) or key in ("command", "bench_cmd", "func"):
-            continue
-        if key == "api_key" and value:
-            value = "***"
-        shown.append(f"{key}={value!r}")
-    return "bench serve: " + " ".join(shown)
-
-
 async def benchmark_from_args(args: argparse.Namespace, freeze_gc: bool = False) -> dict[str, Any]:
-    """Run one benchmark described by parsed flags; print the summary; return the result dict."""
-    print(_redacted(args), flush=True)
+    """Run one benchmark described by parsed flags; print the summary; return the result dict.
+    (The flags themselves are not printed: the result file records the settings.)"""
     _check_args(args)
     selected_metrics = parse_percentile_metrics(args.percentile_metrics)
     percentiles = parse_metric_percentiles(args.metric_percentiles)
@@ -491,6 +483,7 @@ async def benchmark_from_args(args: argparse.Namespace, freeze_gc: bool = False)
         detailed=bool(args.save_detailed),
     )
     result.update(cache)
+    result.update(sustained_rates(outcome.outputs, spec.request_rate))
     if args.save_result:
         name = default_result_filename(
             args.label, args.backend, spec.request_rate, args.max_concurrency, model_id, date

@@ -13,8 +13,12 @@ with ``--num-warmups`` warm-up requests (default 8 here) and a fresh seed, so th
 of one point never hit the prefix cache of an earlier one. ``--search rate`` varies the
 Poisson request rate (``--burstiness`` and ``--max-concurrency`` still apply);
 ``--search concurrency`` varies ``--max-concurrency`` (``--request-rate``, default inf,
-still applies). A point passes when no request failed and the chosen statistic of TTFT
-and of TPOT is within the SLA; the search (``sla_search``) doubles from ``--start`` to
+still applies). A point passes when no request failed, the chosen statistic of TTFT
+and of TPOT is within the SLA and (at a finite rate) the server completed requests at
+no less than 95% of the rate they arrived at (``achieved_request_rate`` against
+``offered_request_rate``, :func:`pdserve.bench.metrics.sustained_rates`): a server that
+falls behind builds a queue, which a short run may not show in its latencies yet. The
+default sample, 200 prompts a point, is large enough for that queue to show; the search (``sla_search``) doubles from ``--start`` to
 bracket the capacity and bisects to ``--tolerance`` (relative).
 
 Output: ``sla-<search>-<date>.json`` in ``--result-dir`` (or ``--result-filename``) with
@@ -52,6 +56,7 @@ _SUMMARY_KEYS = (
     "total_input_tokens", "total_output_tokens", "request_throughput", "request_goodput",
     "output_throughput", "total_token_throughput", "max_concurrent_requests",
     "prefix_cache_hit_rate", "prefix_cache_hits", "prefix_cache_queries",
+    "offered_request_rate", "achieved_request_rate",
 )  # fmt: skip
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SLA_METRICS = ("mean", "p50", "p90", "p99")
+MIN_ACHIEVED = 0.95  # a point fails below this fraction of the offered request rate
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,9 @@ class SLA:
         return f"{self.metric}_{name}_ms"
 
     def check(self, result: dict[str, Any]) -> tuple[bool, str]:
-        """``(passed, why)`` for one ``bench serve`` result; any failed request fails it."""
+        """``(passed, why)`` for one ``bench serve`` result; any failed request fails it,
+        and so does a server that completed requests at under :data:`MIN_ACHIEVED` of
+        the rate they arrived at (it did not keep up: its queue grew all run long)."""
         if not result.get("completed"):
             return False, "no request succeeded"
         if result.get("failed"):
@@ -45,6 +48,12 @@ class SLA:
         ttft = _num(result.get(self.key("ttft")))
         tpot = _num(result.get(self.key("tpot")))
         reasons = []
+        offered, achieved = result.get("offered_request_rate"), result.get("achieved_request_rate")
+        if offered and achieved is not None and achieved < MIN_ACHIEVED * offered:
+            reasons.append(
+                f"achieved {achieved:.2f} req/s < {MIN_ACHIEVED:.0%} of the offered "
+                f"{offered:.2f} req/s"
+            )
         if ttft > self.ttft_ms:
             reasons.append(f"{self.metric} TTFT {ttft:.1f} ms > {self.ttft_ms:g}")
         if tpot > self.tpot_ms:

@@ -54,9 +54,15 @@ class KVTransferConfig:
 
     def __post_init__(self) -> None:
         if self.kv_connector not in CONNECTORS:
+            hint = ""
+            if self.kv_connector == "NixlConnector":  # vLLM's: the same transfer here
+                hint = (
+                    '; for NIXL transfers use "kv_connector": "PdConnector" with '
+                    '"kv_connector_extra_config": {"transport": "nixl"}'
+                )
             raise ValueError(
                 f"--kv-transfer-config: kv_connector {self.kv_connector!r} is not supported "
-                f"(supported: {', '.join(CONNECTORS)})"
+                f"(supported: {', '.join(CONNECTORS)}){hint}"
             )
         if self.kv_role not in KV_ROLES:
             raise ValueError(f"--kv-transfer-config: kv_role must be one of {', '.join(KV_ROLES)}")

@@ -63,7 +63,7 @@ class EngineReady(msgspec.Struct, tag="ready"):
     block_size: int
     device: str
     startup_seconds: float
-    speculative: bool = False  # penalties are refused with speculative decoding
+    speculative: bool = False  # bad_words are refused with speculative decoding
     priority_scheduling: bool = False  # --scheduling-policy priority: requests may set one
     dp_rank: int = 0
     lockstep: bool = False  # expert parallelism: the client sends Wake messages

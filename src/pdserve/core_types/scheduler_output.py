@@ -67,8 +67,9 @@ class SchedulerOutput:
     # requests whose step reaches the end of their known tokens: they sample
     sampling_req_ids: set[str] = field(default_factory=set)
     kv_connector_metadata: KVConnectorMetadata | None = None
-    # structured output: one int32 bitmask row (ceil(vocab / 32) words, bit set = allowed)
-    # per request of ``structured_req_ids``, each of which samples this step
+    # structured output: int32 bitmask rows (ceil(vocab / 32) words, bit set = allowed),
+    # 1 + its drafts per request of ``structured_req_ids`` (each of which samples this
+    # step), one per logits row it samples from: row j follows its first j drafts
     structured_req_ids: list[str] = field(default_factory=list)
     grammar_bitmask: np.ndarray | None = None
     # bad_words: token ids banned at the sampled row of these requests this step

@@ -125,6 +125,13 @@ class Request:
         word of several tokens."""
         return self.grammar is not None or any(len(s) > 1 for s in self.bad_words)
 
+    def verified_drafts(self, scheduled: list[int]) -> list[int]:
+        """The drafts a verify of ``scheduled`` checks, as the host knows them: a ``-1``
+        placeholder stands for what the device filled in, the latest landed proposal
+        (``spec_token_ids``; -1 where the drafter found none)."""
+        known = self.spec_token_ids
+        return [d if d >= 0 or j >= len(known) else known[j] for j, d in enumerate(scheduled)]
+
     def bad_word_bans(self) -> list[int]:
         """Token ids banned next: each bad word's last token where the output ends with
         the rest of the word."""

@@ -287,7 +287,8 @@ class Scheduler:
                 self.stats.spec_num_padded_steps += 1
                 n += len(pad)
             self.waiting.popleft()
-            self.kv.record_lookup(req.num_tokens, num_hit)
+            if req.request_id not in self._remote_tokens:  # a pulled prompt's was, parked
+                self.kv.record_lookup(req.num_tokens, num_hit)
             if req.num_cached_tokens < 0:  # first admission: account the prompt's sources
                 req.num_cached_tokens = num_hit
                 local_hit, external = self._remote_tokens.pop(req.request_id, (num_hit, 0))
@@ -357,8 +358,14 @@ class Scheduler:
         if so.structured_req_ids:
             if self._bitmask is None:
                 self._bitmask = BitmaskFiller(self.vocab_size)
+            spec = so.scheduled_spec_decode_tokens  # a verify: a row per position
+            drafts = [
+                r.verified_drafts(spec.get(rid, [])) if r else list(spec.get(rid, []))
+                for r, rid in zip(live, so.structured_req_ids, strict=True)
+            ]
             so.grammar_bitmask = self._bitmask.fill(
-                [r.grammar if r is not None and not r.is_finished else None for r in live]
+                [r.grammar if r is not None and not r.is_finished else None for r in live],
+                drafts if spec else None,
             )
         sampling = [
             self.requests.get(r) for r in so.num_scheduled_tokens if r in so.sampling_req_ids
@@ -493,7 +500,7 @@ class Scheduler:
                 if status is not None:
                     break
             if req.grammar is not None and status != RequestStatus.FINISHED_ERROR:
-                status = self._advance_grammar(req, new[:taken], status)
+                status, taken = self._advance_grammar(req, new[:taken], status)
             if counted:  # drafts accepted past a stop or max_tokens were of no use
                 self._count_spec(real, taken - 1)
             lp = None
@@ -524,15 +531,8 @@ class Scheduler:
 
     @staticmethod
     def _num_real_drafts(req: Request, sched: SchedulerOutput, rid: str) -> int:
-        """Drafts a verify actually had: the scheduled ids, where a placeholder stands for
-        the proposal that filled it on the device (the request's latest landed drafts, -1
-        where the drafter found none)."""
-        known = req.spec_token_ids
-        return sum(
-            1
-            for j, d in enumerate(sched.scheduled_spec_decode_tokens[rid])
-            if d >= 0 or (j < len(known) and known[j] >= 0)
-        )
+        """Drafts a verify actually had (placeholders as the device filled them)."""
+        return sum(d >= 0 for d in req.verified_drafts(sched.scheduled_spec_decode_tokens[rid]))
 
     def _count_spec(self, num_drafts: int, num_accepted: int) -> None:
         if num_drafts <= 0:
@@ -557,21 +557,22 @@ class Scheduler:
     @staticmethod
     def _advance_grammar(
         req: Request, tokens: list[int], status: RequestStatus | None
-    ) -> RequestStatus | None:
+    ) -> tuple[RequestStatus | None, int]:
         """Feed the accepted tokens to the request's matcher: it stops once the grammar
-        terminates; a token the grammar refuses (only possible when every allowed token
-        was masked out, e.g. by min_tokens' bans) fails the request."""
-        g = req.grammar
-        assert g is not None
-        for tok in tokens:
-            if g.terminated:
-                break  # a stop token ended the grammar; what follows is not fed
-            if not g.accept(tok):
-                req.error = f"token {tok} does not fit the request's structured output grammar"
-                return RequestStatus.FINISHED_ERROR
-        if status is None and g.terminated:
-            return RequestStatus.FINISHED_STOPPED
-        return status
+        terminates (tokens a verify accepted after that are dropped); a token the grammar
+        refuses (only possible when every allowed token was masked out, e.g. by
+        min_tokens' bans) fails the request. Returns (status, tokens kept)."""
+        assert req.grammar is not None
+        used, ok = req.grammar.accept_run(tokens)
+        del req.output_token_ids[len(req.output_token_ids) - len(tokens) + used :]
+        if not ok:
+            req.error = (
+                f"token {tokens[used - 1]} does not fit the request's structured output grammar"
+            )
+            return RequestStatus.FINISHED_ERROR, used
+        if status is None and req.grammar.terminated:
+            return RequestStatus.FINISHED_STOPPED, used
+        return status, used
 
     def _stop_status(self, req: Request, tok: int) -> RequestStatus | None:
         sp = req.sampling_params

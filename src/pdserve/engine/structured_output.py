@@ -27,8 +27,16 @@ work thus runs while the device computes the forward, as vLLM overlaps its gramm
 bitmask with the model forward. A request that finished on the landed token keeps an
 all-allowing row (its sample is dropped). Without async scheduling, or under tensor
 parallelism (every rank launches a whole step), the masks are filled when the step is
-scheduled, after the step before it has landed. Speculative decoding with structured
-output is refused at the edge (the input processor).
+scheduled, after the step before it has landed.
+
+Speculative decoding: a verify's request samples from one logits row per position, and
+each row gets its own bitmask row, the grammar's state after the drafts before it
+(:meth:`BitmaskFiller.fill` advances the matcher over the drafts and rolls it back; a
+placeholder draft is filled from the proposal that landed, ``Request.verified_drafts``).
+A draft the grammar forbids is masked out at its own row, so the rejection sampler
+rejects it and samples the row's masked distribution instead: the output is what the
+engine without speculation gives (the same tokens under greedy). The accepted tokens
+then advance the matcher as usual.
 
 xgrammar is imported on the first constrained request, so engines that never see one
 do not pay for it.
@@ -75,6 +83,30 @@ def _ebnf_literal(text: str) -> str:
     return '"' + "".join(out) + '"'
 
 
+# Characters of JSON strings as xgrammar's schema converter writes them: a plain string's
+# admits UTF-8-encoded surrogates (U+D800-U+DFFF, not valid UTF-8: they decode as
+# replacement characters), and a minLength / maxLength string's admits raw control
+# characters too (U+0000-U+001F, which RFC 8259 forbids inside strings and json.loads
+# rejects). Both are rewritten to exclude them.
+_STRING_CHARS = (r'[^\0-\x1f\"\\\r\n]', r'[^\"\\\r\n]')
+_JSON_CHAR = r'[^\0-\x1f\"\\\ud800-\udfff]'
+
+
+def _json_only(grammar: Any) -> Any:
+    """``grammar`` (converted from a JSON schema) with every string character rule
+    excluding control characters and surrogates: what it accepts then always parses with
+    a strict JSON parser, and a string's length is what the schema's validator counts."""
+    import xgrammar as xgr
+
+    text = str(grammar)
+    fixed = text
+    for chars in _STRING_CHARS:
+        fixed = fixed.replace(chars, _JSON_CHAR)
+    if fixed == text:
+        return grammar
+    return xgr.Grammar.from_ebnf(fixed)
+
+
 def build_grammar(spec: StructuredOutputsParams) -> Any:
     """The ``xgrammar.Grammar`` of ``spec`` (no tokenizer needed). Raises ``ValueError``
     with xgrammar's reason when the schema, regex or grammar is invalid."""
@@ -82,11 +114,10 @@ def build_grammar(spec: StructuredOutputsParams) -> Any:
 
     kind = spec.kind
     try:
-        if kind == "json":
-            assert spec.json is not None
-            return xgr.Grammar.from_json_schema(spec.json, any_whitespace=False)
-        if kind == "json_object":
-            return xgr.Grammar.from_json_schema(_JSON_OBJECT_SCHEMA, any_whitespace=False)
+        if kind in ("json", "json_object"):
+            schema = spec.json if kind == "json" else _JSON_OBJECT_SCHEMA
+            assert schema is not None
+            return _json_only(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
         if kind == "regex":
             assert spec.regex is not None
             return xgr.Grammar.from_regex(spec.regex)
@@ -133,6 +164,17 @@ class RequestGrammar:
     @property
     def terminated(self) -> bool:
         return bool(self.matcher.is_terminated())
+
+    def accept_run(self, tokens: list[int]) -> tuple[int, bool]:
+        """Advance over a step's accepted tokens (several after a speculative verify):
+        (how many belong to the output, False when the grammar refused one). Tokens
+        after the one that terminated the grammar are not fed and do not belong."""
+        for n, tok in enumerate(tokens):
+            if self.terminated:
+                return n, True
+            if not self.accept(tok):
+                return n + 1, False
+        return len(tokens), True
 
 
 class StructuredOutputManager:
@@ -217,8 +259,50 @@ class BitmaskFiller:
         self.words = (vocab_size + 31) // 32
         self._batch = xgr.BatchGrammarMatcher()
 
-    def fill(self, grammars: list[RequestGrammar | None]) -> np.ndarray:
-        """One row per grammar; a None row allows every token."""
+    def fill(
+        self,
+        grammars: list[RequestGrammar | None],
+        drafts: list[list[int]] | None = None,
+    ) -> np.ndarray:
+        """One row per grammar; a None row allows every token. With ``drafts`` (a
+        speculative verify) grammar ``i`` has ``1 + len(drafts[i])`` consecutive rows:
+        row ``j`` allows what may follow ``drafts[i][:j]`` (the matcher is advanced over
+        the drafts for the fill, one position of every request per batched call, then
+        rolled back). Past a draft the grammar refuses (or a placeholder ``-1``, or the
+        end of the grammar) the rows allow everything: the rejection sampler never
+        reaches them, since the draft before them is masked out at its own row."""
+        if drafts is None or not any(drafts):
+            return self._fill_rows(grammars)
+        import torch
+
+        counts = [1 + len(d) for d in drafts]
+        start = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        out = np.full((int(sum(counts)), self.words), -1, np.int32)
+        view = torch.from_numpy(out)
+        live = [i for i, g in enumerate(grammars) if g is not None]
+        advanced = dict.fromkeys(live, 0)
+        for j in range(max(counts)):
+            live = [i for i in live if j < counts[i]]
+            if not live:
+                break
+            matchers = [grammars[i].matcher for i in live]  # type: ignore[union-attr]
+            self._batch.batch_fill_next_token_bitmask(
+                matchers, view, [int(start[i]) + j for i in live]
+            )
+            still = []
+            for i, m in zip(live, matchers, strict=True):
+                tok = drafts[i][j] if j < len(drafts[i]) else -1
+                if tok >= 0 and not m.is_terminated() and m.accept_token(tok):
+                    advanced[i] += 1
+                    if not m.is_terminated():
+                        still.append(i)
+            live = still
+        for i, n in advanced.items():
+            if n:
+                grammars[i].matcher.rollback(n)  # type: ignore[union-attr]
+        return out
+
+    def _fill_rows(self, grammars: list[RequestGrammar | None]) -> np.ndarray:
         import torch
 
         rows = [i for i, g in enumerate(grammars) if g is not None]

@@ -33,6 +33,7 @@ process is a daemonic multiprocessing child, which may not have children of its 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -208,6 +209,9 @@ class TPLeader:
         except BaseException:
             self.shutdown()
             raise
+        # an owner that never shuts it down (an LLM left to the interpreter's exit): the
+        # followers still leave on the shutdown broadcast, not on a broken connection
+        atexit.register(self.shutdown)
 
     def _spawn(self, config: EngineConfig, rank: int, init_file: str) -> subprocess.Popen[bytes]:
         spec = FollowerSpec(
@@ -314,6 +318,7 @@ class TPLeader:
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self.shutdown)
         healthy = self.serving and not self._broken and self._death() is None
         if healthy:
             try:

@@ -44,6 +44,11 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
 
+    def shutdown(self) -> None:
+        """Stop the engine's helpers (tensor-parallel followers, KV transfer, grammar
+        compilation); the object cannot generate afterwards. Idempotent."""
+        self.engine.shutdown()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

@@ -152,8 +152,6 @@ class InputProcessor:
                 "the prompt's KV comes from a prefill instance, so this instance never "
                 "computes the prompt's logits"
             )
-        if self.speculative and params.has_penalties:
-            raise ValueError("penalties with speculative decoding are not supported yet")
         if params.priority != 0 and not self.priority_scheduling:
             raise ValueError(
                 f"priority={params.priority} needs a server started with "
@@ -163,12 +161,6 @@ class InputProcessor:
             if self.speculative:
                 raise ValueError("bad_words with speculative decoding are not supported yet")
             params.bad_words_token_ids = self.bad_word_sequences(params.bad_words)
-        if self.speculative and params.structured_outputs is not None:
-            raise ValueError(
-                "structured output (response_format, structured_outputs, guided_*, "
-                "tool_choice required or named) is not supported on an engine with "
-                "speculative decoding"
-            )
         room = self.max_model_len - len(ids)
         if params.max_tokens is not None and params.max_tokens > room:
             raise ValueError(

@@ -14,6 +14,18 @@ import torch
 from pdserve.layers.attention import CommonAttentionMetadata
 
 
+def upload(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``a`` on ``device`` without making the host wait for the stream. A copy from
+    pageable memory is staged by the driver and can wait for the work already queued
+    (the step in flight, or a forward launched before deferred masks), which would undo
+    async scheduling; from pinned memory it is a queued DMA (torch's caching host
+    allocator keeps the pinned block until the copy has run)."""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 class BufferPair:
     """A host tensor and its device twin of the same shape."""
 

@@ -19,21 +19,10 @@ import torch
 from pdserve.core_types.scheduler_output import SchedulerOutput
 from pdserve.core_types.utils import cdiv
 from pdserve.layers.attention import CommonAttentionMetadata
-from pdserve.layers.sampler import Penalties, SamplingMetadata
+from pdserve.layers.sampler import SamplingMetadata
 from pdserve.runner.input_batch import InputBatch
-from pdserve.runner.input_buffers import InputBuffers
-
-
-def upload(a: np.ndarray, device: torch.device) -> torch.Tensor:
-    """``a`` on ``device`` without making the host wait for the stream. A copy from
-    pageable memory is staged by the driver and can wait for the work already queued
-    (the step in flight, or a forward launched before deferred masks), which would undo
-    async scheduling; from pinned memory it is a queued DMA (torch's caching host
-    allocator keeps the pinned block until the copy has run)."""
-    t = torch.from_numpy(np.ascontiguousarray(a))
-    if device.type == "cuda":
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
+from pdserve.runner.input_buffers import InputBuffers, upload
+from pdserve.runner.penalty_counts import penalties
 
 
 @dataclass
@@ -235,6 +224,7 @@ class StepPreparer:
                 so,
                 req_ids,
                 last_rows,
+                ndraft,
             ),
             b.row_gen[rows].copy(),
             last_rows,
@@ -243,13 +233,21 @@ class StepPreparer:
     def apply_masks(self, inp: StepInputs, so: SchedulerOutput) -> None:
         """Add the bitmask and bans filled after the step was prepared (``so`` with
         ``masks_deferred``) to its sampling metadata."""
-        inp.sampling = self._with_grammar(inp.sampling, so, inp.req_ids, inp.last_rows)
+        inp.sampling = self._with_grammar(
+            inp.sampling, so, inp.req_ids, inp.last_rows, inp.num_drafts
+        )
 
     def _with_grammar(
-        self, md: SamplingMetadata, so: SchedulerOutput, req_ids: list[str], last_row: np.ndarray
+        self,
+        md: SamplingMetadata,
+        so: SchedulerOutput,
+        req_ids: list[str],
+        last_row: np.ndarray,
+        num_drafts: np.ndarray,
     ) -> SamplingMetadata:
-        """``md`` with the step's structured-output bitmask and bad-word bans on the
-        sampled row (each request's last logits row) of the requests they apply to."""
+        """``md`` with the step's structured-output bitmask on the logits rows of the
+        requests it applies to (a verify's every position) and bad-word bans on their
+        sampled row (each request's last logits row)."""
         if so.grammar_bitmask is None and not so.bad_word_bans:
             return md
         index = {rid: i for i, rid in enumerate(req_ids)}
@@ -265,7 +263,11 @@ class StepPreparer:
             md.banned = extra
         if so.grammar_bitmask is None:
             return md
-        lrows = np.array([last_row[index[r]] for r in so.structured_req_ids], dtype=np.int64)
+        # a verify's request has a row per position: row_start .. its last row
+        at = [index[r] for r in so.structured_req_ids]
+        lrows = np.concatenate(
+            [np.arange(last_row[i] - num_drafts[i], last_row[i] + 1) for i in at]
+        ).astype(np.int64)
         md.grammar = (upload(lrows, self.device), upload(so.grammar_bitmask, self.device))
         return md
 
@@ -466,65 +468,9 @@ class StepPreparer:
             num_top_logprobs=num_top,
             bias=self._bias(rrows),
             allowed=self._allowed(rrows),
-            penalties=self._penalties(rrows, params, lreq, nsched, ndraft),
-        )
-
-    def _penalties(
-        self,
-        rrows: np.ndarray,
-        params: list,
-        lreq: np.ndarray,
-        nsched: np.ndarray,
-        ndraft: np.ndarray,
-    ) -> Penalties | None:
-        """Output-token counts and prompt-token marks [P, V] of the rows with penalties.
-        A row's outputs are those before its sample; the host knows them up to
-        ``num_tokens``, and under async scheduling the one the step in flight samples is
-        read on the device from this step's (patched) input ids."""
-        b, dev = self.batch, self.device
-        sel = np.flatnonzero(b.has_penalties[rrows])
-        if not len(sel):
-            return None
-        prow, req = rrows[sel], lreq[sel]
-        computed, plen = b.num_computed[prow], b.num_prompt_tokens[prow]
-        upto = computed + nsched[req] - ndraft[req]  # the sampled token's position
-        host_end = np.maximum(np.minimum(b.num_tokens[prow], upto), plen)
-        k = np.arange(len(sel))
-        out_ids = np.concatenate(
-            [b.token_ids[r, p:e] for r, p, e in zip(prow, plen, host_end, strict=True)]
-        ).astype(np.int64)
-        prompt_ids = np.concatenate(
-            [b.token_ids[r, :p] for r, p in zip(prow, plen, strict=True)]
-        ).astype(np.int64)
-
-        shape = (len(sel), self.vocab_size)
-        counts = torch.zeros(shape, dtype=torch.float32, device=dev)
-        out_rows = upload(np.repeat(k, host_end - plen), dev)
-        counts.index_put_(
-            (out_rows, upload(out_ids, dev)), torch.ones(len(out_ids), device=dev), accumulate=True
-        )
-        miss = np.maximum(upto - np.maximum(host_end, computed), 0)
-        if miss.any():
-            cu = np.cumsum(nsched) - nsched
-            first = cu[req] + np.maximum(host_end, computed) - computed
-            off = np.arange(int(miss.sum())) - np.repeat(np.cumsum(miss) - miss, miss)
-            flat = np.repeat(first, miss) + off
-            toks = self.buf.input_ids.dev.index_select(0, upload(flat, dev)).to(torch.int64)
-            counts.index_put_(
-                (upload(np.repeat(k, miss), dev), toks),
-                torch.ones(len(flat), device=dev),
-                accumulate=True,
-            )
-        prompt = torch.zeros(shape, dtype=torch.bool, device=dev)
-        prompt[upload(np.repeat(k, plen), dev), upload(prompt_ids, dev)] = True
-        ps = [params[i] for i in sel]
-        return Penalties(
-            upload(sel, dev),
-            counts,
-            prompt,
-            upload(np.array([p.presence_penalty for p in ps], dtype=np.float32), dev),
-            upload(np.array([p.frequency_penalty for p in ps], dtype=np.float32), dev),
-            upload(np.array([p.repetition_penalty for p in ps], dtype=np.float32), dev),
+            penalties=penalties(
+                self.batch, self.buf, self.in_flight, rrows, params, lreq, nsched, ndraft, offset
+            ),
         )
 
     def _bias(self, rrows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

@@ -18,8 +18,8 @@ The OpenAI/vLLM surface in one place (details in the modules named):
   (:class:`.chat_output.ForcedToolCalls`; ``strict`` functions only with those);
 * structured output (:mod:`.protocol_structured`, engine side in
   :mod:`pdserve.engine.structured_output`): ``response_format`` ``json_object`` /
-  ``json_schema``, ``structured_outputs`` and the ``guided_*`` aliases, through xgrammar;
-  refused on an engine with speculative decoding;
+  ``json_schema``, ``structured_outputs`` and the ``guided_*`` aliases, through xgrammar
+  (with speculative decoding too: each verified position has its own mask);
 * vLLM request extras (:mod:`.protocol`): ``truncate_prompt_tokens`` (implemented),
   ``priority`` (any value with ``--scheduling-policy priority``, else 0 only), ``cache_salt`` and ``spaces_between_special_tokens`` (accepted,
   no effect: see the protocol docstring for why);

@@ -42,6 +42,7 @@ from pdserve.serving.api.chat import chat_size, create_chat_completion, render_a
 from pdserve.serving.api.chat_output import OutputParsing
 from pdserve.serving.api.chat_template import ChatTemplates
 from pdserve.serving.api.completions import create_completion
+from pdserve.serving.api.completions_batch import create_batched_completion
 from pdserve.serving.api.errors import APIError, install_exception_handlers
 from pdserve.serving.api.field_limits import LimitedRoute
 from pdserve.serving.api.generate import check_token_ids, token_strings
@@ -184,13 +185,15 @@ def _add_routes(app: FastAPI, ctx: ServingContext, health_timeout: float) -> Non
 
     @app.post("/v1/completions", responses={**_PD_ERRORS, 200: _JSON_OR_SSE})
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        if len(body.prompts()) > 1:
+            return await create_batched_completion(ctx, body, request)
         return await create_completion(ctx, body, request)
 
     @app.post("/v1/chat/completions", responses={**_PD_ERRORS, 200: _JSON_OR_SSE})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(ctx, body, request)
 
-    @app.post("/v1/responses", responses={**_ERRORS, 200: _JSON_OR_SSE})
+    @app.post("/v1/responses", responses={**_PD_ERRORS, 200: _JSON_OR_SSE})
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         return await create_response(ctx, body, request)
 

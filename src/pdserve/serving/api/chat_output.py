@@ -188,13 +188,16 @@ class ForcedToolCalls(ChatOutputParser):
     Streaming: a named call sends its id and name with the first text and then the
     arguments as they come; required calls are sent when the output is complete (one
     name delta and one arguments delta per call). The finish reason is ``tool_calls``
-    for required calls and ``stop`` for a named one (as OpenAI answers)."""
+    for required calls and ``stop`` for a named one (as OpenAI answers). Required calls
+    whose text does not parse as calls (cut by ``max_tokens``) come back as content,
+    as vLLM returns them, and a named call cut short keeps its partial arguments."""
 
     def __init__(self, named: str | None) -> None:
         super().__init__(None, None)
         self.named = named
         self._text: list[str] = []
         self._sent_name = False
+        self.content = ""  # required calls' text when it does not parse as calls
 
     @property
     def active(self) -> bool:
@@ -205,20 +208,23 @@ class ForcedToolCalls(ChatOutputParser):
             return "tool_calls"
         return engine_reason
 
-    def _parse_required(self, text: str) -> list[ToolCall]:
+    @staticmethod
+    def _parse_required(text: str) -> list[ToolCall] | None:
+        """The calls of a whole output; None when it is not a complete array of calls
+        (cut short by max_tokens, or the client's schema let something else through)."""
         try:
-            items = json.loads(text)
-        except ValueError:
-            return []  # cut short (max_tokens): no complete calls
-        return [
-            ToolCall(
-                id=_call_id(),
-                function=FunctionCall(
-                    name=item["name"], arguments=json.dumps(item["parameters"], ensure_ascii=False)
-                ),
-            )
-            for item in items
-        ]
+            return [
+                ToolCall(
+                    id=_call_id(),
+                    function=FunctionCall(
+                        name=item["name"],
+                        arguments=json.dumps(item["parameters"], ensure_ascii=False),
+                    ),
+                )
+                for item in json.loads(text)
+            ]
+        except (ValueError, TypeError, KeyError):
+            return None
 
     def feed(self, text: str, *, last: bool = False) -> list[DeltaMessage]:
         if self.named is not None:
@@ -243,15 +249,20 @@ class ForcedToolCalls(ChatOutputParser):
         self._text.append(text)
         if not last:
             return []
+        whole = "".join(self._text)
+        calls = self._parse_required(whole)
+        if calls is None:  # not calls: the text reaches the client as content
+            self.content = whole
+            return [DeltaMessage(content=whole)] if whole else []
         deltas = []
-        for index, call in enumerate(self._parse_required("".join(self._text))):
+        for index, call in enumerate(calls):
             self.calls.append(call)
             deltas += _call_deltas(index, call)
         return deltas
 
     def whole(self, text: str) -> ChatMessage:
         self.feed(text, last=True)
-        return ChatMessage(content=None, tool_calls=list(self.calls))
+        return ChatMessage(content=self.content or None, tool_calls=list(self.calls))
 
 
 def _call_deltas(index: int, call: ToolCall) -> list[DeltaMessage]:

@@ -31,6 +31,13 @@ UNSUPPORTED_VLLM_FLAGS: dict[str, str] = {
     "--pipeline-parallel-size": "pipeline parallelism is not supported",
     "--tokenizer-mode": "pdserve always uses the fast tokenizer from tokenizer.json",
     "--trust-remote-code": "pdserve runs no code from model folders",
+    "--all2all-backend": (
+        "expert parallelism moves tokens with pdserve's own dispatchers (all-to-all in eager "
+        "steps, all-gather under CUDA graphs: pdserve.layers.moe_dispatch); there is no "
+        "backend to choose"
+    ),
+    "--fingerprint-mode": "answers carry no system_fingerprint (null), so it has no mode",
+    "--fingerprint-value": "answers carry no system_fingerprint (null), so it has no value",
 }
 
 

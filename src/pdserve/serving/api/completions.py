@@ -119,6 +119,13 @@ async def create_completion(
 ) -> Response:
     model = ctx.check_model(req.model)
     job = await prepare_completion(ctx, req, request)
+    return await answer_completion(ctx, req, request, job, model)
+
+
+async def answer_completion(
+    ctx: ServingContext, req: CompletionRequest, request: Request, job: EngineJob, model: str
+) -> Response:
+    """Run a prepared ``job`` and answer it (JSON, or SSE when ``req.stream``)."""
     response_id = f"cmpl-{job.request_id}"
     tokenizer = ctx.engine.tokenizer
     names = TokenNames(tokenizer)

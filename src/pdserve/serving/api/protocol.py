@@ -3,7 +3,7 @@
 Validation policy: a request is checked completely here, at the edge, and every
 rejection names the field. Fields pdserve does not implement are **rejected**, never
 silently ignored, when they would change the output (``best_of`` other than ``n``,
-``suffix``, batched prompts, ``priority`` other than 0 unless the server runs
+``suffix``, ``priority`` other than 0 unless the server runs
 ``--scheduling-policy priority``); unknown fields are rejected too (``extra="forbid"``).
 Fields that only carry bookkeeping (``user``, ``metadata``, ``store``, ``service_tier``)
 are accepted and ignored. ``parallel_tool_calls=false`` keeps the first parsed tool call
@@ -47,10 +47,9 @@ returns them by default. Chat ``top_logprobs`` > 0 needs ``logprobs=true``.
 ``logit_bias`` (token id -> bias in [-100, 100], added to the logits) and the vLLM extra
 ``allowed_token_ids`` (every other id masked out) are applied on the device, and so are
 ``presence_penalty`` / ``frequency_penalty`` (over the output tokens) and
-``repetition_penalty`` (over prompt and output tokens) with vLLM's definitions;
-penalties are refused (400) on an engine with speculative decoding, and so is the vLLM
-extra ``bad_words`` (each word is banned as vLLM bans it: its tokens as given and after
-a space; the last token of a sequence is masked where the output ends with the rest).
+``repetition_penalty`` (prompt and output) with vLLM's definitions; the vLLM extra
+``bad_words`` (banned as vLLM bans them: as given and after a space; a sequence's last
+token is masked where the output ends with the rest) is refused with speculation.
 
 ``kv_transfer_params`` stays a plain JSON object here: its signature is checked first
 (403 when it does not verify) and its fields are parsed after that
@@ -318,13 +317,11 @@ class _SamplingRequest(_CheckedRequest, StructuredFields):
 
 
 class CompletionRequest(_SamplingRequest):
-    """``POST /v1/completions``. ``prompt`` is one prompt: a string or a list of token ids
-    (a one-element batch is unwrapped; larger batches are rejected).
-
-    ``max_tokens`` defaults to 16 as in OpenAI; an explicit ``null`` means "up to the
-    context length" (``max_model_len - prompt_len``); 0 (with ``echo`` only) means
-    none: the engine samples one token that the answer leaves out.
-    """
+    """``POST /v1/completions``. ``prompt``: a string or token ids, or a list of them
+    (:mod:`.completions_batch`; a one-element list is unwrapped). ``max_tokens``
+    defaults to 16 as in OpenAI; ``null`` means "up to the context length"
+    (``max_model_len - prompt_len``); 0 (with ``echo`` only) means none: the engine
+    samples one token that the answer leaves out."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=0)
@@ -337,16 +334,12 @@ class CompletionRequest(_SamplingRequest):
     @model_validator(mode="after")
     def _check_completion(self) -> CompletionRequest:
         p = self.prompt
-        if isinstance(p, list) and p and not isinstance(p[0], int):
-            if len(p) > 1:
-                raise RequestError(
-                    f"batched prompts are not supported (got {len(p)} prompts); "
-                    "send one prompt per request",
-                    "prompt",
-                )
+        if isinstance(p, list) and len(p) == 1 and not isinstance(p[0], int):
             self.prompt = p[0]
-        if isinstance(self.prompt, list) and not self.prompt:
+        if any(isinstance(q, list | str) and not q for q in self.prompts()):
             raise RequestError("prompt must not be empty", "prompt")
+        if len(self.prompts()) > 1 and self.kv_transfer_params is not None:
+            raise RequestError("a list of prompts cannot carry kv_transfer_params", "prompt")
         if self.max_tokens == 0 and not self.echo:
             raise RequestError("max_tokens=0 needs echo=true (to score the prompt)", "max_tokens")
         if self.max_tokens == 0 and self.min_tokens:
@@ -360,6 +353,12 @@ class CompletionRequest(_SamplingRequest):
                 "best_of",
             )
         return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or a batch's."""
+        p = self.prompt
+        batch = isinstance(p, list) and p and not isinstance(p[0], int)
+        return list(p) if batch else [p]  # type: ignore[arg-type, list-item]
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request (valid only after validation)."""

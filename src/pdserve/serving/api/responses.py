@@ -7,13 +7,19 @@ template, length checks and sampling are the chat endpoint's. The answer is one
 runs a ``--reasoning-parser`` and the model reasoned) and one assistant ``message``
 item with one ``output_text`` part. ``status`` is ``completed``, or ``incomplete`` with
 ``incomplete_details.reason="max_output_tokens"`` when the length limit ended it, or
-``cancelled`` when the server aborted it (shutdown).
+``cancelled`` when the server aborted it (shutdown). With tools, each tool call parsed
+from the output (as on the chat endpoint) is a ``function_call`` item after them (the
+message item is left out when there is no text besides the calls); a P/D prefill
+leg's answer carries the engine's ``kv_transfer_params``.
 
 Streaming sends typed SSE events (``event: <type>`` and ``data: {"type": <type>, …}``,
 each with a ``sequence_number``): ``response.created``, ``response.in_progress``;
 per item ``response.output_item.added``, ``response.content_part.added``, the text
 deltas (``response.reasoning_text.delta`` / ``response.output_text.delta``), their
 ``….done``, ``response.content_part.done``, ``response.output_item.done``; then
+each function call as ``response.output_item.added``,
+``response.function_call_arguments.delta`` / ``….done`` and
+``response.output_item.done`` once the output is complete; then
 ``response.completed`` (or ``response.incomplete``) with the whole response. No
 ``[DONE]`` line (the Responses API has none). An engine failure after the status line
 is an ``error`` event.
@@ -38,6 +44,7 @@ from pdserve.serving.api.generate import (
     open_stream,
     run_to_completion,
 )
+from pdserve.serving.api.protocol_chat import ToolCall
 from pdserve.serving.api.protocol_responses import ResponsesRequest
 from pdserve.serving.api.state import ServingContext
 from pdserve.serving.api.streaming import SSEResponse, error_event
@@ -57,6 +64,8 @@ class _Answer:
         self.output_tokens = 0
         self.cached_tokens = 0
         self.finish_reason: str | None = None
+        self.calls: list[ToolCall] = []  # the tool calls parsed from the output
+        self.kv_transfer_params: dict[str, Any] | None = None  # a P/D prefill leg's
 
     def reasoning_item(self, status: str) -> dict[str, Any]:
         return {
@@ -79,6 +88,17 @@ class _Answer:
             "content": [self.text_part()],
         }
 
+    def call_item(self, i: int) -> dict[str, Any]:
+        call = self.calls[i]
+        return {
+            "type": "function_call",
+            "id": f"fc_{self.rid}_{i}",
+            "call_id": call.id,
+            "name": call.function.name,
+            "arguments": call.function.arguments,
+            "status": "completed",
+        }
+
     def status(self) -> str:
         if self.finish_reason is None:
             return "in_progress"
@@ -92,9 +112,13 @@ class _Answer:
         output = []
         if done and self.reasoning:
             output.append(self.reasoning_item("completed"))
-        if done:
+        if done and (self.content or not self.calls):
             output.append(self.message_item(status))
+        if done:
+            output += [self.call_item(i) for i in range(len(self.calls))]
         req = self.req
+        tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+        extra = {"kv_transfer_params": self.kv_transfer_params} if self.kv_transfer_params else {}
         return {
             "id": f"resp_{self.rid}",
             "object": "response",
@@ -109,14 +133,14 @@ class _Answer:
             "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens,
             "metadata": req.metadata or {},
-            "parallel_tool_calls": False,
+            "parallel_tool_calls": bool(tools) and req.parallel_tool_calls is not False,
             "previous_response_id": None,
             "reasoning": None,
             "store": False,
             "temperature": 1.0 if req.temperature is None else req.temperature,
             "text": {"format": {"type": "text"}},
-            "tool_choice": "none",
-            "tools": [],
+            "tool_choice": req.tool_choice or ("auto" if tools else "none"),
+            "tools": tools,
             "top_p": 1.0 if req.top_p is None else req.top_p,
             "truncation": "disabled",
             "user": req.user,
@@ -129,6 +153,7 @@ class _Answer:
             }
             if done
             else None,
+            **extra,
         }
 
 
@@ -157,6 +182,9 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, request: R
     if acc is None:
         return Response(status_code=CLIENT_CLOSED)
     answer.reasoning, answer.content = _split(parser, acc.text, True)
+    answer.calls = parser.calls
+    if acc.kv_transfer_params is not None:
+        answer.kv_transfer_params = acc.kv_transfer_params.to_dict()
     answer.output_tokens = len(acc.token_ids)
     answer.cached_tokens = acc.num_cached_tokens
     answer.finish_reason = acc.finish_reason
@@ -255,8 +283,30 @@ async def _events(
         return
     if answer.finish_reason is None:
         answer.finish_reason = "abort"
-    tail = open_item("message") if open_kind != "message" else []
-    for event in tail + close_item():
-        yield event
+    answer.calls = parser.calls
+    if open_kind != "message" and not answer.calls:  # an answer has a message or calls
+        for event in open_item("message"):
+            yield event
+    if open_kind is not None:
+        for event in close_item():
+            yield event
+    for i in range(len(answer.calls)):
+        for event in _call_events(ev, answer, i, index + 1 + i):
+            yield event
     final = "response.incomplete" if answer.status() == "incomplete" else "response.completed"
     yield ev(final, response=answer.body())
+
+
+def _call_events(ev: _Events, answer: _Answer, i: int, index: int) -> list[str]:
+    """One whole function call as stream events: the item, its arguments, the item done."""
+    item = answer.call_item(i)
+    args = item["arguments"]
+    return [
+        ev("response.output_item.added", output_index=index, item={**item, "arguments": "",
+           "status": "in_progress"}),
+        ev("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+           delta=args),
+        ev("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+           arguments=args),
+        ev("response.output_item.done", output_index=index, item=item),
+    ]  # fmt: skip

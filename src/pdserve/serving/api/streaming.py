@@ -164,6 +164,15 @@ class SSEResponse(StreamingResponse):
         self._events = events
         self._on_close = on_close
 
+    @property
+    def events(self) -> AsyncIterator[str]:
+        """The events it would send (read by a batch that merges several streams)."""
+        return self._events
+
+    def close_events(self) -> None:
+        """Run ``on_close`` for a stream that is never served itself."""
+        self._on_close()
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await run_until_disconnect(receive, self.stream_response(send))

@@ -16,6 +16,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import functools
+import http.client
 import logging
 import os
 import signal
@@ -108,10 +109,12 @@ def check_port_free(spec: ProcessSpec) -> None:
 
 
 def healthy(url: str) -> bool:
+    """``GET url/health`` answered 200; False for anything else, including a port that
+    answers something other than HTTP (another program listening there)."""
     try:
         with _NO_PROXY.open(f"{url}/health", timeout=_HEALTH_TIMEOUT_S) as r:
             return int(r.status) == 200
-    except (urllib.error.URLError, OSError, ValueError):
+    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError):
         return False
 
 

@@ -4,10 +4,10 @@ deployment, or the load balancer of colocated instances.
 A proxy has either a prefill and a decode pool (P/D) or one ``colocated`` pool; a mix
 is refused (which pool would take a request is no question worth a rule: run one proxy
 per deployment). Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions``
-(two legs each in P/D, one whole request in colocated mode, see
-:mod:`pdserve.serving.proxy.forward`), in colocated mode also ``POST /v1/responses``
-(P/D has no prefill leg for it), ``GET /v1/models`` (from a healthy decode or colocated
-instance), ``GET /health`` (200 iff each pool has a healthy instance, else 503),
+and ``POST /v1/responses`` (two legs each in P/D, one whole request in colocated mode,
+see :mod:`pdserve.serving.proxy.forward`), ``GET /v1/models``, ``GET /v1/models/{id}``,
+``POST /tokenize`` and ``POST /detokenize`` (forwarded to a healthy decode or colocated
+instance, which share the model and tokenizer), ``GET /health`` (200 iff each pool has a healthy instance, else 503),
 ``GET /version`` (pdserve's version, open like ``/health``) and ``GET /metrics``
 (Prometheus text, :mod:`pdserve.serving.proxy.metrics`).
 
@@ -44,6 +44,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 from fastapi import FastAPI, Request
@@ -297,16 +298,22 @@ def build_proxy_app(
 
         return handler
 
-    paths = ["/v1/completions", "/v1/chat/completions"]
-    if colocated:  # P/D has no prefill leg for the Responses API
-        paths.append("/v1/responses")
-    for path in paths:
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
         app.add_api_route(path, forwarded(path), methods=["POST"])
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        auth = check_auth(request)
-        return await _forward_models(core, core.upstream_headers(_request_id(None), auth))
+    async def passed_on(request: Request) -> Response:
+        """Answered by one instance as it is: the model list or card, (de)tokenization."""
+        headers = core.upstream_headers(_request_id(None), check_auth(request))
+        body = await request.body() if request.method == "POST" else None
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+        path = quote(request.url.path, safe="/:@")  # a model id as the client wrote it
+        return await _forward_one(core, request.method, path, headers, body)
+
+    for path in ("/v1/models", "/v1/models/{model_id:path}"):
+        app.add_api_route(path, passed_on, methods=["GET"])
+    for path in ("/tokenize", "/detokenize"):
+        app.add_api_route(path, passed_on, methods=["POST"])
 
     @app.get("/health")
     async def health_route() -> Response:
@@ -371,9 +378,12 @@ def _request_id(header: str | None) -> str:
     return header
 
 
-async def _forward_models(core: ProxyCore, headers: dict[str, str]) -> Response:
-    """``GET /v1/models`` of the least-loaded healthy decode (or colocated) instance; on a
-    connection failure (one more failure of that instance) the next one is tried."""
+async def _forward_one(
+    core: ProxyCore, method: str, path: str, headers: dict[str, str], body: bytes | None
+) -> Response:
+    """``method path`` on the least-loaded healthy decode (or colocated) instance, its
+    answer as it is; on a connection failure (one more failure of that instance) the next
+    one is tried."""
     pool = core.answer
     tried: list[str] = []
     timeout = aiohttp.ClientTimeout(total=_MODELS_TIMEOUT_S)
@@ -381,7 +391,12 @@ async def _forward_models(core: ProxyCore, headers: dict[str, str]) -> Response:
         tried.append(inst.url)
         try:
             resp = await core.upstream.request(
-                "GET", inst.url + "/v1/models", instance=inst.url, headers=headers, timeout=timeout
+                method,
+                inst.url + path,
+                instance=inst.url,
+                headers=headers,
+                timeout=timeout,
+                data=body,
             )
             async with resp:
                 data = await resp.read()
@@ -392,8 +407,8 @@ async def _forward_models(core: ProxyCore, headers: dict[str, str]) -> Response:
             _, unreachable = classify_error(e)
             if unreachable:
                 pool.record_failure(inst, f"{type(e).__name__}: {e}")
-            logger.warning("GET /v1/models on %s failed: %r", inst.url, e)
+            logger.warning("%s %s on %s failed: %r", method, path, inst.url, e)
     if tried:
-        return _error(502, f"GET /v1/models failed on {', '.join(tried)}")
+        return _error(502, f"{method} {path} failed on {', '.join(tried)}")
     core.metrics.unavailable(pool.role)
     return _error(503, f"no healthy {pool.role} instance (0 of {len(pool)} healthy)")

@@ -52,13 +52,15 @@ PREFILL_KV_PARAMS: dict[str, Any] = {
 _NOT_ON_PREFILL = ("stream_options", "min_tokens", "n", "best_of")
 
 
-def prefill_body(body: dict[str, Any], secret: bytes, request_id: str) -> dict[str, Any]:
+def prefill_body(
+    body: dict[str, Any], secret: bytes, request_id: str, path: str = "/v1/completions"
+) -> dict[str, Any]:
     """The prefill leg's body (a new dict; ``body`` is not modified), with signed
     :data:`PREFILL_KV_PARAMS`: one sample (``n`` and ``best_of`` left out, so 1) of one
-    token; the decode leg gets the client's ``n`` and draws the samples, sharing the
-    pulled prompt KV."""
+    token (``max_output_tokens`` on ``/v1/responses``); the decode leg gets the client's
+    ``n`` and draws the samples, sharing the pulled prompt KV."""
     out = {k: v for k, v in body.items() if k not in _NOT_ON_PREFILL}
-    out["max_tokens"] = 1
+    out["max_output_tokens" if path == "/v1/responses" else "max_tokens"] = 1
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
     out["stream"] = False

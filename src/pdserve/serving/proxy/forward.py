@@ -308,7 +308,7 @@ class ProxyResponse(Response):
                         url + self.path,
                         instance=url,
                         json_factory=lambda: prefill_body(
-                            self.client_body, core.secret, self.request_id
+                            self.client_body, core.secret, self.request_id, self.path
                         ),
                         headers=self.upstream_headers,
                         timeout=core.leg_timeout(streaming=False),
