@@ -67,3 +67,11 @@ def test_ties_take_fewer_drafts_and_k_must_be_positive() -> None:
     assert p.choose(4) == 0  # a draft never accepted gains nothing
     with pytest.raises(ValueError, match="num_speculative_tokens >= 1"):
         DraftPolicy(0)
+
+
+def test_reset_forgets_the_measured_acceptance() -> None:
+    p = DraftPolicy(2, prior=0.5, decay=1.0)
+    p.observe([2] * 100, [0] * 100)
+    assert p.acceptance()[0] == pytest.approx(0.0)
+    p.reset_acceptance()
+    assert p.acceptance() == [0.5, 0.5]

@@ -65,6 +65,11 @@ class DraftPolicy:
         self.widths = sorted({w for w, _ in self.costs})
         self.sizes = {w: sorted(s for w2, s in self.costs if w2 == w) for w in self.widths}
 
+    def reset_acceptance(self) -> None:
+        """Forget the acceptance measured so far (back to the prior)."""
+        self.reached = [0.0] * (self.k + 1)
+        self.accepted = [0.0] * (self.k + 1)
+
     def observe(self, verified: Sequence[int], accepted: Sequence[int]) -> None:
         """One step's verify rows: for each, the drafts it verified and how many of them
         were accepted (placeholders never count; a row with 0 drafts is skipped)."""
