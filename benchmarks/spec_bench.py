@@ -15,9 +15,11 @@ curve  glm5-d24-e32 (drawn on the device, --load-format dummy), where one MTP dr
        Caveat: requests reading one shared prefix may hit L2 on KV reads; at 16K the KV
        is about 6% of a step's bytes on this preset (weights dominate).
 decode glm5-m12-e64 (dummy; real GLM-5 per-layer dims) decoding at a 16K context (issue 27):
-       TPOT by streams (--streams, default 1,64,128,192,256) for no speculation and MTP
-       k=1 and k=3 at synthetic acceptance 0.5 / 0.7 / 0.9, one engine per k on one drawn
-       model. Every request shares one 16K prefix (prefilled once; the prefix-cache hits
+       TPOT by streams (--streams, default 1,64,128,192,256) for no speculation, MTP k=1
+       and k=3 verifying every draft (draft_policy fixed), and MTP k=3 with the adaptive
+       draft count, at synthetic acceptance 0.5 / 0.7 / 0.9, one engine per config on one
+       drawn model (the adaptive one forgets its measured acceptance at each new rate and
+       re-measures it on a short run first; its rows list the steps by drafts chosen). Every request shares one 16K prefix (prefilled once; the prefix-cache hits
        are counted) plus a distinct 32-token tail, so the timed part is steady decode:
        from the step at which every stream has its first token to the last token. Per
        point: TPOT, the mean step time, the batch reached (streams decoding in every
@@ -143,6 +145,10 @@ def _decode(llm: LLM, tag: str, batch: int, prefix: list[int]) -> dict[str, Any]
         "full_step_ms": statistics.median(full) * 1e3 if full else None,
         "graph_share": paths.get("graph", 0) / max(decode_steps, 1),
         "paths": paths,
+        "steps_by_num_drafts": [
+            n - (steps0.spec_steps_by_num_drafts[i] if i < len(steps0.spec_steps_by_num_drafts) else 0)
+            for i, n in enumerate(after.spec_steps_by_num_drafts)
+        ],
         "draft_graph_replays": (dg.replays - replays0) if dg is not None else 0,
         "mean_accept_len": 1 + accepted / verifies if verifies else None,
         "prefix_hit_tokens": after.prefix_cache_hits - before.prefix_cache_hits,
@@ -166,6 +172,7 @@ def bench_curve(workdir: Path, preset: str, save: Any) -> dict[str, Any]:
                     "num_speculative_tokens": k,
                     "rejection_sample_method": "synthetic",
                     "synthetic_acceptance_rate": 0.5,
+                    "draft_policy": "fixed",
                 }
             t0 = time.perf_counter()
             llm = _llm(path, spec, 32)
@@ -214,9 +221,14 @@ def _llm(path: Path, spec: dict[str, Any] | None, max_seqs: int) -> LLM:
     )
 
 
-def _synthetic(k: int, rate: float) -> dict[str, Any]:
+def _synthetic(k: int, rate: float, policy: str = "fixed") -> dict[str, Any]:
     return {"method": "mtp", "num_speculative_tokens": k, "rejection_sample_method": "synthetic",
-            "synthetic_acceptance_rate": rate}  # fmt: skip
+            "synthetic_acceptance_rate": rate, "draft_policy": policy}  # fmt: skip
+
+
+# (k, draft policy) of the decode section's engines: none, MTP k=1 and k=3 verifying
+# every draft, and k=3 with the adaptive draft count
+DECODE_CONFIGS = ((0, None), (1, "fixed"), (3, "fixed"), (3, "adaptive"))
 
 
 @dataclass(frozen=True)
@@ -270,23 +282,32 @@ def bench_decode(workdir: Path, preset: str, streams: list[int], bw: float | Non
     prefix = _prompt(CTX, 7, cfg.vocab_size)
     base: dict[int, float] = {}
     try:
-        for k in (0, 1, 3):
+        for k, policy in DECODE_CONFIGS:
             t0 = time.perf_counter()
-            llm = _llm(path, _synthetic(k, RATES[0]) if k else None, max(streams))
+            llm = _llm(path, _synthetic(k, RATES[0], policy or "fixed") if k else None,
+                       max(streams))  # fmt: skip
             start = time.perf_counter() - t0
             runner = llm.engine.runner
             bm = DecodeByteModel.from_model(runner.model, runner.kv_cache_config)
             _decode(llm, "warm", 1, prefix)  # the shared prefix, prefilled once
+            adaptive = llm.engine.scheduler.spec.policy
             for rate in RATES if k else (None,):
                 if rate is not None:
                     runner.synthetic_rate = rate
+                    if adaptive is not None:  # measure this rate afresh
+                        adaptive.reset_acceptance()
+                        _decode(llm, f"a{rate}", min(streams), prefix)
                 for b in streams:
-                    r = _decode(llm, f"d{k}-{rate}", b, prefix)
+                    r = _decode(llm, f"d{k}{policy}-{rate}", b, prefix)
                     ctx = CTX + TAIL + OUT_TOKENS / 2
-                    step_bytes = bm.step_bytes([ctx] * b, rows_per_request=1 + k)["total"]
-                    step_bytes += k * draft.step(bm, b, ctx)
-                    gain = sum((rate or 0.0) ** i for i in range(k + 1))  # tokens a step
-                    r.update(k=k, rate=rate, startup_s=start,
+                    # the roofline of the draft count the steps ran (adaptive: the most used)
+                    j = k if not r["steps_by_num_drafts"] else max(
+                        range(len(r["steps_by_num_drafts"])),
+                        key=lambda i: r["steps_by_num_drafts"][i])  # fmt: skip
+                    step_bytes = bm.step_bytes([ctx] * b, rows_per_request=1 + j)["total"]
+                    step_bytes += j * draft.step(bm, b, ctx) if j else 0
+                    gain = sum((rate or 0.0) ** i for i in range(j + 1))  # tokens a step
+                    r.update(k=k, policy=policy, rate=rate, startup_s=start, main_num_drafts=j,
                              step_ms=r["decode_s"] / max(r["decode_steps"], 1) * 1e3,
                              step_bytes=step_bytes, expected_tokens_per_step=gain)  # fmt: skip
                     if bw:  # against the steps that ran the whole batch
@@ -468,10 +489,13 @@ def _table(res: dict[str, Any]) -> None:
               "  roof TPOT  live min  graph%  accept-len")  # fmt: skip
         for r in d["runs"]:
             acc = f"{r['mean_accept_len']:.2f}" if r["mean_accept_len"] else "-"
+            if r["policy"] == "adaptive":
+                acc += f"  j: {r['steps_by_num_drafts']}"
             vs = f"{r['tpot_vs_none']:.2f}" if r["tpot_vs_none"] else "-"
             roof = r.get("roofline_step_ms", float("nan"))
             fs = f"{r['full_step_ms']:.2f}" if r["full_step_ms"] else "-"
-            print(f"  {r['k']}  {r['rate'] or '-':>4}  {r['batch']:>7}  {r['tpot_ms']:7.2f}"
+            tag = f"{r['k']}{'a' if r['policy'] == 'adaptive' else ' '}"
+            print(f"  {tag} {r['rate'] or '-':>4}  {r['batch']:>7}  {r['tpot_ms']:7.2f}"
                   f"  {vs:>7}  {r['step_ms']:7.2f}  {fs:>15}  {roof:9.2f}"
                   f"  {r.get('step_x_roofline', 0):6.2f}"
                   f"  {r.get('roofline_tpot_ms', float('nan')):9.2f}  {r['live_min']:8d}"

@@ -1,7 +1,7 @@
 """CUDA graphs on a CPU, stood in for: every key of a :class:`CudaGraphManager` made
-for the engine's runner gets a "graph" whose replay runs the captured forward (the
-graph's padded batch, query length and width) eagerly, so the runner takes its graph
-path and the test sees which keys replayed."""
+for the engine's runner (sizes 1, 2, 4 and the given query lengths) gets a "graph" whose
+replay runs the captured forward (the graph's padded batch, query length and width)
+eagerly, so the runner takes its graph path and the test sees which keys replayed."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ from pdserve.runner.cuda_graph import CudaGraphManager
 
 
 def stand_in_graphs(
-    llm: Any, replayed: list[tuple[int, int, int]] | None = None
+    llm: Any,
+    replayed: list[tuple[int, int, int]] | None = None,
+    query_lens: tuple[int, ...] = (1,),
 ) -> CudaGraphManager:
     runner = llm.engine.runner
-    g = CudaGraphManager(runner.step, [1, 2, 4], (1,))
+    g = CudaGraphManager(runner.step, [1, 2, 4], query_lens)
 
     class Replay:
         def __init__(self, key: tuple[int, int, int]) -> None:
@@ -25,8 +27,9 @@ def stand_in_graphs(
                 replayed.append(self.key)
             g.outputs[self.key] = g._forward(*self.key)
 
-    for size in g.sizes:
-        for width in g.widths:
-            g.graphs[(size, 1, width)] = Replay((size, 1, width))  # type: ignore[assignment]
+    for q in query_lens:
+        for size in g.sizes:
+            for width in g.widths:
+                g.graphs[(size, q, width)] = Replay((size, q, width))  # type: ignore[assignment]
     runner.graphs = g
     return g

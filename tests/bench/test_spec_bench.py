@@ -17,14 +17,18 @@ def test_spec_bench_cpu_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     bench.main(["--device", "cpu", "--sections", "curve,pd,decode", "--out", str(out),
                 "--workdir", str(tmp_path)])  # fmt: skip
     res = json.loads(out.read_text())
-    assert {(r["k"], r["rate"]) for r in res["decode"]["runs"]} == {
-        (0, None), *((k, r) for k in (1, 3) for r in (0.5, 0.7, 0.9))
-    }
+    assert {(r["k"], r["policy"], r["rate"]) for r in res["decode"]["runs"]} == {
+        (0, None, None),
+        *((k, p, r) for k, p in ((1, "fixed"), (3, "fixed"), (3, "adaptive"))
+          for r in (0.5, 0.7, 0.9)),
+    }  # fmt: skip
     for r in res["decode"]["runs"] + res["curve"]["runs"]:
         assert r["tpot_ms"] > 0 and r["decode_steps"] > 0 and r["prefix_hit_tokens"] > 0
     for r in res["decode"]["runs"]:
         assert r["step_bytes"] > 0 and r["tpot_vs_none"] > 0
-        assert r["expected_tokens_per_step"] == sum((r["rate"] or 0) ** i for i in range(r["k"] + 1))
+        j = r["main_num_drafts"]
+        assert j == r["k"] or r["policy"] == "adaptive"
+        assert r["expected_tokens_per_step"] == sum((r["rate"] or 0) ** i for i in range(j + 1))
         if r["k"]:
             assert r["mean_accept_len"] is not None
     assert [r["pad"] for r in res["pd"]] == [True, False]

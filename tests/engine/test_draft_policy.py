@@ -8,8 +8,10 @@ import pytest
 from pdserve.spec_decode.draft_policy import MIN_EVIDENCE, DraftPolicy
 
 
-def _costs(k: int, sizes: dict[int, list[float]]) -> dict[tuple[int, int], float]:
-    return {(s, j): c for s, row in sizes.items() for j, c in enumerate(row)}
+def _costs(
+    k: int, sizes: dict[int, list[float]], width: int = 1024
+) -> dict[tuple[int, int, int], float]:
+    return {(s, j, width): c for s, row in sizes.items() for j, c in enumerate(row)}
 
 
 def test_acceptance_is_conditional_on_the_earlier_drafts() -> None:
@@ -46,13 +48,30 @@ def test_choice_maximises_tokens_per_second_and_never_loses() -> None:
     assert p.choose(300) == 3  # past every captured size: no costs, the ceiling
     p.set_costs(_costs(3, {64: [20.0, 25.0, 40.0, 50.0]}))
     assert p.choose(64) == 1  # 1.7 / 25 beats 1 / 20, 2.4 / 40 and 3.1 / 50
-    p.set_costs({(64, 0): 1.0, (64, 1): 1.0})  # sizes missing some j are left out
-    assert p.sizes == [] and p.choose(64) == 3
+    p.set_costs({(64, 0, 1024): 1.0, (64, 1, 1024): 1.0})  # shapes missing a j: left out
+    assert p.sizes == {} and p.choose(64) == 3
+
+
+def test_the_step_takes_the_costs_of_the_narrowest_width_its_context_fits() -> None:
+    p = DraftPolicy(1, prior=0.5)
+    p.set_costs({**_costs(1, {8: [1.0, 1.1]}, width=4096), **_costs(1, {8: [1.0, 2.0]}, 65536)})
+    assert p.widths == [4096, 65536]
+    assert p.choose(8, context=3000) == 1  # 1.5 / 1.1 beats 1 / 1
+    assert p.choose(8, context=20000) == 0  # the wide graph: 1.5 / 2 loses to 1 / 1
+    assert p.choose(8, context=70000) == 1  # wider than every graph: no costs, k
 
 
 def test_ties_take_fewer_drafts_and_k_must_be_positive() -> None:
     p = DraftPolicy(1, prior=0.0)
-    p.set_costs({(4, 0): 1.0, (4, 1): 1.0})
+    p.set_costs({(4, 0, 64): 1.0, (4, 1, 64): 1.0})
     assert p.choose(4) == 0  # a draft never accepted gains nothing
     with pytest.raises(ValueError, match="num_speculative_tokens >= 1"):
         DraftPolicy(0)
+
+
+def test_reset_forgets_the_measured_acceptance() -> None:
+    p = DraftPolicy(2, prior=0.5, decay=1.0)
+    p.observe([2] * 100, [0] * 100)
+    assert p.acceptance()[0] == pytest.approx(0.0)
+    p.reset_acceptance()
+    assert p.acceptance() == [0.5, 0.5]

@@ -16,6 +16,14 @@
   padded with k placeholder drafts that are never accepted, so it joins the uniform
   (batch, 1+k) verify batch and its CUDA graph instead of making the step a mixed one.
   No padding where the step's token budget or the request's length room is short of 1+k.
+- ``draft_policy`` (pdserve's own key): ``adaptive`` (default) or ``fixed``. Adaptive: each
+  step the engine verifies ``j`` in ``0..k`` drafts per request, the ``j`` with the most
+  tokens per second for the batch from the step costs it timed on its CUDA graphs and
+  the acceptance per draft position it measures live
+  (:mod:`pdserve.spec_decode.draft_policy`); ``j = 0`` runs the step as plain decode
+  with no drafting, so speculation is never chosen where it costs more than it gives.
+  An engine without CUDA graphs (no costs timed) and the expert-parallel data-parallel
+  ranks (which must agree on every step's shape) keep ``k``. Fixed: always ``k``.
 
 Anything else is refused with the list of the keys pdserve understands.
 """
@@ -29,6 +37,7 @@ from pdserve.config.json_arg import parse_json_arg
 
 SPEC_METHODS = ("mtp", "ngram")
 REJECTION_METHODS = ("probabilistic", "strict", "synthetic")
+DRAFT_POLICIES = ("adaptive", "fixed")
 MAX_SPEC_TOKENS = 16
 _KEYS = (
     "method",
@@ -38,6 +47,7 @@ _KEYS = (
     "rejection_sample_method",
     "synthetic_acceptance_rate",
     "pad_first_decode_step",
+    "draft_policy",
 )
 
 
@@ -50,6 +60,7 @@ class SpeculativeConfig:
     rejection_sample_method: str = "probabilistic"
     synthetic_acceptance_rate: float | None = None
     pad_first_decode_step: bool = True
+    draft_policy: str = "adaptive"
 
     def __post_init__(self) -> None:
         flag = "--speculative-config"
@@ -72,6 +83,8 @@ class SpeculativeConfig:
             )
         if not isinstance(self.pad_first_decode_step, bool):
             raise ValueError(f"{flag}: pad_first_decode_step must be true or false")
+        if self.draft_policy not in DRAFT_POLICIES:
+            raise ValueError(f"{flag}: draft_policy must be one of {', '.join(DRAFT_POLICIES)}")
         rate = self.synthetic_acceptance_rate
         if self.rejection_sample_method == "synthetic":
             if not isinstance(rate, int | float) or not 0.0 <= rate <= 1.0:

@@ -62,6 +62,9 @@ class SchedulerOutput:
     # requests whose drafts this step are only placeholders padding a P/D decode's first
     # step to the uniform 1+k shape (never accepted, not counted as drafts)
     padded_spec_decode_req_ids: set[str] = field(default_factory=set)
+    # speculative decoding: whether the drafter runs after this step (False on a step the
+    # adaptive policy runs with no drafts: it costs what a step without speculation does)
+    propose_drafts: bool = True
     finished_req_ids: set[str] = field(default_factory=set)  # runner drops their state
     preempted_req_ids: set[str] = field(default_factory=set)
     # requests whose step reaches the end of their known tokens: they sample

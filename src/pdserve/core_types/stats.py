@@ -64,6 +64,10 @@ class SchedulerStats:
     spec_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     # P/D decode: first steps padded with placeholder drafts to the uniform 1+k shape
     spec_num_padded_steps: int = 0
+    # steps with running requests by the draft count chosen for them (index j = 0..k;
+    # k every step with a fixed policy), and the latest choice
+    spec_steps_by_num_drafts: list[int] = field(default_factory=list)
+    spec_last_num_drafts: int = 0
     num_generated_tokens: int = 0  # cumulative: output tokens the engine produced
     # expert parallelism, cumulative: DP step agreements run (one per loop iteration: a
     # few a second while every rank is idle) and dummy forwards ("dummy:*" step paths)

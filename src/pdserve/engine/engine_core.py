@@ -42,6 +42,7 @@ from pdserve.kv_transfer.pd_connector import (
 from pdserve.runner.model_runner import ModelRunner
 from pdserve.runner.model_step import kv_cache_scales
 from pdserve.runner.step_outputs import StepHandle
+from pdserve.spec_decode.draft_policy import DraftPolicy
 from pdserve.spec_decode.proposer import Proposer
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,7 @@ class EngineCore:
             num_lookahead_tokens=self.runner.lookahead,
             pad_first_step=spec.pad_first_decode_step if spec is not None else False,
             vocab_size=self.runner.vocab_size,
+            draft_policy=self._draft_policy(),
         )
         # a TP step is launched whole on every rank: its masks are filled before it
         self.scheduler.defer_masks = self.tp is None
@@ -129,6 +131,15 @@ class EngineCore:
             config.cache.block_size,
             self.runner.device,
         )
+
+    def _draft_policy(self) -> DraftPolicy | None:
+        """The adaptive draft count, where the runner allows it and timed its graphs."""
+        r = self.runner
+        if not (r.adaptive_drafts and r.step_costs):
+            return None
+        policy = DraftPolicy(r.num_spec)
+        policy.set_costs(r.step_costs)
+        return policy
 
     def _start_runner(self, proposer: Proposer | None) -> ModelRunner:
         """Build this rank's runner, agree on the KV blocks with the other ranks (if any),
@@ -354,6 +365,7 @@ class EngineCore:
             prompt_tokens_by_source=dict(s.prompt_tokens_by_source),
             step_paths=dict(s.step_paths),
             spec_num_accepted_tokens_per_pos=list(s.spec_num_accepted_tokens_per_pos),
+            spec_steps_by_num_drafts=list(s.spec_steps_by_num_drafts),
         )
         if self.dp_sync is not None:
             s.dp_step_agreements = self.dp_sync.num_agreements

@@ -105,6 +105,9 @@ class Request:
         self.block_hashes: list[bytes] = []
         # drafts for the next step that the host knows (synchronous scheduling)
         self.spec_token_ids: list[int] = []
+        # the last step it was scheduled to sample in runs the drafter (its drafts, once
+        # proposed on the device, are what it verifies next under async scheduling)
+        self.drafts_in_flight = False
         # the matcher of a constrained request (structured output), set once compiled
         self.grammar: RequestGrammar | None = None
         self.bad_words: list[list[int]] = list(r.sampling_params.bad_words_token_ids or [])

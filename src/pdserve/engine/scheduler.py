@@ -12,8 +12,9 @@ With ``--scheduling-policy priority`` the waiting queue is ordered by (priority,
 with the highest (priority, arrival) among those not yet scheduled in the step; a
 waiting request does not preempt running ones to get in.
 
-Speculative decoding (``num_spec_tokens`` > 0): a decoding request computes its last
-token plus up to k drafts, capped so that its positions stay within ``max_model_len``
+Speculative decoding (``num_spec_tokens`` > 0; :mod:`pdserve.engine.spec_schedule`): a
+decoding request computes its last token plus up to the step's draft count (``k``, or
+the adaptive policy's choice for the batch), capped so that its positions stay within ``max_model_len``
 but not by its ``max_tokens`` (tokens accepted past it are dropped; a shorter verify
 near the end would break the batch's uniform 1+k shape and its CUDA graph). The drafts are the ones the last finished step
 proposed (``Request.spec_token_ids``), or, under async scheduling while a step of the
@@ -60,8 +61,10 @@ from pdserve.core_types.stats import SchedulerStats
 from pdserve.engine.kv_cache.block_pool import KVCacheBlock
 from pdserve.engine.kv_cache.manager import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.spec_schedule import SpecSchedule
 from pdserve.engine.structured_output import BitmaskFiller
 from pdserve.kv_transfer.base import KVConnectorScheduler
+from pdserve.spec_decode.draft_policy import DraftPolicy
 
 
 class Scheduler:
@@ -76,6 +79,7 @@ class Scheduler:
         num_lookahead_tokens: int = 0,
         pad_first_step: bool = False,
         vocab_size: int = 0,
+        draft_policy: DraftPolicy | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
@@ -90,7 +94,7 @@ class Scheduler:
         self.priority_policy = config.scheduling_policy == "priority"
         self.num_spec_tokens = num_spec_tokens
         self.num_lookahead_tokens = num_lookahead_tokens
-        self.pad_first_step = pad_first_step and num_spec_tokens > 0
+        self.spec = SpecSchedule(num_spec_tokens, max_model_len, pad_first_step, draft_policy)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -213,6 +217,7 @@ class Scheduler:
             for rid in self.connector.take_freeable():
                 self.kv.free(rid)
         budget = self.config.max_num_batched_tokens
+        self.spec.begin_step(self.running, self.waiting, self.config.max_num_seqs, self.stats)
         num_sched: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
@@ -231,7 +236,7 @@ class Scheduler:
                 i += 1
                 continue
             n = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, budget)
-            drafts = self._drafts(req, n, budget) if self.num_spec_tokens else None
+            drafts = self.spec.drafts(req, n, budget) if self.num_spec_tokens else None
             if drafts:
                 n += len(drafts)
             blocks = None
@@ -278,7 +283,8 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and n > budget:
                 break
             n = min(n, budget)
-            pad = self._padding(req, n, budget)
+            remote = self._remote_tokens.get(req.request_id, (0, 0))[1] > 0
+            pad = self.spec.padding(req, n, budget, remote)
             if self.kv.allocate_slots(req, n + len(pad), hits, self._ahead(req, n)) is None:
                 break
             if pad:
@@ -319,6 +325,7 @@ class Scheduler:
             req.num_computed_tokens += n
             if req.num_computed_tokens >= req.num_tokens + req.num_output_placeholders:
                 will_sample.add(rid)
+                self.spec.scheduled(req)
                 if self.async_scheduling:
                     req.num_output_placeholders += 1 + len(spec.get(rid, ()))
         finished, self._finished_ids = self._finished_ids, set()
@@ -335,6 +342,7 @@ class Scheduler:
             num_scheduled_tokens=num_sched,
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             scheduled_spec_decode_tokens=spec,
+            propose_drafts=self.spec.proposing,
             padded_spec_decode_req_ids=padded,
             finished_req_ids=finished,
             preempted_req_ids=preempted,
@@ -374,40 +382,10 @@ class Scheduler:
             r.request_id: b for r in sampling if r and r.bad_words and (b := r.bad_word_bans())
         }
 
-    def _drafts(self, req: Request, num_new: int, budget: int) -> list[int]:
-        """The drafts ``req`` verifies this step (see the module doc); [] for none."""
-        if num_new != 1:
-            return []
-        if req.num_output_tokens < req.sampling_params.min_tokens:
-            return []
-        in_flight = req.num_output_placeholders
-        if not (in_flight or req.spec_token_ids):
-            return []  # nothing proposed for it yet (its first token comes from elsewhere)
-        # not capped by max_tokens: drafts past it are computed and dropped, so a request
-        # near its end keeps the batch's uniform 1+k shape (and its CUDA graph)
-        room = self.max_model_len - req.num_tokens - in_flight
-        d = min(self.num_spec_tokens, room - 1, budget - num_new)
-        if d <= 0:
-            return []
-        if in_flight:  # the step in flight proposes them, on the device
-            return [-1] * d
-        return (req.spec_token_ids + [-1] * d)[:d]
-
     def _ahead(self, req: Request, num_new: int) -> int:
         """Lookahead slots to reserve past ``num_new`` tokens (never past max_model_len)."""
         room = self.max_model_len - req.num_computed_tokens - num_new
         return max(0, min(self.num_lookahead_tokens, room))
-
-    def _padding(self, req: Request, num_new: int, budget: int) -> list[int]:
-        """Placeholder drafts for a P/D decode's first step (see the module doc), [] for none."""
-        if not (self.pad_first_step and req.num_output_tokens == 0 and num_new == 1):
-            return []
-        if self._remote_tokens.get(req.request_id, (0, 0))[1] <= 0:
-            return []  # not a request whose prompt KV came from a prefill instance
-        k = self.num_spec_tokens
-        if self.max_model_len - req.num_tokens < 1 + k or budget < 1 + k:
-            return []  # a shorter verify would not be the uniform shape anyway
-        return [-1] * k
 
     def _start_remote_load(self, req: Request, hits: list[KVCacheBlock], num_hit: int) -> bool:
         """Park ``req`` in WAITING_FOR_REMOTE_KV if its prompt comes from a prefill
@@ -488,6 +466,8 @@ class Scheduler:
                 req.num_output_placeholders -= 1 + num_drafts
             counted = num_drafts and rid not in sched.padded_spec_decode_req_ids
             real = self._num_real_drafts(req, sched, rid) if counted else 0
+            if counted:
+                self.spec.observe(real, len(new) - 1)
             if len(new) < num_drafts + 1:  # rejected drafts: their slots are recomputed
                 req.num_computed_tokens -= num_drafts + 1 - len(new)
                 self.kv.trim(rid, req.num_computed_tokens + self.num_lookahead_tokens)
@@ -502,7 +482,7 @@ class Scheduler:
             if req.grammar is not None and status != RequestStatus.FINISHED_ERROR:
                 status, taken = self._advance_grammar(req, new[:taken], status)
             if counted:  # drafts accepted past a stop or max_tokens were of no use
-                self._count_spec(real, taken - 1)
+                self.spec.count(self.stats, real, taken - 1)
             lp = None
             if out.logprobs is not None and req.sampling_params.logprobs is not None:
                 lp = out.logprobs[i][:taken]
@@ -520,11 +500,14 @@ class Scheduler:
                 eo.stop_reason = req.stop_reason
                 eo.error = req.error if status == RequestStatus.FINISHED_ERROR else None
                 eo.kv_transfer_params = self._free(req, status)
-            elif out.draft_token_ids is not None:
-                req.spec_token_ids = out.draft_token_ids[i]
+            elif self.num_spec_tokens:  # none when the step proposed none
+                req.spec_token_ids = (
+                    out.draft_token_ids[i] if out.draft_token_ids is not None else []
+                )
             outputs.append(eo)
         if any_finished:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        self.spec.end_step()
         self.stats.num_steps += 1
         self.stats.step_paths[out.step_path] = self.stats.step_paths.get(out.step_path, 0) + 1
         return outputs
@@ -533,19 +516,6 @@ class Scheduler:
     def _num_real_drafts(req: Request, sched: SchedulerOutput, rid: str) -> int:
         """Drafts a verify actually had (placeholders as the device filled them)."""
         return sum(d >= 0 for d in req.verified_drafts(sched.scheduled_spec_decode_tokens[rid]))
-
-    def _count_spec(self, num_drafts: int, num_accepted: int) -> None:
-        if num_drafts <= 0:
-            return
-        st = self.stats
-        st.spec_num_drafts += 1
-        st.spec_num_draft_tokens += num_drafts
-        st.spec_num_accepted_tokens += num_accepted
-        per_pos = st.spec_num_accepted_tokens_per_pos
-        if len(per_pos) < num_drafts:
-            per_pos.extend([0] * (num_drafts - len(per_pos)))
-        for j in range(num_accepted):
-            per_pos[j] += 1
 
     def _reaches_length(self, req: Request) -> bool:
         """True when the tokens in flight already take ``req`` to its length limit."""

@@ -66,6 +66,16 @@ def _sum_dicts(dicts: list[dict[str, int]]) -> dict[str, int]:
     return dict(total)
 
 
+def _sum_lists(lists: list[list[int]]) -> list[int]:
+    """Element-wise sums of lists of any lengths (missing entries count 0)."""
+    total: list[int] = []
+    for values in lists:
+        for i, n in enumerate(values):
+            total.extend([0] * (i + 1 - len(total)))
+            total[i] += n
+    return total
+
+
 def merge_stats(
     per_rank: list[SchedulerStats],
     blocks: list[int],
@@ -77,11 +87,7 @@ def merge_stats(
     ``rss``: the latest RSS reading per rank key."""
     s = per_rank
     used = sum(x.kv_cache_usage * b for x, b in zip(s, blocks, strict=True))
-    per_pos: list[int] = []
-    for x in s:
-        for i, n in enumerate(x.spec_num_accepted_tokens_per_pos):
-            per_pos.extend([0] * (i + 1 - len(per_pos)))
-            per_pos[i] += n
+    per_pos = _sum_lists([x.spec_num_accepted_tokens_per_pos for x in s])
     unhealthy = [
         f"rank {r}: {x.kv_transfer_unhealthy_reason}"
         for r, x in enumerate(s)
@@ -112,6 +118,8 @@ def merge_stats(
         spec_num_accepted_tokens=sum(x.spec_num_accepted_tokens for x in s),
         spec_num_accepted_tokens_per_pos=per_pos,
         spec_num_padded_steps=sum(x.spec_num_padded_steps for x in s),
+        spec_steps_by_num_drafts=_sum_lists([x.spec_steps_by_num_drafts for x in s]),
+        spec_last_num_drafts=max((x.spec_last_num_drafts for x in s), default=0),
         num_generated_tokens=sum(x.num_generated_tokens for x in s),
         dp_step_agreements=sum(x.dp_step_agreements for x in s),
         process_rss_bytes=dict(rss),

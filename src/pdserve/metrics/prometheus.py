@@ -186,6 +186,11 @@ class EngineStatsCollector(Collector):
                 "1 while the KV transfer side channel's threads run, 0 while one is down.",
                 "kv_transfer_healthy",
             ),
+            (
+                "spec_decode_num_drafts_chosen",
+                "Drafts per request the latest speculative step verifies (0..k).",
+                "spec_last_num_drafts",
+            ),
         ]
         for name, doc, attr in gauges:
             g = GaugeMetricFamily(PREFIX + name, doc, labels=base)
@@ -226,6 +231,11 @@ class EngineStatsCollector(Collector):
             "(unauthenticated, malformed, limit).",
             labels=[*base, "kind"],
         )
+        by_drafts = CounterMetricFamily(
+            PREFIX + "spec_decode_steps_by_num_drafts",
+            "Engine steps with running requests by the drafts per request chosen for them.",
+            labels=[*base, "num_drafts"],
+        )
         per_pos = CounterMetricFamily(
             PREFIX + "spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted, by position in the draft (0 = the first).",
@@ -234,6 +244,8 @@ class EngineStatsCollector(Collector):
         if stats is not None:
             for pos, n in enumerate(stats.spec_num_accepted_tokens_per_pos):
                 per_pos.add_metric([*self._labels, str(pos)], float(n))
+            for j, n in enumerate(stats.spec_steps_by_num_drafts):
+                by_drafts.add_metric([*self._labels, str(j)], float(n))
             for source, n in sorted(stats.prompt_tokens_by_source.items()):
                 by_source.add_metric([*self._labels, source], float(n))
             for path, n in sorted(stats.step_paths.items()):
@@ -242,6 +254,7 @@ class EngineStatsCollector(Collector):
                 rejected.add_metric([*self._labels, kind], float(n))
         yield by_source
         yield per_pos
+        yield by_drafts
         yield steps
         yield rejected
         rss = GaugeMetricFamily(

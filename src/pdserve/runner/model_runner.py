@@ -27,7 +27,7 @@ import time
 import numpy as np
 import torch
 
-from pdserve.config import EngineConfig, SpeculativeConfig
+from pdserve.config import EngineConfig
 from pdserve.core_types.cache_spec import KVCacheConfig
 from pdserve.core_types.scheduler_output import RunnerOutput, SchedulerOutput
 from pdserve.core_types.utils import cdiv
@@ -39,6 +39,7 @@ from pdserve.layers.sampler import Sampler, top_logprobs
 from pdserve.runner.cuda_graph import CudaGraphManager
 from pdserve.runner.draft_graph import DraftGraphManager
 from pdserve.runner.dummy_step import DummyStep, plan_graph_key
+from pdserve.runner.graph_costs import time_step_costs
 from pdserve.runner.input_batch import InputBatch
 from pdserve.runner.input_buffers import InputBuffers
 from pdserve.runner.memory import (
@@ -57,8 +58,8 @@ from pdserve.runner.prompt_logprobs import (
 from pdserve.runner.step_inputs import StepInputs, StepPreparer
 from pdserve.runner.step_outputs import Forwarded, HostOutputs, StepHandle, ragged
 from pdserve.runner.warmup import dummy_prompt_run, warm_up
+from pdserve.spec_decode.build import build_proposer
 from pdserve.spec_decode.mtp import MTPProposer
-from pdserve.spec_decode.ngram import NgramProposer
 from pdserve.spec_decode.proposer import DraftBatch, Proposer
 from pdserve.spec_decode.rejection_sampler import rejection_sample, token_logprobs
 
@@ -157,9 +158,27 @@ class ModelRunner:
             self.vocab_size,
         )
         if self.proposer is None and spec is not None:
-            self.proposer = self._build_proposer(spec)
+            self.proposer = build_proposer(
+                spec,
+                self.model,
+                self.step.backends,
+                lambda: self.kv_caches,
+                self.max_num_reqs,
+                self.max_model_len,
+                self.device,
+                self.hf_config.architecture,
+            )
         # MTP drafts write their KV up to k positions past the step (lookahead slots)
         self.lookahead = self.num_spec if spec is not None and spec.method == "mtp" else 0
+        # the per-step draft count (0..k) is the engine's choice, except where the ranks of
+        # an expert-parallel step must run the same shapes (lockstep)
+        self.adaptive_drafts = (
+            self.num_spec > 0
+            and (spec is None or spec.draft_policy == "adaptive")
+            and not self.lockstep
+        )
+        # seconds per (padded size, drafts j, width), timed on the graphs at start-up
+        self.step_costs: dict[tuple[int, int, int], float] = {}
         self.sampler = Sampler(self.device, config.model.seed)
         self.batch = InputBatch(
             self.max_num_reqs, self.max_model_len, self.max_blocks_per_req, self.vocab_size
@@ -181,31 +200,6 @@ class ModelRunner:
         self._slot = 0
         mtp_passes = self.num_spec if isinstance(self.proposer, MTPProposer) else 0
         self.dummy = DummyStep(self.step, mtp_passes) if self.lockstep else None
-
-    def _build_proposer(self, spec: SpeculativeConfig) -> Proposer:
-        if spec.method == "ngram":
-            return NgramProposer(
-                spec.num_speculative_tokens,
-                spec.prompt_lookup_min,
-                spec.prompt_lookup_max,
-                self.max_num_reqs,
-                self.max_model_len,
-                self.device,
-            )
-        dc = getattr(self.model, "dc", None)
-        if not getattr(self.model, "mtp_layers", None) or dc is None:
-            raise ValueError(
-                f"--speculative-config: method mtp needs a model with MTP layers "
-                f"({self.hf_config.architecture} has none)"
-            )
-        return MTPProposer(
-            self.model,
-            spec.num_speculative_tokens,
-            self.step.backends,
-            lambda: self.kv_caches,
-            self.max_model_len,
-            share_topk=bool(dc.index_share_for_mtp_iteration),
-        )
 
     @property
     def kv_cache_config(self) -> KVCacheConfig:
@@ -235,7 +229,9 @@ class ModelRunner:
         """Compile kernels and capture graphs before the engine reports ready
         (:func:`pdserve.runner.warmup.warm_up`); returns seconds per phase."""
         sizes = self.config.compilation.capture_sizes(self.max_num_reqs)
-        query_lens = (1, 1 + self.num_spec) if self.num_spec else (1,)
+        # adaptive drafting verifies any j in 0..k: a graph for every 1 + j
+        widths = range(1, self.num_spec + 2) if self.adaptive_drafts else (1, 1 + self.num_spec)
+        query_lens = tuple(sorted(set(widths))) if self.num_spec else (1,)
         phases, self.graphs = warm_up(
             self.step,
             self.sampler,
@@ -248,6 +244,10 @@ class ModelRunner:
             self.draft_graphs = DraftGraphManager(self.proposer, self.graphs, self.num_spec)
             self.draft_graphs.capture_all()
             phases["capture_draft_graphs"] = self.draft_graphs.capture_seconds
+        if self.adaptive_drafts and self.graphs is not None:
+            t0 = time.perf_counter()
+            self.step_costs = time_step_costs(self.graphs, self.draft_graphs, self.num_blocks)
+            phases["time_step_costs"] = time.perf_counter() - t0
         return phases
 
     # -- KV cache --------------------------------------------------------------------------
@@ -542,7 +542,7 @@ class ModelRunner:
         tokens: torch.Tensor,
         num: torch.Tensor | None,
     ) -> torch.Tensor | None:
-        if self.proposer is None:
+        if self.proposer is None or not inp.propose:
             return None
         n = len(inp.req_ids)
         assert inp.first_token is not None

@@ -49,6 +49,7 @@ class StepInputs:
     sampling: SamplingMetadata
     row_gens: np.ndarray  # the rows' generations when the step was prepared
     last_rows: np.ndarray  # [B] each request's last logits row (the one it samples from)
+    propose: bool = True  # the drafter runs after this step (SchedulerOutput.propose_drafts)
 
 
 @dataclass
@@ -228,6 +229,7 @@ class StepPreparer:
             ),
             b.row_gen[rows].copy(),
             last_rows,
+            so.propose_drafts,
         )
 
     def apply_masks(self, inp: StepInputs, so: SchedulerOutput) -> None:

@@ -13,9 +13,11 @@ device speculation is never chosen where it costs more than it gives: ``j = 0`` 
 decode) is always a candidate. ``k`` (``num_speculative_tokens``) is the ceiling.
 
 **Costs** come from the runner, which times every CUDA graph it captured (target and
-draft graphs; :meth:`DraftPolicy.set_costs`) for each padded batch size and query length.
-A batch size between captured sizes runs at the next captured size, so it takes that
-size's costs. With no costs known (a CPU engine, graphs off) the policy keeps ``k``.
+draft graphs; :meth:`DraftPolicy.set_costs`) for each padded batch size, query length and
+context width. A step runs at the next captured size above its batch and the narrowest
+captured width its longest context fits, so it takes that graph's costs. With no costs
+known for it (a CPU engine, graphs off, a batch past the largest captured size) the
+policy keeps ``k``.
 
 **Acceptance** per position is counted from the steps that verified drafts, with counts
 decaying by ``DECAY`` a step so the estimate follows the traffic: ``a_m = accepted_m /
@@ -45,21 +47,28 @@ class DraftPolicy:
         self.decay = decay
         self.reached = [0.0] * (k + 1)  # index m: rows that verified a draft m, 1..m-1 accepted
         self.accepted = [0.0] * (k + 1)
-        self.sizes: list[int] = []
-        self.costs: dict[int, list[float]] = {}  # padded size -> seconds for j = 0..k
+        self.widths: list[int] = []
+        self.sizes: dict[int, list[int]] = {}  # width -> captured sizes with every j timed
+        self.costs: dict[tuple[int, int], list[float]] = {}  # (width, size) -> s for j=0..k
         self.last_choice = k
 
     # -- inputs -------------------------------------------------------------------------
-    def set_costs(self, costs: Mapping[tuple[int, int], float]) -> None:
-        """Seconds a step takes per (padded batch size, drafts j). Sizes missing some
-        ``j`` are left out (the policy never picks a shape it has no cost for)."""
-        table: dict[int, list[float]] = {}
-        for size in sorted({s for s, _ in costs}):
-            row = [costs.get((size, j)) for j in range(self.k + 1)]
+    def set_costs(self, costs: Mapping[tuple[int, int, int], float]) -> None:
+        """Seconds a step takes per (padded batch size, drafts j, context width). Shapes
+        missing some ``j`` are left out (the policy never picks a shape it has no cost
+        for)."""
+        self.costs = {}
+        for width, size in sorted({(w, s) for s, _, w in costs}):
+            row = [costs.get((size, j, width)) for j in range(self.k + 1)]
             if all(c is not None and c > 0 for c in row):
-                table[size] = [float(c) for c in row if c is not None]
-        self.costs = table
-        self.sizes = sorted(table)
+                self.costs[(width, size)] = [float(c) for c in row if c is not None]
+        self.widths = sorted({w for w, _ in self.costs})
+        self.sizes = {w: sorted(s for w2, s in self.costs if w2 == w) for w in self.widths}
+
+    def reset_acceptance(self) -> None:
+        """Forget the acceptance measured so far (back to the prior)."""
+        self.reached = [0.0] * (self.k + 1)
+        self.accepted = [0.0] * (self.k + 1)
 
     def observe(self, verified: Sequence[int], accepted: Sequence[int]) -> None:
         """One step's verify rows: for each, the drafts it verified and how many of them
@@ -96,14 +105,20 @@ class DraftPolicy:
             out.append(total)
         return out
 
-    def choose(self, batch: int) -> int:
-        """Drafts for a step of ``batch`` requests: the ``j`` with the most tokens per
-        second at the captured size the batch runs at; ``k`` with no costs for it."""
-        i = bisect.bisect_left(self.sizes, batch)
-        if i == len(self.sizes):
-            self.last_choice = self.k
+    def choose(self, batch: int, context: int = 0) -> int:
+        """Drafts for a step of ``batch`` requests whose longest context is ``context``:
+        the ``j`` with the most tokens per second at the graph the step runs on; ``k``
+        with no costs for it."""
+        self.last_choice = self.k
+        i = bisect.bisect_left(self.widths, context)
+        if i == len(self.widths):
             return self.k
-        cost = self.costs[self.sizes[i]]
+        width = self.widths[i]
+        sizes = self.sizes[width]
+        n = bisect.bisect_left(sizes, batch)
+        if n == len(sizes):
+            return self.k
+        cost = self.costs[(width, sizes[n])]
         gain = self.expected_tokens()
         rates = [gain[j] / cost[j] for j in range(self.k + 1)]
         best = max(range(self.k + 1), key=lambda j: (rates[j], -j))  # ties: fewer drafts
