@@ -208,7 +208,8 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
-def _count(text: str) -> int:
+def positive_count(text: str) -> int:
+    """An argparse type: an integer >= 1."""
     try:
         value = int(text)
     except ValueError:
@@ -236,7 +237,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-idle-connections",
-        type=_count,
+        type=positive_count,
         default=DEFAULT_MAX_IDLE_CONNECTIONS,
         help="idle client connections kept open at most; past that the longest idle is "
         f"closed (default {DEFAULT_MAX_IDLE_CONNECTIONS})",

@@ -36,7 +36,7 @@ from fastapi import FastAPI
 from pdserve.heap import freeze_startup_heap
 from pdserve.serving import conn_limits
 from pdserve.serving.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
-from pdserve.serving.conn_limits import ConnectionLimits
+from pdserve.serving.conn_limits import ConnectionLimits, positive_count
 from pdserve.serving.proxy.app import build_proxy_app
 from pdserve.serving.proxy.core import ProxyCore
 from pdserve.serving.uvicorn_server import UvicornServer
@@ -59,16 +59,6 @@ def _seconds_or_zero(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
-    return value
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
     return value
 
 
@@ -122,7 +112,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--failure-threshold",
-        type=_count,
+        type=positive_count,
         default=3,
         help="consecutive failures (probes or legs) that mark an instance down (default 3)",
     )
