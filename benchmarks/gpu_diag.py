@@ -135,8 +135,8 @@ def ipc_transfer(
 ) -> list[dict]:
     import httpx
 
-    from pdserve.core_types.pd_auth import SECRET_ENV, load_secret, new_secret, sign_kv_params
-    from pdserve.serving.proxy.core import PREFILL_KV_PARAMS
+    from pdserve.core_types.pd_auth import SECRET_ENV, load_secret, new_secret
+    from pdserve.serving.proxy.core import decode_body, prefill_body
 
     os.environ.setdefault(SECRET_ENV, new_secret())  # the instances' side channel (inherited)
     secret = load_secret()
@@ -175,22 +175,19 @@ def ipc_transfer(
         with httpx.Client(timeout=600) as c:
             for n in [lens[0], *lens]:  # the first run warms both sides up
                 prompt = _prompt(n, n)["prompt_token_ids"]
-                body = {
-                    "model": ckpt,
-                    "prompt": prompt,
-                    "max_tokens": 1,
-                    "temperature": 0,
-                    # signed as the proxy signs both legs' params
-                    "kv_transfer_params": sign_kv_params(PREFILL_KV_PARAMS, secret),
-                }
+                body = {"model": ckpt, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+                # both legs as the proxy sends them: one request id, params signed for it
+                rid = {"X-Request-Id": f"diag-{len(out)}-{n}-{time.monotonic_ns()}"}
                 t0 = time.perf_counter()
-                p = c.post(urls["kv_producer"] + "/v1/completions", json=body)
+                p = c.post(urls["kv_producer"] + "/v1/completions", headers=rid,
+                           json=prefill_body(body, secret, rid["X-Request-Id"]))  # fmt: skip
                 p.raise_for_status()
                 t1 = time.perf_counter()
                 s0 = _metric(urls["kv_consumer"], "pdserve:kv_transfer_time_seconds_sum")
                 b0 = _metric(urls["kv_consumer"], "pdserve:kv_transfer_bytes_sum")
-                body["kv_transfer_params"] = sign_kv_params(p.json()["kv_transfer_params"], secret)
-                d = c.post(urls["kv_consumer"] + "/v1/completions", json=body)
+                kv = p.json()["kv_transfer_params"]
+                d = c.post(urls["kv_consumer"] + "/v1/completions", headers=rid,
+                           json=decode_body(body, kv, secret, rid["X-Request-Id"]))  # fmt: skip
                 d.raise_for_status()
                 t2 = time.perf_counter()
                 time.sleep(0.3)  # stats snapshots are sent every 100 ms

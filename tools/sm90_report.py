@@ -2,6 +2,7 @@
 needed, only the ``ptxas`` that Triton's wheel carries.
 
     .venv/bin/python tools/sm90_report.py [--only mla_wide,moe_prefill] [--json OUT]
+                                          [--drop-alignment]
 
 Each variant is one kernel with the launch shape the engine gives it on an H200 at GLM-5 /
 DeepSeek-V3.2 dims (the configs are imported from the kernel modules, so a changed
@@ -15,19 +16,23 @@ What it answers before any device time is spent: whether a tile config fits a Ho
 multiprocessor (``MAX_SHARED`` bytes a block, 255 registers a thread), whether it spills,
 whether its dots became wgmma and whether its tile loads are pipelined as cp.async (a
 load that Triton cannot prove 16-byte aligned stays a synchronous register load). It
-does not time anything: speed needs the GPU.
+does not time anything: speed needs the GPU. ``--drop-alignment`` compiles the variants
+without the integer alignment a launch proves (to see what it buys). Run it in a process
+of its own: with ``TRITON_INTERPRET=1`` (set by the CPU kernel tests) the kernels are
+interpreted functions and cannot be compiled, so it refuses to start then.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -367,8 +372,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", default=None, help="comma-separated variant names")
     ap.add_argument("--json", default=None, help="write the reports here")
+    ap.add_argument("--drop-alignment", action="store_true",
+                    help="compile without the 16-byte alignment of the integer arguments")  # fmt: skip
     args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("sm90_report: TRITON_INTERPRET=1 makes the kernels interpreted functions; "
+              "run it without", file=sys.stderr)  # fmt: skip
+        return 2
     chosen = variants()
+    if args.drop_alignment:
+        chosen = [replace(v, aligned_ints=frozenset()) for v in chosen]
     if args.only:
         names = args.only.split(",")
         missing = set(names) - {v.name for v in chosen}

@@ -7,6 +7,7 @@ signed but malformed ones are a 400 naming the field."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -32,16 +33,19 @@ def _tampered() -> dict[str, Any]:
     return kv
 
 
-REFUSED: list[tuple[str, Any, str]] = [
-    ("unsigned", dict(DECODE_KV), "unsigned"),
-    ("prefill-hold", {"do_remote_decode": True}, "unsigned"),
-    ("forged", sign_kv_params(DECODE_KV, new_secret().encode()), "did not make"),
-    ("tampered", _tampered(), "did not make"),
-    ("expired", signed(DECODE_KV, now=time.time() - 3600), "expired"),
-    ("bad-signature", {**signed(DECODE_KV), "pd_signature": "zz"}, "malformed signature"),
-    ("other-request", signed(DECODE_KV, "someone-else"), "issued for request 'someone-else'"),
-    ("no-request", signed({"do_remote_decode": True}), "issued for request None"),
-]
+# (name, the params made when the test runs: signatures expire, so never at collection,
+# which may come many minutes before the test in a full run; the reason the 403 names)
+REFUSED: list[tuple[str, Callable[[], Any], str]] = [
+    ("unsigned", lambda: dict(DECODE_KV), "unsigned"),
+    ("prefill-hold", lambda: {"do_remote_decode": True}, "unsigned"),
+    ("forged", lambda: sign_kv_params(DECODE_KV, new_secret().encode()), "did not make"),
+    ("tampered", _tampered, "did not make"),
+    ("expired", lambda: signed(DECODE_KV, now=time.time() - 3600), "expired"),
+    ("bad-signature", lambda: {**signed(DECODE_KV), "pd_signature": "zz"}, "malformed signature"),
+    ("other-request", lambda: signed(DECODE_KV, "someone-else"),
+     "issued for request 'someone-else'"),
+    ("no-request", lambda: signed({"do_remote_decode": True}), "issued for request None"),
+]  # fmt: skip
 
 
 def _body(path: str, kv: Any, stream: bool = False) -> dict[str, Any]:
@@ -54,16 +58,17 @@ def _body(path: str, kv: Any, stream: bool = False) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-@pytest.mark.parametrize(("name", "kv", "reason"), REFUSED, ids=[r[0] for r in REFUSED])
+@pytest.mark.parametrize(("name", "make", "reason"), REFUSED, ids=[r[0] for r in REFUSED])
 def test_unverified_kv_params_are_403_and_never_reach_the_engine(
     server: ServerThread,
     server_engine: FakeEngineClient,
     path: str,
     name: str,
-    kv: Any,
+    make: Callable[[], Any],
     reason: str,
 ) -> None:
     rid = f"forged-{name}-{path.rsplit('/', 1)[-1]}"
+    kv = make()
     with httpx.Client(base_url=server.url, timeout=10) as c:
         for stream in (False, True):
             r = c.post(
