@@ -118,6 +118,7 @@ def search(args: argparse.Namespace, kind: str, url: str) -> dict:
         random_input_len=args.input_len, random_output_len=args.output_len,
         num_prompts=args.num_prompts, num_warmups=1, start=args.sla_start,
         tolerance=args.sla_tolerance, sla_ttft_ms=args.sla_ttft_ms, sla_tpot_ms=args.sla_tpot_ms,
+        min_point_seconds=args.sla_min_point_seconds,
         disable_tqdm=True, ignore_eos=True,
     )  # fmt: skip
     label, gpus = LABELS[kind], num_gpus(args, kind)
@@ -233,6 +234,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sla-ttft-ms", type=float, default=2500.0)
     ap.add_argument("--sla-tpot-ms", type=float, default=20.0)
     ap.add_argument("--sla-start", type=float, default=0.5, help="first rate of the search")
+    ap.add_argument("--sla-min-point-seconds", type=float, default=10.0,
+                    help="bench sla --min-point-seconds")  # fmt: skip
     ap.add_argument("--sla-tolerance", type=float, default=0.2)
     args = ap.parse_args(argv)
     for t in args.topologies.split(","):

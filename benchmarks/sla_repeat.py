@@ -1,4 +1,5 @@
-"""Is ``bench sla``'s capacity repeatable at its default sample size (200 prompts a point)?
+"""Is ``bench sla``'s capacity repeatable at its default sample size (200 prompts a point,
+or 10 s of requests at the point's rate when that is more)?
 
 Starts one ``pdserve serve`` of a tiny random checkpoint on the CPU, runs the same
 ``bench sla`` rate search against it ``--runs`` times (fresh prompts each run: another

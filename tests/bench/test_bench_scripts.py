@@ -136,6 +136,7 @@ def test_pd_bench_sla_search_against_a_fake_instance(
     out = tmp_path / "sla.json"
     argv = ["--ckpt", str(tiny_llama), "--device", "cpu", "--dtype", "float32",
             "--topologies", "colocated", "--sla", "--sla-start", "8", "--sla-tolerance", "0.5",
+            "--sla-min-point-seconds", "0",
             "--num-prompts", "16", "--input-len", "8", "--output-len", "4", "--out", str(out)]  # fmt: skip
     assert bench.main(argv) == 0
     (rec,) = json.loads(out.read_text())

@@ -116,7 +116,8 @@ def test_rate_search_finds_a_throughput_limit(
     srv = fake_server(ttft_s=0.0, itl_s=0.0, serial_s=0.02)
     rc = cli_main(
         ["bench", "sla", "--base-url", srv.url, "--tokenizer", str(tiny_tokenizer_dir),
-         "--num-prompts", "40", "--num-warmups", "1", "--random-input-len", "4",
+         "--num-prompts", "40", "--min-point-seconds", "0", "--num-warmups", "1",
+         "--random-input-len", "4",
          "--random-output-len", "2", "--start", "32", "--tolerance", "0.1",
          "--sla-ttft-ms", "1e6", "--sla-tpot-ms", "1e6", "--disable-tqdm", "--no-plot",
          "--result-dir", str(tmp_path), "--result-filename", "sla.json"]
@@ -185,7 +186,8 @@ def test_rate_search_end_to_end(
     srv = fake_server(latency_of=_knee(3), prefix_hit_ratio=0.5)
     rc = cli_main(
         ["bench", "sla", "--base-url", srv.url, "--tokenizer", str(tiny_tokenizer_dir),
-         "--num-prompts", "30", "--num-warmups", "1", "--random-input-len", "8",
+         "--num-prompts", "30", "--min-point-seconds", "0", "--num-warmups", "1",
+         "--random-input-len", "8",
          "--random-output-len", "4", "--start", "32", "--tolerance", "0.5", "--max-load", "512",
          "--sla-metric", "p50", "--disable-tqdm", "--no-plot", "--result-dir", str(tmp_path)]
     )  # fmt: skip
@@ -204,6 +206,20 @@ def test_rate_search_end_to_end(
         assert (hi - lo) / lo <= 0.5
 
 
+def test_a_rate_point_lasts_at_least_min_point_seconds() -> None:
+    from pdserve.bench.sla import SLA, _point_args, default_args
+
+    args = default_args(num_prompts=40, min_point_seconds=2.0)
+    sla = SLA(2500.0, 20.0, "mean")
+    at = [_point_args(args, sla, "http://x", "x", rate, 0, False).num_prompts
+          for rate in (8.0, 64.0, 150.5)]  # fmt: skip
+    assert at == [40, 128, 301]  # --num-prompts, or rate x 2 s when that is more
+    flat = default_args(num_prompts=40, min_point_seconds=0.0)
+    assert _point_args(flat, sla, "http://x", "x", 150.5, 0, False).num_prompts == 40
+    conc = default_args(num_prompts=40, search="concurrency")
+    assert _point_args(conc, sla, "http://x", "x", 64, 0, False).num_prompts == 40
+
+
 def test_bad_flags_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["bench", "sla", "--request-rate", "5"]) == 2
     assert "--start, not --request-rate" in capsys.readouterr().err
@@ -212,6 +228,7 @@ def test_bad_flags_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
         == 2
     )
     assert cli_main(["bench", "sla", "--search", "concurrency", "--start", "0"]) == 2
+    assert cli_main(["bench", "sla", "--min-point-seconds", "-1"]) == 2
 
 
 def test_sla_repeat_script_smoke(tmp_path: Path) -> None:
@@ -228,6 +245,7 @@ def test_sla_repeat_script_smoke(tmp_path: Path) -> None:
         [sys.executable, str(script), "--out", str(out), "--runs", "1", "--num-prompts", "8",
          "--port", str(free_port()), "--sla-args", "--random-input-len", "8",
          "--random-output-len", "4", "--start", "64", "--max-load", "64", "--num-warmups", "1",
+         "--min-point-seconds", "0",
          "--sla-ttft-ms", "1e6", "--sla-tpot-ms", "1e6"],  # one point that passes
         capture_output=True, text=True, timeout=240,
     )  # fmt: skip

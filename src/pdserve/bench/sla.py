@@ -17,9 +17,13 @@ still applies). A point passes when no request failed, the chosen statistic of T
 and of TPOT is within the SLA and (at a finite rate) the server completed requests at
 no less than 95% of the rate they arrived at (``achieved_request_rate`` against
 ``offered_request_rate``, :func:`pdserve.bench.metrics.sustained_rates`): a server that
-falls behind builds a queue, which a short run may not show in its latencies yet. The
-default sample, 200 prompts a point, is large enough for that queue to show; the search (``sla_search``) doubles from ``--start`` to
-bracket the capacity and bisects to ``--tolerance`` (relative).
+falls behind builds a queue, which a short run may not show in its latencies yet. A
+rate point sends ``--num-prompts`` (default 200) or ``rate x --min-point-seconds``
+(default 10 s) requests, whichever is more, so every point runs long enough for that
+queue to show and for its rates to be measured (at 150 req/s, 200 prompts last 1.3 s:
+two searches of one CPU server found 160 and 104 req/s; with 10 s points, 144 and 144).
+The search (``sla_search``) doubles from ``--start`` to bracket the capacity and bisects
+to ``--tolerance`` (relative).
 
 Output: ``sla-<search>-<date>.json`` in ``--result-dir`` (or ``--result-filename``) with
 every point (load, pass/fail and why, latency statistics, throughput, goodput, prefix
@@ -51,6 +55,7 @@ from pdserve.bench.sla_search import SLA, SLA_METRICS, Point, SearchResult, max_
 
 DEFAULT_WARMUPS = 8
 DEFAULT_PROMPTS = 200
+DEFAULT_MIN_POINT_SECONDS = 10.0
 _SUMMARY_KEYS = (
     "request_rate", "max_concurrency", "duration", "completed", "failed",
     "total_input_tokens", "total_output_tokens", "request_throughput", "request_goodput",
@@ -85,6 +90,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="Stop halving here (default start/64 for rates, 1 for concurrency).",
     )
     g.add_argument("--tolerance", type=float, default=0.1, help="Relative width to bisect to.")
+    g.add_argument(
+        "--min-point-seconds",
+        type=float,
+        default=DEFAULT_MIN_POINT_SECONDS,
+        help="A rate point sends at least rate x this many seconds of requests (more than "
+        "--num-prompts when the rate is high), so every point lasts long enough for a "
+        "queue to show (0: --num-prompts alone).",
+    )
     g.add_argument(
         "--num-gpus",
         type=int,
@@ -147,6 +160,8 @@ def _endpoints(args: argparse.Namespace) -> list[tuple[str, str, int]]:
 def _check(args: argparse.Namespace) -> None:
     if not args.tolerance > 0:
         raise BenchError(f"--tolerance must be > 0, got {args.tolerance}")
+    if not args.min_point_seconds >= 0:
+        raise BenchError(f"--min-point-seconds must be >= 0, got {args.min_point_seconds}")
     if args.search == "rate" and not math.isinf(args.request_rate):
         raise BenchError("--search rate varies the request rate: give --start, not --request-rate")
     if args.search == "concurrency" and args.max_concurrency is not None:
@@ -164,6 +179,7 @@ def _point_args(
     p.label = label
     if args.search == "rate":
         p.request_rate = x
+        p.num_prompts = max(args.num_prompts, math.ceil(x * args.min_point_seconds))
     else:
         p.max_concurrency = int(x)
     p.seed = args.seed + k  # fresh prompts: no prefix-cache hit on an earlier point's
