@@ -209,8 +209,15 @@ def _check_everything(prom: str) -> None:
     for rule in rules():
         if "record" in rule:
             queries += [(rule["record"], rule["expr"]), (rule["record"], rule["record"])]
+    # a series first seen in the load's last second has one sample, and a rate of it no
+    # data, until the next scrape (1 s): ask again for a few scrapes before judging
+    deadline = time.monotonic() + 10
     with ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(lambda q: _query(prom, q[1]), queries))
+        while True:
+            results = list(pool.map(lambda q: _query(prom, q[1]), queries))
+            if all(results) or time.monotonic() > deadline:
+                break
+            time.sleep(1)
     empty = [
         f"{what}: {expr}" for (what, expr), res in zip(queries, results, strict=True) if not res
     ]

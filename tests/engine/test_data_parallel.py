@@ -78,10 +78,20 @@ def test_dp2_ep_matches_one_process(glm_ep: ClientThread, tiny_glm5: Path) -> No
 
 def test_idle_rank_runs_dummies_and_does_not_stall(glm_ep: ClientThread) -> None:
     client = glm_ep.client
-    before = [
-        (s.num_generated_tokens, s.num_steps, s.step_paths.get("dummy:eager", 0))
-        for s in client.rank_stats
-    ]
+
+    def snapshot() -> list[tuple[int, int, int]]:
+        return [
+            (s.num_generated_tokens, s.num_steps, s.step_paths.get("dummy:eager", 0))
+            for s in client.rank_stats
+        ]
+
+    # The previous test's last steps (a dummy on the rank that finished first) may still
+    # be on their way: start from snapshots that have stopped changing.
+    before, settled_at, deadline = snapshot(), time.monotonic(), time.monotonic() + 10
+    while time.monotonic() - settled_at < 0.5 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        if (now := snapshot()) != before:
+            before, settled_at = now, time.monotonic()
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     t0 = time.monotonic()
     [(toks, _)] = glm_ep.generate(prompts(1), sp, prefix="lone")
