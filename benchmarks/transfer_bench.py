@@ -6,9 +6,15 @@ serves it over each transport's real KV server (authenticated side channel, leas
 This process is "decode": for each prompt length it reads one leased request's blocks
 into its own cache through a handshaken ``PeerLink`` and times
 
-- ``copy``: the transport's write alone (cuda_ipc: one kernel launch; nixl: one READ);
-- ``transfer``: read request + copy + done notice (what the engine's
-  ``pdserve:kv_transfer_time_seconds`` measures);
+- ``transfer``: what a request waits for, as the engine's puller does it
+  (``PeerLink.start_read`` with the block ids prefill's params named, until the bytes
+  have landed; ``pdserve:kv_transfer_time_seconds`` measures the same span). cuda_ipc
+  and nixl read prefill's memory themselves, so their copy starts before the read's
+  reply and overlaps its round trip (``early``); tcp needs the reply's frames;
+- ``rtt`` + ``copy`` = ``sequential``: the read's round trip, then the transport's
+  write alone (cuda_ipc: one kernel launch; nixl: one READ), in another read of the
+  same length (the path without the overlap);
+- ``done``: the done notice's round trip, after the request has its KV (off its path);
 - ``bound``: a device-to-device copy of the same bytes, measured here in the same call
   (with ``--prefill-device`` on another GPU: a peer copy from that GPU to this one).
 
@@ -93,9 +99,11 @@ def prefill_side(args: argparse.Namespace, conn) -> None:  # type: ignore[no-unt
     for name in args.transports.split(","):
         leases = LeaseTable(600.0, max_reads=1000)
         leases.add(f"{name}/warm", held_blocks(1024))
+        leases.add(f"{name}/warm-seq", held_blocks(1024))
         for n in args.lens:
             for r in range(args.reps):
                 leases.add(f"{name}/{n}-{r}", held_blocks(n))
+                leases.add(f"{name}/{n}-{r}-seq", held_blocks(n))
         try:
             t = open_transport(name, caches)
             transports.append(t)
@@ -164,36 +172,47 @@ def _reads(args, name, link, caches, sample) -> list[dict]:  # type: ignore[no-u
     cfg = caches.config
     rows: list[dict] = []
 
-    def read(rid: str, n: int, link: PeerLink = link, name: str = name) -> tuple[float, float]:
+    def read(rid: str, n: int, link: PeerLink = link, name: str = name) -> dict[str, float]:
+        """One read as the puller makes it (early copy where the transport can), then one
+        of the same length in sequence (reply, then copy); seconds of each part."""
+        held, local = held_blocks(n), list(range(2, 2 + n))  # local: a real remap
         t0 = time.perf_counter()
-        reply, frames = link.request(W.Read(f"{name}/{rid}", 0, n, n), 60.0)
-        assert isinstance(reply, W.ReadReply), reply
+        link.start_read(W.Read(f"{name}/{rid}", 0, n, n), local, 60.0, held).wait()
         t1 = time.perf_counter()
-        assert link.transport is not None
-        local = list(range(2, 2 + n))  # not the prefill ids: a real remap
-        link.transport.begin_write(reply.block_ids, local, frames, 60.0).wait()
-        t2 = time.perf_counter()
         link.notify(W.Done([f"{name}/{rid}"]), 10.0)
-        return t2 - t1, time.perf_counter() - t0
+        t2 = time.perf_counter()
+        reply, frames = link.request(W.Read(f"{name}/{rid}-seq", 0, n, n), 60.0)
+        assert isinstance(reply, W.ReadReply), reply
+        t3 = time.perf_counter()
+        assert link.transport is not None
+        link.transport.begin_write(reply.block_ids, local, frames, 60.0).wait()
+        t4 = time.perf_counter()
+        link.notify(W.Done([f"{name}/{rid}-seq"]), 10.0)
+        return {"transfer": t1 - t0, "done": t2 - t1, "rtt": t3 - t2, "copy": t4 - t3}
 
     read("warm", len(held_blocks(1024)))
+    early = bool(link.transport and link.transport.reads_remote_memory)
     for length in args.lens:
         n = len(held_blocks(length))
         got = [read(f"{length}-{r}", n) for r in range(args.reps)]
         nbytes = n * cfg.bytes_per_block
         bound = _timed_copy_bound(nbytes, dev, torch.device(args.prefill_device))
-        copy = statistics.median(c for c, _ in got)
-        total = statistics.median(x for _, x in got)
+        med = {k: statistics.median(g[k] for g in got) for k in got[0]}
+        seq = statistics.median(g["rtt"] + g["copy"] for g in got)
         rows.append(
             {
                 "transport": name,
                 "prompt": length,
                 "bytes": nbytes,
-                "copy_ms": copy * 1e3,
-                "transfer_ms": total * 1e3,
+                "early": early,
+                "transfer_ms": med["transfer"] * 1e3,
+                "copy_ms": med["copy"] * 1e3,
+                "rtt_ms": med["rtt"] * 1e3,
+                "sequential_ms": seq * 1e3,
+                "done_ms": med["done"] * 1e3,
                 "bound_ms": bound * 1e3,
-                "copy_ratio": copy / bound,
-                "transfer_ratio": total / bound,
+                "copy_ratio": med["copy"] / bound,
+                "transfer_ratio": med["transfer"] / bound,
             }
         )
     last = 2 + len(held_blocks(max(args.lens))) - 1
@@ -381,8 +400,8 @@ def main() -> int:
     t0 = time.perf_counter()
     res["transfers"] = transfers(args)
     print(
-        f"{'transport':>9} {'prompt':>7} {'GB':>6} {'copy ms':>8} {'xfer ms':>8} "
-        f"{'bound ms':>8} {'copy/bd':>7} {'xfer/bd':>7}"
+        f"{'transport':>9} {'prompt':>7} {'GB':>6} {'copy ms':>8} {'rtt ms':>7} {'seq ms':>7} "
+        f"{'xfer ms':>8} {'done ms':>7} {'bound ms':>8} {'copy/bd':>7} {'xfer/bd':>7} early"
     )
     for r in res["transfers"]:
         if "error" in r:
@@ -390,8 +409,9 @@ def main() -> int:
             continue
         print(
             f"{r['transport']:>9} {r['prompt']:>7} {r['bytes'] / 1e9:>6.2f} {r['copy_ms']:>8.2f} "
-            f"{r['transfer_ms']:>8.2f} {r['bound_ms']:>8.3f} {r['copy_ratio']:>7.2f} "
-            f"{r['transfer_ratio']:>7.2f}",
+            f"{r['rtt_ms']:>7.2f} {r['sequential_ms']:>7.2f} {r['transfer_ms']:>8.2f} "
+            f"{r['done_ms']:>7.2f} {r['bound_ms']:>8.3f} {r['copy_ratio']:>7.2f} "
+            f"{r['transfer_ratio']:>7.2f} {r['early']}",
             flush=True,
         )
     over = args.equality_transport

@@ -53,6 +53,7 @@ def test_reference_copy_matches_a_per_layer_index_copy(
     want = KVCaches.allocate(cfg, 14, torch.device("cpu"))
     plan = CopyPlan.make(Segments.of(src), Segments.of(got), torch.device("cpu"))
     assert plan.unit == unit  # 12-byte code blocks: 4-byte units
+    assert plan.aligned16 == (not codes)  # without them: 16-byte accesses
     assert len(plan.src.addrs) == 4 + codes  # two K/V halves per attention layer
     reference_copy(plan, _tensors(src), _tensors(got), remote, local)
     _expected(src, want, remote, local)
@@ -77,8 +78,9 @@ def test_ids_out_of_range_and_unpaired_caches_are_refused() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_triton_block_copy_matches_the_reference(dtype: str) -> None:
-    cfg = _config(dtype)
+@pytest.mark.parametrize("codes", [True, False])  # False: 16-byte aligned, paired accesses
+def test_triton_block_copy_matches_the_reference(dtype: str, codes: bool) -> None:
+    cfg = _config(dtype, codes)
     src = filled_caches(cfg, 40, "cuda", 1)
     got = KVCaches.allocate(cfg, 50, torch.device("cuda"))
     want = KVCaches.allocate(cfg, 50, torch.device("cuda"))

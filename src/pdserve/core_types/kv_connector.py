@@ -37,6 +37,10 @@ class KVLoad:
     first_block: int  # blocks before this one decode has from its own prefix cache
     num_blocks: int  # blocks prefill holds for the request in all (consistency check)
     prompt_digest: str = ""  # of the local prompt: prefill serves KV computed for it only
+    # prefill's ids of all ``num_blocks`` blocks, as its kv_transfer_params named them (a
+    # transport that reads prefill's memory itself starts copying before the read's
+    # reply); empty when unknown
+    remote_block_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

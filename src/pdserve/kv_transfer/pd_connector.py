@@ -138,6 +138,7 @@ class PdConnectorScheduler(KVConnectorScheduler):
             first,
             held,
             prompt_digest(req.prompt_token_ids),
+            tuple(p.remote_block_ids or ()) if sent == held else (),
         )
 
     def build_connector_meta(self) -> KVConnectorMetadata:

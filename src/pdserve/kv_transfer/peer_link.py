@@ -12,9 +12,10 @@ picked up).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
@@ -102,25 +103,58 @@ class PeerLink:
         parts = self.sock.recv_multipart(copy=False)
         return W.open_reply(self.secret, tag, parts)
 
-    def read(self, msg: W.Read, local_block_ids: list[int], timeout: float) -> int:
+    def read(
+        self,
+        msg: W.Read,
+        local_block_ids: list[int],
+        timeout: float,
+        expected_ids: Sequence[int] = (),
+    ) -> int:
         """Read blocks and write them into ``local_block_ids``; the bytes moved."""
-        return self.start_read(msg, local_block_ids, timeout).wait()
+        return self.start_read(msg, local_block_ids, timeout, expected_ids).wait()
 
-    def start_read(self, msg: W.Read, local_block_ids: list[int], timeout: float) -> PendingWrite:
+    def start_read(
+        self,
+        msg: W.Read,
+        local_block_ids: list[int],
+        timeout: float,
+        expected_ids: Sequence[int] = (),
+    ) -> PendingWrite:
         """Read blocks and start writing them into ``local_block_ids`` (transports that
-        copy asynchronously are still writing when this returns; the socket is free)."""
-        t0 = time.monotonic()
-        reply, frames = self.request(msg, timeout)
-        if isinstance(reply, W.Error):
-            raise RuntimeError(reply.message)
-        if not isinstance(reply, W.ReadReply):
-            raise RuntimeError(f"unexpected read reply {type(reply).__name__}")
-        if len(frames) != reply.num_frames or len(reply.block_ids) != msg.num_read:
-            raise RuntimeError(
-                f"a read reply of {len(frames)} frames for {len(reply.block_ids)} blocks "
-                f"({reply.num_frames} frames, {msg.num_read} blocks announced/asked)"
-            )
+        copy asynchronously are still writing when this returns; the socket is free).
+
+        ``expected_ids``: prefill's ids of the blocks asked for, as its params named
+        them. A transport that reads prefill's memory itself starts the copy from them
+        before sending the read, so the copy overlaps the round trip. Blocks a lease
+        holds stay put from prefill's finish until the done notice, so a reply naming
+        the same ids vouches for what the copy read; a refusal (or other ids) waits for
+        that copy to land, then fails (or copies again from the ids the reply names):
+        nothing is left writing into blocks the caller may free."""
         assert self.transport is not None
+        t0 = time.monotonic()
+        early: PendingWrite | None = None
+        if self.transport.reads_remote_memory and len(expected_ids) == msg.num_read > 0:
+            early = self.transport.begin_write(list(expected_ids), local_block_ids, [], timeout)
+        try:
+            reply, frames = self.request(msg, timeout)
+            if isinstance(reply, W.Error):
+                raise RuntimeError(reply.message)
+            if not isinstance(reply, W.ReadReply):
+                raise RuntimeError(f"unexpected read reply {type(reply).__name__}")
+            if len(frames) != reply.num_frames or len(reply.block_ids) != msg.num_read:
+                raise RuntimeError(
+                    f"a read reply of {len(frames)} frames for {len(reply.block_ids)} blocks "
+                    f"({reply.num_frames} frames, {msg.num_read} blocks announced/asked)"
+                )
+        except BaseException:
+            if early is not None:
+                with contextlib.suppress(Exception):
+                    early.wait()
+            raise
+        if early is not None:
+            if list(reply.block_ids) == list(expected_ids):
+                return early
+            early.wait()  # prefill holds other blocks than its params named: copy those
         left = max(0.001, timeout - (time.monotonic() - t0))
         return self.transport.begin_write(reply.block_ids, local_block_ids, frames, left)
 

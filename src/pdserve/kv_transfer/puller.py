@@ -340,7 +340,10 @@ class KVPuller:
                 self.consumer,
             )
             left = max(0.001, job.deadline - time.monotonic())
-            pending = link.start_read(read, load.local_block_ids, min(self.transfer_timeout, left))
+            n = len(load.local_block_ids)
+            expected = load.remote_block_ids[load.first_block : load.first_block + n]
+            timeout = min(self.transfer_timeout, left)
+            pending = link.start_read(read, load.local_block_ids, timeout, expected)
             link_ok = self._notices_while(w, link, pending, job.deadline)
             nbytes = pending.wait()
         except Exception as e:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -49,6 +49,10 @@ class PendingWrite:
 
 class ClientTransport(ABC):
     """Decode side."""
+
+    # the copy needs only prefill's block ids, no frames (it reads prefill's memory
+    # itself): the link may start it before the read's reply arrives
+    reads_remote_memory: ClassVar[bool] = False
 
     def __init__(self, kv_caches: KVCaches, transport_info: dict[str, Any]) -> None:
         self.kv_caches = kv_caches

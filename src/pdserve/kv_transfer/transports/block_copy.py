@@ -100,11 +100,17 @@ def check_ids(ids: list[int] | np.ndarray, num_blocks: int, side: str) -> np.nda
     return arr
 
 
+def alignment(src: Segments, dst: Segments) -> int:
+    """The largest power of two up to 16 dividing every address and block size of both
+    ends."""
+    g = int(np.gcd.reduce(np.concatenate([src.addrs, dst.addrs, src.block_bytes, [16]])))
+    return g & -g
+
+
 def unit_bytes(src: Segments, dst: Segments) -> int:
     """The widest element (8, 4, 2 or 1 bytes) dividing every address and block size of
     both ends: the kernel copies in units of it."""
-    g = int(np.gcd.reduce(np.concatenate([src.addrs, dst.addrs, src.block_bytes, [8]])))
-    return 8 if g % 8 == 0 else 4 if g % 4 == 0 else 2 if g % 2 == 0 else 1
+    return min(8, alignment(src, dst))
 
 
 @dataclass(frozen=True)
@@ -115,6 +121,7 @@ class CopyPlan:
     src: Segments
     dst: Segments
     unit: int  # bytes
+    aligned16: bool  # every address and block size a multiple of 16 bytes
     src_addrs: torch.Tensor  # int64 [S] on the device
     dst_addrs: torch.Tensor
     units: torch.Tensor  # int64 [S]: units per block
@@ -127,7 +134,8 @@ class CopyPlan:
         def t(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
 
-        return cls(src, dst, u, t(src.addrs), t(dst.addrs), t(src.block_bytes // u))
+        a16 = alignment(src, dst) == 16
+        return cls(src, dst, u, a16, t(src.addrs), t(dst.addrs), t(src.block_bytes // u))
 
     def block_pairs(self, src_ids: list[int], dst_ids: list[int]) -> torch.Tensor:
         """int64 [2, B] on the host: source ids, destination ids (both range-checked)."""
@@ -180,4 +188,6 @@ def copy_blocks(plan: CopyPlan, pairs: torch.Tensor, stream: torch.cuda.Stream) 
 
     with torch.cuda.stream(stream):
         ids = pairs.pin_memory().to(plan.units.device, non_blocking=True)
-        copy_blocks_by_address(plan.src_addrs, plan.dst_addrs, plan.units, ids, plan.unit)
+        copy_blocks_by_address(
+            plan.src_addrs, plan.dst_addrs, plan.units, ids, plan.unit, plan.aligned16
+        )

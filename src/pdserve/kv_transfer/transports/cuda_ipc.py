@@ -147,6 +147,8 @@ class CudaIpcServer(ServerTransport):
 
 
 class CudaIpcClient(ClientTransport):
+    reads_remote_memory = True
+
     def __init__(self, kv_caches: KVCaches, transport_info: dict[str, Any]) -> None:
         super().__init__(kv_caches, transport_info)
         dev = kv_caches.device

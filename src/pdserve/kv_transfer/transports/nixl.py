@@ -208,6 +208,8 @@ class NixlServer(ServerTransport):
 
 
 class NixlClient(ClientTransport):
+    reads_remote_memory = True
+
     def __init__(
         self, kv_caches: KVCaches, transport_info: dict[str, Any], endpoint: NixlEndpoint
     ) -> None:

@@ -1,0 +1,119 @@
+"""A transport that reads prefill's memory itself (cuda_ipc, nixl) starts the copy from
+the block ids prefill's params named, before the read's reply: the copy overlaps the
+round trip. A reply naming other ids copies again from those; a refusal lets the early
+copy land before the read fails (nothing keeps writing into blocks decode frees).
+Loopback only; the "remote memory" is a CPU copy of the prefill server's caches."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from _kv_side_channel import COMPAT, caches, kv_server
+from _polling import wait_until
+from pdserve.core_types.kv_connector import KVLoad, KVPeer
+from pdserve.core_types.pd_auth import new_secret
+from pdserve.forward_context import KVCaches
+from pdserve.kv_transfer.lease import LeaseTable
+from pdserve.kv_transfer.puller import KVPuller, LoadResult
+from pdserve.kv_transfer.server import KVServer
+from pdserve.kv_transfer.transports.base import ClientTransport, PendingWrite
+
+SECRET = new_secret().encode()
+HELD = [5, 1, 2]
+LOCAL = [0, 3, 4]
+
+
+class RemoteMemoryClient(ClientTransport):
+    """Copies blocks from the prefill's caches (an identical CPU copy) by id, as a
+    cuda_ipc client does over mapped memory; records each copy and when it was waited."""
+
+    reads_remote_memory = True
+
+    def __init__(self, kv_caches: KVCaches, info: dict[str, Any], log: list[str]) -> None:
+        super().__init__(kv_caches, info)
+        self.remote = caches()  # what the prefill server holds (same seed)
+        self.log = log
+
+    def begin_write(
+        self,
+        remote_block_ids: list[int],
+        local_block_ids: list[int],
+        frames: list[Any],
+        timeout: float = 60.0,
+    ) -> PendingWrite:
+        self.log.append(f"copy {remote_block_ids} frames={len(frames)}")
+        n = self.write(remote_block_ids, local_block_ids, frames)
+
+        def wait() -> int:
+            self.log.append(f"landed {remote_block_ids}")
+            return n
+
+        return PendingWrite(wait)
+
+    def write(self, remote_block_ids: list[int], local_block_ids: list[int], frames: list) -> int:
+        for (_, lay, dst), (_, _, src) in zip(
+            self.kv_caches.layers(), self.remote.layers(), strict=True
+        ):
+            for r, loc in zip(remote_block_ids, local_block_ids, strict=True):
+                dst.select(lay.block_axis, loc).copy_(src.select(lay.block_axis, r))
+        return self.kv_caches.bytes_per_block() * len(local_block_ids)
+
+
+@pytest.fixture
+def prefill() -> Iterator[KVServer]:
+    leases = LeaseTable(30.0)
+    leases.add("r0", HELD)
+    srv = kv_server(SECRET, leases)
+    yield srv
+    srv.close()
+
+
+def _pull(port: int, remote: str, named: tuple[int, ...]) -> tuple[LoadResult, KVCaches, list[str]]:
+    dst, log = caches(seed=None), []
+    p = KVPuller(COMPAT, lambda info: RemoteMemoryClient(dst, info, log), 5.0, 5.0, SECRET)
+    got: list[LoadResult] = []
+    try:
+        p.load(KVLoad("a", KVPeer("127.0.0.1", port), remote, LOCAL, 0, len(HELD), "", named))
+        assert wait_until(lambda: bool(got.extend(p.take_results()) or got), 5.0, 0.005)
+    finally:
+        p.close()
+    return got[0], dst, log
+
+
+def _blocks(kv: KVCaches, ids: list[int]) -> list[torch.Tensor]:
+    return [c.index_select(lay.block_axis, torch.tensor(ids)) for _, lay, c in kv.layers()]
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_the_copy_starts_from_the_named_ids_before_the_reply(prefill) -> None:
+    res, dst, log = _pull(prefill.port, "r0", tuple(HELD))
+    assert res.error is None and res.nbytes == 3 * dst.bytes_per_block()
+    assert log == [f"copy {HELD} frames=0", f"landed {HELD}"]  # one copy, no frames needed
+    assert _same(_blocks(dst, LOCAL), _blocks(caches(), HELD))
+
+
+def test_a_reply_with_other_ids_copies_again_from_those(prefill) -> None:
+    res, dst, log = _pull(prefill.port, "r0", (1, 2, 3))
+    assert res.error is None
+    assert log[:2] == ["copy [1, 2, 3] frames=0", "landed [1, 2, 3]"]
+    assert log[2] == f"copy {HELD} frames=1"  # the ids prefill holds (after the reply)
+    assert _same(_blocks(dst, LOCAL), _blocks(caches(), HELD))
+
+
+def test_a_refused_read_lets_the_early_copy_land_then_fails(prefill) -> None:
+    res, _, log = _pull(prefill.port, "nobody", tuple(HELD))
+    assert "no longer holds the KV of request 'nobody'" in (res.error or "")
+    assert log == [f"copy {HELD} frames=0", f"landed {HELD}"]  # waited before failing
+
+
+def test_without_named_ids_the_copy_waits_for_the_reply(prefill) -> None:
+    res, _, log = _pull(prefill.port, "r0", ())
+    assert res.error is None
+    assert log == [f"copy {HELD} frames=1", f"landed {HELD}"]
