@@ -51,14 +51,7 @@ from typing import Any
 import torch
 import triton
 
-from pdserve.kernels.dsa_indexer import (
-    SORT_FREE_MAX_WIDTH,
-    fp8_index_row_bytes,
-    indexer_cache_views,
-    indexer_logits,
-    topk_select,
-    write_index_keys,
-)
+from pdserve.kernels.dsa_indexer import SORT_FREE_MAX_WIDTH, indexer_logits, topk_select
 from pdserve.kernels.dsa_indexer_tiled import (
     PREFILL_TILE,
     SMALL_QUERY_ROWS,
@@ -68,6 +61,7 @@ from pdserve.kernels.dsa_indexer_tiled import (
     verify_config,
 )
 from pdserve.kernels.dsa_select import REG_SELECT_MAX_WIDTH
+from pdserve.kernels.index_cache import fp8_index_row_bytes, indexer_cache_views, write_index_keys
 from pdserve.layers.attention.backend import CommonAttentionMetadata
 from pdserve.layers.attention.dsa_triton import IndexerTritonBackend
 from pdserve.layers.attention.paged_gather import token_chunks

@@ -10,16 +10,14 @@ import pytest
 import torch
 from _sparse_batch import SparseBatch, sparse_batch
 
-from pdserve.kernels.dsa_indexer import (
+from pdserve.kernels.dsa_indexer import indexer_logits, indexer_topk_reference, topk_select
+from pdserve.kernels.dsa_indexer_tiled import indexer_logits_tiled
+from pdserve.kernels.index_cache import (
     dequantize_index_cache,
     fp8_index_row_bytes,
     indexer_cache_views,
-    indexer_logits,
-    indexer_topk_reference,
-    topk_select,
     write_index_keys,
 )
-from pdserve.kernels.dsa_indexer_tiled import indexer_logits_tiled
 from pdserve.layers.attention import dsa_triton
 from pdserve.layers.attention.dsa import IndexerTorchBackend
 from pdserve.layers.attention.dsa_triton import IndexerTritonBackend

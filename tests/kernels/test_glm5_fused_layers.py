@@ -14,7 +14,7 @@ import torch
 
 from _attn_helper import PagedKV
 from pdserve.forward_context import KVCaches
-from pdserve.kernels.dsa_indexer import dequantize_index_cache
+from pdserve.kernels.index_cache import dequantize_index_cache
 from pdserve.kernels.reference import FP8_DTYPE
 from pdserve.layers.attention.dsa import Indexer
 from pdserve.models import load_model

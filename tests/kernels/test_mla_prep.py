@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels.dsa_indexer import (
+from pdserve.kernels.index_cache import (
     dequantize_index_cache,
     fp8_index_row_bytes,
     indexer_cache_views,

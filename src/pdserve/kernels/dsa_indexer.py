@@ -33,15 +33,12 @@ Output: ``[T, K]`` int64 key positions (the reference returns them sorted by sco
 one in position order within the two groups: attention does not care about order).
 
 **FP8 keys** (``--kv-cache-dtype fp8``): the cache holds float8_e4m3fn keys with one
-float32 scale per key, ``k ≈ k_fp8 * k_scale`` with ``k_scale = max(amax(|k|) / 448,
-1e-12)`` computed as the key is written (dynamic, per token, as DeepSeek-V3.2 stores
-them). One block of the layer's uint8 tensor is ``[block_size, D]`` fp8 keys, then
-``[block_size]`` float32 scales (:func:`indexer_cache_views` splits it into two strided
-views; key rows stay 16-byte aligned when ``D`` is a multiple of 16). The score kernels
-take the scale view as ``k_scale``: the fp8 tile is widened to the query's dtype for the
-dot (exact: every e4m3 value is a bf16 value) and the weighted head sum of each key is
-multiplied by its scale once, ``sum_h w * ReLU(q . k_fp8 * s) = s * sum_h w * ReLU(q .
-k_fp8)`` since ``s > 0``. Queries stay in the model dtype.
+float32 scale per key, computed as the key is written (the layout and its torch helpers:
+:mod:`pdserve.kernels.index_cache`). The score kernels take the scale view as
+``k_scale``: the fp8 tile is widened to the query's dtype for the dot (exact: every e4m3
+value is a bf16 value) and the weighted head sum of each key is multiplied by its scale
+once, ``sum_h w * ReLU(q . k_fp8 * s) = s * sum_h w * ReLU(q . k_fp8)`` since ``s > 0``.
+Queries stay in the model dtype.
 """
 
 from __future__ import annotations
@@ -52,66 +49,12 @@ import triton.language as tl
 
 from pdserve.kernels._utils import check_device, dot_precision, dot_upcast, next_pow2, num_sms
 from pdserve.kernels.dsa_select import REG_SELECT_MAX_WIDTH, reg_topk_select
-from pdserve.kernels.reference import FP8_DTYPE, quantize_fp8_groups
+from pdserve.kernels.index_cache import check_key_cache
 
 BLOCK_N = 64
 KEYS_PER_PROGRAM = 256
 SELECT_BLOCK = 4096
 SORT_FREE_MAX_WIDTH = 32768  # wider score rows go to torch.topk (see the module doc)
-KEY_SCALE_BYTES = 4  # one float32 scale a key in an fp8 indexer cache
-
-
-def fp8_index_row_bytes(head_dim: int) -> int:
-    """Bytes a key takes in an fp8 indexer cache (its fp8 values and its scale)."""
-    if head_dim % KEY_SCALE_BYTES:
-        raise ValueError(f"an fp8 indexer cache needs index_head_dim % 4 == 0, not {head_dim}")
-    return head_dim + KEY_SCALE_BYTES
-
-
-def indexer_cache_views(
-    cache: torch.Tensor, head_dim: int
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(keys [blocks, block_size, D], per-key float32 scales [blocks, block_size] or None)
-    of one layer's indexer cache: a model-dtype cache is its keys (no scales); a uint8
-    cache [blocks, block_size * (D + 4)] is the fp8 layout of the module doc, split into
-    two views of the same storage (no copy)."""
-    if cache.dtype != torch.uint8:
-        return cache, None
-    row = fp8_index_row_bytes(head_dim)
-    if cache.dim() != 2 or cache.shape[1] % row or cache.stride(1) != 1:
-        raise ValueError(f"fp8 indexer cache {tuple(cache.shape)} is not [blocks, page * {row}]")
-    bs = cache.shape[1] // row
-    keys = cache[:, : bs * head_dim].view(FP8_DTYPE).unflatten(1, (bs, head_dim))
-    return keys, cache[:, bs * head_dim :].view(torch.float32)
-
-
-def quantize_index_keys(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys [T, D] -> (float8_e4m3fn [T, D], float32 scales [T]): one scale a key."""
-    q, s = quantize_fp8_groups(k, group=k.shape[-1])
-    return q, s[:, 0]
-
-
-def write_index_keys(
-    keys: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor, k: torch.Tensor
-) -> None:
-    """Write keys ``k`` [n, D] to ``slots`` (all >= 0) of an indexer cache given as its
-    :func:`indexer_cache_views` (``scales`` None: model-dtype keys; else fp8 keys, each
-    quantized with its own scale as :func:`quantize_index_keys`)."""
-    if scales is None:
-        keys.view(-1, keys.shape[-1]).index_copy_(0, slots, k.to(keys.dtype))
-        return
-    kq, ks = quantize_index_keys(k)
-    blk, off = slots // keys.shape[1], slots % keys.shape[1]
-    keys.view(torch.uint8)[blk, off] = kq.view(torch.uint8)  # CPU torch: no fp8 index_put
-    scales[blk, off] = ks
-
-
-def dequantize_index_cache(cache: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """The keys of an indexer cache as float32 [blocks, block_size, D] (references, tests)."""
-    keys, scales = indexer_cache_views(cache, head_dim)
-    if scales is None:
-        return keys.float()
-    return keys.view(torch.uint8).view(FP8_DTYPE).float() * scales[..., None]
 
 
 @triton.jit
@@ -282,7 +225,7 @@ def indexer_logits(
     position; rows whose request's context is at most ``topk`` not at all), saving the
     buffer's fill. Otherwise every causal score, -inf past each token's position (what
     ``torch.topk`` needs). ``k_scale`` [blocks, block_size] float32: ``cache`` holds fp8
-    keys with these per-key scales (:func:`indexer_cache_views`)."""
+    keys with these per-key scales (``pdserve.kernels.index_cache.indexer_cache_views``)."""
     check_device(q, "indexer_logits")
     _, nh, d = q.shape
     check_key_cache(cache, k_scale, d)
@@ -331,26 +274,6 @@ def indexer_logits(
         num_warps=4,
     )
     return out
-
-
-def check_key_cache(cache: torch.Tensor, k_scale: torch.Tensor | None, d: int) -> None:
-    """Refuse a key cache the score kernels cannot read: [blocks, page, D] with unit inner
-    stride; with ``k_scale``: fp8 keys and float32 scales [blocks, page], unit inner stride."""
-    if cache.dim() != 3 or cache.shape[-1] != d or cache.stride(-1) != 1:
-        raise ValueError(f"indexer cache {tuple(cache.shape)} is not [blocks, page, {d}] "
-                         "with unit inner stride")  # fmt: skip
-    if k_scale is None:
-        if cache.dtype == FP8_DTYPE:
-            raise ValueError("fp8 indexer keys need their per-key scales (k_scale)")
-        return
-    if (
-        cache.dtype != FP8_DTYPE
-        or k_scale.dtype != torch.float32
-        or k_scale.shape != cache.shape[:2]
-        or k_scale.stride(1) != 1
-    ):
-        raise ValueError(f"k_scale {k_scale.dtype} {tuple(k_scale.shape)} does not fit fp8 "
-                         f"keys {cache.dtype} {tuple(cache.shape)}")  # fmt: skip
 
 
 def topk_select(

@@ -45,7 +45,7 @@ indexer_prefill,indexer_verify``) says otherwise:
   relabelling (no shared-memory round trip), the head sum shuffles within warps. A 16K
   context is 4 MB of keys a request; key tiles stream through cp.async stages.
 
-FP8 keys (``k_scale`` given: :func:`~pdserve.kernels.dsa_indexer.indexer_cache_views`):
+FP8 keys (``k_scale`` given: :func:`~pdserve.kernels.index_cache.indexer_cache_views`):
 each fp8 key tile is widened to the query dtype for the dot and each key's score (after
 the ReLU and the head sum) is multiplied by its scale, once a key block.
 
@@ -62,7 +62,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels._utils import check_device, dot_precision, dot_upcast, next_pow2, num_sms
-from pdserve.kernels.dsa_indexer import check_key_cache
+from pdserve.kernels.index_cache import check_key_cache
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ them is a kernel launch of a few hundred bytes. Here:
     head of ``q`` [T, NH, D] into a contiguous buffer; ``weights * NH**-0.5`` in float32;
     ``LayerNorm`` the key ``k`` [T, D], rotate its first ``R`` dims and write it into
     the indexer cache (an fp8 indexer cache: quantized with one float32 scale a key,
-    ``amax / 448``, stored beside it; :mod:`pdserve.kernels.dsa_indexer`).
+    ``amax / 448``, stored beside it; :mod:`pdserve.kernels.index_cache`).
     :func:`indexer_prepare_reference` is the unfused model.
 
 RoPE either layout (:func:`~pdserve.kernels.rope.load_pairs`), cos/sin gathered from
@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels._utils import check_device, interpret_mode, next_pow2, round_to_e4m3
-from pdserve.kernels.dsa_indexer import check_key_cache, write_index_keys
+from pdserve.kernels.index_cache import check_key_cache, write_index_keys
 from pdserve.kernels.kv_cache_write import _to_cache
 from pdserve.kernels.reference import (
     FP8_DTYPE,
@@ -332,7 +332,7 @@ def indexer_prepare(
     ``slot_mapping.shape[0]`` tokens into ``cache`` [blocks, block_size, D]; with
     ``k_scale`` [blocks, block_size] float32, ``cache`` holds fp8 keys and each key is
     written quantized with its own scale (the views of
-    :func:`~pdserve.kernels.dsa_indexer.indexer_cache_views`)."""
+    :func:`~pdserve.kernels.index_cache.indexer_cache_views`)."""
     check_device(cache, "indexer_prepare")
     t, nh, d = q.shape
     half = cos_cache.shape[-1]

@@ -14,7 +14,7 @@ context is shorter). Scores are float32, as in the HF reference.
 
 With ``--kv-cache-dtype fp8`` the key cache holds float8_e4m3fn keys with one float32
 scale a key, quantized as each key is written (the layout:
-:mod:`pdserve.kernels.dsa_indexer`); scores read them dequantized. Queries stay in the
+:mod:`pdserve.kernels.index_cache`); scores read them dequantized. Queries stay in the
 model dtype.
 
 Output: ``topk`` [T, index_topk] int64, key positions inside the request, -1 where fewer
@@ -32,7 +32,7 @@ from torch import nn
 
 from pdserve.core_types.cache_spec import CacheLayout
 from pdserve.forward_context import get_forward_context
-from pdserve.kernels.dsa_indexer import fp8_index_row_bytes, indexer_cache_views, write_index_keys
+from pdserve.kernels.index_cache import fp8_index_row_bytes, indexer_cache_views, write_index_keys
 from pdserve.kernels.reference import FP8_DTYPE
 from pdserve.layers.attention.backend import AttentionBackend, CommonAttentionMetadata
 from pdserve.layers.attention.paged_gather import context_positions, gather_context, token_chunks

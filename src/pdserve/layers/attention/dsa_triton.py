@@ -26,14 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.kernels.dsa_indexer import (
-    SORT_FREE_MAX_WIDTH,
-    indexer_cache_views,
-    indexer_logits,
-    topk_select,
-    write_index_keys,
-)
+from pdserve.kernels.dsa_indexer import SORT_FREE_MAX_WIDTH, indexer_logits, topk_select
 from pdserve.kernels.dsa_indexer_tiled import indexer_logits_tiled
+from pdserve.kernels.index_cache import indexer_cache_views, write_index_keys
 from pdserve.layers.attention.backend import AttentionBackend, CommonAttentionMetadata
 from pdserve.layers.attention.paged_gather import token_chunks
 
