@@ -121,7 +121,7 @@ class Indexer(nn.Module):
     def kv_cache_layout(self, block_size: int, dtype: str) -> CacheLayout:
         """[blocks, block_size, D] keys in the model dtype; for ``float8_e4m3fn`` one uint8
         row a block: ``block_size`` fp8 keys then their float32 scales (D + 4 bytes a key;
-        :func:`~pdserve.kernels.dsa_indexer.indexer_cache_views`)."""
+        `pdserve.kernels.index_cache.indexer_cache_views`)."""
         if dtype == str(FP8_DTYPE).removeprefix("torch."):
             row = block_size * fp8_index_row_bytes(self.head_dim)
             return CacheLayout("indexer", "uint8", (1, row), block_axis=0)

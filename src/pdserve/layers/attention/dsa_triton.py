@@ -1,8 +1,9 @@
 """The Triton DSA indexer backend (``--attention-backend triton``, or ``auto`` on CUDA).
 
-Same cache layouts (model-dtype keys, or fp8 keys with per-key scales) and contract as :class:`~pdserve.layers.attention.dsa.IndexerTorchBackend`:
-write this step's keys through the slot mapping, then per token the ``index_topk`` best
-causal key positions ([T, K] int64, -1 pads). Scores go to a float32 buffer as wide as the
+Same cache layouts (model-dtype keys, or fp8 keys with per-key scales) and contract as
+:class:`~pdserve.layers.attention.dsa.IndexerTorchBackend`: write this step's keys
+through the slot mapping, then per token the ``index_topk`` best causal key positions
+([T, K] int64, -1 pads). Scores go to a float32 buffer as wide as the
 step's ``max_seq_len`` (``max_model_len`` under a CUDA graph), chunked over tokens to
 bound it. A step with one query row per request (decode) scores with
 :func:`~pdserve.kernels.dsa_indexer.indexer_logits` (a program per token); any other
