@@ -42,7 +42,8 @@ Sections (default: all):
            bf16 against fp8 indexer keys (--kv-cache-dtype fp8: e4m3 with a float32
            scale a key) on the same values, for decode (batch 1/16/64 at 16K, 8 at 128K),
            prefill (16K, a second 8K chunk) and verify (64/128 x 1+3 at 16K): the score
-           kernel and IndexerTritonBackend.forward each way, bytes-based roofline share
+           kernel and IndexerTritonBackend.forward each way (and the score kernel with
+           fp8 queries too: FP8 MMAs, not run by the engine), bytes-based roofline share
            (x_copy: each key once, D*2 or D+4 bytes, plus queries and the scores the
            select reads), the fp8 speedup, score error and top-k overlap. Not in the
            default set. ``--cpu-smoke`` runs indexer_prefill, indexer_verify and

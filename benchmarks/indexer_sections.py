@@ -24,8 +24,9 @@ indexer_fp8      bf16 keys against fp8 keys with a float32 scale a key (--kv-cac
                  fp8) on the same values: decode batch 1/16/64 at 16K and 8 at 128K (the
                  per-token kernel), prefill 16K and a second 8K chunk, verify 64/128 x
                  (1+3) at 16K (the tiled kernel): the score kernel and the whole backend
-                 forward each way, bytes-based roofline share (x_copy), the fp8 rows'
-                 speedup, score error and top-k overlap (run_indexer_fp8).
+                 forward each way, and the score kernel with fp8 queries too (FP8
+                 MMAs), bytes-based roofline share (x_copy), the fp8 rows' speedup,
+                 score error and top-k overlap (run_indexer_fp8).
 
 FLOPs: 2 * causal (query, key) pairs * heads * dim (each score's dot products; the ReLU,
 weights and head sum are not counted), over the rows the select reads: all rows when
@@ -61,7 +62,12 @@ from pdserve.kernels.dsa_indexer_tiled import (
     verify_config,
 )
 from pdserve.kernels.dsa_select import REG_SELECT_MAX_WIDTH
-from pdserve.kernels.index_cache import fp8_index_row_bytes, indexer_cache_views, write_index_keys
+from pdserve.kernels.index_cache import (
+    fp8_index_row_bytes,
+    indexer_cache_views,
+    quantize_index_queries,
+    write_index_keys,
+)
 from pdserve.layers.attention.backend import CommonAttentionMetadata
 from pdserve.layers.attention.dsa_triton import IndexerTritonBackend
 from pdserve.layers.attention.paged_gather import token_chunks
@@ -479,16 +485,19 @@ def _fp8_cache(c: Case) -> torch.Tensor:
 
 
 def _fp8_score(
-    c: Case, keys: torch.Tensor, k_scale: torch.Tensor | None, a: int, b: int, for_select: bool
-) -> torch.Tensor:
-    """Scores of tokens a..b as the backend computes them (decode: the per-token kernel)."""
+    c: Case, keys: torch.Tensor, k_scale: torch.Tensor | None, a: int, b: int, for_select: bool,
+    qw: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Scores of tokens a..b as the backend computes them (decode: the per-token kernel);
+    ``qw``: (queries, weights) other than the case's (fp8 queries)."""
     md, s = c.md, c.shape
+    q, w = qw or (c.q, c.w)
     if c.q_len == 1:
         place = (md.seq_lens, md.query_start_loc, md.token_req_idx[a:b], md.token_q_idx[a:b])
-        return indexer_logits(c.q[a:b], c.w[a:b], keys, md.block_tables, *place, c.scale,
+        return indexer_logits(q[a:b], w[a:b], keys, md.block_tables, *place, c.scale,
                               b - a, c.width, s.topk, for_select, k_scale=k_scale)  # fmt: skip
     return indexer_logits_tiled(
-        c.q, c.w, keys, md.block_tables, md.seq_lens, md.query_start_loc, md.num_reqs,
+        q, w, keys, md.block_tables, md.seq_lens, md.query_start_loc, md.num_reqs,
         md.max_query_len, a, b, c.scale, c.width, s.topk, for_select=for_select, uniform=True,
         k_scale=k_scale,
     )  # fmt: skip
@@ -511,7 +520,9 @@ def run_indexer_fp8(
     the indexer's decode, prefill and verify scores, on the same key values. Per case:
     "score bf16" / "score fp8" (the score kernel the backend uses, every token chunk) and
     "backend bf16" / "backend fp8" (IndexerTritonBackend.forward: key write, scores,
-    select). Bytes: each request's keys once (D * 2 bf16, D + 4 fp8 a key) + the queries
+    select), and "score fp8 k+q": fp8 queries too (one scale a token and head, folded
+    into the weights; quantized outside the timing), so the dots are FP8 MMAs: a variant
+    the engine does not run, measured to decide whether it should. Bytes: each request's keys once (D * 2 bf16, D + 4 fp8 a key) + the queries
     + the scores the select reads (4 a causal pair); x_copy = bytes / ms over the copy
     bandwidth (the memory-roofline share), x_matmul as the other sections. fp8 rows:
     speedup over bf16, max_rel_diff (scores' max |fp8 - bf16| over the largest |score|)
@@ -530,26 +541,35 @@ def run_indexer_fp8(
         raw = _fp8_cache(c)
         keys, k_scale = indexer_cache_views(raw, shape.dim)
         pairs = c.flops / (2 * shape.heads * shape.dim)
-        q_bytes = c.t * shape.heads * shape.dim * 2
+        q_elems = c.t * shape.heads * shape.dim
+        q8 = quantize_index_queries(c.q, c.w)  # the fp8 q variant's (queries, weights)
         ms_of: dict[str, float] = {}
         a, b = c.chunks[-1]
-        full = {
-            "bf16": _fp8_score(c, c.cache, None, a, b, False),
-            "fp8": _fp8_score(c, keys, k_scale, a, b, False),
-        }
+        full: dict[str, torch.Tensor] = {}
         outs = {}
-        for label, cache, ks, key_row in (("bf16", c.cache, None, shape.dim * 2),
-                                          ("fp8", keys, k_scale, shape.dim + 4)):  # fmt: skip
-            fn = partial(_fp8_score, c, cache, ks, for_select=c.sort_free)
-            ms = timer(lambda fn=fn, c=c: c.run_all(fn), graph=graph)
+        for label, cache, ks, qw, key_row, q_bytes in (
+            ("bf16", c.cache, None, None, shape.dim * 2, q_elems * 2),
+            ("fp8", keys, k_scale, None, shape.dim + 4, q_elems * 2),
+            ("fp8 k+q", keys, k_scale, q8, shape.dim + 4, q_elems),
+        ):
+            fn = partial(_fp8_score, c, cache, ks, for_select=c.sort_free, qw=qw)
+            try:
+                full[label] = _fp8_score(c, cache, ks, a, b, False, qw)
+                ms = timer(lambda fn=fn, c=c: c.run_all(fn), graph=graph)
+            except Exception as e:  # the FP8-MMA variant not compiling: recorded, not fatal
+                if label != "fp8 k+q":
+                    raise
+                rows.append(_row(name, f"score {label}", None,
+                                 error=f"{type(e).__name__}: {str(e)[:200]}"))  # fmt: skip
+                continue
             nbytes = batch * ctx * key_row + q_bytes + pairs * 4
             extra: dict[str, Any] = {"bytes": nbytes, "GB/s": nbytes / (ms * 1e-3) / 1e9,
                                      **_perf(c, ms, peak, bw)}  # fmt: skip
             if bw:
                 extra["x_copy"] = nbytes / (ms * 1e-3) / bw
-            if label == "fp8":
+            if label != "bf16":
                 big = float(full["bf16"][torch.isfinite(full["bf16"])].abs().max())
-                diff = c.max_diff(full["fp8"], full["bf16"], a) / max(big, 1e-30)
+                diff = c.max_diff(full[label], full["bf16"], a) / max(big, 1e-30)
                 extra.update(speedup=ms_of["score bf16"] / ms, max_rel_diff=diff)
             ms_of[f"score {label}"] = ms
             rows.append(_row(name, f"score {label}", ms, **extra))
@@ -564,7 +584,7 @@ def run_indexer_fp8(
                          "select_overlap": _overlap(outs["fp8"], outs["bf16"], width)}  # fmt: skip
             ms_of[f"backend {label}"] = ms
             rows.append(_row(name, f"backend {label}", ms, **extra))
-        del c, raw, full, outs
+        del c, raw, full, outs, q8
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows

@@ -16,6 +16,7 @@ from pdserve.kernels.index_cache import (
     dequantize_index_cache,
     fp8_index_row_bytes,
     indexer_cache_views,
+    quantize_index_queries,
     write_index_keys,
 )
 from pdserve.layers.attention import dsa_triton
@@ -142,18 +143,23 @@ def test_fp8_keys_round_within_e4m3(device: torch.device) -> None:
 
 
 @pytest.mark.parametrize(
-    "seq_lens,q_lens,dtype",
+    "seq_lens,q_lens,dtype,fp8_q",
     [
-        ([5, 40, 300], [1, 1, 1], torch.float32),  # decode kernel
-        ([30, 50], [7, 2], torch.float32),  # the tiled kernel: prompt and verify rows
-        ([60, 20], [1, 3], torch.bfloat16),  # both launch kinds with bf16 queries
+        ([5, 40, 300], [1, 1, 1], torch.float32, False),  # decode kernel
+        ([30, 50], [7, 2], torch.float32, False),  # the tiled kernel: prompt, verify rows
+        ([60, 20], [1, 3], torch.bfloat16, False),  # both launch kinds, bf16 queries
+        ([5, 40, 300], [1, 1, 1], torch.bfloat16, True),  # fp8 queries: FP8 MMAs
+        ([30, 50], [20, 2], torch.bfloat16, True),
     ],
 )
 def test_fp8_key_scores_match_dequantized_reference(
-    device: torch.device, seq_lens: list[int], q_lens: list[int], dtype: torch.dtype
-) -> None:
+    device: torch.device, seq_lens: list[int], q_lens: list[int], dtype: torch.dtype,
+    fp8_q: bool,
+) -> None:  # fmt: skip
     """Scores over fp8 keys equal the reference's over the dequantized keys (the only
-    difference: where each key's scale multiplies), and the selection matches."""
+    difference: where each key's scale multiplies), and the selection matches. With fp8
+    queries (their scales folded into the weights) the reference takes the dequantized
+    queries: the same products, summed in another order (float32 tolerance)."""
     g = torch.Generator().manual_seed(sum(seq_lens) + 1)
     sb = sparse_batch(seq_lens, q_lens, PAGE, g, device)
     md, t, k = sb.md, sb.md.num_actual_tokens, 16
@@ -161,6 +167,8 @@ def test_fp8_key_scores_match_dequantized_reference(
     keys, scales = indexer_cache_views(raw, D)
     q = torch.randn(t, NH, D, generator=g).to(dtype).to(device)
     w = torch.randn(t, NH, generator=g).to(device)
+    if fp8_q:
+        q, w = quantize_index_queries(q, w)
     width = -(-max(seq_lens) // PAGE) * PAGE
     args = (md.seq_lens, md.query_start_loc, md.token_req_idx, md.token_q_idx)
     if md.max_query_len == 1:
@@ -172,10 +180,11 @@ def test_fp8_key_scores_match_dequantized_reference(
             md.max_query_len, 0, t, 0.2, width, k, for_select=False, k_scale=scales,
         )  # fmt: skip
     deq = _keys(sb, dequantize_index_cache(raw, D))
-    scores, want = indexer_topk_reference(q, w, deq, sb.positions, sb.req, 0.2, k)
+    q_ref = q.float() if fp8_q else q
+    scores, want = indexer_topk_reference(q_ref, w, deq, sb.positions, sb.req, 0.2, k)
     scores = scores[:, :width]
     big = float(scores[scores > float("-inf")].abs().max())
-    tol = 1e-5 if dtype == torch.float32 else 1e-2  # of the largest |score|
+    tol = 1e-5 if dtype == torch.float32 or fp8_q else 1e-2  # of the largest |score|
     torch.testing.assert_close(full, scores, atol=tol * big, rtol=tol)
     got = topk_select(full, *args, k, t)
     _assert_same_selection(got, want, scores, tol * big)

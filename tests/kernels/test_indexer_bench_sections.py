@@ -74,11 +74,14 @@ def test_indexer_fp8_section_smoke(
     assert {c.split()[0] for c in cases} == {"decode", "prefill", "verify"}
     for case in cases:
         mine = {r["kernel"]: r for r in rows if r["case"] == case}
-        assert set(mine) == {"score bf16", "score fp8", "backend bf16", "backend fp8"}
+        assert set(mine) == {"score bf16", "score fp8", "score fp8 k+q", "backend bf16",
+                             "backend fp8"}  # fmt: skip
         assert all(r["ms"] > 0 for r in mine.values())
-        bf16, fp8 = mine["score bf16"], mine["score fp8"]
-        assert fp8["bytes"] < bf16["bytes"] and fp8["GB/s"] > 0 and fp8["TFLOP/s"] > 0
-        assert 0 < fp8["max_rel_diff"] < 0.1 and fp8["speedup"] > 0
+        bf16, fp8, fp8q = mine["score bf16"], mine["score fp8"], mine["score fp8 k+q"]
+        assert fp8q["bytes"] < fp8["bytes"] < bf16["bytes"]
+        for r in (fp8, fp8q):
+            assert r["GB/s"] > 0 and r["TFLOP/s"] > 0 and r["speedup"] > 0
+            assert 0 < r["max_rel_diff"] < 0.1
         assert mine["backend fp8"]["select_overlap"] > 0.5
     assert "== indexer_fp8" in capsys.readouterr().out
 

@@ -38,7 +38,9 @@ float32 scale per key, computed as the key is written (the layout and its torch 
 ``k_scale``: the fp8 tile is widened to the query's dtype for the dot (exact: every e4m3
 value is a bf16 value) and the weighted head sum of each key is multiplied by its scale
 once, ``sum_h w * ReLU(q . k_fp8 * s) = s * sum_h w * ReLU(q . k_fp8)`` since ``s > 0``.
-Queries stay in the model dtype.
+The engine's queries stay in the model dtype; fp8 queries with their per-(token, head)
+scales folded into the weights (``index_cache.quantize_index_queries``) make the dots
+FP8 MMAs (a variant the benchmarks measure).
 """
 
 from __future__ import annotations
@@ -228,7 +230,7 @@ def indexer_logits(
     keys with these per-key scales (``pdserve.kernels.index_cache.indexer_cache_views``)."""
     check_device(q, "indexer_logits")
     _, nh, d = q.shape
-    check_key_cache(cache, k_scale, d)
+    check_key_cache(cache, k_scale, d, q.dtype)
     if q.stride(-1) != 1:
         raise ValueError("indexer queries need unit inner stride")
     out = torch.empty(num_tokens, width, dtype=torch.float32, device=q.device)

@@ -376,7 +376,7 @@ def indexer_logits_tiled(
     fp8 keys with per-key scales, as :func:`~pdserve.kernels.dsa_indexer.indexer_logits`."""
     check_device(q, "indexer_logits_tiled")
     _, nh, d = q.shape
-    check_key_cache(cache, k_scale, d)
+    check_key_cache(cache, k_scale, d, q.dtype)
     if q.stride(-1) != 1:
         raise ValueError("indexer queries need unit inner stride")
     if not scale > 0:

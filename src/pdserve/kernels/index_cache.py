@@ -66,6 +66,19 @@ def write_index_keys(
     scales[blk, off] = ks
 
 
+def quantize_index_queries(
+    q: torch.Tensor, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries [T, H, D] -> (float8_e4m3fn [T, H, D], ``weights * q_scale`` [T, H] float32)
+    with one scale a (token, head), as DeepSeek-V3.2 scores: ``ReLU(q . k) * w = ReLU(q_fp8
+    . k) * (w * q_scale)`` since ``q_scale > 0``. The score kernels take the pair in place
+    of (q, weights) for FP8 MMAs over fp8 keys (a kernel option the benchmarks measure;
+    the engine's indexer keeps its queries in the model dtype)."""
+    t, h, d = q.shape
+    q8, qs = quantize_fp8_groups(q.reshape(t * h, d), group=d)
+    return q8.view(t, h, d), weights.float() * qs.view(t, h)
+
+
 def dequantize_index_cache(cache: torch.Tensor, head_dim: int) -> torch.Tensor:
     """The keys of an indexer cache as float32 [blocks, block_size, D] (references, tests)."""
     keys, scales = indexer_cache_views(cache, head_dim)
@@ -74,12 +87,17 @@ def dequantize_index_cache(cache: torch.Tensor, head_dim: int) -> torch.Tensor:
     return keys.view(torch.uint8).view(FP8_DTYPE).float() * scales[..., None]
 
 
-def check_key_cache(cache: torch.Tensor, k_scale: torch.Tensor | None, d: int) -> None:
+def check_key_cache(
+    cache: torch.Tensor, k_scale: torch.Tensor | None, d: int, q_dtype: torch.dtype | None = None
+) -> None:
     """Refuse a key cache the score kernels cannot read: [blocks, page, D] with unit inner
-    stride; with ``k_scale``: fp8 keys and float32 scales [blocks, page], unit inner stride."""
+    stride; with ``k_scale``: fp8 keys and float32 scales [blocks, page], unit inner stride.
+    Queries of ``q_dtype`` fp8 (:func:`quantize_index_queries`) need fp8 keys."""
     if cache.dim() != 3 or cache.shape[-1] != d or cache.stride(-1) != 1:
         raise ValueError(f"indexer cache {tuple(cache.shape)} is not [blocks, page, {d}] "
                          "with unit inner stride")  # fmt: skip
+    if q_dtype == FP8_DTYPE and k_scale is None:
+        raise ValueError("fp8 indexer queries need fp8 keys (k_scale)")
     if k_scale is None:
         if cache.dtype == FP8_DTYPE:
             raise ValueError("fp8 indexer keys need their per-key scales (k_scale)")
