@@ -37,8 +37,18 @@ Sections (default: all):
            the indexer's query-tiled score kernel for prefill (4K/16K/64K prompts, a
            second 8K chunk) and verify rows (batch 64-256 x 1+3 at 16K), with a config
            sweep and the top-k selects: see benchmarks/indexer_sections.py (about 2.5
-           minutes for both). Not in the default set. ``--cpu-smoke`` runs just these two
-           at toy shapes under TRITON_INTERPRET=1 on the CPU (CI's check of the code)
+           minutes for both). Not in the default set
+  indexer_fp8
+           bf16 against fp8 indexer keys (--kv-cache-dtype fp8: e4m3 with a float32
+           scale a key) on the same values, for decode (batch 1/16/64 at 16K, 8 at 128K),
+           prefill (16K, a second 8K chunk) and verify (64/128 x 1+3 at 16K): the score
+           kernel and IndexerTritonBackend.forward each way (and the score kernel with
+           fp8 queries too: FP8 MMAs, not run by the engine), bytes-based roofline share
+           (x_copy: each key once, D*2 or D+4 bytes, plus queries and the scores the
+           select reads), the fp8 speedup, score error and top-k overlap. Not in the
+           default set. ``--cpu-smoke`` runs indexer_prefill, indexer_verify and
+           indexer_fp8 at toy shapes under TRITON_INTERPRET=1 on the CPU (CI's check of
+           the code)
 
 Bounds use the copy bandwidth and the bf16 matmul rate measured in the same call:
 bound = max(bytes that must move / bandwidth, FLOPs / matmul rate). Bytes: MLA, the
@@ -67,7 +77,11 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from indexer_sections import run_indexer_prefill, run_indexer_verify  # noqa: E402
+from indexer_sections import (  # noqa: E402
+    run_indexer_fp8,
+    run_indexer_prefill,
+    run_indexer_verify,
+)
 
 from pdserve.kernels._utils import interpret_mode  # noqa: E402
 from pdserve.kernels.dsa_indexer import (  # noqa: E402
@@ -353,7 +367,7 @@ def table(title: str, rows: list[dict[str, Any]]) -> None:
         print(" | ".join(cells))
 
 
-CPU_SECTIONS = ("indexer_prefill", "indexer_verify")
+CPU_SECTIONS = ("indexer_prefill", "indexer_verify", "indexer_fp8")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -403,6 +417,9 @@ def main(argv: list[str] | None = None) -> None:
             bw, peak, args.block_size, args.quick, args.cpu_smoke
         ),
         "indexer_verify": lambda: run_indexer_verify(
+            bw, peak, args.block_size, args.quick, args.cpu_smoke
+        ),
+        "indexer_fp8": lambda: run_indexer_fp8(
             bw, peak, args.block_size, args.quick, args.cpu_smoke
         ),
     }

@@ -20,6 +20,14 @@ indexer_verify   batch 64/128/256 x (1+3) rows at 16K context (and batch 128 at 
                  width of a CUDA graph), replayed from CUDA graphs: per-token kernel vs
                  the tiled one (a sweep of "rows" configs at batch 128), and the selects.
 
+indexer_fp8      bf16 keys against fp8 keys with a float32 scale a key (--kv-cache-dtype
+                 fp8) on the same values: decode batch 1/16/64 at 16K and 8 at 128K (the
+                 per-token kernel), prefill 16K and a second 8K chunk, verify 64/128 x
+                 (1+3) at 16K (the tiled kernel): the score kernel and the whole backend
+                 forward each way, and the score kernel with fp8 queries too (FP8
+                 MMAs), bytes-based roofline share (x_copy), the fp8 rows' speedup,
+                 score error and top-k overlap (run_indexer_fp8).
+
 FLOPs: 2 * causal (query, key) pairs * heads * dim (each score's dot products; the ReLU,
 weights and head sum are not counted), over the rows the select reads: all rows when
 every score is written (64K), else those with pos + 1 > top-k (the tiled kernel skips
@@ -54,6 +62,12 @@ from pdserve.kernels.dsa_indexer_tiled import (
     verify_config,
 )
 from pdserve.kernels.dsa_select import REG_SELECT_MAX_WIDTH
+from pdserve.kernels.index_cache import (
+    fp8_index_row_bytes,
+    indexer_cache_views,
+    quantize_index_queries,
+    write_index_keys,
+)
 from pdserve.layers.attention.backend import CommonAttentionMetadata
 from pdserve.layers.attention.dsa_triton import IndexerTritonBackend
 from pdserve.layers.attention.paged_gather import token_chunks
@@ -443,6 +457,134 @@ def run_indexer_verify(
                              **perf(ms, nbytes)))  # fmt: skip
         rows += _selects(c, name, timer, graph=True)
         del c, ref
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+# ------------------------------------------------------------------ indexer_fp8
+# (kind, batch, context, query rows a request): decode (the per-token kernel), prefill
+# and verify (the tiled kernel), each with bf16 keys and with fp8 keys + per-key scales
+FP8_CASES = [("decode", 1, 16384, 1), ("decode", 16, 16384, 1), ("decode", 64, 16384, 1),
+             ("decode", 8, 131072, 1), ("prefill", 1, 16384, 16384),
+             ("prefill", 1, 16384, 8192), ("verify", 64, 16384, 4),
+             ("verify", 128, 16384, 4)]  # fmt: skip
+FP8_QUICK = [("decode", 2, 8192, 1), ("prefill", 1, 4096, 2048), ("verify", 16, 8192, 4)]
+FP8_TINY = [("decode", 3, 40, 1), ("prefill", 1, 40, 20), ("verify", 2, 40, 4)]
+
+
+def _fp8_cache(c: Case) -> torch.Tensor:
+    """The case's keys in an fp8 indexer cache (uint8, each key with its float32 scale)."""
+    nblk, page, d = c.cache.shape
+    raw = torch.zeros(nblk, page * fp8_index_row_bytes(d), dtype=torch.uint8,
+                      device=c.cache.device)  # fmt: skip
+    keys, scales = indexer_cache_views(raw, d)
+    slots = torch.arange(nblk * page, device=raw.device)
+    write_index_keys(keys, scales, slots, c.cache.view(-1, d))
+    return raw
+
+
+def _fp8_score(
+    c: Case, keys: torch.Tensor, k_scale: torch.Tensor | None, a: int, b: int, for_select: bool,
+    qw: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Scores of tokens a..b as the backend computes them (decode: the per-token kernel);
+    ``qw``: (queries, weights) other than the case's (fp8 queries)."""
+    md, s = c.md, c.shape
+    q, w = qw or (c.q, c.w)
+    if c.q_len == 1:
+        place = (md.seq_lens, md.query_start_loc, md.token_req_idx[a:b], md.token_q_idx[a:b])
+        return indexer_logits(q[a:b], w[a:b], keys, md.block_tables, *place, c.scale,
+                              b - a, c.width, s.topk, for_select, k_scale=k_scale)  # fmt: skip
+    return indexer_logits_tiled(
+        q, w, keys, md.block_tables, md.seq_lens, md.query_start_loc, md.num_reqs,
+        md.max_query_len, a, b, c.scale, c.width, s.topk, for_select=for_select, uniform=True,
+        k_scale=k_scale,
+    )  # fmt: skip
+
+
+def _overlap(got: torch.Tensor, want: torch.Tensor, width: int) -> float:
+    """Mean share of each row's selected positions (``want``) that ``got`` selects too."""
+    rows = min(got.shape[0], 256)  # the last rows: the longest contexts
+    got, want = got[-rows:], want[-rows:]
+    mask = torch.zeros(rows, width + 1, dtype=torch.bool, device=got.device)
+    mask.scatter_(1, torch.where(got >= 0, got, width), True)
+    hit = mask.gather(1, want.clamp(min=0)) & (want >= 0)
+    return float(hit.sum() / (want >= 0).sum().clamp(min=1))
+
+
+def run_indexer_fp8(
+    bw: float | None, peak: float | None, page: int, quick: bool, tiny: bool = False
+) -> list[dict[str, Any]]:
+    """bf16 keys against fp8 keys (one float32 scale a key, ``--kv-cache-dtype fp8``) for
+    the indexer's decode, prefill and verify scores, on the same key values. Per case:
+    "score bf16" / "score fp8" (the score kernel the backend uses, every token chunk) and
+    "backend bf16" / "backend fp8" (IndexerTritonBackend.forward: key write, scores,
+    select), and "score fp8 k+q": fp8 queries too (one scale a token and head, folded
+    into the weights; quantized outside the timing), so the dots are FP8 MMAs: a variant
+    the engine does not run, measured to decide whether it should. Bytes: each request's keys once (D * 2 bf16, D + 4 fp8 a key) + the queries
+    + the scores the select reads (4 a causal pair); x_copy = bytes / ms over the copy
+    bandwidth (the memory-roofline share), x_matmul as the other sections. fp8 rows:
+    speedup over bf16, max_rel_diff (scores' max |fp8 - bf16| over the largest |score|)
+    and select_overlap (the share of the bf16 backend's top-k the fp8 one selects too)."""
+    device = torch.device("cpu" if tiny else "cuda")
+    shape = TINY if tiny else replace(GLM5, page=page)
+    cases = FP8_TINY if tiny else FP8_QUICK if quick else FP8_CASES
+    timer = Timer(device)
+    rows: list[dict[str, Any]] = []
+    for kind, batch, ctx, q_len in cases:
+        width = -(-ctx // shape.page) * shape.page
+        chunk = 24 * width * 4 if tiny and kind == "prefill" else CHUNK_BYTES
+        c = Case(shape, batch, ctx, q_len, width, device, chunk)
+        name = f"{kind} b{batch} x {q_len} ctx{ctx}"
+        graph = kind != "prefill"  # as a captured step (prefill runs eagerly)
+        raw = _fp8_cache(c)
+        keys, k_scale = indexer_cache_views(raw, shape.dim)
+        pairs = c.flops / (2 * shape.heads * shape.dim)
+        q_elems = c.t * shape.heads * shape.dim
+        q8 = quantize_index_queries(c.q, c.w)  # the fp8 q variant's (queries, weights)
+        ms_of: dict[str, float] = {}
+        a, b = c.chunks[-1]
+        full: dict[str, torch.Tensor] = {}
+        outs = {}
+        for label, cache, ks, qw, key_row, q_bytes in (
+            ("bf16", c.cache, None, None, shape.dim * 2, q_elems * 2),
+            ("fp8", keys, k_scale, None, shape.dim + 4, q_elems * 2),
+            ("fp8 k+q", keys, k_scale, q8, shape.dim + 4, q_elems),
+        ):
+            fn = partial(_fp8_score, c, cache, ks, for_select=c.sort_free, qw=qw)
+            try:
+                full[label] = _fp8_score(c, cache, ks, a, b, False, qw)
+                ms = timer(lambda fn=fn, c=c: c.run_all(fn), graph=graph)
+            except Exception as e:  # the FP8-MMA variant not compiling: recorded, not fatal
+                if label != "fp8 k+q":
+                    raise
+                rows.append(_row(name, f"score {label}", None,
+                                 error=f"{type(e).__name__}: {str(e)[:200]}"))  # fmt: skip
+                continue
+            nbytes = batch * ctx * key_row + q_bytes + pairs * 4
+            extra: dict[str, Any] = {"bytes": nbytes, "GB/s": nbytes / (ms * 1e-3) / 1e9,
+                                     **_perf(c, ms, peak, bw)}  # fmt: skip
+            if bw:
+                extra["x_copy"] = nbytes / (ms * 1e-3) / bw
+            if label != "bf16":
+                big = float(full["bf16"][torch.isfinite(full["bf16"])].abs().max())
+                diff = c.max_diff(full[label], full["bf16"], a) / max(big, 1e-30)
+                extra.update(speedup=ms_of["score bf16"] / ms, max_rel_diff=diff)
+            ms_of[f"score {label}"] = ms
+            rows.append(_row(name, f"score {label}", ms, **extra))
+        for label, cache in (("bf16", c.cache.clone()), ("fp8", raw.clone())):
+            be = IndexerTritonBackend()
+            fwd = partial(be.forward, c.q, c.k, c.w, cache, c.md, shape.topk, c.scale)
+            outs[label] = fwd()
+            ms = timer(fwd, graph=graph)
+            extra = {}
+            if label == "fp8":
+                extra = {"speedup": ms_of["backend bf16"] / ms,
+                         "select_overlap": _overlap(outs["fp8"], outs["bf16"], width)}  # fmt: skip
+            ms_of[f"backend {label}"] = ms
+            rows.append(_row(name, f"backend {label}", ms, **extra))
+        del c, raw, full, outs, q8
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows

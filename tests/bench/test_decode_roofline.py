@@ -114,8 +114,9 @@ def test_index_sharing_layers_read_no_indexer_keys(raw_config: dict[str, Any]) -
     assert got["latents"] == 4 * TOPK * LATENT_ROW
 
 
-def test_fp8_latent_cache_counts_one_byte_a_value(raw_config: dict[str, Any]) -> None:
+def test_fp8_cache_counts_one_byte_a_value(raw_config: dict[str, Any]) -> None:
     bm = _byte_model(raw_config, fp8_latent=True)
     got = bm.step_bytes([40], active_experts=[2, 2, 2])
     assert got["latents"] == 4 * TOPK * (KV_LORA + ROPE)  # float8 latents
-    assert got["index_keys"] == 4 * 40 * INDEX_KEY  # the indexer keys stay float32
+    # float8 indexer keys, each with its float32 scale
+    assert got["index_keys"] == 4 * 40 * (IDX_DIM + 4)

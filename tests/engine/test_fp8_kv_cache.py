@@ -1,7 +1,7 @@
 """``--kv-cache-dtype fp8``: float8_e4m3fn GQA and MLA caches (here without checkpoint
-scales: 1.0), through the engine, prefix caching and tcp P/D, and the handshake that
-refuses a mixed pair (dtypes or per-layer scales; the scales themselves:
-``tests/models/test_kv_cache_scales.py``).
+scales: 1.0) and the DSA indexer's fp8 keys with a float32 scale a key, through the
+engine, prefix caching and tcp P/D, and the handshake that refuses a mixed pair (dtypes
+or per-layer scales; the scales themselves: ``tests/models/test_kv_cache_scales.py``).
 
 Closeness to the float32 cache: teacher-forced decode logits within 5% of the largest
 |logit| (Llama and GLM-5); greedy tokens (tiny random models, whose choices sit on
@@ -94,14 +94,14 @@ def test_fp8_cache_decode_logits_close_to_float(
             m.top_k = m.weight.shape[0]
     ids = PROMPTS[3][:14]  # within the tiny GLM-5's index_topk: the same keys either way
     ref, got = _decode_logits(model, ids, False), _decode_logits(model, ids, True)
-    kinds = {
-        g.layout.kind: g.layout.dtype
+    layouts = {
+        g.layout.kind: g.layout
         for g in collect_cache_layers(model, 4, "float32", "float8_e4m3fn")[0].groups
     }
-    assert (
-        kinds.get("gqa", kinds.get("mla")) == "float8_e4m3fn"
-        and kinds.get("indexer", "float32") == "float32"
-    )
+    assert layouts.get("gqa", layouts.get("mla")).dtype == "float8_e4m3fn"  # type: ignore[union-attr]
+    if arch == "glm5":  # 4 keys a block: 32 fp8 bytes and a float32 scale each
+        assert layouts["indexer"].dtype == "uint8"
+        assert layouts["indexer"].bytes_per_block == 4 * (32 + 4)
     assert float((got - ref).abs().max() / ref.abs().max()) < 0.05
 
 
@@ -151,3 +151,34 @@ def test_prefill_and_decode_with_different_kv_cache_scales_are_refused(
 def test_unsupported_kv_cache_dtype_is_refused(tiny_llama: Path) -> None:
     with pytest.raises(ValueError, match="--kv-cache-dtype must be one of auto, fp8, fp8_e4m3"):
         LLM(str(tiny_llama), kv_cache_dtype="fp8_e5m2")
+
+
+def test_glm5_fp8_indexer_keys_through_the_engine_and_tcp_pd(tiny_glm5: Path) -> None:
+    """GLM-5 with an fp8 cache (latents and indexer keys; prompts past index_topk, so the
+    indexer's selection over fp8 keys decides what attention reads): the indexer caches
+    hold fp8 keys and positive per-key scales; prefix-cache hits and a tcp P/D transfer
+    of both groups (the indexer's as uint8 blocks) give the same tokens."""
+    prompts = [PROMPTS[1], PROMPTS[3]]  # 16 and 33 tokens: within and past index_topk 16
+    llm = LLM(str(tiny_glm5), dtype="float32", block_size=4, kv_cache_dtype="fp8")
+    want = _gen(llm, prompts)
+    groups = {g.name: g for g in llm.engine.runner.step.kv_cache_config.groups}
+    assert groups["indexer"].layout.dtype == "uint8"
+    from pdserve.kernels.index_cache import indexer_cache_views
+
+    name = groups["indexer"].layer_names[0]
+    _, scales = indexer_cache_views(llm.engine.runner.kv_caches[name], 32)
+    assert scales is not None and int((scales > 0).sum()) >= len(prompts[1])
+    assert _gen(llm, prompts) == want  # prefix hits read the same fp8 keys and scales
+    p = engine(tiny_glm5, "kv_producer", kv_cache_dtype="fp8")
+    d = engine(tiny_glm5, "kv_consumer", kv_cache_dtype="fp8")
+    try:
+        pp, dp = proc(p, tiny_glm5), proc(d, tiny_glm5)
+        for i, ids in enumerate(prompts):
+            d.add_request(dp.make_request(f"r{i}", ids, SP, prefill(p, pp, f"r{i}", ids)))
+        outs = run(d, {f"r{i}" for i in range(len(prompts))}, limit=120.0)
+        assert [tokens(outs[f"r{i}"]) for i in range(len(prompts))] == want
+        assert d.stats().kv_transfer_failures == 0
+        settle(p, d)
+    finally:
+        p.shutdown()
+        d.shutdown()

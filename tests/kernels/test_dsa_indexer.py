@@ -1,6 +1,8 @@
 """Parity of the DSA indexer kernels (paged scores, radix top-k select) with torch, and
 of the Triton indexer backend with the torch one. Selections are compared as sets of
-scores: on exact ties either side may keep a different key of the same score."""
+scores: on exact ties either side may keep a different key of the same score. FP8 keys
+(one float32 scale a key): the kernels against the reference over the dequantized keys,
+and the quantization itself within e4m3's rounding."""
 
 from __future__ import annotations
 
@@ -9,6 +11,14 @@ import torch
 from _sparse_batch import SparseBatch, sparse_batch
 
 from pdserve.kernels.dsa_indexer import indexer_logits, indexer_topk_reference, topk_select
+from pdserve.kernels.dsa_indexer_tiled import indexer_logits_tiled
+from pdserve.kernels.index_cache import (
+    dequantize_index_cache,
+    fp8_index_row_bytes,
+    indexer_cache_views,
+    quantize_index_queries,
+    write_index_keys,
+)
 from pdserve.layers.attention import dsa_triton
 from pdserve.layers.attention.dsa import IndexerTorchBackend
 from pdserve.layers.attention.dsa_triton import IndexerTritonBackend
@@ -101,11 +111,93 @@ def test_select_writes_every_slot_of_a_stale_buffer(device: torch.device, varian
     assert torch.equal(out[2], torch.tensor(list(range(9)) + [-1] * 7, device=device))
 
 
-@pytest.mark.parametrize("sort_free_max_width", [32768, 16])
+def fp8_cache(
+    num_blocks: int, g: torch.Generator, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(an fp8 indexer cache [blocks, PAGE * (D + 4)] uint8 filled with random keys of
+    magnitudes spread over three decades, those keys float32 [blocks, PAGE, D])."""
+    raw = torch.zeros(num_blocks, PAGE * fp8_index_row_bytes(D), dtype=torch.uint8)
+    raw = raw.to(device)
+    vals = torch.randn(num_blocks * PAGE, D, generator=g)
+    vals *= 10 ** (3 * torch.rand(num_blocks * PAGE, 1, generator=g) - 2)
+    keys, scales = indexer_cache_views(raw, D)
+    write_index_keys(keys, scales, torch.arange(num_blocks * PAGE, device=device), vals.to(device))
+    return raw, vals.view(num_blocks, PAGE, D).to(device)
+
+
+def test_fp8_keys_round_within_e4m3(device: torch.device) -> None:
+    """Each key: ``k ≈ k_fp8 * s`` with ``s = amax / 448`` (its own, however small or
+    large the key), within half an e4m3 step (2^-4 relative; 2^-10 * s for subnormals);
+    the scales sit after the block's keys, the keys 16-byte aligned."""
+    g = torch.Generator().manual_seed(5)
+    raw, vals = fp8_cache(6, g, device)
+    keys, scales = indexer_cache_views(raw, D)
+    assert scales is not None and scales.shape == (6, PAGE) and keys.shape == (6, PAGE, D)
+    assert keys.stride() == (PAGE * (D + 4), D, 1) and scales.stride() == (PAGE * (D + 4) // 4, 1)
+    assert (keys.data_ptr() - raw.data_ptr(), scales.data_ptr() - raw.data_ptr()) == (0, PAGE * D)
+    want = vals.abs().amax(-1) / 448
+    torch.testing.assert_close(scales, want, atol=0, rtol=1e-6)
+    deq = dequantize_index_cache(raw, D)
+    err = (deq - vals).abs()
+    assert bool((err <= vals.abs() * 2**-4 + scales[..., None] * 2**-10).all())
+
+
+@pytest.mark.parametrize(
+    "seq_lens,q_lens,dtype,fp8_q",
+    [
+        ([5, 40, 300], [1, 1, 1], torch.float32, False),  # decode kernel
+        ([30, 50], [7, 2], torch.float32, False),  # the tiled kernel: prompt, verify rows
+        ([60, 20], [1, 3], torch.bfloat16, False),  # both launch kinds, bf16 queries
+        ([5, 40, 300], [1, 1, 1], torch.bfloat16, True),  # fp8 queries: FP8 MMAs
+        ([30, 50], [20, 2], torch.bfloat16, True),
+    ],
+)
+def test_fp8_key_scores_match_dequantized_reference(
+    device: torch.device, seq_lens: list[int], q_lens: list[int], dtype: torch.dtype,
+    fp8_q: bool,
+) -> None:  # fmt: skip
+    """Scores over fp8 keys equal the reference's over the dequantized keys (the only
+    difference: where each key's scale multiplies), and the selection matches. With fp8
+    queries (their scales folded into the weights) the reference takes the dequantized
+    queries: the same products, summed in another order (float32 tolerance)."""
+    g = torch.Generator().manual_seed(sum(seq_lens) + 1)
+    sb = sparse_batch(seq_lens, q_lens, PAGE, g, device)
+    md, t, k = sb.md, sb.md.num_actual_tokens, 16
+    raw, _ = fp8_cache(sb.num_blocks, g, device)
+    keys, scales = indexer_cache_views(raw, D)
+    q = torch.randn(t, NH, D, generator=g).to(dtype).to(device)
+    w = torch.randn(t, NH, generator=g).to(device)
+    if fp8_q:
+        q, w = quantize_index_queries(q, w)
+    width = -(-max(seq_lens) // PAGE) * PAGE
+    args = (md.seq_lens, md.query_start_loc, md.token_req_idx, md.token_q_idx)
+    if md.max_query_len == 1:
+        full = indexer_logits(q, w, keys, md.block_tables, *args, 0.2, t, width, k,
+                              for_select=False, k_scale=scales)  # fmt: skip
+    else:
+        full = indexer_logits_tiled(
+            q, w, keys, md.block_tables, md.seq_lens, md.query_start_loc, md.num_reqs,
+            md.max_query_len, 0, t, 0.2, width, k, for_select=False, k_scale=scales,
+        )  # fmt: skip
+    deq = _keys(sb, dequantize_index_cache(raw, D))
+    q_ref = q.float() if fp8_q else q
+    scores, want = indexer_topk_reference(q_ref, w, deq, sb.positions, sb.req, 0.2, k)
+    scores = scores[:, :width]
+    big = float(scores[scores > float("-inf")].abs().max())
+    tol = 1e-5 if dtype == torch.float32 or fp8_q else 1e-2  # of the largest |score|
+    torch.testing.assert_close(full, scores, atol=tol * big, rtol=tol)
+    got = topk_select(full, *args, k, t)
+    _assert_same_selection(got, want, scores, tol * big)
+
+
+@pytest.mark.parametrize(
+    "sort_free_max_width,fp8", [(32768, False), (16, False), (32768, True), (16, True)]
+)
 def test_triton_indexer_backend_matches_torch_backend(
-    device: torch.device, sort_free_max_width: int, monkeypatch: pytest.MonkeyPatch
+    device: torch.device, sort_free_max_width: int, fp8: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Both selection paths: the radix select, and torch.topk for wide rows."""
+    """Both selection paths: the radix select, and torch.topk for wide rows; model-dtype
+    and fp8 key caches (both backends write the same bytes)."""
     monkeypatch.setattr(dsa_triton, "SORT_FREE_MAX_WIDTH", sort_free_max_width)
     g = torch.Generator().manual_seed(11)
     sb = sparse_batch([12, 45, 20], [2, 2, 2], PAGE, g, device, pad_to=8)
@@ -113,14 +205,17 @@ def test_triton_indexer_backend_matches_torch_backend(
     q = torch.randn(rows, NH, D, generator=g).to(device)
     key = torch.randn(rows, D, generator=g).to(device)
     w = torch.randn(rows, NH, generator=g).to(device)
-    start = torch.randn(sb.num_blocks, PAGE, D, generator=g).to(device)
+    if fp8:
+        start, _ = fp8_cache(sb.num_blocks, g, device)
+    else:
+        start = torch.randn(sb.num_blocks, PAGE, D, generator=g).to(device)
     outs, caches = [], []
     for be in (IndexerTorchBackend(), IndexerTritonBackend()):
         caches.append(start.clone())
         outs.append(be.forward(q, key, w, caches[-1], sb.md, k, D**-0.5))
     assert torch.equal(caches[1], caches[0])
     assert outs[1].shape == outs[0].shape == (rows, k) and outs[1].dtype == torch.int64
-    scores, _ = indexer_topk_reference(
-        q[:t], w[:t], _keys(sb, caches[0]), sb.positions, sb.req, D**-0.5, k
-    )
+    keys = dequantize_index_cache(caches[0], D)
+    scores, _ = indexer_topk_reference(q[:t], w[:t], _keys(sb, keys), sb.positions, sb.req,
+                                       D**-0.5, k)  # fmt: skip
     _assert_same_selection(outs[1][:t], outs[0][:t], scores, 1e-5)

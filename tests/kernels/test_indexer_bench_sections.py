@@ -1,4 +1,4 @@
-"""benchmarks/glm5_kernels_bench.py's indexer_prefill / indexer_verify sections: their
+"""benchmarks/glm5_kernels_bench.py's indexer_prefill / indexer_verify / indexer_fp8 sections: their
 whole code path (sweep, checks, selects, backend, JSON, tables) at toy shapes under the
 interpreter on the CPU (``--cpu-smoke``), or ``--quick`` on a GPU."""
 
@@ -58,6 +58,32 @@ def test_indexer_sections_smoke(
     assert chunked  # the rows select ran
     printed = capsys.readouterr().out
     assert "== indexer_prefill" in printed and "== indexer_verify" in printed
+
+
+def test_indexer_fp8_section_smoke(
+    bench: ModuleType, device: torch.device, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """bf16 beside fp8 keys for decode, prefill and verify: both score kernels and both
+    backends timed; fp8 moves fewer bytes, its scores within fp8's error of the bf16
+    ones (random keys: a few percent of the largest score) and most of its top-k the same."""
+    out = tmp_path / "fp8.json"
+    mode = "--quick" if device.type == "cuda" else "--cpu-smoke"
+    bench.main(["--out", str(out), "--sections", "indexer_fp8", mode])
+    rows = json.loads(out.read_text())["indexer_fp8"]
+    cases = {r["case"] for r in rows}
+    assert {c.split()[0] for c in cases} == {"decode", "prefill", "verify"}
+    for case in cases:
+        mine = {r["kernel"]: r for r in rows if r["case"] == case}
+        assert set(mine) == {"score bf16", "score fp8", "score fp8 k+q", "backend bf16",
+                             "backend fp8"}  # fmt: skip
+        assert all(r["ms"] > 0 for r in mine.values())
+        bf16, fp8, fp8q = mine["score bf16"], mine["score fp8"], mine["score fp8 k+q"]
+        assert fp8q["bytes"] < fp8["bytes"] < bf16["bytes"]
+        for r in (fp8, fp8q):
+            assert r["GB/s"] > 0 and r["TFLOP/s"] > 0 and r["speedup"] > 0
+            assert 0 < r["max_rel_diff"] < 0.1
+        assert mine["backend fp8"]["select_overlap"] > 0.5
+    assert "== indexer_fp8" in capsys.readouterr().out
 
 
 def test_cpu_smoke_refuses_other_sections(bench: ModuleType, tmp_path: Path) -> None:

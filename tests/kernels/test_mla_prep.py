@@ -6,6 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.kernels.index_cache import (
+    dequantize_index_cache,
+    fp8_index_row_bytes,
+    indexer_cache_views,
+)
 from pdserve.kernels.mla_prep import (
     indexer_prepare,
     indexer_prepare_reference,
@@ -108,3 +113,49 @@ def test_indexer_prepare_matches_reference(
     kw = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     torch.testing.assert_close(caches[1], caches[0], **kw)
     assert (caches[1] != 0).any(dim=-1).sum() == N - 1
+
+
+@pytest.mark.parametrize(
+    "nh,d,rope,dtype,interleaved",
+    [
+        (8, 32, 16, torch.bfloat16, True),  # GLM-5's layout
+        (5, 48, 8, torch.float32, False),  # half-split RoPE, a tail past it
+    ],
+)
+def test_indexer_prepare_writes_fp8_keys_with_their_scales(
+    device: torch.device, nh: int, d: int, rope: int, dtype: torch.dtype, interleaved: bool
+) -> None:
+    """An fp8 indexer cache: each written key quantized with its own float32 scale
+    (amax / 448) beside it. The kernel's scales equal the reference's within LayerNorm's
+    last-bit differences, its fp8 values within one e4m3 step of them (a rounding can
+    fall the other way); q and the weights as in the model-dtype case."""
+    g = torch.Generator().manual_seed(nh + d + 1)
+    rot = RotaryEmbedding(rope, 128, 10000.0, dtype=dtype).to(device)
+    q = torch.randn(T, nh, d, generator=g).to(dtype).to(device)
+    k = (3 * torch.randn(T, d, generator=g)).to(dtype).to(device)
+    w = torch.randn(T, nh, generator=g).to(dtype).to(device)
+    ln_w = (1 + 0.5 * torch.randn(d, generator=g)).to(dtype).to(device)
+    ln_b = (0.1 * torch.randn(d, generator=g)).to(dtype).to(device)
+    pos = torch.randint(0, 128, (T,), generator=g).to(device)
+    slots = _slots(g, device)
+    raws = [torch.zeros(BLOCKS, PAGE * fp8_index_row_bytes(d), dtype=torch.uint8,
+                        device=device) for _ in range(2)]  # fmt: skip
+    args = (ln_w, ln_b, 1e-6, pos, rot.cos_cache, rot.sin_cache, interleaved)
+    outs = []
+    for fn, raw in zip((indexer_prepare_reference, indexer_prepare), raws, strict=True):
+        keys, scales = indexer_cache_views(raw, d)
+        outs.append(fn(q, k, w, *args, keys, slots, scales))
+    torch.testing.assert_close(outs[1][0], outs[0][0], **_kw(dtype, device))
+    torch.testing.assert_close(outs[1][1], outs[0][1], atol=0.0, rtol=0.0)
+    (ref_k, ref_s), (got_k, got_s) = (indexer_cache_views(r, d) for r in raws)
+    assert ref_s is not None and got_s is not None
+    written = (ref_s > 0).sum()
+    assert written == (got_s > 0).sum() == N - 1 and bool(((ref_s > 0) == (got_s > 0)).all())
+    torch.testing.assert_close(
+        got_s, ref_s, atol=0.0, rtol=2e-2 if dtype != torch.float32 else 1e-5
+    )
+    ref_deq, got_deq = (dequantize_index_cache(r, d) for r in raws)
+    step = ref_deq.abs() * 2**-3 + ref_s[..., None] * 2**-9  # one e4m3 step
+    assert bool(((got_deq - ref_deq).abs() <= step + 1e-6).all())
+    same = (got_k.view(torch.uint8) == ref_k.view(torch.uint8)).float().mean()
+    assert float(same) > 0.95  # most values round identically

@@ -23,8 +23,8 @@ once this step's token is written, must read:
 - any other cache kind: every layer reads the request's whole context.
 
 Row sizes and dtypes come from the engine's cache config (``collect_cache_layers``), so
-an FP8 latent cache counts one byte a value while the indexer keys stay in the model
-dtype. Writes (one latent row and one indexer key per layer and request), activations
+an FP8 cache counts one byte a latent value and ``D + 4`` bytes an indexer key (fp8
+values and a float32 scale). Writes (one latent row and one indexer key per layer and request), activations
 and the logits are left out: at decode they are well under 0.1% of the reads.
 """
 

@@ -81,7 +81,8 @@ class CacheConfig:
         "auto",
         "auto: the model dtype; fp8 (= fp8_e4m3): float8_e4m3fn GQA K/V and MLA latent "
         "caches with static per-layer scales from the checkpoint's k_scale/v_scale (else "
-        "1.0; values saturate at +-448 x scale)",
+        "1.0; values saturate at +-448 x scale), and DSA indexer keys in float8_e4m3fn "
+        "with a float32 scale per key computed as it is written (amax / 448)",
     )
 
     def __post_init__(self) -> None:

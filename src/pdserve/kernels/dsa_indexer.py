@@ -31,6 +31,16 @@ row held in registers, one read); this kernel stays for wider rows and as a vari
 
 Output: ``[T, K]`` int64 key positions (the reference returns them sorted by score; this
 one in position order within the two groups: attention does not care about order).
+
+**FP8 keys** (``--kv-cache-dtype fp8``): the cache holds float8_e4m3fn keys with one
+float32 scale per key, computed as the key is written (the layout and its torch helpers:
+:mod:`pdserve.kernels.index_cache`). The score kernels take the scale view as
+``k_scale``: the fp8 tile is widened to the query's dtype for the dot (exact: every e4m3
+value is a bf16 value) and the weighted head sum of each key is multiplied by its scale
+once, ``sum_h w * ReLU(q . k_fp8 * s) = s * sum_h w * ReLU(q . k_fp8)`` since ``s > 0``.
+The engine's queries stay in the model dtype; fp8 queries with their per-(token, head)
+scales folded into the weights (``index_cache.quantize_index_queries``) make the dots
+FP8 MMAs (a variant the benchmarks measure).
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ import triton.language as tl
 
 from pdserve.kernels._utils import check_device, dot_precision, dot_upcast, next_pow2, num_sms
 from pdserve.kernels.dsa_select import REG_SELECT_MAX_WIDTH, reg_topk_select
+from pdserve.kernels.index_cache import check_key_cache
 
 BLOCK_N = 64
 KEYS_PER_PROGRAM = 256
@@ -53,6 +64,7 @@ def _logits_kernel(
     q_ptr,
     w_ptr,
     cache_ptr,
+    ks_ptr,
     bt_ptr,
     seq_lens_ptr,
     qsl_ptr,
@@ -67,6 +79,7 @@ def _logits_kernel(
     stride_wt,
     stride_cb,
     stride_cs,
+    stride_kb,
     stride_bt,
     stride_ot,
     NH: tl.constexpr,
@@ -79,6 +92,7 @@ def _logits_kernel(
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
     FILL: tl.constexpr,
+    KEY_SCALE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     start = tl.program_id(1) * BLOCK * ITERS
@@ -113,6 +127,8 @@ def _logits_kernel(
             k = k.to(q.dtype)
             s = tl.dot(q, k, input_precision=DOT_PREC) * scale  # [BLOCK_H, BLOCK]
             idx = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0)
+            if KEY_SCALE:  # fp8 keys: each key's scale (> 0) after the ReLU
+                idx *= tl.load(ks_ptr + blk * stride_kb + s_pos % PAGE, mask=ok, other=0.0)
             tl.store(row_out + s_pos, tl.where(ok, idx, float("-inf")), mask=s_pos < width)
     elif FILL:
         offs = start + tl.arange(0, BLOCK * ITERS)
@@ -203,17 +219,20 @@ def indexer_logits(
     width: int,
     topk: int,
     for_select: bool = True,
+    k_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Index scores [num_tokens, width] float32.
 
     ``for_select``: only what :func:`topk_select` reads is written (each row up to its
     position; rows whose request's context is at most ``topk`` not at all), saving the
     buffer's fill. Otherwise every causal score, -inf past each token's position (what
-    ``torch.topk`` needs)."""
+    ``torch.topk`` needs). ``k_scale`` [blocks, block_size] float32: ``cache`` holds fp8
+    keys with these per-key scales (``pdserve.kernels.index_cache.indexer_cache_views``)."""
     check_device(q, "indexer_logits")
     _, nh, d = q.shape
-    if cache.shape[-1] != d or q.stride(-1) != 1 or cache.stride(-1) != 1:
-        raise ValueError(f"indexer cache width {cache.shape[-1]} != head dim {d} (unit stride)")
+    check_key_cache(cache, k_scale, d, q.dtype)
+    if q.stride(-1) != 1:
+        raise ValueError("indexer queries need unit inner stride")
     out = torch.empty(num_tokens, width, dtype=torch.float32, device=q.device)
     skip_below = topk if for_select else 0
     if num_tokens == 0 or width == 0:
@@ -225,6 +244,7 @@ def indexer_logits(
         q,
         weights,
         cache,
+        cache if k_scale is None else k_scale,
         block_tables,
         seq_lens,
         query_start_loc,
@@ -239,6 +259,7 @@ def indexer_logits(
         weights.stride(0),
         cache.stride(0),
         cache.stride(1),
+        0 if k_scale is None else k_scale.stride(0),
         block_tables.stride(0),
         out.stride(0),
         NH=nh,
@@ -251,6 +272,7 @@ def indexer_logits(
         DOT_PREC=dot_precision(q.dtype),
         UPCAST=dot_upcast(q.dtype),
         FILL=not for_select,
+        KEY_SCALE=k_scale is not None,
         num_warps=4,
     )
     return out

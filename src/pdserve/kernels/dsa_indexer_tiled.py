@@ -45,6 +45,10 @@ indexer_prefill,indexer_verify``) says otherwise:
   relabelling (no shared-memory round trip), the head sum shuffles within warps. A 16K
   context is 4 MB of keys a request; key tiles stream through cp.async stages.
 
+FP8 keys (``k_scale`` given: :func:`~pdserve.kernels.index_cache.indexer_cache_views`):
+each fp8 key tile is widened to the query dtype for the dot and each key's score (after
+the ReLU and the head sum) is multiplied by its scale, once a key block.
+
 ``span`` is the most keys a program covers: the launcher halves it (not below ``bn``)
 while the estimated number of live programs is under two waves of the GPU.
 """
@@ -58,6 +62,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels._utils import check_device, dot_precision, dot_upcast, next_pow2, num_sms
+from pdserve.kernels.index_cache import check_key_cache
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,7 @@ def _tiled_logits_kernel(
     q_ptr,
     w_ptr,
     cache_ptr,
+    ks_ptr,
     bt_ptr,
     seq_lens_ptr,
     qsl_ptr,
@@ -106,6 +112,7 @@ def _tiled_logits_kernel(
     stride_wt,
     stride_cb,
     stride_cs,
+    stride_kb,
     stride_bt,
     stride_ot,
     NH: tl.constexpr,
@@ -120,6 +127,7 @@ def _tiled_logits_kernel(
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
     FILL: tl.constexpr,
+    KEY_SCALE: tl.constexpr,
 ):
     req = tl.program_id(0)
     q0 = tl.load(qsl_ptr + req)
@@ -171,6 +179,9 @@ def _tiled_logits_kernel(
                     wh = tl.load(w_ptr + tok_t * stride_wt + h, mask=t_ok, other=0.0) * scale
                     s = tl.dot(qh, k, input_precision=DOT_PREC)
                     acc += tl.maximum(s, 0.0) * wh[:, None]
+                if KEY_SCALE:  # fp8 keys: each key's scale (> 0), once for every head
+                    ks = tl.load(ks_ptr + blk * stride_kb + s_pos % PAGE, mask=ok, other=0.0)
+                    acc *= ks[None, :]
                 causal = s_pos[None, :] <= pos_t[:, None]
                 tl.store(
                     out_rows[:, None] + s_pos[None, :],
@@ -204,6 +215,9 @@ def _tiled_logits_kernel(
                 s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PREC)  # [BT * BLOCK_H, BN]
                 r = tl.maximum(s, 0.0) * w[:, None]
                 idx = tl.sum(tl.reshape(r, (BT, BLOCK_H, BN)), axis=1)  # [BT, BN]
+                if KEY_SCALE:  # fp8 keys: each key's scale (> 0) after the ReLU
+                    ks = tl.load(ks_ptr + blk * stride_kb + s_pos % PAGE, mask=ok, other=0.0)
+                    idx *= ks[None, :]
                 causal = s_pos[None, :] <= pos_t[:, None]
                 tl.store(
                     out_rows[:, None] + s_pos[None, :],
@@ -270,6 +284,7 @@ def _launch(
     skip_below: int,
     fill: bool,
     auto_span: bool,
+    k_scale: torch.Tensor | None,
 ) -> None:
     """One launch over the requests with ``min_q < q_len <= max_q``; ``rows``: the most
     query rows any of them has in ``[tok_lo, tok_hi)``."""
@@ -279,6 +294,7 @@ def _launch(
         q,
         weights,
         cache,
+        cache if k_scale is None else k_scale,
         block_tables,
         seq_lens,
         query_start_loc,
@@ -295,6 +311,7 @@ def _launch(
         weights.stride(0),
         cache.stride(0),
         cache.stride(1),
+        0 if k_scale is None else k_scale.stride(0),
         block_tables.stride(0),
         out.stride(0),
         NH=nh,
@@ -309,6 +326,7 @@ def _launch(
         DOT_PREC=dot_precision(q.dtype),
         UPCAST=dot_upcast(q.dtype),
         FILL=fill,
+        KEY_SCALE=k_scale is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -344,6 +362,7 @@ def indexer_logits_tiled(
     prefill: TileConfig | None = None,
     verify: TileConfig | None = None,
     auto_span: bool = True,
+    k_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Index scores of tokens ``tok_lo..tok_hi`` of the step ([tok_hi - tok_lo, width]
     float32; ``q`` [T, heads, D] and ``weights`` [T, heads] are the whole step's).
@@ -353,11 +372,13 @@ def indexer_logits_tiled(
     ``topk`` not at all, nor tiles whose rows all have ``pos + 1 <= topk``); otherwise
     every score, -inf past each position. ``uniform``:
     every request has ``max_query_len`` rows (a host fact: then only one launch runs).
-    ``prefill`` / ``verify``: configs other than the module's (benchmarks)."""
+    ``prefill`` / ``verify``: configs other than the module's (benchmarks). ``k_scale``:
+    fp8 keys with per-key scales, as :func:`~pdserve.kernels.dsa_indexer.indexer_logits`."""
     check_device(q, "indexer_logits_tiled")
     _, nh, d = q.shape
-    if cache.shape[-1] != d or q.stride(-1) != 1 or cache.stride(-1) != 1:
-        raise ValueError(f"indexer cache width {cache.shape[-1]} != head dim {d} (unit stride)")
+    check_key_cache(cache, k_scale, d, q.dtype)
+    if q.stride(-1) != 1:
+        raise ValueError("indexer queries need unit inner stride")
     if not scale > 0:
         raise ValueError(f"indexer scale must be positive (folded into the weights): {scale}")
     n = tok_hi - tok_lo
@@ -366,7 +387,7 @@ def indexer_logits_tiled(
         return out
     rows = min(max_query_len, n)
     common = (q, weights, cache, block_tables, seq_lens, query_start_loc, out, num_reqs)
-    tail = (scale, width, topk if for_select else 0, not for_select, auto_span)
+    tail = (scale, width, topk if for_select else 0, not for_select, auto_span, k_scale)
     small = min(rows, SMALL_QUERY_ROWS)
     if not (uniform and max_query_len > SMALL_QUERY_ROWS):  # requests of <= SMALL rows
         cfg = verify_config(small, nh, verify)

@@ -13,7 +13,9 @@ them is a kernel launch of a few hundred bytes. Here:
 :func:`indexer_prepare` (program per token): rotate the first ``R`` dims of every index
     head of ``q`` [T, NH, D] into a contiguous buffer; ``weights * NH**-0.5`` in float32;
     ``LayerNorm`` the key ``k`` [T, D], rotate its first ``R`` dims and write it into
-    the indexer cache. :func:`indexer_prepare_reference` is the unfused model.
+    the indexer cache (an fp8 indexer cache: quantized with one float32 scale a key,
+    ``amax / 448``, stored beside it; :mod:`pdserve.kernels.index_cache`).
+    :func:`indexer_prepare_reference` is the unfused model.
 
 RoPE either layout (:func:`~pdserve.kernels.rope.load_pairs`), cos/sin gathered from
 the tables by position in the kernel (no per-layer gather), each product rounded to the
@@ -30,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels._utils import check_device, interpret_mode, next_pow2
+from pdserve.kernels._utils import check_device, interpret_mode, next_pow2, round_to_e4m3
+from pdserve.kernels.index_cache import check_key_cache, write_index_keys
 from pdserve.kernels.kv_cache_write import _to_cache
 from pdserve.kernels.reference import (
     FP8_DTYPE,
@@ -205,6 +208,7 @@ def _indexer_prep_kernel(
     sin_ptr,
     slot_ptr,
     cache_ptr,
+    ks_ptr,
     q_out_ptr,
     w_out_ptr,
     stride_qt,
@@ -214,6 +218,7 @@ def _indexer_prep_kernel(
     stride_sin,
     stride_cb,
     stride_cs,
+    stride_kb,
     stride_qot,
     n_heads,
     n_write,
@@ -227,6 +232,9 @@ def _indexer_prep_kernel(
     PAGE: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     ROUND: tl.constexpr,
+    KEY_FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    ROUND_FIRST: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -270,12 +278,28 @@ def _indexer_prep_kernel(
             k1 = _layer_norm_at(row, lnw_ptr, lnb_ptr, i1, p_ok, mean, rstd, dt)
             k2 = _layer_norm_at(row, lnw_ptr, lnb_ptr, i2, p_ok, mean, rstd, dt)
             r1, r2 = rotate_pairs(k1[None, :], k2[None, :], c, s, ROUND)
+            tail = dm & (d >= 2 * HALF)
+            kt = _layer_norm_at(row, lnw_ptr, lnb_ptr, d, tail, mean, rstd, dt)
             dst = cache_ptr + (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs
+            if KEY_FP8:  # one scale for the whole key (its rounded model-dtype values)
+                r1 = r1.to(tl.float32)
+                r2 = r2.to(tl.float32)
+                kt = tl.where(tail, kt.to(tl.float32), 0.0)
+                amax = tl.maximum(tl.max(tl.max(tl.abs(r1), axis=1), axis=0),
+                                  tl.max(tl.max(tl.abs(r2), axis=1), axis=0))  # fmt: skip
+                amax = tl.maximum(amax, tl.max(tl.abs(kt), axis=0))
+                ksc = tl.maximum(amax / FP8_MAX, 1e-12)
+                r1 = tl.clamp(r1 / ksc, -FP8_MAX, FP8_MAX)
+                r2 = tl.clamp(r2 / ksc, -FP8_MAX, FP8_MAX)
+                kt = tl.clamp(kt / ksc, -FP8_MAX, FP8_MAX)
+                if ROUND_FIRST:  # the interpreter's fp8 cast (see round_to_e4m3)
+                    r1 = round_to_e4m3(r1)
+                    r2 = round_to_e4m3(r2)
+                    kt = round_to_e4m3(kt)
+                tl.store(ks_ptr + (slot // PAGE) * stride_kb + slot % PAGE, ksc)
             ety = cache_ptr.dtype.element_ty
             tl.store(dst + offs[None, :], r1.to(ety), mask=p_ok[None, :])
             tl.store(dst + HALF + offs[None, :], r2.to(ety), mask=p_ok[None, :])
-            tail = dm & (d >= 2 * HALF)
-            kt = _layer_norm_at(row, lnw_ptr, lnb_ptr, d, tail, mean, rstd, dt)
             tl.store(dst + d, kt.to(ety), mask=tail)
 
 
@@ -301,14 +325,19 @@ def indexer_prepare(
     interleaved: bool,
     cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q with its first ``R = 2 * pairs`` dims rotated [T, NH, D] contiguous, ``weights``
     [T, NH] as float32 times ``NH**-0.5``); writes ``rope(layer_norm(k))`` of the first
-    ``slot_mapping.shape[0]`` tokens into ``cache`` [blocks, block_size, D]."""
+    ``slot_mapping.shape[0]`` tokens into ``cache`` [blocks, block_size, D]; with
+    ``k_scale`` [blocks, block_size] float32, ``cache`` holds fp8 keys and each key is
+    written quantized with its own scale (the views of
+    :func:`~pdserve.kernels.index_cache.indexer_cache_views`)."""
     check_device(cache, "indexer_prepare")
     t, nh, d = q.shape
     half = cos_cache.shape[-1]
-    if k.shape != (t, d) or weights.shape != (t, nh) or cache.shape[-1] != d or 2 * half > d:
+    check_key_cache(cache, k_scale, d)
+    if k.shape != (t, d) or weights.shape != (t, nh) or 2 * half > d:
         raise ValueError(f"indexer_prepare: q {tuple(q.shape)}, k {tuple(k.shape)}, weights "
                          f"{tuple(weights.shape)}, cache width {cache.shape[-1]}, "
                          f"{half} rope pairs do not fit")  # fmt: skip
@@ -323,11 +352,13 @@ def indexer_prepare(
         return q_out, w_out
     _indexer_prep_kernel[(t,)](
         q, k, weights, ln_weight, ln_bias, positions, cos_cache, sin_cache, slot_mapping, cache,
-        q_out, w_out, q.stride(0), k.stride(0), weights.stride(0), cos_cache.stride(0),
-        sin_cache.stride(0), cache.stride(0), cache.stride(1), q_out.stride(0), nh, n, eps,
-        nh**-0.5, D=d, BLOCK_D=next_pow2(d), HALF=half, BLOCK_HALF=next_pow2(half),
+        cache if k_scale is None else k_scale, q_out, w_out, q.stride(0), k.stride(0),
+        weights.stride(0), cos_cache.stride(0), sin_cache.stride(0), cache.stride(0),
+        cache.stride(1), 0 if k_scale is None else k_scale.stride(0), q_out.stride(0), nh, n,
+        eps, nh**-0.5, D=d, BLOCK_D=next_pow2(d), HALF=half, BLOCK_HALF=next_pow2(half),
         BLOCK_NH=next_pow2(nh), PAGE=cache.shape[1], INTERLEAVED=interleaved,
-        ROUND=q.dtype != torch.float32, num_warps=4, enable_fp_fusion=False,
+        ROUND=q.dtype != torch.float32, KEY_FP8=k_scale is not None, FP8_MAX=FP8_MAX,
+        ROUND_FIRST=interpret_mode(), num_warps=4, enable_fp_fusion=False,
     )  # fmt: skip
     return q_out, w_out
 
@@ -345,9 +376,10 @@ def indexer_prepare_reference(
     interleaved: bool,
     cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The unfused :class:`~pdserve.layers.attention.dsa.Indexer` ops for
-    :func:`indexer_prepare` (negative slots skipped)."""
+    :func:`indexer_prepare` (negative slots skipped; ``k_scale``: an fp8 key cache)."""
     cos, sin = cos_cache[positions], sin_cache[positions]
     r = 2 * cos.shape[-1]
     k = torch.nn.functional.layer_norm(k, (k.shape[-1],), ln_weight, ln_bias, eps)
@@ -355,6 +387,5 @@ def indexer_prepare_reference(
     k = torch.cat([_rotate(k[:, None, :r], cos, sin, interleaved)[:, 0], k[:, r:]], dim=-1)
     n = slot_mapping.shape[0]
     keep = slot_mapping >= 0
-    flat = cache.view(-1, cache.shape[-1])
-    flat.index_copy_(0, slot_mapping[keep], k[:n][keep].to(cache.dtype))
+    write_index_keys(cache, k_scale, slot_mapping[keep], k[:n][keep])
     return q, weights.float() * q.shape[1] ** -0.5

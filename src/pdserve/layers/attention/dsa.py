@@ -12,6 +12,11 @@ weights_proj(x) / sqrt(n_heads)``; both q and k carry RoPE on their first
 The query attends to the ``index_topk`` highest-scoring keys (all of them when its
 context is shorter). Scores are float32, as in the HF reference.
 
+With ``--kv-cache-dtype fp8`` the key cache holds float8_e4m3fn keys with one float32
+scale a key, quantized as each key is written (the layout:
+:mod:`pdserve.kernels.index_cache`); scores read them dequantized. Queries stay in the
+model dtype.
+
 Output: ``topk`` [T, index_topk] int64, key positions inside the request, -1 where fewer
 keys exist. Index-sharing layers (GLM-5.2) build no indexer and keep no indexer cache:
 they reuse the previous full layer's ``topk``.
@@ -27,6 +32,8 @@ from torch import nn
 
 from pdserve.core_types.cache_spec import CacheLayout
 from pdserve.forward_context import get_forward_context
+from pdserve.kernels.index_cache import fp8_index_row_bytes, indexer_cache_views, write_index_keys
+from pdserve.kernels.reference import FP8_DTYPE
 from pdserve.layers.attention.backend import AttentionBackend, CommonAttentionMetadata
 from pdserve.layers.attention.paged_gather import context_positions, gather_context, token_chunks
 from pdserve.layers.linear import Linear
@@ -47,19 +54,23 @@ class IndexerTorchBackend(AttentionBackend):
         q: torch.Tensor,  # [T, n_heads, D]
         k: torch.Tensor | None,  # [T, D]; None: already in the cache
         weights: torch.Tensor,  # [T, n_heads] float32 (already / sqrt(n_heads))
-        cache: torch.Tensor,  # [blocks, block_size, D]
+        cache: torch.Tensor,  # [blocks, block_size, D]; fp8: [blocks, block_size * (D + 4)]
         md: CommonAttentionMetadata,
         topk: int,
         scale: float,
     ) -> torch.Tensor:  # [T, topk] int64
-        t = md.num_actual_tokens
+        t, d = md.num_actual_tokens, q.shape[-1]
+        keys, k_scale = indexer_cache_views(cache, d)
         if k is not None:
-            flat = cache.view(-1, cache.shape[-1])
-            flat.index_copy_(0, md.slot_mapping[:t], k[:t].to(cache.dtype))
-        ctx, _ = gather_context(md, cache)  # [B, S, D]
+            write_index_keys(keys, k_scale, md.slot_mapping[:t], k[:t])
+        if k_scale is None:
+            ctx, _ = gather_context(md, keys)  # [B, S, D]
+        else:  # fp8 keys times their scales (gathered as bytes: CPU torch, fp8 indexing)
+            ctx = gather_context(md, keys.view(torch.uint8))[0].view(FP8_DTYPE).float()
+            ctx = ctx * gather_context(md, k_scale[..., None])[0]
         s = ctx.shape[1]
         out = torch.full((q.shape[0], topk), -1, dtype=torch.int64, device=q.device)
-        row = s * (q.shape[1] + 2) * 4 + s * cache.shape[-1] * 4
+        row = s * (q.shape[1] + 2) * 4 + s * d * 4
         for a, b in token_chunks(t, row, _CHUNK_BYTES):
             keys = ctx[md.token_req_idx[a:b]].float()  # [n, S, D]
             scores = torch.einsum("nhd,nsd->nhs", q[a:b].float(), keys) * scale
@@ -104,7 +115,16 @@ class Indexer(nn.Module):
         self.cache_group = cache_group
         self.layer_name = ""
 
+    # --kv-cache-dtype fp8: fp8 keys with a per-key scale (dynamic, no checkpoint scales)
+    supports_fp8_cache = True
+
     def kv_cache_layout(self, block_size: int, dtype: str) -> CacheLayout:
+        """[blocks, block_size, D] keys in the model dtype; for ``float8_e4m3fn`` one uint8
+        row a block: ``block_size`` fp8 keys then their float32 scales (D + 4 bytes a key;
+        `pdserve.kernels.index_cache.indexer_cache_views`)."""
+        if dtype == str(FP8_DTYPE).removeprefix("torch."):
+            row = block_size * fp8_index_row_bytes(self.head_dim)
+            return CacheLayout("indexer", "uint8", (1, row), block_axis=0)
         return CacheLayout("indexer", dtype, (1, block_size, self.head_dim), block_axis=0)
 
     def make_backend(self, choice: str, device: torch.device, max_model_len: int) -> Any:
@@ -129,10 +149,11 @@ class Indexer(nn.Module):
 
             c = getattr(md, "common", md)
             rt, kn = rope.rope, self.k_norm
+            keys, k_scale = indexer_cache_views(cache, self.head_dim)
             q, weights = indexer_prepare(
                 q, self.wk(x), self.weights_proj(x), kn.weight, kn.bias, kn.eps,
                 rope.positions, rt.cos_cache[:, : r // 2], rt.sin_cache[:, : r // 2],
-                self.rope_interleaved, cache, c.slot_mapping[: c.num_actual_tokens],
+                self.rope_interleaved, keys, c.slot_mapping[: c.num_actual_tokens], k_scale,
             )  # fmt: skip
             k = None
         else:

@@ -1,8 +1,9 @@
 """The Triton DSA indexer backend (``--attention-backend triton``, or ``auto`` on CUDA).
 
-Same cache layout and contract as :class:`~pdserve.layers.attention.dsa.IndexerTorchBackend`:
-write this step's keys through the slot mapping, then per token the ``index_topk`` best
-causal key positions ([T, K] int64, -1 pads). Scores go to a float32 buffer as wide as the
+Same cache layouts (model-dtype keys, or fp8 keys with per-key scales) and contract as
+:class:`~pdserve.layers.attention.dsa.IndexerTorchBackend`: write this step's keys
+through the slot mapping, then per token the ``index_topk`` best causal key positions
+([T, K] int64, -1 pads). Scores go to a float32 buffer as wide as the
 step's ``max_seq_len`` (``max_model_len`` under a CUDA graph), chunked over tokens to
 bound it. A step with one query row per request (decode) scores with
 :func:`~pdserve.kernels.dsa_indexer.indexer_logits` (a program per token); any other
@@ -28,6 +29,7 @@ import torch
 
 from pdserve.kernels.dsa_indexer import SORT_FREE_MAX_WIDTH, indexer_logits, topk_select
 from pdserve.kernels.dsa_indexer_tiled import indexer_logits_tiled
+from pdserve.kernels.index_cache import indexer_cache_views, write_index_keys
 from pdserve.layers.attention.backend import AttentionBackend, CommonAttentionMetadata
 from pdserve.layers.attention.paged_gather import token_chunks
 
@@ -46,15 +48,15 @@ class IndexerTritonBackend(AttentionBackend):
         q: torch.Tensor,  # [T, n_heads, D]
         k: torch.Tensor | None,  # [T, D]; None: already in the cache
         weights: torch.Tensor,  # [T, n_heads] float32 (already / sqrt(n_heads))
-        cache: torch.Tensor,  # [blocks, block_size, D]
+        cache: torch.Tensor,  # [blocks, block_size, D]; fp8: [blocks, block_size * (D + 4)]
         md: CommonAttentionMetadata,
         topk: int,
         scale: float,
     ) -> torch.Tensor:  # [T, topk] int64
         t = md.num_actual_tokens
+        cache, k_scale = indexer_cache_views(cache, q.shape[-1])
         if k is not None:
-            flat = cache.view(-1, cache.shape[-1])
-            flat.index_copy_(0, md.slot_mapping[:t], k[:t].to(cache.dtype))
+            write_index_keys(cache, k_scale, md.slot_mapping[:t], k[:t])
         width = -(-md.max_seq_len // md.block_size) * md.block_size
         q = q.contiguous()
         weights = weights.float().contiguous()
@@ -84,6 +86,7 @@ class IndexerTritonBackend(AttentionBackend):
                     topk,
                     for_select=sort_free,
                     uniform=uniform,
+                    k_scale=k_scale,
                 )
             else:
                 logits = indexer_logits(
@@ -100,6 +103,7 @@ class IndexerTritonBackend(AttentionBackend):
                     width,
                     topk,
                     for_select=sort_free,
+                    k_scale=k_scale,
                 )
             if sort_free:
                 topk_select(logits, md.seq_lens, md.query_start_loc, req, qi, topk, b - a, out[a:b])
