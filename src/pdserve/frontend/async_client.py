@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 import multiprocessing as mp
 import os
@@ -41,7 +42,6 @@ from pdserve.core_types import messages as M
 from pdserve.core_types.kv_transfer_params import KVTransferParams
 from pdserve.core_types.sampling_params import SamplingParams
 from pdserve.core_types.stats import SchedulerStats
-from pdserve.engine.core_proc import run_engine_core
 from pdserve.frontend.dp_ranks import RankRouter, merge_ready, merge_stats
 from pdserve.frontend.output_processor import OutputProcessor
 from pdserve.frontend.outputs import CompletionOutput, RequestOutput
@@ -49,6 +49,17 @@ from pdserve.frontend.processor import InputProcessor
 from pdserve.frontend.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+# The engine-core process's entry point, named rather than imported: the API process
+# loads no engine code (docs/ARCHITECTURE.md, process walls); the spawned child imports
+# it. tests/test_layering.py checks that the name resolves.
+ENGINE_CORE_ENTRY = ("pdserve.engine.core_proc", "run_engine_core")
+
+
+def engine_core_main(*args: object) -> None:
+    """Run in the spawned engine-core process: import its entry point and call it."""
+    module, name = ENGINE_CORE_ENTRY
+    getattr(importlib.import_module(module), name)(*args)
 
 
 class EngineDeadError(RuntimeError):
@@ -111,7 +122,7 @@ class AsyncEngineClient:
             in_addr = f"ipc://{os.path.join(self._tmp.name, f'in{rank}')}"
             sock.bind(in_addr)
             proc = mp.get_context("spawn").Process(
-                target=run_engine_core,
+                target=engine_core_main,
                 args=(config, in_addr, out_addr, log_level, rank, init_file),
                 name="pdserve-engine-core" + (f"-dp{rank}" if self.dp_size > 1 else ""),
                 daemon=True,

@@ -161,7 +161,7 @@ class StructuredFields(StrictModel):
 
 def check_structured(spec: StructuredOutputsParams, param: str) -> None:
     """Blocking: build the grammar of ``spec``; 400 naming ``param`` when it is invalid."""
-    from pdserve.engine.structured_output import build_grammar
+    from pdserve.core_types.grammar import build_grammar
 
     try:
         build_grammar(spec)
