@@ -3,9 +3,10 @@
 Lifecycle: ``await AsyncEngineClient.start(config)`` spawns the engine-core process,
 waits for ``EngineReady``, and starts one output task that reads every
 ``EngineOutputs`` message, detokenizes (``OutputProcessor``), and routes each delta
-to its request's queue. ``generate`` validates first (``ValueError`` before anything
-is queued), registers a queue, sends the ``EngineCoreRequest`` and yields deltas until the
-final one; if the consumer goes away early the request is aborted in the engine.
+to its request's queue. ``generate`` takes one sample of a request its caller has
+checked with :attr:`processor` (the API handlers do, once per HTTP request), builds the
+``EngineCoreRequest``, registers a queue, sends it and yields deltas until the final
+one; if the consumer goes away early the request is aborted in the engine.
 If the engine process dies, every live request gets a final "error" output and
 ``check_health`` raises from then on. ``check_health`` also raises while the latest
 stats snapshot says the engine's KV transfer side channel is down (the engine core
@@ -188,6 +189,13 @@ class AsyncEngineClient:
         return f"data-parallel rank {rank}: " if self.dp_size > 1 else ""
 
     # -- EngineClient -----------------------------------------------------------------------
+    @property
+    def processor(self) -> InputProcessor:
+        """The requests' rules for this engine (ready once :meth:`start` returned)."""
+        if self._processor is None:
+            raise RuntimeError("the engine client has not started")
+        return self._processor
+
     async def generate(
         self,
         request_id: str,
@@ -201,7 +209,7 @@ class AsyncEngineClient:
         assert self._processor is not None
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
-        req = self._processor.make_request(request_id, prompt_token_ids, params, kv_transfer_params)
+        req = self._processor.build(request_id, prompt_token_ids, params, kv_transfer_params)
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[request_id] = q
         self._outputs.add_request(request_id, prompt, req.prompt_token_ids, params)
