@@ -53,7 +53,7 @@ from pdserve.serving.api.streaming import SSEResponse, error_event
 logger = logging.getLogger(__name__)
 
 # the Responses API's names of the fields the input processor's rules name
-RESPONSES_FIELDS = {**CHAT_FIELDS, "max_tokens": "max_output_tokens"}
+RESPONSES_FIELDS = {**CHAT_FIELDS, "prompt": "input", "max_tokens": "max_output_tokens"}
 
 
 class _Answer:
