@@ -9,7 +9,9 @@ shape only (types, unknown fields, which fields go together) and its handlers ca
 rules here, at the point of their flow each needs: :meth:`InputProcessor.check_text_length`
 before tokenizing, :meth:`InputProcessor.check` once the prompt's ids and the parameters
 are known, :meth:`InputProcessor.check_grammar` (blocking) last. The offline ``LLM``
-calls the same methods. Nothing after this point validates user input again.
+calls the same methods but the last: there a grammar that does not compile fails its
+request in the engine (an ``error`` output). Nothing after this point validates user
+input again.
 
 The rules of :meth:`InputProcessor.check`, in order (the first broken one is reported):
 
