@@ -16,7 +16,7 @@ speed     per preset: decode step at batch 1 and 32 with 1K and 16K contexts (gr
           its requests, steps until all of them decode, and times 12 steps in which every
           one of them runs (``live`` in the table: the fewest that ran in a timed step;
           requests may generate up to max_model_len, so none finishes early). The roofline
-          is the bytes the step must read (:mod:`pdserve.bench.decode_roofline`: weights
+          is the bytes the step must read (:mod:`pdserve.profiling.decode_roofline`: weights
           but the embedding and MTP layers, the routed experts the batch's tokens reach,
           min(context, index_topk) latents per layer, indexer keys in the layers that run
           their indexer and only for contexts above index_topk) over the copy bandwidth
@@ -30,10 +30,10 @@ prefill   per preset (``--prefill-lens``, default 4096,16384,65536 on the GPU; p
           prefill timed (the median of two distinct prompts; prefix-cache hits counted,
           they must be 0), then a third prompt profiled: device time by kernel category
           and, per category, the achieved TFLOP/s and its share of the bf16 matmul rate
-          measured in the same call (FLOP formulas: :mod:`pdserve.bench.prefill_flops`);
+          measured in the same call (FLOP formulas: :mod:`pdserve.profiling.prefill_flops`);
           transformers' prefill of the same config where it fits (``--no-peer``: not)
 profile   per point BxCTX, the same steady batch, then one profiled step each
-          (:mod:`pdserve.bench.step_profile`): the CUDA-graph replay, the captured forward
+          (:mod:`pdserve.profiling.step_profile`): the CUDA-graph replay, the captured forward
           run eagerly (same kernels; module ranges name their categories, which the
           replay's kernels inherit in order), and a plain eager step (graphs off: the
           step's own metadata). Device time by category (MoE experts, router, MLA
@@ -66,11 +66,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_suite import measure_limits  # noqa: E402
 
 from pdserve import LLM, SamplingParams  # noqa: E402
-from pdserve.bench.decode_roofline import DecodeByteModel  # noqa: E402
-from pdserve.bench.prefill_flops import PrefillFlopModel  # noqa: E402
-from pdserve.bench.step_profile import align_categories, format_tables, profile_step  # noqa: E402
 from pdserve.layers.attention import CommonAttentionMetadata  # noqa: E402
 from pdserve.layers.attention.dsa import Indexer  # noqa: E402
+from pdserve.profiling.decode_roofline import DecodeByteModel  # noqa: E402
+from pdserve.profiling.prefill_flops import PrefillFlopModel  # noqa: E402
+from pdserve.profiling.step_profile import align_categories, format_tables, profile_step  # noqa: E402
 from pdserve.testing.checkpoint import make_checkpoint  # noqa: E402
 
 ARCH = "GlmMoeDsaForCausalLM"
@@ -330,8 +330,8 @@ def _graph_forward_eager(llm: LLM) -> Iterator[None]:
 @contextmanager
 def _routing(llm: LLM, rows: int) -> Iterator[list[torch.Tensor]]:
     """Collect each target MoE layer's expert ids of the first ``rows`` tokens."""
-    from pdserve.bench.decode_roofline import layer_index
     from pdserve.layers.moe import TopKRouter
+    from pdserve.profiling.decode_roofline import layer_index
 
     r = llm.engine.runner
     n = int(r.hf_config.num_hidden_layers)

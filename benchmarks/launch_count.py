@@ -1,5 +1,5 @@
 """Device launches of one graph-shaped decode step, per decoder layer by submodule
-(issue 30; :mod:`pdserve.bench.launch_count` counts them).
+(issue 30; :mod:`pdserve.profiling.launch_count` counts them).
 
     python3 benchmarks/launch_count.py --out /tmp/launches.json                    (CPU, tiny)
     python3 benchmarks/launch_count.py --device cuda --out $OUT/launches.json \
@@ -45,13 +45,13 @@ def count_preset(name: str, preset: str, device: str, dtype: str, batch: int, co
                  width: int, workdir: Path, layers: int | None = None) -> dict:  # fmt: skip
     import torch
 
-    from pdserve.bench.launch_count import (
+    from pdserve.models import load_model
+    from pdserve.profiling.launch_count import (
         decode_step,
         decode_step_launches,
         format_table,
         layer_table,
     )
-    from pdserve.models import load_model
     from pdserve.testing.checkpoint import make_checkpoint
 
     arch = ARCH[name]
@@ -64,7 +64,7 @@ def count_preset(name: str, preset: str, device: str, dtype: str, batch: int, co
     seconds = time.perf_counter() - t0
     profiled = None
     if device == "cuda":  # the kernels the device really ran for the same step
-        from pdserve.bench.step_profile import profile_step
+        from pdserve.profiling.step_profile import profile_step
 
         prof = profile_step(decode_step(model, batch, context, width), None, device)
         profiled = {

@@ -24,7 +24,7 @@ decode glm5-m12-e64 (dummy; real GLM-5 per-layer dims) decoding at a 16K context
        from the step at which every stream has its first token to the last token. Per
        point: TPOT, the mean step time, the batch reached (streams decoding in every
        timed step), the share of steps replayed from CUDA graphs, draft-graph replays,
-       acceptance length, and the step's byte roofline (pdserve.bench.decode_roofline:
+       acceptance length, and the step's byte roofline (pdserve.profiling.decode_roofline:
        weights, the experts B * (1 + k) tokens reach under uniform routing, latents once
        per query row, indexer keys once per request; plus k MTP draft steps, each
        reading the MTP layer's weights (its experts as reached), the LM head, its latents
@@ -56,12 +56,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from pdserve import LLM, SamplingParams  # noqa: E402
-from pdserve.bench.decode_roofline import DecodeByteModel, layer_index  # noqa: E402
 from pdserve.config import EngineConfig  # noqa: E402
 from pdserve.engine.engine_core import EngineCore  # noqa: E402
 from pdserve.frontend.processor import InputProcessor  # noqa: E402
 from pdserve.frontend.tokenizer import Tokenizer  # noqa: E402
 from pdserve.models import loader  # noqa: E402
+from pdserve.profiling.decode_roofline import DecodeByteModel, layer_index  # noqa: E402
 from pdserve.testing.checkpoint import make_checkpoint  # noqa: E402
 
 ARCH = "GlmMoeDsaForCausalLM"

@@ -1,7 +1,15 @@
 """The package map's floors (docs/ARCHITECTURE.md): every import inside ``pdserve`` goes
 to the same package or a lower floor, and there is no import cycle. Imports are read
 statically from the source (``ast``), including imports inside functions and under
-``TYPE_CHECKING``, so a lazy import cannot hide an upward dependency."""
+``TYPE_CHECKING``, so a lazy import cannot hide an upward dependency.
+
+Process walls on top of the floors: the API server's process (every module the
+``serving.api`` modules reach, directly or through others, and every ``frontend`` module
+but the offline ``LLM``, which runs an engine in-process) loads no module that does model
+work (:data:`MODEL_WORK`); it starts the engine-core process by the entry point's name
+(``frontend.async_client.ENGINE_CORE_ENTRY``). ``bench`` speaks only HTTP: besides
+itself it imports ``core_types`` and ``heap`` (the start-up GC freeze, standard library
+only)."""
 
 from __future__ import annotations
 
@@ -22,6 +30,7 @@ FLOORS = [
     ("models",),
     ("spec_decode",),
     ("runner",),
+    ("profiling",),
     ("kv_transfer",),
     ("engine",),
     ("frontend",),
@@ -34,6 +43,22 @@ FLOORS = [
 FLOOR = {pkg: i for i, names in enumerate(FLOORS) for pkg in names}
 # the three serving roles share serving's own modules and never import each other
 SERVING_ROLES = ("api", "proxy", "launch")
+# packages that do model work: never loaded by the API server's process
+MODEL_WORK = (
+    "distributed",
+    "forward_context",
+    "kernels",
+    "layers",
+    "models",
+    "spec_decode",
+    "runner",
+    "profiling",
+    "kv_transfer",
+    "engine",
+)
+# frontend modules that run in-process with an engine, not in the API server's process
+NOT_API_PROCESS = ("pdserve.frontend.llm",)
+BENCH_MAY_IMPORT = ("bench", "core_types", "heap")
 
 
 def _modules() -> dict[str, Path]:
@@ -97,6 +122,59 @@ def test_serving_roles_do_not_import_each_other() -> None:
             if drole in SERVING_ROLES and drole != role:
                 bad.append(f"{mod} -> {dep}")
     assert not bad, "\n".join(sorted(bad))
+
+
+def _reachable(graph: dict[str, set[str]], roots: list[str]) -> dict[str, str]:
+    """Every module ``roots`` import, directly or not: module -> the module importing it."""
+    via: dict[str, str] = {}
+    stack = list(roots)
+    while stack:
+        mod = stack.pop()
+        for dep in graph[mod]:
+            if dep not in via and dep not in roots:
+                via[dep] = mod
+                stack.append(dep)
+    return via
+
+
+def test_api_process_loads_no_model_work() -> None:
+    graph = _graph()
+    roots = [
+        m
+        for m in graph
+        if m.startswith(("pdserve.serving.api", "pdserve.frontend")) and m not in NOT_API_PROCESS
+    ]
+    via = _reachable(graph, roots)
+    bad = []
+    for mod in sorted(list(via) + roots):
+        if _top(mod) in MODEL_WORK:
+            chain = [mod]
+            while chain[-1] in via:
+                chain.append(via[chain[-1]])
+            bad.append(" <- ".join(chain))
+    assert not bad, "the API process would load model work:\n" + "\n".join(bad)
+
+
+def test_engine_core_entry_point_exists() -> None:
+    """The API process names the engine-core entry point instead of importing it: the
+    name must stay a function of that module."""
+    from pdserve.frontend.async_client import ENGINE_CORE_ENTRY
+
+    module, name = ENGINE_CORE_ENTRY
+    path = _modules()[module]
+    defs = {n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)}
+    assert name in defs, f"{module} defines no function {name}"
+
+
+def test_bench_imports_only_core_types() -> None:
+    bad = [
+        f"{mod} -> {dep}"
+        for mod, deps in _graph().items()
+        if _top(mod) == "bench"
+        for dep in deps
+        if _top(dep) not in BENCH_MAY_IMPORT
+    ]
+    assert not bad, "bench speaks HTTP only:\n" + "\n".join(sorted(bad))
 
 
 def test_no_import_cycles() -> None:

@@ -147,7 +147,7 @@ def test_stop_token_ids_and_stop_strings(tiny_llama):
     [
         ("", SamplingParams(), "empty"),
         ({"prompt_token_ids": []}, SamplingParams(), "empty"),
-        ({"prompt_token_ids": [1] * 5000}, SamplingParams(), "max_model_len"),
+        ({"prompt_token_ids": [1] * 5000}, SamplingParams(), "maximum context length"),
         ("hi", SamplingParams(max_tokens=0), "max_tokens"),
         ("hi", SamplingParams(top_p=0.0), "top_p"),
         ("hi", SamplingParams(top_p=1.5), "top_p"),

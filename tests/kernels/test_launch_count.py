@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from pdserve.bench.launch_count import LaunchCounter, decode_step_launches, format_table
 from pdserve.models import load_model
+from pdserve.profiling.launch_count import LaunchCounter, decode_step_launches, format_table
 from pdserve.testing.checkpoint import make_checkpoint
 
 

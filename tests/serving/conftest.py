@@ -23,6 +23,7 @@ from pdserve.core_types.scheduler_output import PromptLogprobs
 from pdserve.core_types.stats import SchedulerStats
 from pdserve.frontend.output_processor import prompt_logprob_list
 from pdserve.frontend.outputs import CompletionOutput, PromptLogprobList, RequestOutput
+from pdserve.frontend.processor import InputProcessor
 from pdserve.serving.api.app import build_app
 from pdserve.serving.api.server import ApiServer
 
@@ -163,6 +164,16 @@ class FakeEngineClient:
         self.running: set[str] = set()
         self._abort_events: dict[str, asyncio.Event] = {}
         self._sent_prompt_logprobs: set[str] = set()
+
+    @property
+    def processor(self) -> InputProcessor:
+        """The real input processor, over this fake's current settings."""
+        return InputProcessor(
+            self.tokenizer,
+            self.max_model_len,
+            self.vocab_size,
+            priority_scheduling=self.priority_scheduling,
+        )
 
     async def release_kv(self, request_id: str) -> None:
         self.released.append(request_id)

@@ -7,8 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from pdserve.frontend.processor import InputProcessor
 from pdserve.serving.api.chat_template import ChatTemplates, detect_content_format
 from pdserve.serving.api.protocol import (
+    CHAT_FIELDS,
     ChatCompletionRequest,
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
@@ -16,6 +18,8 @@ from pdserve.serving.api.protocol import (
     DeltaMessage,
     RequestError,
 )
+
+from .conftest import FakeTokenizer
 
 
 def sp(req: CompletionRequest | ChatCompletionRequest, prompt_len: int = 4, max_len: int = 100):
@@ -46,15 +50,23 @@ def test_prompt_forms() -> None:
         CompletionRequest(prompt=[])
 
 
+def _checked(req: CompletionRequest, prompt_len: int = 4, max_len: int = 100) -> None:
+    """The request's params through the input processor's rules (vocabulary of 50)."""
+    proc = InputProcessor(FakeTokenizer(), max_len, 50)  # type: ignore[arg-type]
+    proc.check([1] * prompt_len, sp(req, prompt_len, max_len))
+
+
 def test_context_length_checks() -> None:
+    """The lengths are the input processor's rules; the protocol only maps the fields."""
+    assert sp(CompletionRequest(prompt="x", max_tokens=10), prompt_len=95).max_tokens == 10
     with pytest.raises(RequestError, match="maximum context length") as e:
-        sp(CompletionRequest(prompt="x", max_tokens=10), prompt_len=95)
+        _checked(CompletionRequest(prompt="x", max_tokens=10), prompt_len=95)
     assert e.value.param == "max_tokens"
     with pytest.raises(RequestError, match="no room") as e:
-        sp(CompletionRequest(prompt="x", max_tokens=None), prompt_len=100)
+        _checked(CompletionRequest(prompt="x", max_tokens=None), prompt_len=100)
     assert e.value.param == "prompt"
     with pytest.raises(RequestError, match="stop_token_ids"):
-        sp(CompletionRequest(prompt="x", stop_token_ids=[50]))
+        _checked(CompletionRequest(prompt="x", stop_token_ids=[50]))
 
 
 def test_chat_max_tokens_precedence_and_logprobs() -> None:
@@ -71,11 +83,26 @@ def test_chat_max_tokens_precedence_and_logprobs() -> None:
 
 
 @pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"n": 65}, "n"),
+        ({"presence_penalty": 3.0}, "presence_penalty"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+    ],
+)
+def test_chat_value_rejections_are_the_processors(extra: dict, param: str) -> None:
+    """Values are the input processor's rules, named in the chat API's terms."""
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], **extra)
+    proc = InputProcessor(FakeTokenizer(), 100, 50)  # type: ignore[arg-type]
+    with pytest.raises(RequestError) as e:
+        proc.check([1] * 4, sp(req), names=CHAT_FIELDS)
+    assert e.value.param == param
+
+
+@pytest.mark.parametrize(
     "extra",
     [
-        {"n": 65},
-        {"presence_penalty": 3.0},
-        {"logit_bias": {"5": 101}},
         {"top_logprobs": 1},
         {"tools": [{"type": "function"}]},
         {"response_format": {"type": "json_schema"}},
@@ -144,12 +171,13 @@ def test_any_json_is_a_clean_error_or_valid_params(body: dict, prompt_len: int) 
         req = CompletionRequest.model_validate(body)
     except ValidationError:
         return
+    params = req.to_sampling_params(prompt_len=prompt_len, max_model_len=128, vocab_size=50)
+    proc = InputProcessor(FakeTokenizer(), 128, 50)  # type: ignore[arg-type]
     try:
-        params = req.to_sampling_params(prompt_len=prompt_len, max_model_len=128, vocab_size=50)
+        proc.check([1] * prompt_len, params)
     except RequestError as e:
         assert e.message
         return
-    params.verify(50)
     assert params.max_tokens is not None and prompt_len + params.max_tokens <= 128
 
 

@@ -1,7 +1,8 @@
 """Sampling parameters of one request, shaped like vLLM's ``SamplingParams``.
 
-Validation happens once, at the edge (``verify``), and raises ``ValueError`` with
-a message that names the field; the engine trusts a verified instance.
+The fields' rules live with every other rule of a request in the input processor
+(:func:`pdserve.frontend.processor.check_sampling`), which checks an instance once, at
+the edge; the engine trusts a checked instance.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        """The one kind set (``verify`` ensures there is exactly one)."""
+        """The one kind set (``ValueError`` unless exactly one is)."""
         set_kinds = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
         if len(set_kinds) != 1:
             raise ValueError(
@@ -47,11 +48,6 @@ class StructuredOutputsParams:
         if kind == "choice":
             return kind, "\x00".join(self.choice or [])
         return kind, str(getattr(self, kind))
-
-    def verify(self) -> None:
-        kind = self.kind
-        if kind == "choice" and (not self.choice or any(not c for c in self.choice)):
-            raise ValueError("structured_outputs.choice must be a list of non-empty strings")
 
 
 @dataclass
@@ -116,70 +112,3 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
-
-    def verify(self, vocab_size: int | None = None) -> None:
-        """Raise ``ValueError`` naming the first invalid field."""
-        if not 1 <= self.n <= MAX_N:
-            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
-        if not (self.temperature >= 0.0):
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be 0 or -1 (disabled) or positive, got {self.top_k}")
-        if not (0.0 <= self.min_p <= 1.0):
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
-            )
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
-            raise ValueError(
-                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"
-            )
-        for tid, bias in (self.logit_bias or {}).items():
-            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-                raise ValueError(
-                    f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
-                    f"got {bias} for token {tid}"
-                )
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {value}")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
-        if self.allowed_token_ids is not None and not self.allowed_token_ids:
-            raise ValueError("allowed_token_ids must not be empty")
-        if self.structured_outputs is not None:
-            self.structured_outputs.verify()
-            if self.min_tokens:
-                raise ValueError(
-                    "min_tokens cannot be combined with structured output: the grammar "
-                    "decides where the output ends"
-                )
-        if self.bad_words is not None and any(not w.strip() for w in self.bad_words):
-            raise ValueError("bad_words must be non-empty words")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError("stop must be a list of non-empty strings")
-        if vocab_size is not None:
-            bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
-            if bad:
-                raise ValueError(
-                    f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})"
-                )
-            for name, ids in (
-                ("logit_bias", list(self.logit_bias or {})),
-                ("allowed_token_ids", self.allowed_token_ids or []),
-            ):
-                bad = [t for t in ids if not 0 <= t < vocab_size]
-                if bad:
-                    raise ValueError(
-                        f"{name} token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})"
-                    )

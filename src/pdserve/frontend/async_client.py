@@ -3,9 +3,10 @@
 Lifecycle: ``await AsyncEngineClient.start(config)`` spawns the engine-core process,
 waits for ``EngineReady``, and starts one output task that reads every
 ``EngineOutputs`` message, detokenizes (``OutputProcessor``), and routes each delta
-to its request's queue. ``generate`` validates first (``ValueError`` before anything
-is queued), registers a queue, sends the ``EngineCoreRequest`` and yields deltas until the
-final one; if the consumer goes away early the request is aborted in the engine.
+to its request's queue. ``generate`` takes one sample of a request its caller has
+checked with :attr:`processor` (the API handlers do, once per HTTP request), builds the
+``EngineCoreRequest``, registers a queue, sends it and yields deltas until the final
+one; if the consumer goes away early the request is aborted in the engine.
 If the engine process dies, every live request gets a final "error" output and
 ``check_health`` raises from then on. ``check_health`` also raises while the latest
 stats snapshot says the engine's KV transfer side channel is down (the engine core
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 import multiprocessing as mp
 import os
@@ -41,7 +43,6 @@ from pdserve.core_types import messages as M
 from pdserve.core_types.kv_transfer_params import KVTransferParams
 from pdserve.core_types.sampling_params import SamplingParams
 from pdserve.core_types.stats import SchedulerStats
-from pdserve.engine.core_proc import run_engine_core
 from pdserve.frontend.dp_ranks import RankRouter, merge_ready, merge_stats
 from pdserve.frontend.output_processor import OutputProcessor
 from pdserve.frontend.outputs import CompletionOutput, RequestOutput
@@ -49,6 +50,17 @@ from pdserve.frontend.processor import InputProcessor
 from pdserve.frontend.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+# The engine-core process's entry point, named rather than imported: the API process
+# loads no engine code (docs/ARCHITECTURE.md, process walls); the spawned child imports
+# it. tests/test_layering.py checks that the name resolves.
+ENGINE_CORE_ENTRY = ("pdserve.engine.core_proc", "run_engine_core")
+
+
+def engine_core_main(*args: object) -> None:
+    """Run in the spawned engine-core process: import its entry point and call it."""
+    module, name = ENGINE_CORE_ENTRY
+    getattr(importlib.import_module(module), name)(*args)
 
 
 class EngineDeadError(RuntimeError):
@@ -111,7 +123,7 @@ class AsyncEngineClient:
             in_addr = f"ipc://{os.path.join(self._tmp.name, f'in{rank}')}"
             sock.bind(in_addr)
             proc = mp.get_context("spawn").Process(
-                target=run_engine_core,
+                target=engine_core_main,
                 args=(config, in_addr, out_addr, log_level, rank, init_file),
                 name="pdserve-engine-core" + (f"-dp{rank}" if self.dp_size > 1 else ""),
                 daemon=True,
@@ -177,6 +189,13 @@ class AsyncEngineClient:
         return f"data-parallel rank {rank}: " if self.dp_size > 1 else ""
 
     # -- EngineClient -----------------------------------------------------------------------
+    @property
+    def processor(self) -> InputProcessor:
+        """The requests' rules for this engine (ready once :meth:`start` returned)."""
+        if self._processor is None:
+            raise RuntimeError("the engine client has not started")
+        return self._processor
+
     async def generate(
         self,
         request_id: str,
@@ -190,7 +209,7 @@ class AsyncEngineClient:
         assert self._processor is not None
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
-        req = self._processor.make_request(request_id, prompt_token_ids, params, kv_transfer_params)
+        req = self._processor.build(request_id, prompt_token_ids, params, kv_transfer_params)
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[request_id] = q
         self._outputs.add_request(request_id, prompt, req.prompt_token_ids, params)

@@ -78,11 +78,11 @@ class LLM:
         groups: list[tuple[str, list[str]]] = []  # each prompt's id, its engine requests'
         for p, sp in zip(prompt_list, params_list, strict=True):
             text, ids = self.processor.tokenize(p)
-            sp.verify(self.engine.vocab_size)
+            self.processor.check(ids, sp)  # once for the n samples
             parent = str(next(self._ids))
             groups.append((parent, []))
             for rid, child in fan_out(parent, sp):
-                reqs.append((text, self.processor.make_request(rid, ids, child)))
+                reqs.append((text, self.processor.build(rid, ids, child)))
                 groups[-1][1].append(rid)
         for text, req in reqs:
             self.output_processor.add_request(

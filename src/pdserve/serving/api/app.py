@@ -36,7 +36,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 import pdserve
-from pdserve.frontend.processor import min_token_count, too_long_text_message
 from pdserve.metrics.prometheus import PrometheusMetrics
 from pdserve.serving.api.chat import chat_size, create_chat_completion, render_and_encode
 from pdserve.serving.api.chat_output import OutputParsing
@@ -45,7 +44,7 @@ from pdserve.serving.api.completions import create_completion
 from pdserve.serving.api.completions_batch import create_batched_completion
 from pdserve.serving.api.errors import APIError, install_exception_handlers
 from pdserve.serving.api.field_limits import LimitedRoute
-from pdserve.serving.api.generate import check_token_ids, token_strings
+from pdserve.serving.api.generate import token_strings
 from pdserve.serving.api.leak_plant import install_leak_plant
 from pdserve.serving.api.middleware import DEFAULT_MAX_REQUEST_BODY_BYTES, ServingMiddleware
 from pdserve.serving.api.pd_params import verify_release
@@ -58,7 +57,6 @@ from pdserve.serving.api.protocol import (
     ModelCard,
     ModelList,
     ReleaseKVRequest,
-    RequestError,
     TokenizeChatRequest,
     TokenizeRequest,
     TokenizeResponse,
@@ -219,10 +217,7 @@ def _add_routes(app: FastAPI, ctx: ServingContext, health_timeout: float) -> Non
             size = chat_size(body.messages)
         else:
             size = len(body.prompt)
-            low = min_token_count(engine.tokenizer, body.prompt)
-            if low >= engine.max_model_len:
-                msg = too_long_text_message(body.prompt, low, engine.max_model_len)
-                raise RequestError(msg, "prompt")
+            engine.processor.check_text_length(body.prompt, "prompt")
         # tokenizing, token strings and the JSON of a long answer: all off the loop
         data = await ctx.run_blocking(_tokenize_json, ctx, body, job_size=size)
         return Response(data, media_type="application/json")
@@ -273,7 +268,7 @@ def _tokenize_json(ctx: ServingContext, body: TokenizeRequest) -> bytes:
             add_generation_prompt=body.add_generation_prompt,
             add_special_tokens=body.add_special_tokens,
             template_kwargs=body.chat_template_kwargs,
-            max_model_len=engine.max_model_len,
+            length_check=engine.processor,
             tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
         )
     else:
@@ -287,5 +282,5 @@ def _tokenize_json(ctx: ServingContext, body: TokenizeRequest) -> bytes:
 
 def _detokenize(ctx: ServingContext, tokens: list[int]) -> str:
     """Blocking: the text of ``tokens`` (400 for ids outside the vocabulary)."""
-    check_token_ids(tokens, ctx.engine.vocab_size, "tokens")
+    ctx.engine.processor.check_token_ids(tokens, "tokens")
     return str(ctx.engine.tokenizer.decode(tokens))

@@ -26,20 +26,20 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pdserve.frontend.outputs import CompletionOutput, RequestOutput
-from pdserve.frontend.processor import min_token_count, too_long_text_message
+from pdserve.frontend.processor import InputProcessor
 from pdserve.serving.api.chat_template import ChatTemplates
 from pdserve.serving.api.choices import whole_response
 from pdserve.serving.api.generate import (
     Accumulated,
     EngineJob,
-    check_constraint,
-    check_fan_out,
+    check_request,
     render_prompt_logprobs,
     safe_logprob,
     token_strings,
 )
 from pdserve.serving.api.pd_params import check_prompt_binding, verified_kv_params
 from pdserve.serving.api.protocol import (
+    CHAT_FIELDS,
     ChatCompletionLogProbs,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -51,7 +51,6 @@ from pdserve.serving.api.protocol import (
     ChatMessage,
     ChatMessageParam,
     DeltaMessage,
-    RequestError,
 )
 from pdserve.serving.api.state import ServingContext
 from pdserve.serving.api.streaming import stream_response
@@ -65,11 +64,12 @@ def render_and_encode(
     add_generation_prompt: bool,
     add_special_tokens: bool,
     template_kwargs: dict[str, Any] | None,
-    max_model_len: int | None = None,
+    length_check: InputProcessor | None = None,
     tools: list[dict[str, Any]] | None = None,
 ) -> tuple[str, list[int]]:
-    """Blocking: the rendered prompt and its token ids. With ``max_model_len``, a prompt
-    that cannot fit it by its length alone is refused (:class:`RequestError`) unencoded."""
+    """Blocking: the rendered prompt and its token ids. With ``length_check``, a prompt
+    that cannot fit ``max_model_len`` by its length alone is refused unencoded
+    (:meth:`InputProcessor.check_text_length`)."""
     text = chat.render(
         tokenizer,
         messages,
@@ -77,10 +77,8 @@ def render_and_encode(
         template_kwargs=template_kwargs,
         tools=tools,
     )
-    if max_model_len is not None:
-        low = min_token_count(tokenizer, text)
-        if low >= max_model_len:
-            raise RequestError(too_long_text_message(text, low, max_model_len), "messages")
+    if length_check is not None:
+        length_check.check_text_length(text, "messages")
     return text, list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
@@ -96,8 +94,13 @@ def chat_size(messages: list[ChatMessageParam]) -> int:
 
 
 async def prepare_chat(
-    ctx: ServingContext, req: ChatCompletionRequest, request: Request
+    ctx: ServingContext,
+    req: ChatCompletionRequest,
+    request: Request,
+    fields: dict[str, str] = CHAT_FIELDS,
 ) -> EngineJob:
+    """Verify, render, tokenize and check (``fields``: the endpoint's names of the
+    fields the input processor's rules name); raises 403 or 400."""
     engine = ctx.engine
     kv_params = verified_kv_params(req.kv_transfer_params, ctx.pd_secret, request.state.request_id)
     ctx.parsing.check_request(req)
@@ -110,12 +113,10 @@ async def prepare_chat(
         add_generation_prompt=req.add_generation_prompt,
         add_special_tokens=req.add_special_tokens,
         template_kwargs=req.chat_template_kwargs,
-        max_model_len=None if truncating else engine.max_model_len,
+        length_check=None if truncating else engine.processor,
         tools=req.tool_dicts(),
         job_size=chat_size(req.messages),
     )
-    if not ids:
-        raise RequestError("the rendered chat prompt is empty", "messages")
     if truncating:
         ids = req.truncated(ids, engine.max_model_len)
     # 403: params issued for another prompt, or used before (then spent)
@@ -123,8 +124,7 @@ async def prepare_chat(
     params = req.to_sampling_params(
         prompt_len=len(ids), max_model_len=engine.max_model_len, vocab_size=engine.vocab_size
     )
-    check_fan_out(params, kv_params)
-    await check_constraint(ctx, req)
+    await check_request(ctx, req, ids, params, kv_params, fields)
     return EngineJob(
         request_id=request.state.request_id,
         prompt=text,

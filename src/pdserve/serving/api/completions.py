@@ -7,8 +7,10 @@ output are returned in the non-streaming response (the P/D proxy reads them ther
 Order of the checks: the request's ``kv_transfer_params`` signature (403); a text
 prompt that cannot fit ``max_model_len`` judged by its length alone (400, without
 tokenizing it; skipped with ``truncate_prompt_tokens``, which keeps the last N tokens
-after tokenization); tokenization in the blocking pool; the exact length and
-``max_tokens`` checks; for a token-id prompt, the vocabulary.
+after tokenization); tokenization in the blocking pool; the binding of the
+``kv_transfer_params`` to the prompt (403); the input processor's rules
+(:mod:`pdserve.frontend.processor`: lengths, vocabulary, sampling values, P/D limits;
+400); the output constraint's grammar (400).
 
 ``echo=true`` puts the prompt's text before the completion (a token-id or truncated
 prompt is decoded); with ``logprobs=N`` the choice's ``logprobs`` cover the prompt's
@@ -32,7 +34,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pdserve.frontend.outputs import CompletionOutput, PromptLogprobList, RequestOutput
-from pdserve.frontend.processor import min_token_count, too_long_text_message
 from pdserve.serving.api.choices import whole_response
 from pdserve.serving.api.completion_logprobs import (
     LogprobsBuilder,
@@ -43,13 +44,12 @@ from pdserve.serving.api.completion_logprobs import (
 from pdserve.serving.api.generate import (
     Accumulated,
     EngineJob,
-    check_constraint,
-    check_fan_out,
-    check_token_ids,
+    check_request,
     render_prompt_logprobs,
 )
 from pdserve.serving.api.pd_params import check_prompt_binding, verified_kv_params
 from pdserve.serving.api.protocol import (
+    COMPLETION_FIELDS,
     CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
@@ -57,7 +57,6 @@ from pdserve.serving.api.protocol import (
     CompletionStreamChoice,
     CompletionStreamResponse,
     PromptLogprobs,
-    RequestError,
 )
 from pdserve.serving.api.state import ServingContext
 from pdserve.serving.api.streaming import stream_response
@@ -77,9 +76,8 @@ async def prepare_completion(
     truncating = req.truncate_prompt_tokens is not None
     text: str | None
     if isinstance(prompt, str):
-        low = min_token_count(engine.tokenizer, prompt)
-        if low >= engine.max_model_len and not truncating:
-            raise RequestError(too_long_text_message(prompt, low, engine.max_model_len), "prompt")
+        if not truncating:
+            engine.processor.check_text_length(prompt, "prompt")
         ids = await ctx.run_blocking(
             engine.tokenizer.encode,
             prompt,
@@ -89,8 +87,6 @@ async def prepare_completion(
         text = prompt
     else:
         ids, text = prompt, None
-    if not ids:
-        raise RequestError("prompt is empty (it has no tokens)", "prompt")
     if truncating:
         ids = req.truncated(list(ids), engine.max_model_len)
         text = None  # the engine gets the kept tokens only
@@ -99,10 +95,10 @@ async def prepare_completion(
     params = req.to_sampling_params(
         prompt_len=len(ids), max_model_len=engine.max_model_len, vocab_size=engine.vocab_size
     )
-    if text is None:  # after the length check, so this scans at most max_model_len ids
-        check_token_ids(ids, engine.vocab_size, "prompt")
-    check_fan_out(params, kv_params, "echo" if req.prompt_logprobs is None else "prompt_logprobs")
-    await check_constraint(ctx, req)
+    fields = COMPLETION_FIELDS
+    if req.prompt_logprobs is None:  # the prompt's logprobs were asked for by echo
+        fields = {**fields, "prompt_logprobs": "echo"}
+    await check_request(ctx, req, ids, params, kv_params, fields)
     return EngineJob(
         request_id=request.state.request_id,
         prompt=text,

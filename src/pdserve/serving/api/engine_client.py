@@ -3,8 +3,10 @@
 Implementations: ``frontend.async_client.AsyncEngineClient`` (talks to an engine-core
 process over ZMQ). Tests may use an in-process fake with the same surface.
 
-Lifecycle of one request: ``generate`` validates the prompt and params (raising
-``ValueError`` with a message for the client before anything is queued), then
+Lifecycle of one request: the handler checks it with ``processor`` (the input
+processor, :mod:`pdserve.frontend.processor`: every rule, once per HTTP request, raising
+``ValueError`` with a message and the field before anything is queued); ``generate``
+takes one sample of it (a request of ``n`` samples is fanned out first) and
 yields delta ``RequestOutput`` objects: each holds only the tokens/text new since
 the previous one; the last has ``finished=True`` and a ``finish_reason``. If the
 consumer stops iterating (client disconnect), the caller must call ``abort``; the
@@ -20,6 +22,7 @@ from pdserve.core_types.kv_transfer_params import KVTransferParams
 from pdserve.core_types.sampling_params import SamplingParams
 from pdserve.core_types.stats import SchedulerStats
 from pdserve.frontend.outputs import RequestOutput
+from pdserve.frontend.processor import InputProcessor
 from pdserve.frontend.tokenizer import Tokenizer
 
 
@@ -28,6 +31,11 @@ class EngineClient(Protocol):
     max_model_len: int
     vocab_size: int
     priority_scheduling: bool  # --scheduling-policy priority: requests may set a priority
+
+    @property
+    def processor(self) -> InputProcessor:
+        """The rules this engine's requests must pass."""
+        ...
 
     def generate(
         self,

@@ -23,7 +23,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -43,10 +43,8 @@ from pdserve.serving.api.protocol import (
     PromptLogprob,
     PromptLogprobs,
     PromptTokenUsageInfo,
-    RequestError,
     UsageInfo,
 )
-from pdserve.serving.api.protocol_structured import check_structured
 from pdserve.serving.api.state import ServingContext
 from pdserve.serving.http import wait_for_disconnect
 
@@ -395,59 +393,25 @@ def make_usage(
     )
 
 
-async def check_constraint(
-    ctx: ServingContext, req: CompletionRequest | ChatCompletionRequest
+async def check_request(
+    ctx: ServingContext,
+    req: CompletionRequest | ChatCompletionRequest,
+    ids: list[int],
+    params: SamplingParams,
+    kv: KVTransferParams | None,
+    fields: Mapping[str, str],
 ) -> None:
-    """400 (naming the field) for a ``priority`` the engine's scheduling policy does not
-    take, and for an output constraint whose schema, regex or grammar does not build
-    (checked in the blocking pool; the first one imports xgrammar)."""
-    if req.priority != 0 and not ctx.engine.priority_scheduling:
-        raise RequestError(
-            f"priority={req.priority} needs a server started with --scheduling-policy priority "
-            "(this one schedules first come, first served)",
-            "priority",
-        )
+    """The input processor's rules (400 naming the field, ``fields``: this endpoint's
+    names of them), then the output constraint's grammar, built in the blocking pool
+    (the first one imports xgrammar)."""
     found = req.constraint()
     if found is not None:
+        fields = {**fields, "structured_outputs": found[1]}
+    processor = ctx.engine.processor
+    processor.check(ids, params, kv, names=fields)
+    if found is not None:
         spec, param = found
-        await ctx.run_blocking(check_structured, spec, param, job_size=len(spec.key()[1]))
-
-
-def check_fan_out(
-    params: SamplingParams, kv: KVTransferParams | None, plp_param: str = "prompt_logprobs"
-) -> None:
-    """400 for what P/D cannot do: ``n`` > 1 on a prefill leg (``do_remote_decode``: the
-    instance holds one prompt's KV for one decode), prompt logprobs on a decode leg
-    (``do_remote_prefill``: the prompt's KV is pulled, its logits never computed), named
-    by the field that asked for them (``plp_param``: ``prompt_logprobs`` or ``echo``)."""
-    if kv is None:
-        return
-    if params.n > 1 and kv.do_remote_decode:
-        raise RequestError(
-            f"n={params.n} cannot be combined with kv_transfer_params do_remote_decode: a "
-            "prefill leg computes the prompt once for one decode (the P/D proxy sends it "
-            "with n=1 and the decode leg draws the n samples)",
-            "n",
-        )
-    if params.prompt_logprobs is not None and kv.do_remote_prefill:
-        asked = "prompt_logprobs" if plp_param == "prompt_logprobs" else "echo=true with logprobs"
-        raise RequestError(
-            f"{asked} cannot be combined with kv_transfer_params do_remote_prefill: "
-            "the prompt's KV comes from a prefill instance, so this instance never computes "
-            "the prompt's logits",
-            plp_param,
-        )
-
-
-def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
-    bad = [t for t in token_ids if not 0 <= t < vocab_size]
-    if bad:
-        shown = ", ".join(str(t) for t in bad[:5])
-        raise RequestError(
-            f"token ids outside the vocabulary [0, {vocab_size}): {shown}"
-            + (f" and {len(bad) - 5} more" if len(bad) > 5 else ""),
-            param,
-        )
+        await ctx.run_blocking(processor.check_grammar, spec, param, job_size=len(spec.key()[1]))
 
 
 def token_strings(tokenizer: Any, token_ids: list[int]) -> list[str]:

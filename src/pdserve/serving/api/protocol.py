@@ -1,7 +1,10 @@
 """OpenAI-compatible request/response models (pydantic v2) of the API server.
 
-Validation policy: a request is checked completely here, at the edge, and every
-rejection names the field. Fields pdserve does not implement are **rejected**, never
+Validation policy: these models check a request's JSON shape (types, unknown fields,
+which fields go together) and map it to :class:`SamplingParams`; the rules on values
+(ranges, lengths against ``max_model_len``, the vocabulary, P/D limits, the scheduling
+policy) are the input processor's (:mod:`pdserve.frontend.processor`), which the
+handlers call; every rejection names the field. Fields pdserve does not implement are **rejected**, never
 silently ignored, when they would change the output (``best_of`` other than ``n``,
 ``suffix``, ``priority`` other than 0 unless the server runs
 ``--scheduling-policy priority``); unknown fields are rejected too (``extra="forbid"``).
@@ -63,7 +66,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from pdserve.core_types.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
+from pdserve.core_types.sampling_params import SamplingParams
 from pdserve.serving.api.protocol_base import CheckedModel as _CheckedRequest
 from pdserve.serving.api.protocol_base import (
     PromptLogprob,
@@ -114,6 +117,11 @@ __all__ = [
     "UsageInfo",
 ]
 
+# the request fields the input processor's rules name (param of a 400), where an
+# endpoint names them otherwise than SamplingParams does ("prompt": the prompt's field)
+COMPLETION_FIELDS: dict[str, str] = {}
+CHAT_FIELDS = {"prompt": "messages", "logprobs": "top_logprobs"}
+
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
 
@@ -162,22 +170,22 @@ class _SamplingRequest(_CheckedRequest, StructuredFields):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = Field(None, ge=0.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = Field(None, ge=_INT64_MIN, le=_INT64_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(1.0, gt=0.0, le=2.0)
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    repetition_penalty: float | None = 1.0
     n: int | None = 1
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = None
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
@@ -197,22 +205,13 @@ class _SamplingRequest(_CheckedRequest, StructuredFields):
 
     @model_validator(mode="after")
     def _check_shared(self) -> _SamplingRequest:
-        if self.n is not None and not 1 <= self.n <= MAX_N:
-            raise RequestError(f"n must be in [1, {MAX_N}], got {self.n}", "n")
-        for key, value in (self.logit_bias or {}).items():
+        for key in self.logit_bias or {}:
             try:
                 int(key)
             except ValueError:
                 raise RequestError(
                     f"logit_bias keys must be token ids, got {key!r}", "logit_bias"
                 ) from None
-            if not -100.0 <= value <= 100.0:
-                raise RequestError(
-                    f"logit_bias values must be in [-100, 100], got {value} for token {key}",
-                    "logit_bias",
-                )
-        if self.allowed_token_ids is not None and not self.allowed_token_ids:
-            raise RequestError("allowed_token_ids must not be empty", "allowed_token_ids")
         if self.truncate_prompt_tokens == 0:
             raise RequestError(
                 "truncate_prompt_tokens must be >= 1 (or -1 for max_model_len)",
@@ -220,8 +219,6 @@ class _SamplingRequest(_CheckedRequest, StructuredFields):
             )
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options can only be set when stream=true", "stream_options")
-        if self.stop == "" or (isinstance(self.stop, list) and any(not s for s in self.stop)):
-            raise RequestError("stop strings must be non-empty", "stop")
         self.constraint()  # refuses two output constraints at once
         return self
 
@@ -251,32 +248,16 @@ class _SamplingRequest(_CheckedRequest, StructuredFields):
         max_model_len: int,
         vocab_size: int,
         logprobs: int | None,
-        length_param: str,
         prompt_logprobs: int | None,
     ) -> SamplingParams:
-        if prompt_len >= max_model_len:
-            raise RequestError(
-                f"This model's maximum context length is {max_model_len} tokens, but the "
-                f"prompt has {prompt_len} tokens, leaving no room to generate. "
-                "Please reduce the length of the prompt.",
-                length_param,
-            )
-        if max_tokens is None:
+        if max_tokens is None:  # up to the context length
             max_tokens = max_model_len - prompt_len
-        elif prompt_len + max_tokens > max_model_len:
-            raise RequestError(
-                f"This model's maximum context length is {max_model_len} tokens. However, you "
-                f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the prompt, "
-                f"{max_tokens} for the completion). Please reduce the length of the prompt "
-                "or the number of completion tokens.",
-                "max_tokens",
-            )
         top_k = self.top_k if self.top_k is not None else 0
         if top_k >= vocab_size:
             top_k = 0  # keeping the whole vocabulary is the same as no top-k
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         params = SamplingParams(
-            n=self.n or 1,
+            n=1 if self.n is None else self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=top_k,
@@ -306,10 +287,6 @@ class _SamplingRequest(_CheckedRequest, StructuredFields):
         constraint = self.constraint()
         if constraint is not None:
             params.structured_outputs = constraint[0]
-        try:
-            params.verify(vocab_size)
-        except ValueError as e:
-            raise RequestError(str(e)) from e
         return params
 
 
@@ -324,8 +301,8 @@ class CompletionRequest(_SamplingRequest):
     samples one token that the answer leaves out."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=0)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: int | None = 16
+    logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -370,8 +347,8 @@ class CompletionRequest(_SamplingRequest):
     def to_sampling_params(
         self, *, prompt_len: int, max_model_len: int, vocab_size: int
     ) -> SamplingParams:
-        """Verified :class:`SamplingParams`; raises :class:`RequestError` for bad input
-        (including prompt + max_tokens beyond ``max_model_len``)."""
+        """The request's :class:`SamplingParams`, to be checked by the input processor
+        (:meth:`~pdserve.frontend.processor.InputProcessor.check`)."""
         echoed = self.logprobs if self.echo else None  # the echoed prompt's, at least N
         asked = [k for k in (self.prompt_logprobs, echoed) if k is not None]
         return self._sampling_params(
@@ -380,7 +357,6 @@ class CompletionRequest(_SamplingRequest):
             max_model_len=max_model_len,
             vocab_size=vocab_size,
             logprobs=self.logprobs,
-            length_param="prompt",
             prompt_logprobs=max(asked) if asked else None,
         )
 
@@ -488,10 +464,10 @@ class ChatCompletionRequest(_SamplingRequest, _ChatTemplateFields):
     """``POST /v1/chat/completions``. ``max_completion_tokens`` wins over the deprecated
     ``max_tokens``; when neither is set the request may use the rest of the context."""
 
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = None
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -535,7 +511,8 @@ class ChatCompletionRequest(_SamplingRequest, _ChatTemplateFields):
     def to_sampling_params(
         self, *, prompt_len: int, max_model_len: int, vocab_size: int
     ) -> SamplingParams:
-        """Verified :class:`SamplingParams`; raises :class:`RequestError` for bad input."""
+        """The request's :class:`SamplingParams`, to be checked by the input processor
+        (field names: :data:`CHAT_FIELDS`)."""
         max_tokens = self.max_completion_tokens
         if max_tokens is None:
             max_tokens = self.max_tokens
@@ -545,7 +522,6 @@ class ChatCompletionRequest(_SamplingRequest, _ChatTemplateFields):
             max_model_len=max_model_len,
             vocab_size=vocab_size,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
-            length_param="messages",
             prompt_logprobs=self.prompt_logprobs,
         )
 

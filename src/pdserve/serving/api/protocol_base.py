@@ -12,16 +12,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
+from pdserve.frontend.processor import InvalidRequest
 from pdserve.serving.api.unicode_check import find_lone_surrogate, lone_surrogate_message
 
-
-class RequestError(ValueError):
-    """Invalid user input; becomes HTTP 400. ``param`` names the offending field."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
+# Invalid user input; becomes HTTP 400, ``param`` naming the offending field. One class
+# for the shape errors raised here and the rule errors of the input processor.
+RequestError = InvalidRequest
 
 
 class StrictModel(BaseModel):

@@ -118,9 +118,9 @@ class ResponsesRequest(CheckedModel):
     model: str | None = None
     input: str | list[_InputItem]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
     stream: bool = False
     tools: list[ResponseFunctionTool] | None = None
     tool_choice: str | dict[str, Any] | None = None

@@ -12,9 +12,10 @@ A request may constrain its output through exactly one of:
 * on chat, ``tool_choice="required"`` or a named function (see
   :func:`pdserve.serving.api.protocol_chat.forced_tool_schema`).
 
-Two of them at once is a 400 naming the second. The spec is checked by building its
-grammar in the API server's blocking pool (:func:`check_structured`): an invalid
-schema, regex or grammar is a 400 before the engine sees the request. JSON is generated
+Two of them at once is a 400 naming the second. The spec itself is checked by the input
+processor, which builds its grammar in the API server's blocking pool
+(:meth:`pdserve.frontend.processor.InputProcessor.check_grammar`): an invalid schema,
+regex or grammar is a 400 before the engine sees the request. JSON is generated
 compact: one space after ``:`` and ``,``, no other optional whitespace (a model cannot
 pad it forever).
 """
@@ -81,18 +82,13 @@ def from_response_format(rf: ResponseFormat) -> StructuredOutputsParams | None:
 
 def from_structured_outputs(so: StructuredOutputsRequest) -> StructuredOutputsParams:
     param = "structured_outputs"
-    spec = StructuredOutputsParams(
+    return StructuredOutputsParams(
         json=_schema_text(so.json_, param) if so.json_ is not None else None,
         json_object=bool(so.json_object),
         regex=so.regex,
         choice=list(so.choice) if so.choice is not None else None,
         grammar=so.grammar,
     )
-    try:
-        spec.verify()
-    except ValueError as e:
-        raise RequestError(str(e), param) from None
-    return spec
 
 
 class StructuredFields(StrictModel):
@@ -131,13 +127,7 @@ class StructuredFields(StrictModel):
             if self.guided_grammar is not None
             else None,
         }
-        for name, g in guided.items():
-            if g is not None:
-                try:
-                    g.verify()
-                except ValueError as e:
-                    raise RequestError(str(e).replace("structured_outputs.", ""), name) from None
-                found.append((g, name))
+        found.extend((g, name) for name, g in guided.items() if g is not None)
         backend = self.guided_decoding_backend
         if backend is not None and backend.split(":")[0] not in _BACKENDS:
             raise RequestError(
@@ -157,13 +147,3 @@ class StructuredFields(StrictModel):
                 found[1][1],
             )
         return found[0] if found else None
-
-
-def check_structured(spec: StructuredOutputsParams, param: str) -> None:
-    """Blocking: build the grammar of ``spec``; 400 naming ``param`` when it is invalid."""
-    from pdserve.engine.structured_output import build_grammar
-
-    try:
-        build_grammar(spec)
-    except ValueError as e:
-        raise RequestError(str(e), param) from None

@@ -44,12 +44,16 @@ from pdserve.serving.api.generate import (
     open_stream,
     run_to_completion,
 )
+from pdserve.serving.api.protocol import CHAT_FIELDS
 from pdserve.serving.api.protocol_chat import ToolCall
 from pdserve.serving.api.protocol_responses import ResponsesRequest
 from pdserve.serving.api.state import ServingContext
 from pdserve.serving.api.streaming import SSEResponse, error_event
 
 logger = logging.getLogger(__name__)
+
+# the Responses API's names of the fields the input processor's rules name
+RESPONSES_FIELDS = {**CHAT_FIELDS, "prompt": "input", "max_tokens": "max_output_tokens"}
 
 
 class _Answer:
@@ -168,7 +172,7 @@ def _split(parser: ChatOutputParser, text: str, last: bool) -> tuple[str, str]:
 async def create_response(ctx: ServingContext, req: ResponsesRequest, request: Request) -> Response:
     model = ctx.check_model(req.model)
     chat_req = req.as_chat()
-    job = await prepare_chat(ctx, chat_req, request)
+    job = await prepare_chat(ctx, chat_req, request, RESPONSES_FIELDS)
     parser = ctx.parsing.for_request(chat_req, job.prompt)
     answer = _Answer(ctx, req, job.request_id, model)
     answer.prompt_tokens = len(job.prompt_token_ids)

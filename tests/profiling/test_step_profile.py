@@ -1,4 +1,4 @@
-"""Step profiles (pdserve.bench.step_profile): the category rules, the table's arithmetic,
+"""Step profiles (pdserve.profiling.step_profile): the category rules, the table's arithmetic,
 the replay's categories from the eager run, and ``benchmarks/glm5_bench.py --device cpu
 --profile`` end to end on the tiny GLM-5 (a smoke run of the GPU profile's code path)."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from _stand_in_graphs import stand_in_graphs
-from pdserve.bench.step_profile import (
+from pdserve.profiling.step_profile import (
     CATEGORIES,
     GAP,
     Span,

@@ -1,4 +1,4 @@
-"""The decode byte model (pdserve.bench.decode_roofline) against a hand count of the tiny
+"""The decode byte model (pdserve.profiling.decode_roofline) against a hand count of the tiny
 GLM-5 preset, float32 (4 bytes a value): hidden 256, vocabulary 1024, 4 layers (layer 0
 dense), 4 heads, q/kv LoRA 128/64, nope/rope/v 32/16/32, 8 experts of 128 (top-2) plus
 one shared, dense MLP 512, indexer 16 heads x 32, index_topk 16, an MTP layer."""
@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from pdserve.bench.decode_roofline import DecodeByteModel, layer_index
 from pdserve.models.hf_config import HFModelConfig
 from pdserve.models.registry import get_model_class
+from pdserve.profiling.decode_roofline import DecodeByteModel, layer_index
 from pdserve.runner.model_step import collect_cache_layers
 from pdserve.testing.checkpoint import make_checkpoint
 

@@ -1,5 +1,5 @@
 """The matrix FLOPs one prompt's prefill does in the DeepSeek / GLM-5 family, by the kernel
-categories of :mod:`pdserve.bench.step_profile`: the compute side of the prefill section
+categories of :mod:`pdserve.profiling.step_profile`: the compute side of the prefill section
 of ``benchmarks/glm5_bench.py`` (achieved TFLOP/s of a category = its FLOPs over its
 profiled device time).
 
@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.bench.decode_roofline import layer_index
+from pdserve.profiling.decode_roofline import layer_index
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The prefill FLOP model (pdserve.bench.prefill_flops) against a hand count of the tiny
+"""The prefill FLOP model (pdserve.profiling.prefill_flops) against a hand count of the tiny
 GLM-5 preset: hidden 256, vocabulary 1024, 4 layers (layer 0 dense), 4 heads, q/kv LoRA
 128/64, nope/rope/v 32/16/32, 8 experts of 128 (top-2) plus one shared, dense MLP 512,
 indexer 16 heads x 32 in every layer, index_topk 16, an MTP layer (not counted)."""
@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from pdserve.bench.prefill_flops import PrefillFlopModel
 from pdserve.models.hf_config import HFModelConfig
 from pdserve.models.registry import get_model_class
+from pdserve.profiling.prefill_flops import PrefillFlopModel
 from pdserve.testing.checkpoint import make_checkpoint
 
 H, V, Q_LORA, KV_LORA, NOPE, ROPE, VD, HEADS = 256, 1024, 128, 64, 32, 16, 32, 4
