@@ -58,7 +58,7 @@ from pdserve.kernels._utils import (
     num_sms,
     quantize_rows_e4m3,
 )
-from pdserve.kernels.reference import FP8_GROUP, FP8_MAX
+from pdserve.kernels.reference import FP8_GROUP, FP8_MAX, Fp8Activation
 
 GROUP_K = FP8_GROUP
 
@@ -66,6 +66,7 @@ GROUP_K = FP8_GROUP
 @triton.jit(do_not_specialize=["M", "k_blocks_per_split"])  # one compile per tile config
 def _block_fp8_gemm_kernel(
     x_ptr,
+    xs_ptr,
     w_ptr,
     ws_ptr,
     out_ptr,
@@ -73,6 +74,7 @@ def _block_fp8_gemm_kernel(
     N,
     K,
     stride_xm,
+    stride_xsm,
     stride_wn,
     stride_wsn,
     stride_os,
@@ -90,6 +92,7 @@ def _block_fp8_gemm_kernel(
     ATOMIC: tl.constexpr = False,
     UPCAST: tl.constexpr = False,
     DOT_PREC: tl.constexpr = "tf32",
+    PRE_Q: tl.constexpr = False,
 ):
     if GROUP_M == 1:
         pid_m = tl.program_id(0)
@@ -133,12 +136,22 @@ def _block_fp8_gemm_kernel(
             b_scale = tl.load(ws_ptr + w_scale_rows + kb, mask=n_ok, other=0.0)
             acc += part * b_scale[None, :]
         else:
-            a = tl.load(
-                x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + ks[None, :],
-                mask=m_ok[:, None] & k_ok[None, :],
-                other=0.0,
-            ).to(tl.float32)
-            a_q, a_scale = quantize_rows_e4m3(a, QMAX, ROUND_FIRST)  # a_scale: [BLOCK_M]
+            if PRE_Q:  # quantized by the producer: fp8 values and their group scales
+                a_q = tl.load(
+                    x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + ks[None, :],
+                    mask=m_ok[:, None] & k_ok[None, :],
+                    other=0.0,
+                )
+                a_scale = tl.load(
+                    xs_ptr + offs_m.to(tl.int64) * stride_xsm + kb, mask=m_ok, other=0.0
+                )
+            else:
+                a = tl.load(
+                    x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + ks[None, :],
+                    mask=m_ok[:, None] & k_ok[None, :],
+                    other=0.0,
+                ).to(tl.float32)
+                a_q, a_scale = quantize_rows_e4m3(a, QMAX, ROUND_FIRST)  # a_scale: [BLOCK_M]
             b = tl.load(
                 w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + ks[:, None],
                 mask=n_ok[None, :] & k_ok[:, None],
@@ -226,7 +239,7 @@ def resolve_fp8_gemm_config(
 
 
 def block_fp8_gemm(
-    x: torch.Tensor,
+    x: torch.Tensor | Fp8Activation,
     w: torch.Tensor,
     w_scale_inv: torch.Tensor,
     scale_n: int = GROUP_K,
@@ -239,8 +252,12 @@ def block_fp8_gemm(
     ``w_scale_inv`` [ceil(N/scale_n), ceil(K/128)]; returns [..., N] in ``out_dtype``
     (default ``x``'s dtype). ``num_splits`` overrides the split-K heuristic (and
     ``config.num_splits``); ``config`` sets the launch (:class:`Fp8GemmConfig`; ``None``:
-    the heuristic)."""
-    check_device(x, "block_fp8_gemm")
+    the heuristic). An :class:`~pdserve.kernels.reference.Fp8Activation` ``x`` (quantized
+    by its producer) is read as it is: fp8 values and their group scales, no quantization
+    here; the output dtype defaults to its ``dtype``."""
+    pre_q = isinstance(x, Fp8Activation)
+    xv = x.q if isinstance(x, Fp8Activation) else x
+    check_device(xv, "block_fp8_gemm")
     lead, k = x.shape[:-1], x.shape[-1]
     n = w.shape[0]
     if w.shape[1] != k or w.dtype != torch.float8_e4m3fn:
@@ -251,30 +268,37 @@ def block_fp8_gemm(
             f"weight_scale_inv has shape {tuple(w_scale_inv.shape)}, expected "
             f"{(triton.cdiv(n, scale_n), k_blocks)} for {n}x{k} weights in {scale_n}x128 blocks"
         )
-    x2 = x.reshape(-1, k)
+    x2 = xv.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
+    xs = x.scale.reshape(m, k_blocks) if isinstance(x, Fp8Activation) else x2
+    if xs.stride(-1) != 1:
+        xs = xs.contiguous()
     dtype = out_dtype or x.dtype
     if m == 0:
-        return x.new_empty(*lead, n, dtype=dtype)
+        return xv.new_empty(*lead, n, dtype=dtype)
     if num_splits:
         config = replace(config or Fp8GemmConfig(), num_splits=num_splits)
-    cfg = resolve_fp8_gemm_config(m, n, k, num_sms(x.device), config)
+    if pre_q and config is not None and config.weight_only:
+        raise ValueError("block_fp8_gemm: weight_only takes a bf16/fp16 x, not an Fp8Activation")
+    cfg = resolve_fp8_gemm_config(m, n, k, num_sms(xv.device), config)
     assert cfg.block_m and cfg.block_n and cfg.num_splits  # resolved
     m_tiles, n_tiles = triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n)
     splits = cfg.num_splits
     per_split = triton.cdiv(k_blocks, splits)
     atomic = cfg.atomic_splits and splits > 1
+    dev = xv.device
     if atomic:
-        out = torch.zeros(1, m, n, dtype=torch.float32, device=x.device)
+        out = torch.zeros(1, m, n, dtype=torch.float32, device=dev)
     elif splits == 1:
-        out = torch.empty(1, m, n, dtype=dtype, device=x.device)
+        out = torch.empty(1, m, n, dtype=dtype, device=dev)
     else:
-        out = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+        out = torch.empty(splits, m, n, dtype=torch.float32, device=dev)
     ws = w_scale_inv.float().contiguous()
     _block_fp8_gemm_kernel[(m_tiles, n_tiles, splits)](
         x2,
+        xs,
         w,
         ws,
         out,
@@ -282,6 +306,7 @@ def block_fp8_gemm(
         n,
         k,
         x2.stride(0),
+        xs.stride(0),
         w.stride(0),
         ws.stride(0),
         out.stride(0),
@@ -291,7 +316,7 @@ def block_fp8_gemm(
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=GROUP_K,
-        FP8_DOT=fp8_mma(x.device),
+        FP8_DOT=fp8_mma(dev),
         QMAX=FP8_MAX,
         ROUND_FIRST=interpret_mode(),
         GROUP_M=cfg.group_m,
@@ -299,6 +324,7 @@ def block_fp8_gemm(
         ATOMIC=atomic,
         UPCAST=cfg.weight_only and dot_upcast(x2.dtype),
         DOT_PREC=dot_precision(x2.dtype),
+        PRE_Q=pre_q,
         num_warps=cfg.num_warps,
         num_stages=1 if interpret_mode() else cfg.num_stages,
     )
@@ -309,15 +335,23 @@ def block_fp8_gemm(
 
 
 def scaled_mm_block_fp8(
-    x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor, out_dtype: torch.dtype
+    x: torch.Tensor | Fp8Activation,
+    w: torch.Tensor,
+    w_scale_inv: torch.Tensor,
+    out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """``torch._scaled_mm`` with PyTorch's blockwise recipe: ``x`` [M, K] quantized per
-    token per 128 channels (scales [M, K/128], M-major), ``w`` [N, K] with 128x128 block
-    scales [N/128, K/128]. CUDA (Hopper) only; K and N must be multiples of 128. Raises
-    whatever PyTorch raises where the recipe is not supported."""
+    token per 128 channels (scales [M, K/128], M-major; an ``Fp8Activation`` as its
+    producer quantized it), ``w`` [N, K] with 128x128 block scales [N/128, K/128]. CUDA
+    (Hopper) only; K and N must be multiples of 128. Raises whatever PyTorch raises where
+    the recipe is not supported."""
     from pdserve.kernels.reference import quantize_fp8_groups
 
-    x_q, x_scale = quantize_fp8_groups(x)
+    if isinstance(x, Fp8Activation):
+        k = x.shape[-1]
+        x_q, x_scale = x.q.reshape(-1, k), x.scale.reshape(-1, x.scale.shape[-1])
+    else:
+        x_q, x_scale = quantize_fp8_groups(x)
     scale_a = x_scale.t().contiguous().t()  # M-major ("outer-dim-major") layout
     return torch._scaled_mm(
         x_q, w.t(), scale_a=scale_a, scale_b=w_scale_inv.float().t(), out_dtype=out_dtype

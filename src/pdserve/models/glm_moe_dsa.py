@@ -329,6 +329,39 @@ class DeepseekV3ForCausalLM(CausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    def fp8_activation_links(self) -> list[tuple[str, list[str]]]:
+        """Per layer (MTP layers too): the input norm feeds q_a (or q) and kv_a, and the
+        DSA indexer where the layer has one; q_a's norm feeds q_b and the indexer; the
+        post-attention norm feeds a dense MLP's gate/up, or an MoE's router, routed
+        experts and shared experts; each SiLU-and-mul its down projection."""
+        links: list[tuple[str, list[str]]] = []
+        for i, layer in enumerate(self.model.layers):
+            assert isinstance(layer, DeepseekDecoderLayer)
+            p, attn = f"model.layers.{i}.", layer.self_attn
+            indexer = [p + "self_attn.indexer"] if attn.indexer is not None else []
+            q_in = "q_a_proj" if attn.dc.q_lora_rank is not None else "q_proj"
+            links.append(
+                (
+                    p + "input_layernorm",
+                    [p + f"self_attn.{q_in}", p + "self_attn.kv_a_proj_with_mqa"] + indexer,
+                )
+            )
+            if attn.dc.q_lora_rank is not None:
+                links.append((p + "self_attn.q_a_layernorm", [p + "self_attn.q_b_proj"] + indexer))
+            mlp = layer.mlp
+            if isinstance(mlp, MoE):
+                moe = [p + "mlp.gate", p + "mlp.experts"]
+                if mlp.shared_experts is not None:
+                    moe.append(p + "mlp.shared_experts.gate_up_proj")
+                    links.append(
+                        (p + "mlp.shared_experts.act_fn", [p + "mlp.shared_experts.down_proj"])
+                    )
+                links.append((p + "post_attention_layernorm", moe))
+            else:
+                links.append((p + "post_attention_layernorm", [p + "mlp.gate_up_proj"]))
+                links.append((p + "mlp.act_fn", [p + "mlp.down_proj"]))
+        return links
+
     def mtp_forward(
         self,
         input_ids: torch.Tensor,
