@@ -41,6 +41,7 @@ from pdserve.kernels.rmsnorm import (
     rmsnorm,
     rmsnorm_fp8,
     rmsnorm_fp8_reference,
+    rmsnorm_reference,
 )
 from pdserve.layers.norm import RMSNorm
 from pdserve.models import load_model
@@ -145,14 +146,17 @@ def test_producers_fp8_out_bit_exact_on_gpu() -> None:
     _assert_same(silu_and_mul_fp8(h), silu_and_mul_fp8_reference(h))
 
 
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "DeepseekV3ForCausalLM"])
+@pytest.mark.parametrize(
+    "arch", ["LlamaForCausalLM", "DeepseekV3ForCausalLM", "GlmMoeDsaForCausalLM"]
+)
 def test_fused_model_with_fp8_producers_gives_the_same_logits(
     arch: str, tmp_path: Path, device: torch.device, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The fused kernels end to end (FP8 at load): the producers' fp8 output feeds the
     block-FP8 GEMM the values it would have quantized itself. DeepSeek-V3 (no indexer):
     the input norm feeds q_a and kv_a, q_a's norm q_b, the dense and shared SiLU-and-mul
-    their down projections."""
+    their down projections. GLM-5: the norms also keep their bf16 output for the DSA
+    indexer and the MoE router, and the FP8 fused experts read the fp8 rows."""
     ckpt = make_checkpoint(
         arch, "tiny", tmp_path, seed=5, dtype="float32", config_overrides={"num_hidden_layers": 2}
     )
@@ -170,3 +174,51 @@ def test_fused_model_with_fp8_producers_gives_the_same_logits(
             if hasattr(m, "quant_out"):
                 m.quant_out = False
     torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
+
+
+def test_rmsnorm_fp8_keeps_its_output_beside(device: torch.device) -> None:
+    """``keep_hp``: one kernel writes the fp8 activation and the norm's own output (for
+    the MoE router or the DSA indexer), each what the separate modes write."""
+    g = torch.Generator().manual_seed(7)
+    x, r = ((torch.randn(4, 200, generator=g) * 3).to(torch.bfloat16).to(device) for _ in "ab")
+    w = (torch.rand(200, generator=g) + 0.5).to(torch.bfloat16).to(device)
+    both = rmsnorm_fp8(x, w, 1e-6, keep_hp=True)
+    assert both.hp is not None and torch.equal(both.hp, rmsnorm(x, w, 1e-6))
+    _assert_same(both, rmsnorm_fp8(x, w, 1e-6))
+    assert rmsnorm_fp8(x, w, 1e-6).hp is None
+    both, z = fused_add_rmsnorm_fp8(x, r, w, 1e-6, keep_hp=True)
+    plain, z_plain = fused_add_rmsnorm(x, r, w, 1e-6)
+    assert torch.equal(z, z_plain) and both.high_precision().equal(plain)
+    _assert_same(both, quantize_fp8_activation(plain))
+    ref = rmsnorm_fp8_reference(x, w, 1e-6, keep_hp=True)
+    assert ref.hp is not None and ref.hp.equal(rmsnorm_reference(x, w, 1e-6))
+
+
+@pytest.mark.parametrize("t,dtype", [(5, torch.float32), (9, torch.bfloat16)])
+def test_fused_experts_fp8_reads_a_prequantized_activation(
+    device: torch.device, t: int, dtype: torch.dtype
+) -> None:
+    """The gate/up kernel loads the producer's fp8 rows and scales (no per-program
+    quantization of x): the values the kernel computes from the bf16 rows it quantizes
+    itself, to float32 accumulation order (1e-5 of the largest output in float32; bf16
+    output: 2e-2, the per-pair rounding of the module's tests)."""
+    from pdserve.kernels.fused_moe_fp8 import fused_experts_fp8
+    from pdserve.kernels.reference import fused_experts_fp8_reference, quantize_fp8_experts
+
+    g = torch.Generator().manual_seed(t)
+    e, k, h, inter = 4, 2, 200, 160
+    x = torch.randn(t, h, generator=g).to(dtype).to(device)
+    w13 = torch.randn(e, 2 * inter, h, generator=g) * h**-0.5
+    w2 = torch.randn(e, h, inter, generator=g) * inter**-0.5
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).to(device)
+    weights = torch.rand(t, k, generator=g).to(device)
+    q13, s13, q2, s2 = (a.to(device) for a in quantize_fp8_experts(w13, w2))
+    act = quantize_fp8_activation(x, keep_hp=True)
+    out = fused_experts_fp8(act, q13, s13, q2, s2, weights, ids)
+    assert out.dtype == dtype and out.shape == (t, h)
+    from_x = fused_experts_fp8(x, q13, s13, q2, s2, weights, ids)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert float((out.float() - from_x.float()).abs().max() / from_x.float().abs().max()) < tol
+    ref = fused_experts_fp8_reference(act, q13, s13, q2, s2, weights, ids)
+    assert torch.equal(ref, fused_experts_fp8_reference(x, q13, s13, q2, s2, weights, ids))
+    assert float((out.float() - ref.float()).abs().max() / ref.float().abs().max()) < tol

@@ -52,25 +52,40 @@ def test_llama_fp8_producers_and_same_logits(tiny_llama: Path) -> None:
     assert _fp8_producers(plain) == set() and fuse_fp8_activations(plain) == []
 
 
-def test_glm5_fp8_producers_keep_bf16_for_router_and_indexer(tiny_deepseek: dict) -> None:
-    """GLM-5 (indexer on every full layer): the input norms and q_a's norms feed the
-    indexer and stay bf16; the MoE layers' post-attention norm feeds the router and stays
-    bf16, their shared experts' SiLU-and-mul goes fp8; dense layers go fp8 throughout.
-    DeepSeek-V3 (no indexer): the input and q_a norms go fp8 too."""
+def test_glm5_fp8_producers_keep_bf16_beside_for_router_and_indexer(tiny_deepseek: dict) -> None:
+    """GLM-5 and DeepSeek-V3 (MTP layers too): every norm and SiLU-and-mul goes fp8. The
+    norms that also feed the DSA indexer (input and q_a norms, GLM-5) or the MoE router
+    (post-attention norm of an MoE layer) keep their bf16 output beside the fp8 one."""
     for arch, indexer in (("GlmMoeDsaForCausalLM", True), ("DeepseekV3ForCausalLM", False)):
         model, _ = load_model(tiny_deepseek[arch], "float32", quantization="fp8", with_mtp=True)
         got = _fp8_producers(model)
         for i, layer in enumerate(model.model.layers):
             p = f"model.layers.{i}."
             moe = hasattr(layer.mlp, "gate")
-            assert (p + "post_attention_layernorm" in got) == (not moe), p
             act = p + ("mlp.shared_experts.act_fn" if moe else "mlp.act_fn")
-            assert act in got, act
-            has_indexer = layer.self_attn.indexer is not None
-            assert has_indexer == indexer
-            for norm in ("input_layernorm", "self_attn.q_a_layernorm"):
-                assert (p + norm in got) == (not has_indexer), p + norm
+            norms = ("input_layernorm", "self_attn.q_a_layernorm", "post_attention_layernorm")
+            assert {act, *(p + n for n in norms)} <= got, p
+            assert (layer.self_attn.indexer is not None) == indexer
+            assert layer.input_layernorm.quant_keep_hp == indexer
+            assert layer.self_attn.q_a_layernorm.quant_keep_hp == indexer
+            assert layer.post_attention_layernorm.quant_keep_hp == moe
+        assert not model.model.norm.quant_out  # the bf16 LM head
         ids = list(range(3, 24))
         fp8_act = _logits(model, ids)
         _all_bf16(model)
         assert torch.equal(fp8_act, _logits(model, ids)), arch
+
+
+def test_expert_parallel_experts_read_the_bf16_output() -> None:
+    """Expert parallelism dispatches the bf16 rows: its experts count as a bf16 reader."""
+    from pdserve.distributed import Group
+    from pdserve.layers.moe import RoutedExperts
+    from pdserve.models.quantization import _consumer_kind
+
+    with torch.device("meta"):
+        local = RoutedExperts(4, 128, 128, torch.float32)
+        spread = RoutedExperts(4, 128, 128, torch.float32, ep=Group(size=2, rank=0, ranks=(0, 1)))
+    assert _consumer_kind(local) == "hp"  # bf16 experts
+    for experts in (local, spread):
+        experts.use_fp8(torch.device("meta"))
+    assert _consumer_kind(local) == "fp8" and _consumer_kind(spread) == "hp"

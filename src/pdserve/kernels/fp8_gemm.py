@@ -10,6 +10,14 @@ channels (one scale per token per 128-channel group, as the reference
 and feeds FP8 tensor-core MMAs; the partial product of each 128-wide K step is
 multiplied by the activation and weight scales and accumulated in float32.
 
+Pre-quantized activations: ``x`` may be an
+:class:`~pdserve.kernels.reference.Fp8Activation` (fp8 values and their float32 group
+scales [M, K/128], written by the producer in its own kernel: the RMSNorm or SiLU-and-mul
+fp8 output mode). The kernel then loads the fp8 tile and the tile rows' scale of each K
+step instead of loading bf16 and quantizing it; every N-tile program used to repeat that
+quantization (and the split-K programs each for their K range). Same values: the
+producer quantizes the bf16 output exactly as the kernel would.
+
 Decode batches have few rows, so the N tiles alone cannot occupy the GPU; the K range is
 then split over several programs (split-K) whose float32 partials one ``sum`` adds up.
 The grid depends only on shapes (no host sync), so the launch can be captured in a CUDA

@@ -17,9 +17,10 @@ FP8 output mode (:func:`rmsnorm_fp8`, :func:`fused_add_rmsnorm_fp8`): for a bloc
 linear consumer, the program quantizes its rounded output row per 128-column group
 (``scale = max(amax / 448, 1e-12)``, the values
 :func:`~pdserve.kernels.reference.quantize_fp8_groups` gives) and writes float8_e4m3fn
-values plus float32 scales [rows, ceil(hidden/128)] instead of the ``x.dtype`` output,
-as an :class:`~pdserve.kernels.reference.Fp8Activation`; the residual output is
-unchanged. The GEMM then loads fp8 instead of quantizing every x tile once per N tile.
+values plus float32 scales [rows, ceil(hidden/128)] instead of the ``x.dtype`` output
+(``keep_hp``: as well as it, for a producer that also feeds the MoE router or the DSA
+indexer), as an :class:`~pdserve.kernels.reference.Fp8Activation`; the residual output
+is unchanged. The GEMM then loads fp8 instead of quantizing every x tile once per N tile.
 """
 
 from __future__ import annotations
@@ -46,17 +47,20 @@ def _rmsnorm_kernel(
     w_ptr,
     out_ptr,
     r_out_ptr,
+    q_ptr,
     qs_ptr,
     stride_x,
     stride_r,
     stride_o,
     stride_ro,
+    stride_q,
     stride_qs,
     n_cols,
     eps,
     HAS_RES: tl.constexpr,
     BLOCK: tl.constexpr,
     QUANT: tl.constexpr = False,
+    KEEP_HP: tl.constexpr = False,
     QMAX: tl.constexpr = 448.0,
     ROUND_FIRST: tl.constexpr = False,
     GROUP: tl.constexpr = 128,
@@ -81,10 +85,10 @@ def _rmsnorm_kernel(
             tl.reshape(y.to(tl.float32), (BLOCK // GROUP, GROUP)), QMAX, ROUND_FIRST
         )
         qcols = tl.reshape(cols, (BLOCK // GROUP, GROUP))
-        tl.store(out_ptr + row * stride_o + qcols, yq, mask=qcols < n_cols)
+        tl.store(q_ptr + row * stride_q + qcols, yq, mask=qcols < n_cols)
         groups = tl.arange(0, BLOCK // GROUP)
         tl.store(qs_ptr + row * stride_qs + groups, scale, mask=groups * GROUP < n_cols)
-    else:
+    if KEEP_HP or not QUANT:
         tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
 
 
@@ -99,24 +103,26 @@ def _launch(
     residual: torch.Tensor | None,
     weight: torch.Tensor,
     eps: float,
-    out: torch.Tensor,
+    out: torch.Tensor | None,
     residual_out: torch.Tensor | None,
-    out_scale: torch.Tensor | None = None,
+    fp8: Fp8Activation | None = None,
 ) -> None:
-    """``out_scale`` given: ``out`` is float8_e4m3fn and ``out_scale`` float32 [rows,
-    ceil(n/128)] (the fp8 output mode)."""
+    """``fp8`` given: the fp8 output mode writes its ``q`` and ``scale`` (and ``out``
+    too where given: both outputs)."""
     check_device(x, "rmsnorm")
     n = x.shape[-1]
     if weight.shape != (n,):
         raise ValueError(f"weight shape {tuple(weight.shape)} does not match hidden size {n}")
-    x2, o2 = _rows(x), out.view(-1, n)
+    x2 = _rows(x)
+    rows = x2.shape[0]
+    q2 = fp8.q.view(-1, n) if fp8 is not None else x2
+    s2 = fp8.scale.view(rows, -1) if fp8 is not None else x2
+    o2 = out.view(-1, n) if out is not None else q2
     r2 = _rows(residual) if residual is not None else x2
     ro2 = residual_out.view(-1, n) if residual_out is not None else o2
-    rows = x2.shape[0]
-    s2 = out_scale.view(rows, -1) if out_scale is not None else x2
     if rows == 0:
         return
-    quant = out_scale is not None
+    quant = fp8 is not None
     block = max(next_pow2(n), FP8_GROUP) if quant else next_pow2(n)
     warps = min(16, max(1, block // 512))
     _rmsnorm_kernel[(rows,)](
@@ -125,17 +131,20 @@ def _launch(
         weight,
         o2,
         ro2,
+        q2,
         s2,
         x2.stride(0),
         r2.stride(0),
         o2.stride(0),
         ro2.stride(0),
+        q2.stride(0),
         s2.stride(0),
         n,
         eps,
         HAS_RES=residual is not None,
         BLOCK=block,
         QUANT=quant,
+        KEEP_HP=quant and out is not None,
         QMAX=FP8_MAX,
         ROUND_FIRST=interpret_mode(),
         GROUP=FP8_GROUP,
@@ -143,18 +152,22 @@ def _launch(
     )
 
 
-def _fp8_out(x: torch.Tensor) -> Fp8Activation:
+def _fp8_out(x: torch.Tensor, keep_hp: bool) -> Fp8Activation:
     n = x.shape[-1]
     q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty((*x.shape[:-1], -(-n // FP8_GROUP)), dtype=torch.float32, device=x.device)
-    return Fp8Activation(q, scale, x.dtype)
+    hp = torch.empty(x.shape, dtype=x.dtype, device=x.device) if keep_hp else None
+    return Fp8Activation(q, scale, x.dtype, hp)
 
 
-def rmsnorm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Fp8Activation:
+def rmsnorm_fp8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, keep_hp: bool = False
+) -> Fp8Activation:
     """:func:`rmsnorm` in the fp8 output mode: the ``x.dtype`` output quantized per token
-    per 128 channels in the same pass (fp8 values and float32 scales)."""
-    act = _fp8_out(x)
-    _launch(x, None, weight, eps, act.q, None, act.scale)
+    per 128 channels in the same pass (fp8 values and float32 scales); ``keep_hp``: the
+    ``x.dtype`` output written too (the activation's ``hp``)."""
+    act = _fp8_out(x, keep_hp)
+    _launch(x, None, weight, eps, act.hp, None, act)
     return act
 
 
@@ -164,14 +177,16 @@ def fused_add_rmsnorm_fp8(
     weight: torch.Tensor,
     eps: float,
     residual_out: torch.Tensor | None = None,
+    keep_hp: bool = False,
 ) -> tuple[Fp8Activation, torch.Tensor]:
-    """:func:`fused_add_rmsnorm` in the fp8 output mode: ``(fp8 norm, x + residual)``."""
+    """:func:`fused_add_rmsnorm` in the fp8 output mode: ``(fp8 norm, x + residual)``
+    (``keep_hp`` as in :func:`rmsnorm_fp8`)."""
     if residual.shape != x.shape:
         raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
     if residual_out is None:
         residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    act = _fp8_out(x)
-    _launch(x, residual, weight, eps, act.q, residual_out, act.scale)
+    act = _fp8_out(x, keep_hp)
+    _launch(x, residual, weight, eps, act.hp, residual_out, act)
     return act, residual_out
 
 
@@ -218,14 +233,16 @@ def fused_add_rmsnorm_reference(
     return rms_norm(z, weight, eps), z
 
 
-def rmsnorm_fp8_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Fp8Activation:
+def rmsnorm_fp8_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, keep_hp: bool = False
+) -> Fp8Activation:
     """The model's RMSNorm output (``x.dtype``), then quantized per token per 128 channels."""
-    return quantize_fp8_activation(rms_norm(x, weight, eps))
+    return quantize_fp8_activation(rms_norm(x, weight, eps), keep_hp)
 
 
 def fused_add_rmsnorm_fp8_reference(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, keep_hp: bool = False
 ) -> tuple[Fp8Activation, torch.Tensor]:
     """:func:`fused_add_rmsnorm_reference` with its norm quantized (fp8 output mode)."""
     out, z = fused_add_rmsnorm_reference(x, residual, weight, eps)
-    return quantize_fp8_activation(out), z
+    return quantize_fp8_activation(out, keep_hp), z

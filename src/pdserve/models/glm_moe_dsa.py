@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from pdserve.distributed.groups import Group, ParallelGroups
+from pdserve.kernels.reference import Fp8Activation
 from pdserve.layers.attention.dsa import Indexer
 from pdserve.layers.attention.mla import MLAAttention
 from pdserve.layers.embedding import LMHead, VocabEmbedding
@@ -150,8 +151,8 @@ class MLASelfAttention(nn.Module):
         q_pe, latent, k_pe = self.attn.prepare(
             q_pe, self.kv_a_proj_with_mqa(x), self.kv_a_layernorm, rope, dc.rope_interleave
         )
-        if self.indexer is not None and not reuse_topk:
-            topk = self.indexer(x, qr, rope)
+        if self.indexer is not None and not reuse_topk:  # reads the norms' bf16 outputs
+            topk = self.indexer(_hp(x), _hp(qr), rope)
         else:
             topk = prev_topk
         out = self.attn(q_nope, q_pe, latent, k_pe, self.kv_b_proj.weight, topk)
@@ -461,6 +462,12 @@ class DeepseekV3ForCausalLM(CausalLM):
             copy_checked(target, tensor, name)
             loaded.add(name)
         return loaded
+
+
+def _hp(x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+    """A producer's own-dtype output, also where it emits an FP8 activation for its FP8
+    consumers (then it keeps that output beside it: ``fuse_fp8_activations``)."""
+    return x.high_precision() if isinstance(x, Fp8Activation) else x
 
 
 def _is_mtp(name: str, num_layers: int) -> bool:

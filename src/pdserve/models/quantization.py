@@ -51,10 +51,11 @@ from torch import nn
 
 from pdserve.kernels.reference import FP8_DTYPE, dequantize_fp8_blocks, quantize_fp8_blocks
 from pdserve.layers.activation import SiluAndMul
+from pdserve.layers.attention.dsa import Indexer
 from pdserve.layers.fp8 import Fp8Linear, expand_scale_rows
 from pdserve.layers.fp8_parallel import convert_linears
 from pdserve.layers.linear import MergedLinear, Shard, is_plain_linear
-from pdserve.layers.moe import RoutedExperts
+from pdserve.layers.moe import RoutedExperts, TopKRouter
 from pdserve.layers.norm import RMSNorm
 from pdserve.models.hf_config import HFModelConfig
 
@@ -193,10 +194,13 @@ def fuse_fp8_activations(model: nn.Module) -> list[str]:
     consumers are all block-FP8 linears (after :func:`quantize_model_linears`): the
     producer (an RMSNorm or SiLU-and-mul) then hands them an
     :class:`~pdserve.kernels.reference.Fp8Activation`, quantized in its own kernel, and
-    the GEMMs read it instead of quantizing ``x`` in every N tile. A producer with any
-    other consumer (a bf16 linear, the MoE router or experts, the DSA indexer) keeps its
-    bf16 output. The values are unchanged: the GEMM quantizes a bf16 input the same way.
-    Returns the producers switched."""
+    the GEMMs read it instead of quantizing ``x`` in every N tile; FP8 routed experts read
+    it the same way. Consumers that need the bf16 output and are handed the activation's
+    ``hp`` by their caller (the MoE router, the DSA indexer: :func:`_consumer_kind`) make
+    the norm keep that output beside the fp8 one (``quant_keep_hp``, one kernel). A
+    producer with any other consumer (a bf16 linear) stays bf16. The values are
+    unchanged: the GEMMs quantize a bf16 input the same way. Returns the producers
+    switched."""
     links = getattr(model, "fp8_activation_links", None)
     if links is None:
         return []
@@ -205,13 +209,31 @@ def fuse_fp8_activations(model: nn.Module) -> list[str]:
         producer = model.get_submodule(producer_name)
         if not isinstance(producer, (RMSNorm, SiluAndMul)):
             raise TypeError(f"{producer_name} ({type(producer).__name__}) has no fp8 output mode")
-        fp8 = bool(consumers) and all(
-            isinstance(model.get_submodule(c), Fp8Linear) for c in consumers
-        )
+        kinds = {_consumer_kind(model.get_submodule(c)) for c in consumers}
+        fp8 = "fp8" in kinds and kinds <= {"fp8", "hp"}
+        keep_hp = fp8 and "hp" in kinds
+        if keep_hp and not isinstance(producer, RMSNorm):
+            raise TypeError(f"{producer_name}: only an RMSNorm keeps its output beside fp8")
         producer.quant_out = fp8
+        if isinstance(producer, RMSNorm):
+            producer.quant_keep_hp = keep_hp
         if fp8:
             switched.append(producer_name)
     return switched
+
+
+def _consumer_kind(module: nn.Module) -> str:
+    """``fp8``: reads an Fp8Activation (a block-FP8 linear, FP8 routed experts without
+    expert parallelism); ``hp``: its module's caller hands it the activation's ``hp``
+    (the MoE router and expert-parallel experts, in ``MoE.forward``; the DSA indexer, in
+    the GLM-5 attention); ``bf16``: anything else, which keeps the producer in bf16."""
+    if isinstance(module, Fp8Linear):
+        return "fp8"
+    if isinstance(module, RoutedExperts):
+        return "fp8" if module.fp8 and module.ep.size == 1 else "hp"
+    if isinstance(module, (TopKRouter, Indexer)):
+        return "hp"
+    return "bf16"
 
 
 class Fp8WeightStream:
