@@ -222,3 +222,24 @@ def test_fused_experts_fp8_reads_a_prequantized_activation(
     ref = fused_experts_fp8_reference(act, q13, s13, q2, s2, weights, ids)
     assert torch.equal(ref, fused_experts_fp8_reference(x, q13, s13, q2, s2, weights, ids))
     assert float((out.float() - ref.float()).abs().max() / ref.float().abs().max()) < tol
+
+
+@pytest.mark.parametrize("splits,bias", [(3, False), (16, True)])
+def test_splitk_sum_is_torchs_sum_bias_and_cast(
+    device: torch.device, splits: int, bias: bool
+) -> None:
+    """The split-K epilogue in one launch: float32 sum over the splits, plus the bias, one
+    rounding to the output dtype (torch sums dim 0 in another order: 1e-6 relative)."""
+    from pdserve.kernels.fp8_gemm import splitk_sum
+
+    g = torch.Generator().manual_seed(splits)
+    parts = torch.randn(splits, 5, 1100, generator=g).to(device)
+    b = torch.randn(1100, generator=g).to(torch.bfloat16).to(device) if bias else None
+    want = parts.sum(0) + (b.float() if b is not None else 0)
+    got = splitk_sum(parts, b, torch.float32)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+    got16 = splitk_sum(parts, b, torch.bfloat16)
+    assert got16.dtype == torch.bfloat16
+    torch.testing.assert_close(
+        got16.float(), want.to(torch.bfloat16).float(), rtol=2**-7, atol=1e-2
+    )

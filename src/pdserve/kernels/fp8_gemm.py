@@ -19,7 +19,9 @@ quantization (and the split-K programs each for their K range). Same values: the
 producer quantizes the bf16 output exactly as the kernel would.
 
 Decode batches have few rows, so the N tiles alone cannot occupy the GPU; the K range is
-then split over several programs (split-K) whose float32 partials one ``sum`` adds up.
+then split over several programs (split-K) whose float32 partials one small kernel adds
+up, with the bias, and casts (:func:`splitk_sum`: one launch where torch's ``sum``,
+bias add and cast were two or three).
 The grid depends only on shapes (no host sync), so the launch can be captured in a CUDA
 graph.
 
@@ -336,10 +338,52 @@ def block_fp8_gemm(
         num_warps=cfg.num_warps,
         num_stages=1 if interpret_mode() else cfg.num_stages,
     )
-    y = out[0] if splits == 1 or atomic else out.sum(0)
+    if splits > 1 and not atomic:  # one launch: the float32 partials' sum (+ bias), cast
+        return splitk_sum(out, bias, dtype).view(*lead, n)
+    y = out[0]
     if bias is not None:
         y = y + bias
     return y.to(dtype).view(*lead, n)
+
+
+@triton.jit
+def _splitk_sum_kernel(
+    part_ptr, bias_ptr, out_ptr, total, n, stride_s,
+    SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < total
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in range(SPLITS):  # in split order, as a sequential sum over dim 0
+        acc += tl.load(part_ptr + s * stride_s + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % n, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def splitk_sum(parts: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """``(parts.sum(0) + bias).to(dtype)`` for the split-K partials ``parts`` [S, M, N]
+    float32 (contiguous) in one launch, where ``sum``, the bias add and the cast took
+    two or three (each a kernel boundary of a decode step's graph). Float32 throughout,
+    one rounding to ``dtype``; splits added in order."""
+    splits, m, n = parts.shape
+    out = torch.empty(m, n, dtype=dtype, device=parts.device)
+    if m * n == 0:
+        return out
+    block = 1024
+    _splitk_sum_kernel[(triton.cdiv(m * n, block),)](
+        parts,
+        bias if bias is not None else parts,
+        out,
+        m * n,
+        n,
+        parts.stride(0),
+        SPLITS=splits,
+        HAS_BIAS=bias is not None,
+        BLOCK=block,
+        num_warps=4,
+    )
+    return out
 
 
 def scaled_mm_block_fp8(

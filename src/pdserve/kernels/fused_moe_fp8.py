@@ -199,11 +199,16 @@ def _down_fp8_kernel(
 def _fp8_config(num_pairs: int, num_experts: int) -> tuple[int, int, int]:
     """(BLOCK_M, the down kernel's BLOCK_N, num_warps). The gate/up kernel's N tile is the
     128-column group and BLOCK_K the 128-channel group in both; M tiles stop at 64 so
-    the gate/up kernel's two [BLOCK_M, 128] float32 accumulators stay in registers."""
+    the gate/up kernel's two [BLOCK_M, 128] float32 accumulators stay in registers.
+
+    64-row tiles take 8 warps: with 4, the gate/up kernel compiled for sm_90a spills
+    (tools/sm90_report.py's compile, 2026-12-05: 255 registers and 976 bytes of spill
+    stores with a bf16 x, 192 with a pre-quantized x; 8 warps: 252 / 233 registers, no
+    spills). Only 17-128 pairs per expert changed (they had 4); not yet timed on a GPU."""
     per_expert = num_pairs / max(1, num_experts)
     if per_expert <= 16:  # decode: weight streaming, one 16-row block per expert
         return 16, 64, 4
-    return 64, 128, 4 if per_expert <= 128 else 8
+    return 64, 128, 8
 
 
 def fp8_expert_scale_shapes(
