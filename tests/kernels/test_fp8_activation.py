@@ -3,15 +3,18 @@ fp8 output mode, and the block-FP8 GEMM reading them.
 
 Parity rules: a producer's fp8 output is the quantization (per token per 128 channels,
 :func:`~pdserve.kernels.reference.quantize_fp8_groups`) of the output it writes in its
-normal mode, so against the quantized output of the same kernel it is exact (values and
-scales). Against the torch reference it is within one e4m3 ulp per value: the
-interpreter truncates the fp32 -> bf16 casts where torch rounds (the norm casts twice,
-before and after the weight multiply: up to two bf16 ulps, 2^-7 relative each, which
-moves an fp8 value at most one of its own ulps, 2^-3 relative, and a group's scale by
-at most 2^-5 relative). On the GPU the casts round and the two agree exactly (the
-``gpu`` test). The GEMM fed an ``Fp8Activation`` computes
-what it computes from the bf16 activation it was quantized from (the same quantization,
-done by the producer instead of by every N tile): equal to float32 accumulation order.
+normal mode, so against torch's quantization of that output it is exact in the
+interpreter (values and scales); compiled, Triton's float32 division need not round
+correctly, so there a value may sit one e4m3 ulp away and a scale 2 float32 ulps.
+Against the torch reference it is within one e4m3 ulp per value: the interpreter
+truncates the fp32 -> bf16 casts where torch rounds (the norm casts twice, before and
+after the weight multiply: up to two bf16 ulps, 2^-7 relative each, which moves an fp8
+value at most one of its own ulps, 2^-3 relative, and a group's scale by at most 2^-5
+relative); compiled, the casts round as torch does (the ``gpu`` test). The GEMM and the
+fused experts fed an ``Fp8Activation`` compute what they compute from the bf16
+activation it was quantized from (the same quantization, done by the producer instead
+of by every tile): equal to float32 accumulation order in the interpreter (1e-5),
+within the compiled kernels' FP8 tolerance of their own tests (1e-2) on a GPU.
 """
 
 from __future__ import annotations
@@ -56,15 +59,19 @@ def _signed_code(q: torch.Tensor) -> torch.Tensor:
 
 
 def _assert_same(a: Fp8Activation, b: Fp8Activation) -> None:
+    """Equal in the interpreter; within the compiled division's rounding on a GPU."""
     assert a.dtype == b.dtype and a.q.shape == b.q.shape and a.scale.shape == b.scale.shape
+    if a.q.is_cuda:
+        _assert_within_ulp(a, b, 2**-22)
+        return
     assert torch.equal(a.q.float().cpu(), b.q.float().cpu())  # values: -0 == 0
     assert torch.equal(a.scale.cpu(), b.scale.cpu())
 
 
-def _assert_within_ulp(a: Fp8Activation, b: Fp8Activation) -> None:
+def _assert_within_ulp(a: Fp8Activation, b: Fp8Activation, scale_rtol: float = 2**-5) -> None:
     assert a.q.shape == b.q.shape and a.scale.shape == b.scale.shape
     assert int((_signed_code(a.q.cpu()) - _signed_code(b.q.cpu())).abs().max()) <= 1
-    torch.testing.assert_close(a.scale.cpu(), b.scale.cpu(), rtol=2**-5, atol=0)
+    torch.testing.assert_close(a.scale.cpu(), b.scale.cpu(), rtol=scale_rtol, atol=0)
 
 
 SHAPES = [(5, 256), (3, 200), (2, 64)]  # whole groups, a partial last group, under one
@@ -133,17 +140,22 @@ def test_weight_only_refuses_a_prequantized_activation(device: torch.device) -> 
 
 
 @pytest.mark.gpu
-def test_producers_fp8_out_bit_exact_on_gpu() -> None:
-    """Compiled, the producers round their bf16 output as torch does: exact."""
+def test_producers_fp8_out_on_gpu() -> None:
+    """Compiled, the producers round their bf16 output as torch does (bit for bit, the
+    plain kernels' GPU tests); what may still differ is the division by the scale
+    (Triton's fp32 division need not be correctly rounded): within one e4m3 ulp, scales
+    within 2 fp32 ulps."""
     x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16) * 3
     r = torch.randn_like(x)
     w = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
-    _assert_same(rmsnorm_fp8(x, w, 1e-6), rmsnorm_fp8_reference(x, w, 1e-6))
-    _assert_same(
-        fused_add_rmsnorm_fp8(x, r, w, 1e-6)[0], fused_add_rmsnorm_fp8_reference(x, r, w, 1e-6)[0]
-    )
+    tight = 2**-22
+    _assert_within_ulp(rmsnorm_fp8(x, w, 1e-6), rmsnorm_fp8_reference(x, w, 1e-6), tight)
+    both, _ = fused_add_rmsnorm_fp8(x, r, w, 1e-6, keep_hp=True)
+    ref, _ = fused_add_rmsnorm_fp8_reference(x, r, w, 1e-6, keep_hp=True)
+    _assert_within_ulp(both, ref, tight)
+    assert ref.hp is not None and torch.equal(both.high_precision(), ref.hp)
     h = torch.randn(64, 2 * 14336, device="cuda", dtype=torch.bfloat16) * 4
-    _assert_same(silu_and_mul_fp8(h), silu_and_mul_fp8_reference(h))
+    _assert_within_ulp(silu_and_mul_fp8(h), silu_and_mul_fp8_reference(h), tight)
 
 
 @pytest.mark.parametrize(
@@ -201,7 +213,7 @@ def test_fused_experts_fp8_reads_a_prequantized_activation(
     """The gate/up kernel loads the producer's fp8 rows and scales (no per-program
     quantization of x): the values the kernel computes from the bf16 rows it quantizes
     itself, to float32 accumulation order (1e-5 of the largest output in float32; bf16
-    output: 2e-2, the per-pair rounding of the module's tests)."""
+    output: 2e-2, the per-pair rounding of the module's tests; compiled: 1e-2)."""
     from pdserve.kernels.fused_moe_fp8 import fused_experts_fp8
     from pdserve.kernels.reference import fused_experts_fp8_reference, quantize_fp8_experts
 
@@ -217,7 +229,7 @@ def test_fused_experts_fp8_reads_a_prequantized_activation(
     out = fused_experts_fp8(act, q13, s13, q2, s2, weights, ids)
     assert out.dtype == dtype and out.shape == (t, h)
     from_x = fused_experts_fp8(x, q13, s13, q2, s2, weights, ids)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    tol = 1e-2 if device.type == "cuda" else 1e-5 if dtype == torch.float32 else 2e-2
     assert float((out.float() - from_x.float()).abs().max() / from_x.float().abs().max()) < tol
     ref = fused_experts_fp8_reference(act, q13, s13, q2, s2, weights, ids)
     assert torch.equal(ref, fused_experts_fp8_reference(x, q13, s13, q2, s2, weights, ids))
