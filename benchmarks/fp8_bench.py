@@ -26,7 +26,10 @@ Measured in one call, on the card it runs on:
            the step's routing took, the latent rows DSA reads, the indexer keys); each
            engine's bytes are its own (FP8 weights and KV for the fp8 variant)
   prefill  one 8K and one 16K prompt: tok/s, and its matmul FLOPs over the bf16 and the
-           FP8 peak (the compute roofline: ``roofline_s`` at the variant's own peak)
+           FP8 peak (the compute roofline: ``roofline_s`` at the variant's own peak),
+           timed around ``generate`` (16K is two chunks of the 8K token budget); Llama
+           also ``prefill_step``: one 8K engine step alone (gpu_suite.bench_prefill, the
+           number earlier runs and issue 28's acceptance use)
   offline  prompts x 512 in / 128 out: output tok/s (the serve-shaped number)
 Prints one table per model (bf16 | fp8 per row) and writes every number to ``--out``.
 About 3 minutes per model on an H200.
@@ -60,6 +63,7 @@ from gpu_suite import (  # noqa: E402
     Sizes,
     _timed,
     bench_decode,
+    bench_prefill,
     bench_throughput,
     kv_bytes_per_token,
     measure_limits,
@@ -256,6 +260,12 @@ def bench_variant(
     lens = CPU_PREFILL_LENS if args.device == "cpu" else PREFILL_LENS
     res["prefill"] = bench_prefill_lens(llm, limits, lens, name, glm)
     print(name, json.dumps(res["prefill"]), flush=True)
+    if not glm:  # the number issue 28's acceptance and earlier runs read: one 8K step
+        step = bench_prefill(llm, limits, sizes.prefill_len)
+        if "tflops" in step:
+            step["share_of_fp8_peak"] = step["tflops"] * 1e12 / limits["fp8_matmul_flops"]
+        res["prefill_step"] = step
+        print(name, json.dumps(step), flush=True)
     num, inp, out = sizes.throughput
     res["offline"] = bench_throughput(llm, num=num // 2, inp=inp, out=out)
     print(name, json.dumps(res["offline"]), flush=True)
@@ -324,6 +334,13 @@ def print_table(res: dict) -> None:
                     f" {p['share_of_fp8_peak']:.0%}f8 x{p['ratio']:.2f}"
                 )
             print(f"{f'prefill {n_tok}':<18} " + " ".join(f"{c:>34}" for c in cells))
+        steps = [v[n].get("prefill_step", {}) for n in names]
+        if any("tok_s" in p for p in steps):
+            cells = [
+                f"{p['tok_s']:.0f} tok/s {p['share_of_fp8_peak']:.0%}f8" if "tok_s" in p else "-"
+                for p in steps
+            ]
+            print(f"{'prefill step':<18} " + " ".join(f"{c:>34}" for c in cells))
         print(
             f"{'offline out tok/s':<18} "
             + " ".join(f"{v[n]['offline']['output_tok_s']:>34.0f}" for n in names)

@@ -35,8 +35,10 @@ every token's experts, and the layer all-reduces the routed plus shared partials
 FP8 checkpoints (and ``--quantization fp8``) keep the routed experts in block-scaled FP8
 (:meth:`RoutedExperts.use_fp8`): the fused path runs
 :func:`pdserve.kernels.fused_moe_fp8.fused_experts_fp8` (activations quantized per token
-per 128 channels inside the kernel), the torch path its graph-capturable reference
-(weights dequantized every call). Under TP each rank's share of the intermediate
+per 128 channels inside the kernel, or once by the post-attention norm, which then hands
+the layer an :class:`~pdserve.kernels.reference.Fp8Activation` carrying its bf16 output
+too: the router and expert-parallel dispatch read that, the FP8 experts the fp8 rows),
+the torch path its graph-capturable reference (weights dequantized every call). Under TP each rank's share of the intermediate
 dimension must be whole 128-blocks (refused otherwise, naming the layer): a rank then
 holds its gate/up block rows and down block columns of every expert's scales, and its
 activation groups are the full layer's.
