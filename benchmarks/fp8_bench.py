@@ -1,31 +1,43 @@
-"""FP8 on the GPU (issue 19): llama-8b-shape in bf16 and in block-scaled FP8, side by side.
+"""FP8 on the GPU (issues 19, 28): llama-8b-shape and glm5-m12-e64 in bf16 and in
+block-scaled FP8, side by side.
 
-    python3 benchmarks/fp8_bench.py --out $OUT/fp8_bench.json
+    python3 benchmarks/fp8_bench.py --out $OUT/fp8_bench.json                 # both models
+    python3 benchmarks/fp8_bench.py --out $OUT/fp8_glm5.json --models glm5-m12-e64
 
-Makes no weights file: the llama-8b-shape config and tokenizer are written to
-``--workdir`` (``make-checkpoint --config-only``) and both engines draw the same random
-values on the GPU (``--load-format dummy``); the FP8 engine quantizes them as it loads
-(``--quantization fp8``: the values ``make-checkpoint --quantization fp8`` writes) and
-keeps its KV cache in fp8 (``--kv-cache-dtype fp8``).
+Makes no weights file: each model's config and tokenizer are written to ``--workdir``
+(``make-checkpoint --config-only``) and both engines draw the same random values on the
+GPU (``--load-format dummy``); the FP8 engine quantizes them as it loads
+(``--quantization fp8``: the values ``make-checkpoint --quantization fp8`` writes; the
+norms and SiLU-and-mul whose consumers are all FP8 linears then emit fp8 activations,
+``fuse_fp8_activations``) and keeps its KV cache in fp8 (``--kv-cache-dtype fp8``).
 
 Measured in one call, on the card it runs on:
   limits   copy bandwidth and bf16 matmul rate (gpu_suite.measure_limits), and the FP8
            matmul peak: torch._scaled_mm, 8192^3, per-tensor scales
   gemm     one llama-8b-shape linear (down_proj, 4096 x 14336) at 1/16/64/8192 tokens:
-           the Triton block-FP8 kernel, torch._scaled_mm with 128x128 block scales
+           the Triton block-FP8 kernel quantizing x itself and reading a pre-quantized x
+           (what a fused producer hands it), torch._scaled_mm with 128x128 block scales
            (where this PyTorch supports it) and bf16, against the byte roofline
-  decode   decode step at batch 1/16/64 x 1K and 16 x 16K against the roofline (weight +
-           KV bytes read over the measured copy bandwidth): gpu_suite.bench_decode; the
-           FP8 engine's weight and KV bytes are its own, so the roofline is the FP8 one
-  prefill  one 8K prompt: tok/s and TFLOP/s against the bf16 and the FP8 matmul peaks
-  offline  128 prompts x 512 in / 128 out: output tok/s (the serve-shaped number; the
-           HTTP serve run is gpu_suite's serve section with --serve-args)
-Prints one table (bf16 | fp8 per row) and writes every number to ``--out``. About 3
-minutes on an H200.
+  per model (``--models``), each variant (``--variants``, bf16 and fp8):
+  decode   decode step against the byte roofline, and which path ran (graph / eager):
+           llama-8b-shape at batch 1/16/64 x 1K and 16 x 16K (weights + KV bytes over
+           the measured copy bandwidth: gpu_suite.bench_decode); glm5-m12-e64 at 1 and
+           32 x 1K and 16K (the DecodeByteModel of glm5_bench: dense weights, the experts
+           the step's routing took, the latent rows DSA reads, the indexer keys); each
+           engine's bytes are its own (FP8 weights and KV for the fp8 variant)
+  prefill  one 8K and one 16K prompt: tok/s, and its matmul FLOPs over the bf16 and the
+           FP8 peak (the compute roofline: ``roofline_s`` at the variant's own peak),
+           timed around ``generate`` (16K is two chunks of the 8K token budget); Llama
+           also ``prefill_step``: one 8K engine step alone (gpu_suite.bench_prefill, the
+           number earlier runs and issue 28's acceptance use)
+  offline  prompts x 512 in / 128 out: output tok/s (the serve-shaped number)
+Prints one table per model (bf16 | fp8 per row) and writes every number to ``--out``.
+About 3 minutes per model on an H200.
 
-``--device cpu`` runs every part on the tiny Llama's config at gpu_suite's CPU sizes, the
-Triton GEMM in the interpreter (``TRITON_INTERPRET=1`` is set before the kernels are
-imported; tests/kernels/test_fp8_bench.py runs it): a smoke run, its numbers mean nothing.
+``--device cpu`` runs every part on the tiny Llama and the tiny GLM-5 at gpu_suite's CPU
+sizes, the Triton GEMM in the interpreter (``TRITON_INTERPRET=1`` is set before the
+kernels are imported; tests/bench/test_bench_scripts.py runs it): a smoke run, its
+numbers mean nothing.
 """
 
 from __future__ import annotations
@@ -61,9 +73,26 @@ from gpu_suite import (  # noqa: E402
 from pdserve import LLM  # noqa: E402
 from pdserve.testing.checkpoint import make_checkpoint  # noqa: E402
 
-# (decode points, GEMM (n, k), GEMM token counts) on the GPU and in the CPU smoke run
-GPU_POINTS = (((1, 1024), (16, 1024), (64, 1024), (16, 16384)), (4096, 14336), (1, 16, 64, 8192))
-CPU_POINTS = (((1, 24), (2, 24)), (256, 384), (1, 16))
+# (GEMM (n, k), GEMM token counts) on the GPU and in the CPU smoke run
+GPU_GEMM = ((4096, 14336), (1, 16, 64, 8192))
+CPU_GEMM = ((256, 384), (1, 16))
+# model -> (architecture, preset on the GPU, decode points on the GPU, on the CPU)
+MODELS: dict[str, tuple[str, str, tuple, tuple]] = {
+    "llama-8b-shape": (
+        "LlamaForCausalLM",
+        "llama-8b-shape",
+        ((1, 1024), (16, 1024), (64, 1024), (16, 16384)),
+        ((1, 24), (2, 24)),
+    ),
+    "glm5-m12-e64": (
+        "GlmMoeDsaForCausalLM",
+        "glm5-m12-e64",
+        ((1, 1024), (32, 1024), (1, 16384), (32, 16384)),
+        ((1, 8), (2, 24)),
+    ),
+}
+PREFILL_LENS = (8192, 16384)
+CPU_PREFILL_LENS = (16, 40)
 VARIANTS = {
     "bf16": {},
     "fp8": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
@@ -90,10 +119,10 @@ def fp8_matmul_peak(dev: torch.device, m: int = 8192) -> float:
 def bench_gemm(
     limits: dict, dev: torch.device, shape: tuple[int, int], tokens: tuple[int, ...]
 ) -> list[dict]:
-    """down_proj's FP8 GEMM (``shape`` = (n, k)) at each token count: Triton, scaled_mm
-    and bf16 against the byte roofline."""
+    """down_proj's FP8 GEMM (``shape`` = (n, k)) at each token count: Triton (x bf16, and
+    x pre-quantized), scaled_mm and bf16 against the byte roofline."""
     from pdserve.kernels.fp8_gemm import block_fp8_gemm, scaled_mm_block_fp8
-    from pdserve.kernels.reference import quantize_fp8_blocks
+    from pdserve.kernels.reference import quantize_fp8_activation, quantize_fp8_blocks
 
     n, k = shape
     w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
@@ -105,6 +134,8 @@ def bench_gemm(
         row: dict = {"tokens": m, "n": n, "k": k}
         row["bf16_ms"] = _time_ms(lambda x=x: x @ w.t(), dev)
         row["triton_fp8_ms"] = _time_ms(lambda x=x: block_fp8_gemm(x, wq, ws), dev)
+        xa = quantize_fp8_activation(x)  # as a fused producer hands it over
+        row["triton_fp8_prequant_ms"] = _time_ms(lambda xa=xa: block_fp8_gemm(xa, wq, ws), dev)
         try:
             row["scaled_mm_fp8_ms"] = _time_ms(
                 lambda x=x: scaled_mm_block_fp8(x, wq, ws, torch.bfloat16), dev
@@ -118,34 +149,123 @@ def bench_gemm(
     return out  # the weights go with this frame; bench_variant empties the cache
 
 
-def bench_variant(
-    ckpt: Path, name: str, limits: dict, args: argparse.Namespace, sizes: Sizes, points: tuple
-) -> dict:
+def _engine(ckpt: Path, name: str, args: argparse.Namespace, sizes: Sizes, glm: bool) -> LLM:
     kw: dict = dict(dtype=sizes.dtype, load_format="dummy", max_model_len=sizes.max_model_len,
                     max_num_batched_tokens=sizes.max_num_batched_tokens)  # fmt: skip
     if args.device == "cpu":
         kw.update(device="cpu", max_num_seqs=sizes.max_num_seqs)
+    elif glm:  # 32 x 16K decode: the batch and its contexts (as glm5_bench sizes it)
+        kw.update(max_model_len=16384 + 256, max_num_seqs=32, gpu_memory_utilization=0.9,
+                  compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]})  # fmt: skip
     else:
         kw.update(max_num_seqs=64, kv_cache_memory_bytes=args.kv_cache_gb * 2**30,
                   compilation_config={"cudagraph_capture_sizes": [1, 16, 64]})  # fmt: skip
+    return LLM(str(ckpt), **kw, **VARIANTS[name])
+
+
+def _sync(llm: LLM) -> None:
+    if llm.engine.runner.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _path(graph_steps: int, steps: int) -> str:
+    return "graph" if graph_steps >= steps else "eager" if graph_steps == 0 else "mixed"
+
+
+def _decode_dense(llm: LLM, batch: int, ctx: int, limits: dict) -> dict:
+    r = bench_decode(llm, batch, ctx, limits, steps=12)
+    if "skipped" not in r:
+        r["path"] = "eager" if r.get("graph_replay_ms") is None else "graph"
+    return r
+
+
+def _decode_glm(llm: LLM, batch: int, ctx: int, limits: dict) -> dict:
+    """glm5_bench's decode point: the roofline from the bytes the step's routing took."""
+    import glm5_bench
+
+    steps = 12 if llm.engine.runner.device.type == "cuda" else 3
+    bm = glm5_bench._byte_model(llm)
+    r = glm5_bench._decode(llm, bm, batch, ctx, limits["copy_bandwidth_Bps"], steps)
+    r["path"] = _path(r["graph_steps"], steps)
+    r["tok_s"] = batch / (r["step_ms"] / 1e3)
+    return r
+
+
+def _prefill_flops(llm: LLM, n: int, glm: bool) -> float:
+    """Matmul FLOPs of one ``n``-token prompt: PrefillFlopModel (GLM-5), or every
+    parameter twice per token plus causal attention (Llama, as gpu_suite counts it)."""
+    model, hc = llm.engine.runner.model, llm.engine.runner.hf_config
+    if glm:
+        from pdserve.bench.prefill_flops import PrefillFlopModel
+
+        return PrefillFlopModel.from_model(model).flops(n)["total"]
+    params = sum(p.numel() for p in model.parameters()) - hc.vocab_size * hc.hidden_size
+    return 2 * params * n + 2 * hc.num_hidden_layers * hc.num_attention_heads * hc.head_dim * n * n
+
+
+def bench_prefill_lens(
+    llm: LLM, limits: dict, lens: tuple[int, ...], name: str, glm: bool
+) -> list[dict]:
+    """One prompt of each length (max_tokens 1, chunked at the token budget): the median
+    of two timed runs after one untimed, against the variant's own matmul peak."""
+    from pdserve import SamplingParams
+
+    eng = llm.engine
+    sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    vocab = min(150000, eng.vocab_size)
+    g = torch.Generator().manual_seed(11)
+    peak = limits["fp8_matmul_flops" if name == "fp8" else "bf16_matmul_flops"]
+    out = []
+    for n in lens:
+        if n + 1 > eng.max_model_len:
+            out.append({"tokens": n, "skipped": f"max_model_len {eng.max_model_len}"})
+            continue
+        times = []
+        for _ in range(3):
+            ids = torch.randint(3, vocab, (n,), generator=g).tolist()
+            _sync(llm)
+            t0 = time.perf_counter()
+            llm.generate([{"prompt_token_ids": ids}], sp)
+            _sync(llm)
+            times.append(time.perf_counter() - t0)
+        sec = statistics.median(times[1:])
+        flops = _prefill_flops(llm, n, glm)
+        out.append({
+            "tokens": n, "seconds": sec, "tok_s": n / sec, "tflops": flops / sec / 1e12,
+            "share_of_matmul_peak": flops / sec / limits["bf16_matmul_flops"],
+            "share_of_fp8_peak": flops / sec / limits["fp8_matmul_flops"],
+            "roofline_s": flops / peak, "ratio": sec / (flops / peak),
+        })  # fmt: skip
+    return out
+
+
+def bench_variant(
+    ckpt: Path, name: str, limits: dict, args: argparse.Namespace, sizes: Sizes,
+    points: tuple, glm: bool,
+) -> dict:  # fmt: skip
     t0 = time.perf_counter()
-    llm = LLM(str(ckpt), **kw, **VARIANTS[name])
+    llm = _engine(ckpt, name, args, sizes, glm)
     res: dict = {
         "startup_s": time.perf_counter() - t0,
         "weight_bytes": weight_bytes(llm),
         "kv_bytes_per_token": kv_bytes_per_token(llm),
         "cudagraph_mode": llm.engine.runner.graph_mode(),
+        "fp8_activation_producers": _fp8_producers(llm),
     }
     res["decode"] = []
     for batch, ctx in points:
-        r = bench_decode(llm, batch, ctx, limits, steps=12)
-        print(name, json.dumps(r), flush=True)
+        r = (_decode_glm if glm else _decode_dense)(llm, batch, ctx, limits)
+        print(name, json.dumps({k: v for k, v in r.items() if k != "bytes"}), flush=True)
         res["decode"].append(r)
-    res["prefill"] = bench_prefill(llm, limits, sizes.prefill_len)
-    res["prefill"]["share_of_fp8_peak"] = (
-        res["prefill"]["tflops"] * 1e12 / limits["fp8_matmul_flops"]
-    )
+    lens = CPU_PREFILL_LENS if args.device == "cpu" else PREFILL_LENS
+    res["prefill"] = bench_prefill_lens(llm, limits, lens, name, glm)
     print(name, json.dumps(res["prefill"]), flush=True)
+    if not glm:  # the number issue 28's acceptance and earlier runs read: one 8K step
+        step = bench_prefill(llm, limits, sizes.prefill_len)
+        if "tflops" in step:
+            step["share_of_fp8_peak"] = step["tflops"] * 1e12 / limits["fp8_matmul_flops"]
+        res["prefill_step"] = step
+        print(name, json.dumps(step), flush=True)
     num, inp, out = sizes.throughput
     res["offline"] = bench_throughput(llm, num=num // 2, inp=inp, out=out)
     print(name, json.dumps(res["offline"]), flush=True)
@@ -157,6 +277,19 @@ def bench_variant(
     return res
 
 
+def _fp8_producers(llm: LLM) -> int:
+    """How many norms / SiLU-and-mul layers emit fp8 activations (0 for bf16)."""
+    return sum(bool(getattr(m, "quant_out", False)) for m in llm.engine.runner.model.modules())
+
+
+def _cell(r: dict) -> str:
+    if "skipped" in r:
+        return "skipped"
+    roof = r.get("roofline_ms")
+    ratio = f" x{r['ratio']:.2f}" if roof else ""
+    return f"{r['step_ms']:.2f}/{roof or 0:.2f} ms{ratio} {r['path']}"
+
+
 def print_table(res: dict) -> None:
     lim = res["limits"]
     print(
@@ -166,40 +299,52 @@ def print_table(res: dict) -> None:
     )
     g0 = (res.get("gemm") or [{"n": 0, "k": 0}])[0]
     title = f"gemm {g0['n']}x{g0['k']}"
-    print(f"{title:<18} {'bf16 ms':>9} {'triton ms':>10} {'scaled_mm':>10} {'fp8 roof':>9}")
+    print(
+        f"{title:<18} {'bf16 ms':>9} {'triton ms':>10} {'prequant':>9} {'scaled_mm':>10}"
+        f" {'fp8 roof':>9}"
+    )
     for g in res.get("gemm", []):
         sm = g.get("scaled_mm_fp8_ms")
         print(
             f"{g['tokens']:>18} {g['bf16_ms']:>9.3f} {g['triton_fp8_ms']:>10.3f}"
+            f" {g['triton_fp8_prequant_ms']:>9.3f}"
             f" {'n/a' if sm is None else f'{sm:.3f}':>10} {g['fp8_roofline_ms']:>9.3f}"
         )
-    v = res["variants"]
-    names = [n for n in VARIANTS if n in v]
-    print(f"{'':<18} " + " ".join(f"{n:>28}" for n in names))
-    print(f"{'weights GB':<18} " + " ".join(f"{v[n]['weight_bytes'] / 1e9:>28.2f}" for n in names))
-    print(f"{'KV B/token':<18} " + " ".join(f"{v[n]['kv_bytes_per_token']:>28}" for n in names))
-    for i, (batch, ctx) in enumerate(res["decode_points"]):
-        cells = []
-        for n in names:
-            r = v[n]["decode"][i]
-            cells.append(
-                "skipped"
-                if "skipped" in r
-                else f"{r['step_ms']:.2f}/{r['roofline_ms']:.2f} ms x{r['ratio']:.2f}"
-            )
-        print(f"{f'decode {batch}x{ctx}':<18} " + " ".join(f"{c:>28}" for c in cells))
-    cells = []
-    for n in names:
-        p = v[n]["prefill"]
-        cells.append(
-            f"{p['tok_s']:.0f} tok/s {p['share_of_matmul_peak']:.0%}bf {p['share_of_fp8_peak']:.0%}f8"
+    for model, m in res["models"].items():
+        v = m["variants"]
+        names = [n for n in VARIANTS if n in v]
+        print(f"\n{model:<18} " + " ".join(f"{n:>34}" for n in names))
+        for key, label, fmt in (
+            ("weight_bytes", "weights GB", lambda x: f"{x / 1e9:.2f}"),
+            ("kv_bytes_per_token", "KV B/token", str),
+            ("fp8_activation_producers", "fp8 act producers", str),
+        ):
+            print(f"{label:<18} " + " ".join(f"{fmt(v[n][key]):>34}" for n in names))
+        for i, (batch, ctx) in enumerate(m["decode_points"]):
+            cells = [_cell(v[n]["decode"][i]) for n in names]
+            print(f"{f'decode {batch}x{ctx}':<18} " + " ".join(f"{c:>34}" for c in cells))
+        for i, n_tok in enumerate(m["prefill_lens"]):
+            cells = []
+            for n in names:
+                p = v[n]["prefill"][i]
+                cells.append(
+                    "skipped"
+                    if "skipped" in p
+                    else f"{p['tok_s']:.0f} tok/s {p['share_of_matmul_peak']:.0%}bf"
+                    f" {p['share_of_fp8_peak']:.0%}f8 x{p['ratio']:.2f}"
+                )
+            print(f"{f'prefill {n_tok}':<18} " + " ".join(f"{c:>34}" for c in cells))
+        steps = [v[n].get("prefill_step", {}) for n in names]
+        if any("tok_s" in p for p in steps):
+            cells = [
+                f"{p['tok_s']:.0f} tok/s {p['share_of_fp8_peak']:.0%}f8" if "tok_s" in p else "-"
+                for p in steps
+            ]
+            print(f"{'prefill step':<18} " + " ".join(f"{c:>34}" for c in cells))
+        print(
+            f"{'offline out tok/s':<18} "
+            + " ".join(f"{v[n]['offline']['output_tok_s']:>34.0f}" for n in names)
         )
-    title = f"prefill {res['prefill_len']}"
-    print(f"{title:<18} " + " ".join(f"{c:>28}" for c in cells))
-    print(
-        f"{'offline out tok/s':<18} "
-        + " ".join(f"{v[n]['offline']['output_tok_s']:>28.0f}" for n in names)
-    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -214,7 +359,15 @@ def main(argv: list[str] | None = None) -> int:
         help="KV cache per engine, GiB (bf16 16 x 16K needs 33)",
     )
     ap.add_argument("--variants", default="bf16,fp8")
+    ap.add_argument("--models", default=",".join(MODELS), help=f"of {', '.join(MODELS)}")
     args = ap.parse_args(argv)
+    models = args.models.split(",")
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        ap.error(f"--models: unknown {', '.join(unknown)} (known: {', '.join(MODELS)})")
+    bad = [v for v in args.variants.split(",") if v not in VARIANTS]
+    if bad:
+        ap.error(f"--variants: unknown {', '.join(bad)} (known: {', '.join(VARIANTS)})")
     cpu = args.device == "cpu"
     if cpu:  # the Triton GEMM in the interpreter: set before any kernel module is imported
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -222,18 +375,14 @@ def main(argv: list[str] | None = None) -> int:
             from _interp import interpreter_fix
 
             interpreter_fix()
-    sizes, (points, shape, tokens) = (CPU_SIZES, CPU_POINTS) if cpu else (GPU_SIZES, GPU_POINTS)
+    sizes, (shape, tokens) = (CPU_SIZES, CPU_GEMM) if cpu else (GPU_SIZES, GPU_GEMM)
     dev = torch.device(args.device)
     t0 = time.perf_counter()
-    preset = "tiny" if cpu else "llama-8b-shape"
-    ckpt = make_checkpoint("LlamaForCausalLM", preset, Path(args.workdir), config_only=True)
     res: dict = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "gpu": "cpu" if cpu else torch.cuda.get_device_name(),
         "torch": torch.__version__,
-        "decode_points": points,
-        "prefill_len": sizes.prefill_len,
-        "variants": {},
+        "models": {},
     }
     res["limits"] = measure_limits(args.device, sizes)
     res["limits"]["fp8_matmul_flops"] = fp8_matmul_peak(dev, sizes.matmul_m)
@@ -242,13 +391,28 @@ def main(argv: list[str] | None = None) -> int:
     if not cpu:
         torch.cuda.empty_cache()
     print(json.dumps(res["gemm"]), flush=True)
-    for name in args.variants.split(","):
-        try:
-            res["variants"][name] = bench_variant(ckpt, name, res["limits"], args, sizes, points)
-        except Exception as e:
-            res[f"{name}_error"] = f"{type(e).__name__}: {e}"
-            print(name, "failed:", res[f"{name}_error"], flush=True)
-        Path(args.out).write_text(json.dumps(res, indent=2))  # partial results survive a kill
+    for model in models:
+        arch, preset, gpu_points, cpu_points = MODELS[model]
+        points = cpu_points if cpu else gpu_points
+        ckpt = make_checkpoint(
+            arch, "tiny" if cpu else preset, Path(args.workdir) / model, config_only=True
+        )
+        glm = arch != "LlamaForCausalLM"
+        m: dict = {
+            "decode_points": points,
+            "prefill_lens": CPU_PREFILL_LENS if cpu else PREFILL_LENS,
+            "variants": {},
+        }
+        res["models"][model] = m
+        for name in args.variants.split(","):
+            try:
+                m["variants"][name] = bench_variant(
+                    ckpt, name, res["limits"], args, sizes, points, glm
+                )
+            except Exception as e:
+                res[f"{model}_{name}_error"] = f"{type(e).__name__}: {e}"
+                print(model, name, "failed:", res[f"{model}_{name}_error"], flush=True)
+            Path(args.out).write_text(json.dumps(res, indent=2))  # partial results survive
     res["seconds"] = time.perf_counter() - t0
     Path(args.out).write_text(json.dumps(res, indent=2))
     print_table(res)

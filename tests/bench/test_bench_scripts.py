@@ -199,25 +199,42 @@ def test_warm_diag(tmp_path: Path) -> None:
 
 def test_fp8_bench(tmp_path: Path) -> None:
     """Its own interpreter: ``--device cpu`` sets TRITON_INTERPRET before the Triton GEMM
-    is imported (so it runs the same on a machine with a GPU)."""
+    is imported (so it runs the same on a machine with a GPU). Both models, both
+    variants; every key the GPU run's table and RESULTS read."""
     out = tmp_path / "fp8.json"
-    done = _script("fp8_bench", "--device", "cpu", "--workdir", str(tmp_path), "--out", str(out))
+    argv = ("--device", "cpu", "--workdir", str(tmp_path), "--out", str(out))
+    done = _script("fp8_bench", *argv, timeout=480)  # two models, interpreted GEMMs
     res = json.loads(out.read_text())
     assert [k for k in res if k.endswith("_error")] == []
     assert res["limits"]["fp8_matmul_flops"] > 0
     assert [g["tokens"] for g in res["gemm"]] == [1, 16]
-    assert all(g["triton_fp8_ms"] > 0 and g["bf16_ms"] > 0 for g in res["gemm"])
-    v = res["variants"]
-    assert (
-        set(v) == {"bf16", "fp8"}
-        and v["fp8"]["kv_bytes_per_token"] < v["bf16"]["kv_bytes_per_token"]
+    assert all(
+        g["triton_fp8_ms"] > 0 and g["triton_fp8_prequant_ms"] > 0 and g["bf16_ms"] > 0
+        for g in res["gemm"]
     )
-    for r in v.values():
-        assert [d["batch"] for d in r["decode"]] == [1, 2] and all(
-            "step_ms" in d for d in r["decode"]
-        )
-        assert r["prefill"]["share_of_fp8_peak"] > 0 and r["offline"]["output_tok_s"] > 0
-    assert "offline out tok/s" in done.stdout
+    assert list(res["models"]) == ["llama-8b-shape", "glm5-m12-e64"]
+    for model, m in res["models"].items():
+        v = m["variants"]
+        assert set(v) == {"bf16", "fp8"}, model
+        assert v["fp8"]["kv_bytes_per_token"] < v["bf16"]["kv_bytes_per_token"]
+        assert v["fp8"]["weight_bytes"] < v["bf16"]["weight_bytes"]
+        assert v["bf16"]["fp8_activation_producers"] == 0
+        assert v["fp8"]["fp8_activation_producers"] > 0
+        for r in v.values():
+            assert [(d["batch"], d["ctx"]) for d in r["decode"]] == [
+                tuple(p) for p in m["decode_points"]
+            ]
+            for d in r["decode"]:
+                assert d["step_ms"] > 0 and d["roofline_ms"] > 0 and d["ratio"] > 0
+                assert d["path"] in ("graph", "eager", "mixed") and d["tok_s"] > 0
+            assert [p["tokens"] for p in r["prefill"]] == m["prefill_lens"]
+            for p in r["prefill"]:
+                assert p["tok_s"] > 0 and p["share_of_fp8_peak"] > 0 and p["roofline_s"] > 0
+                assert p["share_of_matmul_peak"] > 0 and p["ratio"] > 0
+            assert r["offline"]["output_tok_s"] > 0 and r["cudagraph_mode"]
+        if model == "llama-8b-shape":
+            assert all(r["prefill_step"]["share_of_fp8_peak"] > 0 for r in v.values())
+    assert "offline out tok/s" in done.stdout and "decode 2x24" in done.stdout
 
 
 def test_kernels_bench(tmp_path: Path) -> None:

@@ -6,6 +6,11 @@ then the product rounded once more. The input is the merged gate/up GEMM output
 [T, 2I] (gate first); the torch form launches three kernels (silu, a slice
 copy-free view, mul), this one launches one. Grid: (rows, column blocks); no
 host syncs.
+
+FP8 output mode (:func:`silu_and_mul_fp8`, for a block-FP8 ``down_proj``): each
+program quantizes its rounded product per 128-column group (a 1024-column program
+holds eight whole groups) and writes float8_e4m3fn values and float32 scales, an
+:class:`~pdserve.kernels.reference.Fp8Activation`, instead of the ``x.dtype`` output.
 """
 
 from __future__ import annotations
@@ -14,11 +19,32 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels._utils import check_device
+from pdserve.kernels._utils import check_device, interpret_mode, quantize_rows_e4m3
+from pdserve.kernels.reference import (
+    FP8_DTYPE,
+    FP8_GROUP,
+    FP8_MAX,
+    Fp8Activation,
+    quantize_fp8_activation,
+    silu_and_mul_torch,
+)
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr,
+    out_ptr,
+    qs_ptr,
+    stride_x,
+    stride_o,
+    stride_qs,
+    n_cols,
+    BLOCK: tl.constexpr,
+    QUANT: tl.constexpr = False,
+    QMAX: tl.constexpr = 448.0,
+    ROUND_FIRST: tl.constexpr = False,
+    GROUP: tl.constexpr = 128,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -27,33 +53,80 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.c
     dt = g.dtype
     gf = g.to(tl.float32)
     s = (gf / (1.0 + tl.exp(-gf))).to(dt).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (s * u.to(tl.float32)).to(dt), mask=mask)
+    y = (s * u.to(tl.float32)).to(dt)
+    if QUANT:  # fp8 out: the rounded product quantized per 128-column group, same pass
+        yq, scale = quantize_rows_e4m3(
+            tl.reshape(y.to(tl.float32), (BLOCK // GROUP, GROUP)), QMAX, ROUND_FIRST
+        )
+        qcols = tl.reshape(cols, (BLOCK // GROUP, GROUP))
+        tl.store(out_ptr + row * stride_o + qcols, yq, mask=qcols < n_cols)
+        groups = tl.program_id(1) * (BLOCK // GROUP) + tl.arange(0, BLOCK // GROUP)
+        tl.store(qs_ptr + row * stride_qs + groups, scale, mask=groups * GROUP < n_cols)
+    else:
+        tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``silu(gate) * up`` for ``x`` [..., 2I] laid out gate|up; returns [..., I]."""
+def _launch(x: torch.Tensor, out: torch.Tensor, out_scale: torch.Tensor | None) -> None:
     check_device(x, "silu_and_mul")
-    if x.shape[-1] % 2:
-        raise ValueError(f"silu_and_mul needs an even last dimension, got {x.shape[-1]}")
     d = x.shape[-1] // 2
-    if out is None:
-        out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     o2 = out.view(-1, d)
     rows = x2.shape[0]
     if rows == 0:
-        return out
-    block = 1024
+        return
+    s2 = out_scale.view(rows, -1) if out_scale is not None else o2
+    block = 1024  # a multiple of the 128-column group: no group straddles two programs
     _silu_and_mul_kernel[(rows, triton.cdiv(d, block))](
-        x2, o2, x2.stride(0), o2.stride(0), d, BLOCK=block, num_warps=4
+        x2,
+        o2,
+        s2,
+        x2.stride(0),
+        o2.stride(0),
+        s2.stride(0),
+        d,
+        BLOCK=block,
+        QUANT=out_scale is not None,
+        QMAX=FP8_MAX,
+        ROUND_FIRST=interpret_mode(),
+        GROUP=FP8_GROUP,
+        num_warps=4,
     )
+
+
+def _half_width(x: torch.Tensor) -> int:
+    if x.shape[-1] % 2:
+        raise ValueError(f"silu_and_mul needs an even last dimension, got {x.shape[-1]}")
+    return x.shape[-1] // 2
+
+
+def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` for ``x`` [..., 2I] laid out gate|up; returns [..., I]."""
+    d = _half_width(x)
+    if out is None:
+        out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
+    _launch(x, out, None)
     return out
+
+
+def silu_and_mul_fp8(x: torch.Tensor) -> Fp8Activation:
+    """:func:`silu_and_mul` in the fp8 output mode: the ``x.dtype`` product quantized per
+    token per 128 channels in the same pass (float8_e4m3fn values, float32 scales)."""
+    d = _half_width(x)
+    q = torch.empty((*x.shape[:-1], d), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(
+        (*x.shape[:-1], triton.cdiv(d, FP8_GROUP)), dtype=torch.float32, device=x.device
+    )
+    _launch(x, q, scale)
+    return Fp8Activation(q, scale, x.dtype)
 
 
 def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     """The model's torch form (:class:`pdserve.layers.activation.SiluAndMul`)."""
-    from pdserve.kernels.reference import silu_and_mul_torch
-
     return silu_and_mul_torch(x)
+
+
+def silu_and_mul_fp8_reference(x: torch.Tensor) -> Fp8Activation:
+    """The torch form's output, quantized per token per 128 channels."""
+    return quantize_fp8_activation(silu_and_mul_torch(x))

@@ -10,8 +10,18 @@ channels (one scale per token per 128-channel group, as the reference
 and feeds FP8 tensor-core MMAs; the partial product of each 128-wide K step is
 multiplied by the activation and weight scales and accumulated in float32.
 
+Pre-quantized activations: ``x`` may be an
+:class:`~pdserve.kernels.reference.Fp8Activation` (fp8 values and their float32 group
+scales [M, K/128], written by the producer in its own kernel: the RMSNorm or SiLU-and-mul
+fp8 output mode). The kernel then loads the fp8 tile and the tile rows' scale of each K
+step instead of loading bf16 and quantizing it; every N-tile program used to repeat that
+quantization (and the split-K programs each for their K range). Same values: the
+producer quantizes the bf16 output exactly as the kernel would.
+
 Decode batches have few rows, so the N tiles alone cannot occupy the GPU; the K range is
-then split over several programs (split-K) whose float32 partials one ``sum`` adds up.
+then split over several programs (split-K) whose float32 partials one small kernel adds
+up, with the bias, and casts (:func:`splitk_sum`: one launch where torch's ``sum``,
+bias add and cast were two or three).
 The grid depends only on shapes (no host sync), so the launch can be captured in a CUDA
 graph.
 
@@ -58,7 +68,7 @@ from pdserve.kernels._utils import (
     num_sms,
     quantize_rows_e4m3,
 )
-from pdserve.kernels.reference import FP8_GROUP, FP8_MAX
+from pdserve.kernels.reference import FP8_GROUP, FP8_MAX, Fp8Activation
 
 GROUP_K = FP8_GROUP
 
@@ -66,6 +76,7 @@ GROUP_K = FP8_GROUP
 @triton.jit(do_not_specialize=["M", "k_blocks_per_split"])  # one compile per tile config
 def _block_fp8_gemm_kernel(
     x_ptr,
+    xs_ptr,
     w_ptr,
     ws_ptr,
     out_ptr,
@@ -73,6 +84,7 @@ def _block_fp8_gemm_kernel(
     N,
     K,
     stride_xm,
+    stride_xsm,
     stride_wn,
     stride_wsn,
     stride_os,
@@ -90,6 +102,7 @@ def _block_fp8_gemm_kernel(
     ATOMIC: tl.constexpr = False,
     UPCAST: tl.constexpr = False,
     DOT_PREC: tl.constexpr = "tf32",
+    PRE_Q: tl.constexpr = False,
 ):
     if GROUP_M == 1:
         pid_m = tl.program_id(0)
@@ -133,12 +146,22 @@ def _block_fp8_gemm_kernel(
             b_scale = tl.load(ws_ptr + w_scale_rows + kb, mask=n_ok, other=0.0)
             acc += part * b_scale[None, :]
         else:
-            a = tl.load(
-                x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + ks[None, :],
-                mask=m_ok[:, None] & k_ok[None, :],
-                other=0.0,
-            ).to(tl.float32)
-            a_q, a_scale = quantize_rows_e4m3(a, QMAX, ROUND_FIRST)  # a_scale: [BLOCK_M]
+            if PRE_Q:  # quantized by the producer: fp8 values and their group scales
+                a_q = tl.load(
+                    x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + ks[None, :],
+                    mask=m_ok[:, None] & k_ok[None, :],
+                    other=0.0,
+                )
+                a_scale = tl.load(
+                    xs_ptr + offs_m.to(tl.int64) * stride_xsm + kb, mask=m_ok, other=0.0
+                )
+            else:
+                a = tl.load(
+                    x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + ks[None, :],
+                    mask=m_ok[:, None] & k_ok[None, :],
+                    other=0.0,
+                ).to(tl.float32)
+                a_q, a_scale = quantize_rows_e4m3(a, QMAX, ROUND_FIRST)  # a_scale: [BLOCK_M]
             b = tl.load(
                 w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + ks[:, None],
                 mask=n_ok[None, :] & k_ok[:, None],
@@ -226,7 +249,7 @@ def resolve_fp8_gemm_config(
 
 
 def block_fp8_gemm(
-    x: torch.Tensor,
+    x: torch.Tensor | Fp8Activation,
     w: torch.Tensor,
     w_scale_inv: torch.Tensor,
     scale_n: int = GROUP_K,
@@ -239,8 +262,12 @@ def block_fp8_gemm(
     ``w_scale_inv`` [ceil(N/scale_n), ceil(K/128)]; returns [..., N] in ``out_dtype``
     (default ``x``'s dtype). ``num_splits`` overrides the split-K heuristic (and
     ``config.num_splits``); ``config`` sets the launch (:class:`Fp8GemmConfig`; ``None``:
-    the heuristic)."""
-    check_device(x, "block_fp8_gemm")
+    the heuristic). An :class:`~pdserve.kernels.reference.Fp8Activation` ``x`` (quantized
+    by its producer) is read as it is: fp8 values and their group scales, no quantization
+    here; the output dtype defaults to its ``dtype``."""
+    pre_q = isinstance(x, Fp8Activation)
+    xv = x.q if isinstance(x, Fp8Activation) else x
+    check_device(xv, "block_fp8_gemm")
     lead, k = x.shape[:-1], x.shape[-1]
     n = w.shape[0]
     if w.shape[1] != k or w.dtype != torch.float8_e4m3fn:
@@ -251,30 +278,37 @@ def block_fp8_gemm(
             f"weight_scale_inv has shape {tuple(w_scale_inv.shape)}, expected "
             f"{(triton.cdiv(n, scale_n), k_blocks)} for {n}x{k} weights in {scale_n}x128 blocks"
         )
-    x2 = x.reshape(-1, k)
+    x2 = xv.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
+    xs = x.scale.reshape(m, k_blocks) if isinstance(x, Fp8Activation) else x2
+    if xs.stride(-1) != 1:
+        xs = xs.contiguous()
     dtype = out_dtype or x.dtype
     if m == 0:
-        return x.new_empty(*lead, n, dtype=dtype)
+        return xv.new_empty(*lead, n, dtype=dtype)
     if num_splits:
         config = replace(config or Fp8GemmConfig(), num_splits=num_splits)
-    cfg = resolve_fp8_gemm_config(m, n, k, num_sms(x.device), config)
+    if pre_q and config is not None and config.weight_only:
+        raise ValueError("block_fp8_gemm: weight_only takes a bf16/fp16 x, not an Fp8Activation")
+    cfg = resolve_fp8_gemm_config(m, n, k, num_sms(xv.device), config)
     assert cfg.block_m and cfg.block_n and cfg.num_splits  # resolved
     m_tiles, n_tiles = triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n)
     splits = cfg.num_splits
     per_split = triton.cdiv(k_blocks, splits)
     atomic = cfg.atomic_splits and splits > 1
+    dev = xv.device
     if atomic:
-        out = torch.zeros(1, m, n, dtype=torch.float32, device=x.device)
+        out = torch.zeros(1, m, n, dtype=torch.float32, device=dev)
     elif splits == 1:
-        out = torch.empty(1, m, n, dtype=dtype, device=x.device)
+        out = torch.empty(1, m, n, dtype=dtype, device=dev)
     else:
-        out = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+        out = torch.empty(splits, m, n, dtype=torch.float32, device=dev)
     ws = w_scale_inv.float().contiguous()
     _block_fp8_gemm_kernel[(m_tiles, n_tiles, splits)](
         x2,
+        xs,
         w,
         ws,
         out,
@@ -282,6 +316,7 @@ def block_fp8_gemm(
         n,
         k,
         x2.stride(0),
+        xs.stride(0),
         w.stride(0),
         ws.stride(0),
         out.stride(0),
@@ -291,7 +326,7 @@ def block_fp8_gemm(
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=GROUP_K,
-        FP8_DOT=fp8_mma(x.device),
+        FP8_DOT=fp8_mma(dev),
         QMAX=FP8_MAX,
         ROUND_FIRST=interpret_mode(),
         GROUP_M=cfg.group_m,
@@ -299,25 +334,76 @@ def block_fp8_gemm(
         ATOMIC=atomic,
         UPCAST=cfg.weight_only and dot_upcast(x2.dtype),
         DOT_PREC=dot_precision(x2.dtype),
+        PRE_Q=pre_q,
         num_warps=cfg.num_warps,
         num_stages=1 if interpret_mode() else cfg.num_stages,
     )
-    y = out[0] if splits == 1 or atomic else out.sum(0)
+    if splits > 1 and not atomic:  # one launch: the float32 partials' sum (+ bias), cast
+        return splitk_sum(out, bias, dtype).view(*lead, n)
+    y = out[0]
     if bias is not None:
         y = y + bias
     return y.to(dtype).view(*lead, n)
 
 
+@triton.jit
+def _splitk_sum_kernel(
+    part_ptr, bias_ptr, out_ptr, total, n, stride_s,
+    SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < total
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in range(SPLITS):  # in split order, as a sequential sum over dim 0
+        acc += tl.load(part_ptr + s * stride_s + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % n, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def splitk_sum(parts: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """``(parts.sum(0) + bias).to(dtype)`` for the split-K partials ``parts`` [S, M, N]
+    float32 (contiguous) in one launch, where ``sum``, the bias add and the cast took
+    two or three (each a kernel boundary of a decode step's graph). Float32 throughout,
+    one rounding to ``dtype``; splits added in order."""
+    splits, m, n = parts.shape
+    out = torch.empty(m, n, dtype=dtype, device=parts.device)
+    if m * n == 0:
+        return out
+    block = 1024
+    _splitk_sum_kernel[(triton.cdiv(m * n, block),)](
+        parts,
+        bias if bias is not None else parts,
+        out,
+        m * n,
+        n,
+        parts.stride(0),
+        SPLITS=splits,
+        HAS_BIAS=bias is not None,
+        BLOCK=block,
+        num_warps=4,
+    )
+    return out
+
+
 def scaled_mm_block_fp8(
-    x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor, out_dtype: torch.dtype
+    x: torch.Tensor | Fp8Activation,
+    w: torch.Tensor,
+    w_scale_inv: torch.Tensor,
+    out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """``torch._scaled_mm`` with PyTorch's blockwise recipe: ``x`` [M, K] quantized per
-    token per 128 channels (scales [M, K/128], M-major), ``w`` [N, K] with 128x128 block
-    scales [N/128, K/128]. CUDA (Hopper) only; K and N must be multiples of 128. Raises
-    whatever PyTorch raises where the recipe is not supported."""
+    token per 128 channels (scales [M, K/128], M-major; an ``Fp8Activation`` as its
+    producer quantized it), ``w`` [N, K] with 128x128 block scales [N/128, K/128]. CUDA
+    (Hopper) only; K and N must be multiples of 128. Raises whatever PyTorch raises where
+    the recipe is not supported."""
     from pdserve.kernels.reference import quantize_fp8_groups
 
-    x_q, x_scale = quantize_fp8_groups(x)
+    if isinstance(x, Fp8Activation):
+        k = x.shape[-1]
+        x_q, x_scale = x.q.reshape(-1, k), x.scale.reshape(-1, x.scale.shape[-1])
+    else:
+        x_q, x_scale = quantize_fp8_groups(x)
     scale_a = x_scale.t().contiguous().t()  # M-major ("outer-dim-major") layout
     return torch._scaled_mm(
         x_q, w.t(), scale_a=scale_a, scale_b=w_scale_inv.float().t(), out_dtype=out_dtype

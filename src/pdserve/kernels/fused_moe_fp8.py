@@ -20,6 +20,12 @@ each token's k rows, chunks of ``CHUNK_TOKENS`` tokens), with FP8 operands:
   (``BLOCK_N`` = 128), so it quantizes its own float32 ``silu(gate) * up`` tile the same
   way and stores it as fp8 [T*k, I] plus float32 scales [T*k, ceil(I/128)]: the down
   kernel reads those directly (half the bytes of a bf16 intermediate, one rounding).
+  Where ``x`` arrives as an :class:`~pdserve.kernels.reference.Fp8Activation` (the
+  post-attention norm's fp8 output, quantized once per token in the norm's kernel;
+  :func:`~pdserve.models.quantization.fuse_fp8_activations`), the gate/up kernel loads
+  those fp8 rows and scales instead: no program quantizes ``x`` (each of the
+  ``ceil(I/128)`` column programs of every expert block did, for each of a token's k
+  pairs).
 - **Accumulation**: each 128-wide K step's partial product is multiplied by the
   activation scale of its row and the weight scale of its column's block and added to a
   float32 accumulator (``BLOCK_K`` is the 128-channel group, so a K step never straddles
@@ -45,12 +51,13 @@ from pdserve.kernels._utils import (
 )
 from pdserve.kernels.fused_moe import align_pairs
 from pdserve.kernels.moe_align import moe_combine
-from pdserve.kernels.reference import FP8_DTYPE, FP8_GROUP, FP8_MAX
+from pdserve.kernels.reference import FP8_DTYPE, FP8_GROUP, FP8_MAX, Fp8Activation
 
 
 @triton.jit
 def _gate_up_fp8_kernel(
     x_ptr,
+    xs_ptr,
     w_ptr,
     ws_ptr,
     out_ptr,
@@ -62,6 +69,7 @@ def _gate_up_fp8_kernel(
     INTER,
     up_scale_row0,
     stride_xt,
+    stride_xst,
     stride_we,
     stride_wn,
     stride_se,
@@ -74,6 +82,7 @@ def _gate_up_fp8_kernel(
     FP8_DOT: tl.constexpr,
     QMAX: tl.constexpr,
     ROUND_FIRST: tl.constexpr,
+    PRE_Q: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -95,12 +104,20 @@ def _gate_up_fp8_kernel(
         for kb in range(0, tl.cdiv(H, GROUP)):
             kk = kb * GROUP + offs_k
             k_ok = kk < H
-            a = tl.load(
-                x_ptr + tok[:, None] * stride_xt + kk[None, :],
-                mask=ok[:, None] & k_ok[None, :],
-                other=0.0,
-            ).to(tl.float32)
-            a_q, a_scale = quantize_rows_e4m3(a, QMAX, ROUND_FIRST)
+            if PRE_Q:  # quantized once per token by the producer (the norm)
+                a_q = tl.load(
+                    x_ptr + tok[:, None] * stride_xt + kk[None, :],
+                    mask=ok[:, None] & k_ok[None, :],
+                    other=0.0,
+                )
+                a_scale = tl.load(xs_ptr + tok * stride_xst + kb, mask=ok, other=0.0)
+            else:
+                a = tl.load(
+                    x_ptr + tok[:, None] * stride_xt + kk[None, :],
+                    mask=ok[:, None] & k_ok[None, :],
+                    other=0.0,
+                ).to(tl.float32)
+                a_q, a_scale = quantize_rows_e4m3(a, QMAX, ROUND_FIRST)
             wmask = k_ok[:, None] & n_ok[None, :]
             bg = tl.load(w_base + cols[None, :] * stride_wn + kk[:, None], mask=wmask, other=0.0)
             bu = tl.load(
@@ -182,11 +199,16 @@ def _down_fp8_kernel(
 def _fp8_config(num_pairs: int, num_experts: int) -> tuple[int, int, int]:
     """(BLOCK_M, the down kernel's BLOCK_N, num_warps). The gate/up kernel's N tile is the
     128-column group and BLOCK_K the 128-channel group in both; M tiles stop at 64 so
-    the gate/up kernel's two [BLOCK_M, 128] float32 accumulators stay in registers."""
+    the gate/up kernel's two [BLOCK_M, 128] float32 accumulators stay in registers.
+
+    64-row tiles take 8 warps: with 4, the gate/up kernel compiled for sm_90a spills
+    (tools/sm90_report.py's compile, 2026-12-05: 255 registers and 976 bytes of spill
+    stores with a bf16 x, 192 with a pre-quantized x; 8 warps: 252 / 233 registers, no
+    spills). Only 17-128 pairs per expert changed (they had 4); not yet timed on a GPU."""
     per_expert = num_pairs / max(1, num_experts)
     if per_expert <= 16:  # decode: weight streaming, one 16-row block per expert
         return 16, 64, 4
-    return 64, 128, 4 if per_expert <= 128 else 8
+    return 64, 128, 8
 
 
 def fp8_expert_scale_shapes(
@@ -198,7 +220,7 @@ def fp8_expert_scale_shapes(
 
 
 def _check(
-    x: torch.Tensor,
+    x: torch.Tensor | Fp8Activation,
     w13: torch.Tensor,
     w13_scale_inv: torch.Tensor,
     w2: torch.Tensor,
@@ -222,12 +244,13 @@ def _check(
             )
         if s.stride(-1) != 1:
             raise ValueError(f"{name}_scale_inv needs unit stride along its last dimension")
-    if x.stride(-1) != 1 or w13.stride(-1) != 1 or w2.stride(-1) != 1:
+    xs = (x.q, x.scale) if isinstance(x, Fp8Activation) else (x,)
+    if any(t.stride(-1) != 1 for t in (*xs, w13, w2)):
         raise ValueError("fused_experts_fp8 needs unit stride along the last dimension")
 
 
 def fused_experts_fp8(
-    x: torch.Tensor,
+    x: torch.Tensor | Fp8Activation,
     w13: torch.Tensor,
     w13_scale_inv: torch.Tensor,
     w2: torch.Tensor,
@@ -240,23 +263,25 @@ def fused_experts_fp8(
     """Routed experts' output [T, H] in ``x``'s dtype (bf16/fp16/fp32) with block-FP8
     expert weights: ``sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))``,
     ``e = ids[t, j]``, activations quantized per token per 128 channels (module doc),
-    plus ``add`` [T, H] where given."""
-    check_device(x, "fused_experts_fp8")
+    plus ``add`` [T, H] where given. An :class:`Fp8Activation` ``x`` (quantized once per
+    token by its producer) is read as it is; the output then has its ``dtype``."""
+    check_device(x.q if isinstance(x, Fp8Activation) else x, "fused_experts_fp8")
     _check(x, w13, w13_scale_inv, w2, w2_scale_inv)
     if out is None:
-        out = torch.empty_like(x)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     step = fused_moe.CHUNK_TOKENS
     for a in range(0, x.shape[0], step):
         b = min(x.shape[0], a + step)
         extra = add[a:b] if add is not None else None
+        xc = x.rows(a, b) if isinstance(x, Fp8Activation) else x[a:b]
         _fp8_chunk(
-            x[a:b], w13, w13_scale_inv, w2, w2_scale_inv, weights[a:b], ids[a:b], out[a:b], extra
+            xc, w13, w13_scale_inv, w2, w2_scale_inv, weights[a:b], ids[a:b], out[a:b], extra
         )
     return out
 
 
 def _fp8_chunk(
-    x: torch.Tensor,
+    x: torch.Tensor | Fp8Activation,
     w13: torch.Tensor,
     w13_scale_inv: torch.Tensor,
     w2: torch.Tensor,
@@ -281,8 +306,11 @@ def _fp8_chunk(
     fp8_dot = fp8_mma(x.device)
     act = torch.empty(n, inter, dtype=FP8_DTYPE, device=x.device)
     act_scale = torch.empty(n, triton.cdiv(inter, FP8_GROUP), dtype=torch.float32, device=x.device)
+    pre_q = isinstance(x, Fp8Activation)
+    xv, xs = (x.q, x.scale) if isinstance(x, Fp8Activation) else (x, x)
     _gate_up_fp8_kernel[(nb, act_scale.shape[1])](
-        x,
+        xv,
+        xs,
         w13,
         w13_scale_inv,
         act,
@@ -293,7 +321,8 @@ def _fp8_chunk(
         h,
         inter,
         w13_scale_inv.shape[1] // 2,
-        x.stride(0),
+        xv.stride(0),
+        xs.stride(0),
         w13.stride(0),
         w13.stride(1),
         w13_scale_inv.stride(0),
@@ -306,6 +335,7 @@ def _fp8_chunk(
         FP8_DOT=fp8_dot,
         QMAX=FP8_MAX,
         ROUND_FIRST=interp,
+        PRE_Q=pre_q,
         num_warps=warps,
         num_stages=stages,
     )

@@ -7,6 +7,8 @@ from here: one floor down, no cycle.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -151,8 +153,59 @@ def quantize_fp8_groups(
     return q.contiguous(), scale
 
 
+@dataclass(frozen=True)
+class Fp8Activation:
+    """An activation already quantized per token per 128 channels, as its producer (a
+    norm or SiLU-and-mul in fp8 output mode) wrote it: ``q`` [..., K] float8_e4m3fn and
+    ``scale`` float32 [..., ceil(K/128)] with ``x ≈ q * scale`` group by group, the values
+    :func:`quantize_fp8_groups` gives for the ``dtype`` activation the producer would
+    otherwise return. A block-FP8 linear consumes it without quantizing again. ``hp``:
+    that ``dtype`` output as well, where a producer also feeds consumers that read it (the
+    MoE router, the DSA indexer) beside FP8 ones; None otherwise."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype  # the producer's (and the consumer's output) dtype
+    hp: torch.Tensor | None = None
+
+    def rows(self, start: int, stop: int) -> Fp8Activation:
+        """Rows ``start:stop`` of a 2-D activation (views)."""
+        hp = self.hp[start:stop] if self.hp is not None else None
+        return Fp8Activation(self.q[start:stop], self.scale[start:stop], self.dtype, hp)
+
+    def high_precision(self) -> torch.Tensor:
+        """``hp``; a producer that was not asked to keep it is a bug in the wiring."""
+        if self.hp is None:
+            raise RuntimeError("this Fp8Activation carries no high-precision output")
+        return self.hp
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``q * scale`` group by group, [..., K] in ``dtype``."""
+        k = self.q.shape[-1]
+        q2 = self.q.reshape(-1, k)
+        s2 = self.scale.reshape(q2.shape[0], -1)
+        return dequantize_fp8_blocks(q2, s2, (1, FP8_GROUP), dtype).view(self.q.shape)
+
+
+def quantize_fp8_activation(x: torch.Tensor, keep_hp: bool = False) -> Fp8Activation:
+    """``x`` [..., K] as an :class:`Fp8Activation` (:func:`quantize_fp8_groups` per row;
+    ``keep_hp``: with ``x`` itself as ``hp``)."""
+    k = x.shape[-1]
+    q, s = quantize_fp8_groups(x.reshape(-1, k))
+    scale = s.view(*x.shape[:-1], s.shape[-1])
+    return Fp8Activation(q.view(x.shape), scale, x.dtype, x if keep_hp else None)
+
+
 def block_fp8_matmul_reference(
-    x: torch.Tensor,
+    x: torch.Tensor | Fp8Activation,
     w_q: torch.Tensor,
     w_scale_inv: torch.Tensor,
     bias: torch.Tensor | None = None,
@@ -162,14 +215,19 @@ def block_fp8_matmul_reference(
     """``x W^T (+ bias)`` with ``x`` [..., K] quantized per token per 128 channels and ``W``
     block-quantized (``w_q`` [N, K] fp8, ``w_scale_inv`` [ceil(N/scale_rows), ceil(K/128)]
     as :func:`quantize_fp8_blocks` gives it); both dequantized, one float32 matmul, cast to
-    ``out_dtype`` (default: ``x``'s dtype). The reference every FP8 GEMM is tested against."""
-    lead, k = x.shape[:-1], x.shape[-1]
-    x_q, x_scale = quantize_fp8_groups(x.reshape(-1, k))
-    x_deq = dequantize_fp8_blocks(x_q, x_scale, (1, FP8_GROUP))
+    ``out_dtype`` (default: ``x``'s dtype). The reference every FP8 GEMM is tested against.
+    An :class:`Fp8Activation` ``x`` is only dequantized (its producer quantized it the
+    same way), so both forms of one activation give the same result."""
+    lead, k, dtype = x.shape[:-1], x.shape[-1], x.dtype
+    if isinstance(x, Fp8Activation):  # quantized by its producer: dequantize only
+        x_deq = x.dequantize().reshape(-1, k)
+    else:
+        x_q, x_scale = quantize_fp8_groups(x.reshape(-1, k))
+        x_deq = dequantize_fp8_blocks(x_q, x_scale, (1, FP8_GROUP))
     out = x_deq @ dequantize_fp8_blocks(w_q, w_scale_inv, (scale_rows, FP8_GROUP)).t()
     if bias is not None:
         out = out + bias.float()
-    return out.to(out_dtype or x.dtype).view(*lead, w_q.shape[0])
+    return out.to(out_dtype or dtype).view(*lead, w_q.shape[0])
 
 
 # ---------------------------------------------------------------- block-FP8 routed experts
@@ -219,7 +277,7 @@ def _fake_quantize_groups(x: torch.Tensor) -> torch.Tensor:
 
 
 def fused_experts_fp8_reference(
-    x: torch.Tensor,
+    x: torch.Tensor | Fp8Activation,
     w13: torch.Tensor,
     w13_scale_inv: torch.Tensor,
     w2: torch.Tensor,
@@ -234,11 +292,13 @@ def fused_experts_fp8_reference(
     per 128 channels (the kernel stores the latter in fp8 with their scales); the weights are
     dequantized per call. Every expert runs over every token and unchosen ones weigh 0
     (static shapes, no host sync: graph-capturable; the cost is E/k times the routed
-    work, acceptable for the reference path). Returns [T, H] in ``x``'s dtype."""
+    work, acceptable for the reference path). Returns [T, H] in ``x``'s dtype. An
+    :class:`Fp8Activation` ``x`` is only dequantized (quantized already, the same way)."""
     t, h = x.shape
     w13f, w2f = dequantize_fp8_experts(w13, w13_scale_inv, w2, w2_scale_inv)
     num_experts, inter = w2f.shape[0], w2f.shape[2]
-    gate, up = torch.einsum("th,enh->etn", _fake_quantize_groups(x), w13f).chunk(2, dim=-1)
+    xq = x.dequantize() if isinstance(x, Fp8Activation) else _fake_quantize_groups(x)
+    gate, up = torch.einsum("th,enh->etn", xq, w13f).chunk(2, dim=-1)
     act = (F.silu(gate) * up).reshape(num_experts * t, inter)
     act = _fake_quantize_groups(act).view(num_experts, t, inter)
     y = torch.einsum("eti,ehi->eth", act, w2f)  # [E, T, H]

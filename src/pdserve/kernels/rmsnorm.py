@@ -12,6 +12,15 @@ kernel) bit for bit on the compiled path:
 Outputs have ``x.dtype``; ``weight`` should have it too (as in the model).
 In-place use is safe (``out=x``, ``residual_out=residual``): a program reads its
 whole row before it writes. No host syncs; the grid is the number of rows.
+
+FP8 output mode (:func:`rmsnorm_fp8`, :func:`fused_add_rmsnorm_fp8`): for a block-FP8
+linear consumer, the program quantizes its rounded output row per 128-column group
+(``scale = max(amax / 448, 1e-12)``, the values
+:func:`~pdserve.kernels.reference.quantize_fp8_groups` gives) and writes float8_e4m3fn
+values plus float32 scales [rows, ceil(hidden/128)] instead of the ``x.dtype`` output
+(``keep_hp``: as well as it, for a producer that also feeds the MoE router or the DSA
+indexer), as an :class:`~pdserve.kernels.reference.Fp8Activation`; the residual output
+is unchanged. The GEMM then loads fp8 instead of quantizing every x tile once per N tile.
 """
 
 from __future__ import annotations
@@ -20,8 +29,15 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels._utils import check_device, next_pow2
-from pdserve.kernels.reference import rms_norm
+from pdserve.kernels._utils import check_device, interpret_mode, next_pow2, quantize_rows_e4m3
+from pdserve.kernels.reference import (
+    FP8_DTYPE,
+    FP8_GROUP,
+    FP8_MAX,
+    Fp8Activation,
+    quantize_fp8_activation,
+    rms_norm,
+)
 
 
 @triton.jit
@@ -31,14 +47,23 @@ def _rmsnorm_kernel(
     w_ptr,
     out_ptr,
     r_out_ptr,
+    q_ptr,
+    qs_ptr,
     stride_x,
     stride_r,
     stride_o,
     stride_ro,
+    stride_q,
+    stride_qs,
     n_cols,
     eps,
     HAS_RES: tl.constexpr,
     BLOCK: tl.constexpr,
+    QUANT: tl.constexpr = False,
+    KEEP_HP: tl.constexpr = False,
+    QMAX: tl.constexpr = 448.0,
+    ROUND_FIRST: tl.constexpr = False,
+    GROUP: tl.constexpr = 128,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -54,7 +79,17 @@ def _rmsnorm_kernel(
     var = tl.sum(xf * xf, axis=0) / n_cols
     xn = (xf * tl.rsqrt(var + eps)).to(dt).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (xn * w).to(dt), mask=mask)
+    y = (xn * w).to(dt)
+    if QUANT:  # fp8 out: the rounded output quantized per 128-column group, same pass
+        yq, scale = quantize_rows_e4m3(
+            tl.reshape(y.to(tl.float32), (BLOCK // GROUP, GROUP)), QMAX, ROUND_FIRST
+        )
+        qcols = tl.reshape(cols, (BLOCK // GROUP, GROUP))
+        tl.store(q_ptr + row * stride_q + qcols, yq, mask=qcols < n_cols)
+        groups = tl.arange(0, BLOCK // GROUP)
+        tl.store(qs_ptr + row * stride_qs + groups, scale, mask=groups * GROUP < n_cols)
+    if KEEP_HP or not QUANT:
+        tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -68,20 +103,27 @@ def _launch(
     residual: torch.Tensor | None,
     weight: torch.Tensor,
     eps: float,
-    out: torch.Tensor,
+    out: torch.Tensor | None,
     residual_out: torch.Tensor | None,
+    fp8: Fp8Activation | None = None,
 ) -> None:
+    """``fp8`` given: the fp8 output mode writes its ``q`` and ``scale`` (and ``out``
+    too where given: both outputs)."""
     check_device(x, "rmsnorm")
     n = x.shape[-1]
     if weight.shape != (n,):
         raise ValueError(f"weight shape {tuple(weight.shape)} does not match hidden size {n}")
-    x2, o2 = _rows(x), out.view(-1, n)
+    x2 = _rows(x)
+    rows = x2.shape[0]
+    q2 = fp8.q.view(-1, n) if fp8 is not None else x2
+    s2 = fp8.scale.view(rows, -1) if fp8 is not None else x2
+    o2 = out.view(-1, n) if out is not None else q2
     r2 = _rows(residual) if residual is not None else x2
     ro2 = residual_out.view(-1, n) if residual_out is not None else o2
-    rows = x2.shape[0]
     if rows == 0:
         return
-    block = next_pow2(n)
+    quant = fp8 is not None
+    block = max(next_pow2(n), FP8_GROUP) if quant else next_pow2(n)
     warps = min(16, max(1, block // 512))
     _rmsnorm_kernel[(rows,)](
         x2,
@@ -89,16 +131,63 @@ def _launch(
         weight,
         o2,
         ro2,
+        q2,
+        s2,
         x2.stride(0),
         r2.stride(0),
         o2.stride(0),
         ro2.stride(0),
+        q2.stride(0),
+        s2.stride(0),
         n,
         eps,
         HAS_RES=residual is not None,
         BLOCK=block,
+        QUANT=quant,
+        KEEP_HP=quant and out is not None,
+        QMAX=FP8_MAX,
+        ROUND_FIRST=interpret_mode(),
+        GROUP=FP8_GROUP,
         num_warps=warps,
     )
+
+
+def _fp8_out(x: torch.Tensor, keep_hp: bool) -> Fp8Activation:
+    n = x.shape[-1]
+    q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((*x.shape[:-1], -(-n // FP8_GROUP)), dtype=torch.float32, device=x.device)
+    hp = torch.empty(x.shape, dtype=x.dtype, device=x.device) if keep_hp else None
+    return Fp8Activation(q, scale, x.dtype, hp)
+
+
+def rmsnorm_fp8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, keep_hp: bool = False
+) -> Fp8Activation:
+    """:func:`rmsnorm` in the fp8 output mode: the ``x.dtype`` output quantized per token
+    per 128 channels in the same pass (fp8 values and float32 scales); ``keep_hp``: the
+    ``x.dtype`` output written too (the activation's ``hp``)."""
+    act = _fp8_out(x, keep_hp)
+    _launch(x, None, weight, eps, act.hp, None, act)
+    return act
+
+
+def fused_add_rmsnorm_fp8(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual_out: torch.Tensor | None = None,
+    keep_hp: bool = False,
+) -> tuple[Fp8Activation, torch.Tensor]:
+    """:func:`fused_add_rmsnorm` in the fp8 output mode: ``(fp8 norm, x + residual)``
+    (``keep_hp`` as in :func:`rmsnorm_fp8`)."""
+    if residual.shape != x.shape:
+        raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    if residual_out is None:
+        residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    act = _fp8_out(x, keep_hp)
+    _launch(x, residual, weight, eps, act.hp, residual_out, act)
+    return act, residual_out
 
 
 def rmsnorm(
@@ -142,3 +231,18 @@ def fused_add_rmsnorm_reference(
     """The model's fused form: ``z = x + residual`` (input dtype), ``(norm(z), z)``."""
     z = x + residual
     return rms_norm(z, weight, eps), z
+
+
+def rmsnorm_fp8_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, keep_hp: bool = False
+) -> Fp8Activation:
+    """The model's RMSNorm output (``x.dtype``), then quantized per token per 128 channels."""
+    return quantize_fp8_activation(rms_norm(x, weight, eps), keep_hp)
+
+
+def fused_add_rmsnorm_fp8_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, keep_hp: bool = False
+) -> tuple[Fp8Activation, torch.Tensor]:
+    """:func:`fused_add_rmsnorm_reference` with its norm quantized (fp8 output mode)."""
+    out, z = fused_add_rmsnorm_reference(x, residual, weight, eps)
+    return quantize_fp8_activation(out, keep_hp), z

@@ -3,7 +3,9 @@
 An :class:`Fp8Linear` holds ``weight`` [N, K] in float8_e4m3fn and ``weight_scale_inv``
 float32, one value per ``scale_rows`` x 128 block (``w ≈ weight * weight_scale_inv``
 block by block), under the checkpoint's own names. Its forward quantizes the input per
-token per 128 channels and runs the block-FP8 GEMM:
+token per 128 channels (or takes an :class:`~pdserve.kernels.reference.Fp8Activation`
+its producer quantized, see :func:`~pdserve.models.quantization.fuse_fp8_activations`)
+and runs the block-FP8 GEMM:
 
 - CUDA: the Triton kernel (:func:`~pdserve.kernels.fp8_gemm.block_fp8_gemm`), or for
   batches of at least ``SCALED_MM_MIN_TOKENS`` tokens ``torch._scaled_mm``'s blockwise
@@ -34,6 +36,7 @@ from torch import nn
 from pdserve.kernels.reference import (
     FP8_DTYPE,
     FP8_GROUP,
+    Fp8Activation,
     block_fp8_matmul_reference,
 )
 from pdserve.layers.fused import use_fused_kernels
@@ -81,7 +84,7 @@ class Fp8Linear(Linear):
         )
         self.fused = use_fused_kernels()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         return fp8_linear(
             x, self.weight, self.weight_scale_inv, self.bias, self.scale_rows, self.fused
         )
@@ -135,7 +138,7 @@ def expand_scale_rows(scale: torch.Tensor, rows: int, target_rows: int) -> torch
 
 
 def fp8_linear(
-    x: torch.Tensor,
+    x: torch.Tensor | Fp8Activation,
     weight: torch.Tensor,
     scale_inv: torch.Tensor,
     bias: torch.Tensor | None,
@@ -147,17 +150,20 @@ def fp8_linear(
         return block_fp8_matmul_reference(x, weight, scale_inv, bias, scale_rows=scale_rows)
     from pdserve.kernels.fp8_gemm import block_fp8_gemm
 
-    tokens = x.numel() // max(x.shape[-1], 1)
+    tokens = x.shape[:-1].numel()
     if tokens >= SCALED_MM_MIN_TOKENS and _scaled_mm_usable(x, weight, scale_rows):
         from pdserve.kernels.fp8_gemm import scaled_mm_block_fp8
 
-        out = scaled_mm_block_fp8(x.reshape(-1, x.shape[-1]), weight, scale_inv, x.dtype)
+        flat = x if isinstance(x, Fp8Activation) else x.reshape(-1, x.shape[-1])
+        out = scaled_mm_block_fp8(flat, weight, scale_inv, x.dtype)
         out = out.view(*x.shape[:-1], weight.shape[0])
         return out + bias if bias is not None else out
     return block_fp8_gemm(x, weight, scale_inv, scale_rows, bias)
 
 
-def _scaled_mm_usable(x: torch.Tensor, weight: torch.Tensor, scale_rows: int) -> bool:
+def _scaled_mm_usable(
+    x: torch.Tensor | Fp8Activation, weight: torch.Tensor, scale_rows: int
+) -> bool:
     n, k = weight.shape
     if x.device.type != "cuda" or scale_rows != FP8_GROUP or n % FP8_GROUP or k % FP8_GROUP:
         return False

@@ -9,7 +9,9 @@ slice of a bf16 weight gives that part of the full weight's quantization):
   and block rows ``[r n/128, (r+1) n/128)`` of the scales;
 - :class:`Fp8RowParallelLinear`: columns ``[r k, (r+1) k)`` and block columns
   ``[r k/128, (r+1) k/128)``; a rank's input slice starts on a 128-channel boundary, so
-  the per-token activation groups are the full layer's too (one all-reduce after);
+  the per-token activation groups are the full layer's too (one all-reduce after), and
+  an :class:`~pdserve.kernels.reference.Fp8Activation` its producer quantized on this
+  rank (SiLU-and-mul over the rank's intermediate slice) has the same groups;
 - :class:`Fp8MergedColumnParallelLinear`: each part (q, k, v; gate, up) split on its
   own, as the plain merged layer splits them.
 
@@ -30,7 +32,7 @@ import torch
 from torch import nn
 
 from pdserve.distributed.groups import Group
-from pdserve.kernels.reference import FP8_GROUP
+from pdserve.kernels.reference import FP8_GROUP, Fp8Activation
 from pdserve.layers.fp8 import Fp8Linear, Fp8MergedLinear, fp8_linear
 from pdserve.layers.linear import Entries, Linear, MergedLinear, Shard, is_plain_linear
 from pdserve.layers.parallel_linear import (
@@ -120,7 +122,7 @@ class Fp8RowParallelLinear(Fp8Linear):
         self.full_in_features = in_features
         self.reduce_results = reduce_results
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         if self.tp.size == 1:
             return super().forward(x)
         s, rows = self.weight_scale_inv, self.scale_rows

@@ -35,8 +35,10 @@ every token's experts, and the layer all-reduces the routed plus shared partials
 FP8 checkpoints (and ``--quantization fp8``) keep the routed experts in block-scaled FP8
 (:meth:`RoutedExperts.use_fp8`): the fused path runs
 :func:`pdserve.kernels.fused_moe_fp8.fused_experts_fp8` (activations quantized per token
-per 128 channels inside the kernel), the torch path its graph-capturable reference
-(weights dequantized every call). Under TP each rank's share of the intermediate
+per 128 channels inside the kernel, or once by the post-attention norm, which then hands
+the layer an :class:`~pdserve.kernels.reference.Fp8Activation` carrying its bf16 output
+too: the router and expert-parallel dispatch read that, the FP8 experts the fp8 rows),
+the torch path its graph-capturable reference (weights dequantized every call). Under TP each rank's share of the intermediate
 dimension must be whole 128-blocks (refused otherwise, naming the layer): a rank then
 holds its gate/up block rows and down block columns of every expert's scales, and its
 activation groups are the full layer's.
@@ -54,7 +56,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.distributed.groups import Group, ParallelGroups
-from pdserve.kernels.reference import FP8_DTYPE, FP8_GROUP, fused_experts_fp8_reference
+from pdserve.kernels.reference import (
+    FP8_DTYPE,
+    FP8_GROUP,
+    Fp8Activation,
+    fused_experts_fp8_reference,
+)
 from pdserve.layers.activation import SiluAndMul
 from pdserve.layers.fp8_parallel import check_fp8_split
 from pdserve.layers.fused import use_fused_kernels
@@ -270,13 +277,14 @@ class RoutedExperts(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | Fp8Activation,
         weights: torch.Tensor,
         ids: torch.Tensor,
         add: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The routed experts' output [T, H], plus ``add`` [T, H] where given (the shared
-        experts' output: the fused kernels add it in their final sum, no launch of its own)."""
+        experts' output: the fused kernels add it in their final sum, no launch of its own).
+        An :class:`Fp8Activation` ``x`` (FP8 experts only) is read as quantized."""
         if self.fp8:
             s13, s2 = self.fp8_scales()
             if self.fused:
@@ -284,14 +292,15 @@ class RoutedExperts(nn.Module):
 
                 return fused_experts_fp8(x, self.w13, s13, self.w2, s2, weights, ids, add=add)
             out = fused_experts_fp8_reference(x, self.w13, s13, self.w2, s2, weights, ids)
-        elif self.fused and self.w13.dtype in _FUSED_DTYPES:
+            return out if add is None else out + add
+        xb = x.high_precision() if isinstance(x, Fp8Activation) else x
+        if self.fused and self.w13.dtype in _FUSED_DTYPES:
             from pdserve.kernels.fused_moe import fused_experts
 
-            return fused_experts(x, self.w13, self.w2, weights, ids, add=add)
-        else:
-            capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-            fn = experts_dense if capturing else experts_sorted
-            out = fn(x, self.w13, self.w2, weights, ids)
+            return fused_experts(xb, self.w13, self.w2, weights, ids, add=add)
+        capturing = xb.is_cuda and torch.cuda.is_current_stream_capturing()
+        fn = experts_dense if capturing else experts_sorted
+        out = fn(xb, self.w13, self.w2, weights, ids)
         return out if add is None else out + add
 
     def expert_views(self, e: int) -> dict[str, torch.Tensor]:
@@ -427,15 +436,19 @@ class MoE(nn.Module):
             else None
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        """``x``: the post-attention norm's output, or its fp8 form carrying that output
+        as ``hp`` (the router and expert-parallel dispatch read ``hp``; the FP8 shared and
+        routed experts the fp8 values)."""
+        hp = x.high_precision() if isinstance(x, Fp8Activation) else x
+        weights, ids = self.gate(hp)
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         if self.ep.size == 1:  # the shared output joins the routed experts' final sum
             out = self.experts(x, weights, ids, add=shared)
         else:  # graph capture needs static shapes: the all-gather path (module docstring)
-            capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+            capturing = hp.is_cuda and torch.cuda.is_current_stream_capturing()
             dispatch = self.all_gather if capturing else self.all_to_all
-            out = dispatch(x, weights, ids, self.experts)
+            out = dispatch(hp, weights, ids, self.experts)
             if shared is not None:
                 out = out + shared
         return self.tp.all_reduce(out)  # the ranks' partial sums (identity without TP)

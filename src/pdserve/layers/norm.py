@@ -14,31 +14,47 @@ from typing import overload
 import torch
 from torch import nn
 
-from pdserve.kernels.reference import rms_norm
+from pdserve.kernels.reference import Fp8Activation, quantize_fp8_activation, rms_norm
 from pdserve.layers.fused import use_fused_kernels
+
+Activation = torch.Tensor | Fp8Activation  # what a producer hands its consumers
 
 
 class RMSNorm(nn.Module):
-    """``y = w * x / rms(x)``; ``weight`` has shape [hidden_size] and is loaded, not initialised."""
+    """``y = w * x / rms(x)``; ``weight`` has shape [hidden_size] and is loaded, not initialised.
+
+    ``quant_out`` (off unless set, by
+    :func:`~pdserve.models.quantization.fuse_fp8_activations` at load where every
+    consumer of the output is a block-FP8 linear): the norm returns an
+    :class:`~pdserve.kernels.reference.Fp8Activation` (its output quantized per token
+    per 128 channels, in the same kernel where the fused kernels are on) in place of the
+    tensor; the residual output is unchanged. ``quant_keep_hp`` (with ``quant_out``):
+    the activation carries the ``x.dtype`` output too, as ``hp``, for consumers beside
+    the FP8 ones that read it (the MoE router, the DSA indexer); one kernel writes both."""
 
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype), requires_grad=False)
         self.fused = use_fused_kernels()  # one Triton kernel instead of ~8 torch ops
+        self.quant_out = False
+        self.quant_keep_hp = False
 
     @overload
-    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
+    def forward(self, x: torch.Tensor, residual: None = None) -> Activation: ...
 
     @overload
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    ) -> tuple[Activation, torch.Tensor]: ...
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """``norm(x)``, or ``(norm(x + residual), x + residual)`` when a residual is given."""
+    ) -> Activation | tuple[Activation, torch.Tensor]:
+        """``norm(x)``, or ``(norm(x + residual), x + residual)`` when a residual is given
+        (``norm`` an :class:`Fp8Activation` under ``quant_out``)."""
+        if self.quant_out:
+            return self._forward_fp8(x, residual)
         if self.fused:
             from pdserve.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
 
@@ -50,8 +66,24 @@ class RMSNorm(nn.Module):
         x = x + residual
         return rms_norm(x, self.weight, self.eps), x
 
+    def _forward_fp8(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> Fp8Activation | tuple[Fp8Activation, torch.Tensor]:
+        keep = self.quant_keep_hp
+        if self.fused:
+            from pdserve.kernels.rmsnorm import fused_add_rmsnorm_fp8, rmsnorm_fp8
+
+            if residual is None:
+                return rmsnorm_fp8(x, self.weight, self.eps, keep_hp=keep)
+            return fused_add_rmsnorm_fp8(x, residual, self.weight, self.eps, keep_hp=keep)
+        if residual is None:
+            return quantize_fp8_activation(rms_norm(x, self.weight, self.eps), keep)
+        x = x + residual
+        return quantize_fp8_activation(rms_norm(x, self.weight, self.eps), keep), x
+
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}"
+        fp8 = (", fp8+hp out" if self.quant_keep_hp else ", fp8 out") if self.quant_out else ""
+        return f"{self.weight.shape[0]}, eps={self.eps}{fp8}"
 
 
 class LayerNorm(nn.Module):

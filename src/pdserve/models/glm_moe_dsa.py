@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from pdserve.distributed.groups import Group, ParallelGroups
+from pdserve.kernels.reference import Fp8Activation
 from pdserve.layers.attention.dsa import Indexer
 from pdserve.layers.attention.mla import MLAAttention
 from pdserve.layers.embedding import LMHead, VocabEmbedding
@@ -150,8 +151,8 @@ class MLASelfAttention(nn.Module):
         q_pe, latent, k_pe = self.attn.prepare(
             q_pe, self.kv_a_proj_with_mqa(x), self.kv_a_layernorm, rope, dc.rope_interleave
         )
-        if self.indexer is not None and not reuse_topk:
-            topk = self.indexer(x, qr, rope)
+        if self.indexer is not None and not reuse_topk:  # reads the norms' bf16 outputs
+            topk = self.indexer(_hp(x), _hp(qr), rope)
         else:
             topk = prev_topk
         out = self.attn(q_nope, q_pe, latent, k_pe, self.kv_b_proj.weight, topk)
@@ -329,6 +330,39 @@ class DeepseekV3ForCausalLM(CausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    def fp8_activation_links(self) -> list[tuple[str, list[str]]]:
+        """Per layer (MTP layers too): the input norm feeds q_a (or q) and kv_a, and the
+        DSA indexer where the layer has one; q_a's norm feeds q_b and the indexer; the
+        post-attention norm feeds a dense MLP's gate/up, or an MoE's router, routed
+        experts and shared experts; each SiLU-and-mul its down projection."""
+        links: list[tuple[str, list[str]]] = []
+        for i, layer in enumerate(self.model.layers):
+            assert isinstance(layer, DeepseekDecoderLayer)
+            p, attn = f"model.layers.{i}.", layer.self_attn
+            indexer = [p + "self_attn.indexer"] if attn.indexer is not None else []
+            q_in = "q_a_proj" if attn.dc.q_lora_rank is not None else "q_proj"
+            links.append(
+                (
+                    p + "input_layernorm",
+                    [p + f"self_attn.{q_in}", p + "self_attn.kv_a_proj_with_mqa"] + indexer,
+                )
+            )
+            if attn.dc.q_lora_rank is not None:
+                links.append((p + "self_attn.q_a_layernorm", [p + "self_attn.q_b_proj"] + indexer))
+            mlp = layer.mlp
+            if isinstance(mlp, MoE):
+                moe = [p + "mlp.gate", p + "mlp.experts"]
+                if mlp.shared_experts is not None:
+                    moe.append(p + "mlp.shared_experts.gate_up_proj")
+                    links.append(
+                        (p + "mlp.shared_experts.act_fn", [p + "mlp.shared_experts.down_proj"])
+                    )
+                links.append((p + "post_attention_layernorm", moe))
+            else:
+                links.append((p + "post_attention_layernorm", [p + "mlp.gate_up_proj"]))
+                links.append((p + "mlp.act_fn", [p + "mlp.down_proj"]))
+        return links
+
     def mtp_forward(
         self,
         input_ids: torch.Tensor,
@@ -428,6 +462,12 @@ class DeepseekV3ForCausalLM(CausalLM):
             copy_checked(target, tensor, name)
             loaded.add(name)
         return loaded
+
+
+def _hp(x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+    """A producer's own-dtype output, also where it emits an FP8 activation for its FP8
+    consumers (then it keeps that output beside it: ``fuse_fp8_activations``)."""
+    return x.high_precision() if isinstance(x, Fp8Activation) else x
 
 
 def _is_mtp(name: str, num_layers: int) -> bool:

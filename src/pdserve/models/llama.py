@@ -193,6 +193,17 @@ class LlamaForCausalLM(CausalLM):
     def checkpoint_tensor_names(self) -> set[str]:
         return set(checkpoint_targets(self))
 
+    def fp8_activation_links(self) -> list[tuple[str, list[str]]]:
+        links = []
+        for i in range(len(self.model.layers)):
+            p = f"model.layers.{i}."
+            links += [
+                (p + "input_layernorm", [p + "self_attn.qkv_proj"]),
+                (p + "post_attention_layernorm", [p + "mlp.gate_up_proj"]),
+                (p + "mlp.act_fn", [p + "mlp.down_proj"]),
+            ]
+        return links
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         targets = checkpoint_targets(self)
         loaded: set[str] = set()

@@ -42,6 +42,7 @@ from pdserve.models.quantization import (
     Fp8Config,
     Fp8WeightStream,
     checkpoint_fp8_weights,
+    fuse_fp8_activations,
     quantize_model_experts,
     quantize_model_linears,
     resolve_quantization,
@@ -214,6 +215,7 @@ def _build(
         names = frozenset(checkpoint_fp8_weights(model, fp8))
         quantize_model_linears(model, fp8, device)
         quantize_model_experts(model, fp8, device)
+        fuse_fp8_activations(model)
     materialize(model, device)  # the layers that stay in the model dtype
     return model, Fp8WeightStream(model.checkpoint_tensors(), names, model.checkpoint_shards())
 

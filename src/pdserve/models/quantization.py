@@ -11,6 +11,10 @@ expert projection is quantized except the modules ``modules_to_not_convert`` nam
 and the MoE router are never linears here, so they stay in the model dtype. Any other
 ``quant_method``, format, block size or a static activation scheme is refused.
 
+Activations: where every consumer of a norm's or SiLU-and-mul's output is a block-FP8
+linear, the producer emits the FP8 activation itself (:func:`fuse_fp8_activations`,
+after the swap below), so no GEMM quantizes ``x`` again.
+
 In memory (``load_model``): quantized linears become
 :class:`~pdserve.layers.fp8.Fp8Linear` (tensor-parallel ones their FP8 counterparts in
 :mod:`pdserve.layers.fp8_parallel`, each rank holding whole 128x128 blocks), except the modules a family reads as raw weights
@@ -46,10 +50,13 @@ import torch
 from torch import nn
 
 from pdserve.kernels.reference import FP8_DTYPE, dequantize_fp8_blocks, quantize_fp8_blocks
-from pdserve.layers.fp8 import expand_scale_rows
+from pdserve.layers.activation import SiluAndMul
+from pdserve.layers.attention.dsa import Indexer
+from pdserve.layers.fp8 import Fp8Linear, expand_scale_rows
 from pdserve.layers.fp8_parallel import convert_linears
 from pdserve.layers.linear import MergedLinear, Shard, is_plain_linear
-from pdserve.layers.moe import RoutedExperts
+from pdserve.layers.moe import RoutedExperts, TopKRouter
+from pdserve.layers.norm import RMSNorm
 from pdserve.models.hf_config import HFModelConfig
 
 QUANTIZATION_METHODS = ("fp8",)
@@ -180,6 +187,53 @@ def quantize_model_experts(
         assert isinstance(routed, RoutedExperts)
         routed.use_fp8(device, name)
     return names
+
+
+def fuse_fp8_activations(model: nn.Module) -> list[str]:
+    """Set ``quant_out`` on each producer of the model's ``fp8_activation_links()`` whose
+    consumers are all block-FP8 linears (after :func:`quantize_model_linears`): the
+    producer (an RMSNorm or SiLU-and-mul) then hands them an
+    :class:`~pdserve.kernels.reference.Fp8Activation`, quantized in its own kernel, and
+    the GEMMs read it instead of quantizing ``x`` in every N tile; FP8 routed experts read
+    it the same way. Consumers that need the bf16 output and are handed the activation's
+    ``hp`` by their caller (the MoE router, the DSA indexer: :func:`_consumer_kind`) make
+    the norm keep that output beside the fp8 one (``quant_keep_hp``, one kernel). A
+    producer with any other consumer (a bf16 linear) stays bf16. The values are
+    unchanged: the GEMMs quantize a bf16 input the same way. Returns the producers
+    switched."""
+    links = getattr(model, "fp8_activation_links", None)
+    if links is None:
+        return []
+    switched = []
+    for producer_name, consumers in links():
+        producer = model.get_submodule(producer_name)
+        if not isinstance(producer, (RMSNorm, SiluAndMul)):
+            raise TypeError(f"{producer_name} ({type(producer).__name__}) has no fp8 output mode")
+        kinds = {_consumer_kind(model.get_submodule(c)) for c in consumers}
+        fp8 = "fp8" in kinds and kinds <= {"fp8", "hp"}
+        keep_hp = fp8 and "hp" in kinds
+        if keep_hp and not isinstance(producer, RMSNorm):
+            raise TypeError(f"{producer_name}: only an RMSNorm keeps its output beside fp8")
+        producer.quant_out = fp8
+        if isinstance(producer, RMSNorm):
+            producer.quant_keep_hp = keep_hp
+        if fp8:
+            switched.append(producer_name)
+    return switched
+
+
+def _consumer_kind(module: nn.Module) -> str:
+    """``fp8``: reads an Fp8Activation (a block-FP8 linear, FP8 routed experts without
+    expert parallelism); ``hp``: its module's caller hands it the activation's ``hp``
+    (the MoE router and expert-parallel experts, in ``MoE.forward``; the DSA indexer, in
+    the GLM-5 attention); ``bf16``: anything else, which keeps the producer in bf16."""
+    if isinstance(module, Fp8Linear):
+        return "fp8"
+    if isinstance(module, RoutedExperts):
+        return "fp8" if module.fp8 and module.ep.size == 1 else "hp"
+    if isinstance(module, (TopKRouter, Indexer)):
+        return "hp"
+    return "bf16"
 
 
 class Fp8WeightStream:

@@ -65,6 +65,15 @@ class CausalLM(nn.Module, ABC):
     def checkpoint_tensor_names(self) -> set[str]:
         """The HF tensor names a complete checkpoint provides for this model."""
 
+    def fp8_activation_links(self) -> list[tuple[str, list[str]]]:
+        """(producer, every consumer of its output) as module paths, for the producers
+        that can emit an FP8 activation (an RMSNorm, SiLU-and-mul): where all the
+        consumers are block-FP8 linears after loading, the producer quantizes its output
+        for them (:func:`~pdserve.models.quantization.fuse_fp8_activations`). A family
+        lists every consumer, the ones that need the bf16 output too (a router, an
+        indexer), so those producers stay bf16. None by default."""
+        return []
+
     def is_foreign_tensor(self, name: str) -> bool:
         """Whether checkpoint tensor ``name`` belongs to another rank of the instance (the
         loader skips it: an expert-parallel rank reads only its own experts)."""
