@@ -196,7 +196,7 @@ def _prefill_flops(llm: LLM, n: int, glm: bool) -> float:
     parameter twice per token plus causal attention (Llama, as gpu_suite counts it)."""
     model, hc = llm.engine.runner.model, llm.engine.runner.hf_config
     if glm:
-        from pdserve.bench.prefill_flops import PrefillFlopModel
+        from pdserve.profiling.prefill_flops import PrefillFlopModel
 
         return PrefillFlopModel.from_model(model).flops(n)["total"]
     params = sum(p.numel() for p in model.parameters()) - hc.vocab_size * hc.hidden_size
