@@ -254,13 +254,16 @@ class Scheduler:
         new = out.sampled_token_ids[i]
         drafts = sched.scheduled_spec_decode_tokens.get(rid, [])
         self.inflight.landed(req, 1 + len(drafts))
-        real = self.spec.real_drafts(req, drafts, rid in sched.padded_spec_decode_req_ids)
-        self.spec.observe(real, len(new) - 1)
-        if len(new) < len(drafts) + 1:  # rejected drafts: their slots are recomputed
-            req.num_computed_tokens -= len(drafts) + 1 - len(new)
-            self.kv.trim(rid, req.num_computed_tokens + self.num_lookahead_tokens)
+        real = 0
+        if drafts:
+            real = self.spec.real_drafts(req, drafts, rid in sched.padded_spec_decode_req_ids)
+            self.spec.observe(real, len(new) - 1)
+            if len(new) < len(drafts) + 1:  # rejected drafts: their slots are recomputed
+                req.num_computed_tokens -= len(drafts) + 1 - len(new)
+                self.kv.trim(rid, req.num_computed_tokens + self.num_lookahead_tokens)
         status, taken = take_tokens(req, new, self.max_model_len)
-        self.spec.count(self.stats, real, taken - 1)  # drafts past a stop were of no use
+        if real:  # drafts accepted past a stop were of no use
+            self.spec.count(self.stats, real, taken - 1)
         self.stats.num_generated_tokens += taken
         lp = None
         if out.logprobs is not None and req.sampling_params.logprobs is not None:

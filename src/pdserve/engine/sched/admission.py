@@ -78,16 +78,18 @@ class Admission:
         i = 0
         while i < len(running) and b.budget > 0:
             req = running[i]
-            if self.placeholders.holds_back(req, masks_first):
+            if req.num_output_placeholders and self.placeholders.holds_back(req, masks_first):
                 i += 1
                 continue
             n = min(self.placeholders.end(req) - req.num_computed_tokens, b.budget)
             drafts = self.spec.drafts(req, n, b.budget) if self.spec.k else None
             if drafts:
                 n += len(drafts)
-            blocks = self._allocate(req, n, i, b, stats)
+            blocks = self.kv.allocate_slots(req, n, num_lookahead_tokens=self._ahead(req, n))
             if blocks is None:
-                break
+                blocks = self._preempt_for(req, n, i, b, stats)
+                if blocks is None:
+                    break
             b.num_tokens[req.request_id] = n
             if drafts:
                 b.drafts[req.request_id] = drafts
@@ -102,20 +104,20 @@ class Admission:
             b.budget -= n
             i += 1
 
-    def _allocate(
+    def _preempt_for(
         self, req: Request, n: int, i: int, b: StepBatch, stats: SchedulerStats
     ) -> list[KVCacheBlock] | None:
-        """Blocks for ``running[i]``'s ``n`` tokens, preempting until they fit; None when
-        it was preempted itself."""
+        """Blocks for ``running[i]``'s ``n`` tokens that did not fit: preempt until they
+        do; None when it was preempted itself."""
         while True:
-            blocks = self.kv.allocate_slots(req, n, num_lookahead_tokens=self._ahead(req, n))
-            if blocks is not None:
-                return blocks
             victim = self.queues.victim(i)  # never one already scheduled this step
             self.preempt(victim, stats)
             b.preempted.add(victim.request_id)
             if victim is req:
                 return None
+            blocks = self.kv.allocate_slots(req, n, num_lookahead_tokens=self._ahead(req, n))
+            if blocks is not None:
+                return blocks
 
     def preempt(self, req: Request, stats: SchedulerStats) -> None:
         self.kv.free(req.request_id)
