@@ -43,8 +43,8 @@ def test_priority_orders_admission_and_picks_the_victim(tiny_llama: Path) -> Non
         sp = SamplingParams(max_tokens=1, priority=p)
         reqs.append(Request(EngineCoreRequest(f"v{i}", [5], sp, [2], 1, float(i))))
     sched.running.extend(reqs)
-    assert sched._victim(0) is reqs[1]  # the lowest priority (highest value)
-    assert sched._victim(1) is reqs[2]  # only among those not scheduled yet
+    assert sched.queues.victim(0) is reqs[1]  # the lowest priority (highest value)
+    assert sched.queues.victim(1) is reqs[2]  # only among those not scheduled yet
     sched.running.clear()
 
     from pdserve.frontend.processor import InputProcessor

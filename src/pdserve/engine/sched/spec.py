@@ -1,18 +1,31 @@
-"""The scheduler's speculative-decoding part: which drafts each request verifies in a
+"""Speculative decoding's part of scheduling: which drafts each request verifies in a
 step, the P/D first-step padding, the acceptance counts, and the step's draft count.
 
 Per step (:meth:`SpecSchedule.begin_step`, before the scheduler walks its requests) the
 step's draft count ``j`` is chosen: ``k`` with a fixed policy, else the adaptive
 :class:`~pdserve.spec_decode.draft_policy.DraftPolicy`'s choice for the batch. Every
 decoding request then verifies ``min(j, what it has, its room)`` drafts, so a batch keeps
-the uniform ``(batch, 1 + j)`` shape of a captured graph. A step with ``j = 0`` also
-proposes no drafts (``proposing``: the runner skips the drafter), so it costs what a
-step without speculation costs; the next step can verify drafts again only after one
+the uniform ``(batch, 1 + j)`` shape of a captured graph. The cap is ``max_model_len``,
+not ``max_tokens`` (drafts accepted past it are dropped; a shorter verify near the end
+would break the uniform shape). A request still short of ``min_tokens`` gets no drafts
+(its bans need an exact output count). The drafts are those the last landed step
+proposed (``Request.spec_token_ids``) or, while a step of the request is in flight,
+``-1`` placeholders the device fills from that step's proposal. A step with ``j = 0``
+also proposes no drafts (``proposing``: the runner skips the drafter), so it costs what
+a step without speculation costs; the next step can verify drafts again only after one
 that proposed them, which a request records (``Request.drafts_in_flight``) when it is
-scheduled, since under async scheduling the step in flight produces them on the device.
+scheduled to sample.
 
-Each verify row's (real drafts, accepted) goes to the policy when the step lands
-(:meth:`observe`), and to the stats counters (:meth:`count`).
+On a P/D decode instance a request's first step (its last prompt token, recomputed after
+the KV pull) has no drafts; with ``pad_first_step`` it verifies ``j`` ``-1``
+placeholders instead (:meth:`SpecSchedule.padding`), so that step has the same
+``1 + j`` shape as every other decode. Placeholders are never accepted and a padded row
+is left out of the acceptance counts.
+
+When a verify lands, the request advances by the tokens accepted and the slots of
+rejected drafts are given back (by the scheduler); each row's (real drafts, accepted)
+goes to the policy (:meth:`observe`) and, counting only drafts up to a stop, to the
+stats counters (:meth:`count`).
 """
 
 from __future__ import annotations
@@ -43,7 +56,11 @@ class SpecSchedule:
         self._accepted: list[int] = []
 
     def begin_step(
-        self, running: list[Request], waiting: Iterable[Request], max_seqs: int, stats: SchedulerStats
+        self,
+        running: list[Request],
+        waiting: Iterable[Request],
+        max_seqs: int,
+        stats: SchedulerStats,
     ) -> None:
         """Choose the step's draft count for the batch it will run: the running requests
         and those it may admit (up to ``max_seqs``), at their longest context; count it."""
@@ -97,6 +114,14 @@ class SpecSchedule:
     def scheduled(self, req: Request) -> None:
         """``req`` samples in the step being scheduled: whether that step drafts for it."""
         req.drafts_in_flight = self.proposing
+
+    @staticmethod
+    def real_drafts(req: Request, scheduled: list[int], padded: bool) -> int:
+        """Drafts a landed verify really had (placeholders as the device filled them; none
+        in a padded first step)."""
+        if padded:
+            return 0
+        return sum(d >= 0 for d in req.verified_drafts(scheduled))
 
     def observe(self, real_drafts: int, accepted: int) -> None:
         """A landed verify row: its real drafts and how many the sampler accepted."""
