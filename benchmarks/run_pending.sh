@@ -7,6 +7,11 @@
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh p10
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh glm5-sla [mtp]
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh d10
+#   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh f11
+#   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh f11g
+#   device run (carry [".whl", ".baseline"]): PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh r11
+#                                      (first, here: scripts/make-baseline b8c8bd7)
+#   device run (carry [".whl", ".baseline"]): PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh r11g
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh gpu1
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh gpu2
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh a
@@ -30,6 +35,17 @@
 #       transformers fp32 against transformers' own bf16), transformers' prefill and decode.
 # d10   benchmarks/spec_bench.py decode (issue 27): TPOT by streams 1-256 x 16K for no
 #       speculation and MTP k=1/k=3 at synthetic 0.5/0.7/0.9, with the step roofline.
+# f11   FP8 (issue 28) and KV transfer (issue 29): the new kernels' parity compiled on CUDA
+#       (fp8 activations from the norm / SiLU-and-mul, the FP8 GEMM reading them, the FP8
+#       MoE, the fp8 indexer-key cache), fp8_bench on llama-8b-shape (bf16 beside FP8:
+#       decode against the roofline, prefill against the FP8 matmul rate, offline),
+#       glm5_kernels_bench indexer_fp8 (bf16 keys beside fp8 keys), the block-copy test and
+#       transfer_bench over cuda_ipc (the copy started before the read's reply).
+# f11g  fp8_bench on glm5-m12-e64 (bf16 beside FP8; decode 1/32 x 1K/16K, prefill 8K/16K).
+# r11, r11g  issue 31's "no speed lost": the same decode points run by the tree before the
+#       step-machinery redesign (.baseline/src and its benchmarks/, made by scripts/make-baseline) and by this
+#       one, alternated twice (A B A B) in one call: r11 llama-8b-shape at batch 1/16/64 x
+#       1K (gpu_suite decode), r11g glm5-m12-e64 at 1 and 32 x 1K (glm5_bench speed).
 # gpu1, gpu2  every GPU test and the whole gpu_suite in two calls (issue 29), one pytest
 #       process per test module (a device-side assert fails only its own module), each
 #       under a timeout, until the call's deadline; each call prints a table first (per
@@ -68,7 +84,7 @@
 #       --enable-expert-parallel against one GPU, the same closed-loop load per rank
 #       (32 streams per GPU, 1024 in / 256 out): output tok/s per GPU and mean TPOT.
 set -uo pipefail
-stage="${1:?usage: run_pending.sh k10|p10|d10|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl-install|nixl|x2|dpep N}"
+stage="${1:?usage: run_pending.sh k10|p10|d10|f11|f11g|r11|r11g|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl-install|nixl|x2|dpep N}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 start=$(date +%s)
 source scripts/gpu-env
@@ -179,6 +195,48 @@ case "$stage" in
     timeout 570 python3 benchmarks/spec_bench.py --sections decode --out "$OUT/spec_decode.json" \
       > "$OUT/spec_decode.log" 2>&1
     quiet < "$OUT/spec_decode.log" | tail -30
+    ;;
+  f11)
+    timeout 150 python3 -m pytest -p no:cacheprovider -q tests/kernels/test_fp8_activation.py \
+      tests/kernels/test_fp8.py tests/kernels/test_fused_moe_fp8.py tests/kernels/test_rmsnorm.py \
+      tests/kernels/test_activation.py tests/kernels/test_dsa_indexer.py \
+      tests/kernels/test_mla_prep.py tests/kv_transfer/test_block_copy.py 2>&1 | tail -8
+    timeout 200 python3 benchmarks/fp8_bench.py --models llama-8b-shape \
+      --out "$OUT/fp8_llama.json" 2>&1 | tee "$OUT/fp8_llama.log" | quiet
+    timeout 120 python3 benchmarks/glm5_kernels_bench.py --sections indexer_fp8 \
+      --out "$OUT/glm5_indexer_fp8.json" 2>&1 | tee "$OUT/indexer_fp8.log" | quiet | tail -30
+    left=$(( start + 575 - $(date +%s) ))
+    timeout "$left" python3 benchmarks/transfer_bench.py --transports cuda_ipc --no-equality \
+      --out "$OUT/transfer.json" 2>&1 | tee "$OUT/transfer.log" | quiet
+    ;;
+  f11g)
+    timeout 570 python3 benchmarks/fp8_bench.py --models glm5-m12-e64 \
+      --out "$OUT/fp8_glm5.json" 2>&1 | tee "$OUT/fp8_glm5.log" | quiet
+    ;;
+  r11)
+    [ -d .baseline/src/pdserve ] || { echo "no .baseline/src (scripts/make-baseline)"; exit 1; }
+    llama_ckpt || exit 1
+    for round in 1 2; do
+      for tree in baseline current; do
+        root=.; [ $tree = baseline ] && root=.baseline  # each tree runs its own script
+        timeout 110 python3 $root/benchmarks/gpu_suite.py --ckpt $ck \
+          --sections decode --batches 1,16,64 --contexts 1024 \
+          --out "$OUT/r11_${tree}_$round.json" > "$OUT/r11_${tree}_$round.log" 2>&1
+        echo "$tree round $round: exit $?"; sed -n '/^== /,$p' "$OUT/r11_${tree}_$round.log"
+      done
+    done
+    ;;
+  r11g)
+    [ -d .baseline/src/pdserve ] || { echo "no .baseline/src (scripts/make-baseline)"; exit 1; }
+    for round in 1 2; do
+      for tree in baseline current; do
+        root=.; [ $tree = baseline ] && root=.baseline
+        timeout 140 python3 $root/benchmarks/glm5_bench.py --sections speed \
+          --presets glm5-m12-e64 --no-peer --workdir /tmp/glm5 \
+          --out "$OUT/r11g_${tree}_$round.json" > "$OUT/r11g_${tree}_$round.log" 2>&1
+        echo "$tree round $round: exit $?"; quiet < "$OUT/r11g_${tree}_$round.log" | tail -8
+      done
+    done
     ;;
   gpu1)  # tests/kernels, a process per module
     manifest="$OUT/tests/gpu1.tsv"; mkdir -p "$OUT/tests"; : > "$manifest"
