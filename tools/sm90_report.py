@@ -143,7 +143,7 @@ def _indexer_tile(which: str) -> Any:
     return m.PREFILL_TILE if which == "prefill" else m.verify_config(4, 32)  # 1 + 3 rows
 
 
-def _indexer_consts(which: str) -> Callable[[], dict[str, Any]]:
+def _indexer_consts(which: str, fp8: bool = False) -> Callable[[], dict[str, Any]]:
     def consts() -> dict[str, Any]:
         from pdserve.kernels._utils import next_pow2
 
@@ -151,15 +151,18 @@ def _indexer_consts(which: str) -> Callable[[], dict[str, Any]]:
         bt = cfg.bt if which == "prefill" else min(cfg.bt, next_pow2(4))
         return dict(NH=32, D=128, BLOCK_H=32, BLOCK_D=128, PAGE=64, BT=bt, BN=cfg.bn,
                     SPAN=cfg.span, HEAD_LOOP=cfg.variant == "heads", DOT_PREC="tf32",
-                    UPCAST=False, FILL=False)  # fmt: skip
+                    UPCAST=False, FILL=False, KEY_SCALE=fp8)  # fmt: skip
 
     return consts
 
 
-_INDEXER_PTRS = {"q_ptr": "*bf16", "w_ptr": "*fp32", "cache_ptr": "*bf16", "bt_ptr": "*i32",
-                 "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "out_ptr": "*fp32"}  # fmt: skip
+_INDEXER_PTRS = {"q_ptr": "*bf16", "w_ptr": "*fp32", "cache_ptr": "*bf16", "ks_ptr": "*bf16",
+                 "bt_ptr": "*i32", "seq_lens_ptr": "*i32", "qsl_ptr": "*i32",
+                 "out_ptr": "*fp32"}  # fmt: skip
+# --kv-cache-dtype fp8: fp8 keys, a float32 scale a key (kernels/index_cache.py)
+_INDEXER_FP8_PTRS = {**_INDEXER_PTRS, "cache_ptr": "*fp8e4nv", "ks_ptr": "*fp32"}
 _INDEXER_INTS = frozenset({"stride_qt", "stride_qh", "stride_wt", "stride_cb", "stride_cs",
-                           "stride_ot", "width", "topk_k"})  # fmt: skip
+                           "stride_kb", "stride_ot", "width", "topk_k"})  # fmt: skip
 
 
 def _select_kernel() -> Any:
@@ -233,18 +236,24 @@ def decode_prep_variants() -> list[Variant]:
                     frozenset({"eps", "kv_scale"}), 4, 1, expect_no_spills=True,
                     fp_fusion=False)
         )  # fmt: skip
-    out.append(
-        Variant("indexer_prep", _kernel("mla_prep", "_indexer_prep_kernel"),
-                _fixed(D=128, BLOCK_D=128, HALF=32, BLOCK_HALF=32, BLOCK_NH=32, PAGE=64,
-                       INTERLEAVED=True, ROUND=True),
-                {"q_ptr": "*bf16", "k_ptr": "*bf16", "w_ptr": "*bf16", "lnw_ptr": "*bf16",
-                 "lnb_ptr": "*bf16", "pos_ptr": "*i64", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
-                 "slot_ptr": "*i64", "cache_ptr": "*bf16", "q_out_ptr": "*bf16",
-                 "w_out_ptr": "*fp32"},
-                frozenset({"stride_qt", "stride_cos", "stride_sin", "stride_cb", "stride_cs",
-                           "stride_qot"}),
-                frozenset({"eps", "w_scale"}), 4, 1, expect_no_spills=True, fp_fusion=False)
-    )  # fmt: skip
+    for fp8 in (False, True):
+        out.append(
+            Variant(f"indexer_prep{'_fp8' if fp8 else ''}",
+                    _kernel("mla_prep", "_indexer_prep_kernel"),
+                    _fixed(D=128, BLOCK_D=128, HALF=32, BLOCK_HALF=32, BLOCK_NH=32, PAGE=64,
+                           INTERLEAVED=True, ROUND=True, KEY_FP8=fp8, FP8_MAX=448.0,
+                           ROUND_FIRST=False),
+                    {"q_ptr": "*bf16", "k_ptr": "*bf16", "w_ptr": "*bf16", "lnw_ptr": "*bf16",
+                     "lnb_ptr": "*bf16", "pos_ptr": "*i64", "cos_ptr": "*bf16",
+                     "sin_ptr": "*bf16", "slot_ptr": "*i64",
+                     "cache_ptr": "*fp8e4nv" if fp8 else "*bf16",
+                     "ks_ptr": "*fp32" if fp8 else "*bf16", "q_out_ptr": "*bf16",
+                     "w_out_ptr": "*fp32"},
+                    frozenset({"stride_qt", "stride_cos", "stride_sin", "stride_cb",
+                               "stride_cs", "stride_qot"}),
+                    frozenset({"eps", "w_scale"}), 4, 1, expect_no_spills=True,
+                    fp_fusion=False)
+        )  # fmt: skip
     for name, n in (("moe_align_b1", 8), ("moe_align_b128", 1024)):
         out.append(
             Variant(name, _kernel("moe_align", "_align_kernel"),
@@ -282,9 +291,10 @@ def variants() -> list[Variant]:
                                _moe_consts(tokens, down), _DOWN_PTRS if down else _GATE_UP_PTRS,
                                _MOE_INTS, frozenset(), warps, stages, expect_wgmma=True,
                                expect_cp_async=True, expect_no_spills=True))  # fmt: skip
-    for which in ("prefill", "verify"):
+    for which, fp8 in (("prefill", False), ("verify", False), ("prefill", True)):
         cfg = _indexer_tile(which)
-        out.append(Variant(f"indexer_{which}", _indexer_kernel, _indexer_consts(which),
+        out.append(Variant(f"indexer_{which}{'_fp8' if fp8 else ''}", _indexer_kernel,
+                           _indexer_consts(which, fp8), _INDEXER_FP8_PTRS if fp8 else
                            _INDEXER_PTRS, _INDEXER_INTS, frozenset({"scale"}), cfg.num_warps,
                            cfg.num_stages, expect_wgmma=True, expect_cp_async=True,
                            expect_no_spills=True))  # fmt: skip
