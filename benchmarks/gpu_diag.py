@@ -55,7 +55,8 @@ def first_request(llm: LLM, n: int = 1024) -> dict:
         return wrapper
 
     r.prep.prepare = timed("prepare_inputs", r.prep.prepare)  # type: ignore[method-assign]
-    r._forward = timed("forward", r._forward)  # type: ignore[method-assign]
+    pipe = llm.engine.pipeline
+    pipe.forward = timed("forward", pipe.forward)  # type: ignore[method-assign]
     r.sampler = timed("sample", r.sampler)  # type: ignore[assignment]
     sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     out = []

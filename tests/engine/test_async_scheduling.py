@@ -126,29 +126,36 @@ def test_serve_flag_reaches_the_engine_config(flag: str) -> None:
 
 
 def test_step_n_plus_1_is_launched_before_step_n_is_finished(tiny_llama: Path) -> None:
+    """Depth 1: step N lands in step N+1's land phase, after N+1's forward is enqueued."""
     llm = LLM(str(tiny_llama), dtype="float32", async_scheduling=True)
-    runner = llm.engine.runner
+    pipe = llm.engine.pipeline
     calls: list[tuple[str, int]] = []
-    launch, finish = runner.launch, runner.finish
+    launch, finish, forward = pipe.launch, pipe.finish, pipe.forward
     handles: dict[int, int] = {}
+    alive = []  # the handles, so that no id is reused
 
-    def spy_launch(so, *plan):  # type: ignore[no-untyped-def]
-        h = launch(so, *plan)
+    def spy_launch(*a):  # type: ignore[no-untyped-def]
+        h = launch(*a)
         handles[id(h)] = len(handles)
-        calls.append(("launch", handles[id(h)]))
+        alive.append(h)
         return h
+
+    def spy_forward(*a):  # type: ignore[no-untyped-def]
+        calls.append(("forward", len(handles)))
+        return forward(*a)
 
     def spy_finish(h):  # type: ignore[no-untyped-def]
         calls.append(("finish", handles[id(h)]))
         return finish(h)
 
-    runner.launch, runner.finish = spy_launch, spy_finish  # type: ignore[method-assign]
+    pipe.launch, pipe.finish = spy_launch, spy_finish  # type: ignore[method-assign]
+    pipe.forward = spy_forward  # type: ignore[method-assign]
     llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert calls[:5] == [
-        ("launch", 0),
-        ("launch", 1),
+        ("forward", 0),
+        ("forward", 1),
         ("finish", 0),
-        ("launch", 2),
+        ("forward", 2),
         ("finish", 1),
     ]
 

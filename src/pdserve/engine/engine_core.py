@@ -1,7 +1,9 @@
 """The engine core: scheduler + KV cache manager + model runner, driven one step at a time.
 
-``step()`` is ``schedule() -> execute() -> update()`` (with async scheduling, one step
-stays in flight between calls; see :meth:`EngineCore.step`). The core is single-threaded:
+``step()`` is ``schedule()``, then the runner's step pipeline
+(:mod:`pdserve.runner.step_pipeline`), whose land phase hands finished steps to the
+scheduler's ``update_from_output``; with async scheduling (pipeline depth 1) one step
+stays in flight between calls. The core is single-threaded:
 requests are added and aborted between steps (in-process by ``LLM``, or by the
 engine-core process loop reading ZMQ messages). The KV connector's worker half is
 driven here, around the runner: it starts the step's loads before the step launches
@@ -41,7 +43,7 @@ from pdserve.kv_transfer.pd_connector import (
 )
 from pdserve.runner.model_runner import ModelRunner
 from pdserve.runner.model_step import kv_cache_scales
-from pdserve.runner.step_outputs import StepHandle
+from pdserve.runner.step_pipeline import StepPipeline
 from pdserve.spec_decode.draft_policy import DraftPolicy
 from pdserve.spec_decode.proposer import Proposer
 
@@ -120,7 +122,8 @@ class EngineCore:
             config.model.tokenizer or config.model.model, self.runner.vocab_size
         )
         self._rss_read_at = 0.0
-        self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
+        self.pipeline = StepPipeline(self.runner)
+        self.pipeline.depth = 1 if config.scheduler.async_scheduling else 0
         self.startup_seconds = time.perf_counter() - t0
         logger.info(
             "engine ready in %.2fs (weights %.2fs, warm-up %s): %d KV blocks of %d tokens on %s",
@@ -242,12 +245,9 @@ class EngineCore:
     def set_async_scheduling(self, on: bool) -> list[EngineCoreOutput]:
         """Switch scheduling modes between steps (benchmarks compare both on one engine).
         Leaving async mode finishes the step in flight and returns its outputs."""
-        outputs: list[EngineCoreOutput] = []
-        if not on and self._in_flight is not None:
-            so, handle = self._in_flight
-            self._in_flight = None
-            outputs = self.scheduler.update_from_output(so, self._finish(handle))
+        outputs = [] if on else self.pipeline.drain(self._land)
         self.scheduler.async_scheduling = on
+        self.pipeline.depth = 1 if on else 0
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -256,12 +256,6 @@ class EngineCore:
     def has_schedulable_work(self) -> bool:
         return self.scheduler.has_schedulable_work() or bool(self.structured.pending)
 
-    def _launch(self, so: SchedulerOutput) -> StepHandle:
-        plan = self._begin(so)
-        if self.tp is not None:  # the other ranks launch the same step (no DP with TP)
-            return self.tp.launch(so, self.runner.launch)
-        return self.runner.launch(so, plan)
-
     def _begin(self, so: SchedulerOutput) -> StepPlan | None:
         """What precedes every launch: the DP agreement and the connector's loads."""
         plan = self._agree(so)
@@ -269,19 +263,11 @@ class EngineCore:
             self.connector_worker.start_load_kv(so.kv_connector_metadata)
         return plan
 
-    def _launch_masked(self, so: SchedulerOutput) -> tuple[StepHandle, list[EngineCoreOutput]]:
-        """Launch a step whose structured-output masks are deferred (async scheduling):
-        the forward goes first; the step in flight lands while it runs, its tokens
-        advance the matchers, and the masks they give complete the step (sampling), so
-        the device does not wait for the host's matcher work. Returns the handle and the
-        landed step's outputs."""
-        fw = self.runner.launch_forward(so, self._begin(so))
-        outputs: list[EngineCoreOutput] = []
-        if self._in_flight is not None:
-            prev, self._in_flight = self._in_flight, None
-            outputs = self.scheduler.update_from_output(prev[0], self._finish(prev[1]))
-        self.scheduler.fill_masks(so)
-        return self.runner.complete(fw, so), outputs
+    def _masks(self, so: SchedulerOutput) -> None:
+        """The pipeline's masks phase: masks the scheduler left until the step before
+        landed (its tokens advance the matchers) are filled now."""
+        if so.masks_deferred:
+            self.scheduler.fill_masks(so)
 
     def _agree(self, so: SchedulerOutput) -> StepPlan | None:
         """The DP step agreement (expert parallelism only; a collective, see dp_sync)."""
@@ -299,8 +285,8 @@ class EngineCore:
         self.last_plan = self.dp_sync.agree(local)
         return self.last_plan
 
-    def _finish(self, handle: StepHandle) -> RunnerOutput:
-        out = self.runner.finish(handle)
+    def _land(self, so: SchedulerOutput, out: RunnerOutput) -> list[EngineCoreOutput]:
+        """The pipeline's land phase: a finished step's results go to the scheduler."""
         if self.tp is not None:
             self.tp.finished()
         if out.step_path.startswith("dummy:"):  # an empty step the scheduler does not count
@@ -308,7 +294,7 @@ class EngineCore:
             paths[out.step_path] = paths.get(out.step_path, 0) + 1
         if self.connector_worker is not None:
             out.kv_connector_output = self.connector_worker.get_finished()
-        return out
+        return self.scheduler.update_from_output(so, out)
 
     def supervise_connector(self) -> KVHealth:
         """Have the connector check (and restart) its threads; log health changes."""
@@ -323,36 +309,27 @@ class EngineCore:
         return now
 
     def step(self) -> list[EngineCoreOutput]:
-        """Schedule and run one step; returns the outputs of the step that finished.
+        """Schedule and run one step; returns the outputs of the steps that landed.
 
-        With ``async_scheduling`` the step is launched and left running, and the one
-        launched by the previous call is finished instead: the host schedules and
-        prepares step N+1 while the device still runs step N (the scheduler counts
-        N's tokens as placeholders until they land)."""
+        With ``async_scheduling`` (pipeline depth 1) the step is left in flight and
+        the one launched by the previous call lands while this one's forward runs: the
+        host schedules and prepares step N+1 while the device still runs step N (the
+        scheduler counts N's tokens as placeholders until they land)."""
         if self.connector_worker is not None:
             t = time.monotonic()
             if t - self._supervised_at >= _SUPERVISE_EVERY_S:
                 self._supervised_at = t
                 self.supervise_connector()
         outputs = self._admit_compiled()
-        if self._in_flight is not None and self.scheduler.waits_for_landed_tokens():
+        if self.scheduler.waits_for_landed_tokens():
             # structured output: land the step in flight first (its tokens feed matchers)
-            so, handle = self._in_flight
-            self._in_flight = None
-            outputs += self.scheduler.update_from_output(so, self._finish(handle))
+            outputs += self.pipeline.drain(self._land)
         so = self.scheduler.schedule()
         # also when empty: the runner drops finished rows and the connector reports
-        if not self.scheduler.async_scheduling:
-            return outputs + self.scheduler.update_from_output(so, self._finish(self._launch(so)))
-        if so.masks_deferred:
-            handle, landed = self._launch_masked(so)
-            outputs += landed
-        else:
-            handle = self._launch(so)
-        prev, self._in_flight = self._in_flight, (so, handle)
-        if prev is None:
-            return outputs
-        return outputs + self.scheduler.update_from_output(prev[0], self._finish(prev[1]))
+        plan = self._begin(so)
+        tp = self.tp
+        launch = (lambda run: tp.launch(so, run)) if tp is not None else (lambda run: run())
+        return outputs + self.pipeline.step(so, plan, self._land, self._masks, launch)
 
     def stats(self) -> SchedulerStats:
         s = self.scheduler.make_stats()

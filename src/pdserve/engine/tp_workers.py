@@ -11,10 +11,12 @@ Lifecycle (every rank runs the same sequence; forwards are collective):
    runner, :func:`start_runner` (KV blocks: each rank's count, then the minimum over
    the ranks; allocate; warm up);
 2. per step: the leader broadcasts a :class:`TPStep` over the TP group's CPU (gloo)
-   group, then launches the step itself; a follower receives it, first finishes as many
-   of its oldest launched steps as the leader finished since the last broadcast, then
-   launches the same step. So each runner sees the same launch/finish sequence, also
-   under async scheduling. A follower's results are identical (logits are all-gathered,
+   group, then runs it through its step pipeline; a follower receives it, first
+   finishes as many of its oldest launched steps as the leader finished since the last
+   broadcast, then launches the same step (the pipeline's phases but land). What a step
+   reads of the steps before it is the request state on each rank's device, written in
+   the same stream order on every rank, so a follower's landing later than the
+   leader's changes nothing. A follower's results are identical (logits are all-gathered,
    every rank's sampler has the same seed) and dropped. Steps the runner would do
    nothing for (empty, no rows to drop) are not broadcast;
 3. shutdown: the leader broadcasts a ``TPStep`` without a step; followers exit.
@@ -60,6 +62,7 @@ from pdserve.distributed.device import rank_device
 from pdserve.distributed.groups import Group, ParallelGroups, RankInfo, init_parallel_groups
 from pdserve.runner.model_runner import ModelRunner
 from pdserve.runner.step_outputs import StepHandle
+from pdserve.runner.step_pipeline import StepPipeline
 
 logger = logging.getLogger(__name__)
 
@@ -292,20 +295,17 @@ class TPLeader:
             self._busy_since = None
 
     # -- steps ------------------------------------------------------------------------------
-    def launch(
-        self, so: SchedulerOutput, launch: Callable[[SchedulerOutput], StepHandle]
-    ) -> StepHandle:
+    def launch(self, so: SchedulerOutput, launch: Callable[[], StepHandle]) -> StepHandle:
         """Broadcast ``so`` to the followers (unless the runner ignores it), then
-        ``launch(so)`` on this rank."""
+        ``launch()`` it on this rank (whose land phase may finish earlier steps)."""
         self.check()
         mirrored = not runner_ignores(so)
         with self.collective():
             if mirrored:
                 self.groups.tp.broadcast_bytes(encode_step(TPStep(self._to_finish, so)))
                 self._to_finish = 0
-            handle = launch(so)
-        self._mirrored.append(mirrored)
-        return handle
+            self._mirrored.append(mirrored)
+            return launch()
 
     def finished(self) -> None:
         """The leader finished its oldest launched step (steps finish in launch order)."""
@@ -367,15 +367,16 @@ def follower_main() -> None:
 
 def serve(runner: ModelRunner, tp: Group) -> None:
     """Mirror the leader's steps until it broadcasts the end (see the module docstring)."""
+    pipeline = StepPipeline(runner)
     handles: deque[StepHandle] = deque()
     with torch.inference_mode():
         while True:
             msg = decode_step(tp.broadcast_bytes(None))
             for _ in range(msg.finish):
-                runner.finish(handles.popleft())
+                pipeline.finish(handles.popleft())
             if msg.step is None:
                 return
-            handles.append(runner.launch(msg.step))
+            handles.append(pipeline.launch(msg.step))
 
 
 def _watch_leader(leader_pid: int) -> None:

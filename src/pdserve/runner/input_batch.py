@@ -1,9 +1,11 @@
-"""The runner's persistent per-request state, kept in preallocated numpy rows.
+"""The runner's persistent per-request state on the host, kept in preallocated numpy rows.
 
 A request gets a row when the runner first sees it and keeps it until it finishes
-or is preempted. Rows hold its token ids, block table and sampling parameters, so
+or is preempted. Rows hold its token ids (those it was admitted with, then those of
+each step that landed), block table, the host's counts and sampling parameters, so
 building a step's flat batch is array indexing over rows, not Python loops over
-tokens.
+tokens. What the device knows ahead of the host is in
+:mod:`pdserve.runner.request_state`, under the same row numbers.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ class InputBatch:
         self.max_num_reqs = max_num_reqs
         self.vocab_size = vocab_size
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
-        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)  # known here (landed)
+        # tokens a row was admitted with: inputs past them come from the request state
+        self.prefill_len = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
@@ -44,25 +48,47 @@ class InputBatch:
         self.prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
         self.generators: dict[int, torch.Generator] = {}
         self.row_of: dict[str, int] = {}
-        # bumped whenever a row changes hands, so results of a step still in flight
-        # are not written into a row another request took meanwhile (async scheduling)
-        self.row_gen = np.zeros(max_num_reqs, dtype=np.int64)
+        # the runner step that gave each row to its request, -1: free (a step's results
+        # land only in the rows it was prepared for)
+        self.added_at = np.full(max_num_reqs, -1, dtype=np.int64)
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
 
     def __len__(self) -> int:
         return len(self.row_of)
 
-    def add(self, new: NewRequestData, device: torch.device) -> None:
+    def record(self, rows: np.ndarray, step: int, tokens: np.ndarray, num: np.ndarray) -> None:
+        """Append the tokens step ``step`` accepted (``tokens[i, :num[i]]``) to ``rows``,
+        except rows that changed hands since that step was prepared."""
+        at = self.added_at[rows]
+        ok = (at >= 0) & (at <= step) & (num > 0)
+        rows, tokens, n = rows[ok], tokens[ok], num[ok]
+        if not len(rows):
+            return
+        cap = self.token_ids.shape[1]
+        start = self.num_tokens[rows]
+        if (n == 1).all():  # one token each (no drafts, or all rejected)
+            keep = start < cap
+            self.token_ids[rows[keep], start[keep]] = tokens[keep, 0]
+            self.num_tokens[rows] = np.minimum(start + 1, cap)
+            return
+        which = np.repeat(np.arange(len(rows)), n)
+        off = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+        pos = start[which] + off
+        keep = pos < cap
+        self.token_ids[rows[which][keep], pos[keep]] = tokens[which, off][keep]
+        self.num_tokens[rows] = np.minimum(start + n, cap)
+
+    def add(self, new: NewRequestData, device: torch.device, step: int) -> None:
         if new.req_id in self.row_of:
             self.remove(new.req_id)
         if not self._free_rows:
             raise RuntimeError("the runner has no free request row (max_num_seqs exceeded)")
         row = self._free_rows.pop()
         self.row_of[new.req_id] = row
-        self.row_gen[row] += 1
+        self.added_at[row] = step
         n = len(new.token_ids)
         self.token_ids[row, :n] = new.token_ids
-        self.num_tokens[row] = n
+        self.num_tokens[row] = self.prefill_len[row] = n
         self.num_prompt_tokens[row] = new.num_prompt_tokens
         self.num_computed[row] = new.num_computed_tokens
         nb = len(new.block_ids)
@@ -119,7 +145,7 @@ class InputBatch:
         self.allowed_ids[row] = None
         self.has_bias[row] = self.has_allowed[row] = self.has_penalties[row] = False
         self.prompt_logprobs[row] = -1
-        self.row_gen[row] += 1
+        self.added_at[row] = -1
         self.generators.pop(row, None)
         self.num_blocks[row] = 0
         self._free_rows.append(row)

@@ -74,14 +74,15 @@ class InputBuffers:
         self.seq_lens = BufferPair(r, i32, device)
         self.block_tables = BufferPair((r, max_blocks), i32, device)
         self.logits_idx = BufferPair(t, i64, device)
-        # draft ids of each request this step (-1: none or a placeholder)
+        # draft ids of each request this step (-1: none or a placeholder; on the host -1
+        # is one the device holds, -2 none)
         self.drafts = BufferPair((r, max(num_spec, 1)), i64, device)
         # per request: first logits row | logits rows | token index of the first row |
-        # the known token after its last one (-1: none)
-        self.per_req = BufferPair(4 * r, i64, device)
+        # the known token after its last one (-1: none) | its row | its scheduled tokens
+        self.per_req = BufferPair(6 * r, i64, device)
         self.samples = BufferPair(r, torch.bool, device)  # per request: it samples this step
-        # index arrays of the device-side fix-ups (async scheduling), packed in one upload
-        self.patch = BufferPair(5 * r + 4 * t, i64, device)
+        # index arrays of the request state's reads and resets, packed in one upload
+        self.state_idx = BufferPair(2 * r + 4 * t, i64, device)
 
     def common_metadata(
         self, num_reqs: int, num_tokens: int, max_query_len: int, max_seq_len: int

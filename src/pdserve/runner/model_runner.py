@@ -1,10 +1,12 @@
 """The model runner: turns a ``SchedulerOutput`` into one forward pass and accepted tokens.
 
-Three layers of batch state: the scheduler's requests (CPU objects), the runner's
-``InputBatch`` rows (numpy), and this step's device tensors, written into the static
+Batch state in four places: the scheduler's requests (CPU objects), the runner's
+``InputBatch`` rows (numpy: the row map and the host's counts), the request state on
+the device (:mod:`pdserve.runner.request_state`: what each step leaves for the next),
+and this step's device tensors, written into the static
 :class:`~pdserve.runner.input_buffers.InputBuffers` (so CUDA graphs replay over them).
-Batch prep is numpy over rows (:mod:`pdserve.runner.step_inputs`); the only host sync
-per step is reading the accepted tokens back.
+A step runs through the phases of :mod:`pdserve.runner.step_pipeline`; the only host
+sync per step is reading the accepted tokens back.
 
 A step computes ``num_scheduled_tokens`` per request; requests that reach their end
 sample. With a proposer (speculative decoding) the last ``num_drafts`` of a request's
@@ -13,7 +15,7 @@ rejection sampler, which accepts a prefix of the drafts plus one token, and the
 proposer drafts the next step's tokens from what was accepted, on the device.
 
 Data parallelism: each DP rank has its own runner on its own device (``groups``). Under
-expert parallelism (``lockstep``) every :meth:`ModelRunner.launch` gets the step's
+expert parallelism (``lockstep``) every step's launch gets the step's
 :class:`~pdserve.distributed.dp_sync.StepPlan`: the graph decision follows the plan (all
 ranks replay the same graph or all run eagerly), and a rank with nothing scheduled runs
 a dummy forward (:mod:`pdserve.runner.dummy_step`) whenever a peer runs a real one.
@@ -24,21 +26,19 @@ from __future__ import annotations
 import logging
 import time
 
-import numpy as np
 import torch
 
 from pdserve.config import EngineConfig
 from pdserve.core_types.cache_spec import KVCacheConfig
-from pdserve.core_types.scheduler_output import RunnerOutput, SchedulerOutput
+from pdserve.core_types.scheduler_output import SchedulerOutput
 from pdserve.core_types.utils import cdiv
-from pdserve.distributed.dp_sync import StepPlan
 from pdserve.distributed.groups import ParallelGroups
 from pdserve.forward_context import KVCaches
 from pdserve.layers.moe import MoE
-from pdserve.layers.sampler import Sampler, top_logprobs
+from pdserve.layers.sampler import Sampler
 from pdserve.runner.cuda_graph import CudaGraphManager
 from pdserve.runner.draft_graph import DraftGraphManager
-from pdserve.runner.dummy_step import DummyStep, plan_graph_key
+from pdserve.runner.dummy_step import DummyStep
 from pdserve.runner.graph_costs import time_step_costs
 from pdserve.runner.input_batch import InputBatch
 from pdserve.runner.input_buffers import InputBuffers
@@ -48,20 +48,12 @@ from pdserve.runner.memory import (
     resolve_device,
 )
 from pdserve.runner.model_step import ModelStep, collect_cache_layers
-from pdserve.runner.prompt_logprobs import (
-    PromptLogprobsPlan,
-    Scored,
-    piece_rows,
-    plan_prompt_logprobs,
-    score_prompt_rows,
-)
-from pdserve.runner.step_inputs import StepInputs, StepPreparer
-from pdserve.runner.step_outputs import Forwarded, HostOutputs, StepHandle, ragged
+from pdserve.runner.request_state import RequestState
+from pdserve.runner.step_inputs import StepPreparer
 from pdserve.runner.warmup import dummy_prompt_run, warm_up
 from pdserve.spec_decode.build import build_proposer
 from pdserve.spec_decode.mtp import MTPProposer
-from pdserve.spec_decode.proposer import DraftBatch, Proposer
-from pdserve.spec_decode.rejection_sampler import rejection_sample, token_logprobs
+from pdserve.spec_decode.proposer import Proposer
 
 logger = logging.getLogger(__name__)
 
@@ -183,21 +175,16 @@ class ModelRunner:
         self.batch = InputBatch(
             self.max_num_reqs, self.max_model_len, self.max_blocks_per_req, self.vocab_size
         )
+        self.state = RequestState(
+            self.max_num_reqs, self.num_spec, self.device, drafting=self.proposer is not None
+        )
         self.prep = StepPreparer(
-            self.batch,
-            self.buffers,
-            self.device,
-            self.vocab_size,
-            drafting=self.proposer is not None,
-            lookahead=self.lookahead,
+            self.batch, self.buffers, self.state, self.device, self.vocab_size, self.lookahead
         )
         self.num_blocks = 0
         self.graphs: CudaGraphManager | None = None
         self.draft_graphs: DraftGraphManager | None = None
         self._graph_key: tuple[int, int, int] | None = None  # the graph the last step replayed
-        pin = self.device.type == "cuda"
-        self._host = [HostOutputs(self.max_num_reqs, self.num_spec + 1, pin) for _ in range(2)]
-        self._slot = 0
         mtp_passes = self.num_spec if isinstance(self.proposer, MTPProposer) else 0
         self.dummy = DummyStep(self.step, mtp_passes) if self.lockstep else None
 
@@ -302,8 +289,9 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.step.kv_caches = KVCaches.allocate(self.kv_cache_config, num_blocks, self.device)
 
-    # -- one step --------------------------------------------------------------------------
-    def _update_states(self, so: SchedulerOutput) -> None:
+    # -- one step (:mod:`pdserve.runner.step_pipeline`) ----------------------------------
+    def update_rows(self, so: SchedulerOutput, step: int) -> None:
+        """Drop finished and preempted requests' rows, add new ones, update the rest."""
         # sorted: tensor-parallel ranks decode these sets in their own hash order, and
         # freed rows must be taken in the same order on every rank
         for rid in sorted(so.finished_req_ids):
@@ -311,289 +299,6 @@ class ModelRunner:
         for rid in sorted(so.preempted_req_ids):
             self.batch.remove(rid)
         for new in so.scheduled_new_reqs:
-            self.batch.add(new, self.device)
+            self.batch.add(new, self.device, step)
         for cached in so.scheduled_cached_reqs:
             self.batch.update(cached)
-
-    def launch(self, so: SchedulerOutput, plan: StepPlan | None = None) -> StepHandle:
-        """Enqueue the step's forward, sampling and drafting on the device and start
-        copying the results to the host; returns without waiting for the device. The
-        next step may be launched before this one is finished: what it needs from this
-        one is read on the device (:meth:`StepPreparer.prepare`). ``plan``: the DP
-        ranks' agreement for this step (``lockstep`` runners get one every step)."""
-        return self.complete(self.launch_forward(so, plan))
-
-    @torch.inference_mode()
-    def launch_forward(
-        self, so: SchedulerOutput, plan: StepPlan | None = None
-    ) -> StepHandle | Forwarded:
-        """:meth:`launch` up to the forward and prompt scoring; :meth:`complete` does the
-        rest (after deferred structured-output masks are filled into ``so``)."""
-        if self.lockstep and plan is None:
-            raise RuntimeError("an expert-parallel runner needs the DP step plan every step")
-        self._update_states(so)
-        if so.is_empty:
-            if plan is not None and plan.any_busy:
-                return StepHandle(None, self._dummy_forward(plan))
-            return StepHandle(None)
-        inp = self.prep.prepare(so)
-        hidden, logits, path = self._forward(inp, plan)
-        pplan, scored = self._score_prompts(inp, hidden)
-        return Forwarded(inp, hidden, logits, path, pplan, scored)
-
-    @torch.inference_mode()
-    def complete(self, fw: StepHandle | Forwarded, so: SchedulerOutput | None = None) -> StepHandle:
-        """:meth:`launch` from sampling on (drafting, the copies to the host); ``so``
-        brings masks filled after :meth:`launch_forward`."""
-        if isinstance(fw, StepHandle):
-            return fw
-        inp = fw.inp
-        if so is not None and so.masks_deferred:
-            self.prep.apply_masks(inp, so)
-        tokens, num, lp = self._sample(inp, fw.logits)
-        top = self._top_logprobs(inp, fw.logits, tokens.shape[1])
-        drafts = self._propose(inp, fw.hidden, tokens, num)
-        flight = self.prep.record_launch(inp, tokens, num, drafts)
-        n, width = len(inp.req_ids), tokens.shape[1]
-        self._slot ^= 1
-        host = self._host[self._slot]
-        host.tokens[:n, :width].copy_(tokens, non_blocking=True)
-        if num is not None:
-            host.num[:n].copy_(num, non_blocking=True)
-        if lp is not None:
-            host.logprobs[:n, :width].copy_(lp, non_blocking=True)
-        if drafts is not None:
-            host.drafts[:n, : drafts.shape[1]].copy_(drafts, non_blocking=True)
-        num_top = 0
-        if top is not None:
-            num_top = top[0].shape[2]
-            host.top_ids[:n, :width, :num_top].copy_(top[0], non_blocking=True)
-            host.top_lps[:n, :width, :num_top].copy_(top[1], non_blocking=True)
-        if fw.scored is not None:
-            host.prompt_host(self.max_num_tokens).copy_from(fw.scored)
-        event = None
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-        return StepHandle(
-            inp,
-            fw.path,
-            host,
-            width,
-            num is not None,
-            lp is not None,
-            drafts is not None,
-            num_top,
-            event,
-            flight,
-            fw.prompt_plan,
-        )
-
-    def finish(self, handle: StepHandle) -> RunnerOutput:
-        """Wait for a launched step and return what it accepted (the step's one host sync)."""
-        inp = handle.inp
-        if inp is None:
-            return RunnerOutput([], [], step_path=handle.path)
-        host = handle.host
-        assert host is not None
-        if handle.done_event is not None:
-            handle.done_event.synchronize()
-        self.prep.landed(handle.flight)
-        n, w = len(inp.req_ids), handle.width
-        tokens = host.tokens[:n, :w].numpy()
-        num = host.num[:n].numpy() if handle.has_num else np.ones(n, dtype=np.int64)
-        self._record_sampled(inp, tokens, num)
-        samples = inp.samples
-        sampled = ragged(tokens, num if handle.has_num else None, samples)
-        logprobs = None
-        if handle.has_logprobs:
-            lp = host.logprobs[:n, :w].numpy()
-            logprobs = ragged(lp, num if handle.has_num else None, samples)
-        drafts = None
-        if handle.has_drafts:
-            d = host.drafts[:n, : self.num_spec].numpy()
-            drafts = [d[i].tolist() if samples[i] else [] for i in range(n)]
-        out = RunnerOutput(inp.req_ids, sampled, logprobs, drafts, step_path=handle.path)
-        if handle.num_top:
-            k = handle.num_top
-            per = num if handle.has_num else None
-            out.top_token_ids = ragged(host.top_ids[:n, :w, :k].numpy(), per, samples)
-            out.top_logprobs = ragged(host.top_lps[:n, :w, :k].numpy(), per, samples)
-        if handle.prompt_plan is not None:
-            out.prompt_logprobs = host.prompt_host(self.max_num_tokens).read(handle.prompt_plan)
-        return out
-
-    def _score_prompts(
-        self, inp: StepInputs, hidden: torch.Tensor
-    ) -> tuple[PromptLogprobsPlan | None, Scored | None]:
-        """Score the prompt positions this step computes for the requests that asked for
-        prompt logprobs (:mod:`pdserve.runner.prompt_logprobs`); (None, None) if none."""
-        b = self.batch
-        plan = plan_prompt_logprobs(
-            inp.req_ids,
-            inp.rows,
-            inp.num_scheduled,
-            b.num_computed,
-            b.num_prompt_tokens,
-            b.prompt_logprobs,
-            b.token_ids,
-            self.device,
-        )
-        if plan is None:
-            return None, None
-        rows = piece_rows(self.vocab_size)
-        return plan, score_prompt_rows(hidden, plan, self.step.logits, rows)
-
-    def _dummy_forward(self, plan: StepPlan) -> str:
-        """An idle rank's forward for a step a peer computes (see ``dummy_step``)."""
-        assert self.dummy is not None
-        key = plan_graph_key(self.graphs, plan)
-        self._graph_key = None
-        if key is None:
-            self.dummy.run_eager()
-            return "dummy:eager"
-        assert self.graphs is not None
-        self.prep.wait_staging()  # fill_padding rewrites the pinned staging buffers
-        self.dummy.run_graph(self.graphs, self.draft_graphs, key)
-        self.prep.mark_staging_read()
-        return "dummy:graph"
-
-    def _forward(
-        self, inp: StepInputs, plan: StepPlan | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, str]:
-        """(hidden states of every scheduled token, logits of the sampled rows, path),
-        from a graph replay or an eager forward.
-
-        The path is "graph", or "eager:<why>": graphs_off, not_uniform_decode (a prompt,
-        a chunk or a mixed batch; with a DP ``plan``: on any busy rank), no_graph_for_shape
-        (more requests than the largest capture; with a plan: on the busiest rank)."""
-        nreq, t = len(inp.req_ids), inp.num_tokens
-        q = inp.uniform_query_len if plan is None else plan.uniform_q
-        size = nreq if plan is None else plan.max_reqs
-        self._graph_key = None
-        if self.graphs is None:
-            path = "eager:graphs_off"
-        elif q is None or q not in self.graphs.query_lens:
-            path = "eager:not_uniform_decode"  # prompts, chunks, mixed batches
-        else:
-            padded = self.graphs.padded_size(size, q)
-            if padded is not None:
-                width = self.graphs.width_for(inp.common.max_seq_len if plan is None else None)
-                self._graph_key = (padded, q, width)
-                self.buffers.fill_padding(nreq, t, padded, q)
-                self.prep.mark_staging_read()
-                hidden, logits = self.graphs.replay(padded, q, width)
-                return hidden[:t], self._logit_rows(inp, logits), "graph"
-            path = "eager:no_graph_for_shape"
-        self.prep.mark_staging_read()
-        hidden = self.step.hidden(inp.common)
-        rows = hidden[: inp.num_logit_rows] if inp.logits_idx is None else hidden[inp.logits_idx]
-        return hidden, self.step.logits(rows), path
-
-    @staticmethod
-    def _logit_rows(inp: StepInputs, logits: torch.Tensor) -> torch.Tensor:
-        """The sampled rows of a graph's logits (one per padded token)."""
-        if inp.logits_idx is None:
-            return logits[: inp.num_logit_rows]
-        return logits[inp.logits_idx]
-
-    def _sample(
-        self, inp: StepInputs, logits: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """(tokens [B, w], accepted counts [B] or None when all are 1, logprobs [B, w])."""
-        md = inp.sampling
-        if inp.drafts is None:
-            sampled, lp = self.sampler(logits, md)
-            return sampled.unsqueeze(1), None, lp.unsqueeze(1) if lp is not None else None
-        assert inp.row_start is not None and inp.num_rows is not None
-        tokens, num = rejection_sample(
-            self.sampler,
-            logits,
-            md,
-            inp.drafts,
-            inp.row_start,
-            inp.num_rows,
-            self.rejection_method,
-            self.synthetic_rate,
-        )
-        lp = token_logprobs(logits, tokens, inp.row_start) if md.need_logprobs else None
-        return tokens, num, lp
-
-    def _top_logprobs(
-        self, inp: StepInputs, logits: torch.Tensor, width: int
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(ids, logprobs) [B, width, N] of each sampled position's top-N, when asked."""
-        n = inp.sampling.num_top_logprobs
-        if not n:
-            return None
-        if inp.drafts is None:
-            ids, lps = top_logprobs(logits, n)
-            return ids.unsqueeze(1), lps.unsqueeze(1)
-        assert inp.row_start is not None
-        ar = torch.arange(width, device=logits.device)
-        rows = (inp.row_start[:, None] + ar[None, :]).clamp(max=logits.shape[0] - 1)
-        ids, lps = top_logprobs(logits, n)
-        return ids[rows], lps[rows]
-
-    def _propose(
-        self,
-        inp: StepInputs,
-        hidden: torch.Tensor,
-        tokens: torch.Tensor,
-        num: torch.Tensor | None,
-    ) -> torch.Tensor | None:
-        if self.proposer is None or not inp.propose:
-            return None
-        n = len(inp.req_ids)
-        assert inp.first_token is not None
-        counts = num if num is not None else torch.ones(n, dtype=torch.int64, device=self.device)
-        dg = self.draft_graphs
-        if dg is not None and self._graph_key in dg.graphs:
-            assert inp.next_ids is not None and inp.sample_mask is not None
-            key = self._graph_key
-            return dg.run(key, tokens, counts, inp.first_token, inp.next_ids, inp.sample_mask)
-        b = self.batch
-        batch = DraftBatch(
-            req_ids=inp.req_ids,
-            rows=inp.rows,
-            samples=inp.samples,
-            token_table=b.token_ids,
-            num_prompt_tokens=b.num_prompt_tokens[inp.rows],
-            num_known=b.num_tokens[inp.rows],
-            max_context=inp.common.max_seq_len + 1,
-            sampled=tokens,
-            num_sampled=counts,
-            next_positions=self.buffers.positions.dev.index_select(0, inp.first_token) + counts,
-            hidden=hidden,
-            query_start_loc=inp.common.query_start_loc,
-            input_ids=self.buffers.input_ids.dev[: inp.num_tokens],
-            positions=self.buffers.positions.dev[: inp.num_tokens],
-            common=inp.common,
-            first_token=inp.first_token,
-            num_rows=inp.num_rows,
-            last_next_ids=inp.next_ids,
-            block_tables=self.buffers.block_tables.dev[:n],
-            sample_mask=inp.sample_mask,
-        )
-        return self.proposer.propose(batch)
-
-    def _record_sampled(self, inp: StepInputs, tokens: np.ndarray, num: np.ndarray) -> None:
-        """Append each sampling request's accepted tokens to its row (rows that changed
-        hands since the step was prepared are left alone)."""
-        b = self.batch
-        ok = (b.row_gen[inp.rows] == inp.row_gens) & inp.samples
-        rows, n = inp.rows[ok], num[ok]
-        if not len(rows):
-            return
-        start = b.num_tokens[rows]
-        if (n == 1).all():  # one token each (no drafts, or all rejected)
-            keep1 = start < self.max_model_len
-            b.token_ids[rows[keep1], start[keep1]] = tokens[ok][keep1, 0]
-            b.num_tokens[rows] = np.minimum(start + 1, self.max_model_len)
-            return
-        which = np.repeat(np.arange(len(rows)), n)
-        off = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
-        pos = start[which] + off
-        keep = pos < self.max_model_len
-        b.token_ids[rows[which][keep], pos[keep]] = tokens[ok][which, off][keep]
-        b.num_tokens[rows] = np.minimum(start + n, self.max_model_len)

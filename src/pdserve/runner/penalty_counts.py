@@ -1,11 +1,10 @@
 """The counts presence, frequency and repetition penalties read, per logits row.
 
 A row's counts are of the output tokens before the token it samples. The host knows a
-request's tokens up to its ``num_tokens``; under async scheduling the step in flight
-adds tokens the host has not seen yet, and they are read on the device: its last
-accepted token is this step's first input id (patched in by
-:meth:`~pdserve.runner.step_inputs.StepPreparer.prepare`), and the drafts it accepted
-before that (when it verified drafts) are in its accepted tokens. A verify's row ``j``
+request's tokens up to its ``num_tokens`` (those of the steps that landed); the rest
+are read on the device: the last token accepted is this step's first input id (filled
+from the :class:`~pdserve.runner.request_state.RequestState`), and the drafts accepted
+before it by a step that has not landed are that state's ``sampled`` tokens. A verify's row ``j``
 also counts this step's drafts ``0 .. j-1``, which are its input ids after the first:
 row ``j`` judges the token that would follow them. So each verified position is
 penalised as the engine without speculation penalises that position.
@@ -13,7 +12,7 @@ penalised as the engine without speculation penalises that position.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,22 +20,13 @@ import torch
 from pdserve.layers.sampler import Penalties
 from pdserve.runner.input_batch import InputBatch
 from pdserve.runner.input_buffers import InputBuffers, upload
-
-
-class InFlight(Protocol):
-    """What these counts read of the step in flight (``step_inputs.InFlight``)."""
-
-    tokens: torch.Tensor  # [B, k+1] accepted tokens
-    num: torch.Tensor | None  # [B] accepted counts
-    index: np.ndarray  # row -> its batch index in that step, -1: sampled none
-    num_rows: np.ndarray | None  # row -> tokens it verified
-    row_gens: np.ndarray  # row -> its generation when that step was prepared
+from pdserve.runner.request_state import RequestState
 
 
 def penalties(
     b: InputBatch,
     buf: InputBuffers,
-    prev: InFlight | None,
+    state: RequestState,
     rrows: np.ndarray,
     params: list[Any],
     lreq: np.ndarray,
@@ -82,7 +72,11 @@ def penalties(
             torch.ones(len(flat), device=dev),
             accumulate=True,
         )
-    _add_accepted_in_flight(counts, b, prev, prow, dev)
+    unlanded = state.unlanded_outputs(upload(prow, dev), upload(b.num_tokens[prow], dev))
+    if unlanded is not None:
+        toks, weight = unlanded
+        rows = torch.arange(len(sel), device=dev)[:, None].expand_as(toks)
+        counts.index_put_((rows, toks), weight, accumulate=True)
     prompt = torch.zeros((len(sel), vocab), dtype=torch.bool, device=dev)
     prompt[upload(np.repeat(k, plen), dev), upload(prompt_ids, dev)] = True
     ps = [params[i] for i in sel]
@@ -94,27 +88,3 @@ def penalties(
         upload(np.array([p.frequency_penalty for p in ps], dtype=np.float32), dev),
         upload(np.array([p.repetition_penalty for p in ps], dtype=np.float32), dev),
     )
-
-
-def _add_accepted_in_flight(
-    counts: torch.Tensor,
-    b: InputBatch,
-    prev: InFlight | None,
-    prow: np.ndarray,
-    dev: torch.device,
-) -> None:
-    """Count the drafts the step in flight accepted for these rows (all its accepted
-    tokens but the last, which is this step's first input id, counted already)."""
-    if prev is None or prev.num is None or prev.num_rows is None:
-        return
-    src = np.where(prev.row_gens[prow] == b.row_gen[prow], prev.index[prow], -1)
-    hit = np.flatnonzero((src >= 0) & (prev.num_rows[prow] > 1))
-    if not len(hit):
-        return
-    at = upload(src[hit], dev)
-    toks = prev.tokens.index_select(0, at)  # [H, k+1], -1 past the count
-    accepted = prev.num.index_select(0, at) - 1
-    width = torch.arange(toks.shape[1], device=dev)
-    weight = (width[None, :] < accepted[:, None]).to(torch.float32)
-    rows = upload(hit, dev)[:, None].expand_as(toks)
-    counts.index_put_((rows, toks.clamp(min=0)), weight, accumulate=True)

@@ -11,7 +11,7 @@ import torch
 
 from pdserve.core_types.sampling_params import MAX_LOGPROBS
 from pdserve.runner.prompt_logprobs import PromptLogprobsHost, PromptLogprobsPlan, Scored
-from pdserve.runner.step_inputs import InFlight, StepInputs
+from pdserve.runner.step_inputs import StepInputs
 
 
 class HostOutputs:
@@ -36,16 +36,47 @@ class HostOutputs:
 
 
 @dataclass
-class Forwarded:
-    """A step whose forward is enqueued and whose sampling is not (yet): what
-    :meth:`ModelRunner.complete <pdserve.runner.model_runner.ModelRunner.complete>` needs."""
+class Copied:
+    """Views of one step's results in a :class:`HostOutputs` slot (None: not copied)."""
 
-    inp: StepInputs
-    hidden: torch.Tensor
-    logits: torch.Tensor
-    path: str
-    prompt_plan: PromptLogprobsPlan | None
-    scored: Scored | None
+    tokens: torch.Tensor  # [B, w] accepted tokens
+    num: torch.Tensor | None  # [B] accepted counts (None: one each)
+    logprobs: torch.Tensor | None  # [B, w]
+    drafts: torch.Tensor | None  # [B, k] proposed for the next step
+    top: tuple[torch.Tensor, torch.Tensor] | None  # [B, w, N] top ids and logprobs
+    prompt: PromptLogprobsHost | None  # prompt logprobs scored this step
+
+
+def copy_out(
+    host: HostOutputs,
+    tokens: torch.Tensor,
+    num: torch.Tensor | None,
+    lp: torch.Tensor | None,
+    drafts: torch.Tensor | None,
+    top: tuple[torch.Tensor, torch.Tensor] | None,
+    scored: Scored | None,
+    max_tokens: int,
+) -> Copied:
+    """Start the non-blocking copies of a step's results into ``host``."""
+    n, w = tokens.shape
+
+    def put(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        view = dst[tuple(slice(0, d) for d in src.shape)]
+        view.copy_(src, non_blocking=True)
+        return view
+
+    prompt = None
+    if scored is not None:
+        prompt = host.prompt_host(max_tokens)
+        prompt.copy_from(scored)
+    return Copied(
+        put(host.tokens, tokens),
+        put(host.num, num) if num is not None else None,
+        put(host.logprobs, lp) if lp is not None else None,
+        put(host.drafts, drafts) if drafts is not None else None,
+        (put(host.top_ids, top[0]), put(host.top_lps, top[1])) if top is not None else None,
+        prompt,
+    )
 
 
 @dataclass
@@ -54,14 +85,8 @@ class StepHandle:
 
     inp: StepInputs | None  # None for an empty step
     path: str = "eager"
-    host: HostOutputs | None = None
-    width: int = 1  # accepted tokens per request at most (1 + drafts)
-    has_num: bool = False
-    has_logprobs: bool = False
-    has_drafts: bool = False
-    num_top: int = 0  # top logprobs per token copied to the host
+    copied: Copied | None = None
     done_event: torch.cuda.Event | None = None
-    flight: InFlight | None = None
     prompt_plan: PromptLogprobsPlan | None = None  # prompt_logprobs scored this step
 
 

@@ -2,9 +2,9 @@
 
 Lifecycle: the runner calls :meth:`Proposer.propose` once per step, right after the
 step's tokens were sampled, while everything is still on the device; what it returns
-becomes the next step's drafts. Under async scheduling the host never sees them before
-the next step runs (the runner patches them in on the device); in synchronous mode they
-travel through the scheduler as ``scheduled_spec_decode_tokens``.
+becomes the next step's drafts: the runner keeps them in its request state on the
+device, where the next step reads the drafts the scheduler sends as -1 (under async
+scheduling it has not seen them); they also reach the scheduler when the step lands.
 """
 
 from __future__ import annotations
