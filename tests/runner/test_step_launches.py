@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from pdserve import LLM, SamplingParams
-from pdserve.bench.launch_count import LaunchCounter, LaunchCounts, format_table
+from pdserve.profiling.launch_count import LaunchCounter, LaunchCounts, format_table
 
 SPECS: dict[str, tuple[dict[str, Any] | None, int]] = {
     "plain": (None, 2),  # (speculative config, most post_update launches)

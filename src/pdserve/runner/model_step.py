@@ -32,8 +32,8 @@ def collect_cache_layers(
     """Name every cache-owning module by its path in the model, ask it for its cache,
     and group the answers. Returns the config and each group's layers. With
     ``fp8_kv_dtype`` (``--kv-cache-dtype fp8``) the owners that read an FP8 cache
-    (``supports_fp8_cache``: GQA attention, MLA) get that dtype; the rest (the DSA
-    indexer) keep ``kv_dtype``. Without it, FP8 KV cache scales the checkpoint gave are
+    (``supports_fp8_cache``: GQA attention, MLA, the DSA indexer, whose fp8 layout
+    carries a scale a key) get that dtype; any other keeps ``kv_dtype``. Without it, FP8 KV cache scales the checkpoint gave are
     ignored (as vLLM ignores them with an unquantized cache), which is logged once."""
     entries = []
     layers: dict[str, list[nn.Module]] = {}
