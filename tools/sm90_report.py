@@ -263,6 +263,16 @@ def decode_prep_variants() -> list[Variant]:
                     frozenset(), frozenset(), 4, 1, expect_no_spills=True)
         )  # fmt: skip
     out.append(
+        Variant("post_update", _kernel("request_state", "_post_update_kernel"),
+                _fixed(HAS_NUM=True, HAS_ROWS=True, HAS_DRAFTS=True, DRAFTING=True, BLOCK_W=4,
+                       BLOCK_K=4),
+                {n: "*i1" if n == "samples_ptr" else "*i64" for n in (
+                    "rows_ptr", "nsched_ptr", "num_rows_ptr", "samples_ptr", "tokens_ptr",
+                    "num_ptr", "drafts_ptr", "last_ptr", "sampled_ptr", "num_sampled_ptr",
+                    "state_drafts_ptr", "computed_ptr")},
+                frozenset(), frozenset(), 1, 1, expect_no_spills=True)
+    )  # fmt: skip
+    out.append(
         Variant("moe_combine", _kernel("moe_align", "_combine_kernel"),
                 _fixed(K=8, BLOCK=1024, HAS_ADD=True),
                 {"rows_ptr": "*bf16", "add_ptr": "*bf16", "out_ptr": "*bf16"},

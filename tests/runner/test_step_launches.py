@@ -1,6 +1,7 @@
 """A decode step through the step pipeline reads nothing back from the device (no host
 sync: the step's one sync is landing its results), and the request state's
-``post_update`` is a handful of torch ops (counted on the CPU with the launch counter)."""
+``post_update`` is a handful of torch ops (counted on the CPU with the launch counter; on
+CUDA one launch, tests/kernels/test_request_state_kernel.py)."""
 
 from __future__ import annotations
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pdserve.layers.fused import use_fused_kernels
 from pdserve.runner.input_buffers import InputBuffers
 
 
@@ -38,6 +39,7 @@ class RequestState:
     ) -> None:
         r, k, i64 = max_num_reqs, max(num_spec, 1), torch.int64
         self.drafting = drafting  # drafts can be rejected: num_computed is kept here
+        self.fused = use_fused_kernels(device)  # post_update in one kernel launch
         # one extra row (index r): where rows that sampled nothing write, unread
         self.scratch = r
         self.last_token = torch.zeros(r + 1, dtype=i64, device=device)
@@ -100,7 +102,17 @@ class RequestState:
         num: torch.Tensor | None,  # [B] accepted counts; None: all 1
         drafts: torch.Tensor | None,  # [B, k] proposed for the next step
     ) -> None:
-        """After sampling and drafting: record the step in its rows (torch ops, no sync)."""
+        """After sampling and drafting: record the step in its rows (no sync; on CUDA one
+        launch, :func:`pdserve.kernels.request_state.post_update`; these torch ops are its
+        reference)."""
+        if self.fused:
+            from pdserve.kernels.request_state import post_update
+
+            return post_update(
+                self.last_token, self.sampled, self.num_sampled, self.drafts,
+                self.num_computed, self.scratch, self.drafting,
+                rows, nsched, num_rows, samples, tokens, num, drafts,
+            )  # fmt: skip
         n, w = tokens.shape
         dst = torch.where(samples, rows, self.scratch)
         if num is None:
