@@ -7,15 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.kernels.request_state import post_update
 from pdserve.runner.request_state import RequestState
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 R, S = 8, 3  # rows, speculative tokens
 
 
-def _state(drafting: bool, seed: int) -> RequestState:
-    st = RequestState(R, S, torch.device("cpu"), drafting)
+def _state(drafting: bool, seed: int, device: torch.device, fused: bool) -> RequestState:
+    st = RequestState(R, S, device, drafting)
+    st.fused = fused
     g = torch.Generator().manual_seed(seed)
     for t in (st.last_token, st.sampled, st.num_sampled, st.drafts, st.num_computed):
         t.copy_(torch.randint(0, 50, t.shape, generator=g))
@@ -46,15 +46,11 @@ def _case(kind: str, seed: int) -> dict[str, torch.Tensor | None]:
                                                 ("verify", True), ("drafts", True)])  # fmt: skip
 def test_one_launch_post_update_equals_the_torch_ops(kind: str, drafting: bool) -> None:
     case = _case(kind, 3)
-    want = _state(drafting, 1)
+    want = _state(drafting, 1, torch.device("cpu"), fused=False)  # the torch op chain
     want.post_update(**case)  # type: ignore[arg-type]
-    got = _state(drafting, 1)
-    dev = {k: (v.to(DEV) if v is not None else None) for k, v in case.items()}
-    state = [t.to(DEV) for t in (got.last_token, got.sampled, got.num_sampled, got.drafts,
-                                 got.num_computed)]  # fmt: skip
-    post_update(*state, got.scratch, drafting, **dev)  # type: ignore[arg-type]
-    names = ("last_token", "sampled", "num_sampled", "drafts", "num_computed")
-    for name, t in zip(names, state, strict=True):
-        ref = getattr(want, name)
-        # the scratch row is written by every row that sampled nothing: unread, unspecified
-        assert torch.equal(t.cpu()[: R], ref[: R]), (name, t.cpu(), ref)
+    got = _state(drafting, 1, DEV, fused=True)  # kernels.request_state.post_update
+    got.post_update(**{k: (v.to(DEV) if v is not None else None) for k, v in case.items()})  # type: ignore[arg-type]
+    for name in ("last_token", "sampled", "num_sampled", "drafts", "num_computed"):
+        # the scratch row (R) is written by every row that sampled nothing: unread
+        t, ref = getattr(got, name).cpu()[:R], getattr(want, name)[:R]
+        assert torch.equal(t, ref), (name, t, ref)
