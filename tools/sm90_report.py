@@ -273,6 +273,16 @@ def decode_prep_variants() -> list[Variant]:
                 frozenset(), frozenset(), 1, 1, expect_no_spills=True)
     )  # fmt: skip
     out.append(
+        Variant("place", _kernel("request_state", "_place_kernel"),
+                _fixed(DRAFTING=True, BLOCK=128),
+                {n: "*i32" if n in ("seq_ptr", "bt_ptr") else "*i64" for n in (
+                    "ids_ptr", "pos_ptr", "seq_ptr", "slots_ptr", "req_idx_ptr", "q_idx_ptr",
+                    "bt_ptr", "rows_ptr", "nsched_ptr", "last_at_ptr", "last_req_ptr",
+                    "drafts_ptr", "draft_at_ptr", "draft_flat_ptr", "last_tok_ptr",
+                    "computed_ptr")},
+                frozenset(), frozenset(), 4, 1, expect_no_spills=True)
+    )  # fmt: skip
+    out.append(
         Variant("moe_combine", _kernel("moe_align", "_combine_kernel"),
                 _fixed(K=8, BLOCK=1024, HAS_ADD=True),
                 {"rows_ptr": "*bf16", "add_ptr": "*bf16", "out_ptr": "*bf16"},

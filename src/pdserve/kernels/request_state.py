@@ -1,14 +1,23 @@
-"""The request state's ``post_update`` in one launch (:mod:`pdserve.runner.request_state`).
+"""The request state's two per-step op chains in few launches
+(:mod:`pdserve.runner.request_state`; their torch ops there are the references).
 
-After a step samples (and its drafter proposes), each of its requests records in its
-``InputBatch`` row: the last accepted token, and with a drafter also the accepted
-tokens and their count, the drafts proposed for the next step (-1: none) and the
-computed-token count moved by the scheduled tokens less the rejected drafts. A request
-that sampled nothing (a prompt chunk short of its end) writes into the scratch row
-instead, except its computed count. The torch reference is
-:meth:`RequestState.post_update`'s op chain (about a dozen launches with a drafter);
-here one program per request does all of it. Rows are distinct within a step, so the
-computed count is a plain read-modify-write. No host sync (CUDA-graph safe).
+**post_update** (one launch). After a step samples (and its drafter proposes), each of
+its requests records in its ``InputBatch`` row: the last accepted token, and with a
+drafter also the accepted tokens and their count, the drafts proposed for the next step
+(-1: none) and the computed-token count moved by the scheduled tokens less the rejected
+drafts. A request that sampled nothing (a prompt chunk short of its end) writes into the
+scratch row instead, except its computed count. One program per request; rows are
+distinct within a step, so the computed count is a plain read-modify-write.
+
+**place** (two launches; one without drafts). Before the next step's forward: the
+scheduler's drafts are merged with the state's (-1: the state's, -2: none, stored as
+-1), then one launch fills what only the device knows: the inputs that are a row's last
+sampled token, the draft inputs (token 0 where there is none), and with a drafter the
+positions, sequence lengths and slots from the device's computed counts. Its programs
+split into four ranges by ``program_id`` (tokens, requests, last tokens, drafts); the
+draft inputs read the merged drafts, which is why the merge is a launch of its own.
+
+No host sync in either (CUDA-graph safe).
 """
 
 from __future__ import annotations
@@ -125,3 +134,114 @@ def post_update(
         BLOCK_K=next_pow2(max(k, 1)),
         num_warps=1,
     )
+
+
+@triton.jit
+def _merge_drafts_kernel(
+    drafts_ptr, rows_ptr, state_drafts_ptr, kd, stride_dr, stride_sd,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0).to(tl.int64)
+    row = tl.load(rows_ptr + b).to(tl.int64)
+    j = tl.arange(0, BLOCK_K)
+    ok = j < kd
+    d = tl.load(drafts_ptr + b * stride_dr + j, mask=ok)
+    s = tl.load(state_drafts_ptr + row * stride_sd + j, mask=ok)
+    tl.store(drafts_ptr + b * stride_dr + j, tl.maximum(tl.where(d == -1, s, d), -1), mask=ok)
+
+
+@triton.jit
+def _place_kernel(
+    ids_ptr, pos_ptr, seq_ptr, slots_ptr, req_idx_ptr, q_idx_ptr, bt_ptr, rows_ptr,
+    nsched_ptr, last_at_ptr, last_req_ptr, drafts_ptr, draft_at_ptr, draft_flat_ptr,
+    last_tok_ptr, computed_ptr, num_tokens, num_reqs, num_last, num_drafts, kd, stride_bt,
+    stride_dr, page, p_tok, p_req, p_last,
+    DRAFTING: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    if pid < p_tok:  # positions and slots from the device's computed counts
+        t = pid * BLOCK + offs
+        m = t < num_tokens
+        r = tl.load(req_idx_ptr + t, mask=m, other=0)
+        row = tl.load(rows_ptr + r, mask=m, other=0)
+        pos = tl.load(computed_ptr + row, mask=m, other=0) + tl.load(q_idx_ptr + t, mask=m)
+        tl.store(pos_ptr + t, pos, mask=m)
+        blk = tl.load(bt_ptr + r * stride_bt + pos // page, mask=m, other=0).to(tl.int64)
+        tl.store(slots_ptr + t, blk * page + pos % page, mask=m)
+    elif pid < p_tok + p_req:  # sequence lengths
+        b = (pid - p_tok) * BLOCK + offs
+        m = b < num_reqs
+        row = tl.load(rows_ptr + b, mask=m, other=0)
+        seq = tl.load(computed_ptr + row, mask=m, other=0) + tl.load(nsched_ptr + b, mask=m)
+        tl.store(seq_ptr + b, seq.to(tl.int32), mask=m)
+    elif pid < p_tok + p_req + p_last:  # inputs that are a row's last sampled token
+        i = (pid - p_tok - p_req) * BLOCK + offs
+        m = i < num_last
+        row = tl.load(rows_ptr + tl.load(last_req_ptr + i, mask=m, other=0), mask=m, other=0)
+        tok = tl.load(last_tok_ptr + row, mask=m)
+        tl.store(ids_ptr + tl.load(last_at_ptr + i, mask=m, other=0), tok, mask=m)
+    else:  # draft inputs, from the merged drafts (-1: none, fed as token 0)
+        i = (pid - p_tok - p_req - p_last) * BLOCK + offs
+        m = i < num_drafts
+        flat = tl.load(draft_flat_ptr + i, mask=m, other=0)
+        d = tl.load(drafts_ptr + (flat // kd) * stride_dr + flat % kd, mask=m, other=0)
+        tl.store(ids_ptr + tl.load(draft_at_ptr + i, mask=m, other=0), tl.maximum(d, 0), mask=m)
+
+
+_PLACE_BLOCK = 128
+
+
+def place(
+    ids: torch.Tensor,  # [T'] int64: the step's input ids
+    positions: torch.Tensor,  # [T'] int64
+    seq_lens: torch.Tensor,  # [B'] int32
+    slots: torch.Tensor,  # [T'] int64
+    req_idx: torch.Tensor,  # [T'] int64
+    q_idx: torch.Tensor,  # [T'] int64
+    block_tables: torch.Tensor,  # [B', blocks] int32
+    page: int,
+    last_token: torch.Tensor,  # [R + 1] int64
+    drafts_state: torch.Tensor,  # [R + 1, K] int64
+    num_computed: torch.Tensor,  # [R + 1] int64
+    drafting: bool,
+    rows: torch.Tensor,  # [B]
+    nsched: torch.Tensor,  # [B]
+    num_tokens: int,
+    last_at: torch.Tensor,  # [L]
+    last_req: torch.Tensor,  # [L]
+    drafts: torch.Tensor | None,  # [B, kd]: -1 from the state, -2 none (merged in place)
+    draft_at: torch.Tensor | None,  # [D]
+    draft_flat: torch.Tensor | None,  # [D]
+) -> None:
+    """What :meth:`RequestState.place` does with torch ops, in two launches (one without
+    drafts): the drafts merged with the state's, then the inputs only the device knows
+    (last tokens, drafts, and with a drafter positions, sequence lengths and slots)."""
+    check_device(ids, "place")
+    n = rows.shape[0]
+    kd = 0
+    if drafts is not None and n:
+        kd = drafts.shape[1]
+        _merge_drafts_kernel[(n,)](
+            drafts, rows, drafts_state, kd, drafts.stride(0), drafts_state.stride(0),
+            BLOCK_K=next_pow2(max(kd, 1)), num_warps=1,
+        )  # fmt: skip
+    nd = draft_at.shape[0] if draft_at is not None else 0
+    blocks = [
+        triton.cdiv(num_tokens, _PLACE_BLOCK) if drafting else 0,
+        triton.cdiv(n, _PLACE_BLOCK) if drafting else 0,
+        triton.cdiv(last_at.shape[0], _PLACE_BLOCK),
+        triton.cdiv(nd, _PLACE_BLOCK),
+    ]
+    if not sum(blocks):
+        return
+    _place_kernel[(sum(blocks),)](
+        ids, positions, seq_lens, slots, req_idx, q_idx, block_tables, rows, nsched,
+        last_at, last_req, drafts if drafts is not None else ids,
+        draft_at if draft_at is not None else last_at,
+        draft_flat if draft_flat is not None else last_at,
+        last_token, num_computed, num_tokens, n, last_at.shape[0], nd, max(kd, 1),
+        block_tables.stride(0), drafts.stride(0) if drafts is not None else 0, page,
+        blocks[0], blocks[1], blocks[2],
+        DRAFTING=drafting, BLOCK=_PLACE_BLOCK, num_warps=4,
+    )  # fmt: skip

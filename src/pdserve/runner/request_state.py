@@ -71,7 +71,18 @@ class RequestState:
         draft_flat: torch.Tensor | None,  # [D] their flat index into ``drafts``
     ) -> None:
         """Fill the step's inputs that only the device knows: the last sampled tokens,
-        the drafts, and (with a drafter) positions, sequence lengths and slots."""
+        the drafts, and (with a drafter) positions, sequence lengths and slots (on CUDA
+        in two launches, :func:`pdserve.kernels.request_state.place`; these torch ops are
+        its reference)."""
+        if self.fused:
+            from pdserve.kernels.request_state import place
+
+            return place(
+                buf.input_ids.dev, buf.positions.dev, buf.seq_lens.dev, buf.slots.dev,
+                buf.req_idx.dev, buf.q_idx.dev, buf.block_tables.dev, buf.block_size,
+                self.last_token, self.drafts, self.num_computed, self.drafting,
+                rows, nsched, num_tokens, last_at, last_req, drafts, draft_at, draft_flat,
+            )  # fmt: skip
         t, n = num_tokens, rows.shape[0]
         ids = buf.input_ids.dev
         if last_at.shape[0]:
