@@ -7,6 +7,7 @@
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh p10
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh glm5-sla [mtp]
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh d10
+#   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh c11   (first)
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh f11
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh f11g
 #   device run (carry [".whl", ".baseline"]): PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh r11
@@ -35,6 +36,10 @@
 #       transformers fp32 against transformers' own bf16), transformers' prefill and decode.
 # d10   benchmarks/spec_bench.py decode (issue 27): TPOT by streams 1-256 x 16K for no
 #       speculation and MTP k=1/k=3 at synthetic 0.5/0.7/0.9, with the step roofline.
+# c11   before any speed run: session 11's CUDA paths compiled and checked (the request
+#       state's post_update/place kernels run in every engine step on CUDA; the fp8
+#       activation producers, the fp8 indexer keys, the 16-byte block copy), then the
+#       gpu-marked engine, runner and KV-transfer tests.
 # f11   FP8 (issue 28) and KV transfer (issue 29): the new kernels' parity compiled on CUDA
 #       (fp8 activations from the norm / SiLU-and-mul, the FP8 GEMM reading them, the FP8
 #       MoE, the fp8 indexer-key cache), fp8_bench on llama-8b-shape (bf16 beside FP8:
@@ -84,7 +89,7 @@
 #       --enable-expert-parallel against one GPU, the same closed-loop load per rank
 #       (32 streams per GPU, 1024 in / 256 out): output tok/s per GPU and mean TPOT.
 set -uo pipefail
-stage="${1:?usage: run_pending.sh k10|p10|d10|f11|f11g|r11|r11g|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl-install|nixl|x2|dpep N}"
+stage="${1:?usage: run_pending.sh k10|p10|d10|c11|f11|f11g|r11|r11g|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl-install|nixl|x2|dpep N}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 start=$(date +%s)
 source scripts/gpu-env
@@ -195,6 +200,15 @@ case "$stage" in
     timeout 570 python3 benchmarks/spec_bench.py --sections decode --out "$OUT/spec_decode.json" \
       > "$OUT/spec_decode.log" 2>&1
     quiet < "$OUT/spec_decode.log" | tail -30
+    ;;
+  c11)
+    timeout 240 python3 -m pytest -p no:cacheprovider -q -rfE \
+      tests/kernels/test_request_state_kernel.py tests/kernels/test_fp8_activation.py \
+      tests/kernels/test_fp8.py tests/kernels/test_fused_moe_fp8.py tests/kernels/test_rmsnorm.py \
+      tests/kernels/test_activation.py tests/kernels/test_dsa_indexer.py \
+      tests/kernels/test_mla_prep.py tests/kv_transfer/test_block_copy.py 2>&1 | tail -20
+    timeout 300 python3 -m pytest -p no:cacheprovider -q -rfE -m gpu tests/engine tests/runner \
+      tests/kv_transfer 2>&1 | tail -20
     ;;
   f11)
     timeout 150 python3 -m pytest -p no:cacheprovider -q tests/kernels/test_fp8_activation.py \
