@@ -184,7 +184,10 @@ def test_fp8_key_scores_match_dequantized_reference(
     scores, want = indexer_topk_reference(q_ref, w, deq, sb.positions, sb.req, 0.2, k)
     scores = scores[:, :width]
     big = float(scores[scores > float("-inf")].abs().max())
-    tol = 1e-5 if dtype == torch.float32 or fp8_q else 1e-2  # of the largest |score|
+    # of the largest |score|; Hopper's FP8 MMAs keep about 14 bits of the float32 sum
+    tol = 1e-2 if dtype != torch.float32 and not fp8_q else 1e-5
+    if fp8_q and device.type == "cuda":
+        tol = 5e-4
     torch.testing.assert_close(full, scores, atol=tol * big, rtol=tol)
     got = topk_select(full, *args, k, t)
     _assert_same_selection(got, want, scores, tol * big)
