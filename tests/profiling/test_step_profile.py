@@ -46,6 +46,10 @@ ROOT = Path(__file__).resolve().parents[2]
         ("_gate_up_kernel", None, "moe_experts"),
         ("Memcpy HtoD (Pinned -> Device)", None, "other"),
         ("void at::native::vectorized_elementwise_kernel<4>", "dense_gemm", "dense_gemm"),
+        # a range left open does not take the kernels only one category launches
+        ("_mla_kernel", "indexer_score", "mla_attention"),
+        ("_gate_up_kernel", "indexer_score", "moe_experts"),
+        ("_logits_kernel", "moe_experts", "indexer_score"),
     ],
 )
 def test_categorize(name: str, scope: str | None, want: str) -> None:

@@ -28,22 +28,21 @@ launch serves the requests whose query length lies in ``(min_q, max_q]``:
 rows; decode rows of a mixed step) to the ``rows`` launch and longer ones to the prefill
 launch, so a one-row request never occupies a 64-token tile.
 
-Launch configs are module constants (:data:`PREFILL_TILE`, :data:`VERIFY_TILE`), chosen
-by reasoning for an H200 (132 SMs, 228 KB shared memory an SM, wgmma: 64 rows a
-warpgroup) until a sweep (``benchmarks/glm5_kernels_bench.py --sections
-indexer_prefill,indexer_verify``) says otherwise:
+Launch configs are module constants (:data:`PREFILL_TILE`, :data:`VERIFY_TILE`), from the
+H200 sweep (``benchmarks/glm5_kernels_bench.py --sections indexer_prefill,indexer_verify``;
+132 SMs, 228 KB shared memory an SM, wgmma: 64 rows a warpgroup):
 
-* prefill ``heads``, BT=64, BN=128, 8 warps, 2 stages: one 64-row wgmma tile a head
-  (the two warpgroups split the 128 keys); ``Q_h`` tiles double-buffered with cp.async;
-  compiled for sm_90: 127 registers a thread, 64 KB shared memory, so two programs an SM.
+* prefill ``heads``, BT=64, BN=128, 4 warps, 2 stages: one 64-row wgmma tile a head
+  (one warpgroup: 8 warps splitting the 128 keys were 10-35% slower at 16K-64K);
+  ``Q_h`` tiles double-buffered with cp.async.
   ``Q_h`` reloads cost BN FLOP a byte of L2 traffic (128: ~4 TB/s at 500 TFLOP/s; BN=256
   halves it but needs ~250 registers with 8 warps: one program an SM). SPAN 1024 keys a
   program (16K prefill: ~2.2K live programs, 8 waves).
 * verify ``rows``, BT = the rows a request (rounded up to a power of two, at most 8),
-  BN=64, 4 warps (8 when ``BT * heads > 128``), 3 stages: at 1+3 rows 128 MMA rows,
-  ~210 registers, 66 KB shared memory; the reshape to [BT, heads, BN] is a register
-  relabelling (no shared-memory round trip), the head sum shuffles within warps. A 16K
-  context is 4 MB of keys a request; key tiles stream through cp.async stages.
+  BN=64, 8 warps, 3 stages: at 1+3 rows 128 MMA rows; the reshape to [BT, heads, BN]
+  is a register relabelling (no shared-memory round trip), the head sum shuffles within
+  warps. A 16K context is 4 MB of keys a request; key tiles stream through cp.async
+  stages.
 
 FP8 keys (``k_scale`` given: :func:`~pdserve.kernels.index_cache.indexer_cache_views`):
 each fp8 key tile is widened to the query dtype for the dot and each key's score (after
@@ -85,8 +84,12 @@ class TileConfig:
             raise ValueError(f"TileConfig.span {self.span} < bn {self.bn}")
 
 
-PREFILL_TILE = TileConfig("heads", bt=64, bn=128, span=1024, num_warps=8, num_stages=2)
-VERIFY_TILE = TileConfig("rows", bt=8, bn=64, span=1024, num_warps=4, num_stages=3)
+# H200 sweep of 2026-12-05 (RESULTS.md run 41, 32 index heads x 128): prefill 16K 3.06 ->
+# 2.79 ms and 64K 65.9 -> 43.3 ms with 4 warps instead of 8; verify 128 x 4 rows at 16K
+# 0.370 -> 0.308 ms with 8 warps instead of 4 (128 keys a tile with 4 warps: 0.305 ms, but
+# it spills registers)
+PREFILL_TILE = TileConfig("heads", bt=64, bn=128, span=1024, num_warps=4, num_stages=2)
+VERIFY_TILE = TileConfig("rows", bt=8, bn=64, span=1024, num_warps=8, num_stages=3)
 SMALL_QUERY_ROWS = 8  # requests with at most this many query rows go to VERIFY_TILE
 
 

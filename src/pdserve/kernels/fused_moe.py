@@ -202,7 +202,9 @@ def _config(num_pairs: int, num_experts: int) -> MoeConfig:
     per_expert = num_pairs / max(1, num_experts)
     if per_expert <= 16:  # decode: weight streaming, one 16-row block per expert
         return MoeConfig(16, 64, 128, 4)
-    if per_expert <= 128:
+    # 128-row tiles from 64 pairs an expert on: H200 sweep of 2026-12-05 (RESULTS.md run
+    # 41, 64 experts top-8): 512 tokens 1.58 -> 1.46 ms, 1024 tokens 2.34 -> 2.01 ms
+    if per_expert <= 32:
         return MoeConfig(64, 128, 64, 4)
     return MoeConfig(128, 128, 64, 8)
 

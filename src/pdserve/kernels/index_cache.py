@@ -72,8 +72,8 @@ def quantize_index_queries(
     """Queries [T, H, D] -> (float8_e4m3fn [T, H, D], ``weights * q_scale`` [T, H] float32)
     with one scale a (token, head), as DeepSeek-V3.2 scores: ``ReLU(q . k) * w = ReLU(q_fp8
     . k) * (w * q_scale)`` since ``q_scale > 0``. The score kernels take the pair in place
-    of (q, weights) for FP8 MMAs over fp8 keys (a kernel option the benchmarks measure;
-    the engine's indexer keeps its queries in the model dtype)."""
+    of (q, weights) for FP8 MMAs over fp8 keys (the engine's indexer backends do so
+    whenever their keys are fp8)."""
     t, h, d = q.shape
     q8, qs = quantize_fp8_groups(q.reshape(t * h, d), group=d)
     return q8.view(t, h, d), weights.float() * qs.view(t, h)

@@ -74,6 +74,7 @@ NAME_RULES: tuple[tuple[str, str], ...] = (
 _RULES = tuple((cat, re.compile(pat)) for cat, pat in NAME_RULES)
 _KEEP_SCOPE = ("moe_experts", "router")  # everything these launch is theirs
 _KIND_OVER = ("indexer_score", "mla_attention", "other")  # scopes a kind rule overrides
+_OWN_KERNELS = ("indexer_score", "mla_attention", "moe_experts", "router")  # name decides
 
 
 def name_category(name: str) -> str | None:
@@ -87,10 +88,15 @@ def name_category(name: str) -> str | None:
 
 def categorize(name: str, scope: str | None) -> str:
     """The category of a kernel named ``name`` launched inside the module range ``scope``
-    (None: outside every range)."""
+    (None: outside every range). A kernel that only one category launches (sparse MLA,
+    indexer scores, the fused MoE, the router) is that category's in any range: a range
+    left open (a profiler cycle that dropped its end) then cannot swallow them, as it
+    swallowed a 64K prefill's attention and experts into indexer_score (run 43)."""
+    rule = name_category(name)
+    if rule in _OWN_KERNELS:
+        return rule
     if scope in _KEEP_SCOPE:
         return scope
-    rule = name_category(name)
     if rule in ("topk_select", "norm_rope") and (scope is None or scope in _KIND_OVER):
         return rule
     if scope is not None:

@@ -14,8 +14,10 @@ context is shorter). Scores are float32, as in the HF reference.
 
 With ``--kv-cache-dtype fp8`` the key cache holds float8_e4m3fn keys with one float32
 scale a key, quantized as each key is written (the layout:
-:mod:`pdserve.kernels.index_cache`); scores read them dequantized. Queries stay in the
-model dtype.
+:mod:`pdserve.kernels.index_cache`), and the queries are quantized too, one scale a
+(token, head) folded into the head weights (``quantize_index_queries``), as DeepSeek-V3.2
+scores: the score kernels then run FP8 MMAs (over fp8 keys with model-dtype queries they
+were 0.6-0.9x as fast as over bf16 keys; with fp8 queries 1.0-1.8x, RESULTS.md run 44).
 
 Output: ``topk`` [T, index_topk] int64, key positions inside the request, -1 where fewer
 keys exist. Index-sharing layers (GLM-5.2) build no indexer and keep no indexer cache:
@@ -32,7 +34,12 @@ from torch import nn
 
 from pdserve.core_types.cache_spec import CacheLayout
 from pdserve.forward_context import get_forward_context
-from pdserve.kernels.index_cache import fp8_index_row_bytes, indexer_cache_views, write_index_keys
+from pdserve.kernels.index_cache import (
+    fp8_index_row_bytes,
+    indexer_cache_views,
+    quantize_index_queries,
+    write_index_keys,
+)
 from pdserve.kernels.reference import FP8_DTYPE
 from pdserve.layers.attention.backend import AttentionBackend, CommonAttentionMetadata
 from pdserve.layers.attention.paged_gather import context_positions, gather_context, token_chunks
@@ -68,6 +75,7 @@ class IndexerTorchBackend(AttentionBackend):
         else:  # fp8 keys times their scales (gathered as bytes: CPU torch, fp8 indexing)
             ctx = gather_context(md, keys.view(torch.uint8))[0].view(FP8_DTYPE).float()
             ctx = ctx * gather_context(md, k_scale[..., None])[0]
+            q, weights = quantize_index_queries(q, weights)  # fp8 queries, scales in w
         s = ctx.shape[1]
         out = torch.full((q.shape[0], topk), -1, dtype=torch.int64, device=q.device)
         row = s * (q.shape[1] + 2) * 4 + s * d * 4

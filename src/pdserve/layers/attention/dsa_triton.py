@@ -29,7 +29,11 @@ import torch
 
 from pdserve.kernels.dsa_indexer import SORT_FREE_MAX_WIDTH, indexer_logits, topk_select
 from pdserve.kernels.dsa_indexer_tiled import indexer_logits_tiled
-from pdserve.kernels.index_cache import indexer_cache_views, write_index_keys
+from pdserve.kernels.index_cache import (
+    indexer_cache_views,
+    quantize_index_queries,
+    write_index_keys,
+)
 from pdserve.layers.attention.backend import AttentionBackend, CommonAttentionMetadata
 from pdserve.layers.attention.paged_gather import token_chunks
 
@@ -58,6 +62,8 @@ class IndexerTritonBackend(AttentionBackend):
         if k is not None:
             write_index_keys(cache, k_scale, md.slot_mapping[:t], k[:t])
         width = -(-md.max_seq_len // md.block_size) * md.block_size
+        if k_scale is not None:  # fp8 keys: fp8 queries too, their scales in the weights
+            q, weights = quantize_index_queries(q, weights)
         q = q.contiguous()
         weights = weights.float().contiguous()
         sort_free = width <= SORT_FREE_MAX_WIDTH
