@@ -4,7 +4,7 @@ inputs, checked against the default config's output, and set against the bf16 ma
 rate and the copy bandwidth measured in the same call.
 
     PYTHONPATH=src python3 benchmarks/prefill_sweep.py --out $OUT/sweep.json \\
-        [--sections mla,moe] [--budget-s 240]
+        [--sections mla,moe,mla_variants] [--budget-s 240]
     python3 benchmarks/prefill_sweep.py --device cpu --out /tmp/sweep.json   (smoke)
 
 mla   64 heads, kv_lora_rank 512 + rope 64, bf16, top-k 2048, KV block 64 (glm5-m12-e64).
@@ -17,6 +17,10 @@ mla   64 heads, kv_lora_rank 512 + rope 64, bf16, top-k 2048, KV block 64 (glm5-
       reads (min(pos + 1, 2048)); bytes = pairs * 576 * 2 (each row's gathered latents,
       read once per head block) + queries and outputs. Prefill is timed eagerly (as the
       engine runs it), verify and decode replayed from CUDA graphs.
+mla_variants  prefill only (16K, 4K, 2K as in mla): the general kernel at its WIDE default
+      (the reference output) and the mla section's best config, against each variant of
+      kernels/sparse_mla_prefill.py (candidate rows resolved once per layer by a small
+      kernel, timed apart as rows_ms; total_ms = both). Same FLOP formula.
 moe   routed experts of one MoE layer (hidden 6144, moe_intermediate 2048, top-8 of 64,
       bf16) at 512 and 1024 tokens (verify steps of 128 and 256 requests x 4 rows; graph
       replays) and 2048, 4096 and 16384 (prefill, in chunks of CHUNK_TOKENS): FLOPs = 2 *
@@ -242,6 +246,98 @@ def run_mla(sh: Shapes, dev: torch.device, bw: float, peak: float, deadline: flo
     return rows
 
 
+# ------------------------------------------------------------------------ MLA variants
+BASELINES = [(64, 32, 8, 3), (64, 64, 8, 2)]  # the general kernel: WIDE default, sweep best
+
+
+def run_mla_variants(sh: Shapes, dev: torch.device, bw: float, peak: float, deadline: float,
+                     reps: int) -> list[dict[str, Any]]:  # fmt: skip
+    """Prefill only: the general kernel (its WIDE default, the reference output, and the
+    best config of the mla section) against each variant of kernels/sparse_mla_prefill.py
+    on the same inputs. A variant's ``ms`` is its attention kernel; ``rows_ms`` (once per
+    case) is :func:`candidate_rows`, run once per layer, and ``total_ms`` the two."""
+    from pdserve.kernels.sparse_mla import MlaConfig, sparse_mla_attention
+    from pdserve.kernels.sparse_mla_prefill import VARIANTS, candidate_rows, sparse_mla_prefill
+
+    rows: list[dict[str, Any]] = []
+    cases = [c for c in mla_cases(dev.type == "cpu") if c.kind == "prefill"]
+    cases = cases[::-1]  # the longest first: 16K is the one that counts
+    for case in cases:
+        inp = _mla_inputs(case, sh, dev)
+        md, t = inp["md"], inp["md"].num_actual_tokens
+        topk = inp["topk"]
+        if topk is None:  # every row within top-k: the indexer's selection is all causal keys
+            topk = torch.full((t, sh.topk), -1, dtype=torch.int64, device=dev)
+        flops = 2 * inp["pairs"] * sh.heads * (2 * sh.lat + sh.rope)
+        args = (md.block_tables, md.seq_lens, md.query_start_loc, md.token_req_idx,
+                md.token_q_idx)  # fmt: skip
+
+        def general(cfg: MlaConfig, out: torch.Tensor, inp: dict = inp, t: int = t,
+                    args: tuple = args, topk: torch.Tensor = topk) -> torch.Tensor:  # fmt: skip
+            return sparse_mla_attention(inp["q_lat"], inp["q_pe"], inp["cache"], *args, topk,
+                                        0.0625, t, 1, out, config=cfg)  # fmt: skip
+
+        def resolve(args: tuple = args, topk: torch.Tensor = topk,
+                    t: int = t) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+            return candidate_rows(*args, topk, sh.page, t)
+
+        ref = general(MlaConfig(*BASELINES[0]), torch.empty_like(inp["q_lat"])).float()
+        cand, ncand = resolve()
+        rows_ms = _median_ms(resolve, dev, reps)
+        entries: list[tuple[str, Callable[[torch.Tensor], object]]] = [
+            (f"general {list(c)}", partial(general, MlaConfig(*c))) for c in BASELINES
+        ]
+        entries += [(name, partial(sparse_mla_prefill, inp["q_lat"], inp["q_pe"], inp["cache"],
+                                   cand, ncand, 0.0625, t, variant=name))
+                    for name in VARIANTS]  # fmt: skip
+        for label, fn in entries:
+            variant = not label.startswith("general")
+            row: dict[str, Any] = {"case": case.name, "kind": case.kind, "config": label,
+                                   "default": label == f"general {list(BASELINES[0])}"}  # fmt: skip
+            if variant:
+                row["variant"] = list(VARIANTS[label])
+            if time.perf_counter() > deadline:
+                rows.append({**row, "skipped": "budget"})
+                continue
+            out = torch.empty_like(inp["q_lat"])
+            try:
+                got = fn(out)
+                assert got is out
+                row["max_abs_diff"] = float((out.float() - ref).abs().max())
+                ms = _median_ms(partial(fn, out), dev, reps)
+            except Exception as e:  # out of shared memory, registers: the variant is out
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                continue
+            total = ms + (rows_ms if variant else 0.0)
+            row.update(ms=ms, tflops=flops / ms / 1e9, share_of_matmul=flops / (ms * 1e-3) / peak,
+                       rows_ms=rows_ms if variant else 0.0, total_ms=total,
+                       total_share=flops / (total * 1e-3) / peak)  # fmt: skip
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del inp, ref, cand, ncand
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _variants_table(rows: list[dict[str, Any]]) -> None:
+    print("\n== mla_variants: prefill, ms of the attention kernel (TFLOP/s, share of the bf16 "
+          "matmul rate), + candidate_rows = total (share); max abs diff vs the general "
+          "kernel's default")  # fmt: skip
+    print(f"{'case':>12} {'config':>26} {'ms':>9} {'TFLOP/s':>8} {'share':>6} {'total ms':>9} "
+          f"{'share':>6} {'max diff':>9}")  # fmt: skip
+    for r in rows:
+        if "ms" not in r:
+            why = r.get("error", r.get("skipped", "-"))
+            print(f"{r['case']:>12} {r['config']:>26} {why}")
+            continue
+        print(f"{r['case']:>12} {r['config']:>26} {r['ms']:9.3f} {r['tflops']:8.0f} "
+              f"{r['share_of_matmul']:6.0%} {r['total_ms']:9.3f} {r['total_share']:6.0%} "
+              f"{r['max_abs_diff']:9.2e}")  # fmt: skip
+
+
 # --------------------------------------------------------------------------------- MoE
 def run_moe(sh: Shapes, dev: torch.device, bw: float, peak: float, deadline: float,
             reps: int) -> list[dict[str, Any]]:  # fmt: skip
@@ -347,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         "shapes": sh.__dict__,
     }
     print(f"{res['device']}: copy {bw / 1e12:.2f} TB/s, bf16 matmul {peak / 1e12:.0f} TFLOP/s")
-    runners = {"mla": run_mla, "moe": run_moe}
+    runners = {"mla": run_mla, "moe": run_moe, "mla_variants": run_mla_variants}
     sections = args.sections.split(",")
     for name in sections:
         if name not in runners:
@@ -363,7 +459,10 @@ def main(argv: list[str] | None = None) -> int:
     res["seconds"] = time.perf_counter() - t0
     Path(args.out).write_text(json.dumps(res, indent=2))
     for name in sections:
-        _table(name, res[name])
+        if name == "mla_variants":
+            _variants_table(res[name])
+        else:
+            _table(name, res[name])
     print(f"\n{res['seconds']:.0f} s; medians: "
           + ", ".join(f"{n} {statistics.median([r['ms'] for r in res[n] if 'ms' in r] or [0]):.3f} ms"
                       for n in sections))  # fmt: skip

@@ -292,6 +292,39 @@ def decode_prep_variants() -> list[Variant]:
     return out
 
 
+def _prefill_kernel() -> Any:
+    from pdserve.kernels.sparse_mla_prefill import _prefill_kernel
+
+    return _prefill_kernel
+
+
+def _prefill_consts(name: str) -> Callable[[], dict[str, Any]]:
+    def consts() -> dict[str, Any]:
+        import torch
+
+        from pdserve.kernels import sparse_mla_prefill as m
+
+        c = m.launch_constexprs(64, 512, 64, m.VARIANTS[name], torch.bfloat16)
+        return {**c, "DOT_PREC": "tf32", "UPCAST": False}
+
+    return consts
+
+
+def mla_prefill_variants() -> list[Variant]:
+    """The prefill variants of the sparse MLA kernel (kernels/sparse_mla_prefill.py), as
+    ``mla_pf_<name>``: all must compile to wgmma, pipelined, without spills."""
+    from pdserve.kernels.sparse_mla_prefill import VARIANTS
+
+    ptrs = {"qlat_ptr": "*bf16", "qpe_ptr": "*bf16", "cache_ptr": "*bf16", "rows_ptr": "*i32",
+            "ncand_ptr": "*i32", "out_ptr": "*bf16"}  # fmt: skip
+    ints = frozenset({"stride_qlt", "stride_qlh", "stride_qpt", "stride_qph", "stride_cs",
+                      "stride_rt", "stride_ot", "stride_oh"})  # fmt: skip
+    return [Variant(f"mla_pf_{name}", _prefill_kernel, _prefill_consts(name), ptrs, ints,
+                    frozenset({"qk_scale"}), v.warps, v.stages, expect_wgmma=True,
+                    expect_cp_async=True, expect_no_spills=True)
+            for name, v in VARIANTS.items()]  # fmt: skip
+
+
 def variants() -> list[Variant]:
     """The checked launch shapes (launch options resolved from the kernel modules)."""
     out = []
@@ -322,7 +355,7 @@ def variants() -> list[Variant]:
         out.append(Variant(f"select_{width // 1024}k", _select_kernel, _select_consts(width),
                            _SELECT_PTRS, frozenset({"stride_lt", "stride_ot", "K"}),
                            frozenset(), _select_warps(width), 1, expect_no_spills=True))  # fmt: skip
-    return out + decode_prep_variants()
+    return out + mla_prefill_variants() + decode_prep_variants()
 
 
 def _ptxas() -> Path:

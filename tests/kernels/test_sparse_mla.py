@@ -56,12 +56,14 @@ def test_sparse_mla_matches_reference(
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("prefill_variant", [None, "rows_n32_s5"])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float8_e4m3fn])
 def test_triton_mla_backend_matches_torch_backend(
-    device: torch.device, cache_dtype: torch.dtype
+    device: torch.device, cache_dtype: torch.dtype, prefill_variant: str | None
 ) -> None:
     """Padded rows (graph padding) come back zero; both caches hold the same entries (an
-    fp8 cache too: written saturated, read in the query dtype)."""
+    fp8 cache too: written saturated, read in the query dtype). With a prefill variant
+    (every step counts as prefill here) the prefill kernel gives the same."""
     g = torch.Generator().manual_seed(7)
     sb = sparse_batch([6, 37, 21], [2, 2, 2], PAGE, g, device, pad_to=8)
     t, rows = sb.md.num_actual_tokens, 8
@@ -72,7 +74,9 @@ def test_triton_mla_backend_matches_torch_backend(
     topk = sb.random_topk(16, g, pad_to=rows)
     start = to_fp8(torch.randn(sb.num_blocks, PAGE, LAT + ROPE, generator=g)).to(cache_dtype)
     outs, caches = [], []
-    for be in (MLATorchBackend(), MLATritonBackend(max_model_len=64)):
+    triton_be = MLATritonBackend(max_model_len=64, prefill_variant=prefill_variant,
+                                 prefill_min_tokens=1)  # fmt: skip
+    for be in (MLATorchBackend(), triton_be):
         caches.append(start.clone().to(device))
         outs.append(be.forward(q_lat, q_pe, latent, k_pe, caches[-1], sb.md, 0.2, topk))
     assert torch.equal(caches[1].view(torch.uint8), caches[0].view(torch.uint8))
@@ -112,3 +116,8 @@ def test_wide_config_matches_reference(
             q_lat, q_pe, cache, md.block_tables, sb.positions, sb.req, topk, 0.2
         )
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_triton_mla_backend_refuses_an_unknown_prefill_variant() -> None:
+    with pytest.raises(ValueError, match="prefill_variant"):
+        MLATritonBackend(prefill_variant="fastest")

@@ -11,6 +11,13 @@ Graph safety: the launch shape comes from host ints only (tokens, heads, and the
 count from the top-k width or the static ``max_model_len``); the dense/sparse choice is
 made per token on the device. Rows past ``num_actual_tokens`` (graph padding) are zeros.
 
+Prefill (opt-in, ``prefill_variant``; off by default until the H200 sweep
+``prefill_sweep.py --sections mla_variants`` picks one): a step with an indexer
+and a query chunk of at least ``prefill_min_tokens`` tokens resolves each token's candidate cache rows
+once (:func:`~pdserve.kernels.sparse_mla_prefill.candidate_rows`) and runs
+:func:`~pdserve.kernels.sparse_mla_prefill.sparse_mla_prefill` instead (same keys, same
+result); decode and verify steps keep the general kernel.
+
 An fp8 cache's scale (``kv_scale``) divides the row written and multiplies the kernel's
 softmax scale and its output (the latent is the value too): no kernel argument of its own.
 """
@@ -22,15 +29,28 @@ import torch
 from pdserve.kernels._utils import num_sms
 from pdserve.kernels.reference import write_paged
 from pdserve.kernels.sparse_mla import choose_splits, sparse_mla_attention
+from pdserve.kernels.sparse_mla_prefill import VARIANTS, candidate_rows, sparse_mla_prefill
 from pdserve.layers.attention.backend import AttentionBackend, CommonAttentionMetadata
+
+PREFILL_VARIANT: str | None = None  # a sparse_mla_prefill.VARIANTS name once measured
+PREFILL_MIN_TOKENS = 256  # steps with a query chunk this long take the prefill kernel
 
 
 class MLATritonBackend(AttentionBackend):
     name = "mla_triton"
     supports_cuda_graphs = True
 
-    def __init__(self, max_model_len: int | None = None) -> None:
+    def __init__(
+        self,
+        max_model_len: int | None = None,
+        prefill_variant: str | None = PREFILL_VARIANT,
+        prefill_min_tokens: int = PREFILL_MIN_TOKENS,
+    ) -> None:
+        if prefill_variant is not None and prefill_variant not in VARIANTS:
+            raise ValueError(f"prefill_variant {prefill_variant!r}: one of {sorted(VARIANTS)}")
         self.max_model_len = max_model_len
+        self.prefill_variant = prefill_variant
+        self.prefill_min_tokens = max(1, prefill_min_tokens)
 
     def forward(
         self,
@@ -49,9 +69,32 @@ class MLATritonBackend(AttentionBackend):
             entry = torch.cat([latent[:t], k_pe[:t]], dim=-1)
             flat = cache.view(-1, cache.shape[-1])
             write_paged(flat, md.slot_mapping[:t], entry, kv_scale)  # fp8: / kv_scale, saturated
+        out = torch.empty_like(q_lat)
+        page = cache.shape[1]
+        if (
+            self.prefill_variant is not None
+            and topk is not None
+            and md.max_query_len >= self.prefill_min_tokens  # not decode / verify
+            and cache.stride(0) == page * cache.stride(1)
+        ):
+            rows, ncand = candidate_rows(md.block_tables, md.seq_lens, md.query_start_loc,
+                                         md.token_req_idx, md.token_q_idx, topk, page, t)  # fmt: skip
+            sparse_mla_prefill(q_lat, q_pe.contiguous(), cache, rows, ncand, scale * kv_scale,
+                               t, out, self.prefill_variant)  # fmt: skip
+        else:
+            self._general(q_lat, q_pe, cache, md, scale * kv_scale, topk, out)
+        if kv_scale != 1.0:
+            out[:t].mul_(kv_scale)
+        if q_lat.shape[0] > t:
+            out[t:].zero_()
+        return out
+
+    def _general(self, q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+                 md: CommonAttentionMetadata, scale: float, topk: torch.Tensor | None,
+                 out: torch.Tensor) -> None:  # fmt: skip
+        t = md.num_actual_tokens
         bound = topk.shape[1] if topk is not None else (self.max_model_len or md.max_seq_len)
         splits = choose_splits(t, q_lat.shape[1], bound, num_sms(q_lat.device), q_lat.shape[2])
-        out = torch.empty_like(q_lat)
         sparse_mla_attention(
             q_lat,  # strided rows are fine (the W_UK product's [H, T, L] layout)
             q_pe.contiguous(),
@@ -62,13 +105,8 @@ class MLATritonBackend(AttentionBackend):
             md.token_req_idx,
             md.token_q_idx,
             topk,
-            scale * kv_scale,
+            scale,
             t,
             splits,
             out,
         )
-        if kv_scale != 1.0:
-            out[:t].mul_(kv_scale)
-        if q_lat.shape[0] > t:
-            out[t:].zero_()
-        return out
