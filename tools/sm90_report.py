@@ -328,15 +328,19 @@ def mla_prefill_variants() -> list[Variant]:
 def variants() -> list[Variant]:
     """The checked launch shapes (launch options resolved from the kernel modules)."""
     out = []
-    for name, cfg, split, strict in (
-        ("mla_wide", "CONFIG_WIDE", False, True),  # prefill and large verify / decode
-        ("mla_many", "CONFIG_MANY_TOKENS", True, False),
-        ("mla_few", "CONFIG_FEW_TOKENS", True, False),  # decode of a few rows, split-K
+    # (name, config, split-K, wgmma and cp.async expected, no spills expected)
+    for name, cfg, split, strict, no_spills in (
+        # prefill chunks of 1K+ rows: it spills ~230 bytes and was still the fastest
+        # general-kernel shape at 2K-16K on the H200 (run 41)
+        ("mla_prefill", "CONFIG_PREFILL", False, True, False),
+        ("mla_wide", "CONFIG_WIDE", False, True, True),  # verify / decode of 64+ rows
+        ("mla_many", "CONFIG_MANY_TOKENS", True, False, False),
+        ("mla_few", "CONFIG_FEW_TOKENS", True, False, False),  # decode of a few rows, split-K
     ):
         warps, stages = _mla_launch(cfg)
         out.append(Variant(name, _mla_kernel, _mla_consts(cfg, split), _MLA_PTRS, _MLA_INTS,
                            frozenset({"qk_scale"}), warps, stages, expect_wgmma=strict,
-                           expect_cp_async=strict, expect_no_spills=strict))  # fmt: skip
+                           expect_cp_async=strict, expect_no_spills=no_spills))  # fmt: skip
     for name, tokens in (("moe_prefill", 4096), ("moe_verify", 512)):
         warps, stages = _moe_launch(tokens)
         for down in (False, True):

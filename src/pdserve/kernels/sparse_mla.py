@@ -62,8 +62,13 @@ CONFIG_FEW_TOKENS = MlaConfig(16, 64, 8, 2)  # up to FEW_TOKENS query rows: more
 CONFIG_MANY_TOKENS = MlaConfig(32, 32, 4, 3)
 CONFIG_WIDE = MlaConfig(64, 32, 8, 3)  # WIDE_MIN_TOKENS+ rows of 64+ heads (prefill, verify)
 CONFIG_SMALL = MlaConfig(16, 32, 4, 2)  # narrow latents (tests, toy models)
+# PREFILL_MIN_TOKENS+ rows of 64+ heads: 64-key tiles, 2 stages (H200 sweep of 2026-12-05,
+# RESULTS.md run 41: prefill 16K 33.5 -> 31.6 ms a layer, 2K 1.88 -> 1.60; verify at 256
+# x 4 rows equal, fewer rows better with CONFIG_WIDE)
+CONFIG_PREFILL = MlaConfig(64, 64, 8, 2)
 FEW_TOKENS = 4
 WIDE_MIN_TOKENS = 64
+PREFILL_MIN_TOKENS = 1024
 WIDE_CTAS_PER_SM = 1  # a WIDE program takes most of a multiprocessor's shared memory
 
 
@@ -72,6 +77,8 @@ def _config(num_tokens: int, num_heads: int, block_l: int) -> MlaConfig:
         return CONFIG_SMALL
     if num_tokens <= FEW_TOKENS:
         return CONFIG_FEW_TOKENS
+    if num_heads >= CONFIG_WIDE.block_h and num_tokens >= PREFILL_MIN_TOKENS:
+        return CONFIG_PREFILL
     if num_heads >= CONFIG_WIDE.block_h and num_tokens >= WIDE_MIN_TOKENS:
         return CONFIG_WIDE
     return CONFIG_MANY_TOKENS
