@@ -89,7 +89,7 @@
 #       --enable-expert-parallel against one GPU, the same closed-loop load per rank
 #       (32 streams per GPU, 1024 in / 256 out): output tok/s per GPU and mean TPOT.
 set -uo pipefail
-stage="${1:?usage: run_pending.sh k10|p10|d10|c11|f11|f11g|r11|r11g|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl-install|nixl|x2|dpep N}"
+stage="${1:?usage: run_pending.sh s12|k10|p10|d10|c11|f11|f11g|r11|r11g|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl-install|nixl|x2|dpep N}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 start=$(date +%s)
 source scripts/gpu-env
@@ -209,6 +209,34 @@ case "$stage" in
       tests/kernels/test_mla_prep.py tests/kv_transfer/test_block_copy.py 2>&1 | tail -20
     timeout 300 python3 -m pytest -p no:cacheprovider -q -rfE -m gpu tests/engine tests/runner \
       tests/kv_transfer 2>&1 | tail -20
+    ;;
+  s12)  # session 12: the sparse MLA prefill variants, then end to end with the best one
+    timeout 170 python3 benchmarks/prefill_sweep.py --sections mla_variants \
+      --out "$OUT/mla_variants.json" --budget-s 140 > "$OUT/mla_variants.log" 2>&1
+    sed -n '/^== /,$p' "$OUT/mla_variants.log" | tail -30
+    best=$(python3 benchmarks/pick_mla_variant.py "$OUT/mla_variants.json")
+    echo "variant picked: ${best:-none}"
+    for v in none ${best}; do
+      [ "$v" = none ] || sed -i "s/^PREFILL_VARIANT: str | None = None/PREFILL_VARIANT: str | None = \"$v\"/" \
+        src/pdserve/layers/attention/mla_triton.py
+      timeout 110 python3 benchmarks/glm5_bench.py --sections prefill --presets glm5-m12-e64 \
+        --no-peer --long --prefill-lens 16384,65536 --workdir /tmp/glm5 \
+        --out "$OUT/glm5_prefill_$v.json" > "$OUT/glm5_prefill_$v.log" 2>&1
+      echo "glm5 prefill, variant $v: exit $?"; quiet < "$OUT/glm5_prefill_$v.log" | tail -5
+    done
+    sed -i 's/^PREFILL_VARIANT: str | None = ".*"/PREFILL_VARIANT: str | None = None/' \
+      src/pdserve/layers/attention/mla_triton.py
+    timeout 90 python3 -m pytest -p no:cacheprovider -q -rfE \
+      "tests/engine/test_spec_step.py::test_uniform_verify_batches_replay_graphs" \
+      "tests/engine/test_speculative.py::test_mtp_verify_and_draft_steps_replay_graphs_on_cuda" \
+      tests/kernels/test_dsa_indexer.py 2>&1 | tail -6
+    timeout 40 python3 benchmarks/glm5_kernels_bench.py --sections indexer_fp8 \
+      --out "$OUT/indexer_fp8.json" 2>&1 | quiet | grep -E "backend|== " | tail -14
+    left=$(( start + 520 - $(date +%s) ))
+    [ "$left" -gt 40 ] && timeout "$left" python3 benchmarks/fp8_gemm_sweep.py --shapes down,gate_up \
+      --tokens 64,8192 --budget-s $(( left - 30 )) --out "$OUT/fp8_gemm_sweep.json" \
+      > "$OUT/fp8_gemm_sweep.log" 2>&1
+    tail -14 "$OUT/fp8_gemm_sweep.log"
     ;;
   f11)
     timeout 150 python3 -m pytest -p no:cacheprovider -q tests/kernels/test_fp8_activation.py \
