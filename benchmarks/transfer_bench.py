@@ -20,6 +20,19 @@ into its own cache through a handshaken ``PeerLink`` and times
 
 Each point is the median of ``--reps`` reads after one warm-up read per transport (the
 handshake, mapping and kernel compile). The copied blocks are checked against prefill's.
+``copy`` is host time (the launch, the copy, the wake-up); over cuda_ipc ``kernel`` is
+the copy alone on the GPU (timing events around the ids' upload and the kernel), and
+the early read's timeline is printed: when the launch returned, the reply arrived, the
+copy ran on the GPU (events placed on the host clock by one completed just before),
+and the bytes landed. ``--variants`` measures the early copy's orders side by side
+(``before``: launched, then the read sent, as session 11 did; ``after``: sent, then
+launched, and the launch flushed to the GPU by a query of its event, as now), and
+``--copy-shapes`` times the block-copy kernel alone for launch shapes (bytes a loop
+step, warps a program), e.g. on the H200 (under a minute)::
+
+    python3 benchmarks/transfer_bench.py --transports cuda_ipc --no-equality \
+        --variants before,send,flush,after --copy-shapes 8192:4,16384:4,16384:8,32768:8 \
+        --out $OUT/transfer_variants.json
 
 Part 2 (equality, unless ``--no-equality``): a prefill engine (spawned) and a decode
 engine (here) on ``transport: nixl`` (``--equality-transport``; nixl's runs only where
@@ -98,12 +111,13 @@ def prefill_side(args: argparse.Namespace, conn) -> None:  # type: ignore[no-unt
     ports, servers, transports = {}, [], []
     for name in args.transports.split(","):
         leases = LeaseTable(600.0, max_reads=1000)
-        leases.add(f"{name}/warm", held_blocks(1024))
-        leases.add(f"{name}/warm-seq", held_blocks(1024))
-        for n in args.lens:
-            for r in range(args.reps):
-                leases.add(f"{name}/{n}-{r}", held_blocks(n))
-                leases.add(f"{name}/{n}-{r}-seq", held_blocks(n))
+        for v in args.variants:
+            leases.add(f"{name}/{v}/warm", held_blocks(1024))
+            leases.add(f"{name}/{v}/warm-seq", held_blocks(1024))
+            for n in args.lens:
+                for r in range(args.reps):
+                    leases.add(f"{name}/{v}/{n}-{r}", held_blocks(n))
+                    leases.add(f"{name}/{v}/{n}-{r}-seq", held_blocks(n))
         try:
             t = open_transport(name, caches)
             transports.append(t)
@@ -150,35 +164,82 @@ def _timed_copy_bound(nbytes: int, dev: torch.device, src: torch.device) -> floa
     return best
 
 
+# --variants: (the early copy launched after the read is sent, the copy's event queried
+# right after the launch); "before" is session 11's order (launch, then send; no query)
+VARIANTS = {"before": (False, False), "send": (True, False), "flush": (False, True),
+            "after": (True, True)}  # fmt: skip
+
+
 def _measure(args, name, port, caches, sample, zctx, stop) -> list[dict]:  # type: ignore[no-untyped-def]
-    """Warm-up read, then ``--reps`` timed reads of every length over transport ``name``."""
+    """Per variant: a handshaken link, a warm-up read, then ``--reps`` timed reads of
+    every length over transport ``name``."""
     from pdserve.kv_transfer.peer_link import PeerLink
     from pdserve.kv_transfer.transports import open_transport
 
-    t = open_transport(name, caches)
-    link = PeerLink(zctx, SECRET, COMPAT, t.client, KVPeer("127.0.0.1", port), stop)
-    try:
-        link.handshake(30.0)
-        return _reads(args, name, link, caches, sample)
-    finally:
-        link.close()
-        t.close()
+    rows: list[dict] = []
+    for variant in args.variants:
+        t = open_transport(name, caches)
+        link = PeerLink(zctx, SECRET, COMPAT, t.client, KVPeer("127.0.0.1", port), stop)
+        try:
+            link.handshake(30.0)
+            link.send_first, flush = VARIANTS[variant]
+            client = link.transport
+            if hasattr(client, "flush_launch"):  # cuda_ipc's knobs
+                client.flush_launch = flush  # type: ignore[union-attr]
+                client.copy_step, client.copy_warps = args.copy_shape  # type: ignore[union-attr]
+                client.trace = []  # type: ignore[union-attr]
+            rows += _reads(args, name, variant, link, caches, sample)
+        finally:
+            link.close()
+            t.close()
+    return rows
 
 
-def _reads(args, name, link, caches, sample) -> list[dict]:  # type: ignore[no-untyped-def]
+def _timeline(link, t0: float, anchor, anchor_at: float) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """Milliseconds after ``t0`` of the early read's steps: the copy's launch returned,
+    the reply arrived, the copy ran on the GPU (from timing events, placed on the host
+    clock by ``anchor``, an event completed at ``anchor_at``); {} without a trace."""
+    trace = getattr(link.transport, "trace", None)
+    if not trace:
+        return {}
+    e = trace[-1]
+    start, end = (anchor_at + anchor.elapsed_time(m) / 1e3 for m in e["events"])
+    return {
+        "launched": (e["host_launched"] - t0) * 1e3,
+        "launch_host": (e["host_launched"] - e["host_start"]) * 1e3,
+        "reply": (link.replied_at - t0) * 1e3,
+        "gpu_start": (start - t0) * 1e3,
+        "gpu_end": (end - t0) * 1e3,
+    }
+
+
+def _reads(args, name, variant, link, caches, sample) -> list[dict]:  # type: ignore[no-untyped-def]
     from pdserve.kv_transfer.peer_link import PeerLink
 
     dev = torch.device(args.device)
     cfg = caches.config
     rows: list[dict] = []
+    stream = getattr(link.transport, "_stream", None) if dev.type == "cuda" else None
+
+    def anchor():  # type: ignore[no-untyped-def]
+        """A completed timing event on the copy's stream and the host time it completed."""
+        if stream is None:
+            return None, 0.0
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(stream)
+        ev.synchronize()
+        return ev, time.perf_counter()
 
     def read(rid: str, n: int, link: PeerLink = link, name: str = name) -> dict[str, float]:
         """One read as the puller makes it (early copy where the transport can), then one
         of the same length in sequence (reply, then copy); seconds of each part."""
+        rid = f"{variant}/{rid}"
         held, local = held_blocks(n), list(range(2, 2 + n))  # local: a real remap
+        ev, at = anchor()
         t0 = time.perf_counter()
         link.start_read(W.Read(f"{name}/{rid}", 0, n, n), local, 60.0, held).wait()
         t1 = time.perf_counter()
+        line = _timeline(link, t0, ev, at) if ev is not None else {}
         link.notify(W.Done([f"{name}/{rid}"]), 10.0)
         t2 = time.perf_counter()
         reply, frames = link.request(W.Read(f"{name}/{rid}-seq", 0, n, n), 60.0)
@@ -187,8 +248,13 @@ def _reads(args, name, link, caches, sample) -> list[dict]:  # type: ignore[no-u
         assert link.transport is not None
         link.transport.begin_write(reply.block_ids, local, frames, 60.0).wait()
         t4 = time.perf_counter()
+        trace = getattr(link.transport, "trace", None)
+        if trace:  # the copy alone on the GPU (the ids' upload and the kernel)
+            a, b = trace[-1]["events"]
+            line["kernel"] = a.elapsed_time(b)
         link.notify(W.Done([f"{name}/{rid}-seq"]), 10.0)
-        return {"transfer": t1 - t0, "done": t2 - t1, "rtt": t3 - t2, "copy": t4 - t3}
+        got = {"transfer": t1 - t0, "done": t2 - t1, "rtt": t3 - t2, "copy": t4 - t3}
+        return got | {k: v / 1e3 for k, v in line.items()}  # (seconds, as the others)
 
     read("warm", len(held_blocks(1024)))
     early = bool(link.transport and link.transport.reads_remote_memory)
@@ -199,26 +265,78 @@ def _reads(args, name, link, caches, sample) -> list[dict]:  # type: ignore[no-u
         bound = _timed_copy_bound(nbytes, dev, torch.device(args.prefill_device))
         med = {k: statistics.median(g[k] for g in got) for k in got[0]}
         seq = statistics.median(g["rtt"] + g["copy"] for g in got)
-        rows.append(
-            {
-                "transport": name,
-                "prompt": length,
-                "bytes": nbytes,
-                "early": early,
-                "transfer_ms": med["transfer"] * 1e3,
-                "copy_ms": med["copy"] * 1e3,
-                "rtt_ms": med["rtt"] * 1e3,
-                "sequential_ms": seq * 1e3,
-                "done_ms": med["done"] * 1e3,
-                "bound_ms": bound * 1e3,
-                "copy_ratio": med["copy"] / bound,
-                "transfer_ratio": med["transfer"] / bound,
-            }
-        )
+        row = {
+            "transport": name,
+            "variant": variant,
+            "prompt": length,
+            "bytes": nbytes,
+            "early": early,
+            "transfer_ms": med["transfer"] * 1e3,
+            "copy_ms": med["copy"] * 1e3,
+            "rtt_ms": med["rtt"] * 1e3,
+            "sequential_ms": seq * 1e3,
+            "done_ms": med["done"] * 1e3,
+            "bound_ms": bound * 1e3,
+            "copy_ratio": med["copy"] / bound,
+            "transfer_ratio": med["transfer"] / bound,
+        }
+        for k in ("launched", "launch_host", "reply", "gpu_start", "gpu_end", "kernel"):
+            if k in med:  # the early read's timeline (ms after it began), the kernel alone
+                row[f"{k}_ms"] = med[k] * 1e3
+        if "kernel" in med:
+            row["kernel_ratio"] = med["kernel"] / bound
+        rows.append(row)
     last = 2 + len(held_blocks(max(args.lens))) - 1
     for lname, _, c in caches.layers():  # the last read's last block arrived intact
         assert torch.equal(c.narrow(1, last, 1).cpu(), sample[lname]), (name, lname)
     return rows
+
+
+def copy_shapes(args: argparse.Namespace) -> list[dict]:
+    """The block-copy kernel alone (GPU time, CUDA events) for each ``--copy-shapes``
+    launch shape, local caches to local caches of the bench's geometry (the ids remapped
+    as the reads remap them), next to a device-to-device copy of the same bytes; each
+    shape's copy is checked against the source blocks."""
+    from pdserve.kv_transfer.transports.block_copy import CopyPlan, Segments, copy_blocks
+
+    dev = torch.device(args.device)
+    cfg = cache_config(args.layers, args.heads, args.head_dim)
+    src = KVCaches.allocate(cfg, args.blocks, dev)
+    dst = KVCaches.allocate(cfg, args.blocks, dev)
+    for _, _, c in src.layers():
+        c.normal_()
+    plan = CopyPlan.make(Segments.of(src), Segments.of(dst), dev)
+    stream = torch.cuda.Stream(dev)
+    rows = []
+    for length in args.lens:
+        n = len(held_blocks(length))
+        pairs = plan.block_pairs(held_blocks(length), list(range(2, 2 + n)))
+        bound = _timed_copy_bound(n * cfg.bytes_per_block, dev, dev)
+        for step, warps in args.copy_shapes:
+            for _, _, c in dst.layers():
+                c.zero_()
+            times = []
+            for _ in range(1 + args.reps):  # the first compiles
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record(stream)
+                copy_blocks(plan, pairs, stream, step, warps)
+                b.record(stream)
+                b.synchronize()
+                times.append(a.elapsed_time(b))
+            for (lname, _, s_), (_, _, d_) in zip(src.layers(), dst.layers(), strict=True):
+                assert torch.equal(d_.narrow(1, 2, n), s_.narrow(1, 1, n)), (lname, step)
+            ms = statistics.median(times[1:])
+            rows.append({"prompt": length, "step_bytes": step, "num_warps": warps,
+                         "kernel_ms": ms, "bound_ms": bound * 1e3,
+                         "ratio": ms / (bound * 1e3)})  # fmt: skip
+    return rows
+
+
+def _shape(text: str) -> tuple[int, int]:
+    from pdserve.kernels.kv_block_copy import launch_shape
+
+    step, _, warps = text.partition(":")
+    return launch_shape(int(step), int(warps) if warps else None)
 
 
 def transfers(args: argparse.Namespace) -> list[dict]:
@@ -360,6 +478,38 @@ def equality(args: argparse.Namespace) -> dict:
         d.shutdown()
 
 
+def _print_transfers(rows: list[dict]) -> None:
+    print(
+        f"{'transport':>9} {'variant':>7} {'prompt':>7} {'GB':>6} {'copy ms':>8} {'kern ms':>7} "
+        f"{'rtt ms':>7} {'seq ms':>7} {'xfer ms':>8} {'done ms':>7} {'bound ms':>8} "
+        f"{'copy/bd':>7} {'kern/bd':>7} {'xfer/bd':>7} early"
+    )
+    for r in rows:
+        if "error" in r:
+            print(f"{r['transport']:>9} failed: {r['error']}", flush=True)
+            continue
+        kern = f"{r['kernel_ms']:>7.2f}" if "kernel_ms" in r else f"{'-':>7}"
+        kbd = f"{r['kernel_ratio']:>7.2f}" if "kernel_ratio" in r else f"{'-':>7}"
+        print(
+            f"{r['transport']:>9} {r['variant']:>7} {r['prompt']:>7} {r['bytes'] / 1e9:>6.2f} "
+            f"{r['copy_ms']:>8.2f} {kern} {r['rtt_ms']:>7.2f} {r['sequential_ms']:>7.2f} "
+            f"{r['transfer_ms']:>8.2f} {r['done_ms']:>7.2f} {r['bound_ms']:>8.3f} "
+            f"{r['copy_ratio']:>7.2f} {kbd} {r['transfer_ratio']:>7.2f} {r['early']}",
+            flush=True,
+        )
+    timed = [r for r in rows if "gpu_start_ms" in r]
+    if timed:  # where the early read's time goes (ms after start_read was called)
+        print("early read, ms after it began: launch returned (host ms in the launch), "
+              "reply arrived, copy on the GPU from .. to, landed")  # fmt: skip
+        for r in timed:
+            print(
+                f"{r['transport']:>9} {r['variant']:>7} {r['prompt']:>7}  launched "
+                f"{r['launched_ms']:.3f} ({r['launch_host_ms']:.3f})  reply {r['reply_ms']:.3f}  "
+                f"gpu {r['gpu_start_ms']:.3f}..{r['gpu_end_ms']:.3f}  landed {r['transfer_ms']:.3f}",
+                flush=True,
+            )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="JSON results path")
@@ -376,12 +526,40 @@ def main() -> int:
     ap.add_argument("--ckpt", default=None, help="equality model (default: a tiny random Llama)")
     ap.add_argument("--no-equality", action="store_true")
     ap.add_argument(
+        "--variants",
+        default="after",
+        help="early-copy variants, each measured over its own link: before (launch the "
+        "copy, then send the read), send (send, then launch), flush (launch, query its "
+        "event, send), after (send, launch, query: the default); the query is cuda_ipc's",
+    )
+    ap.add_argument(
+        "--copy-shape", default=None, help="cuda_ipc's block-copy launch shape STEP_BYTES:WARPS"
+    )
+    ap.add_argument(
+        "--copy-shapes",
+        default=None,
+        help="also time the block-copy kernel alone (CUDA only) for these shapes, e.g. "
+        "8192:4,16384:8,32768:8",
+    )
+    ap.add_argument(
         "--equality-transport", default="nixl", help="the 1P1D engines' transport (part 2)"
     )
     args = ap.parse_args()
     args.prefill_device = args.prefill_device or args.device
     os.environ.setdefault(SECRET_ENV, new_secret())  # the engines' side channel (inherited)
     args.lens = sorted(int(x) for x in args.lens.split(","))
+    args.variants = args.variants.split(",")
+    if bad := [v for v in args.variants if v not in VARIANTS]:
+        ap.error(f"unknown --variants {bad} ({', '.join(VARIANTS)})")
+    try:
+        args.copy_shape = _shape(args.copy_shape) if args.copy_shape else (None, None)
+        args.copy_shapes = (
+            [_shape(x) for x in args.copy_shapes.split(",")] if args.copy_shapes else []
+        )
+    except ValueError as e:
+        ap.error(str(e))
+    if args.copy_shapes and not args.device.startswith("cuda"):
+        ap.error("--copy-shapes times the Triton kernel: it needs a CUDA --device")
     args.blocks = len(held_blocks(max(args.lens))) + 64
     res: dict = {
         "device": torch.cuda.get_device_name() if args.device != "cpu" else "cpu",
@@ -397,23 +575,22 @@ def main() -> int:
         has_nixl, res["nixl_missing"] = False, str(e)
     if args.transports is None:
         args.transports = ",".join(["cuda_ipc", "nixl"] if has_nixl else ["cuda_ipc"])
+    if args.copy_shape != (None, None) and "cuda_ipc" not in args.transports.split(","):
+        ap.error("--copy-shape is cuda_ipc's block-copy launch shape: add cuda_ipc")
     t0 = time.perf_counter()
     res["transfers"] = transfers(args)
-    print(
-        f"{'transport':>9} {'prompt':>7} {'GB':>6} {'copy ms':>8} {'rtt ms':>7} {'seq ms':>7} "
-        f"{'xfer ms':>8} {'done ms':>7} {'bound ms':>8} {'copy/bd':>7} {'xfer/bd':>7} early"
-    )
-    for r in res["transfers"]:
-        if "error" in r:
-            print(f"{r['transport']:>9} failed: {r['error']}", flush=True)
-            continue
+    _print_transfers(res["transfers"])
+    if args.copy_shapes:
+        res["copy_shapes"] = copy_shapes(args)
         print(
-            f"{r['transport']:>9} {r['prompt']:>7} {r['bytes'] / 1e9:>6.2f} {r['copy_ms']:>8.2f} "
-            f"{r['rtt_ms']:>7.2f} {r['sequential_ms']:>7.2f} {r['transfer_ms']:>8.2f} "
-            f"{r['done_ms']:>7.2f} {r['bound_ms']:>8.3f} {r['copy_ratio']:>7.2f} "
-            f"{r['transfer_ratio']:>7.2f} {r['early']}",
-            flush=True,
+            f"{'prompt':>7} {'step B':>7} {'warps':>5} {'kernel ms':>9} {'bound ms':>8} {'k/bd':>5}"
         )
+        for r in res["copy_shapes"]:
+            print(
+                f"{r['prompt']:>7} {r['step_bytes']:>7} {r['num_warps']:>5} {r['kernel_ms']:>9.3f} "
+                f"{r['bound_ms']:>8.3f} {r['ratio']:>5.2f}",
+                flush=True,
+            )
     over = args.equality_transport
     if not args.no_equality and (has_nixl or over != "nixl"):
         key = f"{over}_equality"  # nixl_equality: the name earlier runs recorded

@@ -49,18 +49,37 @@ def test_transfer_bench_over_tcp_with_the_equality_part(tmp_path: Path) -> None:
     done = _script(
         "transfer_bench", "--device", "cpu", "--layers", "2", "--heads", "2", "--head-dim",
         "16", "--lens", "64,256", "--reps", "2", "--transports", "tcp",
-        "--equality-transport", "tcp", "--out", str(out),
+        "--equality-transport", "tcp", "--variants", "before,after", "--out", str(out),
     )  # fmt: skip
     res = json.loads(out.read_text())
     rows = res["transfers"]
-    assert [(r["transport"], r["prompt"]) for r in rows] == [("tcp", 64), ("tcp", 256)]
+    assert [(r["transport"], r["variant"], r["prompt"]) for r in rows] == [
+        ("tcp", v, n) for v in ("before", "after") for n in (64, 256)
+    ]
     for r in rows:
         assert r["bytes"] > 0 and r["copy_ms"] > 0 and r["sequential_ms"] >= r["copy_ms"]
         assert r["rtt_ms"] > 0 and r["done_ms"] > 0 and r["transfer_ms"] > 0
         assert r["bound_ms"] > 0 and r["transfer_ratio"] > 0 and r["early"] is False  # tcp
     eq = res["tcp_equality"]
     assert eq["identical"] and eq["transfer_failures"] == 0 and eq["external_kv_tokens"] > 0
-    assert "xfer/bd" in done.stdout
+    assert "xfer/bd" in done.stdout and "kern/bd" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("flags", "why"),
+    [
+        (["--copy-shapes", "8192:4"], "needs a CUDA --device"),
+        (["--copy-shape", "8192:4"], "add cuda_ipc"),
+        (["--copy-shape", "1000:4"], "power of two"),
+        (["--variants", "sideways"], "unknown --variants"),
+    ],
+)
+def test_transfer_bench_refuses_flags_it_cannot_honour(flags: list[str], why: str) -> None:
+    cmd = [sys.executable, str(BENCHMARKS / "transfer_bench.py"), "--device", "cpu",
+           "--transports", "tcp", "--out", "/nonexistent/t.json", *flags]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2 and why in done.stderr, done.stderr[-2000:]
 
 
 def test_pd_bench_runs_1p1d_and_colocated(
@@ -282,3 +301,27 @@ def test_every_benchmark_script_has_a_smoke_test() -> None:
         if not any(f'"{name}"' in t or f"{name}.py" in t for t in (text, mine))
     ]
     assert missing == [], f"benchmark scripts without a CPU smoke test: {missing}"
+
+
+def test_transfer_bench_places_the_early_copy_on_the_host_clock() -> None:
+    """cuda_ipc's timeline (run on the GPU only): timing events placed by an anchor."""
+    bench = load_script("transfer_bench")
+
+    class Ev:
+        def __init__(self, ms: float) -> None:
+            self.ms = ms
+
+        def elapsed_time(self, other: Ev) -> float:
+            return other.ms - self.ms
+
+    class Client:
+        trace = [{"host_start": 10.0002, "host_launched": 10.0005, "events": [Ev(1.0), Ev(3.0)]}]
+
+    class Link:
+        transport, replied_at = Client(), 10.0009
+
+    line = bench._timeline(Link(), 10.0, Ev(0.5), 10.0001)
+    want = {"launched": 0.5, "launch_host": 0.3, "reply": 0.9, "gpu_start": 0.6, "gpu_end": 2.6}
+    assert line == pytest.approx(want, abs=1e-6)
+    Client.trace = []
+    assert bench._timeline(Link(), 10.0, Ev(0.5), 10.0001) == {}

@@ -76,10 +76,23 @@ def test_ids_out_of_range_and_unpaired_caches_are_refused() -> None:
         CopyPlan.make(Segments.of(src), Segments.of(other), torch.device("cpu"))
 
 
+def test_launch_shapes_are_checked() -> None:
+    from pdserve.kernels.kv_block_copy import launch_shape
+
+    assert launch_shape(None, None) == (8192, 4)
+    assert launch_shape(32768, 8) == (32768, 8)
+    for step, warps, why in [(1000, 4, "power of two"), (256, 4, "512, 65536"), (8192, 3, "warps")]:
+        with pytest.raises(ValueError, match=why):
+            launch_shape(step, warps)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("codes", [True, False])  # False: 16-byte aligned, paired accesses
-def test_triton_block_copy_matches_the_reference(dtype: str, codes: bool) -> None:
+@pytest.mark.parametrize("shape", [(None, None), (512, 1), (32768, 8)])  # steps < and > a block
+def test_triton_block_copy_matches_the_reference(
+    dtype: str, codes: bool, shape: tuple[int | None, int | None]
+) -> None:
     cfg = _config(dtype, codes)
     src = filled_caches(cfg, 40, "cuda", 1)
     got = KVCaches.allocate(cfg, 50, torch.device("cuda"))
@@ -87,7 +100,7 @@ def test_triton_block_copy_matches_the_reference(dtype: str, codes: bool) -> Non
     remote, local = [3, 4, 5, 39, 0, 17], [10, 11, 12, 49, 2, 30]
     plan = CopyPlan.make(Segments.of(src), Segments.of(got), torch.device("cuda"))
     stream = torch.cuda.Stream()
-    copy_blocks(plan, plan.block_pairs(remote, local), stream)
+    copy_blocks(plan, plan.block_pairs(remote, local), stream, *shape)
     stream.synchronize()
     # the reference resolves the plan's destination addresses in the tensors it is given:
     # it needs a plan of its own, made against ``want``

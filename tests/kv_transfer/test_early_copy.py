@@ -6,21 +6,26 @@ Loopback only; the "remote memory" is a CPU copy of the prefill server's caches.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+import zmq
 
 from _kv_side_channel import COMPAT, caches, kv_server
 from _polling import wait_until
 from pdserve.core_types.kv_connector import KVLoad, KVPeer
 from pdserve.core_types.pd_auth import new_secret
 from pdserve.forward_context import KVCaches
+from pdserve.kv_transfer import wire as W
 from pdserve.kv_transfer.lease import LeaseTable
+from pdserve.kv_transfer.peer_link import PeerLink
 from pdserve.kv_transfer.puller import KVPuller, LoadResult
 from pdserve.kv_transfer.server import KVServer
 from pdserve.kv_transfer.transports.base import ClientTransport, PendingWrite
+from pdserve.kv_transfer.transports.tcp import TcpServer
 
 SECRET = new_secret().encode()
 HELD = [5, 1, 2]
@@ -117,3 +122,74 @@ def test_without_named_ids_the_copy_waits_for_the_reply(prefill) -> None:
     res, _, log = _pull(prefill.port, "r0", ())
     assert res.error is None
     assert log == [f"copy {HELD} frames=1", f"landed {HELD}"]
+
+
+class _ServedLog(TcpServer):
+    """The prefill server's transport, logging each read it serves."""
+
+    def __init__(self, kv_caches: KVCaches, log: list[str]) -> None:
+        super().__init__(kv_caches)
+        self.log = log
+
+    def read(self, block_ids: list[int]) -> list[bytes | memoryview]:
+        self.log.append(f"served {block_ids}")
+        return super().read(block_ids)
+
+
+class _LaunchSeesServer(RemoteMemoryClient):
+    """Records, at the early copy's launch, whether prefill has served the read yet
+    (``wait``: polls for it first, bounded: the read was sent before the launch)."""
+
+    wait = True
+
+    def begin_write(
+        self,
+        remote_block_ids: list[int],
+        local_block_ids: list[int],
+        frames: list[Any],
+        timeout: float = 60.0,
+    ) -> PendingWrite:
+        if not frames:  # the early copy
+
+            def seen() -> bool:
+                return any(x.startswith("served") for x in self.log)
+
+            self.log.append(
+                f"at launch served={wait_until(seen, 5.0, 0.002) if self.wait else seen()}"
+            )
+        return super().begin_write(remote_block_ids, local_block_ids, frames, timeout)
+
+
+@pytest.mark.parametrize("send_first", [True, False])
+def test_the_read_is_sent_before_the_early_copy_is_launched(prefill, send_first: bool) -> None:
+    """The launch (host work, about the round trip's length for short prompts over
+    cuda_ipc) runs while the read travels: the request is queued on the socket first.
+    ``send_first=False`` is the order before (launch, then send), kept for the bench."""
+    log: list[str] = []
+    prefill.handler.transport = _ServedLog(caches(), log)
+    dst = caches(seed=None)
+
+    def client(info: dict[str, Any]) -> ClientTransport:
+        c = _LaunchSeesServer(dst, info, log)
+        c.wait = send_first  # launch first: the read cannot have been served yet
+        return c
+
+    link = PeerLink(
+        zmq.Context.instance(),
+        SECRET,
+        COMPAT,
+        client,
+        KVPeer("127.0.0.1", prefill.port),
+        threading.Event(),
+    )
+    link.send_first = send_first
+    try:
+        link.handshake(5.0)
+        n = link.start_read(W.Read("r0", 0, len(HELD), len(HELD)), LOCAL, 5.0, HELD).wait()
+    finally:
+        link.close()
+    assert n == 3 * dst.bytes_per_block()
+    launch = next(x for x in log if x.startswith("at launch"))
+    assert launch == f"at launch served={send_first}"
+    assert log.count(f"served {HELD}") == 1 and log[-1] == f"landed {HELD}"
+    assert _same(_blocks(dst, LOCAL), _blocks(caches(), HELD))

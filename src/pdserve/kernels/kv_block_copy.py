@@ -19,7 +19,8 @@ import triton.language as tl
 
 from pdserve.kernels._utils import check_device
 
-_STEP_BYTES = 8192  # bytes one program moves per loop step
+_STEP_BYTES = 8192  # bytes one program moves per loop step (default)
+_NUM_WARPS = 4
 
 
 @triton.jit
@@ -61,6 +62,18 @@ def _copy_blocks_kernel(
         tl.store(dst + o, tl.load(src + o, mask=m), mask=m)
 
 
+def launch_shape(step_bytes: int | None, num_warps: int | None) -> tuple[int, int]:
+    """(bytes a loop step, warps a program), the defaults for None; a ValueError for a
+    step that is not a power of two in [512, 65536] or warps not in 1, 2, 4, 8, 16."""
+    step = _STEP_BYTES if step_bytes is None else step_bytes
+    if step < 512 or step > 65536 or step & (step - 1):
+        raise ValueError(f"step_bytes must be a power of two in [512, 65536], got {step}")
+    warps = _NUM_WARPS if num_warps is None else num_warps
+    if warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {warps}")
+    return step, warps
+
+
 def copy_blocks_by_address(
     src_addrs: torch.Tensor,
     dst_addrs: torch.Tensor,
@@ -68,12 +81,18 @@ def copy_blocks_by_address(
     pairs: torch.Tensor,
     unit: int,
     aligned16: bool = False,
+    *,
+    step_bytes: int | None = None,
+    num_warps: int | None = None,
 ) -> None:
     """Launch the copy on the current stream (asynchronous). ``src_addrs``,
     ``dst_addrs``, ``units``: int64 [S]; ``pairs``: int64 [2, B]; ``unit``: 1, 2, 4
     or 8 bytes (dividing every address and block size). ``aligned16``: every address
     and block size is a multiple of 16 bytes too (the caller checked), so the kernel
-    copies in 16-byte accesses, half the load and store instructions of 8-byte ones."""
+    copies in 16-byte accesses, half the load and store instructions of 8-byte ones.
+    ``step_bytes`` (a power of two, 512..65536): bytes a program moves a loop step;
+    ``num_warps`` (1, 2, 4, 8 or 16): warps a program (None: 8192 and 4)."""
+    step, warps = launch_shape(step_bytes, num_warps)
     check_device(units, "copy_blocks_by_address")
     if unit not in (1, 2, 4, 8):
         raise ValueError(f"unit must be 1, 2, 4 or 8 bytes, got {unit}")
@@ -84,6 +103,13 @@ def copy_blocks_by_address(
         raise ValueError(f"{num_segments} cache segments (at most 65535 in one launch)")
     pairs = pairs.contiguous()
     _copy_blocks_kernel[(num_pairs, num_segments)](
-        src_addrs, dst_addrs, units, pairs, num_pairs, UNIT=unit, CHUNK=_STEP_BYTES // unit,
+        src_addrs,
+        dst_addrs,
+        units,
+        pairs,
+        num_pairs,
+        UNIT=unit,
+        CHUNK=step // unit,
         ALIGNED16=aligned16,
+        num_warps=warps,
     )

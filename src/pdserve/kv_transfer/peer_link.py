@@ -29,6 +29,10 @@ _POLL_SLICE_MS = 50  # a wait checks the stop flag this often
 
 
 class PeerLink:
+    # an early copy is launched after the read is sent (its launch overlaps the round
+    # trip too); False: launched first (the order before; transfer_bench --variants)
+    send_first = True
+
     def __init__(
         self,
         ctx: zmq.Context,
@@ -47,6 +51,7 @@ class PeerLink:
         self.transport: ClientTransport | None = None
         self.session = W.NO_SESSION  # until the handshake opens one
         self.counter = 0  # the last request's number in the session
+        self.replied_at = 0.0  # perf_counter() when the last reply arrived (benchmarks)
         self.sock: zmq.Socket = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(f"tcp://{target.host}:{target.port}")
@@ -85,22 +90,31 @@ class PeerLink:
         """Send ``msg``; the authenticated reply and its bulk frames, or an exception
         (``TimeoutError`` after ``timeout`` s, :class:`wire.Refused` for a reply that
         does not verify)."""
+        return self._receive(self._send(msg, timeout), timeout)
+
+    def _send(self, msg: W.ToServer, timeout: float) -> tuple[bytes, float]:
+        """Queue ``msg`` on the socket (returns at once; libzmq's I/O thread sends it);
+        the request's tag and the reply's deadline, for :meth:`_receive`."""
         if not isinstance(msg, W.Handshake):
             self.counter += 1
         tag, head, payload = W.seal_request(self.secret, msg, self.session, self.counter)
-        ms = max(1, int(timeout * 1000))
-        self.sock.setsockopt(zmq.SNDTIMEO, ms)
+        self.sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout * 1000)))
         try:
             self.sock.send_multipart([tag, head, payload])
         except zmq.Again:
             raise TimeoutError(f"could not send to the prefill KV server in {timeout:g}s") from None
-        deadline = time.monotonic() + timeout
+        return tag, time.monotonic() + timeout
+
+    def _receive(self, sent: tuple[bytes, float], timeout: float) -> tuple[W.FromServer, list]:
+        tag, deadline = sent
+        ms = max(1, int(timeout * 1000))
         while not self.sock.poll(min(_POLL_SLICE_MS, ms)):
             if self.stop.is_set():
                 raise RuntimeError("the KV puller is shutting down")
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"no answer from the prefill KV server in {timeout:g}s")
         parts = self.sock.recv_multipart(copy=False)
+        self.replied_at = time.perf_counter()
         return W.open_reply(self.secret, tag, parts)
 
     def read(
@@ -125,7 +139,8 @@ class PeerLink:
 
         ``expected_ids``: prefill's ids of the blocks asked for, as its params named
         them. A transport that reads prefill's memory itself starts the copy from them
-        before sending the read, so the copy overlaps the round trip. Blocks a lease
+        right after sending the read (the send only queues it: the copy's launch on the
+        host and the copy itself both overlap the round trip). Blocks a lease
         holds stay put from prefill's finish until the done notice, so a reply naming
         the same ids vouches for what the copy read; a refusal (or other ids) waits for
         that copy to land, then fails (or copies again from the ids the reply names):
@@ -133,10 +148,14 @@ class PeerLink:
         assert self.transport is not None
         t0 = time.monotonic()
         early: PendingWrite | None = None
-        if self.transport.reads_remote_memory and len(expected_ids) == msg.num_read > 0:
-            early = self.transport.begin_write(list(expected_ids), local_block_ids, [], timeout)
+        copy_early = self.transport.reads_remote_memory and len(expected_ids) == msg.num_read > 0
+        sent = self._send(msg, timeout) if self.send_first or not copy_early else None
         try:
-            reply, frames = self.request(msg, timeout)
+            if copy_early:
+                early = self.transport.begin_write(list(expected_ids), local_block_ids, [], timeout)
+            if sent is None:  # (the order before send_first: launch, then send)
+                sent = self._send(msg, timeout)
+            reply, frames = self._receive(sent, timeout)
             if isinstance(reply, W.Error):
                 raise RuntimeError(reply.message)
             if not isinstance(reply, W.ReadReply):

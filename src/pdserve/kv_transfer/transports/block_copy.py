@@ -180,14 +180,28 @@ def _bytes_at(
     return layer.view(-1).view(torch.uint8), idx.to(layer.device)
 
 
-def copy_blocks(plan: CopyPlan, pairs: torch.Tensor, stream: torch.cuda.Stream) -> None:
+def copy_blocks(
+    plan: CopyPlan,
+    pairs: torch.Tensor,
+    stream: torch.cuda.Stream,
+    step_bytes: int | None = None,
+    num_warps: int | None = None,
+) -> None:
     """Enqueue on ``stream`` the copy of blocks ``pairs[0] -> pairs[1]`` (host ids from
     :meth:`CopyPlan.block_pairs`) of every segment: one small host-to-device copy of
-    the ids and one kernel launch (the caller synchronises)."""
+    the ids and one kernel launch (the caller synchronises). ``step_bytes``,
+    ``num_warps``: the kernel's launch shape (None: its defaults)."""
     from pdserve.kernels.kv_block_copy import copy_blocks_by_address
 
     with torch.cuda.stream(stream):
         ids = pairs.pin_memory().to(plan.units.device, non_blocking=True)
         copy_blocks_by_address(
-            plan.src_addrs, plan.dst_addrs, plan.units, ids, plan.unit, plan.aligned16
+            plan.src_addrs,
+            plan.dst_addrs,
+            plan.units,
+            ids,
+            plan.unit,
+            plan.aligned16,
+            step_bytes=step_bytes,
+            num_warps=num_warps,
         )

@@ -21,6 +21,7 @@ per layer for a fragmented mapping."""
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -148,6 +149,11 @@ class CudaIpcServer(ServerTransport):
 
 class CudaIpcClient(ClientTransport):
     reads_remote_memory = True
+    # variants a benchmark switches (transfer_bench --variants): query the copy's event
+    # right after the launch; the block-copy kernel's bytes a loop step and warps
+    flush_launch = True
+    copy_step: int | None = None  # None: kernels.kv_block_copy's defaults
+    copy_warps: int | None = None
 
     def __init__(self, kv_caches: KVCaches, transport_info: dict[str, Any]) -> None:
         super().__init__(kv_caches, transport_info)
@@ -170,6 +176,8 @@ class CudaIpcClient(ClientTransport):
         if len(self.remote) != len(kv_caches):
             raise RuntimeError("prefill and decode have different cache layer counts")
         self._stream = torch.cuda.Stream(dev)
+        # benchmarks set a list: each write appends its host times and timing events
+        self.trace: list[dict[str, Any]] | None = None
         axes = [(name, lay.block_axis) for name, lay, _ in kv_caches.layers()]
         remote = Segments.from_layers(
             [(n, ax, r) for (n, ax), r in zip(axes, self.remote, strict=True)]
@@ -189,17 +197,32 @@ class CudaIpcClient(ClientTransport):
         timeout: float = 60.0,
     ) -> PendingWrite:
         """Enqueue the copy on the side stream; the pending write's event completes it."""
+        t0 = time.perf_counter()
+        marks = None
+        if self.trace is not None:  # timing events around the copy (benchmarks)
+            marks = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            marks[0].record(self._stream)
         if self.plan is not None:
             pairs = self.plan.block_pairs(remote_block_ids, local_block_ids)  # range-checked
             try:
-                copy_blocks(self.plan, pairs, self._stream)
+                copy_blocks(self.plan, pairs, self._stream, self.copy_step, self.copy_warps)
             except Exception as e:  # a kernel that does not build: torch from now on
                 logger.warning("cuda_ipc: the block-copy kernel failed (%s); copying with torch", e)
                 self.plan = None
         if self.plan is None:
             self._copy_by_layer(remote_block_ids, local_block_ids)
+        if marks is not None:
+            marks[1].record(self._stream)
         done = torch.cuda.Event()
         done.record(self._stream)
+        if self.flush_launch:
+            # a query hands the queued launches to the GPU now (the caller is about to
+            # block on a socket, not on this stream)
+            done.query()
+        if self.trace is not None and marks is not None:
+            self.trace.append(
+                {"host_start": t0, "host_launched": time.perf_counter(), "events": marks}
+            )
         n = self.kv_caches.bytes_per_block() * len(local_block_ids)
 
         def wait() -> int:
