@@ -3,6 +3,7 @@
 # of at most 10 minutes each; every stage prints its tables and leaves JSON and logs under
 # $OUT. Record the commit yourself: the device copy of the tree may carry a stale .git.
 #
+#   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh s12|fp8s|xfer
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh k10
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh p10
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh glm5-sla [mtp]
@@ -23,6 +24,14 @@
 #   nvidia-h200-x2 (carry [".whl"]):   bash benchmarks/run_pending.sh x2
 #   nvidia-h200-x4/-x8 (carry [".whl"]): bash benchmarks/run_pending.sh dpep 4   (or 8)
 #
+# s12   (session 12) benchmarks/prefill_sweep.py --sections mla_variants (the sparse MLA
+#       prefill variants of kernels/sparse_mla_prefill.py against the general kernel at
+#       16K/4K/2K), then glm5_bench prefill 16K with the default and, where one wins, with
+#       the best variant switched on (benchmarks/pick_mla_variant.py), then the GPU tests
+#       fixed after run 40.
+# fp8s  benchmarks/fp8_gemm_sweep.py down/gate_up at 64 and 8,192 tokens (issue 28).
+# xfer  the early copy's order (read sent first, the launch flushed) and the block-copy
+#       kernel shapes: transfer_bench --variants / --copy-shapes (issue 29).
 # k10   the GLM-5 prefill / verify kernels (issues 26, 27), most wanted first: their parity
 #       tests compiled on CUDA (sparse MLA with the wide shape, the tiled indexer and the
 #       register select, the fused MoE, graph widths, the Triton GLM-5 model), then
@@ -89,7 +98,7 @@
 #       --enable-expert-parallel against one GPU, the same closed-loop load per rank
 #       (32 streams per GPU, 1024 in / 256 out): output tok/s per GPU and mean TPOT.
 set -uo pipefail
-stage="${1:?usage: run_pending.sh s12|k10|p10|d10|c11|f11|f11g|r11|r11g|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl-install|nixl|x2|dpep N}"
+stage="${1:?usage: run_pending.sh s12|fp8s|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl-install|nixl|x2|dpep N}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 start=$(date +%s)
 source scripts/gpu-env
@@ -226,16 +235,23 @@ case "$stage" in
     done
     sed -i 's/^PREFILL_VARIANT: str | None = ".*"/PREFILL_VARIANT: str | None = None/' \
       src/pdserve/layers/attention/mla_triton.py
-    left=$(( start + 370 - $(date +%s) ))
-    [ "$left" -gt 40 ] && timeout "$left" python3 benchmarks/fp8_gemm_sweep.py --shapes down,gate_up \
-      --tokens 8192 --budget-s $(( left - 30 )) --out "$OUT/fp8_gemm_sweep.json" \
-      > "$OUT/fp8_gemm_sweep.log" 2>&1
-    tail -8 "$OUT/fp8_gemm_sweep.log"
-    left=$(( start + 440 - $(date +%s) ))
+    left=$(( start + ${S12_END:-350} - $(date +%s) ))
     [ "$left" -gt 20 ] && timeout "$left" python3 -m pytest -p no:cacheprovider -q -rfE \
       "tests/engine/test_spec_step.py::test_uniform_verify_batches_replay_graphs" \
       "tests/engine/test_speculative.py::test_mtp_verify_and_draft_steps_replay_graphs_on_cuda" \
       tests/kernels/test_dsa_indexer.py 2>&1 | tail -6
+    ;;
+  fp8s)  # the FP8 GEMM tile sweep at prefill size (issue 28)
+    timeout 120 python3 benchmarks/fp8_gemm_sweep.py --shapes down,gate_up --tokens 64,8192 \
+      --budget-s 90 --out "$OUT/fp8_gemm_sweep.json" > "$OUT/fp8_gemm_sweep.log" 2>&1
+    tail -14 "$OUT/fp8_gemm_sweep.log"
+    ;;
+  xfer)  # the early copy's order and the block-copy shapes (issue 29)
+    timeout 60 python3 -m pytest -p no:cacheprovider -q -m gpu tests/kv_transfer/test_block_copy.py \
+      2>&1 | tail -3
+    timeout 90 python3 benchmarks/transfer_bench.py --transports cuda_ipc --no-equality \
+      --variants before,send,flush,after --copy-shapes 8192:4,16384:4,16384:8,32768:8 \
+      --out "$OUT/transfer_variants.json" 2>&1 | tee "$OUT/transfer_variants.log" | quiet | tail -40
     ;;
   f11)
     timeout 150 python3 -m pytest -p no:cacheprovider -q tests/kernels/test_fp8_activation.py \
