@@ -220,23 +220,26 @@ case "$stage" in
       tests/kv_transfer 2>&1 | tail -20
     ;;
   s12)  # session 12: the sparse MLA prefill variants, then end to end with the best one
-    timeout 150 python3 benchmarks/prefill_sweep.py --sections mla_variants \
-      --out "$OUT/mla_variants.json" --budget-s 115 > "$OUT/mla_variants.log" 2>&1
+    end=$(( start + ${S12_END:-350} ))  # everything ends by then
+    left() { echo $(( end - $(date +%s) )); }
+    t=$(left); [ "$t" -gt 150 ] && t=150
+    timeout "$t" python3 benchmarks/prefill_sweep.py --sections mla_variants \
+      --out "$OUT/mla_variants.json" --budget-s $(( t - 35 )) > "$OUT/mla_variants.log" 2>&1
     sed -n '/^== /,$p' "$OUT/mla_variants.log" | tail -30
     best=$(python3 benchmarks/pick_mla_variant.py "$OUT/mla_variants.json")
     echo "variant picked: ${best:-none}"
-    for v in none ${best}; do
+    for v in ${best} none; do  # the variant first: it is the new number
+      [ "$(left)" -lt 75 ] && { echo "glm5 prefill, variant $v: no time left"; continue; }
       [ "$v" = none ] || sed -i "s/^PREFILL_VARIANT: str | None = None/PREFILL_VARIANT: str | None = \"$v\"/" \
         src/pdserve/layers/attention/mla_triton.py
       timeout 80 python3 benchmarks/glm5_bench.py --sections prefill --presets glm5-m12-e64 \
         --no-peer --prefill-lens 16384 --workdir /tmp/glm5 \
         --out "$OUT/glm5_prefill_$v.json" > "$OUT/glm5_prefill_$v.log" 2>&1
       echo "glm5 prefill, variant $v: exit $?"; quiet < "$OUT/glm5_prefill_$v.log" | tail -4
+      sed -i 's/^PREFILL_VARIANT: str | None = ".*"/PREFILL_VARIANT: str | None = None/' \
+        src/pdserve/layers/attention/mla_triton.py
     done
-    sed -i 's/^PREFILL_VARIANT: str | None = ".*"/PREFILL_VARIANT: str | None = None/' \
-      src/pdserve/layers/attention/mla_triton.py
-    left=$(( start + ${S12_END:-350} - $(date +%s) ))
-    [ "$left" -gt 20 ] && timeout "$left" python3 -m pytest -p no:cacheprovider -q -rfE \
+    [ "$(left)" -gt 20 ] && timeout "$(left)" python3 -m pytest -p no:cacheprovider -q -rfE \
       "tests/engine/test_spec_step.py::test_uniform_verify_batches_replay_graphs" \
       "tests/engine/test_speculative.py::test_mtp_verify_and_draft_steps_replay_graphs_on_cuda" \
       tests/kernels/test_dsa_indexer.py 2>&1 | tail -6
