@@ -24,11 +24,11 @@
 #   nvidia-h200-x2 (carry [".whl"]):   bash benchmarks/run_pending.sh x2
 #   nvidia-h200-x4/-x8 (carry [".whl"]): bash benchmarks/run_pending.sh dpep 4   (or 8)
 #
-# s12   (session 12) benchmarks/prefill_sweep.py --sections mla_variants (the sparse MLA
-#       prefill variants of kernels/sparse_mla_prefill.py against the general kernel at
-#       16K/4K/2K), then glm5_bench prefill 16K with the default and, where one wins, with
-#       the best variant switched on (benchmarks/pick_mla_variant.py), then the GPU tests
-#       fixed after run 40.
+# s12   benchmarks/prefill_sweep.py --sections mla_variants (the sparse MLA prefill
+#       variants of kernels/sparse_mla_prefill.py against the general kernel at
+#       16K/4K/2K; benchmarks/pick_mla_variant.py names the best), then glm5_bench prefill
+#       16K/64K with the default (PREFILL_VARIANT on) and with the general kernel only,
+#       then the GPU tests fixed after run 40 and the MLA backend's parity on CUDA.
 # fp8s  benchmarks/fp8_gemm_sweep.py down/gate_up at 64 and 8,192 tokens (issue 28).
 # xfer  the early copy's order (read sent first, the launch flushed) and the block-copy
 #       kernel shapes: transfer_bench --variants / --copy-shapes (issue 29).
@@ -219,30 +219,27 @@ case "$stage" in
     timeout 300 python3 -m pytest -p no:cacheprovider -q -rfE -m gpu tests/engine tests/runner \
       tests/kv_transfer 2>&1 | tail -20
     ;;
-  s12)  # session 12: the sparse MLA prefill variants, then end to end with the best one
-    end=$(( start + ${S12_END:-350} ))  # everything ends by then
+  s12)  # the sparse MLA prefill variants, then glm5 prefill with the default and without it
+    end=$(( start + ${S12_END:-560} ))  # everything ends by then
     left() { echo $(( end - $(date +%s) )); }
-    t=$(left); [ "$t" -gt 150 ] && t=150
+    t=$(left); [ "$t" -gt 100 ] && t=100
     timeout "$t" python3 benchmarks/prefill_sweep.py --sections mla_variants \
       --out "$OUT/mla_variants.json" --budget-s $(( t - 35 )) > "$OUT/mla_variants.log" 2>&1
     sed -n '/^== /,$p' "$OUT/mla_variants.log" | tail -30
-    best=$(python3 benchmarks/pick_mla_variant.py "$OUT/mla_variants.json")
-    echo "variant picked: ${best:-none}"
-    for v in ${best} none; do  # the variant first: it is the new number
-      [ "$(left)" -lt 75 ] && { echo "glm5 prefill, variant $v: no time left"; continue; }
-      [ "$v" = none ] || sed -i "s/^PREFILL_VARIANT: str | None = None/PREFILL_VARIANT: str | None = \"$v\"/" \
+    echo "the sweep's pick: $(python3 benchmarks/pick_mla_variant.py "$OUT/mla_variants.json")"
+    for v in default general; do  # general: PREFILL_VARIANT None (the general kernel only)
+      [ "$(left)" -lt 150 ] && { echo "glm5 prefill, $v: no time left"; continue; }
+      [ "$v" = default ] || sed -i 's/^PREFILL_VARIANT: str | None = ".*"/PREFILL_VARIANT: str | None = None/' \
         src/pdserve/layers/attention/mla_triton.py
-      timeout 80 python3 benchmarks/glm5_bench.py --sections prefill --presets glm5-m12-e64 \
-        --no-peer --prefill-lens 16384 --workdir /tmp/glm5 \
+      timeout 150 python3 benchmarks/glm5_bench.py --sections prefill --presets glm5-m12-e64 \
+        --no-peer --long --prefill-lens 16384,65536 --workdir /tmp/glm5 \
         --out "$OUT/glm5_prefill_$v.json" > "$OUT/glm5_prefill_$v.log" 2>&1
-      echo "glm5 prefill, variant $v: exit $?"; quiet < "$OUT/glm5_prefill_$v.log" | tail -4
-      sed -i 's/^PREFILL_VARIANT: str | None = ".*"/PREFILL_VARIANT: str | None = None/' \
-        src/pdserve/layers/attention/mla_triton.py
+      echo "glm5 prefill, $v: exit $?"; quiet < "$OUT/glm5_prefill_$v.log" | tail -5
     done
     [ "$(left)" -gt 20 ] && timeout "$(left)" python3 -m pytest -p no:cacheprovider -q -rfE \
       "tests/engine/test_spec_step.py::test_uniform_verify_batches_replay_graphs" \
       "tests/engine/test_speculative.py::test_mtp_verify_and_draft_steps_replay_graphs_on_cuda" \
-      tests/kernels/test_dsa_indexer.py 2>&1 | tail -6
+      tests/kernels/test_dsa_indexer.py tests/kernels/test_sparse_mla.py 2>&1 | tail -6
     ;;
   fp8s)  # the FP8 GEMM tile sweep at prefill size (issue 28)
     timeout 120 python3 benchmarks/fp8_gemm_sweep.py --shapes down,gate_up --tokens 64,8192 \

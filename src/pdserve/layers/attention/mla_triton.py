@@ -11,12 +11,14 @@ Graph safety: the launch shape comes from host ints only (tokens, heads, and the
 count from the top-k width or the static ``max_model_len``); the dense/sparse choice is
 made per token on the device. Rows past ``num_actual_tokens`` (graph padding) are zeros.
 
-Prefill (opt-in, ``prefill_variant``; off by default until the H200 sweep
-``prefill_sweep.py --sections mla_variants`` picks one): a step with an indexer
-and a query chunk of at least ``prefill_min_tokens`` tokens resolves each token's candidate cache rows
-once (:func:`~pdserve.kernels.sparse_mla_prefill.candidate_rows`) and runs
-:func:`~pdserve.kernels.sparse_mla_prefill.sparse_mla_prefill` instead (same keys, same
-result); decode and verify steps keep the general kernel.
+Prefill (``prefill_variant``, default :data:`PREFILL_VARIANT`): a step with an indexer
+and a query chunk of at least ``prefill_min_tokens`` tokens resolves each token's
+candidate cache rows once (:func:`~pdserve.kernels.sparse_mla_prefill.candidate_rows`)
+and runs :func:`~pdserve.kernels.sparse_mla_prefill.sparse_mla_prefill` instead (same
+keys, same result); decode and verify steps keep the general kernel. The default variant
+is the H200 sweep's best (``prefill_sweep.py --sections mla_variants``, RESULTS.md run 45:
+16K prefill 33.4 ms a layer with the general kernel's old default, 31.5 ms with its
+prefill shape, 26.4 ms with ``rows_n32_s5`` and its candidate rows; outputs equal).
 
 An fp8 cache's scale (``kv_scale``) divides the row written and multiplies the kernel's
 softmax scale and its output (the latent is the value too): no kernel argument of its own.
@@ -32,7 +34,7 @@ from pdserve.kernels.sparse_mla import choose_splits, sparse_mla_attention
 from pdserve.kernels.sparse_mla_prefill import VARIANTS, candidate_rows, sparse_mla_prefill
 from pdserve.layers.attention.backend import AttentionBackend, CommonAttentionMetadata
 
-PREFILL_VARIANT: str | None = None  # a sparse_mla_prefill.VARIANTS name once measured
+PREFILL_VARIANT: str | None = "rows_n32_s5"  # a sparse_mla_prefill.VARIANTS name; None: off
 PREFILL_MIN_TOKENS = 256  # steps with a query chunk this long take the prefill kernel
 
 
