@@ -13,7 +13,9 @@ stages ahead. The candidates are the same as the general kernel's, chosen per to
 ``0 .. pos`` (then ``pos < K``, so both fit a row of ``K``).
 
 Variants (:data:`VARIANTS`, measured by ``benchmarks/prefill_sweep.py --sections
-mla_variants``; the engine's default stays the general kernel until they are):
+mla_variants``; :data:`DEFAULT_VARIANT` is the engine's prefill default,
+``layers/attention/mla_triton.py``); dropped after run 45: 16-key tiles on 9 stages
+(41.2 ms at 16K) and the latent split with 32-key tiles on 7 stages (32.9 ms):
 
 - ``lat_split`` 1: a program holds every latent dim of its head block (a [64, 512]
   float32 accumulator over two warpgroups, like the general kernel's WIDE config);
@@ -59,12 +61,17 @@ class PrefillVariant(NamedTuple):
 # stage of its own, so stages 3-4 give two buffers waited at once (no lookahead), 5-6
 # three, 7-8 four, 9 five (sm_90a compiles, tools/sm90_report.py --only mla_pf_...).
 VARIANTS: dict[str, PrefillVariant] = {
-    "rows_n32_s5": PrefillVariant(64, 32, 8, 5),  # 3 x 36 KB of rows in flight, 181 KB
-    "rows_n32_s7": PrefillVariant(64, 32, 8, 7),  # 4 x 36 KB, 217 KB
-    "rows_n16_s9": PrefillVariant(64, 16, 8, 9),  # 5 x 18 KB, 163 KB
-    "lazy_n16_s7": PrefillVariant(64, 16, 8, 7, lazy=True),  # 4 x 18 KB, 145 KB
-    "half_n16_s3": PrefillVariant(64, 16, 4, 3, lat_split=2),  # 108 KB: 2 programs an SM
-    "half_n32_s7": PrefillVariant(64, 32, 4, 7, lat_split=2),  # one warpgroup, 4 x 36 KB
+    # H200, RESULTS.md run 45 (16K prefill, ms a layer with candidate rows; the general
+    # kernel: 33.4 at its old default, 31.5 at its prefill shape)
+    "rows_n32_s5": PrefillVariant(64, 32, 8, 5),  # 26.4; 3 x 36 KB of rows in flight
+    "rows_n32_s7": PrefillVariant(64, 32, 8, 7),  # 27.4; 4 x 36 KB, 217 KB
+    "lazy_n16_s7": PrefillVariant(64, 16, 8, 7, lazy=True),  # 42.5; 4 x 18 KB, 145 KB
+    "half_n16_s3": PrefillVariant(64, 16, 4, 3, lat_split=2),  # 26.6; 108 KB: 2 an SM
+    # not measured yet: 64-key tiles (a wider score MMA a warpgroup; 217 KB, no spills),
+    # the latent split with 32-key tiles or deeper 16-key rings
+    "rows_n64_s3": PrefillVariant(64, 64, 8, 3),
+    "half_n32_s3": PrefillVariant(64, 32, 4, 3, lat_split=2),
+    "half_n16_s5": PrefillVariant(64, 16, 4, 5, lat_split=2),
 }
 DEFAULT_VARIANT = "rows_n32_s5"
 
