@@ -41,19 +41,20 @@ def test_sweep_smoke_runs_every_section(
 def test_sweep_smoke_mla_variants(
     sweep: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Every prefill variant beside the general kernel, on a sparse and a dense prefill:
-    same output, timed, and the table printed."""
+    """Every prefill variant beside the general kernel, on a sparse and a dense prefill
+    and a verify batch: same output, timed, and the table printed."""
     from pdserve.kernels.sparse_mla_prefill import VARIANTS
 
     out = tmp_path / "variants.json"
     assert sweep.main(["--device", "cpu", "--sections", "mla_variants", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["mla_variants"]
     assert not [r for r in rows if "error" in r or "skipped" in r]
-    assert {r["case"] for r in rows} == {"prefill 12", "prefill 40"}
-    for case in ("prefill 12", "prefill 40"):
+    assert {r["case"] for r in rows} == {"prefill 12", "prefill 40", "verify 3x4"}
+    assert rows[0]["case"] == "prefill 40"  # the longest prefill first: it picks the variant
+    for case in ("prefill 12", "prefill 40", "verify 3x4"):
         got = {r["config"] for r in rows if r["case"] == case}
         assert got == {f"general {list(c)}" for c in sweep.BASELINES} | set(VARIANTS)
     assert all(r["max_abs_diff"] < 1e-4 and r["ms"] > 0 and r["total_ms"] >= r["ms"] for r in rows)
     assert all(r["rows_ms"] > 0 for r in rows if "variant" in r)
-    assert sum(r["default"] for r in rows) == 2
+    assert sum(r["default"] for r in rows) == 3
     assert "max abs diff vs the general" in capsys.readouterr().out
