@@ -520,9 +520,11 @@ def run_indexer_fp8(
     the indexer's decode, prefill and verify scores, on the same key values. Per case:
     "score bf16" / "score fp8" (the score kernel the backend uses, every token chunk) and
     "backend bf16" / "backend fp8" (IndexerTritonBackend.forward: key write, scores,
-    select), and "score fp8 k+q": fp8 queries too (one scale a token and head, folded
-    into the weights; quantized outside the timing), so the dots are FP8 MMAs: a variant
-    the engine does not run, measured to decide whether it should. Bytes: each request's keys once (D * 2 bf16, D + 4 fp8 a key) + the queries
+    select; over fp8 keys it quantizes the queries too, since run 44), "score fp8":
+    fp8 keys with model-dtype queries (the engine's fp8 path before run 44), and "score
+    fp8 k+q": fp8 queries too (one scale a token and head, folded into the weights;
+    quantized outside the timing), so the dots are FP8 MMAs, as the backend's fp8 path
+    runs them. Bytes: each request's keys once (D * 2 bf16, D + 4 fp8 a key) + the queries
     + the scores the select reads (4 a causal pair); x_copy = bytes / ms over the copy
     bandwidth (the memory-roofline share), x_matmul as the other sections. fp8 rows:
     speedup over bf16, max_rel_diff (scores' max |fp8 - bf16| over the largest |score|)
