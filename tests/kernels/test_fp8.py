@@ -130,6 +130,8 @@ def test_fp8_gemm_config_defaults_are_the_heuristic(device: torch.device) -> Non
     gate_up = resolve_fp8_gemm_config(1, 28672, 4096, 132)  # 224 tiles of 128: no split
     assert gate_up == Fp8GemmConfig(16, 64, 4, 3, 1, 1, False, False)
     assert resolve_fp8_gemm_config(8192, 4096, 14336, 132) == Fp8GemmConfig(64, 128, 4, 3, 1, 1)
+    # 64 rows splitting K: 256-wide tiles on 8 warps, about one program a multiprocessor
+    assert resolve_fp8_gemm_config(64, 4096, 14336, 132) == Fp8GemmConfig(64, 256, 8, 3, 9, 1)
     assert resolve_fp8_gemm_config(20, 256, 256, 4, Fp8GemmConfig(num_splits=5)).num_splits == 2
     assert resolve_fp8_gemm_config(64, 4096, 14336, 132, Fp8GemmConfig(block_n=256)) == (
         Fp8GemmConfig(64, 256, 4, 3, 16, 1)  # 16 tiles: 17 splits wanted, 16 at most

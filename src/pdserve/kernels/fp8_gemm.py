@@ -222,7 +222,8 @@ def resolve_fp8_gemm_config(
     """``config`` with every ``None`` field filled in for an [m, k] x [n, k]^T GEMM on a
     GPU of ``sms`` multiprocessors: block_m 16/32/64 by ``m``; block_n 128, except 64
     for up to 64 rows when 128-wide tiles would fill the GPU without splitting K; 4
-    warps, 3 stages, K splits from :func:`choose_splits`, no grouping. The returned
+    warps (33-64 rows splitting K: 256-wide tiles on 8 warps, about one program an SM), 3
+    stages, K splits from :func:`choose_splits`, no grouping. The returned
     ``num_splits`` is the one the launch uses (no split left empty).
 
     Split-K tiles are 128 wide from the H200 sweep of 2026-12-02 (RESULTS.md, run 38:
@@ -231,17 +232,20 @@ def resolve_fp8_gemm_config(
     cfg = config or Fp8GemmConfig()
     block_m = cfg.block_m or (16 if m <= 16 else 32 if m <= 32 else 64)
     split_k = triton.cdiv(m, block_m) * triton.cdiv(n, 128) < sms
-    block_n = cfg.block_n or (64 if m <= 64 and not split_k else 128)
+    # 64-row split-K tiles are 256 wide on 8 warps, one program an SM (the same sweep at
+    # 64 rows: 46.8 us with 128-wide tiles on 4 warps and 9 splits, 37.7 us so with 8)
+    wide = split_k and block_m == 64 and cfg.block_n is None and cfg.num_warps is None
+    block_n = cfg.block_n or (256 if wide else 64 if m <= 64 and not split_k else 128)
     k_blocks = triton.cdiv(k, GROUP_K)
     splits = cfg.num_splits or choose_splits(
-        triton.cdiv(m, block_m), triton.cdiv(n, block_n), k_blocks, sms
+        triton.cdiv(m, block_m), triton.cdiv(n, block_n), k_blocks, sms // 2 if wide else sms
     )
     per_split = triton.cdiv(k_blocks, min(splits, k_blocks))
     return replace(
         cfg,
         block_m=block_m,
         block_n=block_n,
-        num_warps=cfg.num_warps or 4,
+        num_warps=cfg.num_warps or (8 if wide else 4),
         num_stages=cfg.num_stages or 3,
         num_splits=triton.cdiv(k_blocks, per_split),
         group_m=cfg.group_m or 1,
