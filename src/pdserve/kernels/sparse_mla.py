@@ -84,6 +84,19 @@ def _config(num_tokens: int, num_heads: int, block_l: int) -> MlaConfig:
     return CONFIG_MANY_TOKENS
 
 
+@triton.jit
+def softmax_step(s, m_i, l_i, acc):
+    """One tile of the online softmax (base 2): scores ``s`` [rows, keys] (-inf where
+    masked) against the running maximum ``m_i`` and sum ``l_i`` [rows]; returns the
+    tile's probabilities and the new maximum, sum and rescaled accumulator (a row with
+    no key yet keeps -inf and zeros)."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    pr = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    return pr, m_new, l_i * alpha + tl.sum(pr, axis=1), acc * alpha[:, None]
+
+
 @triton.jit(do_not_specialize=["num_splits"])
 def _mla_kernel(
     qlat_ptr,
@@ -204,14 +217,8 @@ def _mla_kernel(
         s = tl.dot(ql, tl.trans(kl), input_precision=DOT_PREC)
         s = tl.dot(qr, tl.trans(kr), acc=s, input_precision=DOT_PREC)
         s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        pr = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(pr, axis=1)
-        acc = acc * alpha[:, None]
+        pr, m_i, l_i, acc = softmax_step(s, m_i, l_i, acc)
         acc = tl.dot(pr.to(kl.dtype), kl, acc=acc, input_precision=DOT_PREC)
-        m_i = m_new
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     if SPLIT:

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels._utils import LOG2E, check_device, dot_precision, dot_upcast, next_pow2
+from pdserve.kernels.sparse_mla import softmax_step
 
 LAZY_TAU = 8.0
 ROWS_BLOCK = 256
@@ -234,8 +235,8 @@ def _prefill_kernel(
             s = tl.dot(qb, tl.trans(kb), acc=s, input_precision=DOT_PREC)
         s = tl.dot(qr, tl.trans(kr), acc=s, input_precision=DOT_PREC)
         s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
-        m_tile = tl.maximum(m_i, tl.max(s, axis=1))
         if LAZY:
+            m_tile = tl.maximum(m_i, tl.max(s, axis=1))
             # rescale (every row: one decision for the block) only when a row's maximum
             # outgrows the one in use by more than TAU; -inf rows stay -inf
             grow = tl.max(tl.where(m_tile > m_i + TAU, 1, 0), axis=0)
@@ -249,12 +250,7 @@ def _prefill_kernel(
             pr = tl.exp2(s - m_use[:, None])
             l_i = l_i + tl.sum(pr, axis=1)
         else:
-            m_safe = tl.where(m_tile == float("-inf"), 0.0, m_tile)
-            pr = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(pr, axis=1)
-            acc = acc * alpha[:, None]
-            m_i = m_tile
+            pr, m_i, l_i, acc = softmax_step(s, m_i, l_i, acc)
         acc = tl.dot(pr.to(ka.dtype), ka, acc=acc, input_precision=DOT_PREC)
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
