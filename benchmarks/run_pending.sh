@@ -229,7 +229,7 @@ case "$stage" in
     echo "the sweep's pick: $(python3 benchmarks/pick_mla_variant.py "$OUT/mla_variants.json")"
     for v in default general; do  # general: PREFILL_VARIANT None (the general kernel only)
       [ "$(left)" -lt 150 ] && { echo "glm5 prefill, $v: no time left"; continue; }
-      [ "$v" = default ] || sed -i 's/^PREFILL_VARIANT: str | None = ".*"/PREFILL_VARIANT: str | None = None/' \
+      [ "$v" = default ] || sed -i 's/^PREFILL_VARIANT: str | None = [A-Z_]*/PREFILL_VARIANT: str | None = None/' \
         src/pdserve/layers/attention/mla_triton.py
       timeout 150 python3 benchmarks/glm5_bench.py --sections prefill --presets glm5-m12-e64 \
         --no-peer --long --prefill-lens 16384,65536 --workdir /tmp/glm5 \

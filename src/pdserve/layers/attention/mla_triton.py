@@ -31,10 +31,15 @@ import torch
 from pdserve.kernels._utils import num_sms
 from pdserve.kernels.reference import write_paged
 from pdserve.kernels.sparse_mla import choose_splits, sparse_mla_attention
-from pdserve.kernels.sparse_mla_prefill import VARIANTS, candidate_rows, sparse_mla_prefill
+from pdserve.kernels.sparse_mla_prefill import (
+    DEFAULT_VARIANT,
+    VARIANTS,
+    candidate_rows,
+    sparse_mla_prefill,
+)
 from pdserve.layers.attention.backend import AttentionBackend, CommonAttentionMetadata
 
-PREFILL_VARIANT: str | None = "rows_n32_s5"  # a sparse_mla_prefill.VARIANTS name; None: off
+PREFILL_VARIANT: str | None = DEFAULT_VARIANT  # a sparse_mla_prefill.VARIANTS name; None: off
 PREFILL_MIN_TOKENS = 256  # steps with a query chunk this long take the prefill kernel
 
 
