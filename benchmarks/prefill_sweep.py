@@ -257,6 +257,7 @@ def run_mla_variants(sh: Shapes, dev: torch.device, bw: float, peak: float, dead
     the reference output, and its prefill shape) against each variant of kernels/sparse_mla_prefill.py
     on the same inputs. A variant's ``ms`` is its attention kernel; ``rows_ms`` (once per
     case) is :func:`candidate_rows`, run once per layer, and ``total_ms`` the two."""
+    from pdserve.kernels import sparse_mla_gluon as gluon
     from pdserve.kernels.sparse_mla import MlaConfig, sparse_mla_attention
     from pdserve.kernels.sparse_mla_prefill import VARIANTS, candidate_rows, sparse_mla_prefill
 
@@ -295,14 +296,22 @@ def run_mla_variants(sh: Shapes, dev: torch.device, bw: float, peak: float, dead
         entries += [(name, partial(sparse_mla_prefill, inp["q_lat"], inp["q_pe"], inp["cache"],
                                    cand, ncand, 0.0625, t, variant=name))
                     for name in VARIANTS]  # fmt: skip
+        # the Gluon kernel (Hopper, 16-bit operands): same arguments
+        entries += [(name, partial(gluon.sparse_mla_prefill_gluon, inp["q_lat"], inp["q_pe"],
+                                   inp["cache"], cand, ncand, 0.0625, t, variant=name))
+                    for name in gluon.VARIANTS]  # fmt: skip
+        gluon_ok = gluon.supported(inp["q_lat"], inp["q_pe"], inp["cache"])
         for label, fn in entries:
             variant = not label.startswith("general")
             row: dict[str, Any] = {"case": case.name, "kind": case.kind, "config": label,
                                    "default": label == f"general {list(BASELINES[0])}"}  # fmt: skip
             if variant:
-                row["variant"] = list(VARIANTS[label])
+                row["variant"] = list(VARIANTS[label]) if label in VARIANTS else label
             if time.perf_counter() > deadline:
                 rows.append({**row, "skipped": "budget"})
+                continue
+            if label in gluon.VARIANTS and not gluon_ok:
+                rows.append({**row, "skipped": "the Gluon kernel needs Hopper and 16-bit operands"})
                 continue
             out = torch.empty_like(inp["q_lat"])
             try:

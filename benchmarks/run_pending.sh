@@ -24,11 +24,12 @@
 #   nvidia-h200-x2 (carry [".whl"]):   bash benchmarks/run_pending.sh x2
 #   nvidia-h200-x4/-x8 (carry [".whl"]): bash benchmarks/run_pending.sh dpep 4   (or 8)
 #
-# s12   benchmarks/prefill_sweep.py --sections mla_variants (the sparse MLA prefill
-#       variants of kernels/sparse_mla_prefill.py against the general kernel at
-#       16K/4K/2K; benchmarks/pick_mla_variant.py names the best), then glm5_bench prefill
-#       16K/64K with the default (PREFILL_VARIANT on) and with the general kernel only,
-#       then the GPU tests fixed after run 40 and the MLA backend's parity on CUDA.
+# s12   the Gluon sparse MLA prefill kernel's parity on the GPU (kernels/sparse_mla_gluon.py,
+#       never run yet) and the Triton variants'; benchmarks/prefill_sweep.py --sections
+#       mla_variants (the variants of kernels/sparse_mla_prefill.py and the Gluon kernel
+#       against the general kernel at 16K/4K/2K; benchmarks/pick_mla_variant.py names the
+#       best), then glm5_bench prefill 16K/64K with the default, the sweep's pick and the
+#       general kernel only, then the GPU tests fixed after run 40.
 # fp8s  benchmarks/fp8_gemm_sweep.py down/gate_up at 64 and 8,192 tokens (issue 28).
 # xfer  the early copy's order (read sent first, the launch flushed) and the block-copy
 #       kernel shapes: transfer_bench --variants / --copy-shapes (issue 29).
@@ -219,23 +220,34 @@ case "$stage" in
     timeout 300 python3 -m pytest -p no:cacheprovider -q -rfE -m gpu tests/engine tests/runner \
       tests/kv_transfer 2>&1 | tail -20
     ;;
-  s12)  # the sparse MLA prefill variants, then glm5 prefill with the default and without it
+  s12)  # the sparse MLA prefill kernels, then glm5 prefill with the default and the sweep's pick
     end=$(( start + ${S12_END:-560} ))  # everything ends by then
     left() { echo $(( end - $(date +%s) )); }
-    t=$(left); [ "$t" -gt 100 ] && t=100
+    timeout 90 python3 -m pytest -p no:cacheprovider -q -rfE tests/kernels/test_sparse_mla_gluon.py \
+      tests/kernels/test_sparse_mla_prefill.py 2>&1 | tail -6
+    t=$(left); [ "$t" -gt 110 ] && t=110
     timeout "$t" python3 benchmarks/prefill_sweep.py --sections mla_variants \
       --out "$OUT/mla_variants.json" --budget-s $(( t - 35 )) > "$OUT/mla_variants.log" 2>&1
     sed -n '/^== /,$p' "$OUT/mla_variants.log" | tail -30
-    echo "the sweep's pick: $(python3 benchmarks/pick_mla_variant.py "$OUT/mla_variants.json")"
-    for v in default general; do  # general: PREFILL_VARIANT None (the general kernel only)
+    pick=$(python3 benchmarks/pick_mla_variant.py "$OUT/mla_variants.json")
+    echo "the sweep's pick: ${pick:-none}"
+    runs="default"; [ -n "$pick" ] && runs="default $pick"; runs="$runs general"
+    mt=src/pdserve/layers/attention/mla_triton.py; cp "$mt" /tmp/mla_triton.py.orig
+    for v in $runs; do  # general: PREFILL_VARIANT None (the general kernel only)
       [ "$(left)" -lt 150 ] && { echo "glm5 prefill, $v: no time left"; continue; }
-      [ "$v" = default ] || sed -i 's/^PREFILL_VARIANT: str | None = [A-Z_]*/PREFILL_VARIANT: str | None = None/' \
-        src/pdserve/layers/attention/mla_triton.py
+      cp /tmp/mla_triton.py.orig "$mt"  # (the device's .git may be stale: no checkout)
+      case "$v" in
+        default) ;;
+        general) sed -i 's/^PREFILL_VARIANT: str | None = .*/PREFILL_VARIANT: str | None = None/' "$mt" ;;
+        *) sed -i "s/^PREFILL_VARIANT: str | None = .*/PREFILL_VARIANT: str | None = \"$v\"/" "$mt" ;;
+      esac
+      grep -n '^PREFILL_VARIANT' "$mt"
       timeout 150 python3 benchmarks/glm5_bench.py --sections prefill --presets glm5-m12-e64 \
         --no-peer --long --prefill-lens 16384,65536 --workdir /tmp/glm5 \
         --out "$OUT/glm5_prefill_$v.json" > "$OUT/glm5_prefill_$v.log" 2>&1
       echo "glm5 prefill, $v: exit $?"; quiet < "$OUT/glm5_prefill_$v.log" | tail -5
     done
+    cp /tmp/mla_triton.py.orig "$mt"
     [ "$(left)" -gt 20 ] && timeout "$(left)" python3 -m pytest -p no:cacheprovider -q -rfE \
       "tests/engine/test_spec_step.py::test_uniform_verify_batches_replay_graphs" \
       "tests/engine/test_speculative.py::test_mtp_verify_and_draft_steps_replay_graphs_on_cuda" \

@@ -1,5 +1,5 @@
-"""What pdserve's Triton kernels compile to on Hopper (sm_90a), on any machine: no GPU
-needed, only the ``ptxas`` that Triton's wheel carries.
+"""What pdserve's Triton (and Gluon) kernels compile to on Hopper (sm_90a), on any machine:
+no GPU needed, only the ``ptxas`` that Triton's wheel carries.
 
     .venv/bin/python tools/sm90_report.py [--only mla_wide,moe_prefill] [--json OUT]
                                           [--drop-alignment]
@@ -325,6 +325,28 @@ def mla_prefill_variants() -> list[Variant]:
             for name, v in VARIANTS.items()]  # fmt: skip
 
 
+def _gluon_kernel() -> Any:
+    from pdserve.kernels.sparse_mla_gluon import _gluon_prefill_kernel
+
+    return _gluon_prefill_kernel
+
+
+def mla_gluon_variants() -> list[Variant]:
+    """The Gluon sparse MLA prefill kernel (kernels/sparse_mla_gluon.py), as ``mla_<name>``:
+    wgmma, cp.async gathers, no spills, and its buffers within a multiprocessor."""
+    from pdserve.kernels import sparse_mla_gluon as m
+
+    ptrs = {"qlat_ptr": "*bf16", "qpe_ptr": "*bf16", "cache_ptr": "*bf16", "rows_ptr": "*i32",
+            "ncand_ptr": "*i32", "out_ptr": "*bf16"}  # fmt: skip
+    ints = frozenset({"stride_qlt", "stride_qlh", "stride_qpt", "stride_qph", "stride_cs",
+                      "stride_rt", "stride_ot", "stride_oh"})  # fmt: skip
+    return [Variant(f"mla_{name}", _gluon_kernel,
+                    lambda name=name: m.launch_constexprs(512, 64, name), ptrs, ints,
+                    frozenset({"qk_scale"}), m.WARPS, 1, expect_wgmma=True,
+                    expect_cp_async=True, expect_no_spills=True)
+            for name in m.VARIANTS]  # fmt: skip
+
+
 def variants() -> list[Variant]:
     """The checked launch shapes (launch options resolved from the kernel modules)."""
     out = []
@@ -359,7 +381,7 @@ def variants() -> list[Variant]:
         out.append(Variant(f"select_{width // 1024}k", _select_kernel, _select_consts(width),
                            _SELECT_PTRS, frozenset({"stride_lt", "stride_ot", "K"}),
                            frozenset(), _select_warps(width), 1, expect_no_spills=True))  # fmt: skip
-    return out + mla_prefill_variants() + decode_prep_variants()
+    return out + mla_prefill_variants() + mla_gluon_variants() + decode_prep_variants()
 
 
 def _ptxas() -> Path:
@@ -390,8 +412,13 @@ def compile_variant(v: Variant) -> Any:
             sig[n] = "fp32" if n in v.floats else "i32"
     attrs = {(names.index(n),): [["tt.divisibility", 16]]
              for n in names if n in v.pointers or n in v.aligned_ints}  # fmt: skip
-    src = ASTSource(fn, sig, constexprs={(names.index(k),): c for k, c in consts.items()},
-                    attrs=attrs)  # fmt: skip
+    source = ASTSource
+    if getattr(fn, "is_gluon", lambda: False)():  # a @gluon.jit kernel
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        source = GluonASTSource
+    src = source(fn, sig, constexprs={(names.index(k),): c for k, c in consts.items()},
+                 attrs=attrs)  # fmt: skip
     opts = {"num_warps": v.warps, "num_stages": v.stages, "enable_fp_fusion": v.fp_fusion}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 

@@ -42,13 +42,19 @@ def test_sweep_smoke_mla_variants(
     sweep: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Every prefill variant beside the general kernel, on a sparse and a dense prefill
-    and a verify batch: same output, timed, and the table printed."""
+    and a verify batch: same output, timed, and the table printed; the Gluon kernel's
+    variants are listed as skipped (they need Hopper)."""
+    from pdserve.kernels.sparse_mla_gluon import VARIANTS as GLUON
     from pdserve.kernels.sparse_mla_prefill import VARIANTS
 
     out = tmp_path / "variants.json"
     assert sweep.main(["--device", "cpu", "--sections", "mla_variants", "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())["mla_variants"]
-    assert not [r for r in rows if "error" in r or "skipped" in r]
+    every = json.loads(out.read_text())["mla_variants"]
+    skipped = [r for r in every if "skipped" in r]
+    assert {r["config"] for r in skipped} == set(GLUON) and len(skipped) == 3 * len(GLUON)
+    assert all("Hopper" in r["skipped"] and r["variant"] == r["config"] for r in skipped)
+    rows = [r for r in every if "skipped" not in r]
+    assert not [r for r in rows if "error" in r]
     assert {r["case"] for r in rows} == {"prefill 12", "prefill 40", "verify 3x4"}
     assert rows[0]["case"] == "prefill 40"  # the longest prefill first: it picks the variant
     for case in ("prefill 12", "prefill 40", "verify 3x4"):

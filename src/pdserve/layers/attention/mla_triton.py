@@ -18,7 +18,9 @@ and runs :func:`~pdserve.kernels.sparse_mla_prefill.sparse_mla_prefill` instead 
 keys, same result); decode and verify steps keep the general kernel. The default variant
 is the H200 sweep's best (``prefill_sweep.py --sections mla_variants``, RESULTS.md run 45:
 16K prefill 33.4 ms a layer with the general kernel's old default, 31.5 ms with its
-prefill shape, 26.4 ms with ``rows_n32_s5`` and its candidate rows; outputs equal).
+prefill shape, 26.4 ms with ``rows_n32_s5`` and its candidate rows; outputs equal). The
+Gluon kernel's names (:mod:`pdserve.kernels.sparse_mla_gluon`) run it where it applies (a
+Hopper GPU, a 16-bit cache, its widths) and the default Triton variant elsewhere.
 
 An fp8 cache's scale (``kv_scale``) divides the row written and multiplies the kernel's
 softmax scale and its output (the latent is the value too): no kernel argument of its own.
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.kernels import sparse_mla_gluon
 from pdserve.kernels._utils import num_sms
 from pdserve.kernels.reference import write_paged
 from pdserve.kernels.sparse_mla import choose_splits, sparse_mla_attention
@@ -39,7 +42,8 @@ from pdserve.kernels.sparse_mla_prefill import (
 )
 from pdserve.layers.attention.backend import AttentionBackend, CommonAttentionMetadata
 
-PREFILL_VARIANT: str | None = DEFAULT_VARIANT  # a sparse_mla_prefill.VARIANTS name; None: off
+# a sparse_mla_prefill.VARIANTS or sparse_mla_gluon.VARIANTS name; None: off
+PREFILL_VARIANT: str | None = DEFAULT_VARIANT
 PREFILL_MIN_TOKENS = 256  # steps with a query chunk this long take the prefill kernel
 
 
@@ -53,8 +57,9 @@ class MLATritonBackend(AttentionBackend):
         prefill_variant: str | None = PREFILL_VARIANT,
         prefill_min_tokens: int = PREFILL_MIN_TOKENS,
     ) -> None:
-        if prefill_variant is not None and prefill_variant not in VARIANTS:
-            raise ValueError(f"prefill_variant {prefill_variant!r}: one of {sorted(VARIANTS)}")
+        names = sorted(VARIANTS) + sorted(sparse_mla_gluon.VARIANTS)
+        if prefill_variant is not None and prefill_variant not in names:
+            raise ValueError(f"prefill_variant {prefill_variant!r}: one of {names}")
         self.max_model_len = max_model_len
         self.prefill_variant = prefill_variant
         self.prefill_min_tokens = max(1, prefill_min_tokens)
@@ -86,8 +91,7 @@ class MLATritonBackend(AttentionBackend):
         ):
             rows, ncand = candidate_rows(md.block_tables, md.seq_lens, md.query_start_loc,
                                          md.token_req_idx, md.token_q_idx, topk, page, t)  # fmt: skip
-            sparse_mla_prefill(q_lat, q_pe.contiguous(), cache, rows, ncand, scale * kv_scale,
-                               t, out, self.prefill_variant)  # fmt: skip
+            self._prefill(q_lat, q_pe.contiguous(), cache, rows, ncand, scale * kv_scale, t, out)
         else:
             self._general(q_lat, q_pe, cache, md, scale * kv_scale, topk, out)
         if kv_scale != 1.0:
@@ -95,6 +99,18 @@ class MLATritonBackend(AttentionBackend):
         if q_lat.shape[0] > t:
             out[t:].zero_()
         return out
+
+    def _prefill(self, q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+                 rows: torch.Tensor, ncand: torch.Tensor, scale: float, t: int,
+                 out: torch.Tensor) -> None:  # fmt: skip
+        v = self.prefill_variant or DEFAULT_VARIANT  # (forward calls it only when set)
+        if v in sparse_mla_gluon.VARIANTS:
+            if sparse_mla_gluon.supported(q_lat, q_pe, cache):
+                sparse_mla_gluon.sparse_mla_prefill_gluon(q_lat, q_pe, cache, rows, ncand, scale,
+                                                          t, out, v)  # fmt: skip
+                return
+            v = DEFAULT_VARIANT  # not Hopper, an fp8 cache or other widths: the Triton kernel
+        sparse_mla_prefill(q_lat, q_pe, cache, rows, ncand, scale, t, out, v)
 
     def _general(self, q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
                  md: CommonAttentionMetadata, scale: float, topk: torch.Tensor | None,
