@@ -30,7 +30,10 @@
 #       against the general kernel at 16K/4K/2K; benchmarks/pick_mla_variant.py names the
 #       best), then glm5_bench prefill 16K/64K with the default, the sweep's pick and the
 #       general kernel only, then the GPU tests fixed after run 40.
-# fp8s  benchmarks/fp8_gemm_sweep.py down/gate_up at 64 and 8,192 tokens (issue 28).
+# fp8s  the Gluon FP8 GEMM's parity on the GPU (kernels/fp8_gemm_gluon.py, never run yet),
+#       benchmarks/fp8_prefill_gemm.py (Triton default and 128x128 tiles, Gluon,
+#       torch._scaled_mm, bf16 cuBLAS at 2K-16K tokens against the fp8 peak), then
+#       benchmarks/fp8_gemm_sweep.py down/gate_up at 64 and 8,192 tokens (issue 28).
 # xfer  the early copy's order (read sent first, the launch flushed) and the block-copy
 #       kernel shapes: transfer_bench --variants / --copy-shapes (issue 29).
 # k10   the GLM-5 prefill / verify kernels (issues 26, 27), most wanted first: their parity
@@ -253,7 +256,12 @@ case "$stage" in
       "tests/engine/test_speculative.py::test_mtp_verify_and_draft_steps_replay_graphs_on_cuda" \
       tests/kernels/test_dsa_indexer.py tests/kernels/test_sparse_mla.py 2>&1 | tail -6
     ;;
-  fp8s)  # the FP8 GEMM tile sweep at prefill size (issue 28)
+  fp8s)  # the FP8 GEMM at prefill size: the Gluon kernel beside the others, the tile sweep
+    timeout 90 python3 -m pytest -p no:cacheprovider -q -rfE tests/kernels/test_fp8_gemm_gluon.py \
+      2>&1 | tail -4
+    timeout 200 python3 benchmarks/fp8_prefill_gemm.py --budget-s 170 \
+      --out "$OUT/fp8_prefill_gemm.json" > "$OUT/fp8_prefill_gemm.log" 2>&1
+    sed -n '/^== /,$p' "$OUT/fp8_prefill_gemm.log"
     timeout 120 python3 benchmarks/fp8_gemm_sweep.py --shapes down,gate_up --tokens 64,8192 \
       --budget-s 90 --out "$OUT/fp8_gemm_sweep.json" > "$OUT/fp8_gemm_sweep.log" 2>&1
     tail -14 "$OUT/fp8_gemm_sweep.log"

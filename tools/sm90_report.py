@@ -347,6 +347,27 @@ def mla_gluon_variants() -> list[Variant]:
             for name in m.VARIANTS]  # fmt: skip
 
 
+def _fp8_gluon_kernel() -> Any:
+    from pdserve.kernels.fp8_gemm_gluon import _fp8_gemm_kernel
+
+    return _fp8_gemm_kernel
+
+
+def fp8_gluon_variants() -> list[Variant]:
+    """The Gluon FP8 GEMM (kernels/fp8_gemm_gluon.py) at DeepSeek-V3's 128 x 128 weight
+    blocks: wgmma, cp.async, no spills."""
+    from pdserve.kernels import fp8_gemm_gluon as m
+
+    ptrs = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32",
+            "out_ptr": "*bf16"}  # fmt: skip
+    ints = frozenset({"K", "stride_xm", "stride_xsm", "stride_wn", "stride_om"})
+    return [Variant(f"fp8_gluon_s{scale_n}", _fp8_gluon_kernel,
+                    lambda scale_n=scale_n: m.launch_constexprs(scale_n), ptrs, ints,
+                    frozenset(), m.WARPS, 1, expect_wgmma=True, expect_cp_async=True,
+                    expect_no_spills=True)
+            for scale_n in (128,)]  # fmt: skip
+
+
 def variants() -> list[Variant]:
     """The checked launch shapes (launch options resolved from the kernel modules)."""
     out = []
@@ -381,7 +402,8 @@ def variants() -> list[Variant]:
         out.append(Variant(f"select_{width // 1024}k", _select_kernel, _select_consts(width),
                            _SELECT_PTRS, frozenset({"stride_lt", "stride_ot", "K"}),
                            frozenset(), _select_warps(width), 1, expect_no_spills=True))  # fmt: skip
-    return out + mla_prefill_variants() + mla_gluon_variants() + decode_prep_variants()
+    return (out + mla_prefill_variants() + mla_gluon_variants() + fp8_gluon_variants()
+            + decode_prep_variants())
 
 
 def _ptxas() -> Path:

@@ -1,0 +1,212 @@
+"""Block-scaled FP8 GEMM for prefill-sized batches on Hopper, in Gluon (issue 28).
+
+``y = x W^T`` for activations quantized by their producer
+(:class:`~pdserve.kernels.reference.Fp8Activation`: fp8 values, one float32 scale per
+token and 128 channels) and fp8 weights with one scale per ``SCALE_N`` x 128 block: the
+same product as :func:`~pdserve.kernels.fp8_gemm.block_fp8_gemm`.
+
+Why a second kernel: each 128-wide K step's partial product has to be scaled (row scale
+x weight scale) before it joins the float32 accumulator, so Triton waits for every step's
+tensor-core MMA before it can issue the next (the H200 measured the Triton kernel at 42%
+of the fp8 peak at 8,192 tokens, RESULTS.md run 44). Here the schedule is explicit
+(Gluon): step ``k``'s MMA is issued into a fresh accumulator, then the program waits only
+for step ``k - 1``'s, frees its stage for the copy of step ``k + STAGES - 1`` and scales
+and adds ``k - 1``'s partial on the CUDA cores while ``k``'s MMA runs. Tiles are 128 x 128
+(two warpgroups, 64 rows each: m64n128k32 fp8 MMAs), operands arrive through a ring of
+``STAGES`` shared-memory stages filled by asynchronous copies, the scales of a step are
+loaded one step ahead, and programs walk the tiles in groups of ``GROUP_M`` row tiles.
+
+Needs compute capability 9.x, ``K`` a multiple of 16 (16-byte rows), weight scales over
+whole 128-row tiles and no bias (:func:`supported`); the engine keeps the Triton kernel
+otherwise. Gluon has no CPU interpreter: the CPU suite compiles this kernel for sm_90a
+(tools/sm90_report.py) and the parity test runs on the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from pdserve.kernels.reference import FP8_GROUP, Fp8Activation
+
+BLOCK_M = 128
+BLOCK_N = 128
+BLOCK_K = FP8_GROUP  # one scale a step
+STAGES = 4  # 32 KB a stage
+GROUP_M = 8
+WARPS = 8
+MIN_ROWS = 1024  # below this the Triton kernel's split-K and narrow tiles fit better
+
+
+@gluon.jit
+def _issue_step(
+    x_ptr, w_ptr, a_buf, b_buf, off_m, off_n, kb, M, N, K, stride_xm, stride_wn,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, LD: gl.constexpr,
+):  # fmt: skip
+    """Copy K step ``kb``'s [BLOCK_M, BLOCK_K] activation and [BLOCK_N, BLOCK_K] weight
+    tiles into one stage (zeros past M, N, K) and commit them as one group; a step past
+    the last is an empty group, so the count of groups in flight stays the same."""
+    ks = kb * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, LD))
+    k_ok = ks < K
+    rm = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LD))
+    async_copy.async_copy_global_to_shared(
+        a_buf, x_ptr + rm[:, None].to(gl.int64) * stride_xm + ks[None, :],
+        mask=(rm < M)[:, None] & k_ok[None, :],
+    )  # fmt: skip
+    rn = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LD))
+    async_copy.async_copy_global_to_shared(
+        b_buf, w_ptr + rn[:, None].to(gl.int64) * stride_wn + ks[None, :],
+        mask=(rn < N)[:, None] & k_ok[None, :],
+    )  # fmt: skip
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _fp8_gemm_kernel(
+    x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K,
+    stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om,
+    SCALE_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+    STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+):  # fmt: skip
+    # grouped tile order: GROUP_M row tiles sweep the column tiles together (L2 reuse)
+    pid = gl.program_id(0)
+    num_m = gl.cdiv(M, BLOCK_M)
+    width = GROUP_M * gl.cdiv(N, BLOCK_N)
+    first_m = (pid // width) * GROUP_M
+    size_m = gl.minimum(num_m - first_m, GROUP_M)
+    off_m = (first_m + (pid % width) % size_m) * BLOCK_M
+    off_n = ((pid % width) // size_m) * BLOCK_N
+    k_steps = gl.cdiv(K, BLOCK_K)
+
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BLOCK_N, 32]
+    )
+    LD: gl.constexpr = gl.BlockedLayout(
+        size_per_thread=[1, 16], threads_per_warp=[4, 8], warps_per_cta=[8, 1], order=[1, 0]
+    )
+    dt: gl.constexpr = x_ptr.dtype.element_ty
+    a_bufs = gl.allocate_shared_memory(dt, [STAGES, BLOCK_M, BLOCK_K],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dt))
+    b_bufs = gl.allocate_shared_memory(dt, [STAGES, BLOCK_N, BLOCK_K],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], dt))  # fmt: skip
+    for s in gl.static_range(STAGES):
+        _issue_step(x_ptr, w_ptr, a_bufs.index(s), b_bufs.index(s), off_m, off_n, s, M, N, K,
+                    stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, LD)  # fmt: skip
+
+    rm = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ACC))
+    xs_rows = xs_ptr + rm.to(gl.int64) * stride_xsm
+    m_ok = rm < M
+    # one weight scale a (tile, step): the scale blocks span the tile (a per-column scale
+    # would hold 2 x 32 more registers a thread than the three accumulators leave)
+    gl.static_assert(SCALE_N % BLOCK_N == 0)
+    ws_rows = ws_ptr + (off_n // SCALE_N).to(gl.int64) * stride_wsn
+    acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=ACC)
+
+    # step 0: its stage landed (the other STAGES - 1 may be in flight)
+    async_copy.wait_group(STAGES - 1)
+    fence_async_shared()
+    gl.thread_barrier()
+    # (a fresh accumulator each step: its zeros are made where they are used, so no
+    # loop-long register tile holds them)
+    part = warpgroup_mma(a_bufs.index(0), b_bufs.index(0).permute((1, 0)),
+                         gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=ACC), use_acc=False,
+                         is_async=True)  # fmt: skip
+    a_s = gl.load(xs_rows, mask=m_ok, other=0.0)
+    b_s = gl.load(ws_rows)
+    for kb in range(1, k_steps):
+        st = kb % STAGES
+        async_copy.wait_group(STAGES - 2)  # step kb landed
+        fence_async_shared()
+        gl.thread_barrier()
+        nxt = warpgroup_mma(a_bufs.index(st), b_bufs.index(st).permute((1, 0)),
+                            gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=ACC),
+                            use_acc=False, is_async=True)  # fmt: skip
+        a_next = gl.load(xs_rows + kb, mask=m_ok, other=0.0)
+        b_next = gl.load(ws_rows + kb)
+        done = warpgroup_mma_wait(num_outstanding=1, deps=(part,))  # step kb - 1
+        gl.thread_barrier()  # both warpgroups are done with step kb - 1's stage
+        prev = (kb - 1) % STAGES
+        _issue_step(x_ptr, w_ptr, a_bufs.index(prev), b_bufs.index(prev), off_m, off_n,
+                    kb - 1 + STAGES, M, N, K, stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K,
+                    LD)  # fmt: skip
+        acc += done * (a_s * b_s)[:, None]
+        part = nxt
+        a_s = a_next
+        b_s = b_next
+    done = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+    acc += done * (a_s * b_s)[:, None]
+    async_copy.wait_group(0)  # the empty groups past the last step
+
+    OUT: gl.constexpr = gl.BlockedLayout(
+        size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[8, 1], order=[1, 0]
+    )
+    y = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), OUT)
+    om = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, OUT))
+    on = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, OUT))
+    gl.store(out_ptr + om[:, None].to(gl.int64) * stride_om + on[None, :], y,
+             mask=(om < M)[:, None] & (on < N)[None, :])  # fmt: skip
+
+
+def supported(x: torch.Tensor | Fp8Activation, w: torch.Tensor, scale_n: int,
+              bias: torch.Tensor | None, out_dtype: torch.dtype) -> bool:  # fmt: skip
+    """Whether :func:`fp8_gemm_gluon` takes these operands: Hopper, activations quantized
+    by their producer, weight scales over whole 128-row tiles, ``K`` a multiple of 16, no
+    bias, a 16-bit output."""
+    if not isinstance(x, Fp8Activation) or bias is not None or scale_n % BLOCK_N:
+        return False
+    if x.q.device.type != "cuda" or torch.cuda.get_device_capability(x.q.device)[0] != 9:
+        return False
+    return x.shape[-1] % 16 == 0 and out_dtype in (torch.bfloat16, torch.float16) and (
+        w.dtype == torch.float8_e4m3fn
+    )
+
+
+def launch_constexprs(scale_n: int) -> dict[str, int]:
+    """The kernel's compile-time arguments (shared with tools/sm90_report)."""
+    return dict(SCALE_N=scale_n, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                STAGES=STAGES, GROUP_M=GROUP_M)  # fmt: skip
+
+
+def fp8_gemm_gluon(
+    x: Fp8Activation,
+    w: torch.Tensor,
+    w_scale_inv: torch.Tensor,
+    scale_n: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``x`` [..., K] (fp8 values and group scales) times ``w`` [N, K] fp8 transposed with
+    ``w_scale_inv`` [ceil(N / scale_n), ceil(K / 128)]: [..., N] in ``out_dtype``, as
+    :func:`~pdserve.kernels.fp8_gemm.block_fp8_gemm` computes it. Raises ``ValueError``
+    where :func:`supported` is false (bias aside: the caller adds it)."""
+    if not supported(x, w, scale_n, None, out_dtype):
+        raise ValueError("fp8_gemm_gluon: needs sm_90, an Fp8Activation with K a multiple "
+                         "of 16, fp8 weights in 128x128 scale blocks and a bf16/fp16 "
+                         "output")  # fmt: skip
+    lead, k = x.shape[:-1], x.shape[-1]
+    n = w.shape[0]
+    k_steps = triton.cdiv(k, BLOCK_K)
+    if w.shape[1] != k or tuple(w_scale_inv.shape) != (triton.cdiv(n, scale_n), k_steps):
+        raise ValueError(f"weights {tuple(w.shape)} / scales {tuple(w_scale_inv.shape)} do "
+                         f"not fit K {k} in {scale_n}x128 blocks")  # fmt: skip
+    x2 = x.q.reshape(-1, k).contiguous()
+    m = x2.shape[0]
+    xs = x.scale.reshape(m, k_steps).float().contiguous()
+    ws = w_scale_inv.float().contiguous()
+    wc = w if w.stride(-1) == 1 and w.stride(0) % 16 == 0 else w.contiguous()
+    out = torch.empty(m, n, dtype=out_dtype, device=x2.device)
+    if m == 0:
+        return out.view(*lead, n)
+    grid = (triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N),)
+    _fp8_gemm_kernel[grid](
+        x2, xs, wc, ws, out, m, n, k, x2.stride(0), xs.stride(0), wc.stride(0), ws.stride(0),
+        out.stride(0), **launch_constexprs(scale_n), num_warps=WARPS,
+    )  # fmt: skip
+    return out.view(*lead, n)

@@ -1,0 +1,101 @@
+"""The Gluon FP8 GEMM (kernels/fp8_gemm_gluon.py): parity with the block-FP8 reference and
+the Triton kernel on a Hopper GPU (Gluon has no CPU interpreter; tools/sm90_report.py
+compiles it for sm_90a in the CPU suite), what it refuses, the FP8 linear's dispatch to
+it, and benchmarks/fp8_prefill_gemm.py's smoke run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.kernels import fp8_gemm_gluon
+from pdserve.kernels.fp8_gemm import block_fp8_gemm
+from pdserve.kernels.reference import (
+    Fp8Activation,
+    block_fp8_matmul_reference,
+    quantize_fp8_activation,
+    quantize_fp8_blocks,
+)
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "fp8_prefill_gemm.py"
+
+hopper = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+    reason="the Gluon kernel is for Hopper (sm_90)",
+)
+
+
+def _operands(device: torch.device, m: int, n: int, k: int, seed: int):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(device)
+    w, ws = quantize_fp8_blocks(torch.randn(n, k, generator=g).to(device), (128, 128))
+    return quantize_fp8_activation(x), w, ws
+
+
+@hopper
+@pytest.mark.parametrize("m,n,k", [(1024, 512, 1024),  # whole tiles
+                                   (300, 320, 1040),  # M, N and K tails (a partial K block)
+                                   (2048, 4096, 256)])  # fmt: skip
+def test_gluon_fp8_gemm_matches_reference(m: int, n: int, k: int) -> None:
+    xq, w, ws = _operands(torch.device("cuda"), m, n, k, m + n)
+    got = fp8_gemm_gluon.fp8_gemm_gluon(xq, w, ws, 128, torch.bfloat16)
+    want = block_fp8_matmul_reference(xq, w, ws, None, scale_rows=128)
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    triton_out = block_fp8_gemm(xq, w, ws)
+    torch.testing.assert_close(got.float(), triton_out.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_gluon_fp8_gemm_refuses_what_it_does_not_run(device: torch.device) -> None:
+    xq, w, ws = _operands(device, 32, 256, 256, 1)
+    on_hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    assert fp8_gemm_gluon.supported(xq, w, 128, None, torch.bfloat16) == on_hopper
+    assert not fp8_gemm_gluon.supported(xq.q.float(), w, 128, None, torch.bfloat16)  # not fp8
+    assert not fp8_gemm_gluon.supported(xq, w, 1, None, torch.bfloat16)  # per-row scales
+    assert not fp8_gemm_gluon.supported(xq, w, 128, torch.zeros(256), torch.bfloat16)
+    assert not fp8_gemm_gluon.supported(xq, w, 128, None, torch.float32)
+    if not on_hopper:
+        with pytest.raises(ValueError, match="sm_90"):
+            fp8_gemm_gluon.fp8_gemm_gluon(xq, w, ws, 128, torch.bfloat16)
+
+
+def test_fp8_linear_keeps_the_triton_kernel_where_gluon_does_not_apply(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the Gluon path switched on, a batch it cannot take (here: not Hopper, or not
+    producer-quantized) runs the Triton kernel: the same output as with it off."""
+    from pdserve.layers import fp8
+
+    xq, w, ws = _operands(device, 40, 256, 256, 2)
+    off = fp8.fp8_linear(xq, w, ws, None, 128, fused=True)
+    monkeypatch.setattr(fp8, "GLUON_MIN_TOKENS", 1)
+    on = fp8.fp8_linear(xq, w, ws, None, 128, fused=True)
+    assert isinstance(xq, Fp8Activation)
+    if not (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9):
+        torch.testing.assert_close(on, off, atol=0, rtol=0)
+    else:  # Hopper: the Gluon kernel ran, within the kernels' tolerance of each other
+        torch.testing.assert_close(on.float(), off.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the script is a benchmark run")
+def test_fp8_prefill_gemm_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spec = importlib.util.spec_from_file_location("fp8_prefill_gemm", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["fp8_prefill_gemm"] = mod
+    spec.loader.exec_module(mod)
+    out = tmp_path / "g.json"
+    assert mod.main(["--device", "cpu", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    rows = {r["impl"]: r for r in res["rows"]}
+    assert set(rows) == {"triton", "triton_big", "gluon", "scaled_mm", "bf16"}
+    for name in ("triton", "triton_big", "bf16"):
+        assert rows[name]["ms"] > 0 and not rows[name]["bad"], rows[name]
+    assert "Hopper" in rows["gluon"]["skipped"]
+    assert res["fp8_peak_flops"] is None
+    assert "fp8 GEMM at prefill sizes" in capsys.readouterr().out
