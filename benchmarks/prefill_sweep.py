@@ -21,11 +21,14 @@ mla_variants  prefill (16K, 4K, 2K as in mla), then verify 64/128/256 x 4 at 16K
       general kernel at its WIDE default (the reference output) and at its prefill shape,
       against each variant of
       kernels/sparse_mla_prefill.py (candidate rows resolved once per layer by a small
-      kernel, timed apart as rows_ms; total_ms = both). Same FLOP formula.
+      kernel, timed apart as rows_ms; total_ms = both) and of the Gluon kernel
+      (kernels/sparse_mla_gluon.py, Hopper only: skipped elsewhere). Same FLOP formula.
 moe   routed experts of one MoE layer (hidden 6144, moe_intermediate 2048, top-8 of 64,
       bf16) at 512 and 1024 tokens (verify steps of 128 and 256 requests x 4 rows; graph
       replays) and 2048, 4096 and 16384 (prefill, in chunks of CHUNK_TOKENS): FLOPs = 2 *
       T * 8 * 3 * 6144 * 2048, bytes = every expert's weights once (all 64 are reached).
+      Configs: tiles, warps, stages and the program order (group_m > 1: row blocks
+      sweep the column tiles together).
 
 ``--device cpu`` runs every code path at tiny shapes under Triton's interpreter, with the
 defaults and one other config of each grid (a smoke run for the test suite, not a
@@ -65,9 +68,11 @@ MLA_GRID = [
     (64, 32, 8, 4),
     (64, 64, 8, 2),
 ]
-# (block_m, block_n, block_k, warps, stages)
+# (block_m, block_n, block_k, warps, stages[, group_m]): MoeConfig
 MOE_GRID = [
     (128, 128, 64, 8, 3),
+    (128, 128, 64, 8, 3, 4),  # grouped program order (MoeConfig.group_m)
+    (128, 128, 64, 8, 3, 16),
     (128, 128, 64, 8, 4),
     (128, 128, 32, 8, 5),
     (64, 128, 64, 4, 3),
@@ -372,7 +377,9 @@ def run_moe(sh: Shapes, dev: torch.device, bw: float, peak: float, deadline: flo
         ref = fused_experts(x, w13, w2, weights, ids, config=default).float()
         flops = 2 * t * sh.top_k * 3 * sh.hidden * sh.inter
         nbytes = 3 * sh.experts * sh.hidden * sh.inter * 2 + 2 * t * sh.hidden * 2
-        grid = [MoeConfig(*c) for c in (MOE_GRID[4:5] if dev.type == "cpu" else MOE_GRID)]
+        # the CPU smoke: one 64-row tile, in grouped order
+        cpu_grid = [(64, 128, 64, 4, 4, 2)]
+        grid = [MoeConfig(*c) for c in (cpu_grid if dev.type == "cpu" else MOE_GRID)]
         for cfg in [default] + [c for c in grid if c != default]:
             row: dict[str, Any] = {"case": f"T{t}", "config": list(cfg), "default": cfg == default}
             if time.perf_counter() > deadline:

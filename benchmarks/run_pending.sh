@@ -3,7 +3,7 @@
 # of at most 10 minutes each; every stage prints its tables and leaves JSON and logs under
 # $OUT. Record the commit yourself: the device copy of the tree may carry a stale .git.
 #
-#   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh s12|fp8s|xfer
+#   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh s12|fp8s|moe|xfer
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh k10
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh p10
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh glm5-sla [mtp]
@@ -30,6 +30,8 @@
 #       against the general kernel at 16K/4K/2K; benchmarks/pick_mla_variant.py names the
 #       best), then glm5_bench prefill 16K/64K with the default, the sweep's pick and the
 #       general kernel only, then the GPU tests fixed after run 40.
+# moe   benchmarks/prefill_sweep.py --sections moe: the fused MoE's tiles, now with the
+#       grouped program order (row blocks sweep the column tiles together), 512-16K tokens.
 # fp8s  the Gluon FP8 GEMM's parity on the GPU (kernels/fp8_gemm_gluon.py, never run yet),
 #       benchmarks/fp8_prefill_gemm.py (Triton default and 128x128 tiles, Gluon,
 #       torch._scaled_mm, bf16 cuBLAS at 2K-16K tokens against the fp8 peak), then
@@ -255,6 +257,11 @@ case "$stage" in
       "tests/engine/test_spec_step.py::test_uniform_verify_batches_replay_graphs" \
       "tests/engine/test_speculative.py::test_mtp_verify_and_draft_steps_replay_graphs_on_cuda" \
       tests/kernels/test_dsa_indexer.py tests/kernels/test_sparse_mla.py 2>&1 | tail -6
+    ;;
+  moe)  # the fused MoE's tiles and program order (grouped: MoeConfig.group_m) at 512-16K tokens
+    timeout 170 python3 benchmarks/prefill_sweep.py --sections moe --budget-s 150 \
+      --out "$OUT/moe_sweep.json" > "$OUT/moe_sweep.log" 2>&1
+    sed -n '/^== /,$p' "$OUT/moe_sweep.log" | tail -40
     ;;
   fp8s)  # the FP8 GEMM at prefill size: the Gluon kernel beside the others, the tile sweep
     timeout 90 python3 -m pytest -p no:cacheprovider -q -rfE tests/kernels/test_fp8_gemm_gluon.py \

@@ -99,7 +99,7 @@ def _moe_consts(tokens: int, down: bool) -> Callable[[], dict[str, Any]]:
 
         cfg = _config(tokens * 8, 64)
         c = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                 DOT_PREC="tf32", UPCAST=False)  # fmt: skip
+                 DOT_PREC="tf32", UPCAST=False, GROUP_M=cfg.group_m)  # fmt: skip
         if not down:
             c["TOPK"] = 8
         return c

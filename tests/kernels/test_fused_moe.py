@@ -63,6 +63,27 @@ def test_fused_experts_match_reference(
         torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("group_m", [1, 3])
+def test_fused_experts_grouped_program_order_is_the_same_product(
+    device: torch.device, group_m: int
+) -> None:
+    """``group_m`` only reorders the programs (row blocks sweep column tiles together):
+    the same values as the default order, bit for bit, with a group that does not divide
+    the row blocks and several column tiles."""
+    g = torch.Generator().manual_seed(3)
+    t, e, k, h, inter = 29, 4, 2, 48, 40
+    x = torch.randn(t, h, generator=g).to(device)
+    w13 = (torch.randn(e, 2 * inter, h, generator=g) * h**-0.5).to(device)
+    w2 = (torch.randn(e, h, inter, generator=g) * inter**-0.5).to(device)
+    weights, ids = (a.to(device) for a in _routing(t, e, k, g))
+    base = fused_moe.MoeConfig(16, 16, 16, 4)
+    want = fused_experts(x, w13, w2, weights, ids, config=base)
+    got = fused_experts(x, w13, w2, weights, ids, config=base._replace(group_m=group_m))
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    torch.testing.assert_close(got, experts_sorted(x, w13, w2, weights, ids), atol=1e-5,
+                               rtol=1e-5)  # fmt: skip
+
+
 def test_fused_experts_chunks_long_batches(
     device: torch.device, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -63,6 +63,22 @@ def num_sms(device: torch.device) -> int:
 
 
 @triton.jit
+def grouped_tile(GROUP_M: tl.constexpr):
+    """(row tile, column tile) of this program of a 2-D grid: the grid's own indices when
+    ``GROUP_M`` is 1, else launch order remapped so that ``GROUP_M`` row tiles sweep the
+    column tiles together (the usual L2 swizzle: the programs running at once share their
+    row tiles' operands and each column tile's)."""
+    if GROUP_M == 1:
+        return tl.program_id(0), tl.program_id(1)
+    num_m = tl.num_programs(0)
+    width = GROUP_M * tl.num_programs(1)
+    pid = tl.program_id(1) * num_m + tl.program_id(0)  # launch order
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % width) % size_m, (pid % width) // size_m
+
+
+@triton.jit
 def round_to_e4m3(x):
     """``x`` (float32, within +-448) rounded to the nearest float8_e4m3fn value, ties to
     even, still in float32. Only for the interpreter: Triton 3.6's interpreter casts to

@@ -64,6 +64,7 @@ from pdserve.kernels._utils import (
     dot_precision,
     dot_upcast,
     fp8_mma,
+    grouped_tile,
     interpret_mode,
     num_sms,
     quantize_rows_e4m3,
@@ -104,17 +105,7 @@ def _block_fp8_gemm_kernel(
     DOT_PREC: tl.constexpr = "tf32",
     PRE_Q: tl.constexpr = False,
 ):
-    if GROUP_M == 1:
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-    else:  # grouped order: GROUP_M M-tiles sweep the N-tiles together (L2 reuse)
-        num_m = tl.num_programs(0)
-        width = GROUP_M * tl.num_programs(1)
-        pid = tl.program_id(1) * num_m + tl.program_id(0)  # launch order
-        first_m = (pid // width) * GROUP_M
-        size_m = tl.minimum(num_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % width) % size_m
-        pid_n = (pid % width) // size_m
+    pid_m, pid_n = grouped_tile(GROUP_M)  # GROUP_M > 1: M-tiles sweep N-tiles together
     split = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

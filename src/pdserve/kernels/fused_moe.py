@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels._utils import check_device, dot_precision, dot_upcast
+from pdserve.kernels._utils import check_device, dot_precision, dot_upcast, grouped_tile
 from pdserve.kernels.moe_align import align_fits, moe_align, moe_combine
 
 CHUNK_TOKENS = 4096
@@ -91,9 +91,9 @@ def _gate_up_kernel(
     BLOCK_K: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
+    GROUP_M: tl.constexpr = 1,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n = grouped_tile(GROUP_M)
     e = tl.load(block_expert_ptr + pid_m)
     if e >= 0:
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -150,9 +150,9 @@ def _down_kernel(
     BLOCK_K: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
+    GROUP_M: tl.constexpr = 1,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n = grouped_tile(GROUP_M)
     e = tl.load(block_expert_ptr + pid_m)
     if e >= 0:
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -188,13 +188,17 @@ def _down_kernel(
 
 
 class MoeConfig(NamedTuple):
-    """Tile shape of both grouped GEMMs, warps and software-pipelining stages."""
+    """Tile shape of both grouped GEMMs, warps, software-pipelining stages and the
+    program order (``group_m`` > 1: that many row blocks sweep the column tiles together,
+    so the programs running at once share their rows' tokens and each weight tile; 1:
+    row blocks fastest, every column tile of a block far apart in time)."""
 
     block_m: int
     block_n: int
     block_k: int
     warps: int
     stages: int = 3
+    group_m: int = 1
 
 
 def _config(num_pairs: int, num_experts: int) -> MoeConfig:
@@ -266,7 +270,7 @@ def _fused_chunk(
     n = t * k
     if n == 0:
         return
-    bm, bn, bk, warps, stages = config or _config(n, num_experts)
+    bm, bn, bk, warps, stages, group_m = config or _config(n, num_experts)
     pairs, block_expert = align_pairs(ids, num_experts, bm)
     nb = block_expert.shape[0]
     act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
@@ -290,6 +294,7 @@ def _fused_chunk(
         BLOCK_K=bk,
         DOT_PREC=prec,
         UPCAST=up,
+        GROUP_M=group_m,
         num_warps=warps,
         num_stages=stages,
     )
@@ -314,6 +319,7 @@ def _fused_chunk(
         BLOCK_K=bk,
         DOT_PREC=prec,
         UPCAST=up,
+        GROUP_M=group_m,
         num_warps=warps,
         num_stages=stages,
     )
