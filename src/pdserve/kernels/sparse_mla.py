@@ -259,6 +259,18 @@ def choose_splits(
     return s
 
 
+def check_widths(name: str, q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless the cache rows are the query's latent + rope widths and
+    every operand has unit stride along its last dimension (the MLA kernels' contract)."""
+    _, num_heads, lat = q_lat.shape
+    rope = q_pe.shape[-1]
+    width = cache.shape[2]
+    if width != lat + rope or q_pe.shape[1] != num_heads:
+        raise ValueError(f"cache width {width} != kv_lora_rank {lat} + rope {rope}")
+    if q_lat.stride(-1) != 1 or q_pe.stride(-1) != 1 or cache.stride(-1) != 1:
+        raise ValueError(f"{name} needs unit stride along the last dimension")
+
+
 def sparse_mla_attention(
     q_lat: torch.Tensor,
     q_pe: torch.Tensor,
@@ -280,13 +292,10 @@ def sparse_mla_attention(
     past ``num_tokens`` untouched). ``topk`` [T, K] (any int dtype) or None for dense.
     ``config``: the launch shape (default: by token count and heads, :func:`_config`)."""
     check_device(q_lat, "sparse_mla_attention")
+    check_widths("sparse_mla_attention", q_lat, q_pe, cache)
     _, num_heads, lat = q_lat.shape
     rope = q_pe.shape[-1]
-    page, width = cache.shape[1], cache.shape[2]
-    if width != lat + rope or q_pe.shape[1] != num_heads:
-        raise ValueError(f"cache width {width} != kv_lora_rank {lat} + rope {rope}")
-    if q_lat.stride(-1) != 1 or q_pe.stride(-1) != 1 or cache.stride(-1) != 1:
-        raise ValueError("sparse_mla_attention needs unit stride along the last dimension")
+    page = cache.shape[1]
     if out is None:
         out = torch.empty_like(q_lat)
     if num_tokens == 0:

@@ -47,6 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from pdserve.kernels._utils import LOG2E
+from pdserve.kernels.sparse_mla_prefill import check_operands
 
 BLOCK_H = 64  # heads a program: the M of a warpgroup MMA
 BLOCK_N = 64  # candidate rows a tile
@@ -232,16 +233,9 @@ def sparse_mla_prefill_gluon(
         raise ValueError("sparse_mla_prefill_gluon: needs sm_90, a bf16/fp16 cache of the "
                          "query's dtype, a latent width 64-512 and a rope width 16+, "
                          "powers of two")  # fmt: skip
+    check_operands("sparse_mla_prefill_gluon", q_lat, q_pe, cache, rows, num_tokens)
     _, num_heads, lat = q_lat.shape
     rope = q_pe.shape[-1]
-    page = cache.shape[1]
-    if q_lat.stride(-1) != 1 or q_pe.stride(-1) != 1 or cache.stride(-1) != 1:
-        raise ValueError("sparse_mla_prefill_gluon needs unit stride along the last dimension")
-    if cache.stride(0) != page * cache.stride(1):
-        raise ValueError("sparse_mla_prefill_gluon addresses rows as block * page + offset: "
-                         "the cache's pages must be contiguous")  # fmt: skip
-    if rows.dtype != torch.int32 or rows.shape[0] < num_tokens or rows.stride(-1) != 1:
-        raise ValueError("rows: int32 [T, K] from candidate_rows")
     if out is None:
         out = torch.empty_like(q_lat)
     if num_tokens == 0:

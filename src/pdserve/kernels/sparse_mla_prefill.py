@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels._utils import LOG2E, check_device, dot_precision, dot_upcast, next_pow2
-from pdserve.kernels.sparse_mla import softmax_step
+from pdserve.kernels.sparse_mla import check_widths, softmax_step
 
 LAZY_TAU = 8.0
 ROWS_BLOCK = 256
@@ -273,6 +273,20 @@ def launch_constexprs(
     )  # fmt: skip
 
 
+def check_operands(name: str, q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+                   rows: torch.Tensor, num_tokens: int) -> None:  # fmt: skip
+    """Raise ``ValueError`` unless the prefill kernels (this one, the Gluon one) can
+    address these operands: matching widths, unit last strides, contiguous cache pages,
+    int32 candidate rows covering ``num_tokens``."""
+    check_widths(name, q_lat, q_pe, cache)
+    page = cache.shape[1]
+    if cache.stride(0) != page * cache.stride(1):
+        raise ValueError(f"{name} addresses rows as block * page + offset: the cache's "
+                         "pages must be contiguous")  # fmt: skip
+    if rows.dtype != torch.int32 or rows.shape[0] < num_tokens or rows.stride(-1) != 1:
+        raise ValueError("rows: int32 [T, K] from candidate_rows")
+
+
 def sparse_mla_prefill(
     q_lat: torch.Tensor,
     q_pe: torch.Tensor,
@@ -292,18 +306,9 @@ def sparse_mla_prefill(
     v = VARIANTS[variant] if isinstance(variant, str) else variant
     if v.lat_split not in (1, 2):
         raise ValueError(f"lat_split {v.lat_split}: 1 or 2")
+    check_operands("sparse_mla_prefill", q_lat, q_pe, cache, rows, num_tokens)
     _, num_heads, lat = q_lat.shape
     rope = q_pe.shape[-1]
-    page, width = cache.shape[1], cache.shape[2]
-    if width != lat + rope or q_pe.shape[1] != num_heads:
-        raise ValueError(f"cache width {width} != kv_lora_rank {lat} + rope {rope}")
-    if q_lat.stride(-1) != 1 or q_pe.stride(-1) != 1 or cache.stride(-1) != 1:
-        raise ValueError("sparse_mla_prefill needs unit stride along the last dimension")
-    if cache.stride(0) != page * cache.stride(1):
-        raise ValueError("sparse_mla_prefill addresses rows as block * page + offset: "
-                         "the cache's pages must be contiguous")  # fmt: skip
-    if rows.dtype != torch.int32 or rows.shape[0] < num_tokens or rows.stride(-1) != 1:
-        raise ValueError("rows: int32 [T, K] from candidate_rows")
     if out is None:
         out = torch.empty_like(q_lat)
     if num_tokens == 0:
