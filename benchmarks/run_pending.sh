@@ -32,9 +32,10 @@
 #       general kernel only, then the GPU tests fixed after run 40.
 # moe   benchmarks/prefill_sweep.py --sections moe: the fused MoE's tiles, now with the
 #       grouped program order (row blocks sweep the column tiles together), 512-16K tokens.
-# fp8s  the Gluon FP8 GEMM's parity on the GPU (kernels/fp8_gemm_gluon.py, never run yet),
-#       benchmarks/fp8_prefill_gemm.py (Triton default and 128x128 tiles, Gluon,
-#       torch._scaled_mm, bf16 cuBLAS at 2K-16K tokens against the fp8 peak), then
+# fp8s  the Gluon FP8 GEMMs' parity on the GPU (kernels/fp8_gemm_gluon.py, never run yet),
+#       benchmarks/fp8_gemm_compare.py (Triton, Gluon, bf16 cuBLAS at 1/16/64 rows against
+#       the copy rate; + Triton 128x128 tiles and torch._scaled_mm at 2K-16K tokens
+#       against the fp8 peak), then
 #       benchmarks/fp8_gemm_sweep.py down/gate_up at 64 and 8,192 tokens (issue 28).
 # xfer  the early copy's order (read sent first, the launch flushed) and the block-copy
 #       kernel shapes: transfer_bench --variants / --copy-shapes (issue 29).
@@ -266,9 +267,9 @@ case "$stage" in
   fp8s)  # the FP8 GEMM at prefill size: the Gluon kernel beside the others, the tile sweep
     timeout 90 python3 -m pytest -p no:cacheprovider -q -rfE tests/kernels/test_fp8_gemm_gluon.py \
       2>&1 | tail -4
-    timeout 200 python3 benchmarks/fp8_prefill_gemm.py --budget-s 170 \
-      --out "$OUT/fp8_prefill_gemm.json" > "$OUT/fp8_prefill_gemm.log" 2>&1
-    sed -n '/^== /,$p' "$OUT/fp8_prefill_gemm.log"
+    timeout 230 python3 benchmarks/fp8_gemm_compare.py --budget-s 190 \
+      --out "$OUT/fp8_gemm_compare.json" > "$OUT/fp8_gemm_compare.log" 2>&1
+    sed -n '/^== /,$p' "$OUT/fp8_gemm_compare.log"
     timeout 120 python3 benchmarks/fp8_gemm_sweep.py --shapes down,gate_up --tokens 64,8192 \
       --budget-s 90 --out "$OUT/fp8_gemm_sweep.json" > "$OUT/fp8_gemm_sweep.log" 2>&1
     tail -14 "$OUT/fp8_gemm_sweep.log"

@@ -353,6 +353,12 @@ def _fp8_gluon_kernel() -> Any:
     return _fp8_gemm_kernel
 
 
+def _fp8_swap_kernel() -> Any:
+    from pdserve.kernels.fp8_gemm_gluon import _fp8_gemm_swap_kernel
+
+    return _fp8_gemm_swap_kernel
+
+
 def fp8_gluon_variants() -> list[Variant]:
     """The Gluon FP8 GEMM (kernels/fp8_gemm_gluon.py) at DeepSeek-V3's 128 x 128 weight
     blocks: wgmma, cp.async, no spills."""
@@ -361,11 +367,17 @@ def fp8_gluon_variants() -> list[Variant]:
     ptrs = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32",
             "out_ptr": "*bf16"}  # fmt: skip
     ints = frozenset({"K", "stride_xm", "stride_xsm", "stride_wn", "stride_om"})
-    return [Variant(f"fp8_gluon_s{scale_n}", _fp8_gluon_kernel,
-                    lambda scale_n=scale_n: m.launch_constexprs(scale_n), ptrs, ints,
-                    frozenset(), m.WARPS, 1, expect_wgmma=True, expect_cp_async=True,
-                    expect_no_spills=True)
-            for scale_n in (128,)]  # fmt: skip
+    out = [Variant("fp8_gluon_prefill", _fp8_gluon_kernel, lambda: m.launch_constexprs(128),
+                   ptrs, ints, frozenset(), m.WARPS, 1, expect_wgmma=True,
+                   expect_cp_async=True, expect_no_spills=True)]  # fmt: skip
+    for rows in (16, 64):  # decode batches of 1-16 and 33-64 rows: the swapped kernel
+        consts = dict(SCALE_N=128, BLOCK_N=m.DECODE_BLOCK_N, BLOCK_M=rows, BLOCK_K=m.BLOCK_K,
+                      STAGES=m.DECODE_STAGES)  # fmt: skip
+        out.append(Variant(f"fp8_gluon_decode_m{rows}", _fp8_swap_kernel,
+                           lambda c=consts: dict(c), ptrs, ints | {"stride_os"}, frozenset(),
+                           m.DECODE_WARPS, 1, expect_wgmma=True, expect_cp_async=True,
+                           expect_no_spills=True))  # fmt: skip
+    return out
 
 
 def variants() -> list[Variant]:

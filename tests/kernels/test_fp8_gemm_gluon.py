@@ -1,7 +1,7 @@
 """The Gluon FP8 GEMM (kernels/fp8_gemm_gluon.py): parity with the block-FP8 reference and
 the Triton kernel on a Hopper GPU (Gluon has no CPU interpreter; tools/sm90_report.py
 compiles it for sm_90a in the CPU suite), what it refuses, the FP8 linear's dispatch to
-it, and benchmarks/fp8_prefill_gemm.py's smoke run."""
+it, and benchmarks/fp8_gemm_compare.py's smoke run."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from pdserve.kernels.reference import (
     quantize_fp8_blocks,
 )
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "fp8_prefill_gemm.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "fp8_gemm_compare.py"
 
 hopper = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
@@ -40,7 +40,11 @@ def _operands(device: torch.device, m: int, n: int, k: int, seed: int):
 @hopper
 @pytest.mark.parametrize("m,n,k", [(1024, 512, 1024),  # whole tiles
                                    (300, 320, 1040),  # M, N and K tails (a partial K block)
-                                   (2048, 4096, 256)])  # fmt: skip
+                                   (2048, 4096, 256),
+                                   # decode batches (the swapped kernel): split K with a
+                                   # short last split, one split, 33-64 rows, N tails
+                                   (1, 4096, 14336), (5, 28672, 1024), (16, 200, 1040),
+                                   (64, 6144, 4096), (40, 320, 640)])  # fmt: skip
 def test_gluon_fp8_gemm_matches_reference(m: int, n: int, k: int) -> None:
     xq, w, ws = _operands(torch.device("cuda"), m, n, k, m + n)
     got = fp8_gemm_gluon.fp8_gemm_gluon(xq, w, ws, 128, torch.bfloat16)
@@ -73,7 +77,7 @@ def test_fp8_linear_keeps_the_triton_kernel_where_gluon_does_not_apply(
 
     xq, w, ws = _operands(device, 40, 256, 256, 2)
     off = fp8.fp8_linear(xq, w, ws, None, 128, fused=True)
-    monkeypatch.setattr(fp8, "GLUON_MIN_TOKENS", 1)
+    monkeypatch.setattr(fp8, "GLUON_FP8", True)
     on = fp8.fp8_linear(xq, w, ws, None, 128, fused=True)
     assert isinstance(xq, Fp8Activation)
     if not (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9):
@@ -83,19 +87,26 @@ def test_fp8_linear_keeps_the_triton_kernel_where_gluon_does_not_apply(
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the script is a benchmark run")
-def test_fp8_prefill_gemm_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    spec = importlib.util.spec_from_file_location("fp8_prefill_gemm", SCRIPT)
+def test_fp8_gemm_compare_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spec = importlib.util.spec_from_file_location("fp8_gemm_compare", SCRIPT)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
-    sys.modules["fp8_prefill_gemm"] = mod
+    sys.modules["fp8_gemm_compare"] = mod
     spec.loader.exec_module(mod)
     out = tmp_path / "g.json"
     assert mod.main(["--device", "cpu", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
-    rows = {r["impl"]: r for r in res["rows"]}
-    assert set(rows) == {"triton", "triton_big", "gluon", "scaled_mm", "bf16"}
-    for name in ("triton", "triton_big", "bf16"):
-        assert rows[name]["ms"] > 0 and not rows[name]["bad"], rows[name]
-    assert "Hopper" in rows["gluon"]["skipped"]
-    assert res["fp8_peak_flops"] is None
-    assert "fp8 GEMM at prefill sizes" in capsys.readouterr().out
+    by_phase: dict[str, dict[str, dict]] = {}
+    for r in res["rows"]:
+        by_phase.setdefault(r["phase"], {})[r["impl"]] = r
+    assert set(by_phase["decode"]) == {"triton", "gluon", "bf16"}
+    assert set(by_phase["prefill"]) == {"triton", "triton_big", "gluon", "scaled_mm", "bf16"}
+    for phase, rows in by_phase.items():
+        for name, r in rows.items():
+            if name in ("gluon", "scaled_mm"):
+                assert "skipped" in r, r
+                continue
+            assert r["ms"] > 0 and not r["bad"] and r["bytes"] > 0, (phase, r)
+    assert "Hopper" in by_phase["decode"]["gluon"]["skipped"]
+    assert res["fp8_peak_flops"] is None and res["copy_Bps"] is None
+    assert "fp8 GEMM, decode" in capsys.readouterr().out
