@@ -17,7 +17,8 @@ mla   64 heads, kv_lora_rank 512 + rope 64, bf16, top-k 2048, KV block 64 (glm5-
       reads (min(pos + 1, 2048)); bytes = pairs * 576 * 2 (each row's gathered latents,
       read once per head block) + queries and outputs. Prefill is timed eagerly (as the
       engine runs it), verify and decode replayed from CUDA graphs.
-mla_variants  prefill (16K, 4K, 2K as in mla), then verify 64/128/256 x 4 at 16K: the
+mla_variants  prefill (16K, 4K, 2K as in mla), then verify 64/128/256 x 4 and decode
+      128/256 x 1 at 16K: the
       general kernel at its WIDE default (the reference output) and at its prefill shape,
       against each variant of
       kernels/sparse_mla_prefill.py (candidate rows resolved once per layer by a small
@@ -258,7 +259,7 @@ BASELINES = [(64, 32, 8, 3), (64, 64, 8, 2)]  # the general kernel: WIDE default
 
 def run_mla_variants(sh: Shapes, dev: torch.device, bw: float, peak: float, deadline: float,
                      reps: int) -> list[dict[str, Any]]:  # fmt: skip
-    """Prefill, then verify batches of 256+ rows: the general kernel (its WIDE default,
+    """Prefill, then verify and decode batches of 128+ rows: the general kernel (its WIDE default,
     the reference output, and its prefill shape) against each variant of kernels/sparse_mla_prefill.py
     on the same inputs. A variant's ``ms`` is its attention kernel; ``rows_ms`` (once per
     case) is :func:`candidate_rows`, run once per layer, and ``total_ms`` the two."""
@@ -270,9 +271,11 @@ def run_mla_variants(sh: Shapes, dev: torch.device, bw: float, peak: float, dead
     cpu = dev.type == "cpu"
     every = mla_cases(cpu)
     cases = [c for c in every if c.kind == "prefill"][::-1]  # the longest first: 16K counts
-    # then verify batches of 256+ rows (a kernel without split-K: enough programs to fill
-    # the GPU), where the engine could use the same kernel
-    cases += [c for c in every if c.kind == "verify" and (cpu or c.reqs * c.q_len >= 256)]
+    # then verify and decode batches of 128+ rows (kernels without split-K: a program a
+    # row fills the GPU from about one row a multiprocessor), where the engine could use
+    # the same kernels
+    cases += [c for c in every if c.kind in ("verify", "decode")
+              and (cpu or c.reqs * c.q_len >= 128)]  # fmt: skip
     for case in cases:
         inp = _mla_inputs(case, sh, dev)
         md, t = inp["md"], inp["md"].num_actual_tokens

@@ -52,6 +52,9 @@
 #       transformers fp32 against transformers' own bf16), transformers' prefill and decode.
 # d10   benchmarks/spec_bench.py decode (issue 27): TPOT by streams 1-256 x 16K for no
 #       speculation and MTP k=1/k=3 at synthetic 0.5/0.7/0.9, with the step roofline.
+#       D10_ROWS=128 D10_VARIANT=gluon: decode/verify steps of 128+ rows take candidate rows
+#       + that prefill kernel (mla_triton.ROWS_MIN_TOKENS), if the mla_variants sweep's
+#       decode/verify rows say it wins there.
 # c11   before any speed run: session 11's CUDA paths compiled and checked (the request
 #       state's post_update/place kernels run in every engine step on CUDA; the fp8
 #       activation producers, the fp8 indexer keys, the 16-byte block copy), then the
@@ -212,7 +215,14 @@ case "$stage" in
   p10)
     GLM_TIMEOUT=560 bash benchmarks/run_glm5.sh accuracy,speed,prefill glm5-m12-e64 --long
     ;;
-  d10)
+  d10)  # D10_ROWS=N [D10_VARIANT=name]: decode/verify steps of N+ rows take that MLA kernel
+    mt=src/pdserve/layers/attention/mla_triton.py
+    if [ -n "${D10_ROWS:-}" ]; then
+      sed -i "s/^ROWS_MIN_TOKENS: int | None = .*/ROWS_MIN_TOKENS: int | None = $D10_ROWS/" "$mt"
+      [ -n "${D10_VARIANT:-}" ] && \
+        sed -i "s/^PREFILL_VARIANT: str | None = .*/PREFILL_VARIANT: str | None = \"$D10_VARIANT\"/" "$mt"
+      grep -n '^ROWS_MIN_TOKENS\|^PREFILL_VARIANT' "$mt"
+    fi
     timeout 570 python3 benchmarks/spec_bench.py --sections decode --out "$OUT/spec_decode.json" \
       > "$OUT/spec_decode.log" 2>&1
     quiet < "$OUT/spec_decode.log" | tail -30

@@ -12,10 +12,12 @@ count from the top-k width or the static ``max_model_len``); the dense/sparse ch
 made per token on the device. Rows past ``num_actual_tokens`` (graph padding) are zeros.
 
 Prefill (``prefill_variant``, default :data:`PREFILL_VARIANT`): a step with an indexer
-and a query chunk of at least ``prefill_min_tokens`` tokens resolves each token's
+and a query chunk of at least ``prefill_min_tokens`` tokens (or, with
+``rows_min_tokens`` set, any step of that many rows: large decode and verify batches,
+graph-safe since the launches depend on the row count only) resolves each token's
 candidate cache rows once (:func:`~pdserve.kernels.sparse_mla_prefill.candidate_rows`)
 and runs :func:`~pdserve.kernels.sparse_mla_prefill.sparse_mla_prefill` instead (same
-keys, same result); decode and verify steps keep the general kernel. The default variant
+keys, same result); other decode and verify steps keep the general kernel. The default variant
 is the H200 sweep's best (``prefill_sweep.py --sections mla_variants``, RESULTS.md run 45:
 16K prefill 33.4 ms a layer with the general kernel's old default, 31.5 ms with its
 prefill shape, 26.4 ms with ``rows_n32_s5`` and its candidate rows; outputs equal). The
@@ -45,6 +47,9 @@ from pdserve.layers.attention.backend import AttentionBackend, CommonAttentionMe
 # a sparse_mla_prefill.VARIANTS or sparse_mla_gluon.VARIANTS name; None: off
 PREFILL_VARIANT: str | None = DEFAULT_VARIANT
 PREFILL_MIN_TOKENS = 256  # steps with a query chunk this long take the prefill kernel
+# decode / verify steps of at least this many rows take it too (None: never; off until the
+# H200 has measured the prefill kernels at those batches, prefill_sweep mla_variants)
+ROWS_MIN_TOKENS: int | None = None
 
 
 class MLATritonBackend(AttentionBackend):
@@ -56,6 +61,7 @@ class MLATritonBackend(AttentionBackend):
         max_model_len: int | None = None,
         prefill_variant: str | None = PREFILL_VARIANT,
         prefill_min_tokens: int = PREFILL_MIN_TOKENS,
+        rows_min_tokens: int | None = ROWS_MIN_TOKENS,
     ) -> None:
         names = sorted(VARIANTS) + sorted(sparse_mla_gluon.VARIANTS)
         if prefill_variant is not None and prefill_variant not in names:
@@ -63,6 +69,7 @@ class MLATritonBackend(AttentionBackend):
         self.max_model_len = max_model_len
         self.prefill_variant = prefill_variant
         self.prefill_min_tokens = max(1, prefill_min_tokens)
+        self.rows_min_tokens = rows_min_tokens
 
     def forward(
         self,
@@ -83,10 +90,11 @@ class MLATritonBackend(AttentionBackend):
             write_paged(flat, md.slot_mapping[:t], entry, kv_scale)  # fp8: / kv_scale, saturated
         out = torch.empty_like(q_lat)
         page = cache.shape[1]
+        rows_step = self.rows_min_tokens is not None and t >= self.rows_min_tokens
         if (
             self.prefill_variant is not None
             and topk is not None
-            and md.max_query_len >= self.prefill_min_tokens  # not decode / verify
+            and (md.max_query_len >= self.prefill_min_tokens or rows_step)
             and cache.stride(0) == page * cache.stride(1)
         ):
             rows, ncand = candidate_rows(md.block_tables, md.seq_lens, md.query_start_loc,
