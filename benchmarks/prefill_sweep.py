@@ -28,8 +28,9 @@ moe   routed experts of one MoE layer (hidden 6144, moe_intermediate 2048, top-8
       bf16) at 512 and 1024 tokens (verify steps of 128 and 256 requests x 4 rows; graph
       replays) and 2048, 4096 and 16384 (prefill, in chunks of CHUNK_TOKENS): FLOPs = 2 *
       T * 8 * 3 * 6144 * 2048, bytes = every expert's weights once (all 64 are reached).
-      Configs: tiles, warps, stages and the program order (group_m > 1: row blocks
-      sweep the column tiles together).
+      Configs: tiles, warps, stages, the program order (group_m > 1: row blocks sweep
+      the column tiles together) and the tokens a launch pair takes (chunk_tokens: at
+      16K, one pair instead of four, the experts' weights read once).
 
 ``--device cpu`` runs every code path at tiny shapes under Triton's interpreter, with the
 defaults and one other config of each grid (a smoke run for the test suite, not a
@@ -69,11 +70,13 @@ MLA_GRID = [
     (64, 32, 8, 4),
     (64, 64, 8, 2),
 ]
-# (block_m, block_n, block_k, warps, stages[, group_m]): MoeConfig
+# (block_m, block_n, block_k, warps, stages[, group_m[, chunk_tokens]]): MoeConfig
 MOE_GRID = [
     (128, 128, 64, 8, 3),
     (128, 128, 64, 8, 3, 4),  # grouped program order (MoeConfig.group_m)
     (128, 128, 64, 8, 3, 16),
+    (128, 128, 64, 8, 3, 8, 16384),  # + one launch pair for a 16K prefill (weights read once)
+    (128, 128, 64, 8, 3, 1, 16384),
     (128, 128, 64, 8, 4),
     (128, 128, 32, 8, 5),
     (64, 128, 64, 4, 3),

@@ -23,7 +23,7 @@ four launches for the routed experts.
 
 Each block reads its expert's weight tile once for up to ``BLOCK_M`` pairs, so a decode
 step reads every chosen expert's weights once. Prefill batches are processed in chunks
-of ``CHUNK_TOKENS`` tokens to bound the [T*k, H] buffer.
+of ``CHUNK_TOKENS`` tokens (``MoeConfig.chunk_tokens``) to bound the [T*k, H] buffer.
 """
 
 from __future__ import annotations
@@ -191,7 +191,9 @@ class MoeConfig(NamedTuple):
     """Tile shape of both grouped GEMMs, warps, software-pipelining stages and the
     program order (``group_m`` > 1: that many row blocks sweep the column tiles together,
     so the programs running at once share their rows' tokens and each weight tile; 1:
-    row blocks fastest, every column tile of a block far apart in time)."""
+    row blocks fastest, every column tile of a block far apart in time) and the tokens a
+    launch pair takes (``chunk_tokens``; 0: ``CHUNK_TOKENS``; every chunk reads the
+    experts' weights again)."""
 
     block_m: int
     block_n: int
@@ -199,6 +201,7 @@ class MoeConfig(NamedTuple):
     warps: int
     stages: int = 3
     group_m: int = 1
+    chunk_tokens: int = 0
 
 
 def _config(num_pairs: int, num_experts: int) -> MoeConfig:
@@ -236,8 +239,9 @@ def fused_experts(
         raise ValueError("fused_experts needs unit stride along the last dimension")
     if out is None:
         out = torch.empty_like(x)
-    for a in range(0, t, CHUNK_TOKENS):
-        b = min(t, a + CHUNK_TOKENS)
+    chunk = (config.chunk_tokens if config is not None else 0) or CHUNK_TOKENS
+    for a in range(0, t, chunk):
+        b = min(t, a + chunk)
         extra = add[a:b] if add is not None else None
         _fused_chunk(x[a:b], w13, w2, weights[a:b], ids[a:b], out[a:b], config, extra)
     return out
@@ -270,7 +274,7 @@ def _fused_chunk(
     n = t * k
     if n == 0:
         return
-    bm, bn, bk, warps, stages, group_m = config or _config(n, num_experts)
+    bm, bn, bk, warps, stages, group_m, _ = config or _config(n, num_experts)
     pairs, block_expert = align_pairs(ids, num_experts, bm)
     nb = block_expert.shape[0]
     act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
