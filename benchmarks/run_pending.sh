@@ -3,6 +3,7 @@
 # of at most 10 minutes each; every stage prints its tables and leaves JSON and logs under
 # $OUT. Record the commit yourself: the device copy of the tree may carry a stale .git.
 #
+#   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh g13  (first)
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh s12|fp8s|moe|xfer
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh k10
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh p10
@@ -30,6 +31,11 @@
 #       against the general kernel at 16K/4K/2K; benchmarks/pick_mla_variant.py names the
 #       best), then glm5_bench prefill 16K/64K with the default, the sweep's pick and the
 #       general kernel only, then the GPU tests fixed after run 40.
+# g13   first: the Gluon kernels of session 13 (kernels/sparse_mla_gluon.py,
+#       kernels/fp8_gemm_gluon.py) never ran; their GPU parity tests (and the MoE's with the
+#       grouped order), then 110 s of the mla_variants sweep (16K prefill first) and of
+#       fp8_gemm_compare.py (down_proj first): which kernels work and roughly how fast,
+#       before s12 / fp8s spend their calls.
 # moe   benchmarks/prefill_sweep.py --sections moe: the fused MoE's tiles, now with the
 #       grouped program order (row blocks sweep the column tiles together), 512-16K tokens.
 # fp8s  the Gluon FP8 GEMMs' parity on the GPU (kernels/fp8_gemm_gluon.py, never run yet),
@@ -268,6 +274,16 @@ case "$stage" in
       "tests/engine/test_spec_step.py::test_uniform_verify_batches_replay_graphs" \
       "tests/engine/test_speculative.py::test_mtp_verify_and_draft_steps_replay_graphs_on_cuda" \
       tests/kernels/test_dsa_indexer.py tests/kernels/test_sparse_mla.py 2>&1 | tail -6
+    ;;
+  g13)  # session 13's Gluon kernels (never run): GPU parity first, then a first timing each
+    timeout 200 python3 -m pytest -p no:cacheprovider -q -rfE tests/kernels/test_sparse_mla_gluon.py \
+      tests/kernels/test_fp8_gemm_gluon.py tests/kernels/test_fused_moe.py 2>&1 | tail -10
+    timeout 150 python3 benchmarks/prefill_sweep.py --sections mla_variants --budget-s 110 \
+      --out "$OUT/mla_variants_g13.json" > "$OUT/mla_variants_g13.log" 2>&1
+    sed -n '/^== /,$p' "$OUT/mla_variants_g13.log" | tail -30
+    timeout 150 python3 benchmarks/fp8_gemm_compare.py --budget-s 110 \
+      --out "$OUT/fp8_gemm_compare_g13.json" > "$OUT/fp8_gemm_compare_g13.log" 2>&1
+    sed -n '/^== /,$p' "$OUT/fp8_gemm_compare_g13.log"
     ;;
   moe)  # the fused MoE's tiles and program order (grouped: MoeConfig.group_m) at 512-16K tokens
     timeout 170 python3 benchmarks/prefill_sweep.py --sections moe --budget-s 150 \
