@@ -4,7 +4,7 @@
 # $OUT. Record the commit yourself: the device copy of the tree may carry a stale .git.
 #
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh g13  (first)
-#   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh s12|fp8s|moe|xfer
+#   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh s12|fp8s|moe|pdl|xfer
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh k10
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh p10
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh glm5-sla [mtp]
@@ -36,6 +36,11 @@
 #       grouped order), then 110 s of the mla_variants sweep (16K prefill first) and of
 #       fp8_gemm_compare.py (down_proj first): which kernels work and roughly how fast,
 #       before s12 / fp8s spend their calls.
+# pdl   programmatic dependent launch (PDSERVE_PDL=1: every decode-path Triton kernel may
+#       launch while its predecessor finishes, kernels/_utils.pdl_args): glm5-m12-e64
+#       decode speed with it off and on in one call, then the 1 x 1K profile with it on
+#       (kernels per step, idle time in the replay). Keep it (make it the default) only
+#       if it helps (issue 30).
 # moe   benchmarks/prefill_sweep.py --sections moe: the fused MoE's tiles, now with the
 #       grouped program order (row blocks sweep the column tiles together), 512-16K tokens.
 # fp8s  the Gluon FP8 GEMMs' parity on the GPU (kernels/fp8_gemm_gluon.py, never run yet),
@@ -274,6 +279,18 @@ case "$stage" in
       "tests/engine/test_spec_step.py::test_uniform_verify_batches_replay_graphs" \
       "tests/engine/test_speculative.py::test_mtp_verify_and_draft_steps_replay_graphs_on_cuda" \
       tests/kernels/test_dsa_indexer.py tests/kernels/test_sparse_mla.py 2>&1 | tail -6
+    ;;
+  pdl)  # programmatic dependent launch (issue 30): glm5 decode with it off, then on; profile on
+    for v in 0 1; do
+      PDSERVE_PDL=$v timeout 200 python3 benchmarks/glm5_bench.py --sections speed \
+        --presets glm5-m12-e64 --no-peer --workdir /tmp/glm5 --out "$OUT/glm5_speed_pdl$v.json" \
+        > "$OUT/glm5_speed_pdl$v.log" 2>&1
+      echo "PDSERVE_PDL=$v: exit $?"; quiet < "$OUT/glm5_speed_pdl$v.log" | tail -12
+    done
+    PDSERVE_PDL=1 timeout 150 python3 benchmarks/glm5_bench.py --presets glm5-m12-e64 \
+      --profile 1x1024 --workdir /tmp/glm5 --out "$OUT/glm5_profile_pdl1.json" \
+      > "$OUT/glm5_profile_pdl1.log" 2>&1
+    quiet < "$OUT/glm5_profile_pdl1.log" | tail -12
     ;;
   g13)  # session 13's Gluon kernels (never run): GPU parity first, then a first timing each
     timeout 200 python3 -m pytest -p no:cacheprovider -q -rfE tests/kernels/test_sparse_mla_gluon.py \

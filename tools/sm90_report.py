@@ -25,6 +25,7 @@ interpreted functions and cannot be compiled, so it refuses to start then.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import re
@@ -56,6 +57,7 @@ class Variant:
     expect_cp_async: bool = False  # its tile loads must be pipelined
     expect_no_spills: bool = False
     fp_fusion: bool = True  # False: launched with enable_fp_fusion=False (no FMA contraction)
+    expect_pdl: bool = False  # compiled with PDL on: it must wait on its predecessor grid
     notes: str = field(default="", compare=False)
 
 
@@ -282,13 +284,14 @@ def decode_prep_variants() -> list[Variant]:
                     "computed_ptr")},
                 frozenset(), frozenset(), 4, 1, expect_no_spills=True)
     )  # fmt: skip
-    out.append(
-        Variant("moe_combine", _kernel("moe_align", "_combine_kernel"),
-                _fixed(K=8, BLOCK=1024, HAS_ADD=True),
-                {"rows_ptr": "*bf16", "add_ptr": "*bf16", "out_ptr": "*bf16"},
-                frozenset({"H", "stride_r", "stride_a", "stride_o"}), frozenset(), 4, 1,
-                expect_no_spills=True)
-    )  # fmt: skip
+    for pdl in (False, True):  # PDSERVE_PDL=1 compiles every decode kernel as the second
+        out.append(
+            Variant(f"moe_combine{'_pdl' if pdl else ''}", _kernel("moe_align", "_combine_kernel"),
+                    _fixed(K=8, BLOCK=1024, HAS_ADD=True, PDL=pdl),
+                    {"rows_ptr": "*bf16", "add_ptr": "*bf16", "out_ptr": "*bf16"},
+                    frozenset({"H", "stride_r", "stride_a", "stride_o"}), frozenset(), 4, 1,
+                    expect_no_spills=True, expect_pdl=pdl)
+        )  # fmt: skip
     return out
 
 
@@ -433,6 +436,9 @@ def compile_variant(v: Variant) -> Any:
     fn = v.kernel()
     consts = v.constexprs()
     names = list(fn.arg_names)
+    for prm in fn.params:  # constexprs the variant leaves out take their defaults (PDL: off)
+        if prm.is_constexpr and prm.name not in consts and prm.default is not inspect._empty:
+            consts[prm.name] = prm.default
     unknown = (set(consts) | set(v.pointers) | v.floats) - set(names)
     if unknown:
         raise ValueError(f"{v.name}: {fn.__name__} has no argument(s) {sorted(unknown)}")
@@ -482,6 +488,7 @@ def report(v: Variant) -> dict[str, Any]:
         "wgmma": ptx.count("wgmma.mma_async"),
         "mma_sync": ptx.count("mma.sync"),
         "cp_async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
+        "griddepcontrol": ptx.count("griddepcontrol."),
     }
     problems = []
     if out["shared_bytes"] > MAX_SHARED:
@@ -492,6 +499,10 @@ def report(v: Variant) -> dict[str, Any]:
         problems.append("no wgmma")
     if v.expect_cp_async and not out["cp_async"]:
         problems.append("no cp.async: tile loads are synchronous")
+    if v.expect_pdl and "griddepcontrol.wait" not in ptx:
+        problems.append("PDL on but no griddepcontrol.wait")
+    if not v.expect_pdl and out["griddepcontrol"]:
+        problems.append("griddepcontrol without PDL")
     out["problems"] = problems
     return out
 

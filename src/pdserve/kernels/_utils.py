@@ -8,12 +8,15 @@ answers while a CUDA graph is being captured.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import cuda as tl_cuda
 
 LOG2E = 1.4426950408889634
+PDL_ENV = "PDSERVE_PDL"  # "1": programmatic dependent launch on Hopper (see pdl_args)
 
 
 def next_pow2(n: int) -> int:
@@ -60,6 +63,38 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=8)
+def _pdl_device(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_args(device: torch.device) -> dict[str, bool]:
+    """Launch arguments for a kernel that starts with :func:`pdl_enter`: programmatic
+    dependent launch (``launch_pdl``, and the kernel's ``PDL`` constexpr that makes it wait
+    for its predecessor's memory before anything else) when ``PDSERVE_PDL=1`` on a Hopper
+    GPU with compiled kernels; empty otherwise (an ordinary launch). The kernel may then
+    be scheduled while the previous kernel on the stream still runs, so the launch gap
+    between the small kernels of a decode step (CUDA graphs keep the dependency) overlaps
+    the predecessor's tail. Off by default until the H200 measures it (issue 30)."""
+    mode = os.environ.get(PDL_ENV, "0")
+    if mode not in ("0", "1"):
+        raise ValueError(f"{PDL_ENV} must be 0 or 1 (got {mode!r})")
+    if mode != "1" or device.type != "cuda" or interpret_mode():
+        return {}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return {"PDL": True, "launch_pdl": True} if _pdl_device(index) else {}
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """A dependently launched kernel's first statement: wait until the previous kernel's
+    writes are visible (it may still have been running at this kernel's launch), then let
+    the next kernel launch. Nothing before it may read or write memory."""
+    if PDL:
+        tl_cuda.gdc_wait()
+        tl_cuda.gdc_launch_dependents()
 
 
 @triton.jit

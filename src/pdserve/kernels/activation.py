@@ -19,7 +19,13 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels._utils import check_device, interpret_mode, quantize_rows_e4m3
+from pdserve.kernels._utils import (
+    check_device,
+    interpret_mode,
+    pdl_args,
+    pdl_enter,
+    quantize_rows_e4m3,
+)
 from pdserve.kernels.reference import (
     FP8_DTYPE,
     FP8_GROUP,
@@ -44,7 +50,9 @@ def _silu_and_mul_kernel(
     QMAX: tl.constexpr = 448.0,
     ROUND_FIRST: tl.constexpr = False,
     GROUP: tl.constexpr = 128,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -92,6 +100,7 @@ def _launch(x: torch.Tensor, out: torch.Tensor, out_scale: torch.Tensor | None) 
         ROUND_FIRST=interpret_mode(),
         GROUP=FP8_GROUP,
         num_warps=4,
+        **pdl_args(x2.device),
     )
 
 

@@ -34,7 +34,15 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels._utils import LOG2E, check_device, dot_precision, dot_upcast, next_pow2
+from pdserve.kernels._utils import (
+    LOG2E,
+    check_device,
+    dot_precision,
+    dot_upcast,
+    next_pow2,
+    pdl_args,
+    pdl_enter,
+)
 
 MAX_SPLITS = 64
 MIN_TOKENS_PER_SPLIT = 64
@@ -80,7 +88,9 @@ def _decode_kernel(
     SPLIT: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
@@ -172,7 +182,9 @@ def _reduce_kernel(
     HEAD_D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     row = t * NUM_HEADS + h
@@ -315,6 +327,7 @@ def decode_attention(
         UPCAST=dot_upcast(q.dtype),
         num_warps=warps,
         num_stages=NUM_STAGES,
+        **pdl_args(q.device),
     )
     if split:
         _reduce_kernel[(ntok, num_heads)](
@@ -329,6 +342,7 @@ def decode_attention(
             BLOCK_D=next_pow2(head_dim),
             BLOCK_S=next_pow2(num_splits),
             num_warps=4,
+            **pdl_args(ws_o.device),
         )
     return out
 

@@ -49,7 +49,15 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels._utils import check_device, dot_precision, dot_upcast, next_pow2, num_sms
+from pdserve.kernels._utils import (
+    check_device,
+    dot_precision,
+    dot_upcast,
+    next_pow2,
+    num_sms,
+    pdl_args,
+    pdl_enter,
+)
 from pdserve.kernels.dsa_select import REG_SELECT_MAX_WIDTH, reg_topk_select
 from pdserve.kernels.index_cache import check_key_cache
 
@@ -93,7 +101,9 @@ def _logits_kernel(
     UPCAST: tl.constexpr,
     FILL: tl.constexpr,
     KEY_SCALE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     start = tl.program_id(1) * BLOCK * ITERS
     req = tl.load(req_ptr + t)
@@ -149,7 +159,9 @@ def _select_kernel(
     K,
     BLOCK: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     req = tl.load(req_ptr + t)
     seq_len = tl.load(seq_lens_ptr + req)
@@ -274,6 +286,7 @@ def indexer_logits(
         FILL=not for_select,
         KEY_SCALE=k_scale is not None,
         num_warps=4,
+        **pdl_args(q.device),
     )
     return out
 
@@ -321,6 +334,7 @@ def topk_select(
         BLOCK=SELECT_BLOCK,
         BLOCK_K=min(1024, next_pow2(topk)),
         num_warps=8 if SELECT_BLOCK >= 2048 else 4,
+        **pdl_args(logits.device),
     )
     return out
 

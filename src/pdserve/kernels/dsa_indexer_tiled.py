@@ -60,7 +60,15 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels._utils import check_device, dot_precision, dot_upcast, next_pow2, num_sms
+from pdserve.kernels._utils import (
+    check_device,
+    dot_precision,
+    dot_upcast,
+    next_pow2,
+    num_sms,
+    pdl_args,
+    pdl_enter,
+)
 from pdserve.kernels.index_cache import check_key_cache
 
 
@@ -131,7 +139,9 @@ def _tiled_logits_kernel(
     UPCAST: tl.constexpr,
     FILL: tl.constexpr,
     KEY_SCALE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     req = tl.program_id(0)
     q0 = tl.load(qsl_ptr + req)
     q1 = tl.load(qsl_ptr + req + 1)
@@ -332,6 +342,7 @@ def _launch(
         KEY_SCALE=k_scale is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **pdl_args(q.device),
     )
 
 

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels._utils import next_pow2
+from pdserve.kernels._utils import next_pow2, pdl_args, pdl_enter
 
 REG_SELECT_MAX_WIDTH = 32768  # wider rows: the radix kernel (dsa_indexer)
 REG_SELECT_PER_THREAD = 64  # keys a thread holds (sets num_warps, 4..16)
@@ -85,7 +85,9 @@ def _reg_select_kernel(
     BLOCK_K: tl.constexpr,
     SPLITS: tl.constexpr,
     CHUNK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     req = tl.load(req_ptr + t)
     seq_len = tl.load(seq_lens_ptr + req)
@@ -156,5 +158,6 @@ def reg_topk_select(
         SPLITS=min(splits, max(0, block.bit_length() - 5)),  # keep BLOCK >> SPLITS >= 16
         CHUNK=min(block, REG_SELECT_CHUNK),
         num_warps=num_warps or reg_select_warps(width),
+        **pdl_args(logits.device),
     )
     return out

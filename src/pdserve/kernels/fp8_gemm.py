@@ -67,6 +67,8 @@ from pdserve.kernels._utils import (
     grouped_tile,
     interpret_mode,
     num_sms,
+    pdl_args,
+    pdl_enter,
     quantize_rows_e4m3,
 )
 from pdserve.kernels.reference import FP8_GROUP, FP8_MAX, Fp8Activation
@@ -104,7 +106,9 @@ def _block_fp8_gemm_kernel(
     UPCAST: tl.constexpr = False,
     DOT_PREC: tl.constexpr = "tf32",
     PRE_Q: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     pid_m, pid_n = grouped_tile(GROUP_M)  # GROUP_M > 1: M-tiles sweep N-tiles together
     split = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -332,6 +336,7 @@ def block_fp8_gemm(
         PRE_Q=pre_q,
         num_warps=cfg.num_warps,
         num_stages=1 if interpret_mode() else cfg.num_stages,
+        **pdl_args(x2.device),
     )
     if splits > 1 and not atomic:  # one launch: the float32 partials' sum (+ bias), cast
         return splitk_sum(out, bias, dtype).view(*lead, n)
@@ -345,7 +350,9 @@ def block_fp8_gemm(
 def _splitk_sum_kernel(
     part_ptr, bias_ptr, out_ptr, total, n, stride_s,
     SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_enter(PDL)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < total
     acc = tl.zeros([BLOCK], tl.float32)
@@ -377,6 +384,7 @@ def splitk_sum(parts: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtyp
         HAS_BIAS=bias is not None,
         BLOCK=block,
         num_warps=4,
+        **pdl_args(parts.device),
     )
     return out
 

@@ -34,7 +34,14 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels._utils import check_device, dot_precision, dot_upcast, grouped_tile
+from pdserve.kernels._utils import (
+    check_device,
+    dot_precision,
+    dot_upcast,
+    grouped_tile,
+    pdl_args,
+    pdl_enter,
+)
 from pdserve.kernels.moe_align import align_fits, moe_align, moe_combine
 
 CHUNK_TOKENS = 4096
@@ -92,7 +99,9 @@ def _gate_up_kernel(
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
     GROUP_M: tl.constexpr = 1,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     pid_m, pid_n = grouped_tile(GROUP_M)
     e = tl.load(block_expert_ptr + pid_m)
     if e >= 0:
@@ -151,7 +160,9 @@ def _down_kernel(
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
     GROUP_M: tl.constexpr = 1,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     pid_m, pid_n = grouped_tile(GROUP_M)
     e = tl.load(block_expert_ptr + pid_m)
     if e >= 0:
@@ -301,6 +312,7 @@ def _fused_chunk(
         GROUP_M=group_m,
         num_warps=warps,
         num_stages=stages,
+        **pdl_args(x.device),
     )
     per_pair = torch.empty(n, h, dtype=x.dtype, device=x.device)
     wflat = weights.reshape(-1).to(torch.float32)
@@ -326,6 +338,7 @@ def _fused_chunk(
         GROUP_M=group_m,
         num_warps=warps,
         num_stages=stages,
+        **pdl_args(act.device),
     )
     moe_combine(per_pair, k, out, add)
 

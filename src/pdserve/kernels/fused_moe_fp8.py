@@ -47,6 +47,8 @@ from pdserve.kernels._utils import (
     dot_fp8,
     fp8_mma,
     interpret_mode,
+    pdl_args,
+    pdl_enter,
     quantize_rows_e4m3,
 )
 from pdserve.kernels.fused_moe import align_pairs
@@ -83,7 +85,9 @@ def _gate_up_fp8_kernel(
     QMAX: tl.constexpr,
     ROUND_FIRST: tl.constexpr,
     PRE_Q: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -159,7 +163,9 @@ def _down_fp8_kernel(
     BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr,
     FP8_DOT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -338,6 +344,7 @@ def _fp8_chunk(
         PRE_Q=pre_q,
         num_warps=warps,
         num_stages=stages,
+        **pdl_args(xv.device),
     )
     per_pair = torch.empty(n, h, dtype=x.dtype, device=x.device)
     _down_fp8_kernel[(nb, triton.cdiv(h, bn))](
@@ -365,5 +372,6 @@ def _fp8_chunk(
         FP8_DOT=fp8_dot,
         num_warps=warps,
         num_stages=stages,
+        **pdl_args(act.device),
     )
     moe_combine(per_pair, k, out, add)

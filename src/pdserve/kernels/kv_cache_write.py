@@ -21,7 +21,14 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels._utils import check_device, interpret_mode, next_pow2, round_to_e4m3
+from pdserve.kernels._utils import (
+    check_device,
+    interpret_mode,
+    next_pow2,
+    pdl_args,
+    pdl_enter,
+    round_to_e4m3,
+)
 from pdserve.kernels.reference import FP8_DTYPE, FP8_MAX, write_kv_reference
 from pdserve.kernels.rope import load_cos_sin, load_pairs, rotate_pairs
 
@@ -52,7 +59,9 @@ def _kv_cache_write_kernel(
     PAGE: tl.constexpr,
     FP8_MAX: tl.constexpr,
     ROUND_FIRST: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -137,6 +146,7 @@ def write_kv_cache(
         FP8_MAX=FP8_MAX if kv_cache.dtype == FP8_DTYPE else 0.0,
         ROUND_FIRST=interpret_mode(),
         num_warps=4 if block_h * block_d >= 1024 else 2,
+        **pdl_args(k.device),
     )
 
 
@@ -202,7 +212,9 @@ def _rope_kv_write_kernel(
     ROUND: tl.constexpr,
     FP8_MAX: tl.constexpr,
     ROUND_FIRST: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -296,6 +308,7 @@ def rope_write_kv(
         PAGE=page, ROUND=q.dtype != torch.float32,
         FP8_MAX=FP8_MAX if kv_cache.dtype == FP8_DTYPE else 0.0, ROUND_FIRST=interpret_mode(),
         num_warps=4, enable_fp_fusion=False,  # an FMA would skip the product's rounding
+        **pdl_args(q.device),
     )  # fmt: skip
 
 

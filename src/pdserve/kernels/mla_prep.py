@@ -32,7 +32,14 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels._utils import check_device, interpret_mode, next_pow2, round_to_e4m3
+from pdserve.kernels._utils import (
+    check_device,
+    interpret_mode,
+    next_pow2,
+    pdl_args,
+    pdl_enter,
+    round_to_e4m3,
+)
 from pdserve.kernels.index_cache import check_key_cache, write_index_keys
 from pdserve.kernels.kv_cache_write import _to_cache
 from pdserve.kernels.reference import (
@@ -80,7 +87,9 @@ def _mla_prep_kernel(
     ROUND: tl.constexpr,
     FP8_MAX: tl.constexpr,
     ROUND_FIRST: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -161,6 +170,7 @@ def mla_prepare(
         ROUND=q_pe.dtype != torch.float32,
         FP8_MAX=FP8_MAX if cache.dtype == FP8_DTYPE else 0.0, ROUND_FIRST=interpret_mode(),
         num_warps=4, enable_fp_fusion=False,  # an FMA would skip the products' rounding
+        **pdl_args(q_pe.device),
     )  # fmt: skip
     return out
 
@@ -235,7 +245,9 @@ def _indexer_prep_kernel(
     KEY_FP8: tl.constexpr,
     FP8_MAX: tl.constexpr,
     ROUND_FIRST: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     offs = tl.arange(0, BLOCK_HALF)
@@ -359,6 +371,7 @@ def indexer_prepare(
         BLOCK_NH=next_pow2(nh), PAGE=cache.shape[1], INTERLEAVED=interleaved,
         ROUND=q.dtype != torch.float32, KEY_FP8=k_scale is not None, FP8_MAX=FP8_MAX,
         ROUND_FIRST=interpret_mode(), num_warps=4, enable_fp_fusion=False,
+        **pdl_args(q.device),
     )  # fmt: skip
     return q_out, w_out
 

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels._utils import check_device, next_pow2
+from pdserve.kernels._utils import check_device, next_pow2, pdl_args, pdl_enter
 
 MAX_ALIGN_PAIRS = 1024  # a decode batch of 128 tokens at top-8
 MAX_ALIGN_EXPERTS = 511  # BLOCK_E = next_pow2(E + 1) <= 512
@@ -49,7 +49,9 @@ def _align_kernel(
     CHUNK: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     offs = tl.arange(0, BLOCK_N)
     valid = offs < n
     ids = tl.load(ids_ptr + offs, mask=valid, other=E).to(tl.int32)  # pads: past every expert
@@ -108,6 +110,7 @@ def moe_align(
         flat, pairs, block_expert, n, num_experts, nb, BM=block_m, BLOCK_N=max(16, next_pow2(n)),
         BLOCK_E=next_pow2(num_experts + 1), CHUNK=_CHUNK, BLOCK_B=_BLOCK_B, BLOCK_S=_BLOCK_S,
         num_warps=4,
+        **pdl_args(flat.device),
     )  # fmt: skip
     return pairs, block_expert
 
@@ -124,7 +127,9 @@ def _combine_kernel(
     K: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_ADD: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < H
@@ -157,6 +162,7 @@ def moe_combine(
     _combine_kernel[(t, triton.cdiv(h, block))](
         rows, a, out, h, rows.stride(0), a.stride(0), out.stride(0), K=k, BLOCK=block,
         HAS_ADD=add is not None, num_warps=4,
+        **pdl_args(rows.device),
     )  # fmt: skip
     return out
 

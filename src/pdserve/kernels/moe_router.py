@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels._utils import check_device, next_pow2
+from pdserve.kernels._utils import check_device, next_pow2, pdl_args, pdl_enter
 
 
 @triton.jit
@@ -41,7 +41,9 @@ def _router_kernel(
     TOPK_GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     NORM: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     r_ok = rows < T
     cols = tl.arange(0, BLOCK_E)
@@ -134,5 +136,6 @@ def router_select(
         BLOCK_G=next_pow2(n_group),
         NORM=norm_topk_prob,
         num_warps=4,
+        **pdl_args(logits.device),
     )
     return w, ids

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels._utils import check_device, next_pow2
+from pdserve.kernels._utils import check_device, next_pow2, pdl_args, pdl_enter
 
 
 @triton.jit
@@ -56,7 +56,9 @@ def _post_update_kernel(
     DRAFTING: tl.constexpr,
     BLOCK_W: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     row = tl.load(rows_ptr + b).to(tl.int64)
     sampled = tl.load(samples_ptr + b) != 0
@@ -133,6 +135,7 @@ def post_update(
         BLOCK_W=next_pow2(max(w, 1)),
         BLOCK_K=next_pow2(max(k, 1)),
         num_warps=1,
+        **pdl_args(rows.device),
     )
 
 
@@ -140,7 +143,9 @@ def post_update(
 def _merge_drafts_kernel(
     drafts_ptr, rows_ptr, state_drafts_ptr, kd, stride_dr, stride_sd,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     row = tl.load(rows_ptr + b).to(tl.int64)
     j = tl.arange(0, BLOCK_K)
@@ -157,7 +162,9 @@ def _place_kernel(
     last_tok_ptr, computed_ptr, num_tokens, num_reqs, num_last, num_drafts, kd, stride_bt,
     stride_dr, page, p_tok, p_req, p_last,
     DRAFTING: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     if pid < p_tok:  # positions and slots from the device's computed counts
@@ -225,6 +232,7 @@ def place(
         _merge_drafts_kernel[(n,)](
             drafts, rows, drafts_state, kd, drafts.stride(0), drafts_state.stride(0),
             BLOCK_K=next_pow2(max(kd, 1)), num_warps=1,
+            **pdl_args(drafts.device),
         )  # fmt: skip
     nd = draft_at.shape[0] if draft_at is not None else 0
     blocks = [
@@ -244,4 +252,5 @@ def place(
         block_tables.stride(0), drafts.stride(0) if drafts is not None else 0, page,
         blocks[0], blocks[1], blocks[2],
         DRAFTING=drafting, BLOCK=_PLACE_BLOCK, num_warps=4,
+        **pdl_args(ids.device),
     )  # fmt: skip

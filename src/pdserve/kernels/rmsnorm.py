@@ -29,7 +29,14 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels._utils import check_device, interpret_mode, next_pow2, quantize_rows_e4m3
+from pdserve.kernels._utils import (
+    check_device,
+    interpret_mode,
+    next_pow2,
+    pdl_args,
+    pdl_enter,
+    quantize_rows_e4m3,
+)
 from pdserve.kernels.reference import (
     FP8_DTYPE,
     FP8_GROUP,
@@ -64,7 +71,9 @@ def _rmsnorm_kernel(
     QMAX: tl.constexpr = 448.0,
     ROUND_FIRST: tl.constexpr = False,
     GROUP: tl.constexpr = 128,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -149,6 +158,7 @@ def _launch(
         ROUND_FIRST=interpret_mode(),
         GROUP=FP8_GROUP,
         num_warps=warps,
+        **pdl_args(x2.device),
     )
 
 

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels._utils import check_device, next_pow2
+from pdserve.kernels._utils import check_device, next_pow2, pdl_args, pdl_enter
 from pdserve.kernels.reference import apply_rotary
 
 
@@ -102,7 +102,9 @@ def _rope_kernel(
     BLOCK_HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     ROUND: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -171,6 +173,7 @@ def apply_rope(
         ROUND=q.dtype != torch.float32,
         num_warps=4,
         enable_fp_fusion=False,  # an FMA would skip the product's rounding
+        **pdl_args(q.device),
     )
     return q, k
 

@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels._utils import check_device
+from pdserve.kernels._utils import check_device, pdl_args, pdl_enter
 from pdserve.kernels.reference import apply_top_k_top_p
 
 MAX_ROUNDS = 64
@@ -84,7 +84,9 @@ def _sample_kernel(
     HAS_GREEDY: tl.constexpr,
     MAX_ROUNDS: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     lp = logits_ptr + row * stride_l
     npp = noise_ptr + row * stride_n
@@ -232,6 +234,7 @@ def sample(
         MAX_ROUNDS=MAX_ROUNDS,
         BLOCK=min(block, triton.next_power_of_2(v)),
         num_warps=16 if block >= 4096 else 8,
+        **pdl_args(logits.device),
     )
     return out
 

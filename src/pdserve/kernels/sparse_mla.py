@@ -37,7 +37,15 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels._utils import LOG2E, check_device, dot_precision, dot_upcast, next_pow2
+from pdserve.kernels._utils import (
+    LOG2E,
+    check_device,
+    dot_precision,
+    dot_upcast,
+    next_pow2,
+    pdl_args,
+    pdl_enter,
+)
 from pdserve.kernels.decode_attention import _reduce_kernel
 
 MAX_SPLITS = 32
@@ -137,7 +145,9 @@ def _mla_kernel(
     EVEN: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -354,6 +364,7 @@ def sparse_mla_attention(
         UPCAST=dot_upcast(q_lat.dtype),
         num_warps=warps,
         num_stages=stages,
+        **pdl_args(q_lat.device),
     )
     if split:
         _reduce_kernel[(num_tokens, num_heads)](  # the split-K merge of decode attention
@@ -368,6 +379,7 @@ def sparse_mla_attention(
             BLOCK_D=block_l,
             BLOCK_S=next_pow2(num_splits),
             num_warps=4,
+            **pdl_args(out.device),
         )
     return out
 

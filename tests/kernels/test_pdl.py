@@ -1,0 +1,101 @@
+"""Programmatic dependent launch (``PDSERVE_PDL=1``, kernels/_utils.pdl_args): off unless
+asked for, and only where it can work (a compiled Hopper launch); every kernel that
+:func:`pdl_args` can launch dependently starts with :func:`pdl_enter`, so it waits for its
+predecessor before touching memory. The CPU suite also compiles one with PDL on for sm_90a
+(tools/sm90_report.py: ``griddepcontrol.wait`` in its PTX); on a Hopper GPU, a graph of
+dependent launches gives the same result as ordinary ones."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+import torch
+
+import pdserve.kernels
+from pdserve.kernels import _utils
+
+KERNELS = Path(pdserve.kernels.__file__).parent
+
+
+def test_pdl_is_off_unless_asked_for_and_possible(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(_utils.PDL_ENV, raising=False)
+    assert _utils.pdl_args(torch.device("cpu")) == {}
+    monkeypatch.setenv(_utils.PDL_ENV, "yes")
+    with pytest.raises(ValueError, match="must be 0 or 1"):
+        _utils.pdl_args(torch.device("cpu"))
+    monkeypatch.setenv(_utils.PDL_ENV, "1")
+    assert _utils.pdl_args(torch.device("cpu")) == {}  # no CUDA, or the interpreter
+    if torch.cuda.is_available() and not _utils.interpret_mode():
+        want = torch.cuda.get_device_capability()[0] >= 9
+        got = _utils.pdl_args(torch.device("cuda"))
+        assert got == ({"PDL": True, "launch_pdl": True} if want else {})
+
+
+def _launches_with_pdl(tree: ast.AST) -> set[str]:
+    """Names of the kernels launched as ``name[grid](..., **pdl_args(...))``."""
+    out = set()
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
+                and isinstance(node.func.value, ast.Name)
+                and any(isinstance(k.value, ast.Call) and getattr(k.value.func, "id", "") == "pdl_args"
+                        for k in node.keywords if k.arg is None)):  # fmt: skip
+            out.add(node.func.value.id)
+    return out
+
+
+def test_every_dependently_launched_kernel_waits_first() -> None:
+    """A kernel launched with pdl_args has a ``PDL`` constexpr (default off) and calls
+    ``pdl_enter(PDL)`` before any other statement (its docstring aside): one that read or
+    wrote memory before waiting could race its predecessor."""
+    launched: dict[str, Path] = {}
+    for path in sorted(KERNELS.glob("*.py")):
+        for name in _launches_with_pdl(ast.parse(path.read_text())):
+            launched[name] = path
+    assert len(launched) >= 20  # the decode path's kernels
+    import importlib
+
+    for name, path in launched.items():
+        kernel = getattr(importlib.import_module(f"pdserve.kernels.{path.stem}"), name)
+        fn = kernel.fn  # the Python function (compiled or interpreted launcher alike)
+        pdl = inspect.signature(fn).parameters.get("PDL")
+        assert pdl is not None and pdl.default is False and "constexpr" in str(pdl.annotation), name
+        body = ast.parse(inspect.getsource(fn)).body[0].body
+        stmts = [s for s in body if not (isinstance(s, ast.Expr)
+                                         and isinstance(s.value, ast.Constant))]  # fmt: skip
+        first = stmts[0]
+        assert (isinstance(first, ast.Expr) and isinstance(first.value, ast.Call)
+                and getattr(first.value.func, "id", "") == "pdl_enter"), (name, path)  # fmt: skip
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+    reason="programmatic dependent launch needs Hopper",
+)
+def test_dependent_launches_in_a_graph_give_the_same_result(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A chain of dependent kernels (each reading the previous one's output), captured in a
+    CUDA graph and replayed, equals the same chain launched ordinarily."""
+    from pdserve.kernels.rmsnorm import rmsnorm
+
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
+
+    def chain() -> torch.Tensor:
+        y = x
+        for _ in range(8):
+            y = rmsnorm(y, w, 1e-6) * 1.5
+        return y
+
+    monkeypatch.delenv(_utils.PDL_ENV, raising=False)
+    want = chain()
+    monkeypatch.setenv(_utils.PDL_ENV, "1")
+    chain()  # compile the dependent variant outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain()
+    graph.replay()
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
