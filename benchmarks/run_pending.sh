@@ -294,7 +294,8 @@ case "$stage" in
     ;;
   g13)  # session 13's Gluon kernels (never run): GPU parity first, then a first timing each
     timeout 200 python3 -m pytest -p no:cacheprovider -q -rfE tests/kernels/test_sparse_mla_gluon.py \
-      tests/kernels/test_fp8_gemm_gluon.py tests/kernels/test_fused_moe.py 2>&1 | tail -10
+      tests/kernels/test_fp8_gemm_gluon.py tests/kernels/test_fused_moe.py tests/kernels/test_pdl.py \
+      2>&1 | tail -10
     timeout 150 python3 benchmarks/prefill_sweep.py --sections mla_variants --budget-s 110 \
       --out "$OUT/mla_variants_g13.json" > "$OUT/mla_variants_g13.log" 2>&1
     sed -n '/^== /,$p' "$OUT/mla_variants_g13.log" | tail -30
