@@ -21,10 +21,10 @@ Decode (1, 16 and 64 rows): each call reads another copy of the weights (copies 
 together exceed 3x the L2 cache, as a model's layers do), timed as one CUDA graph of one
 call a copy; ``x_roof`` = time / (bytes / copy bandwidth), bytes = the weights (fp8:
 values and scales; bf16: 2 bytes a weight) + activations in and out, the copy bandwidth
-one 1 GiB device-to-device copy (read + written) measured in the call.
-Prefill (2,048 / 8,192 / 16,384 tokens): median of do_bench; TFLOP/s and the share of the
-fp8 matmul peak (one ``torch._scaled_mm`` 8192^3 with per-tensor scales, measured in the
-call; 2 M N K FLOP a GEMM).
+a 2 GiB device-to-device copy (read + written; ``gpu_suite.measure_limits``) measured
+in the call. Prefill (2,048 / 8,192 / 16,384 tokens): median of do_bench; TFLOP/s and
+the share of the fp8 matmul peak (``gpu_suite.fp8_matmul_flops``: ``torch._scaled_mm``
+on 8192^3 with per-tensor scales, measured in the call; 2 M N K FLOP a GEMM).
 
 Every point's ``rel_err`` is max |out - reference| / max |reference|, the reference the
 float32 product of the dequantized operands (for bf16: of the unquantized activations and
@@ -88,26 +88,18 @@ def _graph_ms(calls: list[Callable[[], object]], cuda: bool) -> float:
 
 
 def limits(cuda: bool) -> dict[str, Any]:
-    """Copy bandwidth (bytes read + written a second) and the fp8 matmul peak (FLOP/s of
-    ``torch._scaled_mm`` on 8192^3, per-tensor scales); None on the CPU."""
+    """Copy bandwidth (bytes read + written a second, gpu_suite's measurement) and the fp8
+    matmul peak (gpu_suite.fp8_matmul_flops); None on the CPU."""
     if not cuda:
         return {"copy_Bps": None, "fp8_peak_flops": None, "l2_bytes": 0}
     import torch
+    from gpu_suite import fp8_matmul_flops, measure_limits
 
-    def copy_ms() -> float:  # 1 GiB read and written (the buffers freed on return)
-        src = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")
-        dst = torch.empty_like(src)
-        return _ms(lambda: dst.copy_(src), True)
-
-    copy = copy_ms()
-    s = 8192
-    a = torch.randn(s, s, device="cuda").to(torch.float8_e4m3fn)
-    b = torch.randn(s, s, device="cuda").to(torch.float8_e4m3fn).t()
-    one = torch.ones((), device="cuda")
-    ms = _ms(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), True)
+    copy = measure_limits("cuda")["copy_bandwidth_Bps"]
+    peak = fp8_matmul_flops("cuda")
+    torch.cuda.empty_cache()
     l2 = int(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0)) or 50 << 20
-    return {"copy_Bps": 4 * (1 << 29) / (copy / 1e3), "fp8_peak_flops": 2 * s**3 / (ms / 1e3),
-            "l2_bytes": l2}  # fmt: skip
+    return {"copy_Bps": copy, "fp8_peak_flops": peak, "l2_bytes": l2}
 
 
 def entries(m: int, xs: list[Any], xqs: list[Any], ws: list[tuple[Any, Any, Any]],

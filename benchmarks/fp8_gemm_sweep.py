@@ -390,15 +390,9 @@ class Bench:
         lim["fp8_matmul_flops"] = None
         if self.cuda:
             try:
-                s = 8192
-                a = torch.randn(s, s, device=dev).to(torch.float8_e4m3fn)
-                b = torch.randn(s, s, device=dev).to(torch.float8_e4m3fn).t()
-                one = torch.ones((), device=dev)
-                ms = self._eager_ms(
-                    lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), 5
-                )
-                lim["fp8_matmul_flops"] = 2 * s**3 / (ms / 1e3)
-                del a, b
+                from gpu_suite import fp8_matmul_flops
+
+                lim["fp8_matmul_flops"] = fp8_matmul_flops(str(dev))
             except Exception as e:
                 lim["fp8_matmul_error"] = _err(e)
             props = torch.cuda.get_device_properties(dev)

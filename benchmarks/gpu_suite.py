@@ -141,6 +141,25 @@ def measure_limits(device: str = "cuda", sizes: Sizes = GPU_SIZES) -> dict:
     return {"copy_bandwidth_Bps": bw, "bf16_matmul_flops": flops}
 
 
+def fp8_matmul_flops(device: str = "cuda", m: int = 8192) -> float:
+    """FLOP/s of ``torch._scaled_mm`` on ``m``^3 float8_e4m3fn operands with per-tensor
+    scales: the fp8 matmul rate the FP8 benchmarks compare against (raises where this
+    PyTorch or GPU has no fp8 matmul)."""
+    dev = torch.device(device)
+    a = torch.randn(m, m, device=dev).to(torch.float8_e4m3fn)
+    b = torch.randn(m, m, device=dev).to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device=dev)
+
+    def mm() -> torch.Tensor:
+        return torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)
+
+    for _ in range(3):
+        mm()
+    _sync(dev)
+    times = [_timed(mm, dev) for _ in range(10)]
+    return 2 * m**3 / statistics.median(times)
+
+
 def weight_bytes(llm: LLM) -> int:
     """Bytes of weights a decode step reads: every parameter but an untied input
     embedding table, of which a step gathers only its batch's rows (1.05 GB of the

@@ -66,8 +66,15 @@ def num_sms(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=8)
-def _pdl_device(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def capability(device: torch.device) -> tuple[int, int] | None:
+    """``device``'s compute capability (asked once per GPU); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def pdl_args(device: torch.device) -> dict[str, bool]:
@@ -81,10 +88,10 @@ def pdl_args(device: torch.device) -> dict[str, bool]:
     mode = os.environ.get(PDL_ENV, "0")
     if mode not in ("0", "1"):
         raise ValueError(f"{PDL_ENV} must be 0 or 1 (got {mode!r})")
-    if mode != "1" or device.type != "cuda" or interpret_mode():
+    cap = capability(device)
+    if mode != "1" or cap is None or cap[0] < 9 or interpret_mode():
         return {}
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return {"PDL": True, "launch_pdl": True} if _pdl_device(index) else {}
+    return {"PDL": True, "launch_pdl": True}
 
 
 @triton.jit
@@ -154,6 +161,5 @@ def dot_fp8(a_q, b, FP8_DOT: tl.constexpr):
 
 def fp8_mma(device: torch.device) -> bool:
     """Whether ``device`` has FP8 tensor cores (sm_89+); the interpreter emulates them."""
-    if device.type != "cuda":
-        return True
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    cap = capability(device)
+    return cap is None or cap >= (8, 9)

@@ -43,6 +43,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from pdserve.kernels._utils import capability, num_sms
+from pdserve.kernels.fp8_gemm import splitk_sum
 from pdserve.kernels.reference import FP8_GROUP, Fp8Activation
 
 BLOCK_M = 128
@@ -233,7 +235,8 @@ def supported(x: torch.Tensor | Fp8Activation, w: torch.Tensor, scale_n: int,
     bias, a 16-bit output."""
     if not isinstance(x, Fp8Activation) or bias is not None or scale_n % BLOCK_N:
         return False
-    if x.q.device.type != "cuda" or torch.cuda.get_device_capability(x.q.device)[0] != 9:
+    cap = capability(x.q.device)
+    if cap is None or cap[0] != 9:
         return False
     return x.shape[-1] % 16 == 0 and out_dtype in (torch.bfloat16, torch.float16) and (
         w.dtype == torch.float8_e4m3fn
@@ -270,9 +273,6 @@ def fp8_gemm_gluon(
     ``DECODE_MAX_ROWS`` rows with the swapped kernel (split-K partials summed in one
     launch), more with the 128 x 128 tile kernel. Raises ``ValueError`` where
     :func:`supported` is false (bias aside: the caller adds it)."""
-    from pdserve.kernels._utils import num_sms
-    from pdserve.kernels.fp8_gemm import splitk_sum
-
     if not supported(x, w, scale_n, None, out_dtype):
         raise ValueError("fp8_gemm_gluon: needs sm_90, an Fp8Activation with K a multiple "
                          "of 16, fp8 weights in 128x128 scale blocks and a bf16/fp16 "

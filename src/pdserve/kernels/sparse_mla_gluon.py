@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from pdserve.kernels._utils import LOG2E
+from pdserve.kernels._utils import LOG2E, capability
 from pdserve.kernels.sparse_mla_prefill import check_operands
 
 BLOCK_H = 64  # heads a program: the M of a warpgroup MMA
@@ -196,7 +196,8 @@ def _pow2_at_least(x: int, lo: int) -> bool:
 def supported(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor) -> bool:
     """Whether :func:`sparse_mla_prefill_gluon` runs these operands (else use the Triton
     kernel): Hopper, a 16-bit cache of the query's dtype, widths the tiles take."""
-    if q_lat.device.type != "cuda" or torch.cuda.get_device_capability(q_lat.device)[0] != 9:
+    cap = capability(q_lat.device)
+    if cap is None or cap[0] != 9:
         return False
     lat, rope = q_lat.shape[-1], q_pe.shape[-1]
     return (
