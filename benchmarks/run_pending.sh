@@ -292,6 +292,31 @@ case "$stage" in
       > "$OUT/glm5_profile_pdl1.log" 2>&1
     quiet < "$OUT/glm5_profile_pdl1.log" | tail -12
     ;;
+  g14)  # g13 with the acceptance number first: if the Gluon MLA passes, glm5 prefill with it
+    end=$(( start + 580 )); left() { echo $(( end - $(date +%s) )); }
+    timeout 120 python3 -m pytest -p no:cacheprovider -q -rfE tests/kernels/test_sparse_mla_gluon.py \
+      2>&1 | tail -8
+    mla_rc=${PIPESTATUS[0]}; echo "gluon MLA parity: exit $mla_rc"
+    mt=src/pdserve/layers/attention/mla_triton.py; cp "$mt" /tmp/mla_triton.py.orig
+    if [ "$mla_rc" -eq 0 ]; then
+      sed -i 's/^PREFILL_VARIANT: str | None = .*/PREFILL_VARIANT: str | None = "gluon"/' "$mt"
+      grep -n '^PREFILL_VARIANT' "$mt"
+      timeout 160 python3 benchmarks/glm5_bench.py --sections prefill --presets glm5-m12-e64 \
+        --no-peer --long --prefill-lens 16384,65536 --workdir /tmp/glm5 \
+        --out "$OUT/glm5_prefill_gluon.json" > "$OUT/glm5_prefill_gluon.log" 2>&1
+      echo "glm5 prefill, gluon: exit $?"; quiet < "$OUT/glm5_prefill_gluon.log" | tail -14
+      cp /tmp/mla_triton.py.orig "$mt"
+    fi
+    timeout 120 python3 -m pytest -p no:cacheprovider -q -rfE tests/kernels/test_fp8_gemm_gluon.py \
+      tests/kernels/test_pdl.py tests/kernels/test_fused_moe.py 2>&1 | tail -8
+    t=$(( $(left) / 2 )); [ "$t" -gt 130 ] && t=130
+    [ "$t" -gt 50 ] && { timeout "$t" python3 benchmarks/prefill_sweep.py --sections mla_variants \
+      --budget-s $(( t - 35 )) --out "$OUT/mla_variants_g14.json" > "$OUT/mla_variants_g14.log" 2>&1
+      sed -n '/^== /,$p' "$OUT/mla_variants_g14.log" | tail -30; }
+    t=$(left); [ "$t" -gt 50 ] && { timeout "$t" python3 benchmarks/fp8_gemm_compare.py \
+      --budget-s $(( t - 35 )) --out "$OUT/fp8_gemm_compare_g14.json" \
+      > "$OUT/fp8_gemm_compare_g14.log" 2>&1; sed -n '/^== /,$p' "$OUT/fp8_gemm_compare_g14.log"; }
+    ;;
   g13)  # session 13's Gluon kernels (never run): GPU parity first, then a first timing each
     timeout 200 python3 -m pytest -p no:cacheprovider -q -rfE tests/kernels/test_sparse_mla_gluon.py \
       tests/kernels/test_fp8_gemm_gluon.py tests/kernels/test_fused_moe.py tests/kernels/test_pdl.py \
