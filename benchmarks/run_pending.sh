@@ -317,6 +317,27 @@ case "$stage" in
       --budget-s $(( t - 35 )) --out "$OUT/fp8_gemm_compare_g14.json" \
       > "$OUT/fp8_gemm_compare_g14.log" 2>&1; sed -n '/^== /,$p' "$OUT/fp8_gemm_compare_g14.log"; }
     ;;
+  g14b)  # the new defaults (Gluon MLA prefill, its rows at 128+ decode rows, PDL on) on the GPU
+    end=$(( start + ${G14B_END:-480} )); left() { echo $(( end - $(date +%s) )); }
+    mkdir -p "$OUT/tests"
+    timeout 90 python3 -m pytest -p no:cacheprovider -q -rfE tests/kernels/test_fp8_gemm_gluon.py \
+      > "$OUT/tests/fp8_gemm_gluon.log" 2>&1; echo "fp8 gluon tests: exit $?"
+    tail -4 "$OUT/tests/fp8_gemm_gluon.log"
+    timeout 170 python3 -m pytest -p no:cacheprovider -q -rfE \
+      "tests/engine/test_spec_step.py::test_uniform_verify_batches_replay_graphs" \
+      "tests/engine/test_speculative.py::test_mtp_verify_and_draft_steps_replay_graphs_on_cuda" \
+      tests/kernels/test_sparse_mla_gluon.py tests/kernels/test_pdl.py \
+      tests/kernels/test_graph_widths.py tests/kernels/test_sparse_mla_prefill.py \
+      > "$OUT/tests/defaults.log" 2>&1; echo "tests with the new defaults: exit $?"
+    tail -6 "$OUT/tests/defaults.log"
+    timeout 110 python3 benchmarks/glm5_bench.py --sections prefill --presets glm5-m12-e64 \
+      --no-peer --long --prefill-lens 16384 --workdir /tmp/glm5 \
+      --out "$OUT/glm5_prefill.json" > "$OUT/glm5_prefill.log" 2>&1
+    echo "glm5 prefill: exit $?"; quiet < "$OUT/glm5_prefill.log" | tail -4
+    t=$(left); [ "$t" -gt 60 ] && { timeout "$t" python3 benchmarks/prefill_sweep.py --sections moe \
+      --budget-s $(( t - 30 )) --out "$OUT/moe_sweep.json" > "$OUT/moe_sweep.log" 2>&1
+      sed -n '/^== /,$p' "$OUT/moe_sweep.log" | tail -40; }
+    ;;
   g13)  # session 13's Gluon kernels (never run): GPU parity first, then a first timing each
     timeout 200 python3 -m pytest -p no:cacheprovider -q -rfE tests/kernels/test_sparse_mla_gluon.py \
       tests/kernels/test_fp8_gemm_gluon.py tests/kernels/test_fused_moe.py tests/kernels/test_pdl.py \

@@ -284,7 +284,7 @@ def decode_prep_variants() -> list[Variant]:
                     "computed_ptr")},
                 frozenset(), frozenset(), 4, 1, expect_no_spills=True)
     )  # fmt: skip
-    for pdl in (False, True):  # PDSERVE_PDL=1 compiles every decode kernel as the second
+    for pdl in (False, True):  # on Hopper (unless PDSERVE_PDL=0) decode kernels compile as the 2nd
         out.append(
             Variant(f"moe_combine{'_pdl' if pdl else ''}", _kernel("moe_align", "_combine_kernel"),
                     _fixed(K=8, BLOCK=1024, HAS_ADD=True, PDL=pdl),

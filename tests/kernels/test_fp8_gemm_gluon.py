@@ -50,9 +50,14 @@ def test_gluon_fp8_gemm_matches_reference(m: int, n: int, k: int) -> None:
     got = fp8_gemm_gluon.fp8_gemm_gluon(xq, w, ws, 128, torch.bfloat16)
     want = block_fp8_matmul_reference(xq, w, ws, None, scale_rows=128)
     assert got.shape == (m, n) and got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    # Hopper's fp8 MMA adds a K step's products at less than float32 precision (the H200
+    # measured 0.04 off on outputs of magnitude ~300 at K 4096, near-zero outputs showing
+    # it): the absolute tolerance follows the output's scale; a wrong tile, scale or K
+    # step is off by about the output's spread
+    atol = max(2e-2, 5e-4 * want.float().abs().max().item())
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=2e-2)
     triton_out = block_fp8_gemm(xq, w, ws)
-    torch.testing.assert_close(got.float(), triton_out.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.float(), triton_out.float(), atol=atol, rtol=2e-2)
 
 
 def test_gluon_fp8_gemm_refuses_what_it_does_not_run(device: torch.device) -> None:

@@ -1,5 +1,5 @@
-"""Programmatic dependent launch (``PDSERVE_PDL=1``, kernels/_utils.pdl_args): off unless
-asked for, and only where it can work (a compiled Hopper launch); every kernel that
+"""Programmatic dependent launch (kernels/_utils.pdl_args): on where it can work (a
+compiled Hopper launch) unless ``PDSERVE_PDL=0``; every kernel that
 :func:`pdl_args` can launch dependently starts with :func:`pdl_enter`, so it waits for its
 predecessor before touching memory. The CPU suite also compiles one with PDL on for sm_90a
 (tools/sm90_report.py: ``griddepcontrol.wait`` in its PTX); on a Hopper GPU, a graph of
@@ -20,18 +20,20 @@ from pdserve.kernels import _utils
 KERNELS = Path(pdserve.kernels.__file__).parent
 
 
-def test_pdl_is_off_unless_asked_for_and_possible(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(_utils.PDL_ENV, raising=False)
-    assert _utils.pdl_args(torch.device("cpu")) == {}
+def test_pdl_is_on_where_possible_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(_utils.PDL_ENV, "yes")
     with pytest.raises(ValueError, match="must be 0 or 1"):
         _utils.pdl_args(torch.device("cpu"))
-    monkeypatch.setenv(_utils.PDL_ENV, "1")
-    assert _utils.pdl_args(torch.device("cpu")) == {}  # no CUDA, or the interpreter
-    if torch.cuda.is_available() and not _utils.interpret_mode():
-        want = torch.cuda.get_device_capability()[0] >= 9
-        got = _utils.pdl_args(torch.device("cuda"))
-        assert got == ({"PDL": True, "launch_pdl": True} if want else {})
+    for mode in (None, "1", "0"):
+        if mode is None:
+            monkeypatch.delenv(_utils.PDL_ENV, raising=False)
+        else:
+            monkeypatch.setenv(_utils.PDL_ENV, mode)
+        assert _utils.pdl_args(torch.device("cpu")) == {}  # no CUDA, or the interpreter
+        if torch.cuda.is_available() and not _utils.interpret_mode():
+            want = torch.cuda.get_device_capability()[0] >= 9 and mode != "0"
+            got = _utils.pdl_args(torch.device("cuda"))
+            assert got == ({"PDL": True, "launch_pdl": True} if want else {})
 
 
 def _launches_with_pdl(tree: ast.AST) -> set[str]:

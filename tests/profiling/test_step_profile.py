@@ -43,6 +43,9 @@ ROOT = Path(__file__).resolve().parents[2]
         ("_rope_kernel", "indexer_score", "norm_rope"),
         ("_rmsnorm_kernel", None, "norm_rope"),
         ("_mla_kernel", None, "mla_attention"),
+        ("_prefill_kernel", None, "mla_attention"),  # the sparse MLA prefill kernels
+        ("_gluon_prefill_kernel", None, "mla_attention"),
+        ("_rows_kernel", "mla_attention", "mla_attention"),  # their candidate rows
         ("_gate_up_kernel", None, "moe_experts"),
         ("Memcpy HtoD (Pinned -> Device)", None, "other"),
         ("void at::native::vectorized_elementwise_kernel<4>", "dense_gemm", "dense_gemm"),

@@ -17,12 +17,14 @@ and a query chunk of at least ``prefill_min_tokens`` tokens (or, with
 graph-safe since the launches depend on the row count only) resolves each token's
 candidate cache rows once (:func:`~pdserve.kernels.sparse_mla_prefill.candidate_rows`)
 and runs :func:`~pdserve.kernels.sparse_mla_prefill.sparse_mla_prefill` instead (same
-keys, same result); other decode and verify steps keep the general kernel. The default variant
-is the H200 sweep's best (``prefill_sweep.py --sections mla_variants``, RESULTS.md run 45:
-16K prefill 33.4 ms a layer with the general kernel's old default, 31.5 ms with its
-prefill shape, 26.4 ms with ``rows_n32_s5`` and its candidate rows; outputs equal). The
-Gluon kernel's names (:mod:`pdserve.kernels.sparse_mla_gluon`) run it where it applies (a
-Hopper GPU, a 16-bit cache, its widths) and the default Triton variant elsewhere.
+keys, same result); other decode and verify steps keep the general kernel. The default is
+the Gluon kernel (:mod:`pdserve.kernels.sparse_mla_gluon`) where it applies (a Hopper GPU,
+a 16-bit cache, its widths) and the Triton variant ``DEFAULT_VARIANT`` elsewhere: the H200
+sweep's best (``prefill_sweep.py --sections mla_variants``, RESULTS.md run 46: a 16K
+prefill layer in 15.0 ms with the Gluon kernel and its candidate rows, 26.6 ms with
+``rows_n32_s5``, 33.6 ms with the general kernel; 128 decode rows at 16K in 0.16 / 0.24 /
+0.30 ms, 64 x 4 verify rows in 0.28 / 0.45 / 0.58 ms; outputs equal), hence
+:data:`ROWS_MIN_TOKENS` 128.
 
 An fp8 cache's scale (``kv_scale``) divides the row written and multiplies the kernel's
 softmax scale and its output (the latent is the value too): no kernel argument of its own.
@@ -45,11 +47,10 @@ from pdserve.kernels.sparse_mla_prefill import (
 from pdserve.layers.attention.backend import AttentionBackend, CommonAttentionMetadata
 
 # a sparse_mla_prefill.VARIANTS or sparse_mla_gluon.VARIANTS name; None: off
-PREFILL_VARIANT: str | None = DEFAULT_VARIANT
+PREFILL_VARIANT: str | None = "gluon"
 PREFILL_MIN_TOKENS = 256  # steps with a query chunk this long take the prefill kernel
-# decode / verify steps of at least this many rows take it too (None: never; off until the
-# H200 has measured the prefill kernels at those batches, prefill_sweep mla_variants)
-ROWS_MIN_TOKENS: int | None = None
+# decode / verify steps of at least this many rows take it too (None: never)
+ROWS_MIN_TOKENS: int | None = 128
 
 
 class MLATritonBackend(AttentionBackend):
