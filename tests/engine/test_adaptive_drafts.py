@@ -126,8 +126,12 @@ def test_timed_graph_costs_become_the_policy(tiny_glm5: Path) -> None:
 def test_the_timing_batch_reads_a_full_context_and_writes_nothing(tiny_glm5: Path) -> None:
     llm = LLM(str(tiny_glm5), **KW)
     buf = llm.engine.runner.buffers
-    fill_timing_batch(buf, 3, 2, 21, num_blocks=5)
+    vocab = llm.engine.vocab_size
+    fill_timing_batch(buf, 3, 2, 21, num_blocks=5, vocab_size=vocab)
     assert buf.seq_lens.dev[:3].tolist() == [21, 21, 21]
+    ids = buf.input_ids.dev[:6]
+    # tokens spread over the vocabulary (an MoE routes them as it would real ones)
+    assert ids.min() >= 0 and ids.max() < vocab and len(set(ids.tolist())) > 1
     assert buf.query_start_loc.dev[:4].tolist() == [0, 2, 4, 6]
     assert buf.positions.dev[:6].tolist() == [19, 20] * 3
     assert buf.slots.dev[:6].tolist() == [0] * 6  # every token writes the null slot

@@ -8,7 +8,11 @@ with ``j = 0`` does not draft). Timing runs once at start-up, right after captur
 synthetic batch that reads like a real one at the edge of the graph's width: every
 request at context ``width`` (so attention and the indexer read a full context), its
 block-table row cycling over the KV pool's blocks (real memory, read only), every token
-writing the null slot. Medians of a few replays, timed with CUDA events.
+writing the null slot, and the tokens drawn at random over the vocabulary, so an MoE
+routes them over its experts as real traffic does (one token id for all would send every
+row to the same top-k experts: a step that reads a few experts' weights instead of most
+of them, which made the j > 0 steps look cheap at small batches and dear at large ones:
+H200 run 48). Medians of a few replays, timed with CUDA events.
 """
 
 from __future__ import annotations
@@ -29,10 +33,10 @@ REPS = 3
 
 
 def fill_timing_batch(
-    buf: InputBuffers, size: int, q: int, context: int, num_blocks: int
+    buf: InputBuffers, size: int, q: int, context: int, num_blocks: int, vocab_size: int
 ) -> None:
-    """``size`` requests of ``q`` tokens at the end of a ``context``-token context each,
-    over the pool's blocks 1..num_blocks-1 (read only: every token writes slot 0)."""
+    """``size`` requests of ``q`` random tokens at the end of a ``context``-token context
+    each, over the pool's blocks 1..num_blocks-1 (read only: every token writes slot 0)."""
     t, bs = size * q, buf.block_size
     nblk = min(-(-context // bs), buf.block_tables.np.shape[1])
     usable = max(1, num_blocks - 1)
@@ -43,7 +47,8 @@ def fill_timing_batch(
     buf.drafts.np[:size] = -1
     pos = np.tile(context - q + np.arange(q), size)
     buf.positions.np[:t] = pos
-    buf.input_ids.np[:t] = 0
+    rng = np.random.default_rng(size * 64 + q)  # the same tokens at every start-up
+    buf.input_ids.np[:t] = rng.integers(0, vocab_size, t)
     buf.slots.np[:t] = 0
     buf.req_idx.np[:t] = np.repeat(np.arange(size), q)
     buf.q_idx.np[:t] = np.tile(np.arange(q), size)
@@ -90,7 +95,8 @@ def time_step_costs(
     out: dict[tuple[int, int, int], float] = {}
     for key in sorted(graphs.graphs):
         size, q, width = key
-        fill_timing_batch(s.buffers, size, q, min(width, s.max_model_len), num_blocks)
+        fill_timing_batch(s.buffers, size, q, min(width, s.max_model_len), num_blocks,
+                          s.vocab_size)  # fmt: skip
         cost = _median_seconds(graphs.graphs[key].replay, s.device)
         if q > 1 and drafts is not None and key in drafts.graphs:
             # every row inert: the proposal's work at this shape, writing only the null slot
