@@ -24,6 +24,9 @@ mla_variants  prefill (16K, 4K, 2K as in mla), then verify 64/128/256 x 4 and de
       kernels/sparse_mla_prefill.py (candidate rows resolved once per layer by a small
       kernel, timed apart as rows_ms; total_ms = both) and of the Gluon kernel
       (kernels/sparse_mla_gluon.py, Hopper only: skipped elsewhere). Same FLOP formula.
+      Each case also times a kernel that only reads the candidate rows
+      (benchmarks/_gather_bound.py): gathered bytes = pairs * 576 * 2, its TB/s, and
+      each kernel's share of that bound (gather ms / its total ms).
 moe   routed experts of one MoE layer (hidden 6144, moe_intermediate 2048, top-8 of 64,
       bf16) at 512 and 1024 tokens (verify steps of 128 and 256 requests x 4 rows; graph
       replays) and 2048, 4096 and 16384 (prefill, in chunks of CHUNK_TOKENS): FLOPs = 2 *
@@ -301,6 +304,8 @@ def run_mla_variants(sh: Shapes, dev: torch.device, bw: float, peak: float, dead
         ref = general(MlaConfig(*BASELINES[0]), torch.empty_like(inp["q_lat"])).float()
         cand, ncand = resolve()
         rows_ms = _median_ms(resolve, dev, reps)
+        gather_ms = _gather_ms(inp["cache"], cand, ncand, t, sh, dev, reps)
+        gbytes = inp["pairs"] * (sh.lat + sh.rope) * inp["cache"].element_size()
         entries: list[tuple[str, Callable[[torch.Tensor], object]]] = [
             (f"general {list(c)}", partial(general, MlaConfig(*c))) for c in BASELINES
         ]
@@ -315,7 +320,9 @@ def run_mla_variants(sh: Shapes, dev: torch.device, bw: float, peak: float, dead
         for label, fn in entries:
             variant = not label.startswith("general")
             row: dict[str, Any] = {"case": case.name, "kind": case.kind, "config": label,
-                                   "default": label == f"general {list(BASELINES[0])}"}  # fmt: skip
+                                   "default": label == f"general {list(BASELINES[0])}",
+                                   "gather_ms": gather_ms,
+                                   "gather_tbps": gbytes / (gather_ms * 1e-3) / 1e12}  # fmt: skip
             if variant:
                 row["variant"] = list(VARIANTS[label]) if label in VARIANTS else label
             if time.perf_counter() > deadline:
@@ -338,7 +345,9 @@ def run_mla_variants(sh: Shapes, dev: torch.device, bw: float, peak: float, dead
             total = ms + (rows_ms if variant else 0.0)
             row.update(ms=ms, tflops=flops / ms / 1e9, share_of_matmul=flops / (ms * 1e-3) / peak,
                        rows_ms=rows_ms if variant else 0.0, total_ms=total,
-                       total_share=flops / (total * 1e-3) / peak)  # fmt: skip
+                       total_share=flops / (total * 1e-3) / peak,
+                       share_of_gather=gather_ms / total,
+                       tbps=gbytes / (total * 1e-3) / 1e12)  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
         del inp, ref, cand, ncand
@@ -347,20 +356,43 @@ def run_mla_variants(sh: Shapes, dev: torch.device, bw: float, peak: float, dead
     return rows
 
 
+def _gather_ms(cache: torch.Tensor, cand: torch.Tensor, ncand: torch.Tensor, t: int,
+               sh: Shapes, dev: torch.device, reps: int) -> float:  # fmt: skip
+    """The gather bound (benchmarks/_gather_bound.py): ms of the faster config of a kernel
+    that only reads the candidate rows; checked against its reference on small cases."""
+    import _gather_bound as gb
+
+    best = float("inf")
+    for cfg in gb.CONFIGS:
+        out = gb.gather_rows(cache, cand, ncand, t, sh.lat, sh.rope, cfg)
+        if t <= 64:
+            want = gb.gather_reference(cache, cand, ncand, t)
+            torch.testing.assert_close(out, want, rtol=1e-3, atol=1e-2)
+        best = min(best, _median_ms(partial(gb.gather_rows, cache, cand, ncand, t, sh.lat,
+                                            sh.rope, cfg, out), dev, reps))  # fmt: skip
+    return best
+
+
 def _variants_table(rows: list[dict[str, Any]]) -> None:
     print("\n== mla_variants: prefill, ms of the attention kernel (TFLOP/s, share of the bf16 "
           "matmul rate), + candidate_rows = total (share); max abs diff vs the general "
-          "kernel's default")  # fmt: skip
+          "kernel's default; gather: the gather-only kernel's ms over the total (share of "
+          "the gather bound)")  # fmt: skip
     print(f"{'case':>12} {'config':>26} {'ms':>9} {'TFLOP/s':>8} {'share':>6} {'total ms':>9} "
-          f"{'share':>6} {'max diff':>9}")  # fmt: skip
+          f"{'share':>6} {'max diff':>9} {'gather':>7}")  # fmt: skip
+    case = None
     for r in rows:
+        if r["case"] != case:  # the case's gather bound first
+            case = r["case"]
+            print(f"{case:>12} {'gather only (the bound)':>26} {r['gather_ms']:9.3f} "
+                  f"{r['gather_tbps']:6.2f} TB/s of gathered rows")  # fmt: skip
         if "ms" not in r:
             why = r.get("error", r.get("skipped", "-"))
             print(f"{r['case']:>12} {r['config']:>26} {why}")
             continue
         print(f"{r['case']:>12} {r['config']:>26} {r['ms']:9.3f} {r['tflops']:8.0f} "
               f"{r['share_of_matmul']:6.0%} {r['total_ms']:9.3f} {r['total_share']:6.0%} "
-              f"{r['max_abs_diff']:9.2e}")  # fmt: skip
+              f"{r['max_abs_diff']:9.2e} {r['share_of_gather']:7.0%}")  # fmt: skip
 
 
 # --------------------------------------------------------------------------------- MoE

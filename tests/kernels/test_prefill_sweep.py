@@ -62,5 +62,9 @@ def test_sweep_smoke_mla_variants(
         assert got == {f"general {list(c)}" for c in sweep.BASELINES} | set(VARIANTS)
     assert all(r["max_abs_diff"] < 1e-4 and r["ms"] > 0 and r["total_ms"] >= r["ms"] for r in rows)
     assert all(r["rows_ms"] > 0 for r in rows if "variant" in r)
+    # the gather bound of each case (checked against its reference at these sizes)
+    assert all(r["gather_ms"] > 0 and r["gather_tbps"] > 0 for r in every)
+    assert all(r["share_of_gather"] > 0 and r["tbps"] > 0 for r in rows)
     assert sum(r["default"] for r in rows) == 3
-    assert "max abs diff vs the general" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "max abs diff vs the general" in printed and "gather only (the bound)" in printed
