@@ -338,6 +338,18 @@ case "$stage" in
       --budget-s $(( t - 30 )) --out "$OUT/moe_sweep.json" > "$OUT/moe_sweep.log" 2>&1
       sed -n '/^== /,$p' "$OUT/moe_sweep.log" | tail -40; }
     ;;
+  g14c)  # a short call: the GPU tests of the new defaults, then the 16K gather bound
+    mkdir -p "$OUT/tests"
+    timeout 150 python3 -m pytest -p no:cacheprovider -q -rfE \
+      "tests/engine/test_spec_step.py::test_uniform_verify_batches_replay_graphs" \
+      "tests/engine/test_speculative.py::test_mtp_verify_and_draft_steps_replay_graphs_on_cuda" \
+      tests/kernels/test_sparse_mla_gluon.py tests/kernels/test_pdl.py \
+      > "$OUT/tests/defaults.log" 2>&1; echo "tests with the new defaults: exit $?"
+    tail -6 "$OUT/tests/defaults.log"
+    timeout 80 python3 benchmarks/prefill_sweep.py --sections mla_variants --budget-s 45 \
+      --out "$OUT/mla_variants_gather.json" > "$OUT/mla_variants_gather.log" 2>&1
+    sed -n '/^== /,$p' "$OUT/mla_variants_gather.log" | head -16
+    ;;
   g13)  # session 13's Gluon kernels (never run): GPU parity first, then a first timing each
     timeout 200 python3 -m pytest -p no:cacheprovider -q -rfE tests/kernels/test_sparse_mla_gluon.py \
       tests/kernels/test_fp8_gemm_gluon.py tests/kernels/test_fused_moe.py tests/kernels/test_pdl.py \
