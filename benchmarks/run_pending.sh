@@ -3,7 +3,7 @@
 # of at most 10 minutes each; every stage prints its tables and leaves JSON and logs under
 # $OUT. Record the commit yourself: the device copy of the tree may carry a stale .git.
 #
-#   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh g13  (first)
+#   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh g14c (first), g14b
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh s12|fp8s|moe|pdl|xfer
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh k10
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh p10
@@ -31,11 +31,15 @@
 #       against the general kernel at 16K/4K/2K; benchmarks/pick_mla_variant.py names the
 #       best), then glm5_bench prefill 16K/64K with the default, the sweep's pick and the
 #       general kernel only, then the GPU tests fixed after run 40.
-# g13   first: the Gluon kernels of session 13 (kernels/sparse_mla_gluon.py,
-#       kernels/fp8_gemm_gluon.py) never ran; their GPU parity tests (and the MoE's with the
+# g13   the Gluon kernels of session 13 (kernels/sparse_mla_gluon.py,
+#       kernels/fp8_gemm_gluon.py): their GPU parity tests (and the MoE's with the
 #       grouped order), then 110 s of the mla_variants sweep (16K prefill first) and of
-#       fp8_gemm_compare.py (down_proj first): which kernels work and roughly how fast,
-#       before s12 / fp8s spend their calls.
+#       fp8_gemm_compare.py (down_proj first). g14: the same with glm5 prefill on the Gluon
+#       MLA kernel right after its parity (RESULTS.md run 46).
+# g14c  first (short): the GPU tests of session 14's defaults (Gluon MLA prefill and its
+#       rows kernel at 128+ decode rows, PDL on), then the 16K gather bound.
+# g14b  the Gluon FP8 parity (scale-aware tolerance), the same tests, glm5 prefill 16K
+#       with the defaults, then the MoE sweep.
 # pdl   programmatic dependent launch (PDSERVE_PDL=1: every decode-path Triton kernel may
 #       launch while its predecessor finishes, kernels/_utils.pdl_args): glm5-m12-e64
 #       decode speed with it off and on in one call, then the 1 x 1K profile with it on
@@ -119,7 +123,7 @@
 #       --enable-expert-parallel against one GPU, the same closed-loop load per rank
 #       (32 streams per GPU, 1024 in / 256 out): output tok/s per GPU and mean TPOT.
 set -uo pipefail
-stage="${1:?usage: run_pending.sh s12|fp8s|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl-install|nixl|x2|dpep N}"
+stage="${1:?usage: run_pending.sh g14c|g14b|g14|g13|s12|fp8s|moe|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl-install|nixl|x2|dpep N}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 start=$(date +%s)
 source scripts/gpu-env
