@@ -11,7 +11,9 @@ engine feeds them), it times:
   triton      block_fp8_gemm at its default config (the engine's kernel today)
   triton_big  (prefill only) block_fp8_gemm with 128 x 128 tiles on 8 warps, grouped order
   gluon       fp8_gemm_gluon (kernels/fp8_gemm_gluon.py): the swapped weight-streaming
-              kernel for decode rows, the 128 x 128 tile kernel for prefill; Hopper only
+              kernel for decode rows, the 128 x 128 tile kernel with cp.async copies for
+              prefill; Hopper only
+  gluon_tma   (prefill only) its 128 x 128 tile kernel with TMA copies (the default)
   scaled_mm   (prefill only) torch._scaled_mm with 1x128 / 128x128 block scales, where
               this PyTorch runs it (activations quantized by it: the engine's path from
               256 tokens)
@@ -117,11 +119,14 @@ def entries(m: int, xs: list[Any], xqs: list[Any], ws: list[tuple[Any, Any, Any]
                                      num_splits=1, group_m=8)  # fmt: skip
         out.append(("triton_big", [lambda w=w, s=s: fp8_gemm.block_fp8_gemm(xq, w, s, config=big)
                                    for w, s, _ in ws]))  # fmt: skip
-    if fp8_gemm_gluon.supported(xq, ws[0][0], 128, None, x.dtype):
-        out.append(("gluon", [lambda w=w, s=s: fp8_gemm_gluon.fp8_gemm_gluon(xq, w, s, 128, x.dtype)
-                              for w, s, _ in ws]))  # fmt: skip
-    else:
-        out.append(("gluon", "needs Hopper (sm_90) and producer-quantized activations"))
+    # the Gluon kernels: decode rows take the swapped kernel; prefill sizes each tile kernel
+    kernels = [("gluon", "cp_async")] if decode else [("gluon", "cp_async"), ("gluon_tma", "tma")]
+    for label, kern in kernels:
+        if fp8_gemm_gluon.supported(xq, ws[0][0], 128, None, x.dtype):
+            out.append((label, [lambda w=w, s=s, kern=kern: fp8_gemm_gluon.fp8_gemm_gluon(
+                xq, w, s, 128, x.dtype, kern) for w, s, _ in ws]))  # fmt: skip
+        else:
+            out.append((label, "needs Hopper (sm_90) and producer-quantized activations"))
     if not decode:
         if _scaled_mm_usable(x, ws[0][0], 128):
             out.append(("scaled_mm", [lambda w=w, s=s: fp8_gemm.scaled_mm_block_fp8(x, w, s, x.dtype)

@@ -58,6 +58,7 @@ class Variant:
     expect_no_spills: bool = False
     fp_fusion: bool = True  # False: launched with enable_fp_fusion=False (no FMA contraction)
     expect_pdl: bool = False  # compiled with PDL on: it must wait on its predecessor grid
+    expect_tma: bool = False  # its tiles must be copied by the Tensor Memory Accelerator
     notes: str = field(default="", compare=False)
 
 
@@ -362,9 +363,28 @@ def _fp8_swap_kernel() -> Any:
     return _fp8_gemm_swap_kernel
 
 
+def _fp8_tma_kernel() -> Any:
+    from pdserve.kernels.fp8_gemm_gluon import _fp8_gemm_tma_kernel
+
+    return _fp8_gemm_tma_kernel
+
+
+def _tile_desc_type() -> str:
+    """The argument type of a 128 x 128 fp8 tile descriptor (as a launch would mangle it)."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    from pdserve.kernels import fp8_gemm_gluon as m
+
+    t = torch.empty(256, 256, dtype=torch.float8_e4m3fn)
+    return str(mangle_type(TensorDescriptor(t, [256, 256], [256, 1], [m.BLOCK_M, m.BLOCK_K],
+                                            m.tile_layout())))  # fmt: skip
+
+
 def fp8_gluon_variants() -> list[Variant]:
     """The Gluon FP8 GEMM (kernels/fp8_gemm_gluon.py) at DeepSeek-V3's 128 x 128 weight
-    blocks: wgmma, cp.async, no spills."""
+    blocks: wgmma, cp.async (TMA for the TMA tile kernel), no spills."""
     from pdserve.kernels import fp8_gemm_gluon as m
 
     ptrs = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32",
@@ -373,6 +393,11 @@ def fp8_gluon_variants() -> list[Variant]:
     out = [Variant("fp8_gluon_prefill", _fp8_gluon_kernel, lambda: m.launch_constexprs(128),
                    ptrs, ints, frozenset(), m.WARPS, 1, expect_wgmma=True,
                    expect_cp_async=True, expect_no_spills=True)]  # fmt: skip
+    descs = {"xs_ptr": "*fp32", "ws_ptr": "*fp32", "out_ptr": "*bf16"}
+    out.append(Variant("fp8_gluon_prefill_tma", _fp8_tma_kernel, lambda: m.tma_constexprs(128),
+                       {**descs, "a_desc": _tile_desc_type(), "b_desc": _tile_desc_type()},
+                       frozenset({"K", "stride_xsm", "stride_om"}), frozenset(), m.WARPS, 1,
+                       expect_wgmma=True, expect_no_spills=True, expect_tma=True))  # fmt: skip
     for rows in (16, 64):  # decode batches of 1-16 and 33-64 rows: the swapped kernel
         consts = dict(SCALE_N=128, BLOCK_N=m.DECODE_BLOCK_N, BLOCK_M=rows, BLOCK_K=m.BLOCK_K,
                       STAGES=m.DECODE_STAGES)  # fmt: skip
@@ -451,7 +476,8 @@ def compile_variant(v: Variant) -> Any:
         else:
             sig[n] = "fp32" if n in v.floats else "i32"
     attrs = {(names.index(n),): [["tt.divisibility", 16]]
-             for n in names if n in v.pointers or n in v.aligned_ints}  # fmt: skip
+             for n in names if (n in v.pointers and not v.pointers[n].startswith("tensordesc"))
+             or n in v.aligned_ints}  # fmt: skip
     source = ASTSource
     if getattr(fn, "is_gluon", lambda: False)():  # a @gluon.jit kernel
         from triton.experimental.gluon._runtime import GluonASTSource
@@ -489,6 +515,7 @@ def report(v: Variant) -> dict[str, Any]:
         "mma_sync": ptx.count("mma.sync"),
         "cp_async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
         "griddepcontrol": ptx.count("griddepcontrol."),
+        "tma": ptx.count("cp.async.bulk.tensor"),
     }
     problems = []
     if out["shared_bytes"] > MAX_SHARED:
@@ -499,6 +526,8 @@ def report(v: Variant) -> dict[str, Any]:
         problems.append("no wgmma")
     if v.expect_cp_async and not out["cp_async"]:
         problems.append("no cp.async: tile loads are synchronous")
+    if v.expect_tma and not out["tma"]:
+        problems.append("no cp.async.bulk.tensor: the tiles are not copied by TMA")
     if v.expect_pdl and "griddepcontrol.wait" not in ptx:
         problems.append("PDL on but no griddepcontrol.wait")
     if not v.expect_pdl and out["griddepcontrol"]:

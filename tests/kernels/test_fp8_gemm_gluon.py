@@ -45,9 +45,12 @@ def _operands(device: torch.device, m: int, n: int, k: int, seed: int):
                                    # short last split, one split, 33-64 rows, N tails
                                    (1, 4096, 14336), (5, 28672, 1024), (16, 200, 1040),
                                    (64, 6144, 4096), (40, 320, 640)])  # fmt: skip
-def test_gluon_fp8_gemm_matches_reference(m: int, n: int, k: int) -> None:
+@pytest.mark.parametrize("prefill_kernel", fp8_gemm_gluon.PREFILL_KERNELS)
+def test_gluon_fp8_gemm_matches_reference(m: int, n: int, k: int, prefill_kernel: str) -> None:
+    if m <= fp8_gemm_gluon.DECODE_MAX_ROWS and prefill_kernel != fp8_gemm_gluon.PREFILL_KERNEL:
+        pytest.skip("decode rows take the swapped kernel whatever the prefill kernel")
     xq, w, ws = _operands(torch.device("cuda"), m, n, k, m + n)
-    got = fp8_gemm_gluon.fp8_gemm_gluon(xq, w, ws, 128, torch.bfloat16)
+    got = fp8_gemm_gluon.fp8_gemm_gluon(xq, w, ws, 128, torch.bfloat16, prefill_kernel)
     want = block_fp8_matmul_reference(xq, w, ws, None, scale_rows=128)
     assert got.shape == (m, n) and got.dtype == torch.bfloat16
     # Hopper's fp8 MMA adds a K step's products at less than float32 precision (the H200
@@ -68,6 +71,8 @@ def test_gluon_fp8_gemm_refuses_what_it_does_not_run(device: torch.device) -> No
     assert not fp8_gemm_gluon.supported(xq, w, 1, None, torch.bfloat16)  # per-row scales
     assert not fp8_gemm_gluon.supported(xq, w, 128, torch.zeros(256), torch.bfloat16)
     assert not fp8_gemm_gluon.supported(xq, w, 128, None, torch.float32)
+    with pytest.raises(ValueError, match="prefill_kernel"):
+        fp8_gemm_gluon.fp8_gemm_gluon(xq, w, ws, 128, torch.bfloat16, "wgmma")
     if not on_hopper:
         with pytest.raises(ValueError, match="sm_90"):
             fp8_gemm_gluon.fp8_gemm_gluon(xq, w, ws, 128, torch.bfloat16)
@@ -105,10 +110,11 @@ def test_fp8_gemm_compare_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[st
     for r in res["rows"]:
         by_phase.setdefault(r["phase"], {})[r["impl"]] = r
     assert set(by_phase["decode"]) == {"triton", "gluon", "bf16"}
-    assert set(by_phase["prefill"]) == {"triton", "triton_big", "gluon", "scaled_mm", "bf16"}
+    assert set(by_phase["prefill"]) == {"triton", "triton_big", "gluon", "gluon_tma",
+                                        "scaled_mm", "bf16"}  # fmt: skip
     for phase, rows in by_phase.items():
         for name, r in rows.items():
-            if name in ("gluon", "scaled_mm"):
+            if name in ("gluon", "gluon_tma", "scaled_mm"):
                 assert "skipped" in r, r
                 continue
             assert r["ms"] > 0 and not r["bad"] and r["bytes"] > 0, (phase, r)

@@ -39,9 +39,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy,
     fence_async_shared,
+    mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from pdserve.kernels._utils import capability, num_sms
 from pdserve.kernels.fp8_gemm import splitk_sum
@@ -59,6 +62,11 @@ DECODE_MAX_ROWS = 64
 DECODE_BLOCK_N = 64
 DECODE_STAGES = 6  # 6 x 16 KB: two programs a multiprocessor
 DECODE_WARPS = 4
+# prefill sizes: "tma" (tiles copied by the Tensor Memory Accelerator into a ring of
+# TMA_STAGES stages, one mbarrier each) or "cp_async" (every thread copies 16-byte pieces)
+PREFILL_KERNELS = ("tma", "cp_async")
+PREFILL_KERNEL = "tma"
+TMA_STAGES = 5  # 5 x 32 KB
 
 
 @gluon.jit
@@ -172,6 +180,97 @@ def _fp8_gemm_kernel(
 
 
 @gluon.jit
+def _tma_step(a_desc, b_desc, a_buf, b_buf, bar, off_m, off_n, kb, k_steps):
+    """Start the copies of K step ``kb``'s tiles of x and W into one stage; they arrive on
+    ``bar`` (a step past ``k_steps`` copies nothing). The Tensor Memory Accelerator fills
+    rows and columns past the tensors' ends with zeros."""
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    NBYTES: gl.constexpr = a_desc.block_type.nbytes + b_desc.block_type.nbytes
+    ok = kb < k_steps
+    mbarrier.expect(bar, NBYTES, pred=ok)
+    tma.async_copy_global_to_shared(a_desc, [off_m, kb * BLOCK_K], bar, a_buf, pred=ok)
+    tma.async_copy_global_to_shared(b_desc, [off_n, kb * BLOCK_K], bar, b_buf, pred=ok)
+
+
+@gluon.jit
+def _fp8_gemm_tma_kernel(
+    a_desc, b_desc, xs_ptr, ws_ptr, out_ptr, M, N, K, stride_xsm, stride_wsn, stride_om,
+    SCALE_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
+):  # fmt: skip
+    """``_fp8_gemm_kernel``'s schedule (step k's MMA issued before step k - 1's partial
+    is scaled and added) with its operand tiles copied by the Tensor Memory Accelerator:
+    one thread starts a stage's two copies, an mbarrier per stage says when they landed,
+    and no thread spends registers or issue slots on addresses."""
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    pid = gl.program_id(0)
+    num_m = gl.cdiv(M, BLOCK_M)
+    width = GROUP_M * gl.cdiv(N, BLOCK_N)
+    first_m = (pid // width) * GROUP_M
+    size_m = gl.minimum(num_m - first_m, GROUP_M)
+    off_m = (first_m + (pid % width) % size_m) * BLOCK_M
+    off_n = ((pid % width) // size_m) * BLOCK_N
+    k_steps = gl.cdiv(K, BLOCK_K)
+
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, BLOCK_N, 32]
+    )
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], b_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(bars.index(s), count=1)
+    for s in gl.static_range(STAGES):
+        _tma_step(a_desc, b_desc, a_bufs.index(s), b_bufs.index(s), bars.index(s), off_m, off_n,
+                  s, k_steps)  # fmt: skip
+
+    rm = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ACC))
+    xs_rows = xs_ptr + rm.to(gl.int64) * stride_xsm
+    m_ok = rm < M
+    gl.static_assert(SCALE_N % BLOCK_N == 0)  # one weight scale a (tile, step)
+    ws_rows = ws_ptr + (off_n // SCALE_N).to(gl.int64) * stride_wsn
+    acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=ACC)
+
+    mbarrier.wait(bars.index(0), phase=0)
+    part = warpgroup_mma(a_bufs.index(0), b_bufs.index(0).permute((1, 0)),
+                         gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=ACC), use_acc=False,
+                         is_async=True)  # fmt: skip
+    a_s = gl.load(xs_rows, mask=m_ok, other=0.0)
+    b_s = gl.load(ws_rows)
+    for kb in range(1, k_steps):
+        st = kb % STAGES
+        mbarrier.wait(bars.index(st), phase=(kb // STAGES) & 1)  # step kb's tiles landed
+        nxt = warpgroup_mma(a_bufs.index(st), b_bufs.index(st).permute((1, 0)),
+                            gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=ACC),
+                            use_acc=False, is_async=True)  # fmt: skip
+        a_next = gl.load(xs_rows + kb, mask=m_ok, other=0.0)
+        b_next = gl.load(ws_rows + kb)
+        done = warpgroup_mma_wait(num_outstanding=1, deps=(part,))  # step kb - 1
+        gl.thread_barrier()  # both warpgroups are done reading step kb - 1's stage
+        prev = (kb - 1) % STAGES
+        _tma_step(a_desc, b_desc, a_bufs.index(prev), b_bufs.index(prev), bars.index(prev),
+                  off_m, off_n, kb - 1 + STAGES, k_steps)  # fmt: skip
+        acc += done * (a_s * b_s)[:, None]
+        part = nxt
+        a_s = a_next
+        b_s = b_next
+    done = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+    acc += done * (a_s * b_s)[:, None]
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(s))
+
+    OUT: gl.constexpr = gl.BlockedLayout(
+        size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[8, 1], order=[1, 0]
+    )
+    y = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), OUT)
+    om = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, OUT))
+    on = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, OUT))
+    gl.store(out_ptr + om[:, None].to(gl.int64) * stride_om + on[None, :], y,
+             mask=(om < M)[:, None] & (on < N)[None, :])  # fmt: skip
+
+
+@gluon.jit
 def _fp8_gemm_swap_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K,
     stride_xm, stride_xsm, stride_wn, stride_wsn, stride_os, stride_om, steps_per_split,
@@ -249,6 +348,22 @@ def launch_constexprs(scale_n: int) -> dict[str, int]:
                 STAGES=STAGES, GROUP_M=GROUP_M)  # fmt: skip
 
 
+def tma_constexprs(scale_n: int) -> dict[str, int]:
+    """The TMA tile kernel's compile-time arguments (its tiles come with the descriptors)."""
+    return dict(SCALE_N=scale_n, STAGES=TMA_STAGES, GROUP_M=GROUP_M)
+
+
+def tile_layout() -> gl.NVMMASharedLayout:
+    """The shared-memory layout of a 128 x 128 fp8 tile (both operands, K innermost)."""
+    return gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float8e4nv)
+
+
+def _tma_ok(*ts: torch.Tensor) -> bool:
+    """Whether the Tensor Memory Accelerator can copy tiles of these 2-D tensors: 16-byte
+    aligned bases and row strides, contiguous rows."""
+    return all(t.data_ptr() % 16 == 0 and t.stride(1) == 1 and t.stride(0) % 16 == 0 for t in ts)
+
+
 def decode_launch(m: int, n: int, k: int, sms: int) -> tuple[int, int, int]:
     """(BLOCK_M, K splits, K steps a split) of the swapped kernel for ``m`` <= 64 rows:
     the batch rounded up to an MMA width of 16-64, and splits so that about two programs
@@ -266,13 +381,18 @@ def fp8_gemm_gluon(
     w_scale_inv: torch.Tensor,
     scale_n: int,
     out_dtype: torch.dtype,
+    prefill_kernel: str = PREFILL_KERNEL,
 ) -> torch.Tensor:
     """``x`` [..., K] (fp8 values and group scales) times ``w`` [N, K] fp8 transposed with
     ``w_scale_inv`` [ceil(N / scale_n), ceil(K / 128)]: [..., N] in ``out_dtype``, as
     :func:`~pdserve.kernels.fp8_gemm.block_fp8_gemm` computes it: up to
     ``DECODE_MAX_ROWS`` rows with the swapped kernel (split-K partials summed in one
-    launch), more with the 128 x 128 tile kernel. Raises ``ValueError`` where
-    :func:`supported` is false (bias aside: the caller adds it)."""
+    launch), more with a 128 x 128 tile kernel (``prefill_kernel``: one of
+    :data:`PREFILL_KERNELS`; "tma" falls back to "cp_async" for operands the Tensor Memory
+    Accelerator cannot address). Raises ``ValueError`` where :func:`supported` is false
+    (bias aside: the caller adds it)."""
+    if prefill_kernel not in PREFILL_KERNELS:
+        raise ValueError(f"prefill_kernel {prefill_kernel!r}: one of {PREFILL_KERNELS}")
     if not supported(x, w, scale_n, None, out_dtype):
         raise ValueError("fp8_gemm_gluon: needs sm_90, an Fp8Activation with K a multiple "
                          "of 16, fp8 weights in 128x128 scale blocks and a bf16/fp16 "
@@ -304,6 +424,15 @@ def fp8_gemm_gluon(
         return y.view(*lead, n)
     out = torch.empty(m, n, dtype=out_dtype, device=x2.device)
     grid = (triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N),)
+    if prefill_kernel == "tma" and _tma_ok(x2, wc):
+        lay = tile_layout()
+        a_desc = TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [BLOCK_M, BLOCK_K], lay)
+        b_desc = TensorDescriptor(wc, list(wc.shape), list(wc.stride()), [BLOCK_N, BLOCK_K], lay)
+        _fp8_gemm_tma_kernel[grid](
+            a_desc, b_desc, xs, ws, out, m, n, k, xs.stride(0), ws.stride(0), out.stride(0),
+            **tma_constexprs(scale_n), num_warps=WARPS,
+        )  # fmt: skip
+        return out.view(*lead, n)
     _fp8_gemm_kernel[grid](
         x2, xs, wc, ws, out, m, n, k, x2.stride(0), xs.stride(0), wc.stride(0), ws.stride(0),
         out.stride(0), **launch_constexprs(scale_n), num_warps=WARPS,
