@@ -342,6 +342,18 @@ case "$stage" in
       --budget-s $(( t - 30 )) --out "$OUT/moe_sweep.json" > "$OUT/moe_sweep.log" 2>&1
       sed -n '/^== /,$p' "$OUT/moe_sweep.log" | tail -40; }
     ;;
+  g14d)  # the shortest call: the new defaults' GPU tests, then the TMA FP8 kernel's parity
+    mkdir -p "$OUT/tests"
+    timeout 110 python3 -m pytest -p no:cacheprovider -q -rfE \
+      "tests/engine/test_spec_step.py::test_uniform_verify_batches_replay_graphs" \
+      "tests/engine/test_speculative.py::test_mtp_verify_and_draft_steps_replay_graphs_on_cuda" \
+      tests/kernels/test_pdl.py "tests/kernels/test_sparse_mla_gluon.py" \
+      > "$OUT/tests/defaults.log" 2>&1; echo "tests with the new defaults: exit $?"
+    tail -5 "$OUT/tests/defaults.log"
+    timeout 60 python3 -m pytest -p no:cacheprovider -q -rfE tests/kernels/test_fp8_gemm_gluon.py \
+      > "$OUT/tests/fp8_gemm_gluon.log" 2>&1; echo "fp8 gluon tests: exit $?"
+    tail -5 "$OUT/tests/fp8_gemm_gluon.log"
+    ;;
   g14c)  # a short call: the GPU tests of the new defaults, then the 16K gather bound
     mkdir -p "$OUT/tests"
     timeout 150 python3 -m pytest -p no:cacheprovider -q -rfE \
