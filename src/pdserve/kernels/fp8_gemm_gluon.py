@@ -94,20 +94,42 @@ def _issue_step(
 
 
 @gluon.jit
+def _tile_origin(M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
+    """This program's output tile (row and column offsets) in the grouped order: GROUP_M
+    row tiles sweep the column tiles together, so the programs running at once share
+    their rows and columns in L2 (the order of :func:`pdserve.kernels._utils.grouped_tile`,
+    which Gluon cannot call)."""
+    pid = gl.program_id(0)
+    num_m = gl.cdiv(M, BLOCK_M)
+    width = GROUP_M * gl.cdiv(N, BLOCK_N)
+    first_m = (pid // width) * GROUP_M
+    size_m = gl.minimum(num_m - first_m, GROUP_M)
+    return (first_m + (pid % width) % size_m) * BLOCK_M, ((pid % width) // size_m) * BLOCK_N
+
+
+@gluon.jit
+def _store_tile(acc, out_ptr, off_m, off_n, M, N, stride_om, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr):  # fmt: skip
+    """Store an accumulator tile (8 warps) in the output's dtype, rows past M and columns
+    past N left out."""
+    OUT: gl.constexpr = gl.BlockedLayout(
+        size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[8, 1], order=[1, 0]
+    )
+    y = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), OUT)
+    om = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, OUT))
+    on = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, OUT))
+    gl.store(out_ptr + om[:, None].to(gl.int64) * stride_om + on[None, :], y,
+             mask=(om < M)[:, None] & (on < N)[None, :])  # fmt: skip
+
+
+@gluon.jit
 def _fp8_gemm_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K,
     stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om,
     SCALE_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     STAGES: gl.constexpr, GROUP_M: gl.constexpr,
 ):  # fmt: skip
-    # grouped tile order: GROUP_M row tiles sweep the column tiles together (L2 reuse)
-    pid = gl.program_id(0)
-    num_m = gl.cdiv(M, BLOCK_M)
-    width = GROUP_M * gl.cdiv(N, BLOCK_N)
-    first_m = (pid // width) * GROUP_M
-    size_m = gl.minimum(num_m - first_m, GROUP_M)
-    off_m = (first_m + (pid % width) % size_m) * BLOCK_M
-    off_n = ((pid % width) // size_m) * BLOCK_N
+    off_m, off_n = _tile_origin(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     k_steps = gl.cdiv(K, BLOCK_K)
 
     ACC: gl.constexpr = gl.NVMMADistributedLayout(
@@ -169,14 +191,7 @@ def _fp8_gemm_kernel(
     acc += done * (a_s * b_s)[:, None]
     async_copy.wait_group(0)  # the empty groups past the last step
 
-    OUT: gl.constexpr = gl.BlockedLayout(
-        size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[8, 1], order=[1, 0]
-    )
-    y = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), OUT)
-    om = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, OUT))
-    on = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, OUT))
-    gl.store(out_ptr + om[:, None].to(gl.int64) * stride_om + on[None, :], y,
-             mask=(om < M)[:, None] & (on < N)[None, :])  # fmt: skip
+    _store_tile(acc, out_ptr, off_m, off_n, M, N, stride_om, BLOCK_M, BLOCK_N)
 
 
 @gluon.jit
@@ -204,13 +219,7 @@ def _fp8_gemm_tma_kernel(
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
-    pid = gl.program_id(0)
-    num_m = gl.cdiv(M, BLOCK_M)
-    width = GROUP_M * gl.cdiv(N, BLOCK_N)
-    first_m = (pid // width) * GROUP_M
-    size_m = gl.minimum(num_m - first_m, GROUP_M)
-    off_m = (first_m + (pid % width) % size_m) * BLOCK_M
-    off_n = ((pid % width) // size_m) * BLOCK_N
+    off_m, off_n = _tile_origin(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     k_steps = gl.cdiv(K, BLOCK_K)
 
     ACC: gl.constexpr = gl.NVMMADistributedLayout(
@@ -260,14 +269,7 @@ def _fp8_gemm_tma_kernel(
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
 
-    OUT: gl.constexpr = gl.BlockedLayout(
-        size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[8, 1], order=[1, 0]
-    )
-    y = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), OUT)
-    om = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, OUT))
-    on = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, OUT))
-    gl.store(out_ptr + om[:, None].to(gl.int64) * stride_om + on[None, :], y,
-             mask=(om < M)[:, None] & (on < N)[None, :])  # fmt: skip
+    _store_tile(acc, out_ptr, off_m, off_n, M, N, stride_om, BLOCK_M, BLOCK_N)
 
 
 @gluon.jit
