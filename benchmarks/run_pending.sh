@@ -3,7 +3,7 @@
 # of at most 10 minutes each; every stage prints its tables and leaves JSON and logs under
 # $OUT. Record the commit yourself: the device copy of the tree may carry a stale .git.
 #
-#   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh g14c (first), g14b
+#   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh g14d (first), g14c, g14b
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh s12|fp8s|moe|pdl|xfer
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh k10
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh p10
@@ -31,16 +31,17 @@
 #       against the general kernel at 16K/4K/2K; benchmarks/pick_mla_variant.py names the
 #       best), then glm5_bench prefill 16K/64K with the default, the sweep's pick and the
 #       general kernel only, then the GPU tests fixed after run 40.
-# g13   the Gluon kernels of session 13 (kernels/sparse_mla_gluon.py,
-#       kernels/fp8_gemm_gluon.py): their GPU parity tests (and the MoE's with the
-#       grouped order), then 110 s of the mla_variants sweep (16K prefill first) and of
-#       fp8_gemm_compare.py (down_proj first). g14: the same with glm5 prefill on the Gluon
-#       MLA kernel right after its parity (RESULTS.md run 46).
-# g14c  first (short): the GPU tests of session 14's defaults (Gluon MLA prefill and its
-#       rows kernel at 128+ decode rows, PDL on), then the 16K gather bound.
+# g14   the Gluon kernels of session 13 (kernels/sparse_mla_gluon.py,
+#       kernels/fp8_gemm_gluon.py): the MLA kernel's GPU parity, then glm5 prefill on it,
+#       then the FP8 / PDL / MoE GPU tests and the mla_variants sweep and
+#       fp8_gemm_compare.py in the time left (RESULTS.md run 46).
+# g14d  first (shortest): the GPU tests of session 14's defaults (Gluon MLA prefill and
+#       its rows kernel at 128+ decode rows, PDL on: defaults_tests), then the Gluon FP8
+#       parity (fp8_gluon_tests).
+# g14c  the same defaults' tests, then the 16K gather bound (benchmarks/_gather_bound.py).
 # g14b  the Gluon FP8 parity (scale-aware tolerance), the same tests, glm5 prefill 16K
 #       with the defaults, then the MoE sweep.
-# pdl   programmatic dependent launch (PDSERVE_PDL=1: every decode-path Triton kernel may
+# pdl   programmatic dependent launch (PDSERVE_PDL=0 / 1: every decode-path Triton kernel may
 #       launch while its predecessor finishes, kernels/_utils.pdl_args): glm5-m12-e64
 #       decode speed with it off and on in one call, then the 1 x 1K profile with it on
 #       (kernels per step, idle time in the replay). Keep it (make it the default) only
@@ -123,7 +124,7 @@
 #       --enable-expert-parallel against one GPU, the same closed-loop load per rank
 #       (32 streams per GPU, 1024 in / 256 out): output tok/s per GPU and mean TPOT.
 set -uo pipefail
-stage="${1:?usage: run_pending.sh g14c|g14b|g14|g13|s12|fp8s|moe|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl-install|nixl|x2|dpep N}"
+stage="${1:?usage: run_pending.sh g14d|g14c|g14b|g14|s12|fp8s|moe|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl-install|nixl|x2|dpep N}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 start=$(date +%s)
 source scripts/gpu-env
@@ -213,6 +214,27 @@ glm5_config() {  # glm5-m12-e64's weights (53 GB) do not fit the disk: drawn at 
     --preset glm5-m12-e64 --out "$1" --config-only >/dev/null || exit 1
 }
 
+# The GPU tests of session 14's defaults (the Gluon MLA prefill kernel and its rows at
+# 128+ decode rows, PDL on): the MTP graph steps and the kernels (more modules: "$@").
+defaults_tests() {
+  local t=$1; shift
+  mkdir -p "$OUT/tests"
+  timeout "$t" python3 -m pytest -p no:cacheprovider -q -rfE \
+    "tests/engine/test_spec_step.py::test_uniform_verify_batches_replay_graphs" \
+    "tests/engine/test_speculative.py::test_mtp_verify_and_draft_steps_replay_graphs_on_cuda" \
+    tests/kernels/test_sparse_mla_gluon.py tests/kernels/test_pdl.py "$@" \
+    > "$OUT/tests/defaults.log" 2>&1; echo "tests with the new defaults: exit $?"
+  tail -6 "$OUT/tests/defaults.log"
+}
+
+# The Gluon FP8 GEMMs' GPU parity (both prefill tile kernels and the swapped one).
+fp8_gluon_tests() {
+  mkdir -p "$OUT/tests"
+  timeout "$1" python3 -m pytest -p no:cacheprovider -q -rfE tests/kernels/test_fp8_gemm_gluon.py \
+    > "$OUT/tests/fp8_gemm_gluon.log" 2>&1; echo "fp8 gluon tests: exit $?"
+  tail -5 "$OUT/tests/fp8_gemm_gluon.log"
+}
+
 case "$stage" in
   k10)
     timeout 150 python3 -m pytest -p no:cacheprovider -q tests/kernels/test_sparse_mla.py \
@@ -296,7 +318,7 @@ case "$stage" in
       > "$OUT/glm5_profile_pdl1.log" 2>&1
     quiet < "$OUT/glm5_profile_pdl1.log" | tail -12
     ;;
-  g14)  # g13 with the acceptance number first: if the Gluon MLA passes, glm5 prefill with it
+  g14)  # the Gluon kernels: if the MLA kernel's parity passes, glm5 prefill with it first
     end=$(( start + 580 )); left() { echo $(( end - $(date +%s) )); }
     timeout 120 python3 -m pytest -p no:cacheprovider -q -rfE tests/kernels/test_sparse_mla_gluon.py \
       2>&1 | tail -8
@@ -323,17 +345,8 @@ case "$stage" in
     ;;
   g14b)  # the new defaults (Gluon MLA prefill, its rows at 128+ decode rows, PDL on) on the GPU
     end=$(( start + ${G14B_END:-480} )); left() { echo $(( end - $(date +%s) )); }
-    mkdir -p "$OUT/tests"
-    timeout 90 python3 -m pytest -p no:cacheprovider -q -rfE tests/kernels/test_fp8_gemm_gluon.py \
-      > "$OUT/tests/fp8_gemm_gluon.log" 2>&1; echo "fp8 gluon tests: exit $?"
-    tail -4 "$OUT/tests/fp8_gemm_gluon.log"
-    timeout 170 python3 -m pytest -p no:cacheprovider -q -rfE \
-      "tests/engine/test_spec_step.py::test_uniform_verify_batches_replay_graphs" \
-      "tests/engine/test_speculative.py::test_mtp_verify_and_draft_steps_replay_graphs_on_cuda" \
-      tests/kernels/test_sparse_mla_gluon.py tests/kernels/test_pdl.py \
-      tests/kernels/test_graph_widths.py tests/kernels/test_sparse_mla_prefill.py \
-      > "$OUT/tests/defaults.log" 2>&1; echo "tests with the new defaults: exit $?"
-    tail -6 "$OUT/tests/defaults.log"
+    fp8_gluon_tests 90
+    defaults_tests 170 tests/kernels/test_graph_widths.py tests/kernels/test_sparse_mla_prefill.py
     [ "$(left)" -gt 110 ] && { timeout 110 python3 benchmarks/glm5_bench.py --sections prefill \
       --presets glm5-m12-e64 --no-peer --long --prefill-lens 16384 --workdir /tmp/glm5 \
       --out "$OUT/glm5_prefill.json" > "$OUT/glm5_prefill.log" 2>&1
@@ -343,39 +356,14 @@ case "$stage" in
       sed -n '/^== /,$p' "$OUT/moe_sweep.log" | tail -40; }
     ;;
   g14d)  # the shortest call: the new defaults' GPU tests, then the TMA FP8 kernel's parity
-    mkdir -p "$OUT/tests"
-    timeout 110 python3 -m pytest -p no:cacheprovider -q -rfE \
-      "tests/engine/test_spec_step.py::test_uniform_verify_batches_replay_graphs" \
-      "tests/engine/test_speculative.py::test_mtp_verify_and_draft_steps_replay_graphs_on_cuda" \
-      tests/kernels/test_pdl.py "tests/kernels/test_sparse_mla_gluon.py" \
-      > "$OUT/tests/defaults.log" 2>&1; echo "tests with the new defaults: exit $?"
-    tail -5 "$OUT/tests/defaults.log"
-    timeout 60 python3 -m pytest -p no:cacheprovider -q -rfE tests/kernels/test_fp8_gemm_gluon.py \
-      > "$OUT/tests/fp8_gemm_gluon.log" 2>&1; echo "fp8 gluon tests: exit $?"
-    tail -5 "$OUT/tests/fp8_gemm_gluon.log"
+    defaults_tests 110
+    fp8_gluon_tests 60
     ;;
   g14c)  # a short call: the GPU tests of the new defaults, then the 16K gather bound
-    mkdir -p "$OUT/tests"
-    timeout 150 python3 -m pytest -p no:cacheprovider -q -rfE \
-      "tests/engine/test_spec_step.py::test_uniform_verify_batches_replay_graphs" \
-      "tests/engine/test_speculative.py::test_mtp_verify_and_draft_steps_replay_graphs_on_cuda" \
-      tests/kernels/test_sparse_mla_gluon.py tests/kernels/test_pdl.py \
-      > "$OUT/tests/defaults.log" 2>&1; echo "tests with the new defaults: exit $?"
-    tail -6 "$OUT/tests/defaults.log"
+    defaults_tests 150
     timeout 80 python3 benchmarks/prefill_sweep.py --sections mla_variants --budget-s 45 \
       --out "$OUT/mla_variants_gather.json" > "$OUT/mla_variants_gather.log" 2>&1
     sed -n '/^== /,$p' "$OUT/mla_variants_gather.log" | head -16
-    ;;
-  g13)  # session 13's Gluon kernels (never run): GPU parity first, then a first timing each
-    timeout 200 python3 -m pytest -p no:cacheprovider -q -rfE tests/kernels/test_sparse_mla_gluon.py \
-      tests/kernels/test_fp8_gemm_gluon.py tests/kernels/test_fused_moe.py tests/kernels/test_pdl.py \
-      2>&1 | tail -10
-    timeout 150 python3 benchmarks/prefill_sweep.py --sections mla_variants --budget-s 110 \
-      --out "$OUT/mla_variants_g13.json" > "$OUT/mla_variants_g13.log" 2>&1
-    sed -n '/^== /,$p' "$OUT/mla_variants_g13.log" | tail -30
-    timeout 150 python3 benchmarks/fp8_gemm_compare.py --budget-s 110 \
-      --out "$OUT/fp8_gemm_compare_g13.json" > "$OUT/fp8_gemm_compare_g13.log" 2>&1
-    sed -n '/^== /,$p' "$OUT/fp8_gemm_compare_g13.log"
     ;;
   moe)  # the fused MoE's tiles and program order (grouped: MoeConfig.group_m) at 512-16K tokens
     timeout 170 python3 benchmarks/prefill_sweep.py --sections moe --budget-s 150 \

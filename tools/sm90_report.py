@@ -393,9 +393,10 @@ def fp8_gluon_variants() -> list[Variant]:
     out = [Variant("fp8_gluon_prefill", _fp8_gluon_kernel, lambda: m.launch_constexprs(128),
                    ptrs, ints, frozenset(), m.WARPS, 1, expect_wgmma=True,
                    expect_cp_async=True, expect_no_spills=True)]  # fmt: skip
+    tile = _tile_desc_type()  # both operands' descriptors
     descs = {"xs_ptr": "*fp32", "ws_ptr": "*fp32", "out_ptr": "*bf16"}
     out.append(Variant("fp8_gluon_prefill_tma", _fp8_tma_kernel, lambda: m.tma_constexprs(128),
-                       {**descs, "a_desc": _tile_desc_type(), "b_desc": _tile_desc_type()},
+                       {**descs, "a_desc": tile, "b_desc": tile},
                        frozenset({"K", "stride_xsm", "stride_om"}), frozenset(), m.WARPS, 1,
                        expect_wgmma=True, expect_no_spills=True, expect_tma=True))  # fmt: skip
     for rows in (16, 64):  # decode batches of 1-16 and 33-64 rows: the swapped kernel

@@ -68,3 +68,19 @@ def test_sweep_smoke_mla_variants(
     assert sum(r["default"] for r in rows) == 3
     printed = capsys.readouterr().out
     assert "max abs diff vs the general" in printed and "gather only (the bound)" in printed
+
+
+def test_gather_bound_sums_each_tokens_candidate_rows(device: torch.device) -> None:
+    """benchmarks/_gather_bound.py, every config: each token's sum over its candidate
+    rows (-1 and rows past its count read nothing; a token without rows sums to 0)."""
+    gb = load_script("_gather_bound")
+    g = torch.Generator().manual_seed(3)
+    cache = torch.randn(6, 4, 32 + 16, generator=g).to(device)
+    rows = torch.tensor([[0, 5, -1, 9, 23, 2, 7, 1], [4, 4, 11, -1, -1, -1, -1, -1],
+                         [3, 8, 12, 0, 0, 0, 0, 0]], device=device)  # fmt: skip
+    ncand = torch.tensor([8, 3, 0], dtype=torch.int32, device=device)
+    want = gb.gather_reference(cache, rows, ncand, 3)
+    assert want[2] == 0
+    for cfg in gb.CONFIGS:
+        got = gb.gather_rows(cache, rows, ncand, 3, 32, 16, cfg)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
