@@ -3,7 +3,7 @@
 # of at most 10 minutes each; every stage prints its tables and leaves JSON and logs under
 # $OUT. Record the commit yourself: the device copy of the tree may carry a stale .git.
 #
-#   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh g14d (first), g14c, g14b
+#   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh g15 (first), g14c, g14b
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh s12|fp8s|moe|pdl|xfer
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh k10
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh p10
@@ -124,7 +124,7 @@
 #       --enable-expert-parallel against one GPU, the same closed-loop load per rank
 #       (32 streams per GPU, 1024 in / 256 out): output tok/s per GPU and mean TPOT.
 set -uo pipefail
-stage="${1:?usage: run_pending.sh g14d|g14c|g14b|g14|s12|fp8s|moe|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl-install|nixl|x2|dpep N}"
+stage="${1:?usage: run_pending.sh g15|g14d|g14c|g14b|g14|s12|fp8s|moe|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl-install|nixl|x2|dpep N}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 start=$(date +%s)
 source scripts/gpu-env
@@ -358,6 +358,17 @@ case "$stage" in
   g14d)  # the shortest call: the new defaults' GPU tests, then the TMA FP8 kernel's parity
     defaults_tests 110
     fp8_gluon_tests 60
+    ;;
+  g15)  # session 15's first call: g14d, the 16K gather bound, then fp8_gemm_compare (TMA kernel)
+    end=$(( start + ${G15_END:-560} )); left() { echo $(( end - $(date +%s) )); }
+    defaults_tests 110
+    fp8_gluon_tests 60
+    timeout 80 python3 benchmarks/prefill_sweep.py --sections mla_variants --budget-s 45 \
+      --out "$OUT/mla_variants_gather.json" > "$OUT/mla_variants_gather.log" 2>&1
+    sed -n '/^== /,$p' "$OUT/mla_variants_gather.log" | head -16
+    t=$(left); [ "$t" -gt 60 ] && { timeout "$t" python3 benchmarks/fp8_gemm_compare.py \
+      --budget-s $(( t - 35 )) --out "$OUT/fp8_gemm_compare.json" \
+      > "$OUT/fp8_gemm_compare.log" 2>&1; sed -n '/^== /,$p' "$OUT/fp8_gemm_compare.log"; }
     ;;
   g14c)  # a short call: the GPU tests of the new defaults, then the 16K gather bound
     defaults_tests 150
