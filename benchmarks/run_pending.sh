@@ -370,6 +370,19 @@ case "$stage" in
       --budget-s $(( t - 35 )) --out "$OUT/fp8_gemm_compare.json" \
       > "$OUT/fp8_gemm_compare.log" 2>&1; sed -n '/^== /,$p' "$OUT/fp8_gemm_compare.log"; }
     ;;
+  g15b)  # the new defaults' tests with time enough (each test's seconds), then FP8 with the
+         # Gluon TMA kernel on for 1024+ token batches (layers/fp8.GLUON_MIN_TOKENS): llama-8b-shape
+    mkdir -p "$OUT/tests"
+    timeout 250 python3 -m pytest -p no:cacheprovider -v -rfE --durations=0 \
+      "tests/engine/test_spec_step.py::test_uniform_verify_batches_replay_graphs" \
+      "tests/engine/test_speculative.py::test_mtp_verify_and_draft_steps_replay_graphs_on_cuda" \
+      tests/kernels/test_sparse_mla_gluon.py tests/kernels/test_pdl.py \
+      tests/kernels/test_fp8_gemm_gluon.py > "$OUT/tests/defaults.log" 2>&1
+    echo "tests with the new defaults: exit $?"
+    grep -E "PASSED|FAILED|ERROR|SKIPPED|passed|failed|s call " "$OUT/tests/defaults.log" | tail -40
+    timeout 230 python3 benchmarks/fp8_bench.py --models llama-8b-shape \
+      --out "$OUT/fp8_llama.json" 2>&1 | tee "$OUT/fp8_llama.log" | quiet | tail -40
+    ;;
   g14c)  # a short call: the GPU tests of the new defaults, then the 16K gather bound
     defaults_tests 150
     timeout 80 python3 benchmarks/prefill_sweep.py --sections mla_variants --budget-s 45 \

@@ -86,8 +86,10 @@ def test_fp8_linear_keeps_the_triton_kernel_where_gluon_does_not_apply(
     from pdserve.layers import fp8
 
     xq, w, ws = _operands(device, 40, 256, 256, 2)
+    monkeypatch.setattr(fp8, "GLUON_FP8", False)
     off = fp8.fp8_linear(xq, w, ws, None, 128, fused=True)
     monkeypatch.setattr(fp8, "GLUON_FP8", True)
+    monkeypatch.setattr(fp8, "GLUON_MIN_TOKENS", 32)
     on = fp8.fp8_linear(xq, w, ws, None, 128, fused=True)
     assert isinstance(xq, Fp8Activation)
     if not (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9):

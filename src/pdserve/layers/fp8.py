@@ -8,10 +8,12 @@ its producer quantized, see :func:`~pdserve.models.quantization.fuse_fp8_activat
 and runs the block-FP8 GEMM:
 
 - CUDA: the Triton kernel (:func:`~pdserve.kernels.fp8_gemm.block_fp8_gemm`); with
-  ``GLUON_FP8`` on, batches whose activations come quantized from their producer run
-  the Gluon kernels on Hopper (:func:`~pdserve.kernels.fp8_gemm_gluon.fp8_gemm_gluon`:
-  a swapped weight-streaming kernel for decode batches, 128 x 128 tiles above; off
-  until the H200 has measured them against the others); or for
+  ``GLUON_FP8`` on (the default), batches of at least ``GLUON_MIN_TOKENS`` tokens whose
+  activations come quantized from their producer run the Gluon TMA tile kernel on
+  Hopper (:func:`~pdserve.kernels.fp8_gemm_gluon.fp8_gemm_gluon`: the H200 measured it
+  at 50-57% of the fp8 peak at 2K-16K tokens, faster than bf16 cuBLAS and than the
+  Triton kernel at 2K+; smaller batches keep the Triton kernel, which the Gluon decode
+  kernel did not beat, RESULTS.md run 49); or for
   batches of at least ``SCALED_MM_MIN_TOKENS`` tokens ``torch._scaled_mm``'s blockwise
   recipe where this PyTorch and GPU support it (checked once per device against the
   reference, at the first such call; the Triton kernel otherwise, and always while a
@@ -47,7 +49,8 @@ from pdserve.layers.fused import use_fused_kernels
 from pdserve.layers.linear import Linear, MergedLinear
 
 SCALED_MM_MIN_TOKENS = 256
-GLUON_FP8 = False  # the Gluon FP8 GEMMs (see the module docstring): off until measured
+GLUON_FP8 = True  # the Gluon FP8 tile kernel for prefill-sized batches (module docstring)
+GLUON_MIN_TOKENS = 1024
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -156,7 +159,7 @@ def fp8_linear(
     from pdserve.kernels.fp8_gemm import block_fp8_gemm
 
     tokens = x.shape[:-1].numel()
-    if GLUON_FP8:
+    if GLUON_FP8 and tokens >= GLUON_MIN_TOKENS:
         from pdserve.kernels import fp8_gemm_gluon as g
 
         if isinstance(x, Fp8Activation) and g.supported(x, weight, scale_rows, None, x.dtype):
