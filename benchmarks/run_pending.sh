@@ -383,6 +383,22 @@ case "$stage" in
     timeout 230 python3 benchmarks/fp8_bench.py --models llama-8b-shape \
       --out "$OUT/fp8_llama.json" 2>&1 | tee "$OUT/fp8_llama.log" | quiet | tail -40
     ;;
+  g15c)  # the warp-specialized MLA kernel (gluon_ws): parity, the 16K sweep, then the defaults' tests
+    end=$(( start + ${G15C_END:-560} )); left() { echo $(( end - $(date +%s) )); }
+    mkdir -p "$OUT/tests"
+    timeout 100 python3 -m pytest -p no:cacheprovider -v -rfE tests/kernels/test_sparse_mla_gluon.py \
+      > "$OUT/tests/mla_gluon.log" 2>&1; echo "gluon MLA parity (with gluon_ws): exit $?"
+    grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/tests/mla_gluon.log" | tail -16
+    timeout 110 python3 benchmarks/prefill_sweep.py --sections mla_variants --budget-s 70 \
+      --out "$OUT/mla_variants_ws.json" > "$OUT/mla_variants_ws.log" 2>&1
+    sed -n '/^== /,$p' "$OUT/mla_variants_ws.log" | head -40
+    t=$(left); [ "$t" -gt 60 ] && { timeout "$t" python3 -m pytest -p no:cacheprovider -v -rfE \
+      --durations=0 "tests/engine/test_spec_step.py::test_uniform_verify_batches_replay_graphs" \
+      "tests/engine/test_speculative.py::test_mtp_verify_and_draft_steps_replay_graphs_on_cuda" \
+      tests/kernels/test_pdl.py tests/kernels/test_fp8_gemm_gluon.py > "$OUT/tests/defaults.log" 2>&1
+      echo "tests with the new defaults: exit $?"
+      grep -E "PASSED|FAILED|ERROR|passed|failed|s call " "$OUT/tests/defaults.log" | tail -30; }
+    ;;
   g14c)  # a short call: the GPU tests of the new defaults, then the 16K gather bound
     defaults_tests 150
     timeout 80 python3 benchmarks/prefill_sweep.py --sections mla_variants --budget-s 45 \

@@ -59,6 +59,7 @@ class Variant:
     fp_fusion: bool = True  # False: launched with enable_fp_fusion=False (no FMA contraction)
     expect_pdl: bool = False  # compiled with PDL on: it must wait on its predecessor grid
     expect_tma: bool = False  # its tiles must be copied by the Tensor Memory Accelerator
+    maxnreg: int | None = None  # the launch's register budget a thread (warp-specialized)
     notes: str = field(default="", compare=False)
 
 
@@ -344,11 +345,22 @@ def mla_gluon_variants() -> list[Variant]:
             "ncand_ptr": "*i32", "out_ptr": "*bf16"}  # fmt: skip
     ints = frozenset({"stride_qlt", "stride_qlh", "stride_qpt", "stride_qph", "stride_cs",
                       "stride_rt", "stride_ot", "stride_oh"})  # fmt: skip
-    return [Variant(f"mla_{name}", _gluon_kernel,
-                    lambda name=name: m.launch_constexprs(512, 64, name), ptrs, ints,
-                    frozenset({"qk_scale"}), m.WARPS, 1, expect_wgmma=True,
-                    expect_cp_async=True, expect_no_spills=True)
-            for name in m.VARIANTS]  # fmt: skip
+    from pdserve.kernels import sparse_mla_gluon_ws as ws
+
+    plain = [Variant(f"mla_{name}", _gluon_kernel,
+                     lambda name=name: m.launch_constexprs(512, 64, name), ptrs, ints,
+                     frozenset({"qk_scale"}), m.WARPS, 1, expect_wgmma=True,
+                     expect_cp_async=True, expect_no_spills=True)
+             for name in m.VARIANTS if name != "gluon_ws"]  # fmt: skip
+    return plain + [Variant("mla_gluon_ws", _gluon_ws_kernel, lambda: ws.launch_constexprs(512, 64),
+                            ptrs, ints, frozenset({"qk_scale"}), ws.WARPS, 1, expect_wgmma=True,
+                            expect_cp_async=True, expect_no_spills=True, maxnreg=ws.MAXNREG)]
+
+
+def _gluon_ws_kernel() -> Any:
+    from pdserve.kernels.sparse_mla_gluon_ws import _gluon_ws_kernel
+
+    return _gluon_ws_kernel
 
 
 def _fp8_gluon_kernel() -> Any:
@@ -487,6 +499,8 @@ def compile_variant(v: Variant) -> Any:
     src = source(fn, sig, constexprs={(names.index(k),): c for k, c in consts.items()},
                  attrs=attrs)  # fmt: skip
     opts = {"num_warps": v.warps, "num_stages": v.stages, "enable_fp_fusion": v.fp_fusion}
+    if v.maxnreg is not None:
+        opts["maxnreg"] = v.maxnreg
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 

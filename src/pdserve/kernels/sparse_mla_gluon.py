@@ -46,6 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from pdserve.kernels import sparse_mla_gluon_ws
 from pdserve.kernels._utils import LOG2E, capability
 from pdserve.kernels.sparse_mla_prefill import check_operands
 
@@ -54,8 +55,10 @@ BLOCK_N = 64  # candidate rows a tile
 WARPS = 8  # two warpgroups
 LAZY_TAU = 8.0  # log2 units: probabilities stay below 2^8 before the 16-bit cast
 # the kernel's variants (``variant`` of :func:`sparse_mla_prefill_gluon`): whether the
-# accumulator is rescaled at every tile or only when a row's maximum grows past LAZY_TAU
-VARIANTS = {"gluon": False, "gluon_lazy": True}
+# accumulator is rescaled at every tile or only when a row's maximum grows past LAZY_TAU;
+# "gluon_ws" is the warp-specialized kernel (kernels/sparse_mla_gluon_ws.py) where it
+# applies, this one (rescaling every tile) elsewhere
+VARIANTS = {"gluon": False, "gluon_lazy": True, "gluon_ws": False}
 
 
 @gluon.jit
@@ -241,6 +244,9 @@ def sparse_mla_prefill_gluon(
         out = torch.empty_like(q_lat)
     if num_tokens == 0:
         return out
+    if variant == "gluon_ws" and sparse_mla_gluon_ws.supported(q_lat, q_pe, cache):
+        return sparse_mla_gluon_ws.sparse_mla_prefill_ws(q_lat, q_pe, cache, rows, ncand, scale,
+                                                         num_tokens, out)  # fmt: skip
     grid = (num_tokens, triton.cdiv(num_heads, BLOCK_H))
     _gluon_prefill_kernel[grid](
         q_lat, q_pe, cache, rows, ncand, out, scale * LOG2E, num_heads,
