@@ -52,10 +52,8 @@ from pdserve.kernels._utils import LOG2E, capability
 BLOCK_H = 64  # heads a program: the M of a warpgroup MMA
 BLOCK_N = 64  # candidate rows a tile (= ROPE: the probabilities go over the rope rows)
 CHUNK = gl.constexpr(64)  # columns a copy instruction covers (one 128-byte swizzle row)
-WARPS = 4  # the default partition: math warpgroup 0; the workers: math warpgroup 1, the loader
-LOADER_WARPS = 4
-MATH_REGS = 232  # registers a thread of math warpgroup 1 (the default partition gets the rest)
-LOADER_REGS = 40
+WARPS = 4  # the default partition: the loader; the two math warpgroups are its workers
+MATH_REGS = 240  # registers a math thread; the loader gets the rest: 3 x 168 - 2 x 240 = 24
 MAXNREG = 168  # the launch's registers a thread: 168 x 384 threads fit the 64K
 
 
@@ -230,7 +228,7 @@ def _gluon_ws_kernel(
     qlat_ptr, qpe_ptr, cache_ptr, rows_ptr, ncand_ptr, out_ptr, qk_scale, num_heads,
     stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_cs, stride_rt, stride_ot, stride_oh,
     LAT: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-    LOADER_THREADS: gl.constexpr, MATH_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+    LOADER_THREADS: gl.constexpr, MATH_REGS: gl.constexpr,
 ):  # fmt: skip
     t = gl.program_id(0).to(gl.int64)
     h0 = gl.program_id(1) * BLOCK_H
@@ -267,6 +265,10 @@ def _gluon_ws_kernel(
     # (the argument tuples written out in the call: constexprs in a tuple bound to a name
     # reach the partitions as tensors)
     gl.warp_specialize([
+        (_ws_loader, ((q_lat, q_rope, k_lat, k_rope, mx, lx), (q_bar, ready, free, mbar, pbar, lbar),
+                      qlat_ptr, qpe_ptr, cache_ptr, row_base, out_ptr, t, h0, n_cand, n_pairs,
+                      num_heads, qk_scale, stride_qlt, stride_qlh, stride_qpt, stride_qph,
+                      stride_cs, stride_ot, stride_oh, LAT, ROPE, BLOCK_H, BLOCK_N)),
         (_ws_math0, ((q_lat, q_rope, k_lat, k_rope, mx, lx), (q_bar, ready, free, mbar, pbar, lbar),
                      qlat_ptr, qpe_ptr, cache_ptr, row_base, out_ptr, t, h0, n_cand, n_pairs,
                      num_heads, qk_scale, stride_qlt, stride_qlh, stride_qpt, stride_qph,
@@ -275,11 +277,7 @@ def _gluon_ws_kernel(
                      qlat_ptr, qpe_ptr, cache_ptr, row_base, out_ptr, t, h0, n_cand, n_pairs,
                      num_heads, qk_scale, stride_qlt, stride_qlh, stride_qpt, stride_qph,
                      stride_cs, stride_ot, stride_oh, LAT, ROPE, BLOCK_H, BLOCK_N)),
-        (_ws_loader, ((q_lat, q_rope, k_lat, k_rope, mx, lx), (q_bar, ready, free, mbar, pbar, lbar),
-                      qlat_ptr, qpe_ptr, cache_ptr, row_base, out_ptr, t, h0, n_cand, n_pairs,
-                      num_heads, qk_scale, stride_qlt, stride_qlh, stride_qpt, stride_qph,
-                      stride_cs, stride_ot, stride_oh, LAT, ROPE, BLOCK_H, BLOCK_N)),
-    ], [4, LOADER_THREADS // 32], [MATH_REGS, LOADER_REGS])  # fmt: skip
+    ], [4, 4], [MATH_REGS, MATH_REGS])  # fmt: skip
 
 
 def supported(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor) -> bool:
@@ -300,8 +298,7 @@ def supported(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor) -> b
 def launch_constexprs(lat: int, rope: int) -> dict[str, object]:
     """The kernel's compile-time arguments (shared with tools/sm90_report)."""
     return dict(LAT=lat, ROPE=rope, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N,
-                LOADER_THREADS=LOADER_WARPS * 32, MATH_REGS=MATH_REGS,
-                LOADER_REGS=LOADER_REGS)  # fmt: skip
+                LOADER_THREADS=WARPS * 32, MATH_REGS=MATH_REGS)  # fmt: skip
 
 
 def sparse_mla_prefill_ws(
