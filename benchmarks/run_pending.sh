@@ -389,9 +389,19 @@ case "$stage" in
     timeout 100 python3 -m pytest -p no:cacheprovider -v -rfE tests/kernels/test_sparse_mla_gluon.py \
       > "$OUT/tests/mla_gluon.log" 2>&1; echo "gluon MLA parity (with gluon_ws): exit $?"
     grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/tests/mla_gluon.log" | tail -16
+    ws_rc=$(grep -cE "FAILED|ERROR" "$OUT/tests/mla_gluon.log")
     timeout 110 python3 benchmarks/prefill_sweep.py --sections mla_variants --budget-s 70 \
       --out "$OUT/mla_variants_ws.json" > "$OUT/mla_variants_ws.log" 2>&1
     sed -n '/^== /,$p' "$OUT/mla_variants_ws.log" | head -40
+    if [ "$ws_rc" -eq 0 ] && grep -q "passed" "$OUT/tests/mla_gluon.log"; then
+      mt=src/pdserve/layers/attention/mla_triton.py; cp "$mt" /tmp/mla_triton.py.orig
+      sed -i 's/^PREFILL_VARIANT: str | None = .*/PREFILL_VARIANT: str | None = "gluon_ws"/' "$mt"
+      timeout 120 python3 benchmarks/glm5_bench.py --sections prefill --presets glm5-m12-e64 \
+        --no-peer --long --prefill-lens 16384 --workdir /tmp/glm5 \
+        --out "$OUT/glm5_prefill_ws.json" > "$OUT/glm5_prefill_ws.log" 2>&1
+      echo "glm5 prefill, gluon_ws: exit $?"; quiet < "$OUT/glm5_prefill_ws.log" | tail -14
+      cp /tmp/mla_triton.py.orig "$mt"
+    fi
     t=$(left); [ "$t" -gt 60 ] && { timeout "$t" python3 -m pytest -p no:cacheprovider -v -rfE \
       --durations=0 "tests/engine/test_spec_step.py::test_uniform_verify_batches_replay_graphs" \
       "tests/engine/test_speculative.py::test_mtp_verify_and_draft_steps_replay_graphs_on_cuda" \
