@@ -149,30 +149,6 @@ def _ws_math(
 
 
 @gluon.jit
-def _ws_math0(
-    smem, bars, qlat_ptr, qpe_ptr, cache_ptr, row_base, out_ptr, t, h0, n_cand, n_pairs, num_heads, qk_scale, stride_qlt, stride_qlh, stride_qpt,
-    stride_qph, stride_cs, stride_ot, stride_oh,
-    LAT: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-):  # fmt: skip
-    _ws_math(0, smem, bars, qlat_ptr, qpe_ptr, cache_ptr,
-             row_base, out_ptr, t, h0, n_cand, n_pairs, num_heads, qk_scale, stride_qlt,
-             stride_qlh, stride_qpt, stride_qph, stride_cs, stride_ot, stride_oh, LAT, ROPE,
-             BLOCK_H, BLOCK_N)  # fmt: skip
-
-
-@gluon.jit
-def _ws_math1(
-    smem, bars, qlat_ptr, qpe_ptr, cache_ptr, row_base, out_ptr, t, h0, n_cand, n_pairs, num_heads, qk_scale, stride_qlt, stride_qlh, stride_qpt,
-    stride_qph, stride_cs, stride_ot, stride_oh,
-    LAT: gl.constexpr, ROPE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-):  # fmt: skip
-    _ws_math(1, smem, bars, qlat_ptr, qpe_ptr, cache_ptr,
-             row_base, out_ptr, t, h0, n_cand, n_pairs, num_heads, qk_scale, stride_qlt,
-             stride_qlh, stride_qpt, stride_qph, stride_cs, stride_ot, stride_oh, LAT, ROPE,
-             BLOCK_H, BLOCK_N)  # fmt: skip
-
-
-@gluon.jit
 def _ws_copy_cols(dst, base, c0: gl.constexpr, n: gl.constexpr, mask, LD: gl.constexpr):
     """Copy columns ``c0 .. c0 + n`` of the rows at ``base`` (a pointer a row) into ``dst``
     (the same columns of a [rows, width] buffer), ``CHUNK`` columns an instruction."""
@@ -269,11 +245,11 @@ def _gluon_ws_kernel(
                       qlat_ptr, qpe_ptr, cache_ptr, row_base, out_ptr, t, h0, n_cand, n_pairs,
                       num_heads, qk_scale, stride_qlt, stride_qlh, stride_qpt, stride_qph,
                       stride_cs, stride_ot, stride_oh, LAT, ROPE, BLOCK_H, BLOCK_N)),
-        (_ws_math0, ((q_lat, q_rope, k_lat, k_rope, mx, lx), (q_bar, ready, free, mbar, pbar, lbar),
+        (_ws_math, (0, (q_lat, q_rope, k_lat, k_rope, mx, lx), (q_bar, ready, free, mbar, pbar, lbar),
                      qlat_ptr, qpe_ptr, cache_ptr, row_base, out_ptr, t, h0, n_cand, n_pairs,
                      num_heads, qk_scale, stride_qlt, stride_qlh, stride_qpt, stride_qph,
                      stride_cs, stride_ot, stride_oh, LAT, ROPE, BLOCK_H, BLOCK_N)),
-        (_ws_math1, ((q_lat, q_rope, k_lat, k_rope, mx, lx), (q_bar, ready, free, mbar, pbar, lbar),
+        (_ws_math, (1, (q_lat, q_rope, k_lat, k_rope, mx, lx), (q_bar, ready, free, mbar, pbar, lbar),
                      qlat_ptr, qpe_ptr, cache_ptr, row_base, out_ptr, t, h0, n_cand, n_pairs,
                      num_heads, qk_scale, stride_qlt, stride_qlh, stride_qpt, stride_qph,
                      stride_cs, stride_ot, stride_oh, LAT, ROPE, BLOCK_H, BLOCK_N)),
