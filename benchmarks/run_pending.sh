@@ -409,6 +409,16 @@ case "$stage" in
       echo "tests with the new defaults: exit $?"
       grep -E "PASSED|FAILED|ERROR|passed|failed|s call " "$OUT/tests/defaults.log" | tail -30; }
     ;;
+  g15e)  # glm5 prefill 16K/64K with gluon_ws the default, then the MoE tile sweep
+    timeout 170 python3 benchmarks/glm5_bench.py --sections prefill --presets glm5-m12-e64 \
+      --no-peer --long --prefill-lens 16384,65536 --workdir /tmp/glm5 \
+      --out "$OUT/glm5_prefill.json" > "$OUT/glm5_prefill.log" 2>&1
+    echo "glm5 prefill: exit $?"; quiet < "$OUT/glm5_prefill.log" | tail -6
+    t=$(( start + ${G15E_END:-400} - $(date +%s) ))
+    [ "$t" -gt 60 ] && { timeout "$t" python3 benchmarks/prefill_sweep.py --sections moe \
+      --budget-s $(( t - 30 )) --out "$OUT/moe_sweep.json" > "$OUT/moe_sweep.log" 2>&1
+      sed -n '/^== /,$p' "$OUT/moe_sweep.log" | tail -40; }
+    ;;
   g14c)  # a short call: the GPU tests of the new defaults, then the 16K gather bound
     defaults_tests 150
     timeout 80 python3 benchmarks/prefill_sweep.py --sections mla_variants --budget-s 45 \

@@ -18,12 +18,14 @@ graph-safe since the launches depend on the row count only) resolves each token'
 candidate cache rows once (:func:`~pdserve.kernels.sparse_mla_prefill.candidate_rows`)
 and runs :func:`~pdserve.kernels.sparse_mla_prefill.sparse_mla_prefill` instead (same
 keys, same result); other decode and verify steps keep the general kernel. The default is
-the Gluon kernel (:mod:`pdserve.kernels.sparse_mla_gluon`) where it applies (a Hopper GPU,
-a 16-bit cache, its widths) and the Triton variant ``DEFAULT_VARIANT`` elsewhere: the H200
-sweep's best (``prefill_sweep.py --sections mla_variants``, RESULTS.md run 46: a 16K
-prefill layer in 15.0 ms with the Gluon kernel and its candidate rows, 26.6 ms with
-``rows_n32_s5``, 33.6 ms with the general kernel; 128 decode rows at 16K in 0.16 / 0.24 /
-0.30 ms, 64 x 4 verify rows in 0.28 / 0.45 / 0.58 ms; outputs equal), hence
+the warp-specialized Gluon kernel (``gluon_ws``, :mod:`pdserve.kernels.sparse_mla_gluon_ws`)
+where it applies (a Hopper GPU, a 16-bit cache, its widths; the plain Gluon kernel for other
+widths) and the Triton variant ``DEFAULT_VARIANT`` elsewhere: the H200 sweep's best
+(``prefill_sweep.py --sections mla_variants``: a 16K prefill layer in 10.7 ms with
+``gluon_ws``, 54% of the bf16 matmul rate, 14.8 ms with the plain Gluon kernel, 26.3 ms with
+``rows_n32_s5``, 33.4 ms with the general kernel, RESULTS.md run 50; in run 46 128 decode
+rows at 16K took 0.16 / 0.24 / 0.30 ms with the plain Gluon / rows_n32_s5 / general
+kernels, 64 x 4 verify rows 0.28 / 0.45 / 0.58 ms; outputs equal), hence
 :data:`ROWS_MIN_TOKENS` 128.
 
 An fp8 cache's scale (``kv_scale``) divides the row written and multiplies the kernel's
@@ -47,7 +49,7 @@ from pdserve.kernels.sparse_mla_prefill import (
 from pdserve.layers.attention.backend import AttentionBackend, CommonAttentionMetadata
 
 # a sparse_mla_prefill.VARIANTS or sparse_mla_gluon.VARIANTS name; None: off
-PREFILL_VARIANT: str | None = "gluon"
+PREFILL_VARIANT: str | None = "gluon_ws"
 PREFILL_MIN_TOKENS = 256  # steps with a query chunk this long take the prefill kernel
 # decode / verify steps of at least this many rows take it too (None: never)
 ROWS_MIN_TOKENS: int | None = 128
