@@ -28,12 +28,14 @@ mla_variants  prefill (16K, 4K, 2K as in mla), then verify 64/128/256 x 4 and de
       (benchmarks/_gather_bound.py): gathered bytes = pairs * 576 * 2, its TB/s, and
       each kernel's share of that bound (gather ms / its total ms).
 moe   routed experts of one MoE layer (hidden 6144, moe_intermediate 2048, top-8 of 64,
-      bf16) at 512 and 1024 tokens (verify steps of 128 and 256 requests x 4 rows; graph
-      replays) and 2048, 4096 and 16384 (prefill, in chunks of CHUNK_TOKENS): FLOPs = 2 *
-      T * 8 * 3 * 6144 * 2048, bytes = every expert's weights once (all 64 are reached).
-      Configs: tiles, warps, stages, the program order (group_m > 1: row blocks sweep
-      the column tiles together) and the tokens a launch pair takes (chunk_tokens: at
-      16K, one pair instead of four, the experts' weights read once).
+      bf16) at 8192 and 16384 tokens first (prefill: the serve default's chunk, a 16K
+      prompt, in launch pairs of CHUNK_TOKENS), then 2048, 512 and 1024 (verify steps of
+      128 and 256 requests x 4 rows; graph replays) and 4096: FLOPs = 2 * T * 8 * 3 *
+      6144 * 2048, bytes = every expert's weights once (all 64 are reached). Configs:
+      tiles, warps, stages, the program order (group_m > 1: row blocks sweep the column
+      tiles together), the tokens a launch pair takes (chunk_tokens: at 16K, one pair
+      instead of four, the experts' weights read once) and the down GEMM's column tile
+      (down_n).
 
 ``--device cpu`` runs every code path at tiny shapes under Triton's interpreter, with the
 defaults and one other config of each grid (a smoke run for the test suite, not a
@@ -75,6 +77,9 @@ MLA_GRID = [
 ]
 # (block_m, block_n, block_k, warps, stages[, group_m[, chunk_tokens]]): MoeConfig
 MOE_GRID = [
+    (128, 128, 64, 8, 3, 1, 0, 256),  # the down GEMM in 128 x 256 tiles (MoeConfig.down_n)
+    (128, 128, 64, 8, 3, 8, 0, 256),
+    (128, 128, 64, 8, 4, 1, 0, 256),
     (128, 128, 64, 8, 3),
     (128, 128, 64, 8, 3, 4),  # grouped program order (MoeConfig.group_m)
     (128, 128, 64, 8, 3, 16),
@@ -407,7 +412,8 @@ def run_moe(sh: Shapes, dev: torch.device, bw: float, peak: float, deadline: flo
     w2 = (torch.randn(sh.experts, sh.hidden, sh.inter, device=dev, generator=g)
           * sh.inter**-0.5).to(dt)  # fmt: skip
     rows: list[dict[str, Any]] = []
-    for t in (32,) if dev.type == "cpu" else (512, 1024, 2048, 4096, 16384):
+    # the serve default's 8K prefill chunks first: the budget may end the sweep early
+    for t in (32,) if dev.type == "cpu" else (8192, 16384, 2048, 512, 1024, 4096):
         x = torch.randn(t, sh.hidden, device=dev, generator=g).to(dt)
         ids = torch.rand(t, sh.experts, device=dev, generator=g).topk(sh.top_k).indices
         weights = torch.rand(t, sh.top_k, device=dev, generator=g)

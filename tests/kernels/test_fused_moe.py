@@ -85,6 +85,9 @@ def test_fused_experts_grouped_program_order_is_the_same_product(
     chunked = base._replace(group_m=group_m, chunk_tokens=8)  # 4 launch pairs, the last short
     torch.testing.assert_close(fused_experts(x, w13, w2, weights, ids, config=chunked), want,
                                atol=1e-5, rtol=1e-5)  # fmt: skip
+    wide = base._replace(group_m=group_m, down_n=32)  # the down GEMM's own column tile
+    torch.testing.assert_close(fused_experts(x, w13, w2, weights, ids, config=wide), want,
+                               atol=1e-5, rtol=1e-5)  # fmt: skip
 
 
 def test_fused_experts_chunks_long_batches(

@@ -202,9 +202,11 @@ class MoeConfig(NamedTuple):
     """Tile shape of both grouped GEMMs, warps, software-pipelining stages and the
     program order (``group_m`` > 1: that many row blocks sweep the column tiles together,
     so the programs running at once share their rows' tokens and each weight tile; 1:
-    row blocks fastest, every column tile of a block far apart in time) and the tokens a
+    row blocks fastest, every column tile of a block far apart in time), the tokens a
     launch pair takes (``chunk_tokens``; 0: ``CHUNK_TOKENS``; every chunk reads the
-    experts' weights again)."""
+    experts' weights again) and the down GEMM's column tile (``down_n``; 0: ``block_n``:
+    its K is the intermediate width, a third of the gate/up GEMM's work a tile at equal
+    tiles, so wider tiles amortize each tile's start and its scattered store)."""
 
     block_m: int
     block_n: int
@@ -213,6 +215,7 @@ class MoeConfig(NamedTuple):
     stages: int = 3
     group_m: int = 1
     chunk_tokens: int = 0
+    down_n: int = 0
 
 
 def _config(num_pairs: int, num_experts: int) -> MoeConfig:
@@ -285,7 +288,8 @@ def _fused_chunk(
     n = t * k
     if n == 0:
         return
-    bm, bn, bk, warps, stages, group_m, _ = config or _config(n, num_experts)
+    bm, bn, bk, warps, stages, group_m, _, down_n = config or _config(n, num_experts)
+    down_n = down_n or bn
     pairs, block_expert = align_pairs(ids, num_experts, bm)
     nb = block_expert.shape[0]
     act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
@@ -316,7 +320,7 @@ def _fused_chunk(
     )
     per_pair = torch.empty(n, h, dtype=x.dtype, device=x.device)
     wflat = weights.reshape(-1).to(torch.float32)
-    _down_kernel[(nb, triton.cdiv(h, bn))](
+    _down_kernel[(nb, triton.cdiv(h, down_n))](
         act,
         w2,
         per_pair,
@@ -331,7 +335,7 @@ def _fused_chunk(
         w2.stride(1),
         per_pair.stride(0),
         BLOCK_M=bm,
-        BLOCK_N=bn,
+        BLOCK_N=down_n,
         BLOCK_K=bk,
         DOT_PREC=prec,
         UPCAST=up,
