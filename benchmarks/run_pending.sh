@@ -3,7 +3,7 @@
 # of at most 10 minutes each; every stage prints its tables and leaves JSON and logs under
 # $OUT. Record the commit yourself: the device copy of the tree may carry a stale .git.
 #
-#   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh g15 (first), g14c, g14b
+#   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh g15e (first), g15b, d10
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh s12|fp8s|moe|pdl|xfer
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh k10
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh p10
@@ -31,6 +31,12 @@
 #       against the general kernel at 16K/4K/2K; benchmarks/pick_mla_variant.py names the
 #       best), then glm5_bench prefill 16K/64K with the default, the sweep's pick and the
 #       general kernel only, then the GPU tests fixed after run 40.
+# g15   session 15's first call: g14d's tests, the 16K gather bound, fp8_gemm_compare (run 49).
+# g15b  the defaults' tests with time enough, then fp8_bench llama-8b-shape with the TMA FP8
+#       kernel on for 1,024+ token batches.
+# g15c  the warp-specialized MLA kernel (gluon_ws): parity, the 16K sweep, glm5 prefill 16K
+#       with it, then the defaults' tests (run 50).
+# g15e  glm5 prefill 16K / 64K with gluon_ws the default, then the MoE sweep (down_n tiles).
 # g14   the Gluon kernels of session 13 (kernels/sparse_mla_gluon.py,
 #       kernels/fp8_gemm_gluon.py): the MLA kernel's GPU parity, then glm5 prefill on it,
 #       then the FP8 / PDL / MoE GPU tests and the mla_variants sweep and
@@ -124,7 +130,7 @@
 #       --enable-expert-parallel against one GPU, the same closed-loop load per rank
 #       (32 streams per GPU, 1024 in / 256 out): output tok/s per GPU and mean TPOT.
 set -uo pipefail
-stage="${1:?usage: run_pending.sh g15|g14d|g14c|g14b|g14|s12|fp8s|moe|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl-install|nixl|x2|dpep N}"
+stage="${1:?usage: run_pending.sh g15|g15b|g15c|g15e|g14d|g14c|g14b|g14|s12|fp8s|moe|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl-install|nixl|x2|dpep N}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 start=$(date +%s)
 source scripts/gpu-env
