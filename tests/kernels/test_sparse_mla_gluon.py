@@ -9,7 +9,7 @@ import pytest
 import torch
 from _sparse_batch import sparse_batch
 
-from pdserve.kernels import sparse_mla_gluon
+from pdserve.kernels import sparse_mla_gluon, sparse_mla_gluon_ws
 from pdserve.kernels.sparse_mla import sparse_mla_reference
 from pdserve.kernels.sparse_mla_prefill import DEFAULT_VARIANT, candidate_rows, sparse_mla_prefill
 
@@ -67,12 +67,13 @@ def test_gluon_prefill_matches_reference(
 
 
 @hopper
-def test_gluon_prefill_rows_without_candidates_are_zero() -> None:
+@pytest.mark.parametrize("variant", ["gluon", "gluon_ws"])
+def test_gluon_prefill_rows_without_candidates_are_zero(variant: str) -> None:
     dev = torch.device("cuda")
     sb, cache, q_lat, q_pe, _, rows, ncand = _batch(dev, 64, 512, 64, torch.bfloat16, 1)
     ncand[:5] = 0
     out = sparse_mla_gluon.sparse_mla_prefill_gluon(q_lat, q_pe, cache, rows, ncand, 0.1,
-                                                    sb.md.num_actual_tokens)  # fmt: skip
+                                                    sb.md.num_actual_tokens, variant=variant)  # fmt: skip
     assert torch.count_nonzero(out[:5]) == 0 and torch.isfinite(out).all()
 
 
@@ -86,6 +87,9 @@ def test_gluon_prefill_refuses_what_it_does_not_run(device: torch.device) -> Non
     assert sparse_mla_gluon.supported(q, pe, cache) == on_hopper
     assert not sparse_mla_gluon.supported(q.float(), pe.float(), cache.float())
     assert not sparse_mla_gluon.supported(q[..., :48], pe, cache[..., :112])
+    # the warp-specialized kernel: GLM-5's widths; not a rope width other than its 64 keys
+    assert sparse_mla_gluon_ws.supported(q, pe, cache) == on_hopper
+    assert not sparse_mla_gluon_ws.supported(q, pe[..., :16], cache[..., :528])
     if hasattr(torch, "float8_e4m3fn"):
         assert not sparse_mla_gluon.supported(q, pe, cache.to(torch.float8_e4m3fn))
     rows = torch.zeros(4, 8, dtype=torch.int32, device=device)
