@@ -108,6 +108,33 @@ def _tile_origin(M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl
 
 
 @gluon.jit
+def _scale_rows(xs_ptr, ws_ptr, off_m, off_n, M, stride_xsm, stride_wsn, SCALE_N: gl.constexpr,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ACC: gl.constexpr):  # fmt: skip
+    """The tile's activation-scale row pointers (one a row of the tile), which of them are
+    real rows, and its weight-scale row: one weight scale a (tile, step), the scale blocks
+    spanning the tile (a per-column scale would hold 2 x 32 more registers a thread than
+    the three accumulators leave)."""
+    rm = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ACC))
+    xs_rows = xs_ptr + rm.to(gl.int64) * stride_xsm
+    m_ok = rm < M
+    gl.static_assert(SCALE_N % BLOCK_N == 0)
+    return xs_rows, m_ok, ws_ptr + (off_n // SCALE_N).to(gl.int64) * stride_wsn
+
+
+@gluon.jit
+def _step_mma(a_buf, b_buf, xs_rows, m_ok, ws_rows, kb, ACC: gl.constexpr):
+    """Issue K step ``kb``'s MMA into a fresh accumulator (its zeros made where they are
+    used, so no loop-long register tile holds them) and load the step's scales, which
+    the caller applies once the MMA is done."""
+    BLOCK_M: gl.constexpr = a_buf.type.shape[0]
+    BLOCK_N: gl.constexpr = b_buf.type.shape[0]
+    part = warpgroup_mma(a_buf, b_buf.permute((1, 0)),
+                         gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=ACC), use_acc=False,
+                         is_async=True)  # fmt: skip
+    return part, gl.load(xs_rows + kb, mask=m_ok, other=0.0), gl.load(ws_rows + kb)
+
+
+@gluon.jit
 def _store_tile(acc, out_ptr, off_m, off_n, M, N, stride_om, BLOCK_M: gl.constexpr,
                 BLOCK_N: gl.constexpr):  # fmt: skip
     """Store an accumulator tile (8 warps) in the output's dtype, rows past M and columns
@@ -147,36 +174,22 @@ def _fp8_gemm_kernel(
         _issue_step(x_ptr, w_ptr, a_bufs.index(s), b_bufs.index(s), off_m, off_n, s, M, N, K,
                     stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, LD)  # fmt: skip
 
-    rm = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ACC))
-    xs_rows = xs_ptr + rm.to(gl.int64) * stride_xsm
-    m_ok = rm < M
-    # one weight scale a (tile, step): the scale blocks span the tile (a per-column scale
-    # would hold 2 x 32 more registers a thread than the three accumulators leave)
-    gl.static_assert(SCALE_N % BLOCK_N == 0)
-    ws_rows = ws_ptr + (off_n // SCALE_N).to(gl.int64) * stride_wsn
+    xs_rows, m_ok, ws_rows = _scale_rows(xs_ptr, ws_ptr, off_m, off_n, M, stride_xsm,
+                                         stride_wsn, SCALE_N, BLOCK_M, BLOCK_N, ACC)  # fmt: skip
     acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=ACC)
 
     # step 0: its stage landed (the other STAGES - 1 may be in flight)
     async_copy.wait_group(STAGES - 1)
     fence_async_shared()
     gl.thread_barrier()
-    # (a fresh accumulator each step: its zeros are made where they are used, so no
-    # loop-long register tile holds them)
-    part = warpgroup_mma(a_bufs.index(0), b_bufs.index(0).permute((1, 0)),
-                         gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=ACC), use_acc=False,
-                         is_async=True)  # fmt: skip
-    a_s = gl.load(xs_rows, mask=m_ok, other=0.0)
-    b_s = gl.load(ws_rows)
+    part, a_s, b_s = _step_mma(a_bufs.index(0), b_bufs.index(0), xs_rows, m_ok, ws_rows, 0, ACC)
     for kb in range(1, k_steps):
         st = kb % STAGES
         async_copy.wait_group(STAGES - 2)  # step kb landed
         fence_async_shared()
         gl.thread_barrier()
-        nxt = warpgroup_mma(a_bufs.index(st), b_bufs.index(st).permute((1, 0)),
-                            gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=ACC),
-                            use_acc=False, is_async=True)  # fmt: skip
-        a_next = gl.load(xs_rows + kb, mask=m_ok, other=0.0)
-        b_next = gl.load(ws_rows + kb)
+        nxt, a_next, b_next = _step_mma(a_bufs.index(st), b_bufs.index(st), xs_rows, m_ok,
+                                        ws_rows, kb, ACC)  # fmt: skip
         done = warpgroup_mma_wait(num_outstanding=1, deps=(part,))  # step kb - 1
         gl.thread_barrier()  # both warpgroups are done with step kb - 1's stage
         prev = (kb - 1) % STAGES
@@ -234,27 +247,17 @@ def _fp8_gemm_tma_kernel(
         _tma_step(a_desc, b_desc, a_bufs.index(s), b_bufs.index(s), bars.index(s), off_m, off_n,
                   s, k_steps)  # fmt: skip
 
-    rm = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ACC))
-    xs_rows = xs_ptr + rm.to(gl.int64) * stride_xsm
-    m_ok = rm < M
-    gl.static_assert(SCALE_N % BLOCK_N == 0)  # one weight scale a (tile, step)
-    ws_rows = ws_ptr + (off_n // SCALE_N).to(gl.int64) * stride_wsn
+    xs_rows, m_ok, ws_rows = _scale_rows(xs_ptr, ws_ptr, off_m, off_n, M, stride_xsm,
+                                         stride_wsn, SCALE_N, BLOCK_M, BLOCK_N, ACC)  # fmt: skip
     acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=ACC)
 
     mbarrier.wait(bars.index(0), phase=0)
-    part = warpgroup_mma(a_bufs.index(0), b_bufs.index(0).permute((1, 0)),
-                         gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=ACC), use_acc=False,
-                         is_async=True)  # fmt: skip
-    a_s = gl.load(xs_rows, mask=m_ok, other=0.0)
-    b_s = gl.load(ws_rows)
+    part, a_s, b_s = _step_mma(a_bufs.index(0), b_bufs.index(0), xs_rows, m_ok, ws_rows, 0, ACC)
     for kb in range(1, k_steps):
         st = kb % STAGES
         mbarrier.wait(bars.index(st), phase=(kb // STAGES) & 1)  # step kb's tiles landed
-        nxt = warpgroup_mma(a_bufs.index(st), b_bufs.index(st).permute((1, 0)),
-                            gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=ACC),
-                            use_acc=False, is_async=True)  # fmt: skip
-        a_next = gl.load(xs_rows + kb, mask=m_ok, other=0.0)
-        b_next = gl.load(ws_rows + kb)
+        nxt, a_next, b_next = _step_mma(a_bufs.index(st), b_bufs.index(st), xs_rows, m_ok,
+                                        ws_rows, kb, ACC)  # fmt: skip
         done = warpgroup_mma_wait(num_outstanding=1, deps=(part,))  # step kb - 1
         gl.thread_barrier()  # both warpgroups are done reading step kb - 1's stage
         prev = (kb - 1) % STAGES
