@@ -105,14 +105,8 @@ def _gluon_prefill_kernel(
     LD: gl.constexpr = gl.BlockedLayout(
         size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[8, 1], order=[1, 0]
     )
-    q_lat = gl.allocate_shared_memory(dt, [BLOCK_H, LAT],
-                                      gl.NVMMASharedLayout.get_default_for([BLOCK_H, LAT], dt))
-    q_rope = gl.allocate_shared_memory(dt, [BLOCK_H, ROPE],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], dt))
-    k_lat = gl.allocate_shared_memory(dt, [2, BLOCK_N, LAT],
-                                      gl.NVMMASharedLayout.get_default_for([BLOCK_N, LAT], dt))
-    k_rope = gl.allocate_shared_memory(dt, [2, BLOCK_N, ROPE],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], dt))
+    q_lat, q_rope, k_lat, k_rope = sparse_mla_gluon_ws.tile_buffers(dt, LAT, ROPE, BLOCK_H,
+                                                                    BLOCK_N)  # fmt: skip
     p_buf = gl.allocate_shared_memory(dt, [BLOCK_H, BLOCK_N],
                                       gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dt))  # fmt: skip
 

@@ -204,6 +204,23 @@ def _ws_loader(
 
 
 @gluon.jit
+def tile_buffers(dt: gl.constexpr, LAT: gl.constexpr, ROPE: gl.constexpr,
+                 BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
+    """The shared-memory tiles both Gluon sparse MLA kernels hold: the query's latent and
+    rope parts (``BLOCK_H`` heads) and two buffers of ``BLOCK_N`` gathered cache rows,
+    split the same way, in the layouts warpgroup MMAs read."""
+    q_lat = gl.allocate_shared_memory(dt, [BLOCK_H, LAT],
+                                      gl.NVMMASharedLayout.get_default_for([BLOCK_H, LAT], dt))
+    q_rope = gl.allocate_shared_memory(dt, [BLOCK_H, ROPE],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], dt))
+    k_lat = gl.allocate_shared_memory(dt, [2, BLOCK_N, LAT],
+                                      gl.NVMMASharedLayout.get_default_for([BLOCK_N, LAT], dt))
+    k_rope = gl.allocate_shared_memory(dt, [2, BLOCK_N, ROPE],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], dt))  # fmt: skip
+    return q_lat, q_rope, k_lat, k_rope
+
+
+@gluon.jit
 def _gluon_ws_kernel(
     qlat_ptr, qpe_ptr, cache_ptr, rows_ptr, ncand_ptr, out_ptr, qk_scale, num_heads,
     stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_cs, stride_rt, stride_ot, stride_oh,
@@ -215,14 +232,7 @@ def _gluon_ws_kernel(
     n_cand = gl.load(ncand_ptr + t)
     n_pairs = gl.cdiv(n_cand, 2 * BLOCK_N)  # a missing last tile is all masked rows
     dt: gl.constexpr = qlat_ptr.dtype.element_ty
-    q_lat = gl.allocate_shared_memory(dt, [BLOCK_H, LAT],
-                                      gl.NVMMASharedLayout.get_default_for([BLOCK_H, LAT], dt))
-    q_rope = gl.allocate_shared_memory(dt, [BLOCK_H, ROPE],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_H, ROPE], dt))
-    k_lat = gl.allocate_shared_memory(dt, [2, BLOCK_N, LAT],
-                                      gl.NVMMASharedLayout.get_default_for([BLOCK_N, LAT], dt))
-    k_rope = gl.allocate_shared_memory(dt, [2, BLOCK_N, ROPE],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_N, ROPE], dt))  # fmt: skip
+    q_lat, q_rope, k_lat, k_rope = tile_buffers(dt, LAT, ROPE, BLOCK_H, BLOCK_N)
     VEC: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     mx = gl.allocate_shared_memory(gl.float32, [4, BLOCK_H], VEC)  # [phase, warpgroup]
     lx = gl.allocate_shared_memory(gl.float32, [2, BLOCK_H], VEC)
