@@ -31,7 +31,7 @@
 #       against the general kernel at 16K/4K/2K; benchmarks/pick_mla_variant.py names the
 #       best), then glm5_bench prefill 16K/64K with the default, the sweep's pick and the
 #       general kernel only, then the GPU tests fixed after run 40.
-# g15   session 15's first call: g14d's tests, the 16K gather bound, fp8_gemm_compare (run 49).
+# g15   session 15's first call: the defaults' and Gluon FP8 tests, the 16K gather bound, fp8_gemm_compare (run 49).
 # g15b  the defaults' tests with time enough, then fp8_bench llama-8b-shape with the TMA FP8
 #       kernel on for 1,024+ token batches.
 # g15c  the warp-specialized MLA kernel (gluon_ws): parity, the 16K sweep, glm5 prefill 16K
@@ -41,12 +41,6 @@
 #       kernels/fp8_gemm_gluon.py): the MLA kernel's GPU parity, then glm5 prefill on it,
 #       then the FP8 / PDL / MoE GPU tests and the mla_variants sweep and
 #       fp8_gemm_compare.py in the time left (RESULTS.md run 46).
-# g14d  first (shortest): the GPU tests of session 14's defaults (Gluon MLA prefill and
-#       its rows kernel at 128+ decode rows, PDL on: defaults_tests), then the Gluon FP8
-#       parity (fp8_gluon_tests).
-# g14c  the same defaults' tests, then the 16K gather bound (benchmarks/_gather_bound.py).
-# g14b  the Gluon FP8 parity (scale-aware tolerance), the same tests, glm5 prefill 16K
-#       with the defaults, then the MoE sweep.
 # pdl   programmatic dependent launch (PDSERVE_PDL=0 / 1: every decode-path Triton kernel may
 #       launch while its predecessor finishes, kernels/_utils.pdl_args): glm5-m12-e64
 #       decode speed with it off and on in one call, then the 1 x 1K profile with it on
@@ -130,7 +124,7 @@
 #       --enable-expert-parallel against one GPU, the same closed-loop load per rank
 #       (32 streams per GPU, 1024 in / 256 out): output tok/s per GPU and mean TPOT.
 set -uo pipefail
-stage="${1:?usage: run_pending.sh g15|g15b|g15c|g15e|g14d|g14c|g14b|g14|s12|fp8s|moe|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl-install|nixl|x2|dpep N}"
+stage="${1:?usage: run_pending.sh g15|g15b|g15c|g15e|g14|s12|fp8s|moe|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl-install|nixl|x2|dpep N}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 start=$(date +%s)
 source scripts/gpu-env
@@ -349,23 +343,7 @@ case "$stage" in
       --budget-s $(( t - 35 )) --out "$OUT/fp8_gemm_compare_g14.json" \
       > "$OUT/fp8_gemm_compare_g14.log" 2>&1; sed -n '/^== /,$p' "$OUT/fp8_gemm_compare_g14.log"; }
     ;;
-  g14b)  # the new defaults (Gluon MLA prefill, its rows at 128+ decode rows, PDL on) on the GPU
-    end=$(( start + ${G14B_END:-480} )); left() { echo $(( end - $(date +%s) )); }
-    fp8_gluon_tests 90
-    defaults_tests 170 tests/kernels/test_graph_widths.py tests/kernels/test_sparse_mla_prefill.py
-    [ "$(left)" -gt 110 ] && { timeout 110 python3 benchmarks/glm5_bench.py --sections prefill \
-      --presets glm5-m12-e64 --no-peer --long --prefill-lens 16384 --workdir /tmp/glm5 \
-      --out "$OUT/glm5_prefill.json" > "$OUT/glm5_prefill.log" 2>&1
-      echo "glm5 prefill: exit $?"; quiet < "$OUT/glm5_prefill.log" | tail -4; }
-    t=$(left); [ "$t" -gt 60 ] && { timeout "$t" python3 benchmarks/prefill_sweep.py --sections moe \
-      --budget-s $(( t - 30 )) --out "$OUT/moe_sweep.json" > "$OUT/moe_sweep.log" 2>&1
-      sed -n '/^== /,$p' "$OUT/moe_sweep.log" | tail -40; }
-    ;;
-  g14d)  # the shortest call: the new defaults' GPU tests, then the TMA FP8 kernel's parity
-    defaults_tests 110
-    fp8_gluon_tests 60
-    ;;
-  g15)  # session 15's first call: g14d, the 16K gather bound, then fp8_gemm_compare (TMA kernel)
+  g15)  # session 15's first call: the defaults' tests, the 16K gather bound, then fp8_gemm_compare (TMA kernel)
     end=$(( start + ${G15_END:-560} )); left() { echo $(( end - $(date +%s) )); }
     defaults_tests 110
     fp8_gluon_tests 60
@@ -424,12 +402,6 @@ case "$stage" in
     [ "$t" -gt 60 ] && { timeout "$t" python3 benchmarks/prefill_sweep.py --sections moe \
       --budget-s $(( t - 30 )) --out "$OUT/moe_sweep.json" > "$OUT/moe_sweep.log" 2>&1
       sed -n '/^== /,$p' "$OUT/moe_sweep.log" | tail -40; }
-    ;;
-  g14c)  # a short call: the GPU tests of the new defaults, then the 16K gather bound
-    defaults_tests 150
-    timeout 80 python3 benchmarks/prefill_sweep.py --sections mla_variants --budget-s 45 \
-      --out "$OUT/mla_variants_gather.json" > "$OUT/mla_variants_gather.log" 2>&1
-    sed -n '/^== /,$p' "$OUT/mla_variants_gather.log" | head -16
     ;;
   moe)  # the fused MoE's tiles and program order (grouped: MoeConfig.group_m) at 512-16K tokens
     timeout 170 python3 benchmarks/prefill_sweep.py --sections moe --budget-s 150 \
