@@ -27,8 +27,9 @@ speed     per preset: decode step at batch 1 and 32 with 1K and 16K contexts (gr
           dummy; 53 GB does not fit the disk); transformers' copy gets its own random init
 prefill   per preset (``--prefill-lens``, default 4096,16384,65536 on the GPU; prompts longer
           than max_model_len are skipped, so give ``--long`` for 64K): one prompt's
-          prefill timed (the median of two distinct prompts; prefix-cache hits counted,
-          they must be 0), then a third prompt profiled: device time by kernel category
+          prefill timed (one untimed prompt first, which compiles, then the median of
+          three distinct prompts; prefix-cache hits counted, they must be 0), then another
+          prompt profiled: device time by kernel category
           and, per category, the achieved TFLOP/s and its share of the bf16 matmul rate
           measured in the same call (FLOP formulas: :mod:`pdserve.profiling.prefill_flops`);
           transformers' prefill of the same config where it fits (``--no-peer``: not)
@@ -517,7 +518,8 @@ def bench_prefill(llm: LLM, preset: str, lens: list[int], peak: float | None) ->
         if n + 1 > eng.max_model_len:
             res["points"].append({"tokens": n, "skipped": f"max_model_len {eng.max_model_len}"})
             continue
-        runs = [_prefill_once(llm, _prompt(n, 500 + 3 * n + i, vocab)) for i in range(2)]
+        warm = _prefill_once(llm, _prompt(n, 499 + 3 * n, vocab))  # compiles: untimed
+        runs = [_prefill_once(llm, _prompt(n, 500 + 3 * n + i, vocab)) for i in range(3)]
         flops = fm.flops(n)
         prof = profile_step(lambda n=n: _prefill_once(llm, _prompt(n, 7 * n + 1, vocab)),
                             runner.model, runner.device).table()  # fmt: skip
@@ -536,6 +538,7 @@ def bench_prefill(llm: LLM, preset: str, lens: list[int], peak: float | None) ->
             "seconds": sec,
             "tok_per_s": n / sec,
             "runs_s": [r[0] for r in runs],
+            "warmup_s": warm[0],
             "prefix_cache_hits": sum(r[1] for r in runs),
             "steps": [r[2] for r in runs],
             "flops": flops,

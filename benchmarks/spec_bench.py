@@ -21,8 +21,11 @@ decode glm5-m12-e64 (dummy; real GLM-5 per-layer dims) decoding at a 16K context
        drawn model (the adaptive one forgets its measured acceptance at each new rate and
        re-measures it on a short run first; its rows list the steps by drafts chosen). Every request shares one 16K prefix (prefilled once; the prefix-cache hits
        are counted) plus a distinct 32-token tail, so the timed part is steady decode:
-       from the step at which every stream has its first token to the last token. Per
-       point: TPOT, the mean step time, the batch reached (streams decoding in every
+       from the step at which every stream has its first token to the last token; each
+       batch size runs once untimed first (one-time costs stay out). Per point: the
+       steady TPOT (the steps that ran every stream over the tokens a stream gained in
+       them: a request's own TPOT also counts the steps that prefilled later streams;
+       the ratios to no speculation use it), TPOT, the mean step time, the batch reached (streams decoding in every
        timed step), the share of steps replayed from CUDA graphs, draft-graph replays,
        acceptance length, and the step's byte roofline (pdserve.profiling.decode_roofline:
        weights, the experts B * (1 + k) tokens reach under uniform routing, latents once
@@ -30,7 +33,10 @@ decode glm5-m12-e64 (dummy; real GLM-5 per-layer dims) decoding at a 16K context
        reading the MTP layer's weights (its experts as reached), the LM head, its latents
        and indexer keys) over the copy bandwidth measured in the same call, the
        roofline's TPOT (step roofline / tokens a request gains per step) and TPOT against
-       no speculation. Caveat (as in curve): a shared prefix's KV may be served from L2.
+       no speculation. ``--profile-streams N,..``: one steady step at those stream counts
+       (no speculation, and rate 0.7) runs under the profiler: kernel time by category
+       and the longest kernels. Caveat (as in curve): a shared prefix's KV may be served
+       from L2.
 pd     glm5-s4-e16 (dummy) 1P1D in one process over tcp on loopback: prefill MTP k=1,
        decode MTP k=3, 32 requests of 1K prompts arriving 4 at a time while earlier ones
        decode; the decode instance's steps by path, with speculative padding on and off.
@@ -62,6 +68,7 @@ from pdserve.frontend.processor import InputProcessor  # noqa: E402
 from pdserve.frontend.tokenizer import Tokenizer  # noqa: E402
 from pdserve.models import loader  # noqa: E402
 from pdserve.profiling.decode_roofline import DecodeByteModel, layer_index  # noqa: E402
+from pdserve.profiling.step_profile import profile_step  # noqa: E402
 from pdserve.testing.checkpoint import make_checkpoint  # noqa: E402
 
 ARCH = "GlmMoeDsaForCausalLM"
@@ -88,10 +95,13 @@ def _free() -> None:
 
 
 # --------------------------------------------------------------------------- curve
-def _decode(llm: LLM, tag: str, batch: int, prefix: list[int]) -> dict[str, Any]:
+def _decode(llm: LLM, tag: str, batch: int, prefix: list[int], out_tokens: int = 0,
+            profile: bool = False) -> dict[str, Any]:  # fmt: skip
+    """One point: ``batch`` streams decode ``out_tokens`` (default ``OUT_TOKENS``) each;
+    ``profile``: one steady step (every stream decoding) runs under the profiler."""
     eng = llm.engine
     vocab = eng.vocab_size
-    sp = SamplingParams(temperature=0.0, max_tokens=OUT_TOKENS, ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=out_tokens or OUT_TOKENS, ignore_eos=True)
     ids = [f"{tag}-{batch}-{i}" for i in range(batch)]
     for i, rid in enumerate(ids):
         eng.add_request(
@@ -107,14 +117,24 @@ def _decode(llm: LLM, tag: str, batch: int, prefix: list[int]) -> dict[str, Any]
     steps0 = None
     live: list[int] = []  # streams of this batch scheduled in each timed step
     full: list[float] = []  # durations of the timed steps that ran every stream
+    full_tokens = 0  # the tokens the batch's streams gained in those steps
+    prof: dict[str, Any] | None = None
     while len(last) < batch:
         if decode_start is not None:
             live.append(sum(r.request_id in first for r in eng.scheduler.running))
+        steady = len(live) > 1 and live[-1] == batch  # not the step that began timing
         t_step = time.perf_counter()
-        outs = eng.step()
+        if profile and prof is None and steady:
+            got: list[Any] = []
+            prof = profile_step(lambda got=got: got.append(eng.step()), None,
+                                eng.runner.device).table()  # fmt: skip
+            outs, steady = got[0], False  # (the profiler's time is not a step's)
+        else:
+            outs = eng.step()
         now = time.perf_counter()
-        if live and live[-1] == batch and len(live) > 1:  # not the step that began timing
+        if steady:
             full.append(now - t_step)
+            full_tokens += sum(len(o.new_token_ids) for o in outs if o.request_id in count)
         for o in outs:
             if o.new_token_ids:
                 first.setdefault(o.request_id, now)
@@ -134,9 +154,15 @@ def _decode(llm: LLM, tag: str, batch: int, prefix: list[int]) -> dict[str, Any]
         if v - steps0.step_paths.get(k, 0)
     }
     decode_steps = sum(paths.values())
+    # steady TPOT: the steps that ran every stream over the tokens a stream gained in them
+    # (a request's own TPOT also counts the steps that prefilled streams after its start)
+    steady_tpot = sum(full) / (full_tokens / batch) * 1e3 if full and full_tokens else None
     return {
         "batch": batch,
         "tpot_ms": statistics.mean(tpot) * 1e3,
+        "steady_tpot_ms": steady_tpot,
+        "steady_steps": len(full),
+        "profile": prof,
         "decode_tok_s": sum(count.values()) / (max(last.values()) - decode_start),
         "decode_steps": decode_steps,
         "decode_s": max(last.values()) - decode_start,
@@ -270,7 +296,7 @@ class DraftBytes:
 
 
 def bench_decode(workdir: Path, preset: str, streams: list[int], bw: float | None,
-                 save: Any) -> dict[str, Any]:  # fmt: skip
+                 save: Any, profile_streams: tuple[int, ...] = ()) -> dict[str, Any]:  # fmt: skip
     path = _config_dir(workdir, preset)
     t0 = time.perf_counter()
     model, cfg = loader.load_model(path, DTYPE, DEVICE, load_format="dummy", seed=0, with_mtp=True)
@@ -290,15 +316,18 @@ def bench_decode(workdir: Path, preset: str, streams: list[int], bw: float | Non
             runner = llm.engine.runner
             bm = DecodeByteModel.from_model(runner.model, runner.kv_cache_config)
             _decode(llm, "warm", 1, prefix)  # the shared prefix, prefilled once
+            for b in streams:  # each batch once untimed: one-time costs out of the timing
+                _decode(llm, f"w{b}", b, prefix, out_tokens=8)
             adaptive = llm.engine.scheduler.spec.policy
             for rate in RATES if k else (None,):
                 if rate is not None:
                     runner.synthetic_rate = rate
-                    if adaptive is not None:  # measure this rate afresh
+                    if adaptive is not None:  # measure this rate afresh, on a mid batch
                         adaptive.reset_acceptance()
-                        _decode(llm, f"a{rate}", min(streams), prefix)
+                        _decode(llm, f"a{rate}", max(1, max(streams) // 4), prefix, out_tokens=16)
                 for b in streams:
-                    r = _decode(llm, f"d{k}{policy}-{rate}", b, prefix)
+                    prof = b in profile_streams and rate in (None, 0.7)
+                    r = _decode(llm, f"d{k}{policy}-{rate}", b, prefix, profile=prof)
                     ctx = CTX + TAIL + OUT_TOKENS / 2
                     # the roofline of the draft count the steps ran (adaptive: the most used)
                     j = k if not r["steps_by_num_drafts"] else max(
@@ -315,9 +344,10 @@ def bench_decode(workdir: Path, preset: str, streams: list[int], bw: float | Non
                         r["roofline_tpot_ms"] = r["roofline_step_ms"] / gain
                         if r["full_step_ms"]:
                             r["step_x_roofline"] = r["full_step_ms"] / r["roofline_step_ms"]
+                    tpot = r["steady_tpot_ms"] or r["tpot_ms"]  # (no steady step: its own)
                     if k == 0:
-                        base[b] = r["tpot_ms"]
-                    r["tpot_vs_none"] = r["tpot_ms"] / base[b] if b in base else None
+                        base[b] = tpot
+                    r["tpot_vs_none"] = tpot / base[b] if b in base else None
                     res["runs"].append(r)
                     print(json.dumps(r), flush=True)
                     save(res)
@@ -420,6 +450,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--streams", default=",".join(map(str, DECODE_STREAMS)),
                     help="decode section: concurrent streams per point")  # fmt: skip
     ap.add_argument("--out-tokens", type=int, default=OUT_TOKENS)
+    ap.add_argument("--profile-streams", default="",
+                    help="decode section: profile one steady step at these stream counts "
+                         "(no speculation and rate 0.7)")  # fmt: skip
     ap.add_argument("--workdir", default="/tmp/pdserve-spec")
     ap.add_argument("--ctx", type=int, default=None, help=f"context (default {CTX}; CPU 40)")
     ap.add_argument("--device", default=DEVICE, choices=("cuda", "cpu"))
@@ -432,6 +465,7 @@ def main(argv: list[str] | None = None) -> None:
         DTYPE, KV_BYTES = "float32", 64 << 20
         a.curve_preset = a.pd_preset = a.decode_preset = CPU_PRESET
     streams = [int(x) for x in a.streams.split(",")] if not cpu else [1, 3]
+    profile = tuple(int(x) for x in a.profile_streams.split(",") if x)
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
     res: dict[str, Any] = {
@@ -455,7 +489,7 @@ def main(argv: list[str] | None = None) -> None:
         ("curve", lambda save: bench_curve(work, a.curve_preset, save)),
         ("decode", lambda save: bench_decode(work, a.decode_preset, streams,
                                              res.get("limits", {}).get("copy_bandwidth_Bps"),
-                                             save)),
+                                             save, profile)),
     ):  # fmt: skip
         if name not in sections:
             continue
@@ -485,8 +519,10 @@ def _table(res: dict[str, Any]) -> None:
     if "decode" in res:
         d = res["decode"]
         print(f"\n{d['preset']}: decode at a {d['ctx']}-token context (shared prefix), TPOT by streams")
-        print("  k  rate  streams  TPOT ms  vs none  step ms  full-batch step  roof step  x roof"
-              "  roof TPOT  live min  graph%  accept-len")  # fmt: skip
+        print("  (steady TPOT: the steps that ran every stream over the tokens a stream gained"
+              " in them; vs none: steady TPOT over no speculation's)")
+        print("  k  rate  streams  steady  TPOT ms  vs none  step ms  full-batch step  roof step"
+              "  x roof  roof TPOT  live min  graph%  accept-len")  # fmt: skip
         for r in d["runs"]:
             acc = f"{r['mean_accept_len']:.2f}" if r["mean_accept_len"] else "-"
             if r["policy"] == "adaptive":
@@ -495,11 +531,22 @@ def _table(res: dict[str, Any]) -> None:
             roof = r.get("roofline_step_ms", float("nan"))
             fs = f"{r['full_step_ms']:.2f}" if r["full_step_ms"] else "-"
             tag = f"{r['k']}{'a' if r['policy'] == 'adaptive' else ' '}"
-            print(f"  {tag} {r['rate'] or '-':>4}  {r['batch']:>7}  {r['tpot_ms']:7.2f}"
+            st = f"{r['steady_tpot_ms']:.2f}" if r["steady_tpot_ms"] else "-"
+            print(f"  {tag} {r['rate'] or '-':>4}  {r['batch']:>7}  {st:>6}  {r['tpot_ms']:7.2f}"
                   f"  {vs:>7}  {r['step_ms']:7.2f}  {fs:>15}  {roof:9.2f}"
                   f"  {r.get('step_x_roofline', 0):6.2f}"
                   f"  {r.get('roofline_tpot_ms', float('nan')):9.2f}  {r['live_min']:8d}"
                   f"  {100 * r['graph_share']:5.1f}  {acc:>10}")  # fmt: skip
+        for r in d["runs"]:
+            p = r.get("profile")
+            if not p:
+                continue
+            cats = "  ".join(f"{c} {v['ms']:.2f}" for c, v in p["categories"].items() if v["ms"])
+            print(f"  profile k={r['k']}{r['policy'] or ''} rate {r['rate']} x{r['batch']}: "
+                  f"wall {p['wall_ms']:.2f} ms, span {p['span_ms']:.2f}, {p['kernels']} kernels,"
+                  f" idle {p['idle_gap']['ms']:.2f}: {cats}")  # fmt: skip
+            for t in p["top"][:5]:
+                print(f"      {t['ms']:7.3f} ms x{t['count']:<4} {t['name'][:90]}")
     for r in res.get("pd", []):
         print(
             f"1P1D decode (k=3, padding {'on' if r['pad'] else 'off'}): "

@@ -15,7 +15,7 @@ def test_spec_bench_cpu_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     bench = load_script("spec_bench")
     out = tmp_path / "spec.json"
     bench.main(["--device", "cpu", "--sections", "curve,pd,decode", "--out", str(out),
-                "--workdir", str(tmp_path)])  # fmt: skip
+                "--workdir", str(tmp_path), "--profile-streams", "3"])  # fmt: skip
     res = json.loads(out.read_text())
     assert {(r["k"], r["policy"], r["rate"]) for r in res["decode"]["runs"]} == {
         (0, None, None),
@@ -31,6 +31,12 @@ def test_spec_bench_cpu_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         assert r["expected_tokens_per_step"] == sum((r["rate"] or 0) ** i for i in range(j + 1))
         if r["k"]:
             assert r["mean_accept_len"] is not None
+        if r["batch"] == 3 and r["rate"] in (None, 0.7):  # --profile-streams 3
+            assert r["profile"]["kernels"] > 0 and r["profile"]["categories"]
+        else:
+            assert r["profile"] is None
+        assert r["steady_tpot_ms"] is None or r["steady_tpot_ms"] > 0
     assert [r["pad"] for r in res["pd"]] == [True, False]
     assert res["pd"][0]["padded_first_steps"] > 0 == res["pd"][1]["padded_first_steps"]
-    assert "decode at a 40-token context" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "decode at a 40-token context" in printed and "profile k=0" in printed

@@ -18,7 +18,7 @@ from _requests import assert_clean, outputs, random_prompts
 from _stand_in_graphs import stand_in_graphs
 from pdserve import LLM, SamplingParams
 from pdserve.runner.graph_costs import fill_timing_batch, time_step_costs
-from pdserve.spec_decode.draft_policy import DraftPolicy
+from pdserve.spec_decode.draft_policy import MIN_EVIDENCE, DraftPolicy
 
 KW: dict[str, Any] = dict(dtype="float32", block_size=4, max_num_batched_tokens=16)
 MAX_TOKENS = (12, 1, 9, 5)  # the batch shrinks 4 -> 3 -> 2 -> 1 as requests finish
@@ -26,6 +26,12 @@ ROWS = {1: [1.0, 1.05, 1.1, 1.15], 2: [1.0, 1.3, 1.8, 2.5], 4: [1.0, 2.0, 3.0, 4
 
 
 class FrozenPolicy(DraftPolicy):
+    def __init__(self, k: int, prior: float) -> None:
+        super().__init__(k, prior=prior)
+        # evidence enough to decide (no measuring first), at the prior's rate
+        self.reached = [MIN_EVIDENCE] * (k + 1)
+        self.accepted = [prior * MIN_EVIDENCE] * (k + 1)
+
     def observe(self, verified: Sequence[int], accepted: Sequence[int]) -> None:
         pass  # keep the prior: the choice depends on the batch alone
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.spec_decode.draft_policy import MIN_EVIDENCE, DraftPolicy
+from pdserve.spec_decode.draft_policy import MIN_EVIDENCE, PROBE_EVERY, PROBE_STEPS, DraftPolicy
 
 
 def _costs(
@@ -53,7 +53,8 @@ def test_choice_maximises_tokens_per_second_and_never_loses() -> None:
 
 
 def test_the_step_takes_the_costs_of_the_narrowest_width_its_context_fits() -> None:
-    p = DraftPolicy(1, prior=0.5)
+    p = DraftPolicy(1, prior=0.5, decay=1.0)
+    p.observe([1] * 100, [1] * 50 + [0] * 50)  # measured: 0.5
     p.set_costs({**_costs(1, {8: [1.0, 1.1]}, width=4096), **_costs(1, {8: [1.0, 2.0]}, 65536)})
     assert p.widths == [4096, 65536]
     assert p.choose(8, context=3000) == 1  # 1.5 / 1.1 beats 1 / 1
@@ -62,7 +63,8 @@ def test_the_step_takes_the_costs_of_the_narrowest_width_its_context_fits() -> N
 
 
 def test_ties_take_fewer_drafts_and_k_must_be_positive() -> None:
-    p = DraftPolicy(1, prior=0.0)
+    p = DraftPolicy(1, decay=1.0)
+    p.observe([1] * 100, [0] * 100)
     p.set_costs({(4, 0, 64): 1.0, (4, 1, 64): 1.0})
     assert p.choose(4) == 0  # a draft never accepted gains nothing
     with pytest.raises(ValueError, match="num_speculative_tokens >= 1"):
@@ -75,3 +77,26 @@ def test_reset_forgets_the_measured_acceptance() -> None:
     assert p.acceptance()[0] == pytest.approx(0.0)
     p.reset_acceptance()
     assert p.acceptance() == [0.5, 0.5]
+
+
+def test_it_measures_before_it_decides_and_probes_while_it_drafts_nothing() -> None:
+    p = DraftPolicy(3, prior=0.1, decay=1.0)  # the prior alone would never draft
+    p.set_costs(_costs(3, {8: [10.0, 20.0, 30.0, 40.0]}))
+    assert p.choose(8) == 3  # no evidence yet: measure
+    p.observe([3] * int(MIN_EVIDENCE), [0] * int(MIN_EVIDENCE))  # nothing accepted
+    picks = [p.choose(8) for _ in range(3 * PROBE_EVERY)]
+    # below k for PROBE_EVERY steps in a row, then k for PROBE_STEPS steps (propose, verify)
+    assert picks[: PROBE_EVERY - 1] == [0] * (PROBE_EVERY - 1)
+    assert picks[PROBE_EVERY - 1 : PROBE_EVERY - 1 + PROBE_STEPS] == [3] * PROBE_STEPS
+    probes = sum(j == 3 for j in picks)
+    assert probes == 2 * PROBE_STEPS and probes / len(picks) < 0.01
+
+
+def test_counts_decay_by_the_steps_between_observations() -> None:
+    p = DraftPolicy(1, decay=0.5)
+    p.observe([1] * 64, [0] * 64)
+    for _ in range(3):
+        p.choose(8)  # no costs: k, but the steps count
+    p.observe([1], [1])  # the old rows decay by 0.5 ** 3 first
+    assert p.reached[1] == pytest.approx(64 * 0.125 + 1)
+    assert p.accepted[1] == pytest.approx(1.0)

@@ -44,7 +44,9 @@ from pdserve.kernels._utils import (
 )
 from pdserve.kernels.moe_align import align_fits, moe_align, moe_combine
 
-CHUNK_TOKENS = 4096
+# one launch pair takes up to 16K tokens: H200 sweep of 2026-12-05 (RESULTS.md run 51), 8K
+# tokens as one chunk with grouped program order 11.67 -> 9.86 ms a layer
+CHUNK_TOKENS = 16384
 
 
 def align_by_expert(
@@ -227,7 +229,11 @@ def _config(num_pairs: int, num_experts: int) -> MoeConfig:
     # 41, 64 experts top-8): 512 tokens 1.58 -> 1.46 ms, 1024 tokens 2.34 -> 2.01 ms
     if per_expert <= 32:
         return MoeConfig(64, 128, 64, 4)
-    return MoeConfig(128, 128, 64, 8)
+    # grouped program order, and 256-column down tiles up to 512 pairs an expert: run 51,
+    # 64 experts top-8: 2K tokens 3.33 -> 2.95 ms, 4K 5.96 -> 5.21, 8K (one chunk) 9.86
+    if per_expert <= 512:
+        return MoeConfig(128, 128, 64, 8, group_m=8, down_n=256)
+    return MoeConfig(128, 128, 64, 8, group_m=8)
 
 
 def fused_experts(

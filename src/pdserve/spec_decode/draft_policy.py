@@ -20,10 +20,17 @@ known for it (a CPU engine, graphs off, a batch past the largest captured size) 
 policy keeps ``k``.
 
 **Acceptance** per position is counted from the steps that verified drafts, with counts
-decaying by ``DECAY`` a step so the estimate follows the traffic: ``a_m = accepted_m /
-reached_m``, ``reached_m`` the verify rows that had a draft ``m`` and accepted drafts
-``1 .. m-1``. Until a position has ``MIN_EVIDENCE`` rows, its prior ``PRIOR`` stands in
-(blended in proportion), so a fresh engine speculates and measures before it decides.
+decaying by ``DECAY`` an engine step (steps without drafts included) so the estimate
+follows the traffic: ``a_m = accepted_m / reached_m``, ``reached_m`` the verify rows that
+had a draft ``m`` and accepted drafts ``1 .. m-1``. Until a position has
+``MIN_EVIDENCE`` rows, its prior ``PRIOR`` stands in (blended in proportion).
+
+**Measuring first, and probing**: a policy that chose no drafts would never see a verify
+row again, so its estimate would freeze (a fresh engine whose prior says "no" would never
+speculate, whatever the real acceptance). So until the first position has
+``MIN_EVIDENCE`` rows the policy picks ``k`` (it measures before it decides), and after
+``PROBE_EVERY`` steps in a row below ``k`` it picks ``k`` for ``PROBE_STEPS`` steps (the
+first proposes drafts, the next verifies them): about 1% of the steps at worst.
 
 Pure host arithmetic on small tables: no torch, no device.
 """
@@ -36,6 +43,8 @@ from collections.abc import Mapping, Sequence
 PRIOR = 0.6  # acceptance assumed at a position with no evidence yet
 MIN_EVIDENCE = 64.0  # verify rows at a position before the measured rate stands alone
 DECAY = 0.995  # per step: about 200 steps of memory
+PROBE_EVERY = 256  # steps in a row below k before a probe
+PROBE_STEPS = 2  # a probe: one step proposes drafts, the next verifies them
 
 
 class DraftPolicy:
@@ -51,6 +60,10 @@ class DraftPolicy:
         self.sizes: dict[int, list[int]] = {}  # width -> captured sizes with every j timed
         self.costs: dict[tuple[int, int], list[float]] = {}  # (width, size) -> s for j=0..k
         self.last_choice = k
+        self.steps = 0  # choices made (engine steps)
+        self._observed_at = 0  # self.steps at the last observation
+        self._below_k = 0  # steps in a row that chose fewer than k drafts
+        self._probe_left = 0  # steps of the running probe still to go
 
     # -- inputs -------------------------------------------------------------------------
     def set_costs(self, costs: Mapping[tuple[int, int, int], float]) -> None:
@@ -73,7 +86,8 @@ class DraftPolicy:
     def observe(self, verified: Sequence[int], accepted: Sequence[int]) -> None:
         """One step's verify rows: for each, the drafts it verified and how many of them
         were accepted (placeholders never count; a row with 0 drafts is skipped)."""
-        d = self.decay
+        d = self.decay ** max(1, self.steps - self._observed_at)  # the steps since the last
+        self._observed_at = self.steps
         self.reached = [r * d for r in self.reached]
         self.accepted = [a * d for a in self.accepted]
         for j, a in zip(verified, accepted, strict=True):
@@ -107,9 +121,25 @@ class DraftPolicy:
 
     def choose(self, batch: int, context: int = 0) -> int:
         """Drafts for a step of ``batch`` requests whose longest context is ``context``:
-        the ``j`` with the most tokens per second at the graph the step runs on; ``k``
-        with no costs for it."""
-        self.last_choice = self.k
+        ``k`` while measuring or probing (module docstring), else the ``j`` with the most
+        tokens per second at the graph the step runs on; ``k`` with no costs for it."""
+        self.steps += 1
+        best = self._best(batch, context)
+        if best < self.k:
+            if self.reached[1] < MIN_EVIDENCE or self._probe_left > 0:
+                best = self.k
+            elif self._below_k + 1 >= PROBE_EVERY:
+                self._probe_left, best = PROBE_STEPS, self.k
+        if best < self.k:
+            self._below_k += 1
+        else:
+            self._below_k = 0
+        self._probe_left = max(0, self._probe_left - 1)
+        self.last_choice = best
+        return best
+
+    def _best(self, batch: int, context: int) -> int:
+        """The ``j`` with the most tokens per second at the step's graph (``k``: no costs)."""
         i = bisect.bisect_left(self.widths, context)
         if i == len(self.widths):
             return self.k
@@ -121,6 +151,4 @@ class DraftPolicy:
         cost = self.costs[(width, sizes[n])]
         gain = self.expected_tokens()
         rates = [gain[j] / cost[j] for j in range(self.k + 1)]
-        best = max(range(self.k + 1), key=lambda j: (rates[j], -j))  # ties: fewer drafts
-        self.last_choice = best
-        return best
+        return max(range(self.k + 1), key=lambda j: (rates[j], -j))  # ties: fewer drafts
