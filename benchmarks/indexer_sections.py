@@ -11,8 +11,9 @@ indexer_prefill  one request (32 index heads x 128, bf16 keys, top-2048) prefill
                  per-token kernel, the default config and the sweep's best. Scores are
                  computed in the backend's token chunks (1 GiB of scores each: 64K runs in
                  4K-token chunks, with every score written for torch.topk since its width
-                 is past SORT_FREE_MAX_WIDTH). Selects on the case's rows: "rows" (the row
-                 in registers, up to 32K keys), "radix" (histogram passes), torch.topk over
+                 is past SORT_FREE_MAX_WIDTH). Selects on the case's rows: "rows_bits" / "rows_hist"
+                 (the row in registers, up to 32K keys; the K-th key found bit by bit, or
+                 by byte histograms), "radix" (histogram passes), torch.topk over
                  fully written rows; max_abs_diff compares the selected scores with
                  torch.topk's. "backend" rows time IndexerTritonBackend.forward as a layer
                  calls it (key write, scores, select).
@@ -61,7 +62,7 @@ from pdserve.kernels.dsa_indexer_tiled import (
     tile_grid,
     verify_config,
 )
-from pdserve.kernels.dsa_select import REG_SELECT_MAX_WIDTH
+from pdserve.kernels.dsa_select import REG_SELECT_HIST, REG_SELECT_MAX_WIDTH
 from pdserve.kernels.index_cache import (
     fp8_index_row_bytes,
     indexer_cache_views,
@@ -370,7 +371,8 @@ def run_indexer_prefill(
 
 def _selects(c: Case, name: str, timer: Timer, graph: bool) -> list[dict[str, Any]]:
     """Each select over the case's rows (every chunk), checked against torch.topk's."""
-    variants = ["rows", "radix"] if c.width <= REG_SELECT_MAX_WIDTH else ["radix"]
+    wide = c.width > REG_SELECT_MAX_WIDTH
+    variants = ["radix"] if wide else ["rows_bits", "rows_hist", "radix"]
     rows = []
     a, b = c.chunks[-1]  # the longest rows: the check
     full = c.tiled(a, b, False, None)
@@ -385,7 +387,8 @@ def _selects(c: Case, name: str, timer: Timer, graph: bool) -> list[dict[str, An
             for a2, b2 in c.chunks:
                 s2 = c.tiled(a2, b2, True, None)
                 ms += timer(partial(c.select, s2, a2, b2, v))
-        used = c.sort_free and v == ("rows" if c.width <= REG_SELECT_MAX_WIDTH else "radix")
+        default = "rows_hist" if REG_SELECT_HIST else "rows_bits"
+        used = c.sort_free and v == ("radix" if wide else default)
         rows.append(_row(name, f"select {v}", ms, max_abs_diff=diff, used=used))
     if len(c.chunks) == 1:
         ms = timer(partial(c.topk, full), graph=graph)

@@ -3,7 +3,7 @@
 # of at most 10 minutes each; every stage prints its tables and leaves JSON and logs under
 # $OUT. Record the commit yourself: the device copy of the tree may carry a stale .git.
 #
-#   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh g15e (first), g15b, d10
+#   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh g16 (first), d10
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh s12|fp8s|moe|pdl|xfer
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh k10
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh p10
@@ -36,7 +36,10 @@
 #       kernel on for 1,024+ token batches.
 # g15c  the warp-specialized MLA kernel (gluon_ws): parity, the 16K sweep, glm5 prefill 16K
 #       with it, then the defaults' tests (run 50).
-# g15e  glm5 prefill 16K / 64K with gluon_ws the default, then the MoE sweep (down_n tiles).
+# g15e  glm5 prefill 16K / 64K with gluon_ws the default, then the MoE sweep (down_n tiles) (run 51).
+# g16   the select variants (benchmarks/select_bench.py: the K-th key by bits or by byte
+#       histograms) with their GPU parity, glm5 prefill 16K with the faster (it becomes
+#       the default when it wins by 3%+), then glm5_bench --sections accuracy (issue 26).
 # g14   the Gluon kernels of session 13 (kernels/sparse_mla_gluon.py,
 #       kernels/fp8_gemm_gluon.py): the MLA kernel's GPU parity, then glm5 prefill on it,
 #       then the FP8 / PDL / MoE GPU tests and the mla_variants sweep and
@@ -392,6 +395,31 @@ case "$stage" in
       tests/kernels/test_pdl.py tests/kernels/test_fp8_gemm_gluon.py > "$OUT/tests/defaults.log" 2>&1
       echo "tests with the new defaults: exit $?"
       grep -E "PASSED|FAILED|ERROR|passed|failed|s call " "$OUT/tests/defaults.log" | tail -30; }
+    ;;
+  g16)  # session 16's additions: the select variants (K-th key by byte histograms) on the
+        # GPU, glm5 prefill 16K with the faster one, then the accuracy gate (issue 26)
+    timeout 150 python3 -m pytest -p no:cacheprovider -q -rfE tests/kernels/test_dsa_indexer.py \
+      tests/engine/test_draft_policy.py 2>&1 | tail -4
+    timeout 120 python3 benchmarks/select_bench.py --out "$OUT/select.json" > "$OUT/select.log" 2>&1
+    echo "select_bench: exit $?"; sed -n '/^== select/,$p' "$OUT/select.log"
+    pick=$(python3 -c '
+import json, sys
+rows = [r for r in json.load(open(sys.argv[1]))["select"] if r["case"] == "prefill 16K" and r["exact"]]
+ms = {r["variant"]: r["ms"] for r in rows}
+print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else "bits")' \
+      "$OUT/select.json" 2>/dev/null || echo bits)
+    echo "select pick: $pick"
+    [ "$pick" = hist ] && sed -i 's/^REG_SELECT_HIST = False/REG_SELECT_HIST = True/' \
+      src/pdserve/kernels/dsa_select.py
+    timeout 150 python3 benchmarks/glm5_bench.py --sections prefill --presets glm5-m12-e64 \
+      --no-peer --long --prefill-lens 16384 --workdir /tmp/glm5 \
+      --out "$OUT/glm5_prefill.json" > "$OUT/glm5_prefill.log" 2>&1
+    echo "glm5 prefill: exit $?"; quiet < "$OUT/glm5_prefill.log" | tail -4
+    t=$(( start + 575 - $(date +%s) ))
+    [ "$t" -gt 60 ] && { timeout "$t" python3 benchmarks/glm5_bench.py --sections accuracy \
+      --presets glm5-s4-e16 --workdir /tmp/glm5 --out "$OUT/glm5_accuracy.json" \
+      > "$OUT/glm5_accuracy.log" 2>&1; echo "accuracy: exit $?"
+      quiet < "$OUT/glm5_accuracy.log" | tail -12; }
     ;;
   g15e)  # glm5 prefill 16K/64K with gluon_ws the default, then the MoE tile sweep
     timeout 170 python3 benchmarks/glm5_bench.py --sections prefill --presets glm5-m12-e64 \

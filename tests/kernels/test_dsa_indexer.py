@@ -71,19 +71,25 @@ def test_indexer_kernels_match_reference(
     _assert_same_selection(got, want, scores, tol)
 
 
-def test_select_breaks_ties_to_exactly_k(device: torch.device) -> None:
-    """Many equal scores (ReLU zeros, repeated values): exactly k keys, the best ones."""
+@pytest.mark.parametrize("variant", ["rows_bits", "rows_hist"])
+def test_select_breaks_ties_to_exactly_k(device: torch.device, variant: str) -> None:
+    """Many equal scores (ReLU zeros, repeated values, -0.0 beside 0.0): exactly k keys,
+    the best ones."""
     g = torch.Generator().manual_seed(3)
-    rows, n, k = 4, 700, 64
+    rows, n, k = 6, 700, 64
     logits = torch.randint(0, 5, (rows, n), generator=g).float()
     logits[1] = 0.0  # all tied
     logits[2, :k] = -torch.arange(k, dtype=torch.float32) - 1.0  # negatives in the mix
+    logits[3] = torch.randn(n, generator=g)  # distinct
+    logits[4] = -torch.rand(n, generator=g) * 1e-3  # all negative, close together
+    logits[4, ::3] = -0.0
+    logits[5, 100:] = float("-inf")  # -inf past the first 100 keys
     logits = logits.to(device)
     seq = torch.tensor([n], dtype=torch.int32, device=device)
     qsl = torch.tensor([0, rows], dtype=torch.int32, device=device)
     req = torch.zeros(rows, dtype=torch.int64, device=device)
     qidx = torch.arange(rows, device=device)  # the last rows: positions n-4 .. n-1
-    got = topk_select(logits, seq, qsl, req, qidx, k, rows)
+    got = topk_select(logits, seq, qsl, req, qidx, k, rows, variant=variant)
     for t in range(rows):
         pos = n - rows + t
         ref = logits[t, : pos + 1].topk(k).values.sort().values
@@ -92,7 +98,7 @@ def test_select_breaks_ties_to_exactly_k(device: torch.device) -> None:
         assert torch.equal(logits[t][sel].sort().values, ref)
 
 
-@pytest.mark.parametrize("variant", ["rows", "radix"])
+@pytest.mark.parametrize("variant", ["rows_bits", "rows_hist", "radix"])
 def test_select_writes_every_slot_of_a_stale_buffer(device: torch.device, variant: str) -> None:
     """The register select needs no -1 fill before it (the decode path passes an empty
     buffer): short rows pad with -1, long ones get k positions, NaN rows keep no stale

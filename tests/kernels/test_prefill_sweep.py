@@ -84,3 +84,17 @@ def test_gather_bound_sums_each_tokens_candidate_rows(device: torch.device) -> N
     for cfg in gb.CONFIGS:
         got = gb.gather_rows(cache, rows, ncand, 3, 32, 16, cfg)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the bench is a benchmark run")
+def test_select_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/select_bench.py: every select variant on a chunked prompt, its selection
+    the same scores as torch.topk's; the default is marked."""
+    bench = load_script("select_bench")
+    out = tmp_path / "select.json"
+    assert bench.main(["--device", "cpu", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["select"]
+    assert {r["variant"] for r in rows} == {"rows_bits", "rows_hist", "radix"}
+    assert all(r["exact"] and r["score_bytes"] > 0 for r in rows)
+    assert sum(r["default"] for r in rows) == 1
+    assert "== select" in capsys.readouterr().out

@@ -64,6 +64,7 @@ from pdserve.kernels.index_cache import check_key_cache
 BLOCK_N = 64
 KEYS_PER_PROGRAM = 256
 SELECT_BLOCK = 4096
+SELECT_VARIANTS = ("auto", "rows", "rows_bits", "rows_hist", "radix")
 SORT_FREE_MAX_WIDTH = 32768  # wider score rows go to torch.topk (see the module doc)
 
 
@@ -306,12 +307,15 @@ def topk_select(
 
     ``variant``: ``"rows"`` holds each row in registers
     (:func:`~pdserve.kernels.dsa_select.reg_topk_select`, rows up to
-    ``REG_SELECT_MAX_WIDTH`` keys), ``"radix"`` the histogram kernel here (any width),
-    ``"auto"`` the first where the width allows."""
+    ``REG_SELECT_MAX_WIDTH`` keys; ``"rows_bits"`` / ``"rows_hist"`` name how it finds the
+    K-th key), ``"radix"`` the histogram kernel here (any width), ``"auto"`` the first
+    where the width allows."""
     check_device(logits, "topk_select")
-    if variant not in ("auto", "rows", "radix"):
-        raise ValueError(f"topk_select variant must be auto, rows or radix, not {variant!r}")
-    rows = variant == "rows" or (variant == "auto" and logits.shape[1] <= REG_SELECT_MAX_WIDTH)
+    if variant not in SELECT_VARIANTS:
+        raise ValueError(f"topk_select variant must be one of {SELECT_VARIANTS}, not {variant!r}")
+    rows = variant.startswith("rows") or (
+        variant == "auto" and logits.shape[1] <= REG_SELECT_MAX_WIDTH
+    )
     if out is None:  # the register select writes every slot of its rows (-1 pads) itself
         out = torch.empty((num_tokens, topk), dtype=torch.int64, device=logits.device)
     if not rows:
@@ -320,7 +324,8 @@ def topk_select(
         return out
     if rows:
         place = (seq_lens, query_start_loc, token_req_idx, token_q_idx)
-        return reg_topk_select(logits, *place, topk, num_tokens, out)
+        hist = {"rows_bits": False, "rows_hist": True}.get(variant)
+        return reg_topk_select(logits, *place, topk, num_tokens, out, hist=hist)
     _select_kernel[(num_tokens,)](
         logits,
         seq_lens,

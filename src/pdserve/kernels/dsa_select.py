@@ -11,7 +11,10 @@ it in registers: the K-th largest key is found bit by bit, most significant firs
 steps, each ``count(key >= prefix | bit) >= K``: one compare and one sum over the row,
 no histogram, no memory traffic), then one pass over the row (re-read from L2 in chunks
 of ``REG_SELECT_CHUNK``) writes the positions above it and the first ones equal to it
-(two prefix sums give each its slot). A row is processed at the
+(two prefix sums give each its slot). With ``HIST`` (:data:`REG_SELECT_HIST`, the
+``rows_hist`` select variant) the K-th key is found a byte at a time instead: four
+256-bin histograms (``tl.histogram``) of the keys sharing the bytes found so far, in
+place of 32 row-wide reductions. A row is processed at the
 smallest of ``BLOCK``, ``BLOCK/2``, ``BLOCK/4`` that holds it (``SPLITS``), so short rows
 of a wide buffer cost less. Rows wider than :data:`REG_SELECT_MAX_WIDTH` keep the
 histogram radix kernel of :mod:`~pdserve.kernels.dsa_indexer`.
@@ -31,10 +34,47 @@ REG_SELECT_MAX_WIDTH = 32768  # wider rows: the radix kernel (dsa_indexer)
 REG_SELECT_PER_THREAD = 64  # keys a thread holds (sets num_warps, 4..16)
 REG_SELECT_SPLITS = 2  # also compile BLOCK/2 .. BLOCK/2**SPLITS paths for short rows
 REG_SELECT_CHUNK = 2048  # keys a step of the writing pass
+REG_SELECT_HIST = False  # the K-th key by byte histograms (not yet timed on the GPU)
 
 
 @triton.jit
-def _select_row(row, dst, n, K, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+def _kth_key_bits(key, K):
+    """(the K-th largest of ``key``, how many are above it): bit by bit, 32 reductions."""
+    thr = tl.zeros([], tl.uint32)
+    top = tl.full([], 2147483648, tl.uint32)
+    for b in range(32):  # the largest thr with count(key >= thr) >= K: the K-th key
+        cand = thr | (top >> b)
+        cnt = tl.sum((key >= cand).to(tl.int32))
+        thr = tl.where(cnt >= K, cand, thr)
+    return thr, tl.sum((key > thr).to(tl.int32))
+
+
+@triton.jit
+def _kth_key_hist(key, in_row, K):
+    """(the K-th largest of ``key``, how many are above it): a byte at a time, most
+    significant first, from a 256-bin histogram of the keys that share the bytes found
+    so far (4 histograms instead of 32 reductions)."""
+    bins = tl.arange(0, 256)
+    thr = tl.zeros([], tl.uint32)
+    need = K  # keys still to take among those matching thr's bytes so far
+    for p in tl.static_range(4):
+        shift: tl.constexpr = 24 - 8 * p
+        if p == 0:  # noqa: SIM108 (a shift by 32 is undefined: no match to test)
+            match = in_row
+        else:
+            match = in_row & ((key >> (shift + 8)) == (thr >> (shift + 8)))
+        digit = ((key >> shift) & 0xFF).to(tl.int32)
+        hist = tl.histogram(digit, 256, mask=match)
+        ge = tl.sum(hist) - tl.cumsum(hist, 0) + hist  # matching keys with byte >= bin
+        d = tl.max(tl.where(ge >= need, bins, -1))  # the K-th key's byte
+        need -= tl.sum(tl.where(bins > d, hist, 0))
+        thr = thr | (d.to(tl.uint32) << shift)
+    return thr, K - need
+
+
+@triton.jit
+def _select_row(row, dst, n, K, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+                HIST: tl.constexpr = False):  # fmt: skip
     """Write the top-``K`` positions of ``row[0:n]`` (``K < n <= BLOCK``) to ``dst``."""
     offs = tl.arange(0, BLOCK)
     in_row = offs < n
@@ -42,13 +82,11 @@ def _select_row(row, dst, n, K, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
     bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # float order as signed ints
     key = (bits ^ (-2147483648)).to(tl.uint32, bitcast=True)  # ... as unsigned ints
     key = tl.where(in_row, key, tl.zeros_like(key))  # below every real score's key
-    thr = tl.zeros([], tl.uint32)
-    top = tl.full([], 2147483648, tl.uint32)
-    for b in range(32):  # the largest thr with count(key >= thr) >= K: the K-th key
-        cand = thr | (top >> b)
-        cnt = tl.sum((key >= cand).to(tl.int32))
-        thr = tl.where(cnt >= K, cand, thr)
-    above = tl.sum((key > thr).to(tl.int32))  # all taken; then the first K - above equal
+    if HIST:
+        thr, above = _kth_key_hist(key, in_row, K)
+    else:
+        thr, above = _kth_key_bits(key, K)
+    # all keys above thr are taken; then the first K - above equal to it
     # the positions, in chunks re-read from L2 (a prefix sum over the whole row in
     # registers would double the registers a key needs)
     n_gt = tl.zeros([], tl.int32)
@@ -85,6 +123,7 @@ def _reg_select_kernel(
     BLOCK_K: tl.constexpr,
     SPLITS: tl.constexpr,
     CHUNK: tl.constexpr,
+    HIST: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
@@ -107,18 +146,18 @@ def _reg_select_kernel(
         tl.debug_barrier()  # the -1s land before the row's positions overwrite them
         if SPLITS >= 2:
             if n <= BLOCK // 4:
-                _select_row(row, dst, n, K, BLOCK // 4, CHUNK)
+                _select_row(row, dst, n, K, BLOCK // 4, CHUNK, HIST)
             elif n <= BLOCK // 2:
-                _select_row(row, dst, n, K, BLOCK // 2, CHUNK)
+                _select_row(row, dst, n, K, BLOCK // 2, CHUNK, HIST)
             else:
-                _select_row(row, dst, n, K, BLOCK, CHUNK)
+                _select_row(row, dst, n, K, BLOCK, CHUNK, HIST)
         elif SPLITS == 1:
             if n <= BLOCK // 2:
-                _select_row(row, dst, n, K, BLOCK // 2, CHUNK)
+                _select_row(row, dst, n, K, BLOCK // 2, CHUNK, HIST)
             else:
-                _select_row(row, dst, n, K, BLOCK, CHUNK)
+                _select_row(row, dst, n, K, BLOCK, CHUNK, HIST)
         else:
-            _select_row(row, dst, n, K, BLOCK, CHUNK)
+            _select_row(row, dst, n, K, BLOCK, CHUNK, HIST)
 
 
 def reg_select_warps(width: int) -> int:
@@ -136,9 +175,11 @@ def reg_topk_select(
     out: torch.Tensor,
     splits: int = REG_SELECT_SPLITS,
     num_warps: int | None = None,
+    hist: bool | None = None,
 ) -> torch.Tensor:
     """Fill ``out`` [num_tokens, topk] (every slot of those rows is written; -1 pads) from
-    score rows of width up to :data:`REG_SELECT_MAX_WIDTH`."""
+    score rows of width up to :data:`REG_SELECT_MAX_WIDTH`. ``hist``: find the K-th key
+    by byte histograms instead of bit by bit (default :data:`REG_SELECT_HIST`)."""
     width = logits.shape[1]
     if width > REG_SELECT_MAX_WIDTH:
         raise ValueError(f"register select holds rows up to {REG_SELECT_MAX_WIDTH} keys: {width}")
@@ -157,6 +198,7 @@ def reg_topk_select(
         BLOCK_K=min(1024, next_pow2(topk)),
         SPLITS=min(splits, max(0, block.bit_length() - 5)),  # keep BLOCK >> SPLITS >= 16
         CHUNK=min(block, REG_SELECT_CHUNK),
+        HIST=REG_SELECT_HIST if hist is None else hist,
         num_warps=num_warps or reg_select_warps(width),
         **pdl_args(logits.device),
     )

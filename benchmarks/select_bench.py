@@ -1,0 +1,155 @@
+"""The DSA indexer's top-k select at prefill size (issue 26): each select variant on the
+score rows a GLM-5 prefill hands it, checked against ``torch.topk``, timed.
+
+    PYTHONPATH=src python3 benchmarks/select_bench.py --out $OUT/select.json
+    python3 benchmarks/select_bench.py --device cpu --out /tmp/select.json   (smoke)
+
+Cases (top-k 2048, float32 score rows as the indexer writes them): a 16K prompt in the
+serve default's two 8K-token chunks (rows at positions 0..8191 in an 8K-wide buffer,
+then 8192..16383 in a 16K-wide one) and a 4K prompt in one chunk. Variants
+(:data:`pdserve.kernels.dsa_indexer.SELECT_VARIANTS`): ``rows_bits`` and ``rows_hist``
+(the row in registers; the K-th key found bit by bit, or by byte histograms) and
+``radix`` (histogram passes over memory). Per case and variant: ms (CUDA events, median
+of the timed calls), the scores read (sum over rows past top-k of pos + 1, 4 bytes each)
+as GB/s against the copy bandwidth measured in the same call, and whether its selection
+has the same scores as ``torch.topk``'s (``exact``). The variant the indexer uses by
+default is marked. ``--device cpu`` runs the code path at tiny shapes under Triton's
+interpreter (a smoke run for the test suite, not a measurement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _interp import interpreter_fix  # noqa: E402
+
+GPU_CASES = {"prefill 16K": ((0, 8192), (8192, 16384)), "prefill 4K": ((0, 4096),)}
+CPU_CASES = {"prefill 48": ((0, 24), (24, 48))}
+GPU_TOPK, CPU_TOPK = 2048, 16
+
+
+def _chunk(a: int, b: int, dev: torch.device, g: torch.Generator) -> dict[str, Any]:
+    """Score rows of the prompt tokens a..b-1 (one request), as the indexer leaves them."""
+    q = b - a
+    logits = torch.randn(q, b, device=dev, generator=g)
+    return {
+        "logits": logits,
+        "seq_lens": torch.tensor([b], dtype=torch.int32, device=dev),
+        "qsl": torch.tensor([0, q], dtype=torch.int32, device=dev),
+        "req": torch.zeros(q, dtype=torch.int64, device=dev),
+        "qidx": torch.arange(q, device=dev),
+    }
+
+
+def _exact(c: dict[str, Any], got: torch.Tensor, a: int, topk: int) -> bool:
+    """Same multiset of scores as torch.topk over each row's causal keys (rows past top-k)."""
+    lg = c["logits"]
+    pos = a + torch.arange(lg.shape[0], device=lg.device)
+    live = pos + 1 > topk
+    causal = torch.arange(lg.shape[1], device=lg.device)[None, :] <= pos[:, None]
+    full = lg.masked_fill(~causal, float("-inf"))[live]
+    want = full.topk(topk, dim=-1).values.sort(dim=-1).values
+    sel = got[live]
+    if bool((sel < 0).any()):
+        return False
+    return bool(torch.equal(lg[live].gather(1, sel).sort(dim=-1).values, want))
+
+
+def _time_ms(fn: Any, dev: torch.device, reps: int) -> float:
+    if dev.type != "cuda":
+        fn()
+        return 0.0
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def run(dev: torch.device, bw: float | None, reps: int) -> list[dict[str, Any]]:
+    from pdserve.kernels.dsa_indexer import SELECT_VARIANTS, topk_select
+    from pdserve.kernels.dsa_select import REG_SELECT_HIST
+
+    cpu = dev.type == "cpu"
+    cases, topk = (CPU_CASES, CPU_TOPK) if cpu else (GPU_CASES, GPU_TOPK)
+    default = "rows_hist" if REG_SELECT_HIST else "rows_bits"
+    g = torch.Generator(device=dev).manual_seed(11)
+    rows = []
+    for name, chunks in cases.items():
+        inputs = [(a, _chunk(a, b, dev, g)) for a, b in chunks]
+        nbytes = sum(4 * max(0, p + 1) for a, b in chunks for p in range(a, b) if p + 1 > topk)
+        for v in (x for x in SELECT_VARIANTS if x not in ("auto", "rows")):
+            total, exact = 0.0, True
+            for a, c in inputs:
+                q = c["logits"].shape[0]
+                out = torch.empty(q, topk, dtype=torch.int64, device=dev)
+                args = (c["logits"], c["seq_lens"], c["qsl"], c["req"], c["qidx"], topk, q, out)
+                total += _time_ms(lambda args=args, v=v: topk_select(*args, variant=v), dev, reps)
+                exact &= _exact(c, out, a, topk)
+            row = {"case": name, "variant": v, "ms": total, "exact": exact,
+                   "score_bytes": nbytes, "default": v == default}  # fmt: skip
+            if total > 0:
+                row["GBps"] = nbytes / (total * 1e-3) / 1e9
+                if bw:
+                    row["share_of_copy"] = nbytes / (total * 1e-3) / bw
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--reps", type=int, default=20)
+    a = ap.parse_args(argv)
+    if a.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        interpreter_fix()
+    elif not torch.cuda.is_available():
+        print("no CUDA device; use --device cpu for the smoke mode", file=sys.stderr)
+        return 2
+    dev = torch.device(a.device)
+    bw = None
+    if dev.type == "cuda":
+        from gpu_suite import measure_limits
+
+        bw = measure_limits()["copy_bandwidth_Bps"]
+    res: dict[str, Any] = {
+        "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "commit": os.environ.get("PDSERVE_COMMIT", "unknown"),
+        "copy_bandwidth_Bps": bw,
+    }
+    with torch.inference_mode():
+        res["select"] = run(dev, bw, a.reps)
+    Path(a.out).write_text(json.dumps(res, indent=2))
+    print(f"\n== select (top-k of the indexer's score rows): ms, GB/s of scores read"
+          f"{'' if bw is None else f' (copy {bw / 1e12:.2f} TB/s)'}; * = the default")
+    for r in res["select"]:
+        gbps = f"{r['GBps']:8.0f}" if "GBps" in r else "       -"
+        mark = "*" if r["default"] else " "
+        print(f"{r['case']:>12} {r['variant']:>10}{mark} {r['ms']:8.3f} {gbps}"
+              f"  exact {r['exact']}")  # fmt: skip
+    return 0 if all(r["exact"] for r in res["select"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
