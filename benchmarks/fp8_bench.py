@@ -17,19 +17,22 @@ Measured in one call, on the card it runs on:
   gemm     one llama-8b-shape linear (down_proj, 4096 x 14336) at 1/16/64/8192 tokens:
            the Triton block-FP8 kernel quantizing x itself and reading a pre-quantized x
            (what a fused producer hands it), torch._scaled_mm with 128x128 block scales
-           (where this PyTorch supports it) and bf16, against the byte roofline
+           (where this PyTorch supports it) and bf16, against the byte roofline; up to
+           256 rows replayed from CUDA graphs, as a decode step runs them (``timing``)
   per model (``--models``), each variant (``--variants``, bf16 and fp8):
   decode   decode step against the byte roofline, and which path ran (graph / eager):
            llama-8b-shape at batch 1/16/64 x 1K and 16 x 16K (weights + KV bytes over
            the measured copy bandwidth: gpu_suite.bench_decode); glm5-m12-e64 at 1 and
            32 x 1K and 16K (the DecodeByteModel of glm5_bench: dense weights, the experts
            the step's routing took, the latent rows DSA reads, the indexer keys); each
-           engine's bytes are its own (FP8 weights and KV for the fp8 variant)
+           engine's bytes are its own (FP8 weights and KV for the fp8 variant);
+           Llama's points also carry the top kernels of 5 profiled steps (``kernels``)
   prefill  one 8K and one 16K prompt: tok/s, and its matmul FLOPs over the bf16 and the
            FP8 peak (the compute roofline: ``roofline_s`` at the variant's own peak),
            timed around ``generate`` (16K is two chunks of the 8K token budget); Llama
            also ``prefill_step``: one 8K engine step alone (gpu_suite.bench_prefill, the
-           number earlier runs and issue 28's acceptance use)
+           number earlier runs and issue 28's acceptance use); ``prefill_profile``: one
+           8K prompt under the profiler, device time by category and the longest kernels
   offline  prompts x 512 in / 128 out: output tok/s (the serve-shaped number)
 Prints one table per model (bf16 | fp8 per row) and writes every number to ``--out``.
 About 3 minutes per model on an H200.
@@ -50,6 +53,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -93,6 +97,7 @@ MODELS: dict[str, tuple[str, str, tuple, tuple]] = {
 }
 PREFILL_LENS = (8192, 16384)
 CPU_PREFILL_LENS = (16, 40)
+GRAPH_MAX_TOKENS = 256  # GEMMs of up to this many rows are timed as graph replays
 VARIANTS = {
     "bf16": {},
     "fp8": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
@@ -105,6 +110,23 @@ def _time_ms(fn: Callable[[], object], dev: torch.device, reps: int = 20) -> flo
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     return statistics.median(_timed(fn, dev) for _ in range(reps)) * 1e3
+
+
+def _graph_time_ms(fn: Callable[[], object], dev: torch.device) -> float:
+    """One call's ms replayed from a CUDA graph of 10 calls, as a decode step runs it
+    (eager launches of a small GEMM time the host, not the kernel); eager on the CPU."""
+    if dev.type != "cuda":
+        return _time_ms(fn, dev)
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        fn()  # compile and allocate outside the capture
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(10):
+            fn()
+    return _time_ms(graph.replay, dev) / 10
 
 
 def fp8_matmul_peak(dev: torch.device, m: int = 8192) -> float:
@@ -120,7 +142,8 @@ def bench_gemm(
     limits: dict, dev: torch.device, shape: tuple[int, int], tokens: tuple[int, ...]
 ) -> list[dict]:
     """down_proj's FP8 GEMM (``shape`` = (n, k)) at each token count: Triton (x bf16, and
-    x pre-quantized), scaled_mm and bf16 against the byte roofline."""
+    x pre-quantized), scaled_mm and bf16 against the byte roofline. Up to
+    ``GRAPH_MAX_TOKENS`` rows every GEMM is replayed from a CUDA graph (``timing``)."""
     from pdserve.kernels.fp8_gemm import block_fp8_gemm, scaled_mm_block_fp8
     from pdserve.kernels.reference import quantize_fp8_activation, quantize_fp8_blocks
 
@@ -131,13 +154,15 @@ def bench_gemm(
     out = []
     for m in tokens:
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-        row: dict = {"tokens": m, "n": n, "k": k}
-        row["bf16_ms"] = _time_ms(lambda x=x: x @ w.t(), dev)
-        row["triton_fp8_ms"] = _time_ms(lambda x=x: block_fp8_gemm(x, wq, ws), dev)
+        graph = m <= GRAPH_MAX_TOKENS
+        timer = _graph_time_ms if graph else _time_ms
+        row: dict = {"tokens": m, "n": n, "k": k, "timing": "graph" if graph else "eager"}
+        row["bf16_ms"] = timer(lambda x=x: x @ w.t(), dev)
+        row["triton_fp8_ms"] = timer(lambda x=x: block_fp8_gemm(x, wq, ws), dev)
         xa = quantize_fp8_activation(x)  # as a fused producer hands it over
-        row["triton_fp8_prequant_ms"] = _time_ms(lambda xa=xa: block_fp8_gemm(xa, wq, ws), dev)
+        row["triton_fp8_prequant_ms"] = timer(lambda xa=xa: block_fp8_gemm(xa, wq, ws), dev)
         try:
-            row["scaled_mm_fp8_ms"] = _time_ms(
+            row["scaled_mm_fp8_ms"] = timer(
                 lambda x=x: scaled_mm_block_fp8(x, wq, ws, torch.bfloat16), dev
             )
         except Exception as e:  # the blockwise recipe needs a recent PyTorch on Hopper
@@ -173,7 +198,7 @@ def _path(graph_steps: int, steps: int) -> str:
 
 
 def _decode_dense(llm: LLM, batch: int, ctx: int, limits: dict) -> dict:
-    r = bench_decode(llm, batch, ctx, limits, steps=12)
+    r = bench_decode(llm, batch, ctx, limits, steps=12, profile=True)  # + the top kernels
     if "skipped" not in r:
         r["path"] = "eager" if r.get("graph_replay_ms") is None else "graph"
     return r
@@ -239,6 +264,26 @@ def bench_prefill_lens(
     return out
 
 
+def _prefill_profile(llm: LLM, n: int) -> dict:
+    """One ``n``-token prompt's prefill under the profiler: device time by category
+    (pdserve.profiling.step_profile), kernels, idle gap and the longest kernels."""
+    from pdserve import SamplingParams
+    from pdserve.profiling.step_profile import profile_step
+
+    eng = llm.engine
+    if n + 1 > eng.max_model_len:
+        return {"skipped": f"max_model_len {eng.max_model_len}"}
+    ids = torch.randint(3, min(150000, eng.vocab_size), (n,),
+                        generator=torch.Generator().manual_seed(13)).tolist()  # fmt: skip
+    sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    run = partial(llm.generate, [{"prompt_token_ids": ids}], sp)
+    t = profile_step(run, eng.runner.model, eng.runner.device).table()
+    return {"tokens": n, "span_ms": t["span_ms"], "kernels": t["kernels"],
+            "idle_gap_ms": t["idle_gap"]["ms"],
+            "categories": {c: round(v["ms"], 3) for c, v in t["categories"].items() if v["ms"]},
+            "top": [{k: x[k] for k in ("name", "ms", "count")} for x in t["top"][:8]]}  # fmt: skip
+
+
 def bench_variant(
     ckpt: Path, name: str, limits: dict, args: argparse.Namespace, sizes: Sizes,
     points: tuple, glm: bool,
@@ -260,6 +305,7 @@ def bench_variant(
     lens = CPU_PREFILL_LENS if args.device == "cpu" else PREFILL_LENS
     res["prefill"] = bench_prefill_lens(llm, limits, lens, name, glm)
     print(name, json.dumps(res["prefill"]), flush=True)
+    res["prefill_profile"] = _prefill_profile(llm, lens[0])
     if not glm:  # the number issue 28's acceptance and earlier runs read: one 8K step
         step = bench_prefill(llm, limits, sizes.prefill_len)
         if "tflops" in step:
@@ -309,6 +355,7 @@ def print_table(res: dict) -> None:
             f"{g['tokens']:>18} {g['bf16_ms']:>9.3f} {g['triton_fp8_ms']:>10.3f}"
             f" {g['triton_fp8_prequant_ms']:>9.3f}"
             f" {'n/a' if sm is None else f'{sm:.3f}':>10} {g['fp8_roofline_ms']:>9.3f}"
+            f"  {g['timing']}"
         )
     for model, m in res["models"].items():
         v = m["variants"]
@@ -345,6 +392,19 @@ def print_table(res: dict) -> None:
             f"{'offline out tok/s':<18} "
             + " ".join(f"{v[n]['offline']['output_tok_s']:>34.0f}" for n in names)
         )
+        for n in names:  # where the prefill's device time goes, and the largest decode's
+            pp = v[n].get("prefill_profile", {})
+            if "categories" in pp:
+                cats = ", ".join(f"{c} {ms:.1f}" for c, ms in pp["categories"].items())
+                print(f"  {n} prefill {pp['tokens']} profile (ms): {cats}; idle "
+                      f"{pp['idle_gap_ms']:.1f}; top: "
+                      + ", ".join(f"{x['name'][:40]} {x['ms']:.1f}" for x in pp["top"][:4]))  # fmt: skip
+            last = v[n]["decode"][-1] if v[n]["decode"] else {}
+            if "kernels" in last:
+                k = last["kernels"]
+                print(f"  {n} decode {last['batch']}x{last['ctx']} kernels: "
+                      f"{k['kernel_ms_per_step']:.2f} ms, {k['kernels_per_step']:.0f} a step; top: "
+                      + ", ".join(f"{x['name'][:40]} {x['ms']:.3f}" for x in k["top"][:4]))  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

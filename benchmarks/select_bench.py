@@ -9,8 +9,8 @@ serve default's two 8K-token chunks (rows at positions 0..8191 in an 8K-wide buf
 then 8192..16383 in a 16K-wide one) and a 4K prompt in one chunk. Variants
 (:data:`pdserve.kernels.dsa_indexer.SELECT_VARIANTS`): ``rows_bits`` and ``rows_hist``
 (the row in registers; the K-th key found bit by bit, or by byte histograms) and
-``radix`` (histogram passes over memory). Per case and variant: ms (CUDA events, median
-of the timed calls), the scores read (sum over rows past top-k of pos + 1, 4 bytes each)
+``radix`` (histogram passes over memory). Per case and variant: ms (triton do_bench, median
+of 50 ms of calls), the scores read (sum over rows past top-k of pos + 1, 4 bytes each)
 as GB/s against the copy bandwidth measured in the same call, and whether its selection
 has the same scores as ``torch.topk``'s (``exact``). The variant the indexer uses by
 default is marked. ``--device cpu`` runs the code path at tiny shapes under Triton's
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -67,20 +66,13 @@ def _exact(c: dict[str, Any], got: torch.Tensor, a: int, topk: int) -> bool:
 
 
 def _time_ms(fn: Any, dev: torch.device, reps: int) -> float:
+    """Median ms of ``fn`` (triton's do_bench, ``reps`` ms of calls); 0 on the CPU."""
     if dev.type != "cuda":
         fn()
         return 0.0
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
+    import triton
+
+    return float(triton.testing.do_bench(fn, warmup=5, rep=reps, return_mode="median"))
 
 
 def run(dev: torch.device, bw: float | None, reps: int) -> list[dict[str, Any]]:
@@ -118,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=50, help="ms of timed calls a point")
     a = ap.parse_args(argv)
     if a.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -34,9 +34,9 @@ decode glm5-m12-e64 (dummy; real GLM-5 per-layer dims) decoding at a 16K context
        and indexer keys) over the copy bandwidth measured in the same call, the
        roofline's TPOT (step roofline / tokens a request gains per step) and TPOT against
        no speculation. ``--profile-streams N,..``: one steady step at those stream counts
-       (no speculation, and rate 0.7) runs under the profiler: kernel time by category
-       and the longest kernels. Caveat (as in curve): a shared prefix's KV may be served
-       from L2.
+       (no speculation, rate 0.7, and the adaptive engine at 0.5) runs under the
+       profiler: kernel time by category and the longest kernels. Caveat (as in curve):
+       a shared prefix's KV may be served from L2.
 pd     glm5-s4-e16 (dummy) 1P1D in one process over tcp on loopback: prefill MTP k=1,
        decode MTP k=3, 32 requests of 1K prompts arriving 4 at a time while earlier ones
        decode; the decode instance's steps by path, with speculative padding on and off.
@@ -326,7 +326,9 @@ def bench_decode(workdir: Path, preset: str, streams: list[int], bw: float | Non
                         adaptive.reset_acceptance()
                         _decode(llm, f"a{rate}", max(1, max(streams) // 4), prefix, out_tokens=16)
                 for b in streams:
-                    prof = b in profile_streams and rate in (None, 0.7)
+                    # (adaptive at 0.5: the j=0 steps that cost more than plain decode)
+                    prof = b in profile_streams and (
+                        rate in (None, 0.7) or (policy == "adaptive" and rate == 0.5))
                     r = _decode(llm, f"d{k}{policy}-{rate}", b, prefix, profile=prof)
                     ctx = CTX + TAIL + OUT_TOKENS / 2
                     # the roofline of the draft count the steps ran (adaptive: the most used)
@@ -452,7 +454,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out-tokens", type=int, default=OUT_TOKENS)
     ap.add_argument("--profile-streams", default="",
                     help="decode section: profile one steady step at these stream counts "
-                         "(no speculation and rate 0.7)")  # fmt: skip
+                         "(no speculation, rate 0.7, adaptive at 0.5)")  # fmt: skip
     ap.add_argument("--workdir", default="/tmp/pdserve-spec")
     ap.add_argument("--ctx", type=int, default=None, help=f"context (default {CTX}; CPU 40)")
     ap.add_argument("--device", default=DEVICE, choices=("cuda", "cpu"))

@@ -229,6 +229,7 @@ def test_fp8_bench(tmp_path: Path) -> None:
     assert [g["tokens"] for g in res["gemm"]] == [1, 16]
     assert all(
         g["triton_fp8_ms"] > 0 and g["triton_fp8_prequant_ms"] > 0 and g["bf16_ms"] > 0
+        and g["timing"] in ("graph", "eager")
         for g in res["gemm"]
     )
     assert list(res["models"]) == ["llama-8b-shape", "glm5-m12-e64"]
@@ -251,9 +252,14 @@ def test_fp8_bench(tmp_path: Path) -> None:
                 assert p["tok_s"] > 0 and p["share_of_fp8_peak"] > 0 and p["roofline_s"] > 0
                 assert p["share_of_matmul_peak"] > 0 and p["ratio"] > 0
             assert r["offline"]["output_tok_s"] > 0 and r["cudagraph_mode"]
+            pp = r["prefill_profile"]
+            assert pp["tokens"] == m["prefill_lens"][0] and pp["kernels"] > 0
+            assert pp["categories"] and pp["top"]
         if model == "llama-8b-shape":
             assert all(r["prefill_step"]["share_of_fp8_peak"] > 0 for r in v.values())
+            assert all(d["kernels"]["kernels_per_step"] > 0 for r in v.values() for d in r["decode"])
     assert "offline out tok/s" in done.stdout and "decode 2x24" in done.stdout
+    assert "fp8 prefill" in done.stdout and "profile (ms)" in done.stdout
 
 
 def test_kernels_bench(tmp_path: Path) -> None:
