@@ -8,7 +8,8 @@ Sections (``--sections``, comma separated; default ``decode``; ``all`` for every
   decode    paged decode attention, Llama-3-8B shapes (32 q heads, 8 KV heads, D 128,
             bf16, block 16), batch 1/16/64 x context 1K/16K, vs the bytes-moved
             roofline at the measured copy bandwidth; ``--sweep`` also times every
-            split count to check the heuristic
+            split count to check the heuristic; ``--kv-dtype fp8``: an fp8 e4m3 cache
+            (here and in decode_configs; half the bytes)
   prefill   one prompt (8K new, and 4K cached + 4K new): Triton paged kernel vs
             torch SDPA on contiguous K/V, in TFLOP/s
   sampling  [B, 128256] float32 logits, top-p 0.9 (and top-k 50 + top-p): the
@@ -82,6 +83,7 @@ CPU = Shapes(
 )  # fmt: skip
 S = GPU  # the shapes in force (main sets them)
 DEV = torch.device("cuda")
+KV_DTYPE: torch.dtype | None = None  # --kv-dtype fp8: the decode sections' cache (else S.dtype)
 
 
 def bench(fn: Callable[[], object]) -> float:
@@ -130,6 +132,8 @@ def paged_cache(batch: int, ctx: int) -> tuple[torch.Tensor, torch.Tensor]:
     nblk = -(-ctx // S.page)
     total = batch * nblk + 1
     cache = torch.randn(2, total, S.page, S.kv_heads, S.head_dim, device=DEV, dtype=S.dtype)
+    if KV_DTYPE is not None:  # fp8 e4m3: the values stay in range (unit normal)
+        cache = cache.to(KV_DTYPE)
     bt = (1 + torch.randperm(total - 1, device=DEV)).view(batch, nblk).to(torch.int32)
     return cache, bt
 
@@ -155,7 +159,8 @@ def run_decode(bw: float, sweep: bool) -> list[dict[str, object]]:
     for ctx in S.contexts:
         for batch in S.batches:
             cache, bt, q, seq, out, ws = decode_inputs(batch, ctx)
-            nbytes = 2 * batch * ctx * hkv * d * el + 2 * q.numel() * el + bt.numel() * 4
+            kv_el = cache.element_size()
+            nbytes = 2 * batch * ctx * hkv * d * kv_el + 2 * q.numel() * el + bt.numel() * 4
             auto = choose_num_splits(batch, hkv, ctx, sms)
 
             run = partial(decode_attention, q, cache, seq, bt, d**-0.5, 1, batch)
@@ -173,6 +178,7 @@ def run_decode(bw: float, sweep: bool) -> list[dict[str, object]]:
             row: dict[str, object] = {
                 "batch": batch,
                 "context": ctx,
+                "kv_dtype": str(cache.dtype).removeprefix("torch."),
                 "splits": auto,
                 "ms": ms,
                 "eager_ms": eager,
@@ -220,7 +226,8 @@ def run_decode_configs(bw: float) -> list[dict[str, object]]:
                     "batch": batch,
                     "engine_pick": dict(zip(keys, pick, strict=True)),
                     "engine_pick_us": times[pick],
-                    "roofline_us": 2 * batch * ctx * hkv * d * el / bw * 1e6,
+                    "kv_dtype": str(cache.dtype).removeprefix("torch."),
+                    "roofline_us": 2 * batch * ctx * hkv * d * cache.element_size() / bw * 1e6,
                     "top5": [
                         {**dict(zip(keys, c, strict=True)), "us": times[c]} for c in ranked[:5]
                     ],
@@ -341,12 +348,14 @@ SECTIONS = ("decode", "decode_configs", "prefill", "sampling", "norm")
 
 
 def main(argv: list[str] | None = None) -> int:
-    global S, DEV
+    global S, DEV, KV_DTYPE
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="JSON output path")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--sections", default="decode", help=f"of {','.join(SECTIONS)}, or all")
     ap.add_argument("--sweep", action="store_true", help="time every decode split count")
+    ap.add_argument("--kv-dtype", choices=("auto", "fp8"), default="auto",
+                    help="decode sections' KV cache: the shapes' dtype, or fp8 e4m3")  # fmt: skip
     args = ap.parse_args(argv)
     chosen = set(SECTIONS) if args.sections == "all" else set(args.sections.split(","))
     if chosen - set(SECTIONS):
@@ -363,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     S, DEV = (CPU, torch.device("cpu")) if cpu else (GPU, torch.device("cuda"))
+    KV_DTYPE = torch.float8_e4m3fn if args.kv_dtype == "fp8" else None
     bw = copy_bandwidth()
     result: dict[str, object] = {
         "device": "cpu (interpreter)" if cpu else torch.cuda.get_device_name(),

@@ -3,7 +3,7 @@
 # of at most 10 minutes each; every stage prints its tables and leaves JSON and logs under
 # $OUT. Record the commit yourself: the device copy of the tree may carry a stale .git.
 #
-#   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh g16 (first), d10
+#   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh g16 (first), d10, f16
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh s12|fp8s|moe|pdl|xfer
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh k10
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh p10
@@ -40,6 +40,8 @@
 # g16   the select variants (benchmarks/select_bench.py: the K-th key by bits or by byte
 #       histograms) with their GPU parity, glm5 prefill 16K with the faster (it becomes
 #       the default when it wins by 3%+), then glm5_bench --sections accuracy (issue 26).
+# f16   decode attention over an fp8 cache beside bf16 (kernels_bench --kv-dtype fp8) and its
+#       tile sweep, then fp8_bench llama-8b-shape with its new profiles (issue 28).
 # g14   the Gluon kernels of session 13 (kernels/sparse_mla_gluon.py,
 #       kernels/fp8_gemm_gluon.py): the MLA kernel's GPU parity, then glm5 prefill on it,
 #       then the FP8 / PDL / MoE GPU tests and the mla_variants sweep and
@@ -420,6 +422,20 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
       --presets glm5-s4-e16 --workdir /tmp/glm5 --out "$OUT/glm5_accuracy.json" \
       > "$OUT/glm5_accuracy.log" 2>&1; echo "accuracy: exit $?"
       quiet < "$OUT/glm5_accuracy.log" | tail -12; }
+    ;;
+  f16)  # FP8 (issue 28): decode attention over an fp8 cache beside bf16, its tile sweep,
+        # then fp8_bench llama-8b-shape (graph-timed GEMMs, the prefill and decode profiles)
+    for kv in auto fp8; do
+      timeout 90 python3 benchmarks/kernels_bench.py --sections decode --kv-dtype $kv \
+        --out "$OUT/kernels_decode_$kv.json" 2>&1 | tail -8
+    done
+    timeout 200 python3 benchmarks/kernels_bench.py --sections decode_configs --kv-dtype fp8 \
+      --out "$OUT/kernels_decode_configs_fp8.json" > "$OUT/kernels_decode_configs_fp8.log" 2>&1
+    tail -12 "$OUT/kernels_decode_configs_fp8.log"
+    t=$(( start + 575 - $(date +%s) ))
+    [ "$t" -gt 90 ] && { timeout "$t" python3 benchmarks/fp8_bench.py --models llama-8b-shape \
+      --out "$OUT/fp8_llama.json" > "$OUT/fp8_llama.log" 2>&1; echo "fp8_bench: exit $?"
+      quiet < "$OUT/fp8_llama.log" | sed -n '/^== /,$p'; }
     ;;
   g15e)  # glm5 prefill 16K/64K with gluon_ws the default, then the MoE tile sweep
     timeout 170 python3 benchmarks/glm5_bench.py --sections prefill --presets glm5-m12-e64 \

@@ -278,6 +278,13 @@ def test_kernels_bench(tmp_path: Path) -> None:
         (b, m) for b in (1, 2) for m in ("top_p", "top_k+top_p")
     }
     assert [r["op"] for r in res["norm"]] == ["fused_add_rmsnorm", "rope"]
+    assert {r["kv_dtype"] for r in res["decode"]} == {"float32"}
+    fp8 = tmp_path / "k8.json"  # the decode sections over an fp8 cache
+    _script("kernels_bench", "--device", "cpu", "--sections", "decode,decode_configs",
+            "--kv-dtype", "fp8", "--out", str(fp8))  # fmt: skip
+    res8 = json.loads(fp8.read_text())
+    assert {r["kv_dtype"] for r in res8["decode"] + res8["decode_configs"]} == {"float8_e4m3fn"}
+    assert all(r["ms"] > 0 for r in res8["decode"])
 
 
 # Scripts whose CPU smoke test covers only part of them (others edit them as of issue 29).
