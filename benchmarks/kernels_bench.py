@@ -200,7 +200,7 @@ def run_decode_configs(bw: float) -> list[dict[str, object]]:
     from pdserve.kernels._utils import num_sms
 
     orig_config, orig_stages = da._config, da.NUM_STAGES
-    hkv, d, el = S.kv_heads, S.head_dim, S.dtype.itemsize
+    hkv, d = S.kv_heads, S.head_dim
     bm, dot, bn0, warps0 = orig_config(S.heads // hkv, d)
     rows: list[dict[str, object]] = []
     sms = num_sms(DEV)
