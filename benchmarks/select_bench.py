@@ -6,15 +6,17 @@ score rows a GLM-5 prefill hands it, checked against ``torch.topk``, timed.
 
 Cases (top-k 2048, float32 score rows as the indexer writes them): a 16K prompt in the
 serve default's two 8K-token chunks (rows at positions 0..8191 in an 8K-wide buffer,
-then 8192..16383 in a 16K-wide one) and a 4K prompt in one chunk. Variants
-(:data:`pdserve.kernels.dsa_indexer.SELECT_VARIANTS`): ``rows_bits`` and ``rows_hist``
-(the row in registers; the K-th key found bit by bit, or by byte histograms) and
-``radix`` (histogram passes over memory). Per case and variant: ms (triton do_bench, median
+then 8192..16383 in a 16K-wide one), a 4K prompt in one chunk, and the last 4K-token
+chunk of a 64K prompt (64K-wide rows: the backend hands them to ``torch.topk``).
+Variants (:data:`pdserve.kernels.dsa_indexer.SELECT_VARIANTS`): ``rows_bits`` and
+``rows_hist`` (the row in registers, up to 32K keys; the K-th key found bit by bit, or by
+byte histograms), ``radix`` (histogram passes over memory), and ``torch.topk`` over rows
+with -inf past each position. Per case and variant: ms (triton do_bench, median
 of 50 ms of calls), the scores read (sum over rows past top-k of pos + 1, 4 bytes each)
 as GB/s against the copy bandwidth measured in the same call, and whether its selection
-has the same scores as ``torch.topk``'s (``exact``). The variant the indexer uses by
-default is marked. ``--device cpu`` runs the code path at tiny shapes under Triton's
-interpreter (a smoke run for the test suite, not a measurement).
+has the same scores as ``torch.topk``'s (``exact``). The variant the indexer backend
+runs by default is marked. ``--device cpu`` runs the code path at tiny shapes under
+Triton's interpreter (a smoke run for the test suite, not a measurement).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import argparse
 import json
 import os
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +36,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _interp import interpreter_fix  # noqa: E402
 
-GPU_CASES = {"prefill 16K": ((0, 8192), (8192, 16384)), "prefill 4K": ((0, 4096),)}
+GPU_CASES = {
+    "prefill 16K": ((0, 8192), (8192, 16384)),
+    "prefill 4K": ((0, 4096),),
+    "prefill 64K, last 4K": ((61440, 65536),),  # past REG_SELECT_MAX_WIDTH: no rows_*
+}
 CPU_CASES = {"prefill 48": ((0, 24), (24, 48))}
 GPU_TOPK, CPU_TOPK = 2048, 16
 
@@ -51,13 +58,19 @@ def _chunk(a: int, b: int, dev: torch.device, g: torch.Generator) -> dict[str, A
     }
 
 
+def _masked(lg: torch.Tensor, a: int) -> torch.Tensor:
+    """``lg`` (rows of positions a, a+1, ...) with -inf past each row's position."""
+    pos = a + torch.arange(lg.shape[0], device=lg.device)
+    causal = torch.arange(lg.shape[1], device=lg.device)[None, :] <= pos[:, None]
+    return lg.masked_fill(~causal, float("-inf"))
+
+
 def _exact(c: dict[str, Any], got: torch.Tensor, a: int, topk: int) -> bool:
     """Same multiset of scores as torch.topk over each row's causal keys (rows past top-k)."""
     lg = c["logits"]
     pos = a + torch.arange(lg.shape[0], device=lg.device)
     live = pos + 1 > topk
-    causal = torch.arange(lg.shape[1], device=lg.device)[None, :] <= pos[:, None]
-    full = lg.masked_fill(~causal, float("-inf"))[live]
+    full = _masked(lg, a)[live]
     want = full.topk(topk, dim=-1).values.sort(dim=-1).values
     sel = got[live]
     if bool((sel < 0).any()):
@@ -77,26 +90,35 @@ def _time_ms(fn: Any, dev: torch.device, reps: int) -> float:
 
 def run(dev: torch.device, bw: float | None, reps: int) -> list[dict[str, Any]]:
     from pdserve.kernels.dsa_indexer import SELECT_VARIANTS, topk_select
-    from pdserve.kernels.dsa_select import REG_SELECT_HIST
+    from pdserve.kernels.dsa_select import REG_SELECT_HIST, REG_SELECT_MAX_WIDTH
 
     cpu = dev.type == "cpu"
     cases, topk = (CPU_CASES, CPU_TOPK) if cpu else (GPU_CASES, GPU_TOPK)
-    default = "rows_hist" if REG_SELECT_HIST else "rows_bits"
+    rows_default = "rows_hist" if REG_SELECT_HIST else "rows_bits"
     g = torch.Generator(device=dev).manual_seed(11)
     rows = []
     for name, chunks in cases.items():
         inputs = [(a, _chunk(a, b, dev, g)) for a, b in chunks]
         nbytes = sum(4 * max(0, p + 1) for a, b in chunks for p in range(a, b) if p + 1 > topk)
-        for v in (x for x in SELECT_VARIANTS if x not in ("auto", "rows")):
+        wide = max(b for _, b in chunks) > REG_SELECT_MAX_WIDTH
+        kernels = [x for x in SELECT_VARIANTS if x not in ("auto", "rows")]
+        for v in [x for x in kernels if not (wide and x.startswith("rows"))] + ["torch.topk"]:
             total, exact = 0.0, True
             for a, c in inputs:
                 q = c["logits"].shape[0]
+                if v == "torch.topk":  # over rows with -inf past each position, as it needs
+                    full = _masked(c["logits"], a)
+                    fn = partial(torch.topk, full, topk, dim=-1, sorted=False)
+                    total += _time_ms(fn, dev, reps)
+                    exact &= _exact(c, fn().indices, a, topk)
+                    continue
                 out = torch.empty(q, topk, dtype=torch.int64, device=dev)
                 args = (c["logits"], c["seq_lens"], c["qsl"], c["req"], c["qidx"], topk, q, out)
-                total += _time_ms(lambda args=args, v=v: topk_select(*args, variant=v), dev, reps)
+                total += _time_ms(partial(topk_select, *args, variant=v), dev, reps)
                 exact &= _exact(c, out, a, topk)
             row = {"case": name, "variant": v, "ms": total, "exact": exact,
-                   "score_bytes": nbytes, "default": v == default}  # fmt: skip
+                   "score_bytes": nbytes,
+                   "default": v == ("torch.topk" if wide else rows_default)}  # fmt: skip
             if total > 0:
                 row["GBps"] = nbytes / (total * 1e-3) / 1e9
                 if bw:
