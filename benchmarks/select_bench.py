@@ -7,7 +7,9 @@ score rows a GLM-5 prefill hands it, checked against ``torch.topk``, timed.
 Cases (top-k 2048, float32 score rows as the indexer writes them): a 16K prompt in the
 serve default's two 8K-token chunks (rows at positions 0..8191 in an 8K-wide buffer,
 then 8192..16383 in a 16K-wide one), a 4K prompt in one chunk, and the last 4K-token
-chunk of a 64K prompt (64K-wide rows: the backend hands them to ``torch.topk``).
+chunk of a 64K prompt (64K-wide rows: the backend hands them to ``torch.topk``), then
+decode-sized selects at a 16K context, 1 and 32 rows, timed as CUDA-graph replays (at
+one row the select is one program's latency, not bandwidth).
 Variants (:data:`pdserve.kernels.dsa_indexer.SELECT_VARIANTS`): ``rows_bits`` and
 ``rows_hist`` (the row in registers, up to 32K keys; the K-th key found bit by bit, or by
 byte histograms), ``radix`` (histogram passes over memory), and ``torch.topk`` over rows
@@ -40,6 +42,9 @@ GPU_CASES = {
     "prefill 16K": ((0, 8192), (8192, 16384)),
     "prefill 4K": ((0, 4096),),
     "prefill 64K, last 4K": ((61440, 65536),),  # past REG_SELECT_MAX_WIDTH: no rows_*
+    # decode-sized (timed as graph replays): one row, and 32 rows, at a 16K context
+    "decode 1 x 16K": ((16383, 16384),),
+    "decode 32 x 16K": ((16352, 16384),),
 }
 CPU_CASES = {"prefill 48": ((0, 24), (24, 48))}
 GPU_TOPK, CPU_TOPK = 2048, 16
@@ -78,14 +83,26 @@ def _exact(c: dict[str, Any], got: torch.Tensor, a: int, topk: int) -> bool:
     return bool(torch.equal(lg[live].gather(1, sel).sort(dim=-1).values, want))
 
 
-def _time_ms(fn: Any, dev: torch.device, reps: int) -> float:
-    """Median ms of ``fn`` (triton's do_bench, ``reps`` ms of calls); 0 on the CPU."""
+def _time_ms(fn: Any, dev: torch.device, reps: int, graph: bool = False) -> float:
+    """Median ms of ``fn`` (triton's do_bench, ``reps`` ms of calls; ``graph``: one call
+    of a CUDA graph of 20, no launch overhead); 0 on the CPU."""
     if dev.type != "cuda":
         fn()
         return 0.0
     import triton
 
-    return float(triton.testing.do_bench(fn, warmup=5, rep=reps, return_mode="median"))
+    if not graph:
+        return float(triton.testing.do_bench(fn, warmup=5, rep=reps, return_mode="median"))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(20):
+            fn()
+    return float(triton.testing.do_bench(g.replay, warmup=5, rep=reps, return_mode="median")) / 20
 
 
 def run(dev: torch.device, bw: float | None, reps: int) -> list[dict[str, Any]]:
@@ -101,6 +118,7 @@ def run(dev: torch.device, bw: float | None, reps: int) -> list[dict[str, Any]]:
         inputs = [(a, _chunk(a, b, dev, g)) for a, b in chunks]
         nbytes = sum(4 * max(0, p + 1) for a, b in chunks for p in range(a, b) if p + 1 > topk)
         wide = max(b for _, b in chunks) > REG_SELECT_MAX_WIDTH
+        graph = name.startswith("decode")
         kernels = [x for x in SELECT_VARIANTS if x not in ("auto", "rows")]
         for v in [x for x in kernels if not (wide and x.startswith("rows"))] + ["torch.topk"]:
             total, exact, error = 0.0, True, None
@@ -110,13 +128,13 @@ def run(dev: torch.device, bw: float | None, reps: int) -> list[dict[str, Any]]:
                     if v == "torch.topk":  # over rows with -inf past each position
                         full = _masked(c["logits"], a)
                         fn = partial(torch.topk, full, topk, dim=-1, sorted=False)
-                        total += _time_ms(fn, dev, reps)
+                        total += _time_ms(fn, dev, reps, graph)
                         exact &= _exact(c, fn().indices, a, topk)
                         continue
                     out = torch.empty(q, topk, dtype=torch.int64, device=dev)
                     args = (c["logits"], c["seq_lens"], c["qsl"], c["req"], c["qidx"], topk, q,
                             out)  # fmt: skip
-                    total += _time_ms(partial(topk_select, *args, variant=v), dev, reps)
+                    total += _time_ms(partial(topk_select, *args, variant=v), dev, reps, graph)
                     exact &= _exact(c, out, a, topk)
                 except Exception as e:  # a kernel that does not compile here: its row says so
                     error, exact = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}", False
