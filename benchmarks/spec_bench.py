@@ -33,7 +33,9 @@ decode glm5-m12-e64 (dummy; real GLM-5 per-layer dims) decoding at a 16K context
        reading the MTP layer's weights (its experts as reached), the LM head, its latents
        and indexer keys) over the copy bandwidth measured in the same call, the
        roofline's TPOT (step roofline / tokens a request gains per step) and TPOT against
-       no speculation. ``--profile-streams N,..``: one steady step at those stream counts
+       no speculation; and a mixed roofline that also holds when the rows are many (per
+       part, the larger of its bytes over the bandwidth and its FLOPs over the bf16 matmul
+       rate of the call: pdserve.profiling.prefill_flops step_flops; drafts by bytes). ``--profile-streams N,..``: one steady step at those stream counts
        (no speculation, rate 0.7, and the adaptive engine at 0.5) runs under the
        profiler: kernel time by category and the longest kernels. Caveat (as in curve):
        a shared prefix's KV may be served from L2.
@@ -68,6 +70,7 @@ from pdserve.frontend.processor import InputProcessor  # noqa: E402
 from pdserve.frontend.tokenizer import Tokenizer  # noqa: E402
 from pdserve.models import loader  # noqa: E402
 from pdserve.profiling.decode_roofline import DecodeByteModel, layer_index  # noqa: E402
+from pdserve.profiling.prefill_flops import PrefillFlopModel  # noqa: E402
 from pdserve.profiling.step_profile import profile_step  # noqa: E402
 from pdserve.testing.checkpoint import make_checkpoint  # noqa: E402
 
@@ -296,13 +299,15 @@ class DraftBytes:
 
 
 def bench_decode(workdir: Path, preset: str, streams: list[int], bw: float | None,
-                 save: Any, profile_streams: tuple[int, ...] = ()) -> dict[str, Any]:  # fmt: skip
+                 save: Any, profile_streams: tuple[int, ...] = (),
+                 peak: float | None = None) -> dict[str, Any]:  # fmt: skip
     path = _config_dir(workdir, preset)
     t0 = time.perf_counter()
     model, cfg = loader.load_model(path, DTYPE, DEVICE, load_format="dummy", seed=0, with_mtp=True)
     res: dict[str, Any] = {"preset": preset, "ctx": CTX, "streams": streams,
                            "draw_s": time.perf_counter() - t0, "runs": []}  # fmt: skip
     draft = DraftBytes.from_model(model)
+    fm = PrefillFlopModel.from_model(model)
     real_load = loader.load_model
     loader.load_model = lambda *a, **k: (model, cfg)  # one model for every engine
     prefix = _prompt(CTX, 7, cfg.vocab_size)
@@ -335,8 +340,9 @@ def bench_decode(workdir: Path, preset: str, streams: list[int], bw: float | Non
                     j = k if not r["steps_by_num_drafts"] else max(
                         range(len(r["steps_by_num_drafts"])),
                         key=lambda i: r["steps_by_num_drafts"][i])  # fmt: skip
-                    step_bytes = bm.step_bytes([ctx] * b, rows_per_request=1 + j)["total"]
-                    step_bytes += j * draft.step(bm, b, ctx) if j else 0
+                    parts = bm.step_bytes([ctx] * b, rows_per_request=1 + j)
+                    drafting = j * draft.step(bm, b, ctx) if j else 0
+                    step_bytes = parts["total"] + drafting
                     gain = sum((rate or 0.0) ** i for i in range(j + 1))  # tokens a step
                     r.update(k=k, policy=policy, rate=rate, startup_s=start, main_num_drafts=j,
                              step_ms=r["decode_s"] / max(r["decode_steps"], 1) * 1e3,
@@ -346,6 +352,17 @@ def bench_decode(workdir: Path, preset: str, streams: list[int], bw: float | Non
                         r["roofline_tpot_ms"] = r["roofline_step_ms"] / gain
                         if r["full_step_ms"]:
                             r["step_x_roofline"] = r["full_step_ms"] / r["roofline_step_ms"]
+                    if bw and peak:  # per part the larger of its bytes' and its FLOPs' time
+                        fl = fm.step_flops([ctx] * b, rows_per_request=1 + j)
+                        r["step_tflop"] = fl["total"] / 1e12
+                        r["roofline_mixed_step_ms"] = 1e3 * (
+                            max(parts["weights"] / bw, (fl["dense_gemm"] + fl["router"]) / peak)
+                            + max(parts["experts"] / bw, fl["moe_experts"] / peak)
+                            + max(parts["latents"] / bw, fl["mla_attention"] / peak)
+                            + max(parts["index_keys"] / bw, fl["indexer_score"] / peak)
+                            + (parts["other_kv"] + drafting) / bw)  # fmt: skip
+                        if r["full_step_ms"]:
+                            r["step_x_mixed"] = r["full_step_ms"] / r["roofline_mixed_step_ms"]
                     tpot = r["steady_tpot_ms"] or r["tpot_ms"]  # (no steady step: its own)
                     if k == 0:
                         base[b] = tpot
@@ -479,11 +496,11 @@ def main(argv: list[str] | None = None) -> None:
     unknown = set(sections) - {"curve", "pd", "decode"}
     if unknown:
         sys.exit(f"unknown section(s) {sorted(unknown)}: choose from curve, pd, decode")
-    if "decode" in sections and not cpu:
+    if "decode" in sections:  # (the CPU's, in the smoke run: the roofline code runs too)
         sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from gpu_suite import measure_limits
+        from gpu_suite import CPU_SIZES, measure_limits
 
-        res["limits"] = measure_limits()
+        res["limits"] = measure_limits("cpu", CPU_SIZES) if cpu else measure_limits()
     if "pd" in sections:
         res["pd"] = bench_pd(work, a.pd_preset)
         Path(a.out).write_text(json.dumps(res, indent=1))
@@ -491,7 +508,8 @@ def main(argv: list[str] | None = None) -> None:
         ("curve", lambda save: bench_curve(work, a.curve_preset, save)),
         ("decode", lambda save: bench_decode(work, a.decode_preset, streams,
                                              res.get("limits", {}).get("copy_bandwidth_Bps"),
-                                             save, profile)),
+                                             save, profile,
+                                             res.get("limits", {}).get("bf16_matmul_flops"))),
     ):  # fmt: skip
         if name not in sections:
             continue
@@ -523,8 +541,10 @@ def _table(res: dict[str, Any]) -> None:
         print(f"\n{d['preset']}: decode at a {d['ctx']}-token context (shared prefix), TPOT by streams")
         print("  (steady TPOT: the steps that ran every stream over the tokens a stream gained"
               " in them; vs none: steady TPOT over no speculation's)")
+        print("  (roof step: bytes / copy bandwidth; mixed: per part the larger of bytes / bandwidth"
+              " and FLOPs / bf16 matmul rate)")
         print("  k  rate  streams  steady  TPOT ms  vs none  step ms  full-batch step  roof step"
-              "  x roof  roof TPOT  live min  graph%  accept-len")  # fmt: skip
+              "  x roof  mixed  x mixed  roof TPOT  live min  graph%  accept-len")  # fmt: skip
         for r in d["runs"]:
             acc = f"{r['mean_accept_len']:.2f}" if r["mean_accept_len"] else "-"
             if r["policy"] == "adaptive":
@@ -537,6 +557,8 @@ def _table(res: dict[str, Any]) -> None:
             print(f"  {tag} {r['rate'] or '-':>4}  {r['batch']:>7}  {st:>6}  {r['tpot_ms']:7.2f}"
                   f"  {vs:>7}  {r['step_ms']:7.2f}  {fs:>15}  {roof:9.2f}"
                   f"  {r.get('step_x_roofline', 0):6.2f}"
+                  f"  {r.get('roofline_mixed_step_ms', float('nan')):5.2f}"
+                  f"  {r.get('step_x_mixed', 0):7.2f}"
                   f"  {r.get('roofline_tpot_ms', float('nan')):9.2f}  {r['live_min']:8d}"
                   f"  {100 * r['graph_share']:5.1f}  {acc:>10}")  # fmt: skip
         for r in d["runs"]:

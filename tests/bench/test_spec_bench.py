@@ -37,6 +37,8 @@ def test_spec_bench_cpu_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         else:
             assert r["profile"] is None
         assert r["steady_tpot_ms"] is None or r["steady_tpot_ms"] > 0
+        assert r["roofline_mixed_step_ms"] >= r["roofline_step_ms"] * (1 - 1e-9) > 0
+        assert r["step_tflop"] > 0
     assert [r["pad"] for r in res["pd"]] == [True, False]
     assert res["pd"][0]["padded_first_steps"] > 0 == res["pd"][1]["padded_first_steps"]
     printed = capsys.readouterr().out

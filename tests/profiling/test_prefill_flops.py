@@ -60,3 +60,20 @@ def test_a_prompt_within_top_k_is_dense_and_not_scored(model: PrefillFlopModel) 
     f = model.flops(TOPK)
     assert model.attended_pairs(TOPK) == TOPK * (TOPK + 1) // 2
     assert f["indexer_score"] == 0.0
+
+
+def test_a_verify_step_counts_every_row(model: PrefillFlopModel) -> None:
+    """Two requests of contexts 40 and 10, 3 rows each (positions 37-39 and 7-9): the
+    long one's rows read top-k latents and score 38-40 keys, the short one's read 8-10
+    and score none; every row runs the experts, the linear layers and the LM head."""
+    f = model.step_flops([40, 10], rows_per_request=3)
+    per_pair = 2 * HEADS * (KV_LORA + ROPE) + 2 * HEADS * KV_LORA
+    absorbed = 2 * HEADS * (NOPE * KV_LORA + KV_LORA * VD)
+    pairs = 3 * TOPK + (8 + 9 + 10)
+    assert f["mla_attention"] == LAYERS * (pairs * per_pair + 6 * absorbed)
+    assert f["indexer_score"] == LAYERS * (38 + 39 + 40) * 2 * IDX_HEADS * IDX_DIM
+    assert f["moe_experts"] == 3 * 2 * 6 * K * 3 * H * I_MOE
+    assert f["router"] == 3 * 2 * 6 * H * E
+    assert f["dense_gemm"] == 2 * 6 * (DENSE + V * H)
+    one = model.step_flops([40])  # plain decode: one row at position 39
+    assert one["indexer_score"] == LAYERS * 40 * 2 * IDX_HEADS * IDX_DIM

@@ -23,10 +23,21 @@ run in a plain prefill):
   absorbed into attention, above), and the LM head for the last token only.
 
 Top-k selection, norms and RoPE do no matrix work and have no FLOP count here.
+
+A decode or verify step (:meth:`PrefillFlopModel.step_flops`): ``B`` requests of ``r``
+query rows each (``1 + k`` in a speculative verify), request ``b``'s rows at the last
+``r`` positions of its context of ``n_b`` keys. The same formulas per row: a row reads
+``min(pos + 1, index_topk)`` latent rows and scores ``pos + 1`` keys (when the context
+is longer than ``index_topk``); every row passes through the experts, the other linear
+layers and the LM head (each row is sampled). With the byte model of
+:mod:`pdserve.profiling.decode_roofline` it gives a step's roofline that holds when the
+rows are many: per part, the larger of its bytes over the bandwidth and its FLOPs over the
+matmul rate.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,6 +131,34 @@ class PrefillFlopModel:
                                  * self.hidden * self.moe_intermediate),  # fmt: skip
             "router": float(self.moe_layers * 2 * n * self.hidden * self.num_experts),
             "dense_gemm": float(2 * n * self.dense_weights + 2 * self.lm_head),
+        }
+        out["total"] = sum(out.values())
+        return out
+
+    def step_flops(self, seq_lens: Sequence[float], rows_per_request: int = 1) -> dict[str, float]:
+        """FLOPs of a decode / verify step by category, and ``total`` (module docstring):
+        ``seq_lens`` each request's context including this step's rows (a mean over steps
+        may be fractional), ``rows_per_request`` its query rows."""
+        h, lat, r = self.num_heads, self.kv_lora_rank, rows_per_request
+        per_pair = 2 * h * (lat + self.rope_dim) + 2 * h * lat
+        absorbed = 2 * h * (self.nope_dim * lat + lat * self.v_head_dim)
+        k = self.index_topk
+        pairs = scored = 0.0
+        for n in seq_lens:
+            for i in range(r):  # the rows at positions n - r .. n - 1 see n - r + 1 + i keys
+                keys = max(1.0, n - r + 1 + i)
+                pairs += keys if k is None else min(keys, k)
+                scored += keys if k is not None and n > k else 0.0
+        rows = len(seq_lens) * r
+        out = {
+            "mla_attention": float(self.attention_layers * (pairs * per_pair + rows * absorbed)),
+            "indexer_score": float(
+                self.indexer_layers * scored * 2 * self.index_heads * self.index_head_dim
+            ),
+            "moe_experts": float(self.moe_layers * 2 * rows * self.experts_per_token * 3
+                                 * self.hidden * self.moe_intermediate),  # fmt: skip
+            "router": float(self.moe_layers * 2 * rows * self.hidden * self.num_experts),
+            "dense_gemm": float(2 * rows * (self.dense_weights + self.lm_head)),
         }
         out["total"] = sum(out.values())
         return out
