@@ -402,7 +402,7 @@ case "$stage" in
         # GPU, glm5 prefill 16K with the faster one, then the accuracy gate (issue 26)
     timeout 150 python3 -m pytest -p no:cacheprovider -q -rfE tests/kernels/test_dsa_indexer.py \
       tests/engine/test_draft_policy.py 2>&1 | tail -4
-    timeout 120 python3 benchmarks/select_bench.py --out "$OUT/select.json" > "$OUT/select.log" 2>&1
+    timeout 180 python3 benchmarks/select_bench.py --out "$OUT/select.json" > "$OUT/select.log" 2>&1
     echo "select_bench: exit $?"; sed -n '/^== select/,$p' "$OUT/select.log"
     pick=$(python3 -c '
 import json, sys

@@ -9,7 +9,8 @@ serve default's two 8K-token chunks (rows at positions 0..8191 in an 8K-wide buf
 then 8192..16383 in a 16K-wide one), a 4K prompt in one chunk, and the last 4K-token
 chunk of a 64K prompt (64K-wide rows: the backend hands them to ``torch.topk``), then
 decode-sized selects at a 16K context, 1 and 32 rows, timed as CUDA-graph replays (at
-one row the select is one program's latency, not bandwidth).
+one row the select is one program's latency, not bandwidth), where the register selects
+also run on 16 and 32 warps (``rows_hist@32w``).
 Variants (:data:`pdserve.kernels.dsa_indexer.SELECT_VARIANTS`): ``rows_bits`` and
 ``rows_hist`` (the row in registers, up to 32K keys; the K-th key found bit by bit, or by
 byte histograms), ``radix`` (histogram passes over memory), and ``torch.topk`` over rows
@@ -107,7 +108,7 @@ def _time_ms(fn: Any, dev: torch.device, reps: int, graph: bool = False) -> floa
 
 def run(dev: torch.device, bw: float | None, reps: int) -> list[dict[str, Any]]:
     from pdserve.kernels.dsa_indexer import SELECT_VARIANTS, topk_select
-    from pdserve.kernels.dsa_select import REG_SELECT_HIST, REG_SELECT_MAX_WIDTH
+    from pdserve.kernels.dsa_select import REG_SELECT_HIST, REG_SELECT_MAX_WIDTH, reg_topk_select
 
     cpu = dev.type == "cpu"
     cases, topk = (CPU_CASES, CPU_TOPK) if cpu else (GPU_CASES, GPU_TOPK)
@@ -120,6 +121,8 @@ def run(dev: torch.device, bw: float | None, reps: int) -> list[dict[str, Any]]:
         wide = max(b for _, b in chunks) > REG_SELECT_MAX_WIDTH
         graph = name.startswith("decode")
         kernels = [x for x in SELECT_VARIANTS if x not in ("auto", "rows")]
+        if graph or cpu:  # few rows: one program's latency, so more warps a row may pay
+            kernels += [f"{x}@{w}w" for x in ("rows_bits", "rows_hist") for w in (16, 32)]
         for v in [x for x in kernels if not (wide and x.startswith("rows"))] + ["torch.topk"]:
             total, exact, error = 0.0, True, None
             for a, c in inputs:
@@ -134,7 +137,13 @@ def run(dev: torch.device, bw: float | None, reps: int) -> list[dict[str, Any]]:
                     out = torch.empty(q, topk, dtype=torch.int64, device=dev)
                     args = (c["logits"], c["seq_lens"], c["qsl"], c["req"], c["qidx"], topk, q,
                             out)  # fmt: skip
-                    total += _time_ms(partial(topk_select, *args, variant=v), dev, reps, graph)
+                    if "@" in v:  # rows_bits@16w: the register select on 16 warps
+                        kind, w = v.split("@")
+                        fn = partial(reg_topk_select, *args, hist=kind == "rows_hist",
+                                     num_warps=int(w.rstrip("w")))  # fmt: skip
+                    else:
+                        fn = partial(topk_select, *args, variant=v)
+                    total += _time_ms(fn, dev, reps, graph)
                     exact &= _exact(c, out, a, topk)
                 except Exception as e:  # a kernel that does not compile here: its row says so
                     error, exact = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}", False

@@ -94,7 +94,8 @@ def test_select_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     out = tmp_path / "select.json"
     assert bench.main(["--device", "cpu", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["select"]
-    assert {r["variant"] for r in rows} == {"rows_bits", "rows_hist", "radix", "torch.topk"}
+    assert {r["variant"] for r in rows} == {"rows_bits", "rows_hist", "radix", "torch.topk"} | {
+        f"{v}@{w}w" for v in ("rows_bits", "rows_hist") for w in (16, 32)}
     assert all(r["exact"] and r["score_bytes"] > 0 for r in rows)
     assert sum(r["default"] for r in rows) == 1
     assert "== select" in capsys.readouterr().out
