@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from _attn_helper import PagedKV
-from pdserve.kernels import fused_moe
+from pdserve.kernels import fused_moe_fp8
 from pdserve.kernels.fused_moe_fp8 import fused_experts_fp8
 from pdserve.kernels.reference import (
     FP8_DTYPE,
@@ -78,7 +78,7 @@ def test_fused_experts_fp8_matches_reference(
 def test_fused_experts_fp8_chunks_long_batches(
     device: torch.device, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(fused_moe, "CHUNK_TOKENS", 4)
+    monkeypatch.setattr(fused_moe_fp8, "CHUNK_TOKENS", 4)
     x, w13, w2, weights, ids = _problem(10, 4, 2, 128, 64, seed=5)
     args = [a.to(device) for a in (*quantize_fp8_experts(w13, w2), weights, ids)]
     out = fused_experts_fp8(x.to(device), *args)
