@@ -545,7 +545,8 @@ def bench_prefill(llm: LLM, preset: str, lens: list[int], peak: float | None) ->
             "tflops_overall": flops["total"] / sec / 1e12,
             "profile": {"span_ms": prof["span_ms"], "wall_ms": prof["wall_ms"],
                         "kernels": prof["kernels"], "idle_gap_ms": prof["idle_gap"]["ms"],
-                        "categories": cats, "top": prof["top"][:6]},  # fmt: skip
+                        "categories": cats, "top": prof["top"][:6],
+                        "diagnostics": prof["diagnostics"]},  # fmt: skip
         }
         res["points"].append(point)
         print(json.dumps({k: v for k, v in point.items() if k != "profile"}), flush=True)

@@ -184,6 +184,8 @@ def test_glm5_bench_cpu_prefill_smoke(tmp_path: Path) -> None:
         assert p["prefix_cache_hits"] == 0 and p["seconds"] > 0 and p["warmup_s"] > 0
         assert len(p["runs_s"]) == 3
         cats = p["profile"]["categories"]
+        diag = p["profile"]["diagnostics"]  # every categorised module ran inside its range
+        assert diag["ranges"]["mla_attention"]["count"] > 0 and diag["device_activities"] == 0
         for cat in ("mla_attention", "moe_experts", "dense_gemm"):
             assert cats[cat]["ms"] > 0 and cats[cat]["tflop"] == p["flops"][cat] / 1e12
     assert short["flops"]["indexer_score"] == 0.0 and long_["flops"]["indexer_score"] > 0

@@ -188,6 +188,8 @@ class StepProfile:
     wall_ms: float
     device: str  # "cuda" (kernels) or "cpu" (operators' self time)
     notes: list[str] = field(default_factory=list)
+    # how the kernels found their ranges (:func:`scope_diagnostics`), when profiled
+    diagnostics: dict[str, Any] = field(default_factory=dict)
 
     def table(self) -> dict[str, Any]:
         """Time by category (ms, share of the device span, count), the idle gap, the
@@ -226,7 +228,40 @@ class StepProfile:
                 for (n, c), v in top
             ],
             "notes": self.notes,
+            "diagnostics": self.diagnostics,
         }
+
+
+def scope_diagnostics(events: Any) -> dict[str, Any]:
+    """How a capture's kernels found their categories' ranges: the ``pdserve:`` ranges
+    by category (count, total ms, the longest), the device activities whose launching
+    operator is missing, and those whose operator sits in no range. A range swallowing a
+    whole step (its end lost) shows as a longest range near the span (run 51's 64K)."""
+    from torch.autograd import DeviceType
+
+    cpu = [e for e in events if e.device_type == DeviceType.CPU]
+    ranges: dict[str, dict[str, float]] = {}
+    for e in cpu:
+        if e.name.startswith(SCOPE_PREFIX):
+            r = ranges.setdefault(e.name[len(SCOPE_PREFIX) :], {"count": 0, "ms": 0.0,
+                                                                 "longest_ms": 0.0})  # fmt: skip
+            ms = (e.time_range.end - e.time_range.start) / 1e3
+            r["count"] += 1
+            r["ms"] += ms
+            r["longest_ms"] = max(r["longest_ms"], ms)
+    by_id = {e.id: e for e in cpu if not getattr(e, "linked_correlation_id", 0)}
+    unlinked = unscoped = kernels = 0
+    for e in events:
+        if e.device_type != DeviceType.CUDA or _annotation(e):
+            continue
+        kernels += 1
+        op = by_id.get(getattr(e, "linked_correlation_id", 0))
+        if op is None:
+            unlinked += 1
+        elif _scope_of(op) is None:
+            unscoped += 1
+    return {"ranges": ranges, "device_activities": kernels, "without_operator": unlinked,
+            "outside_ranges": unscoped}  # fmt: skip
 
 
 def _union_ms(spans: list[Span]) -> float:
@@ -311,7 +346,9 @@ def profile_step(run: Callable[[], Any], model: Any | None, device: Any) -> Step
             torch.cuda.synchronize(dev)
         wall = (time.perf_counter() - t0) * 1e3
     kind = "cuda" if cuda else "cpu"
-    return StepProfile(spans_from_events(prof.events(), kind), wall, kind)
+    events = prof.events()
+    diag = scope_diagnostics(events) if model is not None else {}
+    return StepProfile(spans_from_events(events, kind), wall, kind, diagnostics=diag)
 
 
 @contextmanager
