@@ -38,8 +38,9 @@
 #       with it, then the defaults' tests (run 50).
 # g15e  glm5 prefill 16K / 64K with gluon_ws the default, then the MoE sweep (down_n tiles) (run 51).
 # g16   the select variants (benchmarks/select_bench.py: the K-th key by bits or by byte
-#       histograms) with their GPU parity, glm5 prefill 16K with the faster (it becomes
-#       the default when it wins by 3%+), then glm5_bench --sections accuracy (issue 26).
+#       histograms) with their GPU parity, glm5 prefill 16K / 64K with the faster (it becomes
+#       the default when it wins by 3%+; the profiles carry scope diagnostics for the 64K
+#       categories), then glm5_bench --sections accuracy (issue 26).
 # f16   decode attention over an fp8 cache beside bf16 (kernels_bench --kv-dtype fp8) and its
 #       tile sweep, then fp8_bench llama-8b-shape with its new profiles (issue 28).
 # g14   the Gluon kernels of session 13 (kernels/sparse_mla_gluon.py,
@@ -413,10 +414,10 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     echo "select pick: $pick"
     [ "$pick" = hist ] && sed -i 's/^REG_SELECT_HIST = False/REG_SELECT_HIST = True/' \
       src/pdserve/kernels/dsa_select.py
-    timeout 150 python3 benchmarks/glm5_bench.py --sections prefill --presets glm5-m12-e64 \
-      --no-peer --long --prefill-lens 16384 --workdir /tmp/glm5 \
+    timeout 220 python3 benchmarks/glm5_bench.py --sections prefill --presets glm5-m12-e64 \
+      --no-peer --long --prefill-lens 16384,65536 --workdir /tmp/glm5 \
       --out "$OUT/glm5_prefill.json" > "$OUT/glm5_prefill.log" 2>&1
-    echo "glm5 prefill: exit $?"; quiet < "$OUT/glm5_prefill.log" | tail -4
+    echo "glm5 prefill: exit $?"; quiet < "$OUT/glm5_prefill.log" | tail -5
     t=$(( start + 575 - $(date +%s) ))
     [ "$t" -gt 60 ] && { timeout "$t" python3 benchmarks/glm5_bench.py --sections accuracy \
       --presets glm5-s4-e16 --workdir /tmp/glm5 --out "$OUT/glm5_accuracy.json" \
