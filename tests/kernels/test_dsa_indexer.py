@@ -76,7 +76,7 @@ def test_select_breaks_ties_to_exactly_k(device: torch.device, variant: str) -> 
     """Many equal scores (ReLU zeros, repeated values, -0.0 beside 0.0): exactly k keys,
     the best ones."""
     g = torch.Generator().manual_seed(3)
-    rows, n, k = 6, 700, 64
+    rows, n, k = 7, 700, 64
     logits = torch.randint(0, 5, (rows, n), generator=g).float()
     logits[1] = 0.0  # all tied
     logits[2, :k] = -torch.arange(k, dtype=torch.float32) - 1.0  # negatives in the mix
@@ -84,6 +84,9 @@ def test_select_breaks_ties_to_exactly_k(device: torch.device, variant: str) -> 
     logits[4] = -torch.rand(n, generator=g) * 1e-3  # all negative, close together
     logits[4, ::3] = -0.0
     logits[5, 100:] = float("-inf")  # -inf past the first 100 keys
+    # scores that differ only in their last mantissa bits: the low bytes decide, with ties
+    ulp = torch.randint(0, 300, (n,), generator=g).float() * 2.0**-23
+    logits[6] = 1.0 + ulp
     logits = logits.to(device)
     seq = torch.tensor([n], dtype=torch.int32, device=device)
     qsl = torch.tensor([0, rows], dtype=torch.int32, device=device)
