@@ -61,6 +61,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _graph import capture_calls  # noqa: E402
 from gpu_suite import (  # noqa: E402
     CPU_SIZES,
     GPU_SIZES,
@@ -117,16 +118,7 @@ def _graph_time_ms(fn: Callable[[], object], dev: torch.device) -> float:
     (eager launches of a small GEMM time the host, not the kernel); eager on the CPU."""
     if dev.type != "cuda":
         return _time_ms(fn, dev)
-    side = torch.cuda.Stream(dev)
-    side.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(side):
-        fn()  # compile and allocate outside the capture
-    torch.cuda.current_stream(dev).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(10):
-            fn()
-    return _time_ms(graph.replay, dev) / 10
+    return _time_ms(capture_calls([fn] * 10).replay, dev) / 10
 
 
 def fp8_matmul_peak(dev: torch.device, m: int = 8192) -> float:

@@ -74,19 +74,9 @@ def _graph_ms(calls: list[Callable[[], object]], cuda: bool) -> float:
     """One call's ms: a CUDA graph of every call once (each on its own weights), replayed."""
     if not cuda:
         return _ms(calls[0], False)
-    import torch
+    from _graph import capture_calls
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    return _ms(graph.replay, True) / len(calls)
+    return _ms(capture_calls(calls).replay, True) / len(calls)
 
 
 def limits(cuda: bool) -> dict[str, Any]:

@@ -77,6 +77,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _graph import capture_calls  # noqa: E402
 from indexer_sections import (  # noqa: E402
     run_indexer_fp8,
     run_indexer_prefill,
@@ -114,16 +115,7 @@ def bench(fn: Callable[[], object]) -> float:
 
 def bench_graph(fn: Callable[[], object], reps: int = 10) -> float:
     """Median milliseconds of one ``fn`` call replayed from a CUDA graph of ``reps`` calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compile and settle allocations outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    return bench(graph.replay) / reps
+    return bench(capture_calls([fn] * reps).replay) / reps
 
 
 def measure_limits() -> tuple[float, float]:

@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 import triton
+from _graph import capture_calls
 
 from pdserve.kernels.dsa_indexer import SORT_FREE_MAX_WIDTH, indexer_logits, topk_select
 from pdserve.kernels.dsa_indexer_tiled import (
@@ -155,15 +156,7 @@ class Timer:
             return (time.perf_counter() - t0) * 1e3
         if not graph:
             return float(triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median"))
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(reps):
-                fn()
+        g = capture_calls([fn] * reps)
         ms = float(triton.testing.do_bench(g.replay, warmup=5, rep=40, return_mode="median"))
         return ms / reps
 

@@ -42,6 +42,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _graph import capture_calls  # noqa: E402
+
 
 @dataclass(frozen=True)
 class Shapes:
@@ -107,16 +109,7 @@ def bench_graph(fn: Callable[[], object], reps: int = 20) -> float:
     decode step pays). A CPU has no graphs: the eager call."""
     if DEV.type != "cuda":
         return bench(fn)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    return bench(graph.replay) / reps
+    return bench(capture_calls([fn] * reps).replay) / reps
 
 
 def copy_bandwidth() -> float:

@@ -62,6 +62,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _graph import capture_calls  # noqa: E402
 from _interp import interpreter_fix  # noqa: E402
 
 # (heads per program, keys per tile, warps, stages); the defaults are among them
@@ -127,16 +128,7 @@ def _graph_ms(fn: Callable[[], object], dev: torch.device, reps: int) -> float:
     """One call's median ms replayed from a CUDA graph of 10 calls (eager on the CPU)."""
     if dev.type != "cuda":
         return _median_ms(fn, dev, reps)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(10):
-            fn()
-    return _median_ms(graph.replay, dev, reps) / 10
+    return _median_ms(capture_calls([fn] * 10).replay, dev, reps) / 10
 
 
 def measure(dev: torch.device) -> tuple[float, float]:

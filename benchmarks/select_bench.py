@@ -37,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _graph import capture_calls  # noqa: E402
 from _interp import interpreter_fix  # noqa: E402
 
 GPU_CASES = {
@@ -71,17 +72,22 @@ def _masked(lg: torch.Tensor, a: int) -> torch.Tensor:
     return lg.masked_fill(~causal, float("-inf"))
 
 
-def _exact(c: dict[str, Any], got: torch.Tensor, a: int, topk: int) -> bool:
-    """Same multiset of scores as torch.topk over each row's causal keys (rows past top-k)."""
+def _reference(c: dict[str, Any], a: int, topk: int) -> None:
+    """Once per chunk: its rows masked past each position (``torch.topk``'s input), the rows
+    past top-k (``live``) and their best scores sorted (``want``)."""
     lg = c["logits"]
-    pos = a + torch.arange(lg.shape[0], device=lg.device)
-    live = pos + 1 > topk
-    full = _masked(lg, a)[live]
-    want = full.topk(topk, dim=-1).values.sort(dim=-1).values
-    sel = got[live]
+    c["masked"] = _masked(lg, a)
+    c["live"] = a + torch.arange(lg.shape[0], device=lg.device) + 1 > topk
+    c["want"] = c["masked"][c["live"]].topk(topk, dim=-1).values.sort(dim=-1).values
+
+
+def _exact(c: dict[str, Any], got: torch.Tensor) -> bool:
+    """Same multiset of scores as torch.topk over each row's causal keys (rows past top-k)."""
+    sel = got[c["live"]]
     if bool((sel < 0).any()):
         return False
-    return bool(torch.equal(lg[live].gather(1, sel).sort(dim=-1).values, want))
+    taken = c["logits"][c["live"]].gather(1, sel).sort(dim=-1).values
+    return bool(torch.equal(taken, c["want"]))
 
 
 def _time_ms(fn: Any, dev: torch.device, reps: int, graph: bool = False) -> float:
@@ -94,15 +100,7 @@ def _time_ms(fn: Any, dev: torch.device, reps: int, graph: bool = False) -> floa
 
     if not graph:
         return float(triton.testing.do_bench(fn, warmup=5, rep=reps, return_mode="median"))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(20):
-            fn()
+    g = capture_calls([fn] * 20)
     return float(triton.testing.do_bench(g.replay, warmup=5, rep=reps, return_mode="median")) / 20
 
 
@@ -117,6 +115,8 @@ def run(dev: torch.device, bw: float | None, reps: int) -> list[dict[str, Any]]:
     rows = []
     for name, chunks in cases.items():
         inputs = [(a, _chunk(a, b, dev, g)) for a, b in chunks]
+        for a, c in inputs:
+            _reference(c, a, topk)
         nbytes = sum(4 * max(0, p + 1) for a, b in chunks for p in range(a, b) if p + 1 > topk)
         wide = max(b for _, b in chunks) > REG_SELECT_MAX_WIDTH
         graph = name.startswith("decode")
@@ -125,14 +125,13 @@ def run(dev: torch.device, bw: float | None, reps: int) -> list[dict[str, Any]]:
             kernels += [f"{x}@{w}w" for x in ("rows_bits", "rows_hist") for w in (16, 32)]
         for v in [x for x in kernels if not (wide and x.startswith("rows"))] + ["torch.topk"]:
             total, exact, error = 0.0, True, None
-            for a, c in inputs:
+            for _, c in inputs:
                 q = c["logits"].shape[0]
                 try:
                     if v == "torch.topk":  # over rows with -inf past each position
-                        full = _masked(c["logits"], a)
-                        fn = partial(torch.topk, full, topk, dim=-1, sorted=False)
+                        fn = partial(torch.topk, c["masked"], topk, dim=-1, sorted=False)
                         total += _time_ms(fn, dev, reps, graph)
-                        exact &= _exact(c, fn().indices, a, topk)
+                        exact &= _exact(c, fn().indices)
                         continue
                     out = torch.empty(q, topk, dtype=torch.int64, device=dev)
                     args = (c["logits"], c["seq_lens"], c["qsl"], c["req"], c["qidx"], topk, q,
@@ -144,7 +143,7 @@ def run(dev: torch.device, bw: float | None, reps: int) -> list[dict[str, Any]]:
                     else:
                         fn = partial(topk_select, *args, variant=v)
                     total += _time_ms(fn, dev, reps, graph)
-                    exact &= _exact(c, out, a, topk)
+                    exact &= _exact(c, out)
                 except Exception as e:  # a kernel that does not compile here: its row says so
                     error, exact = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}", False
                     break
