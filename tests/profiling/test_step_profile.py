@@ -190,3 +190,42 @@ def test_glm5_bench_cpu_prefill_smoke(tmp_path: Path) -> None:
             assert cats[cat]["ms"] > 0 and cats[cat]["tflop"] == p["flops"][cat] / 1e12
     assert short["flops"]["indexer_score"] == 0.0 and long_["flops"]["indexer_score"] > 0
     assert long_["profile"]["categories"]["indexer_score"]["ms"] > 0
+
+
+def test_device_kernels_take_their_launching_operators_range() -> None:
+    """The CUDA path of spans_from_events and scope_diagnostics on stand-in events: a
+    kernel inherits the range around the operator that launched it, one whose operator
+    is missing or outside every range goes by its name, and the range's device mirror
+    is no kernel."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from pdserve.profiling.step_profile import scope_diagnostics, spans_from_events
+
+    def ev(i, name, dev, start, end, link=0, parent=None):  # type: ignore[no-untyped-def]
+        return SimpleNamespace(id=i, name=name, device_type=dev, linked_correlation_id=link,
+                               time_range=SimpleNamespace(start=start, end=end),
+                               cpu_parent=parent)  # fmt: skip
+
+    cpu, cuda = DeviceType.CPU, DeviceType.CUDA
+    rng = ev(1, "pdserve:dense_gemm", cpu, 0, 100)
+    op_in = ev(2, "aten::mm", cpu, 10, 20, parent=rng)
+    op_out = ev(3, "aten::add", cpu, 120, 130)
+    events = [
+        rng, op_in, op_out,
+        ev(10, "pdserve:dense_gemm", cuda, 0, 100, link=1),  # the range's device mirror
+        ev(11, "some_kernel", cuda, 30, 40, link=2),
+        ev(12, "elementwise_kernel", cuda, 140, 150, link=3),
+        ev(13, "_rmsnorm_kernel", cuda, 160, 170, link=99),  # its operator was lost
+    ]  # fmt: skip
+    spans = spans_from_events(events, "cuda")
+    assert [(s.name, s.category) for s in spans] == [
+        ("some_kernel", "dense_gemm"),
+        ("elementwise_kernel", "other"),
+        ("_rmsnorm_kernel", "norm_rope"),
+    ]
+    diag = scope_diagnostics(events)
+    assert diag["ranges"] == {"dense_gemm": {"count": 1, "ms": 0.1, "longest_ms": 0.1}}
+    assert (diag["device_activities"], diag["without_operator"], diag["outside_ranges"]) == (
+        3, 1, 1)

@@ -239,23 +239,18 @@ def scope_diagnostics(events: Any) -> dict[str, Any]:
     whole step (its end lost) shows as a longest range near the span (run 51's 64K)."""
     from torch.autograd import DeviceType
 
-    cpu = [e for e in events if e.device_type == DeviceType.CPU]
     ranges: dict[str, dict[str, float]] = {}
-    for e in cpu:
-        if e.name.startswith(SCOPE_PREFIX):
+    for e in events:
+        if e.device_type == DeviceType.CPU and e.name.startswith(SCOPE_PREFIX):
             r = ranges.setdefault(e.name[len(SCOPE_PREFIX) :], {"count": 0, "ms": 0.0,
                                                                  "longest_ms": 0.0})  # fmt: skip
             ms = (e.time_range.end - e.time_range.start) / 1e3
             r["count"] += 1
             r["ms"] += ms
             r["longest_ms"] = max(r["longest_ms"], ms)
-    by_id = {e.id: e for e in cpu if not getattr(e, "linked_correlation_id", 0)}
     unlinked = unscoped = kernels = 0
-    for e in events:
-        if e.device_type != DeviceType.CUDA or _annotation(e):
-            continue
+    for _, op in _device_activities(events):
         kernels += 1
-        op = by_id.get(getattr(e, "linked_correlation_id", 0))
         if op is None:
             unlinked += 1
         elif _scope_of(op) is None:
@@ -297,17 +292,31 @@ def _annotation(e: Any) -> bool:
     )
 
 
+def _device_activities(events: Any) -> Iterator[tuple[Any, Any]]:
+    """Each device activity of ``prof.events()`` (kernels, copies, memsets; the device
+    mirror of a range is none) with the CPU operator that launched it (None: not found)."""
+    from torch.autograd import DeviceType
+
+    by_id = {
+        e.id: e
+        for e in events
+        if e.device_type == DeviceType.CPU and not getattr(e, "linked_correlation_id", 0)
+    }
+    for e in events:
+        if e.device_type == DeviceType.CUDA and not _annotation(e):
+            yield e, by_id.get(getattr(e, "linked_correlation_id", 0))
+
+
 def spans_from_events(events: Any, device: str) -> list[Span]:
     """The step's spans from ``prof.events()``: on CUDA every device activity (kernels,
     copies, memsets) with the category of the operator that launched it; on a CPU every
     operator's self time (ranges themselves and runtime calls left out)."""
     from torch.autograd import DeviceType
 
-    cpu = [e for e in events if e.device_type == DeviceType.CPU]
     out: list[Span] = []
     if device == "cpu":
-        for e in cpu:
-            if _annotation(e):
+        for e in events:
+            if e.device_type != DeviceType.CPU or _annotation(e):
                 continue
             if getattr(e, "linked_correlation_id", 0):
                 continue
@@ -315,11 +324,7 @@ def spans_from_events(events: Any, device: str) -> list[Span]:
             cat = categorize(e.name, _scope_of(e))
             out.append(Span(e.name, s, t, cat, busy_us=e.self_cpu_time_total))
     else:
-        by_id = {e.id: e for e in cpu if not getattr(e, "linked_correlation_id", 0)}
-        for e in events:
-            if e.device_type != DeviceType.CUDA or _annotation(e):
-                continue  # the device mirror of a range is no kernel
-            op = by_id.get(getattr(e, "linked_correlation_id", 0))
+        for e, op in _device_activities(events):
             scope = _scope_of(op) if op is not None else None
             cat = categorize(e.name, scope)
             out.append(Span(e.name, e.time_range.start, e.time_range.end, cat))
