@@ -175,13 +175,14 @@ def _select_kernel() -> Any:
     return _reg_select_kernel
 
 
-def _select_consts(width: int) -> Callable[[], dict[str, Any]]:
+def _select_consts(width: int, hist: bool = False) -> Callable[[], dict[str, Any]]:
     def consts() -> dict[str, Any]:
         from pdserve.kernels import dsa_select as m
 
         block = width
         return dict(BLOCK=block, BLOCK_K=1024, SPLITS=min(m.REG_SELECT_SPLITS,
-                    block.bit_length() - 5), CHUNK=min(block, m.REG_SELECT_CHUNK))  # fmt: skip
+                    block.bit_length() - 5), CHUNK=min(block, m.REG_SELECT_CHUNK),
+                    HIST=hist)  # fmt: skip
 
     return consts
 
@@ -453,10 +454,11 @@ def variants() -> list[Variant]:
                            _INDEXER_PTRS, _INDEXER_INTS, frozenset({"scale"}), cfg.num_warps,
                            cfg.num_stages, expect_wgmma=True, expect_cp_async=True,
                            expect_no_spills=True))  # fmt: skip
-    for width in (16384, 32768):  # rows of a 16K / 32K prefill, held in registers
-        out.append(Variant(f"select_{width // 1024}k", _select_kernel, _select_consts(width),
-                           _SELECT_PTRS, frozenset({"stride_lt", "stride_ot", "K"}),
-                           frozenset(), _select_warps(width), 1, expect_no_spills=True))  # fmt: skip
+    for width, hist in ((16384, False), (32768, False), (16384, True)):  # rows in registers
+        out.append(Variant(f"select_{width // 1024}k{'_hist' if hist else ''}", _select_kernel,
+                           _select_consts(width, hist), _SELECT_PTRS,
+                           frozenset({"stride_lt", "stride_ot", "K"}), frozenset(),
+                           _select_warps(width), 1, expect_no_spills=True))  # fmt: skip
     return (out + mla_prefill_variants() + mla_gluon_variants() + fp8_gluon_variants()
             + decode_prep_variants())
 

@@ -58,7 +58,7 @@ def _kth_key_hist(key, in_row, K):
     thr = tl.zeros([], tl.uint32)
     need = K  # keys still to take among those matching thr's bytes so far
     for p in tl.static_range(4):
-        shift: tl.constexpr = 24 - 8 * p
+        shift = 24 - 8 * p  # a constexpr per unrolled step (no annotation: it is reassigned)
         if p == 0:  # noqa: SIM108 (a shift by 32 is undefined: no match to test)
             match = in_row
         else:

@@ -191,9 +191,9 @@ class StepProfile:
     # how the kernels found their ranges (:func:`scope_diagnostics`), when profiled
     diagnostics: dict[str, Any] = field(default_factory=dict)
 
-    def table(self) -> dict[str, Any]:
+    def table(self, top_n: int = 10) -> dict[str, Any]:
         """Time by category (ms, share of the device span, count), the idle gap, the
-        span, and the ten longest kernels (name, category, total ms, count)."""
+        span, and the ``top_n`` longest kernels (name, category, total ms, count)."""
         spans = self.spans
         cats: dict[str, dict[str, float]] = {c: {"ms": 0.0, "count": 0} for c in CATEGORIES}
         if not spans:
@@ -215,7 +215,7 @@ class StepProfile:
         by_name: dict[tuple[str, str], list[float]] = {}
         for s in spans:
             by_name.setdefault((s.name, s.category), []).append(s.busy_us)
-        top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:10]
+        top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top_n]
         return {
             "device": self.device,
             "wall_ms": self.wall_ms,
