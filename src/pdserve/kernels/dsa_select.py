@@ -7,16 +7,20 @@ at most ``K``) take every causal key without reading the row.
 
 One program per row loads the row once (``BLOCK`` = the score width rounded up to a power
 of two; float bits mapped to order-preserving unsigned keys, 0 outside the row) and keeps
-it in registers: the K-th largest key is found bit by bit, most significant first (32
-steps, each ``count(key >= prefix | bit) >= K``: one compare and one sum over the row,
-no histogram, no memory traffic), then one pass over the row (re-read from L2 in chunks
-of ``REG_SELECT_CHUNK``) writes the positions above it and the first ones equal to it
-(two prefix sums give each its slot). With ``HIST`` (:data:`REG_SELECT_HIST`, the
-``rows_hist`` select variant) the K-th key is found a byte at a time instead: four
-256-bin histograms (``tl.histogram``) of the keys sharing the bytes found so far, in
-place of 32 row-wide reductions. A row is processed at the
-smallest of ``BLOCK``, ``BLOCK/2``, ``BLOCK/4`` that holds it (``SPLITS``), so short rows
-of a wide buffer cost less. Rows wider than :data:`REG_SELECT_MAX_WIDTH` keep the
+it in registers. A threshold is found bit by bit, most significant first (each step
+``count(key >= prefix | bit) >= K``: one compare and one sum over the row, no histogram,
+no memory traffic); it stops as soon as exactly ``K`` keys are at or above the prefix
+(distinct scores: the prefix then lies between the K-th and the next key, some 20 steps
+in), else after 32 steps at the K-th key itself; a step costs about three instructions
+a key of the block, padding included. Then one pass over the row
+(re-read from L2 in chunks of ``REG_SELECT_CHUNK``) writes the positions: with exactly
+``K`` at or above the threshold, those in position order (one prefix sum); with ties at
+the K-th key, the positions above it and then the first ones equal to it (two prefix
+sums). With ``HIST`` (:data:`REG_SELECT_HIST`, the ``rows_hist`` select variant) the
+K-th key is found a byte at a time instead: four 256-bin histograms (``tl.histogram``)
+of the keys sharing the bytes found so far, in place of up to 32 row-wide reductions.
+A row is processed at the smallest of ``BLOCK``, ``BLOCK/2``, ``BLOCK/4`` that holds it
+(``SPLITS``), so short rows of a wide buffer cost less. Rows wider than :data:`REG_SELECT_MAX_WIDTH` keep the
 histogram radix kernel of :mod:`~pdserve.kernels.dsa_indexer`.
 
 Warps: about :data:`REG_SELECT_PER_THREAD` keys a thread (8 warps at 16K, 16 at 32K).
@@ -38,38 +42,54 @@ REG_SELECT_HIST = False  # the K-th key by byte histograms (not yet timed on the
 
 
 @triton.jit
-def _kth_key_bits(key, K):
-    """(the K-th largest of ``key``, how many are above it): bit by bit, 32 reductions."""
-    thr = tl.zeros([], tl.uint32)
-    top = tl.full([], 2147483648, tl.uint32)
-    for b in range(32):  # the largest thr with count(key >= thr) >= K: the K-th key
-        cand = thr | (top >> b)
-        cnt = tl.sum((key >= cand).to(tl.int32))
-        thr = tl.where(cnt >= K, cand, thr)
-    return thr, tl.sum((key > thr).to(tl.int32))
+def _keys_of(scores):
+    """float32 scores as unsigned keys of the same order."""
+    bits = scores.to(tl.int32, bitcast=True)
+    bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # float order as signed ints
+    return (bits ^ (-2147483648)).to(tl.uint32, bitcast=True)  # ... as unsigned ints
 
 
 @triton.jit
-def _kth_key_hist(key, in_row, K):
-    """(the K-th largest of ``key``, how many are above it): a byte at a time, most
+def _kth_key_bits(key, K, BLOCK: tl.constexpr):
+    """(a key ``thr``, ``count(key >= thr)``): bit by bit, most significant first, one
+    reduction a bit. It stops as soon as ``count(key >= thr) == K`` (the keys at or above
+    ``thr`` are then exactly the top ``K``: the search need not pin down the K-th key
+    itself), else after 32 bits with ``thr`` the K-th key (ties at it: the count is
+    above ``K``)."""
+    thr = tl.zeros([], tl.uint32)
+    cnt_thr = tl.full([], BLOCK, tl.int32)  # count(key >= 0): every key of the block
+    top = tl.full([], 2147483648, tl.uint32)
+    b = tl.zeros([], tl.int32)
+    while (b < 32) & (cnt_thr != K):  # the largest thr with count(key >= thr) >= K
+        cand = thr | (top >> b.to(tl.uint32))
+        cnt = tl.sum((key >= cand).to(tl.int32))
+        thr = tl.where(cnt >= K, cand, thr)
+        cnt_thr = tl.where(cnt >= K, cnt, cnt_thr)
+        b += 1
+    return thr, cnt_thr
+
+
+@triton.jit
+def _kth_key_hist(key, K):
+    """(the K-th largest of ``key``, ``count(key >= it)``): a byte at a time, most
     significant first, from a 256-bin histogram of the keys that share the bytes found
-    so far (4 histograms instead of 32 reductions)."""
+    so far (4 histograms instead of 32 reductions). The padding keys (0) are counted
+    too: they are below every real key and ``K`` is below the row's length."""
     bins = tl.arange(0, 256)
     thr = tl.zeros([], tl.uint32)
     need = K  # keys still to take among those matching thr's bytes so far
     for p in tl.static_range(4):
         shift = 24 - 8 * p  # a constexpr per unrolled step (no annotation: it is reassigned)
-        if p == 0:  # noqa: SIM108 (a shift by 32 is undefined: no match to test)
-            match = in_row
-        else:
-            match = in_row & ((key >> (shift + 8)) == (thr >> (shift + 8)))
         digit = ((key >> shift) & 0xFF).to(tl.int32)
-        hist = tl.histogram(digit, 256, mask=match)
+        if p == 0:  # a shift by 32 is undefined: every key matches the empty prefix
+            hist = tl.histogram(digit, 256)
+        else:
+            hist = tl.histogram(digit, 256, mask=(key >> (shift + 8)) == (thr >> (shift + 8)))
         ge = tl.sum(hist) - tl.cumsum(hist, 0) + hist  # matching keys with byte >= bin
         d = tl.max(tl.where(ge >= need, bins, -1))  # the K-th key's byte
         need -= tl.sum(tl.where(bins > d, hist, 0))
         thr = thr | (d.to(tl.uint32) << shift)
-    return thr, K - need
+    return thr, K - need + tl.sum((key == thr).to(tl.int32))
 
 
 @triton.jit
@@ -78,34 +98,40 @@ def _select_row(row, dst, n, K, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
     """Write the top-``K`` positions of ``row[0:n]`` (``K < n <= BLOCK``) to ``dst``."""
     offs = tl.arange(0, BLOCK)
     in_row = offs < n
-    bits = tl.load(row + offs, mask=in_row, other=0.0).to(tl.int32, bitcast=True)
-    bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # float order as signed ints
-    key = (bits ^ (-2147483648)).to(tl.uint32, bitcast=True)  # ... as unsigned ints
+    key = _keys_of(tl.load(row + offs, mask=in_row, other=0.0))
     key = tl.where(in_row, key, tl.zeros_like(key))  # below every real score's key
     if HIST:
-        thr, above = _kth_key_hist(key, in_row, K)
+        thr, n_ge = _kth_key_hist(key, K)
     else:
-        thr, above = _kth_key_bits(key, K)
-    # all keys above thr are taken; then the first K - above equal to it
+        thr, n_ge = _kth_key_bits(key, K, BLOCK)
     # the positions, in chunks re-read from L2 (a prefix sum over the whole row in
     # registers would double the registers a key needs)
-    n_gt = tl.zeros([], tl.int32)
-    n_eq = tl.zeros([], tl.int32)
-    for c0 in range(0, n, CHUNK):
-        s = c0 + tl.arange(0, CHUNK)
-        ok = s < n
-        cb = tl.load(row + s, mask=ok, other=0.0).to(tl.int32, bitcast=True)
-        cb = cb ^ ((cb >> 31) & 0x7FFFFFFF)
-        ck = (cb ^ (-2147483648)).to(tl.uint32, bitcast=True)
-        gt = ok & (ck > thr)
-        eq = ok & (ck == thr)
-        gt_rank = n_gt + tl.cumsum(gt.to(tl.int32), 0) - 1
-        eq_rank = n_eq + tl.cumsum(eq.to(tl.int32), 0) - 1
-        take_eq = eq & (eq_rank < K - above)
-        slot = tl.where(gt, gt_rank, above + eq_rank)
-        tl.store(dst + slot, s.to(tl.int64), mask=gt | take_eq)
-        n_gt += tl.sum(gt.to(tl.int32))
-        n_eq += tl.sum(eq.to(tl.int32))
+    if n_ge == K:  # the keys >= thr are the top K: one prefix sum, slots in position order
+        n_in = tl.zeros([], tl.int32)
+        for c0 in range(0, n, CHUNK):
+            s = c0 + tl.arange(0, CHUNK)
+            ok = s < n
+            take = ok & (_keys_of(tl.load(row + s, mask=ok, other=0.0)) >= thr)
+            rank = n_in + tl.cumsum(take.to(tl.int32), 0) - 1
+            tl.store(dst + rank, s.to(tl.int64), mask=take)
+            n_in += tl.sum(take.to(tl.int32))
+    else:  # ties at the K-th key: every key above it, then the first K - above equal to it
+        above = tl.sum((key > thr).to(tl.int32))
+        n_gt = tl.zeros([], tl.int32)
+        n_eq = tl.zeros([], tl.int32)
+        for c0 in range(0, n, CHUNK):
+            s = c0 + tl.arange(0, CHUNK)
+            ok = s < n
+            ck = _keys_of(tl.load(row + s, mask=ok, other=0.0))
+            gt = ok & (ck > thr)
+            eq = ok & (ck == thr)
+            gt_rank = n_gt + tl.cumsum(gt.to(tl.int32), 0) - 1
+            eq_rank = n_eq + tl.cumsum(eq.to(tl.int32), 0) - 1
+            take_eq = eq & (eq_rank < K - above)
+            slot = tl.where(gt, gt_rank, above + eq_rank)
+            tl.store(dst + slot, s.to(tl.int64), mask=gt | take_eq)
+            n_gt += tl.sum(gt.to(tl.int32))
+            n_eq += tl.sum(eq.to(tl.int32))
 
 
 @triton.jit
