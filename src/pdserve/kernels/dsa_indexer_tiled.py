@@ -7,10 +7,11 @@ position ``pos`` of request ``b``; keys ``k[s]`` from the paged cache, one share
     I[t, s] = sum_h w[t, h] * ReLU(scale * q[t, h] . k[s])          (float32)
 
 computed as ``sum_h (scale * w[t, h]) * ReLU(q[t, h] . k[s])`` (``scale > 0``). The
-per-token kernel gathers every key once per query token; here program ``(request, tile,
-key range)`` takes ``BT`` consecutive query tokens of the request, reads each key of the
-range once for all of them (through the block table), and applies each token's causal
-mask. Programs past the request's query rows, or whose key range starts past the tile's
+per-token kernel gathers every key once per query token; here program ``(key range,
+tile, request)`` takes ``BT`` consecutive query tokens of the request, reads each key of
+the range once for all of them (through the block table), and applies each token's causal
+mask. Key ranges vary fastest in launch order, so the programs resident at once work on a
+few query tiles, whose reloads (below) stay in L2. Programs past the request's query rows, or whose key range starts past the tile's
 last position, do no work. Two formulations (:class:`TileConfig` ``variant``):
 
 ``rows``   one ``[BT * heads, D] x [D, BN]`` dot per key block (the tile's queries stay
@@ -142,7 +143,7 @@ def _tiled_logits_kernel(
     PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
-    req = tl.program_id(0)
+    req = tl.program_id(2)
     q0 = tl.load(qsl_ptr + req)
     q1 = tl.load(qsl_ptr + req + 1)
     seq_len = tl.load(seq_lens_ptr + req)
@@ -151,7 +152,7 @@ def _tiled_logits_kernel(
     n_t = tl.minimum(tl.minimum(q1, tok_hi) - t0, BT)  # its tokens (<= 0: none)
     first_pos = seq_len - q1 + t0  # position of token t0 in its request
     last_pos = first_pos + n_t - 1
-    start = tl.program_id(2) * SPAN
+    start = tl.program_id(0) * SPAN  # key ranges vary fastest: a tile's run together
     live = (n_t > 0) & (q_len > min_q) & (q_len <= max_q)
     # for the select (topk_k > 0): rows with pos + 1 <= topk_k take every key unread
     scored = live & (start <= last_pos) & (seq_len > topk_k) & (last_pos >= topk_k)
@@ -271,7 +272,9 @@ def tile_grid(
     if auto_span:  # enough live programs (about half the tile x range grid is causal)
         while span > cfg.bn and num_reqs * tiles * triton.cdiv(width, span) < 4 * num_sms(device):
             span //= 2
-    grid = (num_reqs, tiles, triton.cdiv(width, span))
+    # key ranges fastest, then tiles: the programs running at once share a few query
+    # tiles (each re-read from L2 once a key block) instead of holding one tile each
+    grid = (triton.cdiv(width, span), tiles, num_reqs)
     if grid[1] > 65535 or grid[2] > 65535:
         raise ValueError(f"indexer tile grid {grid} exceeds 65535 programs on an axis")
     return bt, span, grid
