@@ -77,16 +77,17 @@ MLA_GRID = [
     (64, 64, 8, 2),
 ]
 # (block_m, block_n, block_k, warps, stages[, group_m[, chunk_tokens]]): MoeConfig
-MOE_GRID = [
-    (128, 128, 64, 8, 3, 1, 0, 256),  # the down GEMM in 128 x 256 tiles (MoeConfig.down_n)
-    (128, 128, 64, 8, 3, 8, 0, 256),
-    (128, 128, 64, 8, 4, 1, 0, 256),
+MOE_GRID = [  # (block_m, block_n, block_k, warps, stages, group_m, chunk_tokens, down_n)
+    (128, 128, 64, 8, 3, 8, 0, 256),  # the down GEMM in 128 x 256 tiles (MoeConfig.down_n)
+    (128, 128, 64, 8, 4, 8, 0, 256),
+    (128, 128, 64, 8, 3, 16, 0, 256),
+    (128, 128, 128, 8, 2, 8),  # 128-deep K steps, two stages (192 KB of shared memory)
+    (128, 128, 64, 8, 4, 8),
+    (128, 128, 64, 8, 3, 1, 0, 256),
+    (128, 128, 64, 8, 3, 1, 4096),  # launch pairs of 4K tokens (the weights read per pair)
     (128, 128, 64, 8, 3),
     (128, 128, 64, 8, 3, 4),  # grouped program order (MoeConfig.group_m)
     (128, 128, 64, 8, 3, 16),
-    (128, 128, 64, 8, 3, 8, 16384),  # + one launch pair for a 16K prefill (weights read once)
-    (128, 128, 64, 8, 3, 1, 16384),
-    (128, 128, 64, 8, 4),
     (128, 128, 32, 8, 5),
     (64, 128, 64, 4, 3),
     (64, 128, 64, 4, 4),
@@ -94,6 +95,7 @@ MOE_GRID = [
     (64, 256, 64, 8, 3),
     (128, 64, 64, 4, 4),
 ]
+MOE_TOKENS = (8192, 16384, 2048, 512, 1024, 4096)
 
 
 @dataclass(frozen=True)
@@ -394,7 +396,7 @@ def _variants_table(rows: list[dict[str, Any]]) -> None:
 
 # --------------------------------------------------------------------------------- MoE
 def run_moe(sh: Shapes, dev: torch.device, bw: float, peak: float, deadline: float,
-            reps: int) -> list[dict[str, Any]]:  # fmt: skip
+            reps: int, tokens: tuple[int, ...] = MOE_TOKENS) -> list[dict[str, Any]]:  # fmt: skip
     from pdserve.kernels.fused_moe import MoeConfig, _config, fused_experts
 
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -405,7 +407,7 @@ def run_moe(sh: Shapes, dev: torch.device, bw: float, peak: float, deadline: flo
           * sh.inter**-0.5).to(dt)  # fmt: skip
     rows: list[dict[str, Any]] = []
     # the serve default's 8K prefill chunks first: the budget may end the sweep early
-    for t in (32,) if dev.type == "cpu" else (8192, 16384, 2048, 512, 1024, 4096):
+    for t in (32,) if dev.type == "cpu" else tokens:
         x = torch.randn(t, sh.hidden, device=dev, generator=g).to(dt)
         ids = torch.rand(t, sh.experts, device=dev, generator=g).topk(sh.top_k).indices
         weights = torch.rand(t, sh.top_k, device=dev, generator=g)
@@ -481,6 +483,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sections", default="mla,moe")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--budget-s", type=float, default=240.0, help="stop timing new configs after")
+    ap.add_argument("--moe-tokens", default=",".join(map(str, MOE_TOKENS)),
+                    help="the moe section's token counts, in order")  # fmt: skip
     args = ap.parse_args(argv)
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -510,7 +514,9 @@ def main(argv: list[str] | None = None) -> int:
     reps = 1 if dev.type == "cpu" else 80
     with torch.inference_mode():
         for name in sections:
-            res[name] = runners[name](sh, dev, bw, peak, deadline, reps)
+            extra = {"tokens": tuple(int(x) for x in args.moe_tokens.split(","))}
+            res[name] = runners[name](sh, dev, bw, peak, deadline, reps,
+                                      **(extra if name == "moe" else {}))  # fmt: skip
             res[f"{name}_best"] = best_per_case(res[name])
             Path(args.out).write_text(json.dumps(res, indent=2))
     res["seconds"] = time.perf_counter() - t0

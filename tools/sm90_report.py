@@ -454,6 +454,11 @@ def variants() -> list[Variant]:
                            _INDEXER_PTRS, _INDEXER_INTS, frozenset({"scale"}), cfg.num_warps,
                            cfg.num_stages, expect_wgmma=True, expect_cp_async=True,
                            expect_no_spills=True))  # fmt: skip
+    out.append(Variant("router_logits", _kernel("moe_router", "_router_logits_kernel"),
+                       _fixed(BLOCK_T=64, BLOCK_E=64, BLOCK_K=64, UPCAST=False),
+                       {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32"},
+                       frozenset({"H", "stride_xt", "stride_we", "stride_ot"}), frozenset(), 4, 3,
+                       expect_wgmma=True, expect_no_spills=True))  # fmt: skip
     for width, hist in ((16384, False), (32768, False), (16384, True)):  # rows in registers
         out.append(Variant(f"select_{width // 1024}k{'_hist' if hist else ''}", _select_kernel,
                            _select_consts(width, hist), _SELECT_PTRS,

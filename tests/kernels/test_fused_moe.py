@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from pdserve.kernels import fused_moe
 from pdserve.kernels.fused_moe import align_by_expert, fused_experts, fused_experts_reference
-from pdserve.kernels.moe_router import router_select
+from pdserve.kernels.moe_router import router_logits, router_select
 from pdserve.layers.moe import experts_dense, experts_sorted, grouped_topk
 
 
@@ -124,3 +124,43 @@ def test_router_select_matches_grouped_topk(
     theirs, o2 = ref_ids.sort(dim=-1)
     assert torch.equal(ours, theirs)
     torch.testing.assert_close(got_w.gather(1, o1), ref_w.gather(1, o2), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("t,e,h", [(70, 16, 96), (5, 64, 200)])
+def test_router_logits_match_the_float32_gemm(device: torch.device, t: int, e: int, h: int) -> None:
+    """bf16 tokens times a float32 weight (magnitudes over six decades) through three
+    bf16 parts of the weight: the float32 GEMM's logits within float32 rounding."""
+    g = torch.Generator().manual_seed(t)
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16).to(device)
+    w = torch.randn(e, h, generator=g) * 10 ** (6 * torch.rand(e, h, generator=g) - 5)
+    w = w.to(device)
+    got = router_logits(x, w)
+    want = F.linear(x.double(), w.double())
+    scale = (x.double().abs() @ w.double().abs().t()).max()
+    assert got.dtype == torch.float32
+    assert float((got.double() - want).abs().max() / scale) < 1e-6
+    # one bf16 copy of the weight alone is far off: the parts are what makes it float32
+    one = F.linear(x.double(), w.to(torch.bfloat16).double())
+    assert float((one - want).abs().max() / scale) > 1e-4
+
+
+def test_router_takes_the_split_weight_gemm_from_a_prefill_batch(device: torch.device) -> None:
+    """TopKRouter on a bf16 batch of ROUTER_GEMM_MIN_TOKENS tokens (the router_logits
+    path) routes as grouped_topk on the same tokens in float32."""
+    from pdserve.kernels.moe_router import ROUTER_GEMM_MIN_TOKENS
+    from pdserve.layers.moe import TopKRouter
+
+    g = torch.Generator().manual_seed(9)
+    t, e, h = ROUTER_GEMM_MIN_TOKENS, 16, 32
+    router = TopKRouter(h, e, 4, 4, 2, True, 2.5).to(device)
+    router.fused = True
+    router.weight.data.copy_(torch.randn(e, h, generator=g) * 0.3)
+    router.e_score_correction_bias.data.copy_(torch.randn(e, generator=g) * 0.1)
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16).to(device)
+    got_w, got_ids = router(x)
+    ref_w, ref_ids = grouped_topk(x, router.weight, router.e_score_correction_bias, 4, 4, 2,
+                                  True, 2.5)  # fmt: skip
+    ours, o1 = got_ids.sort(dim=-1)
+    theirs, o2 = ref_ids.sort(dim=-1)
+    assert torch.equal(ours, theirs)
+    torch.testing.assert_close(got_w.gather(1, o1), ref_w.gather(1, o2), atol=1e-5, rtol=1e-5)

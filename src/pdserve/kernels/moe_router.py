@@ -12,6 +12,16 @@ this). Program ``i`` takes ``BLOCK_T`` tokens and every expert column:
     weights = s[chosen] / (sum + 1e-20 if norm_topk_prob) * routed_scaling_factor
 
 No host sync, static shapes: a decode batch captures in a CUDA graph.
+
+The logits themselves (:func:`router_logits`, prefill-sized bf16 batches of at least
+:data:`ROUTER_GEMM_MIN_TOKENS` tokens): the float32 GEMM without a float32 copy of the
+activations. A bf16 activation is exact in float32, and each float32 weight is split in
+the kernel into three bf16 parts (``hi = bf16(w)``, ``mid = bf16(w - hi)``,
+``lo = bf16(w - hi - mid)``: 24 of float32's 24 significant bits); every product of a
+bf16 activation and a part is exact in float32, so three bf16 tensor-core dots with a
+float32 accumulator give the float32 product up to the order of its additions. Fewer
+tokens keep cuBLAS's float32 GEMM, which spreads the weight's reads over the GPU (a
+program here reads the whole weight).
 """
 
 from __future__ import annotations
@@ -20,7 +30,81 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve.kernels._utils import check_device, next_pow2, pdl_args, pdl_enter
+from pdserve.kernels._utils import check_device, dot_upcast, next_pow2, pdl_args, pdl_enter
+
+ROUTER_GEMM_MIN_TOKENS = 2048  # prefill-sized: verify and decode steps keep cuBLAS (spread reads)
+_LOGITS_BLOCK_T = 64
+_LOGITS_BLOCK_K = 64
+
+
+@triton.jit
+def _router_logits_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    T,
+    H,
+    E,
+    stride_xt,
+    stride_we,
+    stride_ot,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    pdl_enter(PDL)
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    r_ok = rows < T
+    cols = tl.arange(0, BLOCK_E)
+    c_ok = cols < E
+    dt = x_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < H
+        a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xt + kk[None, :],
+                    mask=r_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+        w = tl.load(w_ptr + cols[None, :] * stride_we + kk[:, None],
+                    mask=c_ok[None, :] & k_ok[:, None], other=0.0)  # [BLOCK_K, BLOCK_E] fp32
+        hi = w.to(dt)
+        rest = w - hi.to(tl.float32)
+        mid = rest.to(dt)
+        lo = (rest - mid.to(tl.float32)).to(dt)
+        if UPCAST:  # the interpreter's bf16 dot: float32 operands of the same values
+            a = a.to(tl.float32)
+            hi = hi.to(tl.float32)
+            mid = mid.to(tl.float32)
+            lo = lo.to(tl.float32)
+        acc = tl.dot(a, hi, acc=acc)
+        acc = tl.dot(a, mid, acc=acc)
+        acc = tl.dot(a, lo, acc=acc)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_ot + cols[None, :], acc,
+             mask=r_ok[:, None] & c_ok[None, :])  # fmt: skip
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x W^T`` [T, E] in float32 from bf16 ``x`` [T, H] and float32 ``weight`` [E, H]
+    (module docstring: the float32 GEMM's value, no float32 copy of ``x``)."""
+    check_device(x, "router_logits")
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.float32:
+        raise ValueError(f"router_logits takes bf16 tokens and a float32 weight: "
+                         f"{x.dtype}, {weight.dtype}")  # fmt: skip
+    if x.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError("router_logits needs unit stride along the hidden dimension")
+    t, h = x.shape
+    e = weight.shape[0]
+    out = torch.empty(t, e, dtype=torch.float32, device=x.device)
+    if t == 0:
+        return out
+    _router_logits_kernel[(triton.cdiv(t, _LOGITS_BLOCK_T),)](
+        x, weight, out, t, h, e, x.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_T=_LOGITS_BLOCK_T, BLOCK_E=max(16, next_pow2(e)), BLOCK_K=_LOGITS_BLOCK_K,
+        UPCAST=dot_upcast(x.dtype), num_warps=4, num_stages=3,
+        **pdl_args(x.device),
+    )  # fmt: skip
+    return out
 
 
 @triton.jit

@@ -133,9 +133,16 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.fused:  # the float32 GEMM, then one kernel for the whole selection
-            from pdserve.kernels.moe_router import router_select
+            from pdserve.kernels.moe_router import (
+                ROUTER_GEMM_MIN_TOKENS,
+                router_logits,
+                router_select,
+            )
 
-            logits = F.linear(x.float(), self.weight.float())
+            if x.dtype == torch.bfloat16 and x.shape[0] >= ROUTER_GEMM_MIN_TOKENS:
+                logits = router_logits(x.contiguous(), self.weight.float().contiguous())
+            else:
+                logits = F.linear(x.float(), self.weight.float())
             return router_select(
                 logits,
                 self.e_score_correction_bias,
