@@ -233,7 +233,9 @@ def _config(num_pairs: int, num_experts: int) -> MoeConfig:
     # 64 experts top-8: 2K tokens 3.33 -> 2.95 ms, 4K 5.96 -> 5.21, 8K (one chunk) 9.86
     if per_expert <= 512:
         return MoeConfig(128, 128, 64, 8, group_m=8, down_n=256)
-    return MoeConfig(128, 128, 64, 8, group_m=8)
+    # and beyond, with 4 stages: H100 sweep of 2026-12-05 (RESULTS.md run 60, 16K chunks):
+    # 8K tokens 10.37 -> 9.33 ms, 16K 19.59 -> 18.29
+    return MoeConfig(128, 128, 64, 8, stages=4, group_m=8, down_n=256)
 
 
 def fused_experts(
