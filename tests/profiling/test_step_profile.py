@@ -53,6 +53,11 @@ ROOT = Path(__file__).resolve().parents[2]
         ("_mla_kernel", "indexer_score", "mla_attention"),
         ("_gate_up_kernel", "indexer_score", "moe_experts"),
         ("_logits_kernel", "moe_experts", "indexer_score"),
+        ("_reg_select_kernel", "moe_experts", "topk_select"),
+        ("_rmsnorm_kernel", "moe_experts", "norm_rope"),
+        ("_mla_prep_kernel", "router", "norm_rope"),
+        ("_router_logits_kernel", None, "router"),  # not the indexer's _logits_kernel
+        ("_router_logits_kernel", "indexer_score", "router"),
     ],
 )
 def test_categorize(name: str, scope: str | None, want: str) -> None:

@@ -58,12 +58,12 @@ SCOPE_PREFIX = "pdserve:"
 
 # (category, pattern over the lower-cased kernel or operator name); the first match wins
 NAME_RULES: tuple[tuple[str, str], ...] = (
+    ("router", r"_router_kernel|_router_logits_kernel"),  # before the indexer's _logits_kernel
     ("topk_select", r"topk|_select_kernel|radix|sort|kthvalue|bitonic"),
     ("indexer_score", r"_logits_kernel"),
     # (the sparse MLA kernels: decode/verify, the prefill kernels and their candidate rows)
     ("mla_attention", r"_mla_kernel|_prefill_kernel|_ws_kernel|_rows_kernel|decode_attention|flash"),
     ("moe_experts", r"_gate_up_kernel|_down_kernel|fused_moe|_align_kernel|_combine_kernel"),
-    ("router", r"_router_kernel"),
     # the fused preparation kernels (norm + RoPE + cache write) count as norms and RoPE
     ("norm_rope", r"rms_?norm|layer_?norm|_rope_kernel|rotary|_prep_kernel|_rope_kv_write"),
     (
@@ -76,6 +76,8 @@ _RULES = tuple((cat, re.compile(pat)) for cat, pat in NAME_RULES)
 _KEEP_SCOPE = ("moe_experts", "router")  # everything these launch is theirs
 _KIND_OVER = ("indexer_score", "mla_attention", "other")  # scopes a kind rule overrides
 _OWN_KERNELS = ("indexer_score", "mla_attention", "moe_experts", "router")  # name decides
+# pdserve's own select and norm / RoPE kernels: no range but their own launches them
+_OWN_NAMES = re.compile(r"_select_kernel|rmsnorm|_prep_kernel|_rope_kernel|_rope_kv_write")
 
 
 def name_category(name: str) -> str | None:
@@ -92,9 +94,11 @@ def categorize(name: str, scope: str | None) -> str:
     (None: outside every range). A kernel that only one category launches (sparse MLA,
     indexer scores, the fused MoE, the router) is that category's in any range: a range
     left open (a profiler cycle that dropped its end) then cannot swallow them, as it
-    swallowed a 64K prefill's attention and experts into indexer_score (run 43)."""
+    swallowed a 64K prefill's attention and experts into indexer_score (run 43); nor
+    pdserve's own select, norm and RoPE kernels (an 8K-chunk prefill's MoE range took
+    them, run 60)."""
     rule = name_category(name)
-    if rule in _OWN_KERNELS:
+    if rule in _OWN_KERNELS or (rule is not None and _OWN_NAMES.search(name.lower())):
         return rule
     if scope in _KEEP_SCOPE:
         return scope
