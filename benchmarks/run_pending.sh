@@ -424,6 +424,25 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
       > "$OUT/glm5_accuracy.log" 2>&1; echo "accuracy: exit $?"
       quiet < "$OUT/glm5_accuracy.log" | tail -12; }
     ;;
+  g17)  # issue 26 with session 17's tree (run on an H200: session 17 had H100s only): 16K
+        # in one 16K step (the issue's measurement) and in the serve default's 8K steps,
+        # 64K, then the accuracy gate
+    for b in 16384 8192; do
+      timeout 200 python3 benchmarks/glm5_bench.py --sections prefill --presets glm5-m12-e64 \
+        --no-peer --long --prefill-lens 16384 --budget $b --workdir /tmp/glm5 \
+        --out "$OUT/glm5_prefill_b$b.json" > "$OUT/glm5_prefill_b$b.log" 2>&1
+      echo "glm5 prefill budget $b: exit $?"; quiet < "$OUT/glm5_prefill_b$b.log" | tail -3
+    done
+    timeout 150 python3 benchmarks/glm5_bench.py --sections prefill --presets glm5-m12-e64 \
+      --no-peer --long --prefill-lens 65536 --workdir /tmp/glm5 \
+      --out "$OUT/glm5_prefill_64k.json" > "$OUT/glm5_prefill_64k.log" 2>&1
+    echo "glm5 prefill 64K: exit $?"; quiet < "$OUT/glm5_prefill_64k.log" | tail -3
+    t=$(( start + 575 - $(date +%s) ))
+    [ "$t" -gt 60 ] && { timeout "$t" python3 benchmarks/glm5_bench.py --sections accuracy \
+      --presets glm5-s4-e16 --workdir /tmp/glm5 --out "$OUT/glm5_accuracy.json" \
+      > "$OUT/glm5_accuracy.log" 2>&1; echo "accuracy: exit $?"
+      quiet < "$OUT/glm5_accuracy.log" | tail -3; }
+    ;;
   f16)  # FP8 (issue 28): decode attention over an fp8 cache beside bf16, its tile sweep,
         # then fp8_bench llama-8b-shape (graph-timed GEMMs, the prefill and decode profiles)
     for kv in auto fp8; do
