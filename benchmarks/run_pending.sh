@@ -41,6 +41,9 @@
 #       histograms) with their GPU parity, glm5 prefill 16K / 64K with the faster (it becomes
 #       the default when it wins by 3%+; the profiles carry scope diagnostics for the 64K
 #       categories), then glm5_bench --sections accuracy (issue 26).
+# g17   issue 26 with session 17's tree, for an H200 (session 17 had H100s only): glm5
+#       prefill 16K in one 16K step (the issue's measurement) and in 8K steps, 64K, then
+#       the accuracy gate.
 # f16   decode attention over an fp8 cache beside bf16 (kernels_bench --kv-dtype fp8) and its
 #       tile sweep, then fp8_bench llama-8b-shape with its new profiles (issue 28).
 # g14   the Gluon kernels of session 13 (kernels/sparse_mla_gluon.py,
@@ -130,13 +133,29 @@
 #       --enable-expert-parallel against one GPU, the same closed-loop load per rank
 #       (32 streams per GPU, 1024 in / 256 out): output tok/s per GPU and mean TPOT.
 set -uo pipefail
-stage="${1:?usage: run_pending.sh g15|g15b|g15c|g15e|g14|s12|fp8s|moe|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl-install|nixl|x2|dpep N}"
+stage="${1:?usage: run_pending.sh g16|g17|f16|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl-install|nixl|x2|dpep N}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 start=$(date +%s)
 source scripts/gpu-env
 echo "commit ${PDSERVE_COMMIT:-unknown} stage $stage"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 quiet() { grep -vE "^20..-|Loading weights|UNEXPECTED|LOAD REPORT"; }
+# glm5_prefill SECONDS TAG LENS [glm5_bench args]: glm5-m12-e64 prefill into $OUT/glm5_prefill_TAG.*
+glm5_prefill() {
+  local secs=$1 tag=$2 lens=$3; shift 3
+  timeout "$secs" python3 benchmarks/glm5_bench.py --sections prefill --presets glm5-m12-e64 \
+    --no-peer --long --prefill-lens "$lens" --workdir /tmp/glm5 "$@" \
+    --out "$OUT/glm5_prefill_$tag.json" > "$OUT/glm5_prefill_$tag.log" 2>&1
+  echo "glm5 prefill $tag: exit $?"; quiet < "$OUT/glm5_prefill_$tag.log" | tail -14
+}
+# glm5_accuracy: the accuracy gate (glm5-s4-e16) if a minute is left of the call's ~575 s
+glm5_accuracy() {
+  local t=$(( start + 575 - $(date +%s) ))
+  [ "$t" -gt 60 ] || { echo "accuracy: skipped, ${t}s left"; return; }
+  timeout "$t" python3 benchmarks/glm5_bench.py --sections accuracy --presets glm5-s4-e16 \
+    --workdir /tmp/glm5 --out "$OUT/glm5_accuracy.json" > "$OUT/glm5_accuracy.log" 2>&1
+  echo "accuracy: exit $?"; quiet < "$OUT/glm5_accuracy.log" | tail -3
+}
 ck=/tmp/llama-8b
 cfg8b=/tmp/llama-8b-config  # config and tokenizer only: weights drawn at load
 llama_config() {
@@ -301,10 +320,7 @@ case "$stage" in
         *) sed -i "s/^PREFILL_VARIANT: str | None = .*/PREFILL_VARIANT: str | None = \"$v\"/" "$mt" ;;
       esac
       grep -n '^PREFILL_VARIANT' "$mt"
-      timeout 150 python3 benchmarks/glm5_bench.py --sections prefill --presets glm5-m12-e64 \
-        --no-peer --long --prefill-lens 16384,65536 --workdir /tmp/glm5 \
-        --out "$OUT/glm5_prefill_$v.json" > "$OUT/glm5_prefill_$v.log" 2>&1
-      echo "glm5 prefill, $v: exit $?"; quiet < "$OUT/glm5_prefill_$v.log" | tail -5
+      glm5_prefill 150 "$v" 16384,65536
     done
     cp /tmp/mla_triton.py.orig "$mt"
     [ "$(left)" -gt 20 ] && timeout "$(left)" python3 -m pytest -p no:cacheprovider -q -rfE \
@@ -333,10 +349,7 @@ case "$stage" in
     if [ "$mla_rc" -eq 0 ]; then
       sed -i 's/^PREFILL_VARIANT: str | None = .*/PREFILL_VARIANT: str | None = "gluon"/' "$mt"
       grep -n '^PREFILL_VARIANT' "$mt"
-      timeout 160 python3 benchmarks/glm5_bench.py --sections prefill --presets glm5-m12-e64 \
-        --no-peer --long --prefill-lens 16384,65536 --workdir /tmp/glm5 \
-        --out "$OUT/glm5_prefill_gluon.json" > "$OUT/glm5_prefill_gluon.log" 2>&1
-      echo "glm5 prefill, gluon: exit $?"; quiet < "$OUT/glm5_prefill_gluon.log" | tail -14
+      glm5_prefill 160 gluon 16384,65536
       cp /tmp/mla_triton.py.orig "$mt"
     fi
     timeout 120 python3 -m pytest -p no:cacheprovider -q -rfE tests/kernels/test_fp8_gemm_gluon.py \
@@ -386,10 +399,7 @@ case "$stage" in
     if [ "$ws_rc" -eq 0 ] && grep -q "passed" "$OUT/tests/mla_gluon.log"; then
       mt=src/pdserve/layers/attention/mla_triton.py; cp "$mt" /tmp/mla_triton.py.orig
       sed -i 's/^PREFILL_VARIANT: str | None = .*/PREFILL_VARIANT: str | None = "gluon_ws"/' "$mt"
-      timeout 120 python3 benchmarks/glm5_bench.py --sections prefill --presets glm5-m12-e64 \
-        --no-peer --long --prefill-lens 16384 --workdir /tmp/glm5 \
-        --out "$OUT/glm5_prefill_ws.json" > "$OUT/glm5_prefill_ws.log" 2>&1
-      echo "glm5 prefill, gluon_ws: exit $?"; quiet < "$OUT/glm5_prefill_ws.log" | tail -14
+      glm5_prefill 120 ws 16384
       cp /tmp/mla_triton.py.orig "$mt"
     fi
     t=$(left); [ "$t" -gt 60 ] && { timeout "$t" python3 -m pytest -p no:cacheprovider -v -rfE \
@@ -414,34 +424,13 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     echo "select pick: $pick"
     [ "$pick" = hist ] && sed -i 's/^REG_SELECT_HIST = False/REG_SELECT_HIST = True/' \
       src/pdserve/kernels/dsa_select.py
-    timeout 220 python3 benchmarks/glm5_bench.py --sections prefill --presets glm5-m12-e64 \
-      --no-peer --long --prefill-lens 16384,65536 --workdir /tmp/glm5 \
-      --out "$OUT/glm5_prefill.json" > "$OUT/glm5_prefill.log" 2>&1
-    echo "glm5 prefill: exit $?"; quiet < "$OUT/glm5_prefill.log" | tail -5
-    t=$(( start + 575 - $(date +%s) ))
-    [ "$t" -gt 60 ] && { timeout "$t" python3 benchmarks/glm5_bench.py --sections accuracy \
-      --presets glm5-s4-e16 --workdir /tmp/glm5 --out "$OUT/glm5_accuracy.json" \
-      > "$OUT/glm5_accuracy.log" 2>&1; echo "accuracy: exit $?"
-      quiet < "$OUT/glm5_accuracy.log" | tail -12; }
+    glm5_prefill 220 16k_64k 16384,65536
+    glm5_accuracy
     ;;
-  g17)  # issue 26 with session 17's tree (run on an H200: session 17 had H100s only): 16K
-        # in one 16K step (the issue's measurement) and in the serve default's 8K steps,
-        # 64K, then the accuracy gate
-    for b in 16384 8192; do
-      timeout 200 python3 benchmarks/glm5_bench.py --sections prefill --presets glm5-m12-e64 \
-        --no-peer --long --prefill-lens 16384 --budget $b --workdir /tmp/glm5 \
-        --out "$OUT/glm5_prefill_b$b.json" > "$OUT/glm5_prefill_b$b.log" 2>&1
-      echo "glm5 prefill budget $b: exit $?"; quiet < "$OUT/glm5_prefill_b$b.log" | tail -3
-    done
-    timeout 150 python3 benchmarks/glm5_bench.py --sections prefill --presets glm5-m12-e64 \
-      --no-peer --long --prefill-lens 65536 --workdir /tmp/glm5 \
-      --out "$OUT/glm5_prefill_64k.json" > "$OUT/glm5_prefill_64k.log" 2>&1
-    echo "glm5 prefill 64K: exit $?"; quiet < "$OUT/glm5_prefill_64k.log" | tail -3
-    t=$(( start + 575 - $(date +%s) ))
-    [ "$t" -gt 60 ] && { timeout "$t" python3 benchmarks/glm5_bench.py --sections accuracy \
-      --presets glm5-s4-e16 --workdir /tmp/glm5 --out "$OUT/glm5_accuracy.json" \
-      > "$OUT/glm5_accuracy.log" 2>&1; echo "accuracy: exit $?"
-      quiet < "$OUT/glm5_accuracy.log" | tail -3; }
+  g17)  # issue 26 on an H200 with session 17's tree (header)
+    for b in 16384 8192; do glm5_prefill 200 "16k_b$b" 16384 --budget "$b"; done
+    glm5_prefill 150 64k 65536
+    glm5_accuracy
     ;;
   f16)  # FP8 (issue 28): decode attention over an fp8 cache beside bf16, its tile sweep,
         # then fp8_bench llama-8b-shape (graph-timed GEMMs, the prefill and decode profiles)
@@ -458,10 +447,7 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
       quiet < "$OUT/fp8_llama.log" | sed -n '/^== /,$p'; }
     ;;
   g15e)  # glm5 prefill 16K/64K with gluon_ws the default, then the MoE tile sweep
-    timeout 170 python3 benchmarks/glm5_bench.py --sections prefill --presets glm5-m12-e64 \
-      --no-peer --long --prefill-lens 16384,65536 --workdir /tmp/glm5 \
-      --out "$OUT/glm5_prefill.json" > "$OUT/glm5_prefill.log" 2>&1
-    echo "glm5 prefill: exit $?"; quiet < "$OUT/glm5_prefill.log" | tail -6
+    glm5_prefill 170 16k_64k 16384,65536
     t=$(( start + ${G15E_END:-400} - $(date +%s) ))
     [ "$t" -gt 60 ] && { timeout "$t" python3 benchmarks/prefill_sweep.py --sections moe \
       --budget-s $(( t - 30 )) --out "$OUT/moe_sweep.json" > "$OUT/moe_sweep.log" 2>&1
