@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -63,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _graph import capture_calls  # noqa: E402
-from _interp import interpreter_fix  # noqa: E402
+from _interp import bench_device  # noqa: E402
 
 # (heads per program, keys per tile, warps, stages); the defaults are among them
 MLA_GRID = [
@@ -486,13 +485,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--moe-tokens", default=",".join(map(str, MOE_TOKENS)),
                     help="the moe section's token counts, in order")  # fmt: skip
     args = ap.parse_args(argv)
-    if args.device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        interpreter_fix()
-    elif not torch.cuda.is_available():
-        print("no CUDA device; use --device cpu for the smoke mode", file=sys.stderr)
+    dev = bench_device(args.device)
+    if dev is None:
         return 2
-    dev = torch.device(args.device)
     sh = GPU if dev.type == "cuda" else CPU
     t0 = time.perf_counter()
     bw, peak = measure(dev)
@@ -512,11 +507,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     deadline = t0 + args.budget_s
     reps = 1 if dev.type == "cpu" else 80
+    moe = {"tokens": tuple(int(x) for x in args.moe_tokens.split(","))}
     with torch.inference_mode():
         for name in sections:
-            extra = {"tokens": tuple(int(x) for x in args.moe_tokens.split(","))}
             res[name] = runners[name](sh, dev, bw, peak, deadline, reps,
-                                      **(extra if name == "moe" else {}))  # fmt: skip
+                                      **(moe if name == "moe" else {}))  # fmt: skip
             res[f"{name}_best"] = best_per_case(res[name])
             Path(args.out).write_text(json.dumps(res, indent=2))
     res["seconds"] = time.perf_counter() - t0

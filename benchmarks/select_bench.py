@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _graph import capture_calls  # noqa: E402
-from _interp import interpreter_fix  # noqa: E402
+from _interp import bench_device  # noqa: E402
 
 GPU_CASES = {
     "prefill 16K": ((0, 8192), (8192, 16384)),
@@ -167,13 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--reps", type=int, default=50, help="ms of timed calls a point")
     a = ap.parse_args(argv)
-    if a.device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-        interpreter_fix()
-    elif not torch.cuda.is_available():
-        print("no CUDA device; use --device cpu for the smoke mode", file=sys.stderr)
+    dev = bench_device(a.device)
+    if dev is None:
         return 2
-    dev = torch.device(a.device)
     bw = None
     if dev.type == "cuda":
         from gpu_suite import measure_limits
