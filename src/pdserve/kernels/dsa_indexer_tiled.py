@@ -11,8 +11,9 @@ per-token kernel gathers every key once per query token; here program ``(key ran
 tile, request)`` takes ``BT`` consecutive query tokens of the request, reads each key of
 the range once for all of them (through the block table), and applies each token's causal
 mask. Key ranges vary fastest in launch order, so the programs resident at once work on a
-few query tiles, whose reloads (below) stay in L2. Programs past the request's query rows, or whose key range starts past the tile's
-last position, do no work. Two formulations (:class:`TileConfig` ``variant``):
+few query tiles, whose reloads (below) stay in L2. Programs past the request's query
+rows, or whose key range starts past the tile's last position, do no work. Two
+formulations (:class:`TileConfig` ``variant``):
 
 ``rows``   one ``[BT * heads, D] x [D, BN]`` dot per key block (the tile's queries stay
            in registers/shared memory for the whole range), ReLU, the per-row weight, and

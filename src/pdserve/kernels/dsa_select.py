@@ -12,15 +12,15 @@ it in registers. A threshold is found bit by bit, most significant first (each s
 no memory traffic); it stops as soon as exactly ``K`` keys are at or above the prefix
 (distinct scores: the prefix then lies between the K-th and the next key, some 20 steps
 in), else after 32 steps at the K-th key itself; a step costs about three instructions
-a key of the block, padding included. Then one pass over the row
-(re-read from L2 in chunks of ``REG_SELECT_CHUNK``) writes the positions: with exactly
-``K`` at or above the threshold, those in position order (one prefix sum); with ties at
-the K-th key, the positions above it and then the first ones equal to it (two prefix
-sums). With ``HIST`` (:data:`REG_SELECT_HIST`, the ``rows_hist`` select variant) the
-K-th key is found a byte at a time instead: four 256-bin histograms (``tl.histogram``)
-of the keys sharing the bytes found so far, in place of up to 32 row-wide reductions.
-A row is processed at the smallest of ``BLOCK``, ``BLOCK/2``, ``BLOCK/4`` that holds it
-(``SPLITS``), so short rows of a wide buffer cost less. Rows wider than :data:`REG_SELECT_MAX_WIDTH` keep the
+a key of the block, padding included. Then one pass over the row (re-read from L2 in
+chunks of ``REG_SELECT_CHUNK``) writes the positions: with exactly ``K`` at or above the
+threshold, those in position order (one prefix sum); with ties at the K-th key, the
+positions above it and then the first ones equal to it (two prefix sums). With ``HIST``
+(:data:`REG_SELECT_HIST`, the ``rows_hist`` select variant) the K-th key is found a byte
+at a time instead: four 256-bin histograms (``tl.histogram``) of the keys sharing the
+bytes found so far, in place of up to 32 row-wide reductions. A row is processed at the
+smallest of ``BLOCK``, ``BLOCK/2``, ``BLOCK/4`` that holds it (``SPLITS``), so short rows
+of a wide buffer cost less. Rows wider than :data:`REG_SELECT_MAX_WIDTH` keep the
 histogram radix kernel of :mod:`~pdserve.kernels.dsa_indexer`.
 
 Warps: about :data:`REG_SELECT_PER_THREAD` keys a thread (8 warps at 16K, 16 at 32K).
@@ -38,7 +38,7 @@ REG_SELECT_MAX_WIDTH = 32768  # wider rows: the radix kernel (dsa_indexer)
 REG_SELECT_PER_THREAD = 64  # keys a thread holds (sets num_warps, 4..16)
 REG_SELECT_SPLITS = 2  # also compile BLOCK/2 .. BLOCK/2**SPLITS paths for short rows
 REG_SELECT_CHUNK = 2048  # keys a step of the writing pass
-REG_SELECT_HIST = False  # the K-th key by byte histograms (not yet timed on the GPU)
+REG_SELECT_HIST = False  # byte histograms: 5.49 ms against 1.36 at 16K (H100, RESULTS.md run 58)
 
 
 @triton.jit
