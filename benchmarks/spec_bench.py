@@ -15,30 +15,29 @@ curve  glm5-d24-e32 (drawn on the device, --load-format dummy), where one MTP dr
        Caveat: requests reading one shared prefix may hit L2 on KV reads; at 16K the KV
        is about 6% of a step's bytes on this preset (weights dominate).
 decode glm5-m12-e64 (dummy; real GLM-5 per-layer dims) decoding at a 16K context (issue 27):
-       TPOT by streams (--streams, default 1,64,128,192,224,256) for no speculation, MTP k=1
-       and k=3 verifying every draft (draft_policy fixed), and MTP k=3 with the adaptive
-       draft count, at synthetic acceptance 0.5 / 0.7 / 0.9, one engine per config on one
-       drawn model (the adaptive one forgets its measured acceptance at each new rate and
-       re-measures it on a short run first; its rows list the steps by drafts chosen). Every request shares one 16K prefix (prefilled once; the prefix-cache hits
-       are counted) plus a distinct 32-token tail, so the timed part is steady decode:
-       from the step at which every stream has its first token to the last token; each
-       batch size runs once untimed first (one-time costs stay out). Per point: the
-       steady TPOT (the steps that ran every stream over the tokens a stream gained in
-       them: a request's own TPOT also counts the steps that prefilled later streams;
-       the ratios to no speculation use it), TPOT, the mean step time, the batch reached (streams decoding in every
-       timed step), the share of steps replayed from CUDA graphs, draft-graph replays,
-       acceptance length, and the step's byte roofline (pdserve.profiling.decode_roofline:
-       weights, the experts B * (1 + k) tokens reach under uniform routing, latents once
-       per query row, indexer keys once per request; plus k MTP draft steps, each
-       reading the MTP layer's weights (its experts as reached), the LM head, its latents
-       and indexer keys) over the copy bandwidth measured in the same call, the
-       roofline's TPOT (step roofline / tokens a request gains per step) and TPOT against
-       no speculation; and a mixed roofline that also holds when the rows are many (per
-       part, the larger of its bytes over the bandwidth and its FLOPs over the bf16 matmul
-       rate of the call: pdserve.profiling.prefill_flops step_flops; drafts by bytes). ``--profile-streams N,..``: one steady step at those stream counts
-       (no speculation, rate 0.7, and the adaptive engine at 0.5) runs under the
-       profiler: kernel time by category and the longest kernels. Caveat (as in curve):
-       a shared prefix's KV may be served from L2.
+       TPOT by streams (--streams, default 1,64,128,192,224,256) for no speculation, MTP k=1 and
+       k=3 verifying every draft (draft_policy fixed), and MTP k=3 with the adaptive draft count,
+       at synthetic acceptance 0.5 / 0.7 / 0.9, one engine per config on one drawn model (the
+       adaptive one forgets its measured acceptance at each new rate and re-measures it on a short
+       run first; its rows list the steps by drafts chosen). Every request shares one 16K prefix
+       (prefilled once; the prefix-cache hits are counted) plus a distinct 32-token tail, so the
+       timed part is steady decode: from the step at which every stream has its first token to the
+       last token; each batch size runs once untimed first (one-time costs stay out). Per point:
+       the steady TPOT (the steps that ran every stream over the tokens a stream gained in them: a
+       request's own TPOT also counts the steps that prefilled later streams; the ratios to no
+       speculation use it), TPOT, the mean step time, the batch reached (streams decoding in every
+       timed step), the share of steps replayed from CUDA graphs, draft-graph replays, acceptance
+       length, and the step's byte roofline (pdserve.profiling.decode_roofline: weights, the
+       experts B * (1 + k) tokens reach under uniform routing, latents once per query row, indexer
+       keys once per request; plus k MTP draft steps, each reading the MTP layer's weights (its
+       experts as reached), the LM head, its latents and indexer keys) over the copy bandwidth
+       measured in the same call, the roofline's TPOT (step roofline / tokens a request gains per
+       step) and TPOT against no speculation; and a mixed roofline that also holds when the rows
+       are many (per part, the larger of its bytes over the bandwidth and its FLOPs over the bf16
+       matmul rate of the call: pdserve.profiling.prefill_flops step_flops; drafts by bytes).
+       ``--profile-streams N,..``: one steady step at those stream counts (no speculation, rate
+       0.7, and the adaptive engine at 0.5) runs under the profiler: kernel time by category and
+       the longest kernels. Caveat (as in curve): a shared prefix's KV may be served from L2.
 pd     glm5-s4-e16 (dummy) 1P1D in one process over tcp on loopback: prefill MTP k=1,
        decode MTP k=3, 32 requests of 1K prompts arriving 4 at a time while earlier ones
        decode; the decode instance's steps by path, with speculative padding on and off.
