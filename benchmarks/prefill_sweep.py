@@ -150,13 +150,19 @@ class MlaCase:
     reqs: int
     ctx: int
     q_len: int
+    # as the model hands them over: each row's top-k in position order (the select writes
+    # them so) and the query a [T, H, L] view of the [H, T, L] W_UK product; such a case
+    # times the default kernel only, against the same case in score order
+    model_layout: bool = False
 
 
 def mla_cases(cpu: bool) -> list[MlaCase]:
     if cpu:
         return [MlaCase("prefill 12", "prefill", 1, 12, 12), MlaCase("prefill 40", "prefill", 1, 40, 40),
-                MlaCase("verify 3x4", "verify", 3, 24, 4)]  # fmt: skip
+                MlaCase("verify 3x4", "verify", 3, 24, 4),
+                MlaCase("prefill 40 model layout", "prefill", 1, 40, 40, model_layout=True)]  # fmt: skip
     out = [MlaCase(f"prefill {n // 1024}K", "prefill", 1, n, n) for n in (2048, 4096, 16384)]
+    out.append(MlaCase("prefill 16K model layout", "prefill", 1, 16384, 16384, model_layout=True))
     out += [MlaCase(f"verify {b}x4 16K", "verify", b, 16384, 4) for b in (64, 128, 256)]
     out += [MlaCase(f"decode {b}x1 16K", "decode", b, 16384, 1) for b in (64, 128, 256)]
     return out
@@ -187,6 +193,8 @@ def _mla_inputs(case: MlaCase, sh: Shapes, dev: torch.device) -> dict[str, Any]:
     cache = torch.randn(1 + case.reqs * nblk, sh.page, sh.lat + sh.rope, device=dev,
                         generator=g).to(dt)  # fmt: skip
     q_lat = torch.randn(t, sh.heads, sh.lat, device=dev, generator=g).to(dt)
+    if case.model_layout:  # the same values as a [T, H, L] view of [H, T, L] storage
+        q_lat = q_lat.transpose(0, 1).contiguous().transpose(0, 1)
     q_pe = torch.randn(t, sh.heads, sh.rope, device=dev, generator=g).to(dt)
     topk = None
     if case.ctx > sh.topk:  # each row's own selection among its causal keys, -1 pads
@@ -197,6 +205,10 @@ def _mla_inputs(case: MlaCase, sh: Shapes, dev: torch.device) -> dict[str, Any]:
             r.masked_fill_(torch.arange(case.ctx, device=dev)[None, :] > pos[a:b, None], -1.0)
             vals, idx = r.topk(sh.topk, dim=-1)
             topk[a:b] = torch.where(vals >= 0, idx, -1)
+            if case.model_layout:  # ascending positions, the -1 pads last
+                big = torch.iinfo(torch.int64).max
+                srt = torch.where(topk[a:b] >= 0, topk[a:b], big).sort(dim=-1).values
+                topk[a:b] = torch.where(srt == big, -1, srt)
     pairs = int(torch.clamp(pos + 1, max=sh.topk).sum())
     return {"md": md, "cache": cache, "q_lat": q_lat, "q_pe": q_pe, "topk": topk, "pairs": pairs}
 
@@ -274,7 +286,9 @@ def run_mla_variants(sh: Shapes, dev: torch.device, bw: float, peak: float, dead
     rows: list[dict[str, Any]] = []
     cpu = dev.type == "cpu"
     every = mla_cases(cpu)
-    cases = [c for c in every if c.kind == "prefill"][::-1]  # the longest first: 16K counts
+    pre = [c for c in every if c.kind == "prefill" and not c.model_layout][::-1]
+    # the longest first (16K counts), then the same in the model's layout (one kernel)
+    cases = pre[:1] + [c for c in every if c.model_layout] + pre[1:]
     # then verify and decode batches of 128+ rows (kernels without split-K: a program a
     # row fills the GPU from about one row a multiprocessor), where the engine could use
     # the same kernels
@@ -314,6 +328,11 @@ def run_mla_variants(sh: Shapes, dev: torch.device, bw: float, peak: float, dead
         entries += [(name, partial(gluon.sparse_mla_prefill_gluon, inp["q_lat"], inp["q_pe"],
                                    inp["cache"], cand, ncand, 0.0625, t, variant=name))
                     for name in gluon.VARIANTS]  # fmt: skip
+        if case.model_layout:  # the engine's prefill variant only (and the reference)
+            from pdserve.layers.attention.mla_triton import PREFILL_VARIANT
+
+            entries = [e for e in entries if e[0] in (f"general {list(BASELINES[0])}",
+                                                      PREFILL_VARIANT or "")]  # fmt: skip
         gluon_ok = gluon.supported(inp["q_lat"], inp["q_pe"], inp["cache"])
         for label, fn in entries:
             variant = not label.startswith("general")

@@ -129,7 +129,10 @@ def _decode(llm: LLM, tag: str, batch: int, prefix: list[int], out_tokens: int =
         if profile and prof is None and steady:
             got: list[Any] = []
             prof = profile_step(lambda got=got: got.append(eng.step()), None,
-                                eng.runner.device).table()  # fmt: skip
+                                eng.runner.device).table(40)  # fmt: skip
+            # the draft count scheduled in the profiled call (adaptive: j=0 steps are the
+            # ones that cost more than plain decode)
+            prof["num_drafts_scheduled"] = eng.stats().spec_last_num_drafts
             outs, steady = got[0], False  # (the profiler's time is not a step's)
         else:
             outs = eng.step()
@@ -297,9 +300,15 @@ class DraftBytes:
                 + batch * (attended * lat + scored * key))  # fmt: skip
 
 
+def config_name(k: int, policy: str | None) -> str:
+    """A decode engine's name in the table and in ``--configs``: 0, 1, 3, 3a."""
+    return f"{k}{'a' if policy == 'adaptive' else ''}"
+
+
 def bench_decode(workdir: Path, preset: str, streams: list[int], bw: float | None,
                  save: Any, profile_streams: tuple[int, ...] = (),
-                 peak: float | None = None) -> dict[str, Any]:  # fmt: skip
+                 peak: float | None = None, configs: tuple[tuple[int, str | None], ...] = DECODE_CONFIGS,
+                 rates: tuple[float, ...] = RATES) -> dict[str, Any]:  # fmt: skip
     path = _config_dir(workdir, preset)
     t0 = time.perf_counter()
     model, cfg = loader.load_model(path, DTYPE, DEVICE, load_format="dummy", seed=0, with_mtp=True)
@@ -312,9 +321,9 @@ def bench_decode(workdir: Path, preset: str, streams: list[int], bw: float | Non
     prefix = _prompt(CTX, 7, cfg.vocab_size)
     base: dict[int, float] = {}
     try:
-        for k, policy in DECODE_CONFIGS:
+        for k, policy in configs:
             t0 = time.perf_counter()
-            llm = _llm(path, _synthetic(k, RATES[0], policy or "fixed") if k else None,
+            llm = _llm(path, _synthetic(k, rates[0], policy or "fixed") if k else None,
                        max(streams))  # fmt: skip
             start = time.perf_counter() - t0
             runner = llm.engine.runner
@@ -323,7 +332,7 @@ def bench_decode(workdir: Path, preset: str, streams: list[int], bw: float | Non
             for b in streams:  # each batch once untimed: one-time costs out of the timing
                 _decode(llm, f"w{b}", b, prefix, out_tokens=8)
             adaptive = llm.engine.scheduler.spec.policy
-            for rate in RATES if k else (None,):
+            for rate in rates if k else (None,):
                 if rate is not None:
                     runner.synthetic_rate = rate
                     if adaptive is not None:  # measure this rate afresh, on a mid batch
@@ -467,6 +476,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--decode-preset", default="glm5-m12-e64")
     ap.add_argument("--streams", default=",".join(map(str, DECODE_STREAMS)),
                     help="decode section: concurrent streams per point")  # fmt: skip
+    ap.add_argument("--configs", default=",".join(config_name(*c) for c in DECODE_CONFIGS),
+                    help="decode section: engines (0 none, 1 / 3 MTP k, 3a adaptive)")
+    ap.add_argument("--rates", default=",".join(map(str, RATES)),
+                    help="decode section: synthetic acceptance rates of the MTP engines")
     ap.add_argument("--out-tokens", type=int, default=OUT_TOKENS)
     ap.add_argument("--profile-streams", default="",
                     help="decode section: profile one steady step at these stream counts "
@@ -484,6 +497,12 @@ def main(argv: list[str] | None = None) -> None:
         a.curve_preset = a.pd_preset = a.decode_preset = CPU_PRESET
     streams = [int(x) for x in a.streams.split(",")] if not cpu else [1, 3]
     profile = tuple(int(x) for x in a.profile_streams.split(",") if x)
+    by_name = {config_name(*c): c for c in DECODE_CONFIGS}
+    bad = [c for c in a.configs.split(",") if c not in by_name]
+    if bad:
+        sys.exit(f"unknown --configs {bad}: choose from {', '.join(by_name)}")
+    configs = tuple(by_name[c] for c in a.configs.split(","))
+    rates = tuple(float(x) for x in a.rates.split(","))
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
     res: dict[str, Any] = {
@@ -508,7 +527,8 @@ def main(argv: list[str] | None = None) -> None:
         ("decode", lambda save: bench_decode(work, a.decode_preset, streams,
                                              res.get("limits", {}).get("copy_bandwidth_Bps"),
                                              save, profile,
-                                             res.get("limits", {}).get("bf16_matmul_flops"))),
+                                             res.get("limits", {}).get("bf16_matmul_flops"),
+                                             configs, rates)),
     ):  # fmt: skip
         if name not in sections:
             continue

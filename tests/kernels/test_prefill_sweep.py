@@ -51,21 +51,25 @@ def test_sweep_smoke_mla_variants(
     assert sweep.main(["--device", "cpu", "--sections", "mla_variants", "--out", str(out)]) == 0
     every = json.loads(out.read_text())["mla_variants"]
     skipped = [r for r in every if "skipped" in r]
-    assert {r["config"] for r in skipped} == set(GLUON) and len(skipped) == 3 * len(GLUON)
+    # (the model-layout case times the engine's variant, gluon_ws, beside the reference)
+    assert {r["config"] for r in skipped} == set(GLUON) and len(skipped) == 3 * len(GLUON) + 1
     assert all("Hopper" in r["skipped"] and r["variant"] == r["config"] for r in skipped)
     rows = [r for r in every if "skipped" not in r]
     assert not [r for r in rows if "error" in r]
-    assert {r["case"] for r in rows} == {"prefill 12", "prefill 40", "verify 3x4"}
+    assert {r["case"] for r in rows} == {"prefill 12", "prefill 40", "verify 3x4",
+                                         "prefill 40 model layout"}  # fmt: skip
     assert rows[0]["case"] == "prefill 40"  # the longest prefill first: it picks the variant
     for case in ("prefill 12", "prefill 40", "verify 3x4"):
         got = {r["config"] for r in rows if r["case"] == case}
         assert got == {f"general {list(c)}" for c in sweep.BASELINES} | set(VARIANTS)
+    layout = [r for r in rows if r["case"] == "prefill 40 model layout"]
+    assert [r["config"] for r in layout] == [f"general {list(sweep.BASELINES[0])}"]
     assert all(r["max_abs_diff"] < 1e-4 and r["ms"] > 0 and r["total_ms"] >= r["ms"] for r in rows)
     assert all(r["rows_ms"] > 0 for r in rows if "variant" in r)
     # the gather bound of each case (checked against its reference at these sizes)
     assert all(r["gather_ms"] > 0 and r["gather_tbps"] > 0 for r in every)
     assert all(r["share_of_gather"] > 0 and r["tbps"] > 0 for r in rows)
-    assert sum(r["default"] for r in rows) == 3
+    assert sum(r["default"] for r in rows) == 4
     printed = capsys.readouterr().out
     assert "max abs diff vs the general" in printed and "gather only (the bound)" in printed
 

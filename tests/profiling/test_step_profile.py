@@ -39,7 +39,8 @@ ROOT = Path(__file__).resolve().parents[2]
         ("DeviceRadixSortOnesweepKernel", "moe_experts", "moe_experts"),  # expert alignment
         ("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", "router", "router"),  # the router's GEMM
         ("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", None, "dense_gemm"),
-        ("aten::bmm", "mla_attention", "mla_attention"),  # absorbed W_UK / W_UV
+        ("aten::bmm", "mla_attention", "dense_gemm"),  # absorbed W_UK / W_UV
+        ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "mla_attention", "dense_gemm"),
         ("_rope_kernel", "indexer_score", "norm_rope"),
         ("_rmsnorm_kernel", None, "norm_rope"),
         ("_mla_kernel", None, "mla_attention"),

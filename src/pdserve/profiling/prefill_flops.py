@@ -7,20 +7,23 @@ One request of ``n`` prompt tokens, no cached prefix, positions ``0 .. n-1``; a 
 product of ``m x k`` by ``k x n`` counts ``2 m k n``. Per target layer (MTP layers do not
 run in a plain prefill):
 
-- **mla_attention**: a query row at position ``p`` reads ``keys(p)`` latent rows:
-  ``min(p + 1, index_topk)`` with an indexer, ``p + 1`` without; each costs
-  ``2 * heads * (kv_lora_rank + rope)`` for the scores and ``2 * heads * kv_lora_rank``
-  for the values. Plus the absorbed products of every token: ``q_nope`` through ``W_UK``
-  (``2 * heads * nope * kv_lora_rank``) and the latent output through ``W_UV``
-  (``2 * heads * kv_lora_rank * v_head_dim``).
+- **mla_attention** (the sparse MLA kernel alone): a query row at position ``p`` reads
+  ``keys(p)`` latent rows: ``min(p + 1, index_topk)`` with an indexer, ``p + 1`` without;
+  each costs ``2 * heads * (kv_lora_rank + rope)`` for the scores and
+  ``2 * heads * kv_lora_rank`` for the values.
 - **indexer_score** (layers that run their own indexer, and only when ``n >
   index_topk``: a shorter prompt selects every key and is not scored): each row scores
   every causal key, ``n (n + 1) / 2`` pairs, ``2 * index_heads * index_head_dim`` each.
 - **moe_experts**: ``2 * n * experts_per_token * 3 * hidden * moe_intermediate``.
 - **router**: ``2 * n * hidden * n_routed_experts`` per MoE layer.
 - **dense_gemm**: ``2 * n * (in * out)`` of every other linear layer of the target
-  (attention and indexer projections, dense MLPs, shared experts; ``kv_b_proj`` is
-  absorbed into attention, above), and the LM head for the last token only.
+  (attention and indexer projections, dense MLPs, shared experts), the LM head for the
+  last token only, and the absorbed ``kv_b_proj`` of every token: ``q_nope`` through
+  ``W_UK`` (``2 * heads * nope * kv_lora_rank``) and the latent output through ``W_UV``
+  (``2 * heads * kv_lora_rank * v_head_dim``). Those two run as batched cuBLAS GEMMs,
+  which the profiler files under dense GEMMs, so their FLOPs are counted there too (until
+  2026-12-05 they were counted under attention while their time was not: the attention
+  share read about 10% high).
 
 Top-k selection, norms and RoPE do no matrix work and have no FLOP count here.
 
@@ -122,15 +125,15 @@ class PrefillFlopModel:
         absorbed = 2 * h * (self.nope_dim * lat + lat * self.v_head_dim)
         scored = n * (n + 1) // 2 if self.index_topk is not None and n > self.index_topk else 0
         out = {
-            "mla_attention": float(self.attention_layers * (self.attended_pairs(n) * per_pair
-                                                             + n * absorbed)),  # fmt: skip
+            "mla_attention": float(self.attention_layers * self.attended_pairs(n) * per_pair),
             "indexer_score": float(
                 self.indexer_layers * scored * 2 * self.index_heads * self.index_head_dim
             ),
             "moe_experts": float(self.moe_layers * 2 * n * self.experts_per_token * 3
                                  * self.hidden * self.moe_intermediate),  # fmt: skip
             "router": float(self.moe_layers * 2 * n * self.hidden * self.num_experts),
-            "dense_gemm": float(2 * n * self.dense_weights + 2 * self.lm_head),
+            "dense_gemm": float(2 * n * self.dense_weights + 2 * self.lm_head
+                                + self.attention_layers * n * absorbed),  # fmt: skip
         }
         out["total"] = sum(out.values())
         return out
@@ -151,14 +154,15 @@ class PrefillFlopModel:
                 scored += keys if k is not None and n > k else 0.0
         rows = len(seq_lens) * r
         out = {
-            "mla_attention": float(self.attention_layers * (pairs * per_pair + rows * absorbed)),
+            "mla_attention": float(self.attention_layers * pairs * per_pair),
             "indexer_score": float(
                 self.indexer_layers * scored * 2 * self.index_heads * self.index_head_dim
             ),
             "moe_experts": float(self.moe_layers * 2 * rows * self.experts_per_token * 3
                                  * self.hidden * self.moe_intermediate),  # fmt: skip
             "router": float(self.moe_layers * 2 * rows * self.hidden * self.num_experts),
-            "dense_gemm": float(2 * rows * (self.dense_weights + self.lm_head)),
+            "dense_gemm": float(2 * rows * (self.dense_weights + self.lm_head)
+                                + self.attention_layers * rows * absorbed),  # fmt: skip
         }
         out["total"] = sum(out.values())
         return out

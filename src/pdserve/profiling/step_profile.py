@@ -96,12 +96,16 @@ def categorize(name: str, scope: str | None) -> str:
     left open (a profiler cycle that dropped its end) then cannot swallow them, as it
     swallowed a 64K prefill's attention and experts into indexer_score (run 43); nor
     pdserve's own select, norm and RoPE kernels (an 8K-chunk prefill's MoE range took
-    them, run 60)."""
+    them, run 60). A GEMM launched in the attention range is the absorbed ``kv_b_proj``
+    (batched GEMMs, a dense GEMM's work; on a CPU the torch reference's own score and
+    value products are ``bmm`` too and land there as well)."""
     rule = name_category(name)
     if rule in _OWN_KERNELS or (rule is not None and _OWN_NAMES.search(name.lower())):
         return rule
     if scope in _KEEP_SCOPE:
         return scope
+    if rule == "dense_gemm" and scope == "mla_attention":
+        return rule  # the absorbed W_UK / W_UV products (prefill_flops counts them as dense)
     if rule in ("topk_select", "norm_rope") and (scope is None or scope in _KIND_OVER):
         return rule
     if scope is not None:
