@@ -113,6 +113,7 @@ def _decode(llm: LLM, tag: str, batch: int, prefix: list[int], out_tokens: int =
     last: dict[str, float] = {}
     count: dict[str, int] = {}
     before = eng.stats()
+    hosts: list[float] = []  # those steps' host time not spent waiting for the device
     dg = eng.runner.draft_graphs
     replays0 = dg.replays if dg is not None else 0
     decode_start = None
@@ -135,10 +136,13 @@ def _decode(llm: LLM, tag: str, batch: int, prefix: list[int], out_tokens: int =
             prof["num_drafts_scheduled"] = eng.stats().spec_last_num_drafts
             outs, steady = got[0], False  # (the profiler's time is not a step's)
         else:
+            w0 = eng.pipeline.waited_s
             outs = eng.step()
+            w0 = eng.pipeline.waited_s - w0
         now = time.perf_counter()
         if steady:
             full.append(now - t_step)
+            hosts.append(now - t_step - w0)
             full_tokens += sum(len(o.new_token_ids) for o in outs if o.request_id in count)
         for o in outs:
             if o.new_token_ids:
@@ -174,6 +178,9 @@ def _decode(llm: LLM, tag: str, batch: int, prefix: list[int], out_tokens: int =
         "live_min": min(live, default=0),
         "live_mean": statistics.mean(live) if live else 0.0,
         "full_step_ms": statistics.median(full) * 1e3 if full else None,
+        # the host's time a full step that it did not spend waiting for the device: near
+        # the step's time, the host sets the pace (a bubble on the device)
+        "full_step_host_ms": statistics.median(hosts) * 1e3 if hosts else None,
         "graph_share": paths.get("graph", 0) / max(decode_steps, 1),
         "paths": paths,
         "steps_by_num_drafts": [
@@ -562,7 +569,9 @@ def _table(res: dict[str, Any]) -> None:
               " in them; vs none: steady TPOT over no speculation's)")
         print("  (roof step: bytes / copy bandwidth; mixed: per part the larger of bytes / bandwidth"
               " and FLOPs / bf16 matmul rate)")
-        print("  k  rate  streams  steady  TPOT ms  vs none  step ms  full-batch step  roof step"
+        print("  (host: a full-batch step's host time not spent waiting for the device; near the"
+              " step's time, the host sets the pace)")
+        print("  k  rate  streams  steady  TPOT ms  vs none  step ms  full-batch step  host  roof step"
               "  x roof  mixed  x mixed  roof TPOT  live min  graph%  accept-len")  # fmt: skip
         for r in d["runs"]:
             acc = f"{r['mean_accept_len']:.2f}" if r["mean_accept_len"] else "-"
@@ -571,10 +580,11 @@ def _table(res: dict[str, Any]) -> None:
             vs = f"{r['tpot_vs_none']:.2f}" if r["tpot_vs_none"] else "-"
             roof = r.get("roofline_step_ms", float("nan"))
             fs = f"{r['full_step_ms']:.2f}" if r["full_step_ms"] else "-"
+            host = f"{r['full_step_host_ms']:.2f}" if r["full_step_host_ms"] else "-"
             tag = f"{r['k']}{'a' if r['policy'] == 'adaptive' else ' '}"
             st = f"{r['steady_tpot_ms']:.2f}" if r["steady_tpot_ms"] else "-"
             print(f"  {tag} {r['rate'] or '-':>4}  {r['batch']:>7}  {st:>6}  {r['tpot_ms']:7.2f}"
-                  f"  {vs:>7}  {r['step_ms']:7.2f}  {fs:>15}  {roof:9.2f}"
+                  f"  {vs:>7}  {r['step_ms']:7.2f}  {fs:>15}  {host:>5}  {roof:9.2f}"
                   f"  {r.get('step_x_roofline', 0):6.2f}"
                   f"  {r.get('roofline_mixed_step_ms', float('nan')):5.2f}"
                   f"  {r.get('step_x_mixed', 0):7.2f}"

@@ -24,6 +24,7 @@ runs phases 1-2 and 4-8 of every step its leader broadcasts (:meth:`launch`).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -54,6 +55,9 @@ class StepPipeline:
         # two slots alternate: a step's results land in one while the next step is launched
         self.host = [HostOutputs(runner.max_num_reqs, runner.num_spec + 1, pin) for _ in range(2)]
         self.slot = 0
+        # seconds the host spent blocked on launched steps (a step's wait for the device:
+        # near 0 a step means the host, not the device, sets the pace)
+        self.waited_s = 0.0
 
     # -- the engine's step ------------------------------------------------------------------
     def step(
@@ -152,7 +156,9 @@ class StepPipeline:
         if inp is None or c is None:
             return RunnerOutput([], [], step_path=handle.path)
         if handle.done_event is not None:
+            t = time.perf_counter()
             handle.done_event.synchronize()
+            self.waited_s += time.perf_counter() - t
         samples = inp.samples
         tokens = c.tokens.numpy()
         per = c.num.numpy() if c.num is not None else None
