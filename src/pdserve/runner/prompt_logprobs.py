@@ -155,15 +155,15 @@ class PromptLogprobsHost:
         m, k = ids.shape
         self.lps[:m].copy_(lps, non_blocking=True)
         self.ranks[:m].copy_(ranks, non_blocking=True)
-        if k:
-            self.top_ids[:m, :k].copy_(ids, non_blocking=True)
-            self.top_lps[:m, :k].copy_(tops, non_blocking=True)
+        if k:  # (contiguous views: a strided device-to-host copy waits for the device)
+            _first(self.top_ids, m, k).copy_(ids, non_blocking=True)
+            _first(self.top_lps, m, k).copy_(tops, non_blocking=True)
 
     def read(self, plan: PromptLogprobsPlan) -> dict[str, PromptLogprobsChunk]:
         """Each request's chunk (its own N of the step's top-N), once the step landed."""
         m, k = plan.num_rows, plan.num_top
         lps, ranks = self.lps[:m].numpy(), self.ranks[:m].numpy()
-        ids, tops = self.top_ids[:m, :k].numpy(), self.top_lps[:m, :k].numpy()
+        ids, tops = _first(self.top_ids, m, k).numpy(), _first(self.top_lps, m, k).numpy()
         out = {}
         for rid, start, off, cnt, n in zip(
             plan.req_ids, plan.starts, plan.offsets, plan.counts, plan.ns, strict=True
@@ -173,3 +173,8 @@ class PromptLogprobsHost:
                 start, lps[sl].copy(), ranks[sl].copy(), ids[sl, :n].copy(), tops[sl, :n].copy()
             )
         return out
+
+
+def _first(buf: torch.Tensor, m: int, k: int) -> torch.Tensor:
+    """The first ``m * k`` elements of ``buf`` as a contiguous [m, k] view."""
+    return buf.view(-1)[: m * k].view(m, k)
