@@ -8,7 +8,9 @@ whatever chunking or preemption did to it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import pytest
@@ -24,14 +26,16 @@ def stream(req: Request, n: int) -> list[int]:
 @dataclass
 class Row:
     settings: dict[str, Any]
-    arrivals: dict[int, list[Request]]
+    arrivals: dict[int, list[Callable[[], Request]]]  # made fresh by each run of the row
     steps: list[list[tuple[str, int]]]  # per step: (request, tokens) in batch order
     preempted: dict[int, set[str]] = field(default_factory=dict)  # step -> preempted ids
     finish: str = "length"
 
 
-def _r(rid: str, prompt: int, max_tokens: int = 2, **kw: Any) -> Request:
-    return request(rid, prompt, max_tokens, **kw)
+def _r(rid: str, prompt: int, max_tokens: int = 2, **kw: Any) -> Callable[[], Request]:
+    # (a factory: Request objects made at import would outlive every test, and the
+    # engine's leak tests count the live ones)
+    return partial(request, rid, prompt, max_tokens, **kw)
 
 
 ROWS = {
@@ -124,8 +128,9 @@ ROWS = {
 @pytest.mark.parametrize("row", ROWS.values(), ids=ROWS.keys())
 def test_schedule_table(row: Row) -> None:
     loop = Loop(scheduler(**row.settings))
-    reqs = {r.request_id: r for rs in row.arrivals.values() for r in rs}
-    steps = loop.run(row.arrivals)
+    arrivals = {step: [make() for make in fs] for step, fs in row.arrivals.items()}
+    reqs = {r.request_id: r for rs in arrivals.values() for r in rs}
+    steps = loop.run(arrivals)
     assert [list(so.num_scheduled_tokens.items()) for so in steps] == row.steps
     assert {i: so.preempted_req_ids for i, so in enumerate(steps) if so.preempted_req_ids} == (
         row.preempted
@@ -145,7 +150,7 @@ def test_a_preempted_request_resumes_with_its_outputs_as_prompt() -> None:
     the runner again as a new request whose tokens are its prompt and output."""
     s = scheduler(num_blocks=5, budget=64, prefix_caching=False)
     loop = Loop(s)
-    a, b, c = _r("a", 7, 5), _r("b", 7, 3), _r("c", 2, 1)
+    a, b, c = request("a", 7, 5), request("b", 7, 3), request("c", 2, 1)
     s.add_request(a)
     s.add_request(b)
     loop.step()
