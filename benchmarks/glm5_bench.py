@@ -548,9 +548,37 @@ def bench_prefill(llm: LLM, preset: str, lens: list[int], peak: float | None) ->
                         "categories": cats, "top": prof["top"],
                         "diagnostics": prof["diagnostics"]},  # fmt: skip
         }
+        if all(r[2] == 1 for r in runs):  # one step: each layer's call sees the whole prompt
+            point["mla_alone"] = _mla_alone(llm, _prompt(n, 7 * n + 2, vocab), prof["top"],
+                                            fm.attention_layers, peak)  # fmt: skip
         res["points"].append(point)
         print(json.dumps({k: v for k, v in point.items() if k != "profile"}), flush=True)
     return res
+
+
+def _mla_alone(llm: LLM, prompt: list[int], top: list[dict], layers: int,
+               peak: float | None) -> dict:  # fmt: skip
+    """The sparse MLA prefill kernel timed alone on the first layer's operands of one more
+    prefill of the prompt (benchmarks/_mla_probe.py), beside its mean time a layer in the
+    profile (the candidate-row kernel left out of both)."""
+    import _mla_probe
+
+    from pdserve.layers.attention.mla_triton import MLATritonBackend
+
+    got = _mla_probe.capture(MLATritonBackend, lambda: _prefill_once(llm, prompt))
+    if got is None:
+        return {"skipped": "no sparse MLA prefill call (another attention backend ran)"}
+    alone = _mla_probe.time_alone(*got)
+    del got
+    _free()
+    kernels = [t for t in top if t["category"] == "mla_attention" and "_rows_" not in t["name"]]
+    in_model = sum(t["ms"] for t in kernels) / layers
+    out = {**alone, "in_model_ms": in_model, "alone_over_in_model": alone["ms"] / in_model}
+    if peak:
+        out["share_alone"] = alone["flop"] / (alone["ms"] * 1e-3) / peak
+        out["share_in_model"] = alone["flop"] / (in_model * 1e-3) / peak
+    print(json.dumps({"mla_alone": out}), flush=True)
+    return out
 
 
 def _hf_prefill(path: Path, lens: list[int]) -> dict:
