@@ -93,6 +93,11 @@ MOE_GRID = [  # (block_m, block_n, block_k, warps, stages, group_m, chunk_tokens
     (64, 64, 128, 4, 4),
     (64, 256, 64, 8, 3),
     (128, 64, 64, 4, 4),
+    # verify-sized batches (64-128 pairs an expert: the weights' bytes bound, issue 27)
+    (64, 128, 128, 4, 3, 8),
+    (64, 128, 64, 4, 4, 8, 0, 256),
+    (128, 128, 128, 8, 2, 8, 0, 256),
+    (64, 64, 64, 4, 4, 8),
 ]
 MOE_TOKENS = (8192, 16384, 2048, 512, 1024, 4096)
 

@@ -3,7 +3,7 @@
 # of at most 10 minutes each; every stage prints its tables and leaves JSON and logs under
 # $OUT. Record the commit yourself: the device copy of the tree may carry a stale .git.
 #
-#   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh d10 (first), f11g, xfer
+#   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh d10 (first), g18, f11g, xfer
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh s12|fp8s|moe|pdl|xfer
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh k10
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh p10
@@ -431,6 +431,15 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     for b in 16384 8192; do glm5_prefill 200 "16k_b$b" 16384 --budget "$b"; done
     glm5_prefill 150 64k 65536
     glm5_accuracy
+    ;;
+  g18)  # session 18's probes: the sparse MLA kernel alone on one layer's operands of the
+        # model's 16K prefill (mla_alone, issue 26), then the fused MoE at verify sizes (27)
+    glm5_prefill 200 16k_b16384 16384 --budget 16384
+    grep -h '"mla_alone"' "$OUT/glm5_prefill_16k_b16384.log"
+    t=$(( start + 560 - $(date +%s) ))
+    [ "$t" -gt 90 ] && { timeout "$t" python3 benchmarks/prefill_sweep.py --sections moe \
+      --moe-tokens 512,1024,2048 --budget-s $(( t - 40 )) --out "$OUT/moe_verify.json" \
+      > "$OUT/moe_verify.log" 2>&1; echo "moe sweep: exit $?"; grep -v '^{' "$OUT/moe_verify.log" | tail -40; }
     ;;
   f16)  # FP8 (issue 28): decode attention over an fp8 cache beside bf16, its tile sweep,
         # then fp8_bench llama-8b-shape (graph-timed GEMMs, the prefill and decode profiles)
