@@ -133,7 +133,7 @@
 #       --enable-expert-parallel against one GPU, the same closed-loop load per rank
 #       (32 streams per GPU, 1024 in / 256 out): output tok/s per GPU and mean TPOT.
 set -uo pipefail
-stage="${1:?usage: run_pending.sh g16|g17|f16|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl-install|nixl|x2|dpep N}"
+stage="${1:?usage: run_pending.sh g18|g16|g17|f16|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl-install|nixl|x2|dpep N}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 start=$(date +%s)
 source scripts/gpu-env
