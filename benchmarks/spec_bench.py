@@ -346,7 +346,7 @@ def bench_decode(workdir: Path, preset: str, streams: list[int], bw: float | Non
                         adaptive.reset_acceptance()
                         _decode(llm, f"a{rate}", max(1, max(streams) // 4), prefix, out_tokens=16)
                 for b in streams:
-                    # (adaptive at 0.5: the j=0 steps that cost more than plain decode)
+                    # (adaptive at 0.5: its j=0 steps, against plain decode: run 67 fixed their sync)
                     prof = b in profile_streams and (
                         rate in (None, 0.7) or (policy == "adaptive" and rate == 0.5))
                     r = _decode(llm, f"d{k}{policy}-{rate}", b, prefix, profile=prof)
