@@ -165,7 +165,8 @@ def mla_cases(cpu: bool) -> list[MlaCase]:
     if cpu:
         return [MlaCase("prefill 12", "prefill", 1, 12, 12), MlaCase("prefill 40", "prefill", 1, 40, 40),
                 MlaCase("verify 3x4", "verify", 3, 24, 4),
-                MlaCase("prefill 40 model layout", "prefill", 1, 40, 40, model_layout=True)]  # fmt: skip
+                MlaCase("prefill 40 model layout", "prefill", 1, 40, 40,
+                        model_layout=True)]  # fmt: skip
     out = [MlaCase(f"prefill {n // 1024}K", "prefill", 1, n, n) for n in (2048, 4096, 16384)]
     out.append(MlaCase("prefill 16K model layout", "prefill", 1, 16384, 16384, model_layout=True))
     out += [MlaCase(f"verify {b}x4 16K", "verify", b, 16384, 4) for b in (64, 128, 256)]

@@ -314,7 +314,8 @@ def config_name(k: int, policy: str | None) -> str:
 
 def bench_decode(workdir: Path, preset: str, streams: list[int], bw: float | None,
                  save: Any, profile_streams: tuple[int, ...] = (),
-                 peak: float | None = None, configs: tuple[tuple[int, str | None], ...] = DECODE_CONFIGS,
+                 peak: float | None = None,
+                 configs: tuple[tuple[int, str | None], ...] = DECODE_CONFIGS,
                  rates: tuple[float, ...] = RATES) -> dict[str, Any]:  # fmt: skip
     path = _config_dir(workdir, preset)
     t0 = time.perf_counter()
@@ -346,7 +347,8 @@ def bench_decode(workdir: Path, preset: str, streams: list[int], bw: float | Non
                         adaptive.reset_acceptance()
                         _decode(llm, f"a{rate}", max(1, max(streams) // 4), prefix, out_tokens=16)
                 for b in streams:
-                    # (adaptive at 0.5: its j=0 steps, against plain decode: run 67 fixed their sync)
+                    # (adaptive at 0.5: its j=0 steps against plain decode; run 67 fixed
+                    # their sync)
                     prof = b in profile_streams and (
                         rate in (None, 0.7) or (policy == "adaptive" and rate == 0.5))
                     r = _decode(llm, f"d{k}{policy}-{rate}", b, prefix, profile=prof)
@@ -571,8 +573,8 @@ def _table(res: dict[str, Any]) -> None:
               " and FLOPs / bf16 matmul rate)")
         print("  (host: a full-batch step's host time not spent waiting for the device; near the"
               " step's time, the host sets the pace)")
-        print("  k  rate  streams  steady  TPOT ms  vs none  step ms  full-batch step  host  roof step"
-              "  x roof  mixed  x mixed  roof TPOT  live min  graph%  accept-len")  # fmt: skip
+        print("  k  rate  streams  steady  TPOT ms  vs none  step ms  full-batch step  host"
+              "  roof step  x roof  mixed  x mixed  roof TPOT  live min  graph%  accept-len")  # fmt: skip
         for r in d["runs"]:
             acc = f"{r['mean_accept_len']:.2f}" if r["mean_accept_len"] else "-"
             if r["policy"] == "adaptive":

@@ -18,7 +18,7 @@ class Backend:
     def __init__(self) -> None:
         self.calls = 0
 
-    def _prefill(self, q_lat, q_pe, cache, rows, ncand, scale, t, out):  # type: ignore[no-untyped-def]
+    def _prefill(self, q_lat, q_pe, cache, rows, ncand, scale, t, out):
         self.calls += 1
         out[:t] = q_lat[:t] * scale  # writes its output, as the kernel does
         q_lat.add_(1.0)  # (a write to an operand: the capture must not see it)
@@ -29,7 +29,8 @@ def test_capture_keeps_the_chosen_calls_operands_and_restores_the_method() -> No
     orig = Backend._prefill
     q_lat, q_pe = torch.zeros(5, 4, 8), torch.zeros(5, 4, 2)
     ncand = torch.tensor([1, 2, 3, 3, 3])
-    args = (q_lat, q_pe, torch.zeros(2, 4, 10), torch.zeros(5, 3), ncand, 0.5, 4, torch.zeros(5, 4, 8))
+    cache, rows, out = torch.zeros(2, 4, 10), torch.zeros(5, 3), torch.zeros(5, 4, 8)
+    args = (q_lat, q_pe, cache, rows, ncand, 0.5, 4, out)
 
     def run() -> None:  # three layers
         for _ in range(3):

@@ -22,5 +22,5 @@ def test_views_are_contiguous_and_hold_the_values_at_every_width() -> None:
         assert all(v.is_contiguous() for v in views)
         for v, src in zip(views, (tokens, lp, drafts, *top), strict=True):
             assert v.shape == src.shape and torch.equal(v, src)
-            assert v.data_ptr() in {b.data_ptr() for b in (host.tokens, host.logprobs,
-                                                          host.drafts, host.top_ids, host.top_lps)}  # fmt: skip
+            slots = (host.tokens, host.logprobs, host.drafts, host.top_ids, host.top_lps)
+            assert v.data_ptr() in {b.data_ptr() for b in slots}  # the slot's own memory
