@@ -235,3 +235,7 @@ def test_device_kernels_take_their_launching_operators_range() -> None:
     assert diag["ranges"] == {"dense_gemm": {"count": 1, "ms": 0.1, "longest_ms": 0.1}}
     assert (diag["device_activities"], diag["without_operator"], diag["outside_ranges"]) == (
         3, 1, 1)
+    # the kernel outside every range, with its operator's chain (no parent here)
+    assert diag["outside_samples"] == [
+        {"kernel": "elementwise_kernel", "operator_chain": ["aten::add [120, 130]"]}
+    ]

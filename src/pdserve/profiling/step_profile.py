@@ -244,7 +244,10 @@ def scope_diagnostics(events: Any) -> dict[str, Any]:
     """How a capture's kernels found their categories' ranges: the ``pdserve:`` ranges
     by category (count, total ms, the longest), the device activities whose launching
     operator is missing, and those whose operator sits in no range. A range swallowing a
-    whole step (its end lost) shows as a longest range near the span (run 51's 64K)."""
+    whole step (its end lost) shows as a longest range near the span (run 51's 64K).
+    ``outside_samples``: the first few kernels outside every range with their launching
+    operator's chain of parents (on the GPU every kernel of runs 62-65 was outside every
+    range; the chains show where the link to the module ranges breaks)."""
     from torch.autograd import DeviceType
 
     ranges: dict[str, dict[str, float]] = {}
@@ -257,14 +260,23 @@ def scope_diagnostics(events: Any) -> dict[str, Any]:
             r["ms"] += ms
             r["longest_ms"] = max(r["longest_ms"], ms)
     unlinked = unscoped = kernels = 0
-    for _, op in _device_activities(events):
+    samples: list[dict[str, Any]] = []
+    for dev, op in _device_activities(events):
         kernels += 1
         if op is None:
             unlinked += 1
         elif _scope_of(op) is None:
             unscoped += 1
+            if len(samples) < 4:
+                chain: list[str] = []
+                e = op
+                while e is not None and len(chain) < 8:
+                    t = e.time_range
+                    chain.append(f"{e.name[:60]} [{t.start:.0f}, {t.end:.0f}]")
+                    e = e.cpu_parent
+                samples.append({"kernel": dev.name[:60], "operator_chain": chain})
     return {"ranges": ranges, "device_activities": kernels, "without_operator": unlinked,
-            "outside_ranges": unscoped}  # fmt: skip
+            "outside_ranges": unscoped, "outside_samples": samples}  # fmt: skip
 
 
 def _union_ms(spans: list[Span]) -> float:
