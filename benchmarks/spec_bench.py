@@ -131,8 +131,7 @@ def _decode(llm: LLM, tag: str, batch: int, prefix: list[int], out_tokens: int =
             got: list[Any] = []
             prof = profile_step(lambda got=got: got.append(eng.step()), None,
                                 eng.runner.device).table(40)  # fmt: skip
-            # the draft count scheduled in the profiled call (adaptive: j=0 steps are the
-            # ones that cost more than plain decode)
+            # the draft count scheduled in the profiled call (adaptive: which j it shows)
             prof["num_drafts_scheduled"] = eng.stats().spec_last_num_drafts
             outs, steady = got[0], False  # (the profiler's time is not a step's)
         else:

@@ -24,6 +24,7 @@ forward path (eager or graph replay), of drafting and of sampling.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -155,15 +156,16 @@ class PromptLogprobsHost:
         m, k = ids.shape
         self.lps[:m].copy_(lps, non_blocking=True)
         self.ranks[:m].copy_(ranks, non_blocking=True)
-        if k:  # (contiguous views: a strided device-to-host copy waits for the device)
-            _first(self.top_ids, m, k).copy_(ids, non_blocking=True)
-            _first(self.top_lps, m, k).copy_(tops, non_blocking=True)
+        if k:
+            leading_view(self.top_ids, (m, k)).copy_(ids, non_blocking=True)
+            leading_view(self.top_lps, (m, k)).copy_(tops, non_blocking=True)
 
     def read(self, plan: PromptLogprobsPlan) -> dict[str, PromptLogprobsChunk]:
         """Each request's chunk (its own N of the step's top-N), once the step landed."""
         m, k = plan.num_rows, plan.num_top
         lps, ranks = self.lps[:m].numpy(), self.ranks[:m].numpy()
-        ids, tops = _first(self.top_ids, m, k).numpy(), _first(self.top_lps, m, k).numpy()
+        ids = leading_view(self.top_ids, (m, k)).numpy()
+        tops = leading_view(self.top_lps, (m, k)).numpy()
         out = {}
         for rid, start, off, cnt, n in zip(
             plan.req_ids, plan.starts, plan.offsets, plan.counts, plan.ns, strict=True
@@ -175,6 +177,10 @@ class PromptLogprobsHost:
         return out
 
 
-def _first(buf: torch.Tensor, m: int, k: int) -> torch.Tensor:
-    """The first ``m * k`` elements of ``buf`` as a contiguous [m, k] view."""
-    return buf.view(-1)[: m * k].view(m, k)
+def leading_view(buf: torch.Tensor, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
+    """The first elements of the host buffer ``buf`` as a contiguous view of ``shape``: the
+    destination of a step's device-to-host copy. (A leading slice of a wider buffer,
+    ``buf[:m, :k]``, is strided, and a copy into strided memory is not asynchronous: it
+    waits for the device, the step in flight included; every MTP step with fewer than k
+    drafts did, issue 27.)"""
+    return buf.view(-1)[: math.prod(shape)].view(shape)

@@ -10,7 +10,12 @@ import numpy as np
 import torch
 
 from pdserve.core_types.sampling_params import MAX_LOGPROBS
-from pdserve.runner.prompt_logprobs import PromptLogprobsHost, PromptLogprobsPlan, Scored
+from pdserve.runner.prompt_logprobs import (
+    PromptLogprobsHost,
+    PromptLogprobsPlan,
+    Scored,
+    leading_view,
+)
 from pdserve.runner.step_inputs import StepInputs
 
 
@@ -61,12 +66,7 @@ def copy_out(
     n, w = tokens.shape
 
     def put(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-        # the first src.numel() elements of the slot, shaped as src: a contiguous
-        # destination. (A [B, w] slice of a wider [max, width] buffer is strided, and a
-        # device-to-host copy into strided memory is not asynchronous: it waited for the
-        # device, the step in flight included, in every step narrower than the widest:
-        # an MTP engine's steps with fewer than k drafts, issue 27's j=0 steps.)
-        view = dst.view(-1)[: src.numel()].view(src.shape)
+        view = leading_view(dst, src.shape)
         view.copy_(src, non_blocking=True)
         return view
 
