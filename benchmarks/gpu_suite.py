@@ -593,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contexts", help="decode contexts (default: the device's sizes)")
     ap.add_argument("--prefill-lens", help="prompt lengths of prefill_curve")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    ap.add_argument("--attention-backend", default="torch")
+    ap.add_argument("--attention-backend", default="auto", help="the engine's (auto: what a user gets)")
     ap.add_argument("--serve-starts", type=int, help="server starts for the warm-start median")
     ap.add_argument("--serve-port", type=int, default=8011)
     ap.add_argument(

@@ -506,11 +506,12 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     llama_ckpt || exit 1
     for round in 1 2; do
       for tree in baseline current; do
-        root=.; [ $tree = baseline ] && root=.baseline  # each tree runs its own script
-        timeout 110 python3 $root/benchmarks/gpu_suite.py --ckpt $ck \
-          --sections decode --batches 1,16,64 --contexts 1024 \
+        root=.; [ $tree = baseline ] && root=.baseline  # each tree: its own script and src
+        PYTHONPATH="/tmp/site:$PWD/$root/src" timeout 110 python3 $root/benchmarks/gpu_suite.py \
+          --ckpt $ck --sections decode --batches 1,16,64 --contexts 1024 --attention-backend auto \
           --out "$OUT/r11_${tree}_$round.json" > "$OUT/r11_${tree}_$round.log" 2>&1
-        echo "$tree round $round: exit $?"; sed -n '/^== /,$p' "$OUT/r11_${tree}_$round.log"
+        echo "$tree round $round: exit $? (src $(PYTHONPATH="$PWD/$root/src" python3 -c \
+          'import pdserve; print(pdserve.__file__)'))"; sed -n '/^== /,$p' "$OUT/r11_${tree}_$round.log"
       done
     done
     ;;
@@ -519,10 +520,10 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     for round in 1 2; do
       for tree in baseline current; do
         root=.; [ $tree = baseline ] && root=.baseline
-        timeout 140 python3 $root/benchmarks/glm5_bench.py --sections speed \
+        PYTHONPATH="/tmp/site:$PWD/$root/src" timeout 140 python3 $root/benchmarks/glm5_bench.py --sections speed \
           --presets glm5-m12-e64 --no-peer --workdir /tmp/glm5 \
           --out "$OUT/r11g_${tree}_$round.json" > "$OUT/r11g_${tree}_$round.log" 2>&1
-        echo "$tree round $round: exit $?"; quiet < "$OUT/r11g_${tree}_$round.log" | tail -8
+        echo "$tree round $round: exit $? (src $root/src)"; quiet < "$OUT/r11g_${tree}_$round.log" | tail -8
       done
     done
     ;;
