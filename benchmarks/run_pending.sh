@@ -15,6 +15,7 @@
 #   device run (carry [".whl", ".baseline"]): PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh r11
 #                                      (first, here: scripts/make-baseline b8c8bd7)
 #   device run (carry [".whl", ".baseline"]): PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh r11g
+#   device run (carry [".whl", ".baseline"]): PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh r11all (both, one round)
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh gpu1
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh gpu2
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh a
@@ -133,7 +134,7 @@
 #       --enable-expert-parallel against one GPU, the same closed-loop load per rank
 #       (32 streams per GPU, 1024 in / 256 out): output tok/s per GPU and mean TPOT.
 set -uo pipefail
-stage="${1:?usage: run_pending.sh g18|g16|g17|f16|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl-install|nixl|x2|dpep N}"
+stage="${1:?usage: run_pending.sh g18|g16|g17|f16|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl-install|nixl|x2|dpep N}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 start=$(date +%s)
 source scripts/gpu-env
@@ -162,6 +163,27 @@ llama_config() {
   [ -f $cfg8b/config.json ] || pdserve make-checkpoint --arch LlamaForCausalLM \
     --preset llama-8b-shape --out $cfg8b --config-only >/dev/null
 }
+# r11_run llama|glm5 baseline|current ROUND: one decode run of issue 31's speed check by
+# that tree's own script and src (.baseline/ from scripts/make-baseline)
+r11_run() {
+  local root=. name="r11_$2_$3"
+  [ "$2" = baseline ] && root=.baseline
+  if [ "$1" = llama ]; then
+    PYTHONPATH="/tmp/site:$PWD/$root/src" timeout 110 python3 $root/benchmarks/gpu_suite.py \
+      --ckpt $ck --sections decode --batches 1,16,64 --contexts 1024 --attention-backend auto \
+      --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+  else
+    name="r11g_$2_$3"
+    PYTHONPATH="/tmp/site:$PWD/$root/src" timeout 140 python3 $root/benchmarks/glm5_bench.py \
+      --sections speed --presets glm5-m12-e64 --no-peer --workdir /tmp/glm5 \
+      --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+  fi
+  echo "$1 $2 round $3: exit $? (src $(PYTHONPATH="$PWD/$root/src" python3 -c \
+    'import pdserve; print(pdserve.__file__)'))"
+  if [ "$1" = llama ]; then sed -n '/^== /,/^batch /p' "$OUT/$name.log"
+  else quiet < "$OUT/$name.log" | tail -8; fi
+}
+
 llama_ckpt() {
   if [ ! -f $ck/config.json ]; then
     pdserve make-checkpoint --arch LlamaForCausalLM --preset llama-8b-shape --out $ck \
@@ -501,31 +523,18 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     timeout 570 python3 benchmarks/fp8_bench.py --models glm5-m12-e64 \
       --out "$OUT/fp8_glm5.json" 2>&1 | tee "$OUT/fp8_glm5.log" | quiet
     ;;
-  r11)
+  r11|r11g|r11all)  # r11all: one round of each, the llama pair A B, the glm5 pair B A
     [ -d .baseline/src/pdserve ] || { echo "no .baseline/src (scripts/make-baseline)"; exit 1; }
-    llama_ckpt || exit 1
-    for round in 1 2; do
-      for tree in baseline current; do
-        root=.; [ $tree = baseline ] && root=.baseline  # each tree: its own script and src
-        PYTHONPATH="/tmp/site:$PWD/$root/src" timeout 110 python3 $root/benchmarks/gpu_suite.py \
-          --ckpt $ck --sections decode --batches 1,16,64 --contexts 1024 --attention-backend auto \
-          --out "$OUT/r11_${tree}_$round.json" > "$OUT/r11_${tree}_$round.log" 2>&1
-        echo "$tree round $round: exit $? (src $(PYTHONPATH="$PWD/$root/src" python3 -c \
-          'import pdserve; print(pdserve.__file__)'))"; sed -n '/^== /,$p' "$OUT/r11_${tree}_$round.log"
-      done
-    done
-    ;;
-  r11g)
-    [ -d .baseline/src/pdserve ] || { echo "no .baseline/src (scripts/make-baseline)"; exit 1; }
-    for round in 1 2; do
-      for tree in baseline current; do
-        root=.; [ $tree = baseline ] && root=.baseline
-        PYTHONPATH="/tmp/site:$PWD/$root/src" timeout 140 python3 $root/benchmarks/glm5_bench.py --sections speed \
-          --presets glm5-m12-e64 --no-peer --workdir /tmp/glm5 \
-          --out "$OUT/r11g_${tree}_$round.json" > "$OUT/r11g_${tree}_$round.log" 2>&1
-        echo "$tree round $round: exit $? (src $root/src)"; quiet < "$OUT/r11g_${tree}_$round.log" | tail -8
-      done
-    done
+    trees="baseline current"; rounds="1 2"
+    [ $stage = r11all ] && rounds=1
+    if [ $stage != r11g ]; then
+      llama_ckpt || exit 1
+      for round in $rounds; do for tree in $trees; do r11_run llama $tree $round; done; done
+    fi
+    [ $stage = r11all ] && trees="current baseline"
+    if [ $stage != r11 ]; then
+      for round in $rounds; do for tree in $trees; do r11_run glm5 $tree $round; done; done
+    fi
     ;;
   gpu1)  # tests/kernels, a process per module
     manifest="$OUT/tests/gpu1.tsv"; mkdir -p "$OUT/tests"; : > "$manifest"
