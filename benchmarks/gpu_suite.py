@@ -291,8 +291,13 @@ def graph_replay_ms(llm: LLM, reps: int = 15) -> float | None:
 
 def profile_steps(llm: LLM, steps: int = 5) -> dict:
     """Per-step device time by kernel (top 12) over ``steps`` engine steps, from the
-    CUDA profiler: where the step's device time goes (on a CPU: operators' own time)."""
+    CUDA profiler: where the step's device time goes (on a CPU: operators' own time).
+    A kernel launched early by programmatic dependent launch counts from its
+    predecessor's end (``step_profile.clip_waits``); ``pdl_wait_ms_per_step`` is the
+    waiting left out."""
     from torch.profiler import ProfilerActivity, profile
+
+    from pdserve.profiling.step_profile import spans_from_events
 
     dev = _device(llm)
     cuda = dev.type == "cuda"
@@ -301,19 +306,24 @@ def profile_steps(llm: LLM, steps: int = 5) -> dict:
         for _ in range(steps):
             llm.engine.step()
         _sync(dev)
-    rows = []
-    for e in prof.key_averages():
-        if cuda:
-            t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        else:  # on a CPU: each operator's own time (its children's are theirs)
-            t = e.self_cpu_time_total
-        if t > 0:
-            rows.append((e.key[:90], t / steps / 1e3, e.count / steps))
-    rows.sort(key=lambda r: -r[1])
-    total = sum(r[1] for r in rows)
+    totals: dict[str, list[float]] = {}  # name: [us, calls]
+    waited = 0.0
+    if cuda:
+        for sp in spans_from_events(prof.events(), "cuda"):
+            row = totals.setdefault(sp.name[:90], [0.0, 0.0])
+            row[0] += sp.busy_us
+            row[1] += 1
+            waited += sp.end_us - sp.start_us - sp.busy_us
+    else:  # on a CPU: each operator's own time (its children's are theirs)
+        for e in prof.key_averages():
+            if e.self_cpu_time_total > 0:
+                totals[e.key[:90]] = [e.self_cpu_time_total, e.count]
+    rows = sorted(((n, t / steps / 1e3, c / steps) for n, (t, c) in totals.items()),
+                  key=lambda r: -r[1])  # fmt: skip
     return {
-        "kernel_ms_per_step": total,
+        "kernel_ms_per_step": sum(r[1] for r in rows),
         "kernels_per_step": sum(r[2] for r in rows),
+        "pdl_wait_ms_per_step": waited / steps / 1e3,
         "top": [{"name": n, "ms": t, "calls": c} for n, t, c in rows[:12]],
     }
 
@@ -593,7 +603,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contexts", help="decode contexts (default: the device's sizes)")
     ap.add_argument("--prefill-lens", help="prompt lengths of prefill_curve")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
-    ap.add_argument("--attention-backend", default="auto", help="the engine's (auto: what a user gets)")
+    ap.add_argument(
+        "--attention-backend", default="auto", help="the engine's (auto: what a user gets)"
+    )
     ap.add_argument("--serve-starts", type=int, help="server starts for the warm-start median")
     ap.add_argument("--serve-port", type=int, default=8011)
     ap.add_argument(

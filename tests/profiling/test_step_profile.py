@@ -20,6 +20,7 @@ from pdserve.profiling.step_profile import (
     StepProfile,
     align_categories,
     categorize,
+    clip_waits,
     format_tables,
     profile_step,
 )
@@ -84,6 +85,20 @@ def test_table_shares_and_idle_gap() -> None:
     text = format_tables({"graph replay": t})
     assert "idle_gap" in text and "moe_experts" in text
     assert f"| {t['kernels']:22d}" in text.splitlines()[-2]  # kernels per step
+
+
+def test_a_kernel_launched_early_counts_from_its_predecessors_end() -> None:
+    """Stream 7: a GEMM 0-10 us, a norm launched early at 2 us that ends at 12 (it waited
+    8 us for the GEMM), then a copy 12-13; stream 9 runs beside it and keeps its span."""
+    spans = clip_waits(
+        [Span("gemm", 0, 10, "dense_gemm", stream=7), Span("norm", 2, 12, "norm_rope", stream=7),
+         Span("copy", 12, 13, "other", stream=7), Span("side", 1, 11, "other", stream=9),
+         Span("cpu_op", 0, 5, "other")]
+    )  # fmt: skip
+    assert [s.busy_us for s in spans] == [10, 2, 1, 10, 5]
+    t = StepProfile(spans[:4], wall_ms=0.02, device="cuda").table()
+    assert t["categories"]["norm_rope"]["ms"] == pytest.approx(0.002)
+    assert t[GAP]["ms"] == pytest.approx(0.0)  # the union of spans is unchanged
 
 
 def test_replay_kernels_take_the_eager_runs_categories() -> None:

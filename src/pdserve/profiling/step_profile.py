@@ -27,6 +27,10 @@ How a kernel gets its category:
 - **on a CPU** there are no kernels: each operator's self time counts, categorised the
   same way.
 
+A kernel launched early by programmatic dependent launch waits for its predecessor inside
+its own span; it counts from the end of the kernel before it on its stream
+(:func:`clip_waits`), so the wait stays with the kernel that caused it.
+
 The idle gap is the step's device span (first kernel start to last kernel end; on a CPU
 the profiled span) less the time some kernel (operator) ran: launch latency, host work
 the device waited for, synchronisations. Shares are of that span.
@@ -182,10 +186,29 @@ class Span:
     end_us: float
     category: str
     busy_us: float = -1.0  # time it counts (self time for a CPU operator), default: its span
+    stream: int | None = None  # a device activity's stream (its waits are clipped)
 
     def __post_init__(self) -> None:
         if self.busy_us < 0:
             self.busy_us = self.end_us - self.start_us
+
+
+def clip_waits(spans: list[Span]) -> list[Span]:
+    """Each device activity counted from the end of the one before it on its stream.
+
+    A kernel launched early (programmatic dependent launch: pdserve's Triton kernels on a
+    Hopper GPU) starts while its predecessor still runs and first waits for it; the
+    profiler's span includes that wait, which is the predecessor's work. So a span's time
+    (``busy_us``) starts at the latest end of the activities started before it on the same
+    stream. Spans without a stream keep their time. Returns ``spans``, updated."""
+    last: dict[int, float] = {}
+    for s in sorted(spans, key=lambda s: s.start_us):
+        if s.stream is None:
+            continue
+        begin = max(s.start_us, last.get(s.stream, s.start_us))
+        s.busy_us = max(0.0, s.end_us - begin)
+        last[s.stream] = max(last.get(s.stream, s.end_us), s.end_us)
+    return spans
 
 
 @dataclass
@@ -329,8 +352,9 @@ def _device_activities(events: Any) -> Iterator[tuple[Any, Any]]:
 
 def spans_from_events(events: Any, device: str) -> list[Span]:
     """The step's spans from ``prof.events()``: on CUDA every device activity (kernels,
-    copies, memsets) with the category of the operator that launched it; on a CPU every
-    operator's self time (ranges themselves and runtime calls left out)."""
+    copies, memsets) with the category of the operator that launched it, its wait for the
+    previous one left out (:func:`clip_waits`); on a CPU every operator's self time (ranges
+    themselves and runtime calls left out)."""
     from torch.autograd import DeviceType
 
     out: list[Span] = []
@@ -347,7 +371,9 @@ def spans_from_events(events: Any, device: str) -> list[Span]:
         for e, op in _device_activities(events):
             scope = _scope_of(op) if op is not None else None
             cat = categorize(e.name, scope)
-            out.append(Span(e.name, e.time_range.start, e.time_range.end, cat))
+            stream = int(getattr(e, "device_resource_id", 0) or 0)
+            out.append(Span(e.name, e.time_range.start, e.time_range.end, cat, stream=stream))
+        clip_waits(out)
     out.sort(key=lambda s: s.start_us)
     return out
 
