@@ -192,7 +192,7 @@ def run_decode_configs(bw: float) -> list[dict[str, object]]:
     import pdserve.kernels.decode_attention as da
     from pdserve.kernels._utils import num_sms
 
-    orig_config, orig_stages = da._config, da.NUM_STAGES
+    orig_config, orig_stages = da._config, (da.NUM_STAGES, da.NUM_STAGES_FP8)
     hkv, d = S.kv_heads, S.head_dim
     bm, dot, bn0, warps0 = orig_config(S.heads // hkv, d)
     rows: list[dict[str, object]] = []
@@ -201,13 +201,14 @@ def run_decode_configs(bw: float) -> list[dict[str, object]]:
     try:
         for batch in S.batches:
             cache, bt, q, seq, out, ws = decode_inputs(batch, ctx)
-            pick = (da.choose_num_splits(batch, hkv, S.graph_len, sms), bn0, warps0, orig_stages)
+            pick = (da.choose_num_splits(batch, hkv, S.graph_len, sms), bn0, warps0,
+                    da.num_stages(cache))  # fmt: skip
             times: dict[tuple[int, int, int, int], float] = {}
             grid = dict.fromkeys([*itertools.product(*S.config_grid), pick])  # the pick, timed
             for cfg in grid:
                 splits, bn, warps, stages = cfg
                 da._config = lambda m, d, c=(bm, dot, bn, warps): c
-                da.NUM_STAGES = stages
+                da.NUM_STAGES = da.NUM_STAGES_FP8 = stages
                 fn = partial(
                     da.decode_attention, q, cache, seq, bt, d**-0.5, 1, batch, splits, out, ws
                 )
@@ -228,7 +229,7 @@ def run_decode_configs(bw: float) -> list[dict[str, object]]:
             )
             print(json.dumps(rows[-1]), flush=True)
     finally:
-        da._config, da.NUM_STAGES = orig_config, orig_stages
+        da._config, (da.NUM_STAGES, da.NUM_STAGES_FP8) = orig_config, orig_stages
     return rows
 
 

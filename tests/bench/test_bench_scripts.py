@@ -284,6 +284,9 @@ def test_kernels_bench(tmp_path: Path) -> None:
             "--kv-dtype", "fp8", "--out", str(fp8))  # fmt: skip
     res8 = json.loads(fp8.read_text())
     assert {r["kv_dtype"] for r in res8["decode"] + res8["decode_configs"]} == {"float8_e4m3fn"}
+    # the pick's pipelining depth is the cache type's (decode_attention.num_stages)
+    assert {r["engine_pick"]["stages"] for r in res["decode_configs"]} == {2}
+    assert {r["engine_pick"]["stages"] for r in res8["decode_configs"]} == {1}
     assert all(r["ms"] > 0 for r in res8["decode"])
 
 

@@ -48,6 +48,15 @@ MAX_SPLITS = 64
 MIN_TOKENS_PER_SPLIT = 64
 CTAS_PER_SM = 4
 NUM_STAGES = 2  # software-pipelining depth of the K/V tile loop (kernels_bench sweeps it)
+# over an fp8 cache: one stage. H100 sweep of 2026-12-05 (RESULTS.md run 64, 1K context):
+# the engine's pick at batch 64 took 104.5 us with two stages and 75.5 us with one; the
+# fastest configs at batch 1 and 16 had one stage too (or did not depend on it)
+NUM_STAGES_FP8 = 1
+
+
+def num_stages(kv_cache: torch.Tensor) -> int:
+    """The K/V tile loop's pipelining depth for this cache's element type."""
+    return NUM_STAGES_FP8 if kv_cache.element_size() == 1 else NUM_STAGES
 
 
 # One compile for every split count; the query length QL is a runtime value too (Triton
@@ -326,7 +335,7 @@ def decode_attention(
         DOT_PREC=dot_precision(q.dtype),
         UPCAST=dot_upcast(q.dtype),
         num_warps=warps,
-        num_stages=NUM_STAGES,
+        num_stages=num_stages(kv_cache),
         **pdl_args(q.device),
     )
     if split:
