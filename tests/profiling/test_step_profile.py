@@ -250,7 +250,16 @@ def test_device_kernels_take_their_launching_operators_range() -> None:
     assert diag["ranges"] == {"dense_gemm": {"count": 1, "ms": 0.1, "longest_ms": 0.1}}
     assert (diag["device_activities"], diag["without_operator"], diag["outside_ranges"]) == (
         3, 1, 1)
-    # the kernel outside every range, with its operator's chain (no parent here)
+    # the kernel outside every range, with its operator's chain (no parent here), and the
+    # one without an operator, with its ids and its launch call's chain (none captured)
     assert diag["outside_samples"] == [
-        {"kernel": "elementwise_kernel", "operator_chain": ["aten::add [120, 130]"]}
+        {"kernel": "elementwise_kernel", "operator_chain": ["aten::add [120, 130]"]},
+        {"kernel": "_rmsnorm_kernel", "ids": [13, 99], "launch_chain": []},
     ]
+    launch = ev(13, "cudaLaunchKernel", cpu, 15, 16, link=99, parent=op_in)
+    launch.thread = 7
+    diag = scope_diagnostics([*events, launch])
+    assert diag["outside_samples"][1]["launch_chain"] == [
+        "cudaLaunchKernel [15, 16] t7", "aten::mm [10, 20]", "pdserve:dense_gemm [0, 100]"
+    ]
+    assert diag["range_threads"] == ["None"]

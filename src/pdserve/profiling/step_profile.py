@@ -265,41 +265,60 @@ class StepProfile:
 
 def scope_diagnostics(events: Any) -> dict[str, Any]:
     """How a capture's kernels found their categories' ranges: the ``pdserve:`` ranges
-    by category (count, total ms, the longest), the device activities whose launching
-    operator is missing, and those whose operator sits in no range. A range swallowing a
-    whole step (its end lost) shows as a longest range near the span (run 51's 64K).
-    ``outside_samples``: the first few kernels outside every range with their launching
-    operator's chain of parents (on the GPU every kernel of runs 62-65 was outside every
-    range; the chains show where the link to the module ranges breaks)."""
+    by category (count, total ms, the longest, the threads they ran on), the device
+    activities whose launching operator is missing, and those whose operator sits in no
+    range. A range swallowing a whole step (its end lost) shows as a longest range near
+    the span (run 51's 64K). ``outside_samples``: the first few kernels outside every range
+    (on the GPU every kernel of runs 62-65 was), each with its launching operator's chain
+    of parents, or, where no operator was found, its ids and the chain of the launch call
+    that has its id (the runtime event); the chains show where the link breaks."""
     from torch.autograd import DeviceType
 
     ranges: dict[str, dict[str, float]] = {}
+    threads: set[Any] = set()
+    launches: dict[int, Any] = {}  # runtime calls (a CPU event with a link) by their id
     for e in events:
-        if e.device_type == DeviceType.CPU and e.name.startswith(SCOPE_PREFIX):
+        if e.device_type != DeviceType.CPU:
+            continue
+        if getattr(e, "linked_correlation_id", 0):
+            launches[e.id] = e
+        if e.name.startswith(SCOPE_PREFIX):
             r = ranges.setdefault(e.name[len(SCOPE_PREFIX) :], {"count": 0, "ms": 0.0,
                                                                  "longest_ms": 0.0})  # fmt: skip
             ms = (e.time_range.end - e.time_range.start) / 1e3
             r["count"] += 1
             r["ms"] += ms
             r["longest_ms"] = max(r["longest_ms"], ms)
+            threads.add(getattr(e, "thread", None))
     unlinked = unscoped = kernels = 0
     samples: list[dict[str, Any]] = []
     for dev, op in _device_activities(events):
         kernels += 1
         if op is None:
             unlinked += 1
+            if len(samples) < 6:
+                samples.append({"kernel": dev.name[:60],
+                                "ids": [dev.id, getattr(dev, "linked_correlation_id", 0)],
+                                "launch_chain": _chain(launches.get(dev.id))})  # fmt: skip
         elif _scope_of(op) is None:
             unscoped += 1
-            if len(samples) < 4:
-                chain: list[str] = []
-                e = op
-                while e is not None and len(chain) < 8:
-                    t = e.time_range
-                    chain.append(f"{e.name[:60]} [{t.start:.0f}, {t.end:.0f}]")
-                    e = e.cpu_parent
-                samples.append({"kernel": dev.name[:60], "operator_chain": chain})
+            if len(samples) < 6:
+                samples.append({"kernel": dev.name[:60], "operator_chain": _chain(op)})
     return {"ranges": ranges, "device_activities": kernels, "without_operator": unlinked,
-            "outside_ranges": unscoped, "outside_samples": samples}  # fmt: skip
+            "outside_ranges": unscoped, "outside_samples": samples,
+            "range_threads": sorted(str(t) for t in threads)[:4]}  # fmt: skip
+
+
+def _chain(e: Any) -> list[str]:
+    """An event and its parents, innermost first: name, time range and thread."""
+    chain: list[str] = []
+    while e is not None and len(chain) < 8:
+        t = e.time_range
+        thread = getattr(e, "thread", None)
+        where = f" t{thread}" if thread is not None else ""
+        chain.append(f"{e.name[:60]} [{t.start:.0f}, {t.end:.0f}]{where}")
+        e = e.cpu_parent
+    return chain
 
 
 def _union_ms(spans: list[Span]) -> float:
