@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from pdserve.profiling.prefill_flops import mla_pair_flops
+
 
 def capture(cls: type, run: Callable[[], object], call: int = 0) -> tuple[Any, tuple] | None:
     """Run ``run`` with ``cls._prefill`` spied on: (backend, operands cloned before the
@@ -44,7 +46,7 @@ def capture(cls: type, run: Callable[[], object], call: int = 0) -> tuple[Any, t
 def time_alone(backend: Any, args: tuple, reps_ms: int = 200) -> dict[str, float]:
     """Median ms of ``backend._prefill(*args)`` called alone (``args`` as the backend takes
     them: q_lat, q_pe, cache, rows, ncand, scale, tokens, out), its (query, key) pairs and
-    its matrix FLOPs (``2 * pairs * heads * (2 * latent + rope)``)."""
+    its matrix FLOPs (``pairs * prefill_flops.mla_pair_flops``)."""
     q_lat, q_pe, ncand, t = args[0], args[1], args[4], args[6]
 
     def call() -> None:
@@ -63,4 +65,5 @@ def time_alone(backend: Any, args: tuple, reps_ms: int = 200) -> dict[str, float
         ms = statistics.median(times)
     pairs = int(ncand[:t].sum())
     heads, lat, rope = q_lat.shape[1], q_lat.shape[2], q_pe.shape[2]
-    return {"ms": ms, "pairs": float(pairs), "flop": 2.0 * pairs * heads * (2 * lat + rope)}
+    flop = float(pairs * mla_pair_flops(heads, lat, rope))
+    return {"ms": ms, "pairs": float(pairs), "flop": flop}

@@ -306,18 +306,22 @@ def profile_steps(llm: LLM, steps: int = 5) -> dict:
         for _ in range(steps):
             llm.engine.step()
         _sync(dev)
-    totals: dict[str, list[float]] = {}  # name: [us, calls]
+    totals: dict[str, list[float]] = {}  # name (cut to 90 characters): [us, calls]
+
+    def add(name: str, us: float, calls: int) -> None:
+        row = totals.setdefault(name[:90], [0.0, 0.0])
+        row[0] += us
+        row[1] += calls
+
     waited = 0.0
     if cuda:
         for sp in spans_from_events(prof.events(), "cuda"):
-            row = totals.setdefault(sp.name[:90], [0.0, 0.0])
-            row[0] += sp.busy_us
-            row[1] += 1
+            add(sp.name, sp.busy_us, 1)
             waited += sp.end_us - sp.start_us - sp.busy_us
     else:  # on a CPU: each operator's own time (its children's are theirs)
         for e in prof.key_averages():
             if e.self_cpu_time_total > 0:
-                totals[e.key[:90]] = [e.self_cpu_time_total, e.count]
+                add(e.key, e.self_cpu_time_total, e.count)
     rows = sorted(((n, t / steps / 1e3, c / steps) for n, (t, c) in totals.items()),
                   key=lambda r: -r[1])  # fmt: skip
     return {

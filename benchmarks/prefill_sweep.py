@@ -64,6 +64,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _graph import capture_calls  # noqa: E402
 from _interp import bench_device  # noqa: E402
 
+from pdserve.profiling.prefill_flops import mla_pair_flops  # noqa: E402
+
 # (heads per program, keys per tile, warps, stages); the defaults are among them
 MLA_GRID = [
     (32, 32, 4, 3),
@@ -242,7 +244,7 @@ def run_mla(sh: Shapes, dev: torch.device, bw: float, peak: float, deadline: flo
 
         ref = call(default, choose_splits(t, sh.heads, bound, num_sms(dev), sh.lat),
                    torch.empty_like(inp["q_lat"])).float()  # fmt: skip
-        flops = 2 * inp["pairs"] * sh.heads * (2 * sh.lat + sh.rope)
+        flops = inp["pairs"] * mla_pair_flops(sh.heads, sh.lat, sh.rope)
         for cfg in [default] + [c for c in grid if c != default]:
             if time.perf_counter() > deadline:
                 rows.append({"case": case.name, "config": list(cfg), "skipped": "budget"})
@@ -306,7 +308,7 @@ def run_mla_variants(sh: Shapes, dev: torch.device, bw: float, peak: float, dead
         topk = inp["topk"]
         if topk is None:  # every row within top-k: the indexer's selection is all causal keys
             topk = torch.full((t, sh.topk), -1, dtype=torch.int64, device=dev)
-        flops = 2 * inp["pairs"] * sh.heads * (2 * sh.lat + sh.rope)
+        flops = inp["pairs"] * mla_pair_flops(sh.heads, sh.lat, sh.rope)
         args = (md.block_tables, md.seq_lens, md.query_start_loc, md.token_req_idx,
                 md.token_q_idx)  # fmt: skip
 

@@ -47,6 +47,12 @@ from typing import Any
 from pdserve.profiling.decode_roofline import layer_index
 
 
+def mla_pair_flops(heads: int, latent: int, rope: int) -> int:
+    """Matrix FLOPs of the sparse MLA kernel per (query row, latent row) pair: the scores
+    over the latent and RoPE parts, then the values over the latent."""
+    return 2 * heads * (latent + rope) + 2 * heads * latent
+
+
 @dataclass(frozen=True)
 class PrefillFlopModel:
     num_heads: int
@@ -121,7 +127,7 @@ class PrefillFlopModel:
     def flops(self, n: int) -> dict[str, float]:
         """FLOPs of a prefill of ``n`` tokens by category, and ``total``."""
         h, lat = self.num_heads, self.kv_lora_rank
-        per_pair = 2 * h * (lat + self.rope_dim) + 2 * h * lat
+        per_pair = mla_pair_flops(h, lat, self.rope_dim)
         absorbed = 2 * h * (self.nope_dim * lat + lat * self.v_head_dim)
         scored = n * (n + 1) // 2 if self.index_topk is not None and n > self.index_topk else 0
         out = {
@@ -143,7 +149,7 @@ class PrefillFlopModel:
         ``seq_lens`` each request's context including this step's rows (a mean over steps
         may be fractional), ``rows_per_request`` its query rows."""
         h, lat, r = self.num_heads, self.kv_lora_rank, rows_per_request
-        per_pair = 2 * h * (lat + self.rope_dim) + 2 * h * lat
+        per_pair = mla_pair_flops(h, lat, self.rope_dim)
         absorbed = 2 * h * (self.nope_dim * lat + lat * self.v_head_dim)
         k = self.index_topk
         pairs = scored = 0.0

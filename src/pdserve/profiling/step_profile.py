@@ -207,7 +207,7 @@ def clip_waits(spans: list[Span]) -> list[Span]:
             continue
         begin = max(s.start_us, last.get(s.stream, s.start_us))
         s.busy_us = max(0.0, s.end_us - begin)
-        last[s.stream] = max(last.get(s.stream, s.end_us), s.end_us)
+        last[s.stream] = max(begin, s.end_us)
     return spans
 
 
