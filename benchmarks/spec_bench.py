@@ -135,13 +135,13 @@ def _decode(llm: LLM, tag: str, batch: int, prefix: list[int], out_tokens: int =
             prof["num_drafts_scheduled"] = eng.stats().spec_last_num_drafts
             outs, steady = got[0], False  # (the profiler's time is not a step's)
         else:
-            w0 = eng.pipeline.waited_s
+            waited = -eng.pipeline.waited_s
             outs = eng.step()
-            w0 = eng.pipeline.waited_s - w0
+            waited += eng.pipeline.waited_s  # this step's wait for the device
         now = time.perf_counter()
         if steady:
             full.append(now - t_step)
-            hosts.append(now - t_step - w0)
+            hosts.append(now - t_step - waited)
             full_tokens += sum(len(o.new_token_ids) for o in outs if o.request_id in count)
         for o in outs:
             if o.new_token_ids:
