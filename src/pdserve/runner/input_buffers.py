@@ -8,6 +8,8 @@ warm-up read and pad the device half. Nothing here knows about requests.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -26,6 +28,10 @@ def upload(a: np.ndarray, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=True)
 
 
+ALIGN_BYTES = 16  # where each packed segment starts (see BufferPair.upload_packed)
+PACK_SLACK = 6 * 2  # int64 elements of padding six packed segments may take
+
+
 class BufferPair:
     """A host tensor and its device twin of the same shape."""
 
@@ -41,6 +47,21 @@ class BufferPair:
         """Copy the first ``n`` rows to the device (asynchronously); return the device view."""
         self.dev[:n].copy_(self.host[:n], non_blocking=True)
         return self.dev[:n]
+
+    def upload_packed(self, parts: Sequence[np.ndarray]) -> list[torch.Tensor]:
+        """Write ``parts`` one after another into the (1-D) host buffer, each from an
+        ``ALIGN_BYTES`` boundary, upload them in one copy and return their device views.
+        Triton specialises a pointer argument on whether it is 16-byte aligned, so a
+        view at an odd int64 offset (an odd batch) would compile a kernel anew under
+        traffic; aligned views keep the kernels the warm-up compiled."""
+        a = max(1, ALIGN_BYTES // self.host.element_size())
+        starts, n = [], 0
+        for p in parts:
+            starts.append(n)
+            self.np[n : n + len(p)] = p
+            n += -(-len(p) // a) * a
+        dev = self.upload(n)
+        return [dev[s : s + len(p)] for s, p in zip(starts, parts, strict=True)]
 
 
 class InputBuffers:
@@ -79,10 +100,10 @@ class InputBuffers:
         self.drafts = BufferPair((r, max(num_spec, 1)), i64, device)
         # per request: first logits row | logits rows | token index of the first row |
         # the known token after its last one (-1: none) | its row | its scheduled tokens
-        self.per_req = BufferPair(6 * r, i64, device)
+        self.per_req = BufferPair(6 * r + PACK_SLACK, i64, device)
         self.samples = BufferPair(r, torch.bool, device)  # per request: it samples this step
         # index arrays of the request state's reads and resets, packed in one upload
-        self.state_idx = BufferPair(2 * r + 4 * t, i64, device)
+        self.state_idx = BufferPair(2 * r + 4 * t + PACK_SLACK, i64, device)
 
     def common_metadata(
         self, num_reqs: int, num_tokens: int, max_query_len: int, max_seq_len: int

@@ -174,10 +174,8 @@ class StepPreparer:
         sample_mask = buf.samples.upload(nreq)
         nxt = np.minimum(seq_lens, b.token_ids.shape[1] - 1)
         next_ids = np.where(seq_lens < b.num_tokens[rows], b.token_ids[rows, nxt], -1)
-        per_req = buf.per_req.np  # row_start | num_rows | first_token | next id | row | nsched
-        for j, a in enumerate((row_start, nrows, first_tok, next_ids, rows, nsched)):
-            per_req[j * nreq : (j + 1) * nreq] = a
-        per = buf.per_req.upload(6 * nreq).view(6, nreq).unbind(0)
+        # row_start | num_rows | first_token | next id | row | nsched
+        per = buf.per_req.upload_packed((row_start, nrows, first_tok, next_ids, rows, nsched))
         self._place(so, per[4], per[5], t, last_at, req_idx[last_at], drafts, draft_at, draft_flat)
         uniform = int(nsched[0]) if bool((nsched == nsched[0]).all()) else None
         return StepInputs(
@@ -223,11 +221,8 @@ class StepPreparer:
         b = self.batch
         new_rows = np.fromiter((b.row_of[n.req_id] for n in so.scheduled_new_reqs), dtype=np.int64)
         parts = [new_rows, b.num_computed[new_rows], last_at, last_req, draft_at, draft_flat]
-        sizes = [len(p) for p in parts]
-        packed = np.concatenate(parts)
-        self.buf.state_idx.np[: len(packed)] = packed
-        dev = torch.split(self.buf.state_idx.upload(len(packed)), sizes)
-        if sizes[0]:
+        dev = self.buf.state_idx.upload_packed(parts)
+        if len(new_rows):
             self.state.reset(dev[0], dev[1])
         spec = drafts is not None
         self.state.place(
