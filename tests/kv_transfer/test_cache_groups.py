@@ -119,9 +119,9 @@ def _spy_on_writes(cls: type, monkeypatch: pytest.MonkeyPatch) -> list[tuple[lis
     copies: list[tuple[list[int], list[int]]] = []
     real = cls.begin_write
 
-    def spy(self, remote, local, frames, *rest):  # type: ignore[no-untyped-def]
+    def spy(self, remote, local, frames, *rest, **kw):  # type: ignore[no-untyped-def]
         copies.append((list(remote), list(local)))
-        return real(self, remote, local, frames, *rest)
+        return real(self, remote, local, frames, *rest, **kw)
 
     monkeypatch.setattr(cls, "begin_write", spy)
     return copies

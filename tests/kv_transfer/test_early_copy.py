@@ -24,7 +24,7 @@ from pdserve.kv_transfer.lease import LeaseTable
 from pdserve.kv_transfer.peer_link import PeerLink
 from pdserve.kv_transfer.puller import KVPuller, LoadResult
 from pdserve.kv_transfer.server import KVServer
-from pdserve.kv_transfer.transports.base import ClientTransport, PendingWrite
+from pdserve.kv_transfer.transports.base import ClientTransport, Fence, PendingWrite
 from pdserve.kv_transfer.transports.tcp import TcpServer
 
 SECRET = new_secret().encode()
@@ -34,7 +34,8 @@ LOCAL = [0, 3, 4]
 
 class RemoteMemoryClient(ClientTransport):
     """Copies blocks from the prefill's caches (an identical CPU copy) by id, as a
-    cuda_ipc client does over mapped memory; records each copy and when it was waited."""
+    cuda_ipc client does over mapped memory; records each copy, the fence it was given
+    (if any) and when it was waited."""
 
     reads_remote_memory = True
 
@@ -49,7 +50,11 @@ class RemoteMemoryClient(ClientTransport):
         local_block_ids: list[int],
         frames: list[Any],
         timeout: float = 60.0,
+        *,
+        after: Fence | None = None,
     ) -> PendingWrite:
+        if after is not None:
+            self.log.append(f"after {after}")
         self.log.append(f"copy {remote_block_ids} frames={len(frames)}")
         n = self.write(remote_block_ids, local_block_ids, frames)
 
@@ -77,12 +82,15 @@ def prefill() -> Iterator[KVServer]:
     srv.close()
 
 
-def _pull(port: int, remote: str, named: tuple[int, ...]) -> tuple[LoadResult, KVCaches, list[str]]:
+def _pull(
+    port: int, remote: str, named: tuple[int, ...], fence: Fence | None = None
+) -> tuple[LoadResult, KVCaches, list[str]]:
     dst, log = caches(seed=None), []
     p = KVPuller(COMPAT, lambda info: RemoteMemoryClient(dst, info, log), 5.0, 5.0, SECRET)
     got: list[LoadResult] = []
     try:
-        p.load(KVLoad("a", KVPeer("127.0.0.1", port), remote, LOCAL, 0, len(HELD), "", named))
+        load = KVLoad("a", KVPeer("127.0.0.1", port), remote, LOCAL, 0, len(HELD), "", named)
+        p.load(load, fence)
         assert wait_until(lambda: bool(got.extend(p.take_results()) or got), 5.0, 0.005)
     finally:
         p.close()
@@ -124,6 +132,41 @@ def test_without_named_ids_the_copy_waits_for_the_reply(prefill) -> None:
     assert log == [f"copy {HELD} frames=1", f"landed {HELD}"]
 
 
+class _Fence:
+    """A stand-in for the connector's CUDA event (the client above only names it)."""
+
+    def wait(self, stream: torch.cuda.Stream) -> None:
+        raise AssertionError("not waited here")
+
+    def synchronize(self) -> None:
+        raise AssertionError("not waited here")
+
+    def __str__(self) -> str:
+        return "fence"
+
+
+@pytest.mark.parametrize(
+    ("remote", "named", "copies"),
+    [
+        ("r0", tuple(HELD), [f"copy {HELD} frames=0"]),  # the early copy
+        ("r0", (1, 2, 3), ["copy [1, 2, 3] frames=0", f"copy {HELD} frames=1"]),  # both
+        ("r0", (), [f"copy {HELD} frames=1"]),  # after the reply
+        ("nobody", tuple(HELD), [f"copy {HELD} frames=0"]),  # refused: the early one
+    ],
+)
+def test_every_copy_of_a_load_gets_its_fence(
+    prefill, remote: str, named: tuple[int, ...], copies: list[str]
+) -> None:
+    """The early copy (launched before the reply), the copy from the ids the reply
+    names and the copy after the reply: the transport is handed the load's fence with
+    each (a step in flight may still write into the blocks)."""
+    _, _, log = _pull(prefill.port, remote, named, _Fence())
+    assert [x for x in log if x.startswith("copy")] == copies
+    for i, x in enumerate(log):
+        if x.startswith("copy"):
+            assert i > 0 and log[i - 1] == "after fence", log
+
+
 class _ServedLog(TcpServer):
     """The prefill server's transport, logging each read it serves."""
 
@@ -148,6 +191,8 @@ class _LaunchSeesServer(RemoteMemoryClient):
         local_block_ids: list[int],
         frames: list[Any],
         timeout: float = 60.0,
+        *,
+        after: Fence | None = None,
     ) -> PendingWrite:
         if not frames:  # the early copy
 
@@ -157,7 +202,9 @@ class _LaunchSeesServer(RemoteMemoryClient):
             self.log.append(
                 f"at launch served={wait_until(seen, 5.0, 0.002) if self.wait else seen()}"
             )
-        return super().begin_write(remote_block_ids, local_block_ids, frames, timeout)
+        return super().begin_write(
+            remote_block_ids, local_block_ids, frames, timeout, after=after
+        )
 
 
 @pytest.mark.parametrize("send_first", [True, False])

@@ -24,6 +24,9 @@ Request lifecycle, decode side (kv_consumer or kv_both):
      prompt tokens will come from the wire (all but the last, minus local prefix hits).
      Blocks are allocated for them; the request waits in ``WAITING_FOR_REMOTE_KV``
      without taking a running slot; the worker side pulls the blocks in the background.
+     Those blocks may have been freed while a step that still writes into them runs
+     (async scheduling), so on a GPU a pull writes nothing before the engine's work
+     launched until then has finished (the fence, ``transports.base``).
   3. When the pull finishes, the request returns to ``WAITING`` with those tokens
      computed and then computes only its last prompt token. If the pull fails,
      ``kv_load_failure_policy`` decides: ``fail`` (the request ends with a clear error)

@@ -12,6 +12,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from pdserve.config import KVTransferConfig
 from pdserve.core_types.kv_connector import (
     KVConnectorMetadata,
@@ -36,6 +38,7 @@ from pdserve.kv_transfer.puller import KVPuller
 from pdserve.kv_transfer.server import KVServer, advertised_host
 from pdserve.kv_transfer.supervisor import Supervisor
 from pdserve.kv_transfer.transports import Transport, open_transport
+from pdserve.kv_transfer.transports.base import Fence
 
 logger = logging.getLogger(__name__)
 
@@ -235,8 +238,10 @@ class PdConnectorWorker(KVConnectorWorker):
         self.compat = compat
         self.supervisor = Supervisor(None, None)
         self.transport: Transport | None = None
+        self.device = torch.device("cpu")  # the KV cache's
 
     def register_kv_caches(self, kv_caches: KVCaches) -> None:
+        self.device = kv_caches.device
         cfg = self.s.config
         extra = cfg.kv_connector_extra_config
         transfer_timeout = float(extra.get("transfer_timeout", 60.0))
@@ -286,8 +291,21 @@ class PdConnectorWorker(KVConnectorWorker):
             puller.heartbeat(notice)
         for notice in meta.cancels:
             puller.notify_done(notice)
+        fence = self._fence() if meta.loads else None
         for load in meta.loads:
-            puller.load(load)
+            puller.load(load, fence)
+
+    def _fence(self) -> Fence | None:
+        """What this step's loads must not overtake: the engine's work launched so far
+        (an event on the calling thread's current stream). Under async scheduling the
+        step in flight still writes one KV slot into the last block of requests that
+        finished (or were aborted or preempted) while it ran, and the scheduler may
+        have given those freed blocks to these loads. None on a CPU cache."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
     def get_finished(self) -> KVConnectorOutput:
         out = KVConnectorOutput()

@@ -4,10 +4,11 @@ A :class:`PeerLink` is a ZMQ DEALER socket that handshakes on first use (the pee
 compatibility, engine id and transport payload, all in an authenticated reply) and
 then carries one request at a time in the session the handshake opened (each request
 numbered one above the last, so none can be replayed), each reply checked against the
-topology's secret and bound to its request. It belongs to one thread (ZMQ sockets are not thread-safe):
-the puller's worker for that peer. Any failure leaves the link unusable; the worker
-closes it and the next job dials and handshakes again (so a restarted prefill is
-picked up).
+topology's secret and bound to its request. It belongs to one thread (ZMQ sockets are
+not thread-safe): the puller's worker for that peer. Any failure leaves the link
+unusable; the worker closes it and the next job dials and handshakes again (so a
+restarted prefill is picked up). Every copy a read starts carries the load's fence
+(``transports.base``), the early copy too.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import zmq
 from pdserve.core_types.kv_connector import KVPeer
 from pdserve.kv_transfer import wire as W
 from pdserve.kv_transfer.compat import compat_mismatch
-from pdserve.kv_transfer.transports.base import ClientTransport, PendingWrite
+from pdserve.kv_transfer.transports.base import ClientTransport, Fence, PendingWrite
 
 _POLL_SLICE_MS = 50  # a wait checks the stop flag this often
 
@@ -133,9 +134,14 @@ class PeerLink:
         local_block_ids: list[int],
         timeout: float,
         expected_ids: Sequence[int] = (),
+        *,
+        after: Fence | None = None,
     ) -> PendingWrite:
         """Read blocks and start writing them into ``local_block_ids`` (transports that
         copy asynchronously are still writing when this returns; the socket is free).
+
+        ``after``: the load's fence (``transports.base``): every copy, the early one
+        too, writes nothing before it has completed.
 
         ``expected_ids``: prefill's ids of the blocks asked for, as its params named
         them. A transport that reads prefill's memory itself starts the copy from them
@@ -152,7 +158,9 @@ class PeerLink:
         sent = self._send(msg, timeout) if self.send_first or not copy_early else None
         try:
             if copy_early:
-                early = self.transport.begin_write(list(expected_ids), local_block_ids, [], timeout)
+                early = self.transport.begin_write(
+                    list(expected_ids), local_block_ids, [], timeout, after=after
+                )
             if sent is None:  # (the order before send_first: launch, then send)
                 sent = self._send(msg, timeout)
             reply, frames = self._receive(sent, timeout)
@@ -175,7 +183,9 @@ class PeerLink:
                 return early
             early.wait()  # prefill holds other blocks than its params named: copy those
         left = max(0.001, timeout - (time.monotonic() - t0))
-        return self.transport.begin_write(reply.block_ids, local_block_ids, frames, left)
+        return self.transport.begin_write(
+            reply.block_ids, local_block_ids, frames, left, after=after
+        )
 
     def notify(self, msg: W.Done | W.Heartbeat, timeout: float) -> None:
         reply, _ = self.request(msg, timeout)

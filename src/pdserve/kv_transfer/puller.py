@@ -21,6 +21,10 @@ dropped and handshaken again on its next job. An endpoint outside ``allowed_pref
 is never dialled (its reads fail at once), and at most ``max_peers`` endpoints have a
 worker at a time; a worker idle for ``idle_seconds`` closes its connection and exits.
 
+A read carries the load's fence, if it has one (``transports.base``: the engine's work
+issued before the load, which may still write into its blocks) down to the transport,
+which writes nothing into local blocks before the fence has completed.
+
 Supervision: :meth:`supervise` (the connector calls it from the engine's thread)
 finds workers that died (a ``BaseException`` escaped), fails the read they were doing,
 and starts a new thread on the same queue.
@@ -42,7 +46,7 @@ import zmq
 from pdserve.core_types.kv_connector import KVLoad, KVNotice, KVPeer
 from pdserve.kv_transfer import wire as W
 from pdserve.kv_transfer.peer_link import PeerLink
-from pdserve.kv_transfer.transports.base import ClientTransport, PendingWrite
+from pdserve.kv_transfer.transports.base import ClientTransport, Fence, PendingWrite
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +70,7 @@ class _Job:
     seq: int
     deadline: float = field(compare=False)
     arg: Any = field(compare=False, default=None)
+    fence: Fence | None = field(compare=False, default=None)  # a read's (if any)
 
 
 @dataclass
@@ -123,9 +128,10 @@ class KVPuller:
         self.num_restarts = 0
 
     # -- called from the scheduler thread --------------------------------------------------
-    def load(self, job: KVLoad) -> None:
+    def load(self, job: KVLoad, after: Fence | None = None) -> None:
+        """Queue a read; ``after``: its fence (none on a CPU cache)."""
         budget = self.handshake_timeout + self.transfer_timeout
-        why = self._submit(job.peer, _LOAD, budget, job)
+        why = self._submit(job.peer, _LOAD, budget, job, after)
         if why is not None:
             self._result(
                 job.request_id, f"KV transfer from prefill {_name(job.peer)} refused: {why}"
@@ -198,7 +204,9 @@ class KVPuller:
                 )
                 return
 
-    def _submit(self, peer: KVPeer, kind: int, budget: float, arg: Any) -> str | None:
+    def _submit(
+        self, peer: KVPeer, kind: int, budget: float, arg: Any, fence: Fence | None = None
+    ) -> str | None:
         """Queue a job on ``peer``'s worker; why not, if it is refused."""
         addr = (peer.host, peer.port)
         if self.allowed is not None and addr not in self.allowed:
@@ -212,7 +220,7 @@ class KVPuller:
                     return f"already connected to max_prefill_peers={self.max_peers} endpoints"
                 w = self._workers[addr] = _Worker(peer, queue.PriorityQueue())
                 self._start(w)
-            w.jobs.put(_Job(kind, next(self._seq), time.monotonic() + budget, arg))
+            w.jobs.put(_Job(kind, next(self._seq), time.monotonic() + budget, arg, fence))
         return None
 
     def _start(self, w: _Worker) -> None:
@@ -343,7 +351,9 @@ class KVPuller:
             n = len(load.local_block_ids)
             expected = load.remote_block_ids[load.first_block : load.first_block + n]
             timeout = min(self.transfer_timeout, left)
-            pending = link.start_read(read, load.local_block_ids, timeout, expected)
+            pending = link.start_read(
+                read, load.local_block_ids, timeout, expected, after=job.fence
+            )
             link_ok = self._notices_while(w, link, pending, job.deadline)
             nbytes = pending.wait()
         except Exception as e:

@@ -3,17 +3,41 @@
 Both ends iterate :meth:`KVCaches.layers` in the same order (the compatibility
 handshake guarantees identical groups and layouts), and each layer's blocks are
 selected along that layer's own block axis, in its own dtype.
+
+The fence (decode side). A load may be given blocks freed while a step that still
+writes into them is running: under async scheduling the step in flight was scheduled
+before the requests it holds finished (or were aborted or preempted), and it writes
+one KV slot into each one's last block after their blocks were freed. So a load on a
+CUDA cache carries a :class:`Fence`, an event the connector recorded on the engine's
+stream when it issued the load, and no byte of the load may be written before it has
+completed: a client that enqueues its writes on a CUDA stream of its own (``cuda_ipc``,
+``tcp`` on a GPU) makes that stream wait for it on the device (the copy is enqueued at
+once, no host waits for the fence); any other (``nixl``: an RDMA READ the NIXL agent
+posts, ordered on no stream; and the default) waits for it on the host, in the
+puller's thread, before it posts anything. A load on a CPU cache carries none (the
+engine's work there has finished when the load is issued).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
 from pdserve.forward_context import KVCaches
+
+
+class Fence(Protocol):
+    """Engine work a load must not overtake (a ``torch.cuda.Event`` recorded on the
+    engine's stream when the load was issued)."""
+
+    def wait(self, stream: torch.cuda.Stream) -> None:
+        """Hold the work enqueued on ``stream`` from now on until the fence completes."""
+
+    def synchronize(self) -> None:
+        """Block the calling thread until the fence completes."""
 
 
 class ServerTransport(ABC):
@@ -63,11 +87,22 @@ class ClientTransport(ABC):
         local_block_ids: list[int],
         frames: list[Any],
         timeout: float = 60.0,
+        *,
+        after: Fence | None = None,
     ) -> PendingWrite:
-        """Start :meth:`write`; transports that copy asynchronously return before the
-        bytes have landed (the default writes at once)."""
+        """Start :meth:`write`, no byte of it before ``after`` has completed (see the
+        module docstring); transports that copy asynchronously return before the bytes
+        have landed (the default writes at once)."""
+        if after is not None:
+            self.order_after(after)
         n = self.write(remote_block_ids, local_block_ids, frames)
         return PendingWrite(lambda: n)
+
+    def order_after(self, after: Fence) -> None:
+        """Hold this client's next writes until ``after`` has completed. The default
+        blocks the calling thread (for writes that no CUDA stream orders); a client
+        that enqueues its writes on a stream of its own makes that stream wait."""
+        after.synchronize()
 
     def close(self) -> None:  # noqa: B027 (optional hook)
         """The connection this client served is gone (release what the handshake set up)."""

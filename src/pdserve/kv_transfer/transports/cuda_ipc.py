@@ -10,9 +10,11 @@ always opens the handles on its own device: on another GPU, CUDA maps the memory
 peer access enabled (NVLink or PCIe peer-to-peer, even for a GPU the decode process
 cannot see), so the same copy kernel, launched on decode's device, reads prefill's
 memory over the link. GPUs without peer access between them cannot map each other's
-memory: the handshake then fails with a message pointing at ``tcp`` or ``nixl``. The copy runs on a side stream; the puller sends the peer's
-queued heartbeats and done notices while it runs, and reports the read once the
-copy's event has completed.
+memory: the handshake then fails with a message pointing at ``tcp`` or ``nixl``. The
+copy runs on a side stream, made to wait first (on the device) for the load's fence,
+the engine's work issued before the load (``transports.base``); the puller sends the
+peer's queued heartbeats and done notices while it runs, and reports the read once
+the copy's event has completed.
 
 Without Triton (or should its kernel fail to build) the copy falls back to torch:
 slice to slice per layer and run of consecutive blocks, or one gather and one scatter
@@ -30,6 +32,7 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 from pdserve.forward_context import KVCaches
 from pdserve.kv_transfer.transports.base import (
     ClientTransport,
+    Fence,
     PendingWrite,
     ServerTransport,
     block_runs,
@@ -195,9 +198,14 @@ class CudaIpcClient(ClientTransport):
         local_block_ids: list[int],
         frames: list[Any],
         timeout: float = 60.0,
+        *,
+        after: Fence | None = None,
     ) -> PendingWrite:
-        """Enqueue the copy on the side stream; the pending write's event completes it."""
+        """Enqueue the copy on the side stream (behind ``after``); the pending write's
+        event completes it."""
         t0 = time.perf_counter()
+        if after is not None:
+            self.order_after(after)
         marks = None
         if self.trace is not None:  # timing events around the copy (benchmarks)
             marks = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
@@ -230,6 +238,9 @@ class CudaIpcClient(ClientTransport):
             return n
 
         return PendingWrite(wait, done.query)
+
+    def order_after(self, after: Fence) -> None:
+        after.wait(self._stream)  # on the device: the host does not block
 
     def _copy_by_layer(self, remote_block_ids: list[int], local_block_ids: list[int]) -> None:
         """Few runs of consecutive blocks on both sides are copied slice to slice, one

@@ -11,11 +11,14 @@ host, RDMA across hosts, shared memory or TCP for host memory).
   pair with its own and loads the metadata (``add_remote_agent``) once per prefill.
 - **Read.** After prefill's read reply (which names the held blocks and pins the lease
   meanwhile) decode turns each run of blocks consecutive on both sides into one
-  descriptor per segment, posts one READ for all of them (``initialize_xfer`` +
-  ``transfer``), polls ``check_xfer_state`` until it is done, fails or times out, and
-  releases the request. Only then does the puller report the read and send the done
-  notice (on the side channel, as for every transport); a failed read reports a
-  transfer error instead, and the scheduler's give-up notice releases the lease.
+  descriptor per segment, waits on the host for the load's fence (the engine's work
+  issued before the load, which may still write into the blocks: a READ is ordered on
+  no CUDA stream; ``transports.base``), posts one READ for all of them
+  (``initialize_xfer`` + ``transfer``), polls ``check_xfer_state`` until it is done,
+  fails or times out, and releases the request. Only then does the puller report the
+  read and send the done notice (on the side channel, as for every transport); a
+  failed read reports a transfer error instead, and the scheduler's give-up notice
+  releases the lease.
 
 Thread safety: an agent is driven from the KV server thread (the handshake payload,
 made once) and every puller worker, so each call into it holds the endpoint's lock;
@@ -43,6 +46,7 @@ import torch
 from pdserve.forward_context import KVCaches
 from pdserve.kv_transfer.transports.base import (
     ClientTransport,
+    Fence,
     PendingWrite,
     ServerTransport,
     block_runs,
@@ -236,6 +240,8 @@ class NixlClient(ClientTransport):
         local_block_ids: list[int],
         frames: list[Any],
         timeout: float = 60.0,
+        *,
+        after: Fence | None = None,
     ) -> PendingWrite:
         check_ids(remote_block_ids, self.remote.num_blocks, "prefill")
         check_ids(local_block_ids, self.endpoint.segments.num_blocks, "decode")
@@ -250,6 +256,8 @@ class NixlClient(ClientTransport):
             self.remote_device,
             self.endpoint.device_id,
         )
+        if after is not None:
+            self.order_after(after)  # on the host: NIXL writes behind every stream's back
         handle, first = self.endpoint.post_read(self.remote_name, remote, local, self.remote_mem)
         state = [first]
         deadline = time.monotonic() + timeout

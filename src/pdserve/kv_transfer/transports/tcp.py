@@ -2,9 +2,11 @@
 
 On a GPU the prefill side gathers the blocks on the device and copies them once into
 pinned host memory (asynchronous DMA on a side stream); the decode side stages each
-frame through pinned memory and copies it to the device the same way. On the CPU the
-frames are views of the gathered tensors (no extra copy before the socket). Each
-layer's blocks are gathered along its own block axis, in its own dtype.
+frame through pinned memory and copies it to the device the same way, its side stream
+made to wait first (on the device) for the load's fence, the engine's work issued
+before the load (``transports.base``). On the CPU the frames are views of the gathered
+tensors (no extra copy before the socket). Each layer's blocks are gathered along its
+own block axis, in its own dtype.
 """
 
 from __future__ import annotations
@@ -15,7 +17,12 @@ from typing import Any
 import torch
 
 from pdserve.forward_context import KVCaches
-from pdserve.kv_transfer.transports.base import ClientTransport, ServerTransport, frame_view
+from pdserve.kv_transfer.transports.base import (
+    ClientTransport,
+    Fence,
+    ServerTransport,
+    frame_view,
+)
 
 
 class TcpServer(ServerTransport):
@@ -47,6 +54,12 @@ class TcpClient(ClientTransport):
         super().__init__(kv_caches, transport_info)
         dev = kv_caches.device
         self._stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+
+    def order_after(self, after: Fence) -> None:
+        if self._stream is None:  # (a CPU cache: no load carries a fence)
+            after.synchronize()
+        else:
+            after.wait(self._stream)  # on the device: the host does not block
 
     def write(
         self, remote_block_ids: list[int], local_block_ids: list[int], frames: list[Any]
