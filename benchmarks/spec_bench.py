@@ -360,6 +360,13 @@ def bench_decode(workdir: Path, preset: str, streams: list[int], bw: float | Non
                     drafting = j * draft.step(bm, b, ctx) if j else 0
                     step_bytes = parts["total"] + drafting
                     gain = sum((rate or 0.0) ** i for i in range(j + 1))  # tokens a step
+                    if adaptive is not None:  # the costs it chose by (ms, j = 0..k): graph
+                        shape = adaptive.shape(b, int(ctx))  # timings, then what it used
+                        used = adaptive.step_costs(b, int(ctx))
+                        r["policy_costs"] = None if shape is None or used is None else {
+                            "graph": [1e3 * c for c in adaptive.costs[shape]],
+                            "used": [1e3 * c for c in used],
+                            "acceptance": adaptive.acceptance()}  # fmt: skip
                     r.update(k=k, policy=policy, rate=rate, startup_s=start, main_num_drafts=j,
                              step_ms=r["decode_s"] / max(r["decode_steps"], 1) * 1e3,
                              step_bytes=step_bytes, expected_tokens_per_step=gain)  # fmt: skip
@@ -578,6 +585,10 @@ def _table(res: dict[str, Any]) -> None:
             acc = f"{r['mean_accept_len']:.2f}" if r["mean_accept_len"] else "-"
             if r["policy"] == "adaptive":
                 acc += f"  j: {r['steps_by_num_drafts']}"
+                pc = r.get("policy_costs")
+                if pc:  # the step costs it weighed, ms for j = 0..k: graph -> used
+                    acc += "  ms: " + " ".join(
+                        f"{g:.1f}>{u:.1f}" for g, u in zip(pc["graph"], pc["used"], strict=True))
             vs = f"{r['tpot_vs_none']:.2f}" if r["tpot_vs_none"] else "-"
             roof = r.get("roofline_step_ms", float("nan"))
             fs = f"{r['full_step_ms']:.2f}" if r["full_step_ms"] else "-"

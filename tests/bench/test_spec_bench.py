@@ -11,7 +11,21 @@ import pytest
 from _scripts import load_script
 
 
-def test_spec_bench_cpu_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_spec_bench_cpu_smoke(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pdserve.engine.engine_core import EngineCore
+    from pdserve.spec_decode.draft_policy import DraftPolicy
+
+    def policy(self: EngineCore) -> DraftPolicy | None:  # the CPU has no graphs to time
+        r = self.runner
+        if not r.adaptive_drafts:
+            return None
+        p = DraftPolicy(r.num_spec)
+        p.set_costs({(s, j, 1 << 20): 1e-3 * (1 + j) for s in (1, 2, 4) for j in range(4)})
+        return p
+
+    monkeypatch.setattr(EngineCore, "_draft_policy", policy)
     bench = load_script("spec_bench")
     out = tmp_path / "spec.json"
     bench.main(["--device", "cpu", "--sections", "curve,pd,decode", "--out", str(out),
@@ -39,7 +53,12 @@ def test_spec_bench_cpu_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         assert r["steady_tpot_ms"] is None or r["steady_tpot_ms"] > 0
         assert r["roofline_mixed_step_ms"] >= r["roofline_step_ms"] * (1 - 1e-9) > 0
         assert r["step_tflop"] > 0
+        if r["policy"] == "adaptive":  # the costs it weighed: graph timings, then used
+            pc = r["policy_costs"] if r["batch"] <= 4 else None
+            assert pc is None or (len(pc["graph"]) == len(pc["used"]) == 4 == r["k"] + 1)
+            assert r["batch"] > 4 or pc["graph"] == pytest.approx([1.0, 2.0, 3.0, 4.0])
     assert [r["pad"] for r in res["pd"]] == [True, False]
     assert res["pd"][0]["padded_first_steps"] > 0 == res["pd"][1]["padded_first_steps"]
     printed = capsys.readouterr().out
     assert "decode at a 40-token context" in printed and "profile k=0" in printed
+    assert "ms: 1.0>" in printed

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.spec_decode.draft_policy import MIN_EVIDENCE, PROBE_EVERY, PROBE_STEPS, DraftPolicy
+from pdserve.spec_decode.draft_policy import (
+    COST_MIN_OBS,
+    COST_STALE,
+    COST_WINDOW,
+    MIN_EVIDENCE,
+    PROBE_EVERY,
+    PROBE_STEPS,
+    DraftPolicy,
+)
 
 
 def _costs(
@@ -100,3 +108,49 @@ def test_counts_decay_by_the_steps_between_observations() -> None:
     p.observe([1], [1])  # the old rows decay by 0.5 ** 3 first
     assert p.reached[1] == pytest.approx(64 * 0.125 + 1)
     assert p.accepted[1] == pytest.approx(1.0)
+
+
+def test_measured_step_times_replace_an_optimistic_graph_timing() -> None:
+    """Run 70's case: at acceptance 0.5 the graphs make j = 2 the choice, but its real steps
+    cost more; once measured, the policy moves to j = 1 (measured too) and stays."""
+    p = DraftPolicy(2, decay=1.0)
+    p.observe([2] * 1000, [0] * 500 + [1] * 250 + [2] * 250)  # 0.5 at each position
+    p.set_costs(_costs(2, {128: [23.0, 27.0, 29.0]}, width=32768))
+    assert p.step_costs(120, 16400) == [23.0, 27.0, 29.0]
+    assert p.choose(120, 16400) == 2  # 1.75 / 29 beats 1.5 / 27 and 1 / 23
+    for _ in range(COST_MIN_OBS - 1):
+        p.observe_cost(120, 16400, 2, 42.0)
+        assert p.choose(120, 16400) == 2  # one time is not yet a measurement
+    p.observe_cost(120, 16400, 2, 42.0)
+    assert p.step_costs(120, 16400) == [23.0, 27.0, 42.0]
+    assert p.choose(120, 16400) == 1  # 1.5 / 27 now beats 1.75 / 42
+    for _ in range(COST_MIN_OBS):
+        p.observe_cost(128, 16000, 1, 31.0)  # the same graph (size 128, width 32768)
+    assert p.choose(120, 16400) == 1  # 1.5 / 31 still beats 1 / 23 and 1.75 / 42
+    for _ in range(COST_MIN_OBS):
+        p.observe_cost(100, 16400, 0, 23.5)
+    assert p.step_costs(100, 16400) == [23.5, 31.0, 42.0]
+    # the median of the last COST_WINDOW times: one outlier moves nothing
+    for t in [31.0] * (COST_WINDOW - 1) + [300.0]:
+        p.observe_cost(128, 16400, 1, t)
+    assert p.step_costs(128, 16400)[1] == 31.0
+    # shapes the policy has no graph for, and nonsense, are not recorded
+    p.observe_cost(1000, 16400, 1, 5.0)
+    p.observe_cost(128, 99999, 1, 5.0)
+    p.observe_cost(128, 16400, 3, 5.0)
+    p.observe_cost(128, 16400, 1, 0.0)
+    assert set(p.measured) == {(32768, 128, j) for j in range(3)}
+
+
+def test_measured_times_go_stale_and_the_shape_is_measured_again() -> None:
+    p = DraftPolicy(1, decay=1.0)
+    p.observe([1] * 100, [1] * 100)
+    p.set_costs(_costs(1, {8: [1.0, 1.2]}))
+    for _ in range(COST_MIN_OBS):
+        p.observe_cost(8, 100, 1, 5.0)
+    assert p.choose(8, 100) == 0  # 2 / 5 loses to 1 / 1
+    for _ in range(COST_STALE):
+        p.choose(8, 100)
+    assert p.step_costs(8, 100) == [1.0, 1.2]  # forgotten: the graph timing again
+    p.observe_cost(8, 100, 1, 2.1)  # a fresh window, the old times are gone
+    assert list(p.measured[(1024, 8, 1)]) == [2.1]

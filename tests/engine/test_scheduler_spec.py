@@ -118,12 +118,16 @@ class ByBatch(DraftPolicy):
     def __init__(self) -> None:
         super().__init__(2)
         self.seen: list[tuple[list[int], list[int]]] = []
+        self.timed: list[tuple[int, int, int, float]] = []
 
     def choose(self, batch: int, context: int = 0) -> int:
         return 2 if batch == 1 else 0
 
     def observe(self, verified: Sequence[int], accepted: Sequence[int]) -> None:
         self.seen.append((list(verified), list(accepted)))
+
+    def observe_cost(self, batch: int, context: int, j: int, seconds: float) -> None:
+        self.timed.append((batch, context, j, seconds))
 
 
 def test_adaptive_draft_count() -> None:
@@ -144,3 +148,8 @@ def test_adaptive_draft_count() -> None:
     assert s.stats.spec_steps_by_num_drafts == [2, 0, 2] and s.stats.spec_last_num_drafts == 2
     assert policy.seen == [([2], [2])]
     assert loop.tokens["b"] == [truth("b", 4 + j) for j in range(6)]
+    # what each uniform step took goes to the policy: not the prompts, not the step that
+    # proposes drafts it does not verify (between j = 0 and drafting)
+    assert [so.spec_step_shape for so in steps] == [None, (2, 5, 0), None, (1, 7, 2)]
+    assert [(b, c, j) for b, c, j, _ in policy.timed] == [(2, 5, 0), (1, 7, 2)]
+    assert all(sec > 0 for *_, sec in policy.timed)

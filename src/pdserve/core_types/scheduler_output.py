@@ -65,6 +65,11 @@ class SchedulerOutput:
     # speculative decoding: whether the drafter runs after this step (False on a step the
     # adaptive policy runs with no drafts: it costs what a step without speculation does)
     propose_drafts: bool = True
+    # the adaptive draft policy's view of the step: (batch, longest context, j) when every
+    # request verifies j drafts (and the step proposes iff j > 0), else None; and when it
+    # was scheduled (time.perf_counter), so its landing can report what it cost
+    spec_step_shape: tuple[int, int, int] | None = None
+    scheduled_at: float = 0.0
     finished_req_ids: set[str] = field(default_factory=set)  # runner drops their state
     preempted_req_ids: set[str] = field(default_factory=set)
     # requests whose step reaches the end of their known tokens: they sample

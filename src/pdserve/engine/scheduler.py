@@ -26,6 +26,7 @@ nothing grows with the number of requests served.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from pdserve.config import SchedulerConfig
@@ -203,6 +204,8 @@ class Scheduler:
             kv_connector_metadata=self.remote.meta(),
             structured_req_ids=structured,
             masks_deferred=deferred,
+            spec_step_shape=self.spec.step_shape(b.num_tokens, b.drafts, self.requests),
+            scheduled_at=time.perf_counter(),
         )
         if self.masks.num_structured and not deferred:
             self.fill_masks(so)
@@ -225,6 +228,7 @@ class Scheduler:
                 )
         if sched.is_empty:
             return outputs
+        self.spec.landed(sched.spec_step_shape, sched.scheduled_at, time.perf_counter())
         for rid, chunk in out.prompt_logprobs.items():
             owner = self.requests.get(rid)
             if owner is not None and owner.prompt_logprobs is not None:

@@ -19,6 +19,17 @@ captured width its longest context fits, so it takes that graph's costs. With no
 known for it (a CPU engine, graphs off, a batch past the largest captured size) the
 policy keeps ``k``.
 
+**Measured step times** replace the graph timings once a shape has run: the scheduler
+reports each landed decode/verify step of a uniform ``(batch, 1 + j)`` shape with the time
+it took (:meth:`DraftPolicy.observe_cost`: from its launch, or the landing before it if
+that was later, to its landing; the host's share and the real batch's routing and
+contexts included), and the median of a shape's last ``COST_WINDOW`` times stands in for
+its graph timing once it has ``COST_MIN_OBS`` of them. A ``j`` whose graph timing was too
+optimistic is thus chosen a few times, measured, and dropped if it does not pay (H100 run
+70: at 128 streams x 16K and acceptance 0.5 the graph timings made ``j = 2`` the choice;
+its steps took 42 ms against 31 for ``j = 1``, 5% slower than no speculation). A time older
+than ``COST_STALE`` choices is forgotten, so the shape is measured again.
+
 **Acceptance** per position is counted from the steps that verified drafts, with counts
 decaying by ``DECAY`` an engine step (steps without drafts included) so the estimate
 follows the traffic: ``a_m = accepted_m / reached_m``, ``reached_m`` the verify rows that
@@ -38,6 +49,8 @@ Pure host arithmetic on small tables: no torch, no device.
 from __future__ import annotations
 
 import bisect
+import statistics
+from collections import deque
 from collections.abc import Mapping, Sequence
 
 PRIOR = 0.6  # acceptance assumed at a position with no evidence yet
@@ -45,6 +58,9 @@ MIN_EVIDENCE = 64.0  # verify rows at a position before the measured rate stands
 DECAY = 0.995  # per step: about 200 steps of memory
 PROBE_EVERY = 256  # steps in a row below k before a probe
 PROBE_STEPS = 2  # a probe: one step proposes drafts, the next verifies them
+COST_WINDOW = 5  # measured step times kept per (graph, j); their median is the cost
+COST_MIN_OBS = 2  # measured times before they replace the graph timing
+COST_STALE = 1024  # choices after which a shape's measured times are forgotten
 
 
 class DraftPolicy:
@@ -59,6 +75,9 @@ class DraftPolicy:
         self.widths: list[int] = []
         self.sizes: dict[int, list[int]] = {}  # width -> captured sizes with every j timed
         self.costs: dict[tuple[int, int], list[float]] = {}  # (width, size) -> s for j=0..k
+        # (width, size, j) -> the last measured step times, and the choice count then
+        self.measured: dict[tuple[int, int, int], deque[float]] = {}
+        self._measured_at: dict[tuple[int, int, int], int] = {}
         self.last_choice = k
         self.steps = 0  # choices made (engine steps)
         self._observed_at = 0  # self.steps at the last observation
@@ -77,6 +96,45 @@ class DraftPolicy:
                 self.costs[(width, size)] = [float(c) for c in row if c is not None]
         self.widths = sorted({w for w, _ in self.costs})
         self.sizes = {w: sorted(s for w2, s in self.costs if w2 == w) for w in self.widths}
+
+    def observe_cost(self, batch: int, context: int, j: int, seconds: float) -> None:
+        """A landed step of ``batch`` requests verifying ``j`` drafts each (proposing
+        drafts iff ``j > 0``), longest context ``context``, took ``seconds``."""
+        shape = self.shape(batch, context)
+        if shape is None or not 0 <= j <= self.k or seconds <= 0:
+            return
+        key = (*shape, j)
+        times = self.measured.get(key)
+        if times is None or self.steps - self._measured_at[key] > COST_STALE:
+            times = self.measured[key] = deque(maxlen=COST_WINDOW)
+        times.append(seconds)
+        self._measured_at[key] = self.steps
+
+    def step_costs(self, batch: int, context: int) -> list[float] | None:
+        """Seconds of a step with ``j = 0..k`` at the graph ``(batch, context)`` runs on:
+        measured where the shape has run lately, else the graph timing; None if the
+        policy has no costs for it."""
+        shape = self.shape(batch, context)
+        if shape is None:
+            return None
+        out = list(self.costs[shape])
+        for j in range(self.k + 1):
+            times = self.measured.get((*shape, j))
+            fresh = times is not None and self.steps - self._measured_at[(*shape, j)] <= COST_STALE
+            if fresh and times is not None and len(times) >= COST_MIN_OBS:
+                out[j] = statistics.median(times)
+        return out
+
+    def shape(self, batch: int, context: int) -> tuple[int, int] | None:
+        """The captured graph ``(width, size)`` a step of ``batch`` requests at longest
+        context ``context`` runs on: the narrowest width it fits, the next size up."""
+        i = bisect.bisect_left(self.widths, context)
+        if i == len(self.widths):
+            return None
+        width = self.widths[i]
+        sizes = self.sizes[width]
+        n = bisect.bisect_left(sizes, batch)
+        return None if n == len(sizes) else (width, sizes[n])
 
     def reset_acceptance(self) -> None:
         """Forget the acceptance measured so far (back to the prior)."""
@@ -140,15 +198,9 @@ class DraftPolicy:
 
     def _best(self, batch: int, context: int) -> int:
         """The ``j`` with the most tokens per second at the step's graph (``k``: no costs)."""
-        i = bisect.bisect_left(self.widths, context)
-        if i == len(self.widths):
+        cost = self.step_costs(batch, context)
+        if cost is None:
             return self.k
-        width = self.widths[i]
-        sizes = self.sizes[width]
-        n = bisect.bisect_left(sizes, batch)
-        if n == len(sizes):
-            return self.k
-        cost = self.costs[(width, sizes[n])]
         gain = self.expected_tokens()
         rates = [gain[j] / cost[j] for j in range(self.k + 1)]
         return max(range(self.k + 1), key=lambda j: (rates[j], -j))  # ties: fewer drafts

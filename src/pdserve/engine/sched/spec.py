@@ -25,7 +25,10 @@ is left out of the acceptance counts.
 When a verify lands, the request advances by the tokens accepted and the slots of
 rejected drafts are given back (by the scheduler); each row's (real drafts, accepted)
 goes to the policy (:meth:`observe`) and, counting only drafts up to a stop, to the
-stats counters (:meth:`count`).
+stats counters (:meth:`count`). A landed step of a uniform shape also reports what it
+took to the policy (:meth:`step_shape` when scheduled, :meth:`landed` when it lands): from
+its scheduling, or the landing before it if that came later (a step in flight behind
+another starts on the device when that one ends), to its landing.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ class SpecSchedule:
         self.proposing = num_spec_tokens > 0  # the step being scheduled runs the drafter
         self._verified: list[int] = []  # this landed step's verify rows, for the policy
         self._accepted: list[int] = []
+        self._landed_at: float | None = None  # when the last step landed (perf_counter)
 
     def begin_step(
         self,
@@ -110,6 +114,28 @@ class SpecSchedule:
         if j <= 0 or self.max_model_len - req.num_tokens < 1 + j or budget < 1 + j:
             return []  # a shorter verify would not be the uniform shape anyway
         return [-1] * j
+
+    def step_shape(
+        self, num_tokens: dict[str, int], drafts: dict[str, list[int]], requests: dict[str, Request]
+    ) -> tuple[int, int, int] | None:
+        """(batch, longest context, j) of a step whose every request verifies ``j`` drafts
+        (and that proposes drafts iff ``j > 0``): the shapes the policy weighs; else
+        None (prompt chunks, a step between ``j = 0`` and drafting, no adaptive policy)."""
+        if self.policy is None or not num_tokens:
+            return None
+        j = self.step_drafts if self.proposing else 0
+        for rid, n in num_tokens.items():
+            if n != 1 + j or len(drafts.get(rid, ())) != j:
+                return None
+        return len(num_tokens), max(requests[rid].num_tokens for rid in num_tokens), j
+
+    def landed(self, shape: tuple[int, int, int] | None, scheduled_at: float, now: float) -> None:
+        """A step landed at ``now``: what it took goes to the policy (uniform shapes)."""
+        before, self._landed_at = self._landed_at, now
+        if self.policy is None or shape is None:
+            return
+        start = scheduled_at if before is None else max(before, scheduled_at)
+        self.policy.observe_cost(*shape, now - start)
 
     def scheduled(self, req: Request) -> None:
         """``req`` samples in the step being scheduled: whether that step drafts for it."""
