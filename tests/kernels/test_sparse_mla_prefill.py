@@ -21,9 +21,11 @@ PAGE = 4
 def _batch(device: torch.device, heads: int, lat: int, rope: int, dtype: torch.dtype,
            seed: int):  # fmt: skip
     """A chunked prefill (cached prefix, rows beyond top-k 40), a chunk within top-k
-    (dense causal) and verify rows: every row but the shortest spans several tiles."""
+    (dense causal), verify rows, and a chunk of a long prompt whose first rows have at
+    most 40 causal keys (all of them, not the top-k's entries): every row but the
+    shortest spans several tiles."""
     g = torch.Generator().manual_seed(seed)
-    sb = sparse_batch([90, 36, 9], [12, 4, 4], PAGE, g, device)
+    sb = sparse_batch([90, 36, 9, 60], [12, 4, 4, 30], PAGE, g, device)
     t = sb.md.num_actual_tokens
     cache = torch.randn(sb.num_blocks, PAGE, lat + rope, generator=g).to(dtype).to(device)
     q_lat = torch.randn(t, heads, lat, generator=g).to(dtype).to(device)
@@ -41,7 +43,7 @@ def test_candidate_rows_follow_the_block_table(device: torch.device) -> None:
     k = topk.shape[1]
     for i in range(t):
         pos, req = int(sb.positions[i]), int(sb.req[i])
-        sparse = int(md.seq_lens[req]) > k
+        sparse = int(md.seq_lens[req]) > k and pos >= k  # else every causal key
         cand = topk[i].cpu() if sparse else torch.arange(pos + 1)
         assert int(ncand[i]) == (k if sparse else pos + 1)
         want = torch.full((k,), -1, dtype=torch.int64)

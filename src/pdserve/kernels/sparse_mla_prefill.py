@@ -100,7 +100,9 @@ def _rows_kernel(
     seq_len = tl.load(seq_lens_ptr + req)
     q_len = tl.load(qsl_ptr + req + 1) - tl.load(qsl_ptr + req)
     pos = seq_len - q_len + tl.load(qidx_ptr + t)
-    use_idx = seq_len > num_cand_k
+    # a row with at most K causal keys attends to all of them (its top-K is every key):
+    # positions 0 .. pos, pos + 1 candidates, not K entries with the causal mask's holes
+    use_idx = (seq_len > num_cand_k) & (pos >= num_cand_k)
     n_cand = tl.maximum(tl.where(use_idx, num_cand_k, pos + 1), 0)
     if jb == 0:
         tl.store(ncand_ptr + t, n_cand.to(tl.int32))
@@ -128,7 +130,10 @@ def candidate_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's candidate cache rows ``[num_tokens, K]`` int32 (-1: none) and their
     count ``[num_tokens]`` int32 (entries past it are -1): ``topk[t]`` mapped through the
-    block table when the request's context exceeds ``K``, else positions ``0 .. pos``."""
+    block table when the row has more than ``K`` causal keys, else positions ``0 .. pos``
+    (the top-K of at most K keys is all of them: the indexer's selection adds only masked
+    positions, so the first ``K`` rows of a long prompt do causal work, not ``K`` pairs
+    each)."""
     check_device(topk, "candidate_rows")
     k = topk.shape[1]
     rows = torch.empty(num_tokens, k, dtype=torch.int32, device=topk.device)
