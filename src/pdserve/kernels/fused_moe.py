@@ -229,12 +229,13 @@ def _config(num_pairs: int, num_experts: int) -> MoeConfig:
     # 41, 64 experts top-8): 512 tokens 1.58 -> 1.46 ms, 1024 tokens 2.34 -> 2.01 ms
     if per_expert <= 32:
         return MoeConfig(64, 128, 64, 4)
-    # grouped program order, and 256-column down tiles up to 512 pairs an expert: run 51,
-    # 64 experts top-8: 2K tokens 3.33 -> 2.95 ms, 4K 5.96 -> 5.21, 8K (one chunk) 9.86
-    if per_expert <= 512:
+    # grouped program order, and 256-column down tiles: run 51, 64 experts top-8: 2K
+    # tokens 3.33 -> 2.95 ms, 4K 5.96 -> 5.21, 8K (one chunk) 9.86
+    if per_expert <= 64:
         return MoeConfig(128, 128, 64, 8, group_m=8, down_n=256)
-    # and beyond, with 4 stages: H100 sweep of 2026-12-05 (RESULTS.md run 60, 16K chunks):
-    # 8K tokens 10.37 -> 9.33 ms, 16K 19.59 -> 18.29
+    # and beyond, with 4 stages: H100 sweeps (RESULTS.md run 60, 16K chunks: 8K tokens
+    # 10.37 -> 9.33 ms, 16K 19.59 -> 18.29; run 71, verify sizes: 1K tokens 2.35 -> 2.28,
+    # 2K 3.37 -> 3.14; 512 tokens, 64 pairs an expert, 1.90 with 3 stages, 1.91 with 4)
     return MoeConfig(128, 128, 64, 8, stages=4, group_m=8, down_n=256)
 
 
