@@ -79,7 +79,7 @@ GPU = Shapes(
 )  # fmt: skip
 CPU = Shapes(
     heads=4, kv_heads=2, head_dim=16, page=16, dtype=torch.float32, contexts=(40,),
-    batches=(1, 2), sweep_splits=(1, 2), config_grid=((1, 2), (32,), (4,), (1,)), config_ctx=40,
+    batches=(1, 2), sweep_splits=(1, 2), config_grid=((1, 2), (32,), (4,), (1, 2)), config_ctx=40,
     graph_len=64, prefill=((0, 24), (16, 8)), sampling_vocab=512, sampling_batches=(1, 2),
     norm_tokens=8, hidden=64, rope_positions=64, copy_elements=1 << 16,
 )  # fmt: skip
@@ -200,6 +200,8 @@ def run_decode_configs(bw: float) -> list[dict[str, object]]:
     ctx = S.config_ctx
     try:
         for batch in S.batches:
+            # the engine's settings again (the previous batch's sweep left its last config)
+            da._config, (da.NUM_STAGES, da.NUM_STAGES_FP8) = orig_config, orig_stages
             cache, bt, q, seq, out, ws = decode_inputs(batch, ctx)
             pick = (da.choose_num_splits(batch, hkv, S.graph_len, sms), bn0, warps0,
                     da.num_stages(cache))  # fmt: skip

@@ -94,8 +94,10 @@
 # f11g  fp8_bench on glm5-m12-e64 (bf16 beside FP8; decode 1/32 x 1K/16K, prefill 8K/16K).
 # r11, r11g  issue 31's "no speed lost": the same decode points run by the tree before the
 #       step-machinery redesign (.baseline/src and its benchmarks/, made by scripts/make-baseline) and by this
-#       one, alternated twice (A B A B) in one call: r11 llama-8b-shape at batch 1/16/64 x
-#       1K (gpu_suite decode), r11g glm5-m12-e64 at 1 and 32 x 1K (glm5_bench speed).
+#       one, two rounds in one call, the second in the other order (A B B A): r11
+#       llama-8b-shape at batch 1/16/64 x 1K (gpu_suite decode, sync and async), r11g
+#       glm5-m12-e64 at 1 and 32 x 1K/16K (glm5_bench speed); benchmarks/pair_compare.py
+#       prints each point's medians and current / baseline (the bar: <= 1.02).
 # gpu1, gpu2  every GPU test and the whole gpu_suite in two calls (issue 29), one pytest
 #       process per test module (a device-side assert fails only its own module), each
 #       under a timeout, until the call's deadline; each call prints a table first (per
@@ -134,7 +136,7 @@
 #       --enable-expert-parallel against one GPU, the same closed-loop load per rank
 #       (32 streams per GPU, 1024 in / 256 out): output tok/s per GPU and mean TPOT.
 set -uo pipefail
-stage="${1:?usage: run_pending.sh g18|g16|g17|f16|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl-install|nixl|x2|dpep N}"
+stage="${1:?usage: run_pending.sh g18|g16|g17|f16|f17|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl-install|nixl|x2|dpep N}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 start=$(date +%s)
 source scripts/gpu-env
@@ -178,7 +180,7 @@ r11_run() {
       --sections speed --presets glm5-m12-e64 --no-peer --workdir /tmp/glm5 \
       --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
   fi
-  echo "$1 $2 round $3: exit $? (src $(PYTHONPATH="$PWD/$root/src" python3 -c \
+  echo "$1 $2 round $3: exit $? (src $(PYTHONPATH="/tmp/site:$PWD/$root/src" python3 -c \
     'import pdserve; print(pdserve.__file__)'))"
   if [ "$1" = llama ]; then sed -n '/^== /,/^batch /p' "$OUT/$name.log"
   else quiet < "$OUT/$name.log" | tail -8; fi
@@ -477,6 +479,19 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
       --out "$OUT/fp8_llama.json" > "$OUT/fp8_llama.log" 2>&1; echo "fp8_bench: exit $?"
       quiet < "$OUT/fp8_llama.log" | sed -n '/^== /,$p'; }
     ;;
+  f17)  # FP8 (issue 28): is the quantizing norm slow, or its PDL neighbours? (run 72: 42.8
+        # ms of _rmsnorm_kernel in the 8K FP8 prefill after clip_waits, 7.9 ms of norms in
+        # bf16): fp8_bench llama-8b-shape FP8 with PDL off, then on, then glm5 (f11g)
+    for pdl in 0 1; do
+      PDSERVE_PDL=$pdl timeout 150 python3 benchmarks/fp8_bench.py --models llama-8b-shape \
+        --variants fp8 --out "$OUT/fp8_llama_pdl$pdl.json" > "$OUT/fp8_llama_pdl$pdl.log" 2>&1
+      echo "fp8_bench PDSERVE_PDL=$pdl: exit $?"; quiet < "$OUT/fp8_llama_pdl$pdl.log" | sed -n '/^== /,$p'
+    done
+    t=$(( start + 575 - $(date +%s) ))
+    [ "$t" -gt 120 ] && { timeout "$t" python3 benchmarks/fp8_bench.py --models glm5-m12-e64 \
+      --out "$OUT/fp8_glm5.json" > "$OUT/fp8_glm5.log" 2>&1; echo "fp8_bench glm5: exit $?"
+      quiet < "$OUT/fp8_glm5.log" | sed -n '/^== /,$p'; }
+    ;;
   g15e)  # glm5 prefill 16K/64K with gluon_ws the default, then the MoE tile sweep
     glm5_prefill 170 16k_64k 16384,65536
     t=$(( start + ${G15E_END:-400} - $(date +%s) ))
@@ -525,16 +540,26 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     ;;
   r11|r11g|r11all)  # r11all: one round of each, the llama pair A B, the glm5 pair B A
     [ -d .baseline/src/pdserve ] || { echo "no .baseline/src (scripts/make-baseline)"; exit 1; }
-    trees="baseline current"; rounds="1 2"
+    # rounds alternate the order (A B, then B A), so a drift over the call (clocks, the
+    # host) weighs on both trees alike
+    order() { if [ $(( $1 % 2 )) = 1 ]; then echo "$2 $3"; else echo "$3 $2"; fi; }
+    rounds="1 2"; first=1
     [ $stage = r11all ] && rounds=1
     if [ $stage != r11g ]; then
       llama_ckpt || exit 1
-      for round in $rounds; do for tree in $trees; do r11_run llama $tree $round; done; done
+      for round in $rounds; do
+        for tree in $(order $round baseline current); do r11_run llama $tree $round; done
+      done
     fi
-    [ $stage = r11all ] && trees="current baseline"
+    [ $stage = r11all ] && first=2  # the glm5 pair in the other order
     if [ $stage != r11 ]; then
-      for round in $rounds; do for tree in $trees; do r11_run glm5 $tree $round; done; done
+      for round in $rounds; do
+        for tree in $(order $(( round + first - 1 )) baseline current); do
+          r11_run glm5 $tree $round
+        done
+      done
     fi
+    python3 benchmarks/pair_compare.py --dir "$OUT" --out "$OUT/r11_compare.json"
     ;;
   gpu1)  # tests/kernels, a process per module
     manifest="$OUT/tests/gpu1.tsv"; mkdir -p "$OUT/tests"; : > "$manifest"

@@ -315,6 +315,10 @@ def copy_shapes(args: argparse.Namespace) -> list[dict]:
         for step, warps in args.copy_shapes:
             for _, _, c in dst.layers():
                 c.zero_()
+            # the zeroing (and the source's fill) ran on the default stream: the copy's
+            # stream waits for it (run 69's last layer was checked against a copy that
+            # the zeroing overwrote)
+            stream.wait_stream(torch.cuda.current_stream(dev))
             times = []
             for _ in range(1 + args.reps):  # the first compiles
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

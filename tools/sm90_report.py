@@ -287,6 +287,19 @@ def decode_prep_variants() -> list[Variant]:
                     "computed_ptr")},
                 frozenset(), frozenset(), 4, 1, expect_no_spills=True)
     )  # fmt: skip
+    for hidden, quant in ((4096, False), (4096, True), (6144, True)):  # the (fp8-out) norm
+        block = 1 << (hidden - 1).bit_length()
+        out.append(
+            Variant(f"rmsnorm_add_{hidden}{'_fp8' if quant else ''}",
+                    _kernel("rmsnorm", "_rmsnorm_kernel"),
+                    _fixed(HAS_RES=True, BLOCK=block, QUANT=quant, KEEP_HP=False, QMAX=448.0,
+                           ROUND_FIRST=False, GROUP=128),
+                    {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
+                     "r_out_ptr": "*bf16", "q_ptr": "*fp8e4nv", "qs_ptr": "*fp32"},
+                    frozenset({"stride_x", "stride_r", "stride_o", "stride_ro", "stride_q"}),
+                    frozenset({"eps"}), min(16, max(1, block // 512)), 1,
+                    expect_no_spills=True)
+        )  # fmt: skip
     for pdl in (False, True):  # on Hopper (unless PDSERVE_PDL=0) decode kernels compile as the 2nd
         out.append(
             Variant(f"moe_combine{'_pdl' if pdl else ''}", _kernel("moe_align", "_combine_kernel"),

@@ -117,16 +117,22 @@ def test_decode_launches_per_layer_within_budget(
 def test_launch_count_script_writes_its_table(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """benchmarks/launch_count.py's CPU smoke run (the GPU run counts real presets)."""
+    """benchmarks/launch_count.py's smoke run on the tiny Llama: on the CPU under the
+    interpreter; on a CUDA machine on the device (the kernel modules were compiled for it
+    before the script could set the interpreter), which also runs its profiled count."""
     from _scripts import load_script
 
     monkeypatch.setenv("PDSERVE_FUSED_KERNELS", "1")  # restored after (the script sets it)
     bench = load_script("launch_count")
     out = tmp_path / "launches.json"
-    assert bench.main(["--out", str(out), "--points", "llama=tiny", "--batch", "2"]) == 0
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    argv = ["--out", str(out), "--points", "llama=tiny", "--batch", "2", "--device", device,
+            "--context", "32", "--width", "64"]  # fmt: skip
+    assert bench.main(argv) == 0
     res = json.loads(out.read_text())
     (m,) = res["models"]
     assert m["arch"] == "LlamaForCausalLM" and m["layers"] == 2 and not m["syncs"]
+    assert (m["profiled"] is not None) == (device == "cuda")
     assert sum(m["per_layer"]["0"].values()) <= BUDGETS[m["arch"]][0]["total"]
     assert m["total"] == sum(sum(c.values()) for c in m["per_layer"].values()) + sum(
         m["outside_layers"].values()
