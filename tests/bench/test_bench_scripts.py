@@ -290,6 +290,38 @@ def test_kernels_bench(tmp_path: Path) -> None:
     assert all(r["ms"] > 0 for r in res8["decode"])
 
 
+def test_pair_compare(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 31's verdict from the r11 stages' files: medians per tree, current / baseline."""
+    bench = load_script("pair_compare")
+
+    def suite(ms: float, async_ms: float) -> dict:
+        row = {"batch": 1, "ctx": 1024, "step_ms": ms, "async_step_ms": async_ms}
+        return {"decode": [row, {"batch": 16, "ctx": 1024, "step_ms": ms}]}
+
+    def glm5(ms: float) -> dict:
+        return {"speed": [{"preset": "glm5-m12-e64", "decode": [{"batch": 32, "ctx": 1024,
+                                                                 "step_ms": ms}]}]}  # fmt: skip
+
+    files = {"r11_baseline_1": suite(8.0, 6.0), "r11_baseline_2": suite(8.2, 6.2),
+             "r11_current_1": suite(8.1, 6.0), "r11_current_2": suite(8.3, 6.6),
+             "r11g_baseline_1": glm5(20.0), "r11g_current_1": glm5(19.0)}  # fmt: skip
+    for name, res in files.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(res))
+    (tmp_path / "r11_compare.json").write_text("{}")  # not a run: skipped
+    out = tmp_path / "cmp.json"
+    assert bench.main(["--dir", str(tmp_path), "--out", str(out)]) == 0
+    rows = {r["point"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"llama b1 x1024 sync", "llama b1 x1024 async (default)",
+                         "llama b16 x1024 sync", "glm5-m12-e64 b32 x1024"}  # fmt: skip
+    sync = rows["llama b1 x1024 sync"]
+    assert (sync["baseline_ms"], sync["current_ms"]) == (8.1, 8.2) and sync["ok"]
+    late = rows["llama b1 x1024 async (default)"]
+    assert late["ratio"] == pytest.approx(6.3 / 6.1) and not late["ok"]
+    assert rows["glm5-m12-e64 b32 x1024"]["ratio"] == pytest.approx(0.95)
+    assert "> 1.02" in capsys.readouterr().out
+    assert bench.main(["--dir", str(tmp_path / "none")]) == 1
+
+
 # Scripts whose CPU smoke test covers only part of them (others edit them as of issue 29).
 PARTIAL = {
     "glm5_kernels_bench": "--cpu-smoke runs its indexer sections only; the rest is CUDA only",
@@ -341,35 +373,3 @@ def test_transfer_bench_places_the_early_copy_on_the_host_clock() -> None:
     assert line == pytest.approx(want, abs=1e-6)
     Client.trace = []
     assert bench._timeline(Link(), 10.0, Ev(0.5), 10.0001) == {}
-
-
-def test_pair_compare(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Issue 31's verdict from the r11 stages' files: medians per tree, current / baseline."""
-    bench = load_script("pair_compare")
-
-    def suite(ms: float, async_ms: float) -> dict:
-        row = {"batch": 1, "ctx": 1024, "step_ms": ms, "async_step_ms": async_ms}
-        return {"decode": [row, {"batch": 16, "ctx": 1024, "step_ms": ms}]}
-
-    def glm5(ms: float) -> dict:
-        return {"speed": [{"preset": "glm5-m12-e64", "decode": [{"batch": 32, "ctx": 1024,
-                                                                 "step_ms": ms}]}]}  # fmt: skip
-
-    files = {"r11_baseline_1": suite(8.0, 6.0), "r11_baseline_2": suite(8.2, 6.2),
-             "r11_current_1": suite(8.1, 6.0), "r11_current_2": suite(8.3, 6.6),
-             "r11g_baseline_1": glm5(20.0), "r11g_current_1": glm5(19.0)}  # fmt: skip
-    for name, res in files.items():
-        (tmp_path / f"{name}.json").write_text(json.dumps(res))
-    (tmp_path / "r11_compare.json").write_text("{}")  # not a run: skipped
-    out = tmp_path / "cmp.json"
-    assert bench.main(["--dir", str(tmp_path), "--out", str(out)]) == 0
-    rows = {r["point"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"llama b1 x1024 sync", "llama b1 x1024 async (default)",
-                         "llama b16 x1024 sync", "glm5-m12-e64 b32 x1024"}  # fmt: skip
-    sync = rows["llama b1 x1024 sync"]
-    assert (sync["baseline_ms"], sync["current_ms"]) == (8.1, 8.2) and sync["ok"]
-    late = rows["llama b1 x1024 async (default)"]
-    assert late["ratio"] == pytest.approx(6.3 / 6.1) and not late["ok"]
-    assert rows["glm5-m12-e64 b32 x1024"]["ratio"] == pytest.approx(0.95)
-    assert "> 1.02" in capsys.readouterr().out
-    assert bench.main(["--dir", str(tmp_path / "none")]) == 1
