@@ -45,6 +45,16 @@ def kv_server(
     return KVServer(handler, "127.0.0.1", port)
 
 
+def holding_server(secret: bytes, held: list[int], rid: str = "r0") -> Iterator[KVServer]:
+    """A prefill's KV server whose lease ``rid`` holds blocks ``held`` (a fixture body:
+    ``yield from``); closed after."""
+    leases = LeaseTable(30.0)
+    leases.add(rid, held)
+    srv = kv_server(secret, leases)
+    yield srv
+    srv.close()
+
+
 class RawPeer:
     """A DEALER that sends whatever frames it is given (no MAC unless asked). Its
     authenticated calls (:meth:`call`) run in one side-channel session, opened by a

@@ -14,13 +14,12 @@ import pytest
 import torch
 import zmq
 
-from _kv_side_channel import COMPAT, caches, kv_server
+from _kv_side_channel import COMPAT, caches, holding_server
 from _polling import wait_until
 from pdserve.core_types.kv_connector import KVLoad, KVPeer
 from pdserve.core_types.pd_auth import new_secret
 from pdserve.forward_context import KVCaches
 from pdserve.kv_transfer import wire as W
-from pdserve.kv_transfer.lease import LeaseTable
 from pdserve.kv_transfer.peer_link import PeerLink
 from pdserve.kv_transfer.puller import KVPuller, LoadResult
 from pdserve.kv_transfer.server import KVServer
@@ -75,11 +74,7 @@ class RemoteMemoryClient(ClientTransport):
 
 @pytest.fixture
 def prefill() -> Iterator[KVServer]:
-    leases = LeaseTable(30.0)
-    leases.add("r0", HELD)
-    srv = kv_server(SECRET, leases)
-    yield srv
-    srv.close()
+    yield from holding_server(SECRET, HELD)
 
 
 def _pull(

@@ -17,13 +17,12 @@ import pytest
 import torch
 
 from _fake_nixl import FakeFabric
-from _kv_side_channel import COMPAT, caches, kv_server
+from _kv_side_channel import COMPAT, caches, holding_server
 from _polling import wait_until
 from pdserve.config import KVTransferConfig
 from pdserve.core_types.kv_connector import KVConnectorMetadata, KVLoad, KVPeer
 from pdserve.core_types.pd_auth import new_secret
 from pdserve.forward_context import KVCaches
-from pdserve.kv_transfer.lease import LeaseTable
 from pdserve.kv_transfer.pd_connector import PdConnectorWorker, make_pd_connector
 from pdserve.kv_transfer.puller import KVPuller, LoadResult
 from pdserve.kv_transfer.server import KVServer
@@ -128,11 +127,7 @@ def test_stream_ordered_clients_make_their_stream_wait_and_never_block() -> None
 
 @pytest.fixture
 def prefill() -> Iterator[KVServer]:
-    leases = LeaseTable(30.0)
-    leases.add("r0", HELD)
-    srv = kv_server(SECRET, leases)
-    yield srv
-    srv.close()
+    yield from holding_server(SECRET, HELD)
 
 
 def test_a_write_on_no_stream_waits_on_the_host_before_any_byte_lands(prefill) -> None:
