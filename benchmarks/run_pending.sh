@@ -136,7 +136,7 @@
 #       --enable-expert-parallel against one GPU, the same closed-loop load per rank
 #       (32 streams per GPU, 1024 in / 256 out): output tok/s per GPU and mean TPOT.
 set -uo pipefail
-stage="${1:?usage: run_pending.sh g18|g16|g17|f16|f17|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl-install|nixl|x2|dpep N}"
+stage="${1:?usage: run_pending.sh g18|g16|g17|f16|f17|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl-install|nixl|x2|dpep N}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 start=$(date +%s)
 source scripts/gpu-env
@@ -478,6 +478,16 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     [ "$t" -gt 90 ] && { timeout "$t" python3 benchmarks/fp8_bench.py --models llama-8b-shape \
       --out "$OUT/fp8_llama.json" > "$OUT/fp8_llama.log" 2>&1; echo "fp8_bench: exit $?"
       quiet < "$OUT/fp8_llama.log" | sed -n '/^== /,$p'; }
+    ;;
+  p30)  # issue 30: glm5-m12-e64 decode at batch 1 x 1K / 16K against the roofline with
+        # the profile (kernels a step, idle inside the replay), PDL on, then off
+    for pdl in 1 0; do
+      left=$(( start + 575 - $(date +%s) )); [ "$left" -gt 120 ] || break
+      PDSERVE_PDL=$pdl timeout $(( left < 270 ? left : 270 )) python3 benchmarks/glm5_bench.py \
+        --sections speed,profile --presets glm5-m12-e64 --long --no-peer --workdir /tmp/glm5 \
+        --profile 1x1024,1x16384 --out "$OUT/glm5_p30_pdl$pdl.json" > "$OUT/glm5_p30_pdl$pdl.log" 2>&1
+      echo "glm5 decode PDSERVE_PDL=$pdl: exit $?"; quiet < "$OUT/glm5_p30_pdl$pdl.log" | tail -24
+    done
     ;;
   f17)  # FP8 (issue 28): is the quantizing norm slow, or its PDL neighbours? (run 72: 42.8
         # ms of _rmsnorm_kernel in the 8K FP8 prefill after clip_waits, 7.9 ms of norms in
