@@ -362,10 +362,9 @@ def bench_decode(workdir: Path, preset: str, streams: list[int], bw: float | Non
                     gain = sum((rate or 0.0) ** i for i in range(j + 1))  # tokens a step
                     if adaptive is not None:  # the costs it chose by (ms, j = 0..k): graph
                         shape = adaptive.shape(b, int(ctx))  # timings, then what it used
-                        used = adaptive.step_costs(b, int(ctx))
-                        r["policy_costs"] = None if shape is None or used is None else {
+                        r["policy_costs"] = None if shape is None else {
                             "graph": [1e3 * c for c in adaptive.costs[shape]],
-                            "used": [1e3 * c for c in used],
+                            "used": [1e3 * c for c in adaptive.step_costs(b, int(ctx)) or []],
                             "acceptance": adaptive.acceptance()}  # fmt: skip
                     r.update(k=k, policy=policy, rate=rate, startup_s=start, main_num_drafts=j,
                              step_ms=r["decode_s"] / max(r["decode_steps"], 1) * 1e3,

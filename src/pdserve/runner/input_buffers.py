@@ -29,7 +29,7 @@ def upload(a: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 ALIGN_BYTES = 16  # where each packed segment starts (see BufferPair.upload_packed)
-PACK_SLACK = 6 * 2  # int64 elements of padding six packed segments may take
+PACK_SLACK = 6 * ALIGN_BYTES // 8  # int64 elements six packed segments may pad (and more)
 
 
 class BufferPair:

@@ -104,11 +104,18 @@ class DraftPolicy:
         if shape is None or not 0 <= j <= self.k or seconds <= 0:
             return
         key = (*shape, j)
-        times = self.measured.get(key)
-        if times is None or self.steps - self._measured_at[key] > COST_STALE:
+        times = self._fresh(key)
+        if times is None:
             times = self.measured[key] = deque(maxlen=COST_WINDOW)
         times.append(seconds)
         self._measured_at[key] = self.steps
+
+    def _fresh(self, key: tuple[int, int, int]) -> deque[float] | None:
+        """The step times measured for ``key`` unless older than ``COST_STALE`` choices."""
+        times = self.measured.get(key)
+        if times is None or self.steps - self._measured_at[key] > COST_STALE:
+            return None
+        return times
 
     def step_costs(self, batch: int, context: int) -> list[float] | None:
         """Seconds of a step with ``j = 0..k`` at the graph ``(batch, context)`` runs on:
@@ -119,9 +126,8 @@ class DraftPolicy:
             return None
         out = list(self.costs[shape])
         for j in range(self.k + 1):
-            times = self.measured.get((*shape, j))
-            fresh = times is not None and self.steps - self._measured_at[(*shape, j)] <= COST_STALE
-            if fresh and times is not None and len(times) >= COST_MIN_OBS:
+            times = self._fresh((*shape, j))
+            if times is not None and len(times) >= COST_MIN_OBS:
                 out[j] = statistics.median(times)
         return out
 

@@ -57,7 +57,7 @@ class TcpClient(ClientTransport):
 
     def order_after(self, after: Fence) -> None:
         if self._stream is None:  # (a CPU cache: no load carries a fence)
-            after.synchronize()
+            super().order_after(after)
         else:
             after.wait(self._stream)  # on the device: the host does not block
 
