@@ -136,7 +136,7 @@
 #       --enable-expert-parallel against one GPU, the same closed-loop load per rank
 #       (32 streams per GPU, 1024 in / 256 out): output tok/s per GPU and mean TPOT.
 set -uo pipefail
-stage="${1:?usage: run_pending.sh g18|g16|g17|f16|f17|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl-install|nixl|x2|dpep N}"
+stage="${1:?usage: run_pending.sh h31|g18|g16|g17|f16|f17|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl-install|nixl|x2|dpep N}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 start=$(date +%s)
 source scripts/gpu-env
@@ -570,6 +570,20 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
       done
     fi
     python3 benchmarks/pair_compare.py --dir "$OUT" --out "$OUT/r11_compare.json"
+    ;;
+  h31)  # issue 31: the host's phases of a synchronous llama-8b-shape decode step, both
+        # trees, A B B A (benchmarks/host_phases.py; each tree on its own src)
+    [ -d .baseline/src/pdserve ] || { echo "no .baseline/src (scripts/make-baseline)"; exit 1; }
+    llama_ckpt || exit 1
+    i=0
+    for tree in baseline current current baseline; do
+      i=$(( i + 1 ))
+      left=$(( start + 570 - $(date +%s) )); [ "$left" -gt 40 ] || break
+      root=.; [ $tree = baseline ] && root=.baseline
+      PYTHONPATH="/tmp/site:$PWD/$root/src" timeout $(( left < 150 ? left : 150 )) python3 \
+        benchmarks/host_phases.py --ckpt $ck --label $tree --out "$OUT/h31_${i}_$tree.json" \
+        2>&1 | grep -v Warning | tail -5
+    done
     ;;
   gpu1)  # tests/kernels, a process per module
     manifest="$OUT/tests/gpu1.tsv"; mkdir -p "$OUT/tests"; : > "$manifest"

@@ -44,8 +44,12 @@ class InputBatch:
         self.has_bias = np.zeros(max_num_reqs, dtype=bool)
         self.has_allowed = np.zeros(max_num_reqs, dtype=bool)
         self.has_penalties = np.zeros(max_num_reqs, dtype=bool)
-        # prompt_logprobs N of each row, -1 where not asked
+        # prompt_logprobs N and logprobs N of each row, -1 where not asked
         self.prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
+        self.logprobs = np.full(max_num_reqs, -1, dtype=np.int64)
+        self.greedy = np.zeros(max_num_reqs, dtype=bool)
+        # min_tokens of the rows that have ids to ban until then (EOS / stop ids), else 0
+        self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.generators: dict[int, torch.Generator] = {}
         self.row_of: dict[str, int] = {}
         # the runner step that gave each row to its request, -1: free (a step's results
@@ -103,6 +107,9 @@ class InputBatch:
         self.banned_ids[row] = sorted(
             set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(new.eos_token_ids))
         )
+        self.greedy[row] = sp.greedy
+        self.min_tokens[row] = sp.min_tokens if self.banned_ids[row] else 0
+        self.logprobs[row] = -1 if sp.logprobs is None else sp.logprobs
         lb = sp.logit_bias
         self.bias[row] = (
             (
@@ -144,7 +151,9 @@ class InputBatch:
         self.bias[row] = None
         self.allowed_ids[row] = None
         self.has_bias[row] = self.has_allowed[row] = self.has_penalties[row] = False
-        self.prompt_logprobs[row] = -1
+        self.prompt_logprobs[row] = self.logprobs[row] = -1
+        self.greedy[row] = False
+        self.min_tokens[row] = 0
         self.added_at[row] = -1
         self.generators.pop(row, None)
         self.num_blocks[row] = 0

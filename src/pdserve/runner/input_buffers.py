@@ -29,7 +29,8 @@ def upload(a: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 ALIGN_BYTES = 16  # where each packed segment starts (see BufferPair.upload_packed)
-PACK_SLACK = 6 * ALIGN_BYTES // 8  # int64 elements six packed segments may pad (and more)
+PACKED_SEGMENTS = 12  # InputBuffers.packed: six per-request arrays, six index arrays
+PACK_SLACK = PACKED_SEGMENTS * ALIGN_BYTES // 8  # int64 elements the segments may pad
 
 
 class BufferPair:
@@ -55,13 +56,13 @@ class BufferPair:
         view at an odd int64 offset (an odd batch) would compile a kernel anew under
         traffic; aligned views keep the kernels the warm-up compiled."""
         a = max(1, ALIGN_BYTES // self.host.element_size())
-        starts, n = [], 0
+        sizes, n = [], 0
         for p in parts:
-            starts.append(n)
-            self.np[n : n + len(p)] = p
-            n += -(-len(p) // a) * a
-        dev = self.upload(n)
-        return [dev[s : s + len(p)] for s, p in zip(starts, parts, strict=True)]
+            m = len(p)
+            self.np[n : n + m] = p
+            sizes += (m, -m % a)  # the segment, then its padding to the next boundary
+            n += m + sizes[-1]
+        return list(self.upload(n).split(sizes)[::2])  # one call makes every view
 
 
 class InputBuffers:
@@ -98,12 +99,11 @@ class InputBuffers:
         # draft ids of each request this step (-1: none or a placeholder; on the host -1
         # is one the device holds, -2 none)
         self.drafts = BufferPair((r, max(num_spec, 1)), i64, device)
-        # per request: first logits row | logits rows | token index of the first row |
-        # the known token after its last one (-1: none) | its row | its scheduled tokens
-        self.per_req = BufferPair(6 * r + PACK_SLACK, i64, device)
         self.samples = BufferPair(r, torch.bool, device)  # per request: it samples this step
-        # index arrays of the request state's reads and resets, packed in one upload
-        self.state_idx = BufferPair(2 * r + 4 * t + PACK_SLACK, i64, device)
+        # one upload of the step's small arrays (see StepPreparer.prepare): six per
+        # request, then the request state's reset and read indices (two per new request,
+        # four per token at most)
+        self.packed = BufferPair(8 * r + 4 * t + PACK_SLACK, i64, device)
 
     def common_metadata(
         self, num_reqs: int, num_tokens: int, max_query_len: int, max_seq_len: int

@@ -12,8 +12,6 @@ penalised as the engine without speculation penalises that position.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 
@@ -28,7 +26,6 @@ def penalties(
     buf: InputBuffers,
     state: RequestState,
     rrows: np.ndarray,
-    params: list[Any],
     lreq: np.ndarray,
     nsched: np.ndarray,
     ndraft: np.ndarray,
@@ -79,7 +76,7 @@ def penalties(
         counts.index_put_((rows, toks), weight, accumulate=True)
     prompt = torch.zeros((len(sel), vocab), dtype=torch.bool, device=dev)
     prompt[upload(np.repeat(k, plen), dev), upload(prompt_ids, dev)] = True
-    ps = [params[i] for i in sel]
+    ps = [b.params[r] for r in prow]
     return Penalties(
         upload(sel, dev),
         counts,

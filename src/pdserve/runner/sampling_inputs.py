@@ -47,10 +47,7 @@ class SamplingInputs:
         b = self.batch
         rrows = rows[lreq]
         offset = np.arange(len(lreq)) - row_start[lreq]
-        params = [b.params[r] for r in rrows]
-        greedy = np.fromiter(
-            (p is not None and p.greedy for p in params), dtype=bool, count=len(rrows)
-        )
+        greedy = b.greedy[rrows]
         dev = self.device
 
         all_greedy = bool(greedy.all())
@@ -77,26 +74,26 @@ class SamplingInputs:
         # min_tokens: ban EOS / stop ids until enough tokens were produced
         ban_rows: list[int] = []
         ban_ids: list[int] = []
-        for i, (r, p) in enumerate(zip(rrows, params, strict=True)):
-            if p is not None and p.min_tokens and b.banned_ids[r]:
-                j = lreq[i]
-                # outputs before this row's sample, counting one still in flight
-                done = (
-                    max(b.num_tokens[r], b.num_computed[r] + nsched[j] - ndraft[j])
-                    - b.num_prompt_tokens[r]
-                    + offset[i]
-                )
-                if done < p.min_tokens:
-                    ban_rows.extend([i] * len(b.banned_ids[r]))
-                    ban_ids.extend(b.banned_ids[r])
+        for i in np.flatnonzero(b.min_tokens[rrows]):
+            r, j = rrows[i], lreq[i]
+            # outputs before this row's sample, counting one still in flight
+            done = (
+                max(b.num_tokens[r], b.num_computed[r] + nsched[j] - ndraft[j])
+                - b.num_prompt_tokens[r]
+                + offset[i]
+            )
+            if done < b.min_tokens[r]:
+                ban_rows.extend([int(i)] * len(b.banned_ids[r]))
+                ban_ids.extend(b.banned_ids[r])
         banned = None
         if ban_rows:
             banned = (
                 upload(np.asarray(ban_rows, dtype=np.int64), dev),
                 upload(np.asarray(ban_ids, dtype=np.int64), dev),
             )
-        need_lp = any(p is not None and p.logprobs is not None for p in params)
-        num_top = max((p.logprobs or 0 for p in params if p is not None), default=0)
+        num_lp = b.logprobs[rrows]
+        need_lp = bool((num_lp >= 0).any())
+        num_top = max(int(num_lp.max(initial=0)), 0)
         return SamplingMetadata(
             all_greedy,
             temperature,
@@ -111,7 +108,7 @@ class SamplingInputs:
             bias=self._bias(rrows),
             allowed=self._allowed(rrows),
             penalties=penalties(
-                self.batch, self.buf, self.state, rrows, params, lreq, nsched, ndraft, offset
+                self.batch, self.buf, self.state, rrows, lreq, nsched, ndraft, offset
             ),
         )
 

@@ -174,9 +174,20 @@ class StepPreparer:
         sample_mask = buf.samples.upload(nreq)
         nxt = np.minimum(seq_lens, b.token_ids.shape[1] - 1)
         next_ids = np.where(seq_lens < b.num_tokens[rows], b.token_ids[rows, nxt], -1)
-        # row_start | num_rows | first_token | next id | row | nsched
-        per = buf.per_req.upload_packed((row_start, nrows, first_tok, next_ids, rows, nsched))
-        self._place(so, per[4], per[5], t, last_at, req_idx[last_at], drafts, draft_at, draft_flat)
+        # one upload: row_start | num_rows | first_token | next id | row | nsched, then
+        # the request state's indices (new rows, their computed counts; token indices
+        # whose input is the last sampled token, their request; draft slots, flat index)
+        new_rows = np.fromiter((b.row_of[n.req_id] for n in so.scheduled_new_reqs), np.int64)
+        per = buf.packed.upload_packed(
+            (row_start, nrows, first_tok, next_ids, rows, nsched, new_rows,
+             b.num_computed[new_rows], last_at, req_idx[last_at], draft_at, draft_flat)
+        )  # fmt: skip
+        if len(new_rows):
+            self.state.reset(per[6], per[7])
+        self.state.place(
+            buf, per[4], per[5], t, per[8], per[9], drafts,
+            per[10] if spec else None, per[11] if spec else None,
+        )  # fmt: skip
         uniform = int(nsched[0]) if bool((nsched == nsched[0]).all()) else None
         return StepInputs(
             req_ids,
@@ -202,39 +213,6 @@ class StepPreparer:
             self.sampling.sampling_metadata(rows, nsched, ndraft, lreq, row_start, samples),
             step,
             so.propose_drafts,
-        )
-
-    def _place(
-        self,
-        so: SchedulerOutput,
-        rows: torch.Tensor,
-        nsched: torch.Tensor,
-        t: int,
-        last_at: np.ndarray,
-        last_req: np.ndarray,
-        drafts: torch.Tensor | None,
-        draft_at: np.ndarray,
-        draft_flat: np.ndarray,
-    ) -> None:
-        """Reset the rows of new requests, then read the request state into the inputs
-        (one upload of the index arrays)."""
-        b = self.batch
-        new_rows = np.fromiter((b.row_of[n.req_id] for n in so.scheduled_new_reqs), dtype=np.int64)
-        parts = [new_rows, b.num_computed[new_rows], last_at, last_req, draft_at, draft_flat]
-        dev = self.buf.state_idx.upload_packed(parts)
-        if len(new_rows):
-            self.state.reset(dev[0], dev[1])
-        spec = drafts is not None
-        self.state.place(
-            self.buf,
-            rows,
-            nsched,
-            t,
-            dev[2],
-            dev[3],
-            drafts,
-            dev[4] if spec else None,
-            dev[5] if spec else None,
         )
 
     def _upload_block_tables(self, nreq: int, nblk: int) -> torch.Tensor:

@@ -1,0 +1,158 @@
+"""Where the host's time goes in a synchronous decode step, phase by phase.
+
+Under synchronous scheduling nothing of the host overlaps the device: a step is the
+host's scheduling and batch prep, the device's work, the wait for it, and the host's
+landing of the results. This script times those phases of ``LLM.engine.step()`` with
+wrappers on the functions every tree since the step-machinery redesign's baseline has
+(``Scheduler.schedule``, ``StepPreparer.prepare``, ``Scheduler.update_from_output``,
+``torch.cuda.CUDAGraph.replay``, ``torch.cuda.Event.synchronize``), and counts the
+Triton launches the host makes outside graphs and their host time
+(``JITFunction.run``). Run it with another tree's ``src`` first on ``PYTHONPATH`` to
+compare trees (issue 31's "no speed lost"); it imports nothing else from the project.
+
+Per batch: the median over ``--reps`` rounds of ``--steps`` steps of each phase's host
+microseconds a step; ``other`` is the step less the timed phases (sampling launches,
+copy-out, the engine's plumbing).
+
+    python benchmarks/host_phases.py --ckpt CKPT --batches 1,16,64 --out host.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+PHASES = ("schedule", "prepare", "replay", "triton", "wait", "update")
+
+
+def _wrap(owner: Any, name: str, key: str, acc: collections.Counter, counts: collections.Counter):
+    """Time ``owner.name`` into ``acc[key]`` (seconds) and count its calls; returns an undo."""
+    orig = getattr(owner, name)
+
+    def timed(*a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return orig(*a, **k)
+        finally:
+            acc[key] += time.perf_counter() - t
+            counts[key] += 1
+
+    setattr(owner, name, timed)
+    return lambda: setattr(owner, name, orig)
+
+
+def instrument(acc: collections.Counter, counts: collections.Counter) -> list[Callable[[], None]]:
+    from pdserve.engine.scheduler import Scheduler
+    from pdserve.runner.step_inputs import StepPreparer
+
+    undo = [
+        _wrap(Scheduler, "schedule", "schedule", acc, counts),
+        _wrap(Scheduler, "update_from_output", "update", acc, counts),
+        _wrap(StepPreparer, "prepare", "prepare", acc, counts),
+    ]
+    if torch.cuda.is_available():
+        undo.append(_wrap(torch.cuda.CUDAGraph, "replay", "replay", acc, counts))
+        undo.append(_wrap(torch.cuda.Event, "synchronize", "wait", acc, counts))
+    try:
+        from triton.runtime.jit import JITFunction
+
+        undo.append(_wrap(JITFunction, "run", "triton", acc, counts))
+    except ImportError:  # pragma: no cover - triton ships with torch here
+        pass
+    return undo
+
+
+def _add(llm: Any, rid: str, ids: list[int], max_tokens: int) -> None:
+    from pdserve import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    llm.engine.add_request(llm.processor.make_request(rid, ids, sp))
+
+
+def measure(llm: Any, batch: int, ctx: int, steps: int, reps: int) -> dict:
+    eng = llm.engine
+    g = torch.Generator().manual_seed(batch)
+    vocab = int(llm.engine.runner.vocab_size)
+    for i in range(batch):
+        ids = torch.randint(10, vocab - 10, (ctx,), generator=g).tolist()
+        _add(llm, f"h{batch}-{i}", ids, 8 + steps * reps + 8)
+    while eng.scheduler.waiting or any(
+        not r.output_token_ids for r in eng.scheduler.requests.values()
+    ):
+        eng.step()
+    eng.set_async_scheduling(False)
+    for _ in range(5):
+        eng.step()
+    acc: collections.Counter = collections.Counter()
+    counts: collections.Counter = collections.Counter()
+    undo = instrument(acc, counts)
+    rounds: list[dict[str, float]] = []
+    try:
+        for _ in range(reps):
+            acc.clear()
+            counts.clear()
+            t = time.perf_counter()
+            for _ in range(steps):
+                eng.step()
+            total = time.perf_counter() - t
+            r = {k: acc[k] / steps * 1e6 for k in PHASES}
+            r["other"] = (total - sum(acc.values())) / steps * 1e6
+            r["step"] = total / steps * 1e6
+            r["triton_launches"] = counts["triton"] / steps
+            rounds.append(r)
+    finally:
+        for u in undo:
+            u()
+    eng.abort_requests(list(eng.scheduler.requests))
+    eng.step()
+    out = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+    out.update(batch=batch, ctx=ctx, running=len(eng.scheduler.running))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--label", default="")
+    args = ap.parse_args(argv)
+    from pdserve import LLM
+
+    batches = [int(b) for b in args.batches.split(",")]
+    kw: dict = dict(max_model_len=args.ctx + 8 + args.steps * args.reps + 64,
+                    max_num_seqs=max(batches), max_num_batched_tokens=8192)  # fmt: skip
+    if args.device == "cpu":
+        kw["device"] = "cpu"
+    llm = LLM(args.ckpt, **kw)
+    import pdserve
+
+    res = {"label": args.label, "src": pdserve.__file__, "device": args.device, "rows": []}
+    print(f"host us a synchronous step ({args.label or pdserve.__file__})")
+    print(
+        f"{'batch':>5} " + " ".join(f"{k:>8}" for k in (*PHASES, "other", "step")) + "  triton/step"
+    )
+    for b in batches:
+        r = measure(llm, b, args.ctx, args.steps, args.reps)
+        res["rows"].append(r)
+        cols = " ".join(f"{r[k]:8.0f}" for k in (*PHASES, "other", "step"))
+        print(f"{b:5d} {cols}  {r['triton_launches']:.1f}", flush=True)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
