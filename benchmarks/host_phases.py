@@ -111,10 +111,11 @@ def measure(llm: Any, batch: int, ctx: int, steps: int, reps: int) -> dict:
     finally:
         for u in undo:
             u()
+    running = len(eng.scheduler.running)  # the whole batch, still decoding
     eng.abort_requests(list(eng.scheduler.requests))
     eng.step()
     out = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
-    out.update(batch=batch, ctx=ctx, running=len(eng.scheduler.running))
+    out.update(batch=batch, ctx=ctx, running=running)
     return out
 
 

@@ -322,6 +322,20 @@ def test_pair_compare(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert bench.main(["--dir", str(tmp_path / "none")]) == 1
 
 
+def test_host_phases(tiny_llama: Path, tmp_path: Path) -> None:
+    """Issue 31's host breakdown of a synchronous step: every phase key, one row a batch,
+    the batch running whole while it was timed."""
+    out = tmp_path / "host.json"
+    _script("host_phases", "--ckpt", str(tiny_llama), "--device", "cpu", "--out", str(out),
+            "--batches", "1,3", "--ctx", "16", "--steps", "3", "--reps", "2")  # fmt: skip
+    res = json.loads(out.read_text())
+    assert [r["batch"] for r in res["rows"]] == [1, 3]
+    for r in res["rows"]:
+        keys = {"schedule", "prepare", "replay", "triton", "wait", "update", "other", "step"}
+        assert keys <= set(r) and r["step"] > 0 and r["prepare"] > 0 and r["schedule"] > 0
+        assert r["running"] == r["batch"]
+
+
 # Scripts whose CPU smoke test covers only part of them (others edit them as of issue 29).
 PARTIAL = {
     "glm5_kernels_bench": "--cpu-smoke runs its indexer sections only; the rest is CUDA only",
