@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.spec_decode.draft_policy import (
+    COST_BAND,
     COST_MIN_OBS,
     COST_STALE,
     COST_WINDOW,
@@ -131,9 +132,13 @@ def test_measured_step_times_replace_an_optimistic_graph_timing() -> None:
         p.observe_cost(100, 16400, 0, 23.5)
     assert p.step_costs(100, 16400) == [23.5, 31.0, 42.0]
     # the median of the last COST_WINDOW times: one outlier moves nothing
-    for t in [31.0] * (COST_WINDOW - 1) + [300.0]:
+    for t in [31.0] * (COST_WINDOW - 1) + [50.0]:
         p.observe_cost(128, 16400, 1, t)
     assert p.step_costs(128, 16400)[1] == 31.0
+    # times outside COST_BAND graph timings (27 ms for j = 1) are not kept at all
+    for t in (27.0 * COST_BAND[1] * 1.01, 27.0 * COST_BAND[0] * 0.99):
+        p.observe_cost(128, 16400, 1, t)
+    assert list(p.measured[(32768, 128, 1)])[-1] == 50.0
     # shapes the policy has no graph for, and nonsense, are not recorded
     p.observe_cost(1000, 16400, 1, 5.0)
     p.observe_cost(128, 99999, 1, 5.0)
@@ -147,8 +152,8 @@ def test_measured_times_go_stale_and_the_shape_is_measured_again() -> None:
     p.observe([1] * 100, [1] * 100)
     p.set_costs(_costs(1, {8: [1.0, 1.2]}))
     for _ in range(COST_MIN_OBS):
-        p.observe_cost(8, 100, 1, 5.0)
-    assert p.choose(8, 100) == 0  # 2 / 5 loses to 1 / 1
+        p.observe_cost(8, 100, 1, 2.2)
+    assert p.choose(8, 100) == 0  # 2 / 2.2 loses to 1 / 1
     for _ in range(COST_STALE):
         p.choose(8, 100)
     assert p.step_costs(8, 100) == [1.0, 1.2]  # forgotten: the graph timing again

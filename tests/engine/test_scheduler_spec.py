@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from _sched_sim import FakeRunner, Loop, never, request, scheduler, truth
 
+from pdserve.engine.sched.spec import SpecSchedule
 from pdserve.spec_decode.draft_policy import DraftPolicy
 
 
@@ -153,3 +154,16 @@ def test_adaptive_draft_count() -> None:
     assert [so.spec_step_shape for so in steps] == [None, (2, 5, 0), None, (1, 7, 2)]
     assert [(b, c, j) for b, c, j, _ in policy.timed] == [(2, 5, 0), (1, 7, 2)]
     assert all(sec > 0 for *_, sec in policy.timed)
+
+
+def test_landed_steps_are_timed_by_the_device_where_it_was_measured() -> None:
+    """The runner's CUDA-event time of a step wins over the host's clock (which counts
+    host stalls and idle gaps); without it, the host's clock from the step's scheduling
+    or the landing before it, whichever came later."""
+    policy = ByBatch()
+    sp = SpecSchedule(2, 100, pad_first_step=False, policy=policy)
+    sp.landed((1, 7, 2), scheduled_at=1.0, now=1.5)
+    sp.landed((1, 7, 2), scheduled_at=1.2, now=1.75)  # in flight behind the first
+    sp.landed((1, 7, 2), scheduled_at=2.0, now=9.0, device_s=0.03)
+    sp.landed(None, scheduled_at=9.0, now=9.5, device_s=0.03)  # not a uniform shape
+    assert policy.timed == [(1, 7, 2, 0.5), (1, 7, 2, 0.25), (1, 7, 2, 0.03)]

@@ -131,6 +131,9 @@ class RunnerOutput:
     top_logprobs: list[list[list[float]]] | None = None
     # prompt chunks of the requests that asked for prompt_logprobs this step
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+    # seconds the device spent on the step (CUDA events: from its first upload, or the
+    # end of the step before if that was later, to its results' copy); None off CUDA
+    device_s: float | None = None
 
 
 @dataclass

@@ -228,7 +228,9 @@ class Scheduler:
                 )
         if sched.is_empty:
             return outputs
-        self.spec.landed(sched.spec_step_shape, sched.scheduled_at, time.perf_counter())
+        self.spec.landed(
+            sched.spec_step_shape, sched.scheduled_at, time.perf_counter(), out.device_s
+        )
         for rid, chunk in out.prompt_logprobs.items():
             owner = self.requests.get(rid)
             if owner is not None and owner.prompt_logprobs is not None:

@@ -93,6 +93,7 @@ class StepHandle:
     copied: Copied | None = None
     done_event: torch.cuda.Event | None = None
     prompt_plan: PromptLogprobsPlan | None = None  # prompt_logprobs scored this step
+    start_event: torch.cuda.Event | None = None  # recorded before the step's first upload
 
 
 def ragged(values: np.ndarray, num: np.ndarray | None, samples: np.ndarray) -> list[list]:

@@ -45,6 +45,15 @@ from pdserve.spec_decode.rejection_sampler import rejection_sample, token_logpro
 Land = Callable[[SchedulerOutput, RunnerOutput], list[EngineCoreOutput]]
 
 
+def _timing_event(device: torch.device) -> torch.cuda.Event | None:
+    """A recorded CUDA event that can time (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
 class StepPipeline:
     def __init__(self, runner: ModelRunner) -> None:
         self.r = runner
@@ -58,6 +67,7 @@ class StepPipeline:
         # seconds the host spent blocked on launched steps (a step's wait for the device:
         # near 0 a step means the host, not the device, sets the pace)
         self.waited_s = 0.0
+        self._last_done: torch.cuda.Event | None = None  # the last landed step's end
 
     # -- the engine's step ------------------------------------------------------------------
     def step(
@@ -113,6 +123,7 @@ class StepPipeline:
             if between is not None:
                 between()
             return StepHandle(None, path)
+        start = _timing_event(r.device)
         inp = r.prep.prepare(so, self.steps)
         hidden, logits, path = self.forward(inp, plan)
         prompt_plan = plan_prompt_logprobs(
@@ -144,27 +155,27 @@ class StepPipeline:
         self.slot ^= 1
         host = self.host[self.slot]
         copied = copy_out(host, tokens, num, lp, drafts, top, scored, r.max_num_tokens)
-        event = None
-        if r.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-        return StepHandle(inp, path, copied, event, prompt_plan)
+        return StepHandle(inp, path, copied, _timing_event(r.device), prompt_plan, start)
 
     def finish(self, handle: StepHandle) -> RunnerOutput:
         """Wait for a launched step and return what it accepted (the step's one host sync)."""
         inp, c = handle.inp, handle.copied
         if inp is None or c is None:
             return RunnerOutput([], [], step_path=handle.path)
+        device_s = None
         if handle.done_event is not None:
             t = time.perf_counter()
             handle.done_event.synchronize()
             self.waited_s += time.perf_counter() - t
+            device_s = self._device_time(handle.start_event, handle.done_event)
         samples = inp.samples
         tokens = c.tokens.numpy()
         per = c.num.numpy() if c.num is not None else None
         num = per if per is not None else np.ones(len(samples), dtype=np.int64)
         self.r.batch.record(inp.rows, inp.step, tokens, np.where(samples, num, 0))
-        out = RunnerOutput(inp.req_ids, ragged(tokens, per, samples), step_path=handle.path)
+        out = RunnerOutput(
+            inp.req_ids, ragged(tokens, per, samples), step_path=handle.path, device_s=device_s
+        )
         if c.logprobs is not None:
             out.logprobs = ragged(c.logprobs.numpy(), per, samples)
         if c.drafts is not None:
@@ -176,6 +187,17 @@ class StepPipeline:
         if c.prompt is not None and handle.prompt_plan is not None:
             out.prompt_logprobs = c.prompt.read(handle.prompt_plan)
         return out
+
+    def _device_time(self, start: torch.cuda.Event | None, end: torch.cuda.Event) -> float:
+        """Seconds the device spent on a landed step: from its start, or the end of the
+        step that landed before it if that was later (steps queue behind each other), to
+        its end. Steps land in launch order, so that one's end is recorded before."""
+        assert start is not None  # recorded with ``end`` on CUDA
+        ms = start.elapsed_time(end)
+        if self._last_done is not None:
+            ms = min(ms, self._last_done.elapsed_time(end))
+        self._last_done = end
+        return ms / 1e3
 
     def _dummy_forward(self, plan: StepPlan) -> str:
         """An idle rank's forward for a step a peer computes (see ``dummy_step``)."""

@@ -21,10 +21,13 @@ policy keeps ``k``.
 
 **Measured step times** replace the graph timings once a shape has run: the scheduler
 reports each landed decode/verify step of a uniform ``(batch, 1 + j)`` shape with the time
-it took (:meth:`DraftPolicy.observe_cost`: from its launch, or the landing before it if
-that was later, to its landing; the host's share and the real batch's routing and
-contexts included), and the median of a shape's last ``COST_WINDOW`` times stands in for
-its graph timing once it has ``COST_MIN_OBS`` of them. A ``j`` whose graph timing was too
+it took (:meth:`DraftPolicy.observe_cost`: on CUDA the device's time, from CUDA events,
+the real batch's routing, contexts and host-side gaps included; elsewhere the host's
+clock), and the median of a shape's last ``COST_WINDOW`` times stands in for its graph
+timing once it has ``COST_MIN_OBS`` of them. A time outside ``COST_BAND`` graph timings is
+not kept: it was not that step alone (H100 run 78, timed on the host's clock: a ``j = 0``
+step at batch 1 "took" 32.9 ms against 6.5 ms, and the policy, which then never chose
+``j = 0`` again, never corrected it). A ``j`` whose graph timing was too
 optimistic is thus chosen a few times, measured, and dropped if it does not pay (H100 run
 70: at 128 streams x 16K and acceptance 0.5 the graph timings made ``j = 2`` the choice;
 its steps took 42 ms against 31 for ``j = 1``, 5% slower than no speculation). A time older
@@ -61,6 +64,7 @@ PROBE_STEPS = 2  # a probe: one step proposes drafts, the next verifies them
 COST_WINDOW = 5  # measured step times kept per (graph, j); their median is the cost
 COST_MIN_OBS = 2  # measured times before they replace the graph timing
 COST_STALE = 1024  # choices after which a shape's measured times are forgotten
+COST_BAND = (0.5, 2.0)  # a measured time outside this many graph timings is not kept
 
 
 class DraftPolicy:
@@ -103,6 +107,9 @@ class DraftPolicy:
         shape = self.shape(batch, context)
         if shape is None or not 0 <= j <= self.k or seconds <= 0:
             return
+        lo, hi = COST_BAND
+        if not lo <= seconds / self.costs[shape][j] <= hi:
+            return  # not this step alone: an idle gap, a stall, a mislabelled step
         key = (*shape, j)
         times = self._fresh(key)
         if times is None:

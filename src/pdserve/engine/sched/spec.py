@@ -26,9 +26,10 @@ When a verify lands, the request advances by the tokens accepted and the slots o
 rejected drafts are given back (by the scheduler); each row's (real drafts, accepted)
 goes to the policy (:meth:`observe`) and, counting only drafts up to a stop, to the
 stats counters (:meth:`count`). A landed step of a uniform shape also reports what it
-took to the policy (:meth:`step_shape` when scheduled, :meth:`landed` when it lands): from
-its scheduling, or the landing before it if that came later (a step in flight behind
-another starts on the device when that one ends), to its landing.
+took to the policy (:meth:`step_shape` when scheduled, :meth:`landed` when it lands): the
+device's time on it, as the runner timed it with CUDA events, or off CUDA the host's
+clock from its scheduling, or the landing before it if that came later (a step in flight
+behind another starts on the device when that one ends), to its landing.
 """
 
 from __future__ import annotations
@@ -129,13 +130,21 @@ class SpecSchedule:
                 return None
         return len(num_tokens), max(requests[rid].num_tokens for rid in num_tokens), j
 
-    def landed(self, shape: tuple[int, int, int] | None, scheduled_at: float, now: float) -> None:
-        """A step landed at ``now``: what it took goes to the policy (uniform shapes)."""
+    def landed(
+        self,
+        shape: tuple[int, int, int] | None,
+        scheduled_at: float,
+        now: float,
+        device_s: float | None = None,
+    ) -> None:
+        """A step landed at ``now``: what it took goes to the policy (uniform shapes), the
+        device's time where the runner measured it (CUDA), else the host's clock."""
         before, self._landed_at = self._landed_at, now
         if self.policy is None or shape is None:
             return
-        start = scheduled_at if before is None else max(before, scheduled_at)
-        self.policy.observe_cost(*shape, now - start)
+        if device_s is None:
+            device_s = now - (scheduled_at if before is None else max(before, scheduled_at))
+        self.policy.observe_cost(*shape, device_s)
 
     def scheduled(self, req: Request) -> None:
         """``req`` samples in the step being scheduled: whether that step drafts for it."""
