@@ -572,11 +572,18 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     python3 benchmarks/pair_compare.py --dir "$OUT" --out "$OUT/r11_compare.json"
     ;;
   h31)  # issue 31: the host's phases of a synchronous llama-8b-shape decode step, both
-        # trees, A B B A (benchmarks/host_phases.py; each tree on its own src)
+        # trees, A B B A (benchmarks/host_phases.py; each tree on its own src).
+        # H31_TINY=1: the tiny Llama instead (quick; the step is then mostly host time)
     [ -d .baseline/src/pdserve ] || { echo "no .baseline/src (scripts/make-baseline)"; exit 1; }
-    llama_ckpt || exit 1
+    if [ -n "${H31_TINY:-}" ]; then
+      ck=/tmp/tiny-llama
+      [ -f $ck/config.json ] || pdserve make-checkpoint --arch LlamaForCausalLM --preset tiny \
+        --out $ck >/dev/null
+    else
+      llama_ckpt || exit 1
+    fi
     i=0
-    for tree in baseline current current baseline; do
+    for tree in ${H31_TREES:-baseline current current baseline}; do
       i=$(( i + 1 ))
       left=$(( start + 570 - $(date +%s) )); [ "$left" -gt 40 ] || break
       root=.; [ $tree = baseline ] && root=.baseline
