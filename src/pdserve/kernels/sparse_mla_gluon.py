@@ -190,16 +190,22 @@ def _pow2_at_least(x: int, lo: int) -> bool:
     return x >= lo and x & (x - 1) == 0
 
 
-def supported(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor) -> bool:
+def supported(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: torch.Tensor,
+    cache_dtype: torch.dtype | None = None,
+) -> bool:
     """Whether :func:`sparse_mla_prefill_gluon` runs these operands (else use the Triton
-    kernel): Hopper, a 16-bit cache of the query's dtype, widths the tiles take."""
+    kernel): Hopper, a 16-bit cache of the query's dtype, widths the tiles take
+    (``cache_dtype``: the cache as it will be, copied to that dtype)."""
     cap = capability(q_lat.device)
     if cap is None or cap[0] != 9:
         return False
     lat, rope = q_lat.shape[-1], q_pe.shape[-1]
     return (
         q_lat.dtype in (torch.bfloat16, torch.float16)
-        and cache.dtype == q_lat.dtype == q_pe.dtype
+        and (cache_dtype or cache.dtype) == q_lat.dtype == q_pe.dtype
         and _pow2_at_least(lat, 64) and lat <= 512 and _pow2_at_least(rope, 16)
         and cache.shape[-1] == lat + rope
     )  # fmt: skip

@@ -30,6 +30,14 @@ kernels, 64 x 4 verify rows 0.28 / 0.45 / 0.58 ms; outputs equal), hence
 
 An fp8 cache's scale (``kv_scale``) divides the row written and multiplies the kernel's
 softmax scale and its output (the latent is the value too): no kernel argument of its own.
+The Gluon kernels read a 16-bit cache only, so a prefill step over an fp8 cache (not under
+graph capture) first copies the blocks of its requests into a 16-bit buffer
+(:func:`dequantized_blocks`: ``nreq * blocks`` rows of the step's block table, one gather,
+~20 MB a layer for a 16K prompt) and reads that, with a block table numbering those copies;
+the values are the fp8 ones, so the result is the same as the Triton kernel's over the
+fp8 cache (H100 run 77: the 8K FP8 prefill spent 199 ms in the Triton kernel against 64 ms
+of ``gluon_ws`` in bf16). Past ``DEQUANT_MAX_ROWS`` rows (a prompt chunk batched with
+long decodes) the Triton kernel reads the fp8 cache.
 """
 
 from __future__ import annotations
@@ -53,6 +61,22 @@ PREFILL_VARIANT: str | None = "gluon_ws"
 PREFILL_MIN_TOKENS = 256  # steps with a query chunk this long take the prefill kernel
 # decode / verify steps of at least this many rows take it too (None: never)
 ROWS_MIN_TOKENS: int | None = 128
+DEQUANT_MAX_ROWS = 1 << 17  # cache rows a prefill may copy to 16 bits (at 576 wide: 151 MB)
+
+
+def dequantized_blocks(
+    cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the blocks of ``block_tables`` [R, N] copied out of ``cache`` [blocks, page, D] in
+    ``dtype``, a block table [R, N] numbering the copies): the same rows for a kernel that
+    reads a 16-bit cache only. Block ids are gathered as they are (0, the null block, for
+    unused entries), so a request's rows keep their positions."""
+    r, n = block_tables.shape
+    ids = block_tables.reshape(-1).to(torch.int64)
+    raw = cache.view(torch.uint8) if cache.element_size() == 1 else cache
+    copy = raw.index_select(0, ids).view(cache.dtype).to(dtype)
+    local = torch.arange(r * n, dtype=block_tables.dtype, device=block_tables.device)
+    return copy, local.view(r, n)
 
 
 class MLATritonBackend(AttentionBackend):
@@ -100,9 +124,12 @@ class MLATritonBackend(AttentionBackend):
             and (md.max_query_len >= self.prefill_min_tokens or rows_step)
             and cache.stride(0) == page * cache.stride(1)
         ):
-            rows, ncand = candidate_rows(md.block_tables, md.seq_lens, md.query_start_loc,
+            keys, table = cache, md.block_tables
+            if self._dequantize(cache, q_lat, q_pe, md):
+                keys, table = dequantized_blocks(cache, table, q_lat.dtype)
+            rows, ncand = candidate_rows(table, md.seq_lens, md.query_start_loc,
                                          md.token_req_idx, md.token_q_idx, topk, page, t)  # fmt: skip
-            self._prefill(q_lat, q_pe.contiguous(), cache, rows, ncand, scale * kv_scale, t, out)
+            self._prefill(q_lat, q_pe.contiguous(), keys, rows, ncand, scale * kv_scale, t, out)
         else:
             self._general(q_lat, q_pe, cache, md, scale * kv_scale, topk, out)
         if kv_scale != 1.0:
@@ -110,6 +137,22 @@ class MLATritonBackend(AttentionBackend):
         if q_lat.shape[0] > t:
             out[t:].zero_()
         return out
+
+    def _dequantize(self, cache: torch.Tensor, q_lat: torch.Tensor, q_pe: torch.Tensor,
+                    md: CommonAttentionMetadata) -> bool:  # fmt: skip
+        """Whether this step reads a 16-bit copy of its blocks (see the module docstring):
+        a prompt chunk over an fp8 cache, a Gluon variant that runs on the copy, not
+        under graph capture, at most ``DEQUANT_MAX_ROWS`` rows."""
+        table = md.block_tables
+        if cache.element_size() != 1 or md.max_query_len < self.prefill_min_tokens:
+            return False
+        if table.numel() * cache.shape[1] > DEQUANT_MAX_ROWS:
+            return False
+        if self.prefill_variant not in sparse_mla_gluon.VARIANTS:
+            return False
+        if q_lat.is_cuda and torch.cuda.is_current_stream_capturing():
+            return False
+        return sparse_mla_gluon.supported(q_lat, q_pe, cache, cache_dtype=q_lat.dtype)
 
     def _prefill(self, q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
                  rows: torch.Tensor, ncand: torch.Tensor, scale: float, t: int,
