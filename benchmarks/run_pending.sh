@@ -136,7 +136,7 @@
 #       --enable-expert-parallel against one GPU, the same closed-loop load per rank
 #       (32 streams per GPU, 1024 in / 256 out): output tok/s per GPU and mean TPOT.
 set -uo pipefail
-stage="${1:?usage: run_pending.sh h31|g18|g16|g17|f16|f17|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl-install|nixl|x2|dpep N}"
+stage="${1:?usage: run_pending.sh pdl2|h31|g18|g16|g17|f16|f17|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl-install|nixl|x2|dpep N}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 start=$(date +%s)
 source scripts/gpu-env
@@ -570,6 +570,25 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
       done
     fi
     python3 benchmarks/pair_compare.py --dir "$OUT" --out "$OUT/r11_compare.json"
+    ;;
+  pdl2)  # issues 28/30: does PDL pay on llama-8b-shape decode? bf16 (gpu_suite, sync and
+        # async) PDL on, off, off, on; then FP8 (fp8_bench) on, off (run 77 ran off, on)
+    llama_ckpt || exit 1
+    i=0
+    for pdl in 1 0 0 1; do
+      i=$(( i + 1 ))
+      PDSERVE_PDL=$pdl timeout 100 python3 benchmarks/gpu_suite.py --ckpt $ck --sections decode \
+        --batches 1,16,64 --contexts 1024 --out "$OUT/pdl2_bf16_${i}_pdl$pdl.json" \
+        > "$OUT/pdl2_bf16_${i}_pdl$pdl.log" 2>&1
+      echo "bf16 decode PDSERVE_PDL=$pdl: exit $?"; sed -n '/^ batch /,/^batch /p' "$OUT/pdl2_bf16_${i}_pdl$pdl.log"
+    done
+    for pdl in 1 0; do
+      left=$(( start + 570 - $(date +%s) )); [ "$left" -gt 60 ] || break
+      PDSERVE_PDL=$pdl timeout $(( left < 120 ? left : 120 )) python3 benchmarks/fp8_bench.py \
+        --models llama-8b-shape --variants fp8 --out "$OUT/pdl2_fp8_pdl$pdl.json" \
+        > "$OUT/pdl2_fp8_pdl$pdl.log" 2>&1
+      echo "fp8 PDSERVE_PDL=$pdl: exit $?"; grep '^decode' "$OUT/pdl2_fp8_pdl$pdl.log"
+    done
     ;;
   h31)  # issue 31: the host's phases of a synchronous llama-8b-shape decode step, both
         # trees, A B B A (benchmarks/host_phases.py; each tree on its own src).
