@@ -56,7 +56,8 @@ class BufferPair:
         view at an odd int64 offset (an odd batch) would compile a kernel anew under
         traffic; aligned views keep the kernels the warm-up compiled."""
         a = max(1, ALIGN_BYTES // self.host.element_size())
-        sizes, n = [], 0
+        sizes: list[int] = []
+        n = 0
         for p in parts:
             m = len(p)
             self.np[n : n + m] = p

@@ -74,7 +74,7 @@ class SamplingInputs:
         # min_tokens: ban EOS / stop ids until enough tokens were produced
         ban_rows: list[int] = []
         ban_ids: list[int] = []
-        for i in np.flatnonzero(b.min_tokens[rrows]):
+        for i in np.flatnonzero(b.min_tokens[rrows]).tolist():
             r, j = rrows[i], lreq[i]
             # outputs before this row's sample, counting one still in flight
             done = (
@@ -83,7 +83,7 @@ class SamplingInputs:
                 + offset[i]
             )
             if done < b.min_tokens[r]:
-                ban_rows.extend([int(i)] * len(b.banned_ids[r]))
+                ban_rows.extend([i] * len(b.banned_ids[r]))
                 ban_ids.extend(b.banned_ids[r])
         banned = None
         if ban_rows:
