@@ -39,7 +39,9 @@ def test_spec_bench_cpu_smoke(
     for r in res["decode"]["runs"] + res["curve"]["runs"]:
         assert r["tpot_ms"] > 0 and r["decode_steps"] > 0 and r["prefix_hit_tokens"] > 0
     for r in res["decode"]["runs"]:
-        assert r["step_bytes"] > 0 and r["tpot_vs_none"] > 0
+        assert r["step_bytes"] > 0 and r["tpot_vs_none"] > 0 and r["bound_vs_none"] > 0
+        if r["k"] == 0:
+            assert r["bound_vs_none"] == pytest.approx(1.0)
         j = r["main_num_drafts"]
         assert j == r["k"] or r["policy"] == "adaptive"
         assert r["expected_tokens_per_step"] == sum((r["rate"] or 0) ** i for i in range(j + 1))
