@@ -132,7 +132,8 @@ class RunnerOutput:
     # prompt chunks of the requests that asked for prompt_logprobs this step
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
     # seconds the device spent on the step (CUDA events: from its first upload, or the
-    # end of the step before if that was later, to its results' copy); None off CUDA
+    # end of the step before if that was later, to its results' copy), for the adaptive
+    # draft policy; None off CUDA and without that policy
     device_s: float | None = None
 
 

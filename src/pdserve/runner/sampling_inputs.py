@@ -93,7 +93,7 @@ class SamplingInputs:
             )
         num_lp = b.logprobs[rrows]
         need_lp = bool((num_lp >= 0).any())
-        num_top = max(int(num_lp.max(initial=0)), 0)
+        num_top = int(num_lp.max(initial=0))
         return SamplingMetadata(
             all_greedy,
             temperature,

@@ -45,11 +45,9 @@ from pdserve.spec_decode.rejection_sampler import rejection_sample, token_logpro
 Land = Callable[[SchedulerOutput, RunnerOutput], list[EngineCoreOutput]]
 
 
-def _timing_event(device: torch.device) -> torch.cuda.Event | None:
-    """A recorded CUDA event that can time (None off CUDA)."""
-    if device.type != "cuda":
-        return None
-    event = torch.cuda.Event(enable_timing=True)
+def _record(timing: bool) -> torch.cuda.Event:
+    """A CUDA event recorded on the current stream (``timing``: one that can time)."""
+    event = torch.cuda.Event(enable_timing=timing)
     event.record()
     return event
 
@@ -67,7 +65,9 @@ class StepPipeline:
         # seconds the host spent blocked on launched steps (a step's wait for the device:
         # near 0 a step means the host, not the device, sets the pace)
         self.waited_s = 0.0
-        self._last_done: torch.cuda.Event | None = None  # the last landed step's end
+        # steps timed on the device for the adaptive draft policy (the only reader)
+        self.timed = runner.device.type == "cuda" and runner.adaptive_drafts
+        self._last_done: torch.cuda.Event | None = None  # the last timed step's end
 
     # -- the engine's step ------------------------------------------------------------------
     def step(
@@ -123,7 +123,7 @@ class StepPipeline:
             if between is not None:
                 between()
             return StepHandle(None, path)
-        start = _timing_event(r.device)
+        start = _record(timing=True) if self.timed else None
         inp = r.prep.prepare(so, self.steps)
         hidden, logits, path = self.forward(inp, plan)
         prompt_plan = plan_prompt_logprobs(
@@ -155,7 +155,8 @@ class StepPipeline:
         self.slot ^= 1
         host = self.host[self.slot]
         copied = copy_out(host, tokens, num, lp, drafts, top, scored, r.max_num_tokens)
-        return StepHandle(inp, path, copied, _timing_event(r.device), prompt_plan, start)
+        done = _record(timing=self.timed) if r.device.type == "cuda" else None
+        return StepHandle(inp, path, copied, done, prompt_plan, start)
 
     def finish(self, handle: StepHandle) -> RunnerOutput:
         """Wait for a launched step and return what it accepted (the step's one host sync)."""
@@ -167,7 +168,8 @@ class StepPipeline:
             t = time.perf_counter()
             handle.done_event.synchronize()
             self.waited_s += time.perf_counter() - t
-            device_s = self._device_time(handle.start_event, handle.done_event)
+            if handle.start_event is not None:
+                device_s = self._device_time(handle.start_event, handle.done_event)
         samples = inp.samples
         tokens = c.tokens.numpy()
         per = c.num.numpy() if c.num is not None else None
@@ -188,11 +190,10 @@ class StepPipeline:
             out.prompt_logprobs = c.prompt.read(handle.prompt_plan)
         return out
 
-    def _device_time(self, start: torch.cuda.Event | None, end: torch.cuda.Event) -> float:
+    def _device_time(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
         """Seconds the device spent on a landed step: from its start, or the end of the
         step that landed before it if that was later (steps queue behind each other), to
         its end. Steps land in launch order, so that one's end is recorded before."""
-        assert start is not None  # recorded with ``end`` on CUDA
         ms = start.elapsed_time(end)
         if self._last_done is not None:
             ms = min(ms, self._last_done.elapsed_time(end))
