@@ -12,7 +12,8 @@ compare trees (issue 31's "no speed lost"); it imports nothing else from the pro
 
 Per batch: the median over ``--reps`` rounds of ``--steps`` steps of each phase's host
 microseconds a step; ``other`` is the step less the timed phases (sampling launches,
-copy-out, the engine's plumbing).
+copy-out, the engine's plumbing). ``syncs``: the source lines where torch's sync debug
+mode saw the host wait for the device in three more steps.
 
     python benchmarks/host_phases.py --ckpt CKPT --batches 1,16,64 --out host.json
 """
@@ -25,6 +26,7 @@ import json
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -112,11 +114,34 @@ def measure(llm: Any, batch: int, ctx: int, steps: int, reps: int) -> dict:
         for u in undo:
             u()
     running = len(eng.scheduler.running)  # the whole batch, still decoding
+    syncs = sync_sites(eng, 3)
     eng.abort_requests(list(eng.scheduler.requests))
     eng.step()
     out = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
-    out.update(batch=batch, ctx=ctx, running=running)
+    out.update(batch=batch, ctx=ctx, running=running, syncs=syncs)
     return out
+
+
+def sync_sites(eng: Any, steps: int) -> dict[str, float]:
+    """Where the host waits for the device during ``steps`` steps, besides the one wait a
+    step is meant to have: the source lines torch's sync debug mode flags, with their
+    count a step (a hidden sync serialises the host's launches after it with the device)."""
+    sites: collections.Counter = collections.Counter()
+    cuda = torch.cuda.is_available()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                eng.step()
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            sites[f"{w.filename.rsplit('/src/', 1)[-1]}:{w.lineno}"] += 1
+    return {k: v / steps for k, v in sites.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         res["rows"].append(r)
         cols = " ".join(f"{r[k]:8.0f}" for k in (*PHASES, "other", "step"))
         print(f"{b:5d} {cols}  {r['triton_launches']:.1f}", flush=True)
+        for site, n in r["syncs"].items():
+            print(f"      sync a step: {n:.1f} at {site}")
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
     return 0

@@ -334,6 +334,7 @@ def test_host_phases(tiny_llama: Path, tmp_path: Path) -> None:
         keys = {"schedule", "prepare", "replay", "triton", "wait", "update", "other", "step"}
         assert keys <= set(r) and r["step"] > 0 and r["prepare"] > 0 and r["schedule"] > 0
         assert r["running"] == r["batch"]
+        assert r["syncs"] == {}  # no CUDA here: nothing to flag
 
 
 # Scripts whose CPU smoke test covers only part of them (others edit them as of issue 29).
