@@ -24,9 +24,9 @@ class InputBatch:
         self.max_num_reqs = max_num_reqs
         self.vocab_size = vocab_size
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
-        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)  # known here (landed)
-        # tokens a row was admitted with: inputs past them come from the request state
-        self.prefill_len = np.zeros(max_num_reqs, dtype=np.int64)
+        # tokens known here (admitted with or landed): inputs past them come from the
+        # request state
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
@@ -92,7 +92,7 @@ class InputBatch:
         self.added_at[row] = step
         n = len(new.token_ids)
         self.token_ids[row, :n] = new.token_ids
-        self.num_tokens[row] = self.prefill_len[row] = n
+        self.num_tokens[row] = n
         self.num_prompt_tokens[row] = new.num_prompt_tokens
         self.num_computed[row] = new.num_computed_tokens
         nb = len(new.block_ids)

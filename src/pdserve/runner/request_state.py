@@ -8,8 +8,9 @@ waits for a step to prepare the next one, and never patches inputs from one in f
 Per row:
 
 - ``last_token``: the last token the row's latest sampling step accepted. A step's
-  input at a position past the tokens the row was admitted with (``prefill_len``) that
-  is not a draft is that token.
+  input at a position past the tokens the host knows (``InputBatch.num_tokens``: the
+  row's prompt and the tokens of the steps that landed) that is not a draft is that
+  token. A synchronous step has none: its previous step landed before it was prepared.
 - ``drafts``: the drafts proposed after that step (-1: none). A draft the scheduler
   sends as -1 is read from here.
 - ``sampled`` / ``num_sampled``: that step's accepted tokens and their count (what the

@@ -123,8 +123,9 @@ class StepPreparer:
                 ndraft[i] = len(d)
                 dmat[i, : len(d)] = d
             is_draft, draft_at, draft_flat = draft_slots(q_idx, req_idx, nsched, ndraft, k)
-        # inputs past what a row was admitted with are its last sampled token (or drafts)
-        last_at = np.flatnonzero((pos >= b.prefill_len[tok_rows]) & ~is_draft)
+        # inputs past the tokens the host knows (its landed ones) are the row's last
+        # sampled token, read on the device; synchronous steps have none of them
+        last_at = np.flatnonzero((pos >= b.num_tokens[tok_rows]) & ~is_draft)
         buf.input_ids.np[:t] = b.token_ids[tok_rows, np.minimum(pos, b.token_ids.shape[1] - 1)]
         buf.positions.np[:t] = pos
         bs = buf.block_size
