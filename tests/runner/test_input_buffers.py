@@ -23,6 +23,17 @@ def test_upload_packed_aligns_each_segment() -> None:
         assert v.tolist() == p.tolist()
 
 
+def test_upload_packed_reuses_the_views_of_a_layout() -> None:
+    """A layout seen before gets its views back (no split a step) with the new values."""
+    buf = BufferPair(64 + PACK_SLACK, torch.int64, torch.device("cpu"))
+    first = buf.upload_packed([np.array([1, 2]), np.array([3])])
+    other = buf.upload_packed([np.array([4]), np.array([5, 6])])
+    again = buf.upload_packed([np.array([7, 8]), np.array([9])])
+    assert all(a is b for a, b in zip(first, again, strict=True))
+    assert [v.tolist() for v in again] == [[7, 8], [9]]
+    assert other[1] is not first[1] and other[1].shape == (2,)
+
+
 def test_request_state_arguments_are_aligned_at_an_odd_batch(tiny_llama: Path) -> None:
     spec = {"method": "ngram", "num_speculative_tokens": 2}
     llm = LLM(str(tiny_llama), dtype="float32", block_size=4, speculative_config=spec)

@@ -31,6 +31,7 @@ def upload(a: np.ndarray, device: torch.device) -> torch.Tensor:
 ALIGN_BYTES = 16  # where each packed segment starts (see BufferPair.upload_packed)
 PACKED_SEGMENTS = 12  # InputBuffers.packed: six per-request arrays, six index arrays
 PACK_SLACK = PACKED_SEGMENTS * ALIGN_BYTES // 8  # int64 elements the segments may pad
+VIEW_CACHE = 256  # packed layouts whose views are kept
 
 
 class BufferPair:
@@ -43,6 +44,7 @@ class BufferPair:
         self.host = torch.zeros(shape, dtype=dtype, pin_memory=pin)
         self.dev = torch.zeros(shape, dtype=dtype, device=device)
         self.np: np.ndarray = self.host.numpy()
+        self._views: dict[tuple[int, ...], list[torch.Tensor]] = {}  # upload_packed's
 
     def upload(self, n: int) -> torch.Tensor:
         """Copy the first ``n`` rows to the device (asynchronously); return the device view."""
@@ -63,7 +65,16 @@ class BufferPair:
             self.np[n : n + m] = p
             sizes += (m, -m % a)  # the segment, then its padding to the next boundary
             n += m + sizes[-1]
-        return list(self.upload(n).split(sizes)[::2])  # one call makes every view
+        self.upload(n)
+        # the views of a layout are made once: steps of one batch repeat it, and a split
+        # costs the host more than the copy
+        key = tuple(sizes)
+        views = self._views.get(key)
+        if views is None:
+            if len(self._views) >= VIEW_CACHE:
+                self._views.clear()
+            views = self._views[key] = list(self.dev[:n].split(sizes)[::2])
+        return views
 
 
 class InputBuffers:
