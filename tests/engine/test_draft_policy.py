@@ -10,6 +10,8 @@ from pdserve.spec_decode.draft_policy import (
     COST_MIN_OBS,
     COST_STALE,
     COST_WINDOW,
+    EXPLORE_MARGIN,
+    EXPLORE_TRIES,
     MIN_EVIDENCE,
     PROBE_EVERY,
     PROBE_STEPS,
@@ -127,10 +129,13 @@ def test_measured_step_times_replace_an_optimistic_graph_timing() -> None:
     assert p.choose(120, 16400) == 1  # 1.5 / 27 now beats 1.75 / 42
     for _ in range(COST_MIN_OBS):
         p.observe_cost(128, 16000, 1, 31.0)  # the same graph (size 128, width 32768)
-    assert p.choose(120, 16400) == 1  # 1.5 / 31 still beats 1 / 23 and 1.75 / 42
+    # 1.5 / 31 still beats 1 / 23, but j = 0 is timed only by its graph and within
+    # EXPLORE_MARGIN: it is run to be measured
+    assert p.choose(120, 16400) == 0
     for _ in range(COST_MIN_OBS):
         p.observe_cost(100, 16400, 0, 23.5)
     assert p.step_costs(100, 16400) == [23.5, 31.0, 42.0]
+    assert p.choose(120, 16400) == 1  # every j measured: 1.5 / 31 beats 1 / 23.5
     # the median of the last COST_WINDOW times: one outlier moves nothing
     for t in [31.0] * (COST_WINDOW - 1) + [50.0]:
         p.observe_cost(128, 16400, 1, t)
@@ -159,3 +164,40 @@ def test_measured_times_go_stale_and_the_shape_is_measured_again() -> None:
     assert p.step_costs(8, 100) == [1.0, 1.2]  # forgotten: the graph timing again
     p.observe_cost(8, 100, 1, 2.1)  # a fresh window, the old times are gone
     assert list(p.measured[(1024, 8, 1)]) == [2.1]
+
+
+def test_a_graph_timed_rival_close_to_the_measured_best_is_measured() -> None:
+    """H100 run 83 at 128 streams x 16K, acceptance 0.5: j = 2 measured 40.4 ms, j = 0 only
+    timed by its graph (25.0 ms; real steps 22.7). Before, j = 2 stayed the choice (1.75 /
+    40.4 against 1 / 25.0) and lost 13% to no speculation; now j = 0 is run until measured,
+    and wins."""
+    p = DraftPolicy(3, decay=1.0)
+    p.observe([3] * 1000, [0] * 500 + [1] * 250 + [2] * 125 + [3] * 125)  # 0.5 each
+    p.set_costs(_costs(3, {128: [25.0, 38.9, 42.9, 46.6]}, width=16384 + 2048))
+    for j, t in ((2, 40.4), (1, 43.0), (3, 46.6)):  # j = 1 measured slower than its graph
+        for _ in range(COST_MIN_OBS):
+            p.observe_cost(128, 16384, j, t)
+    assert p.expected_tokens()[2] / 40.4 > 1 / 25.0  # the graph timing alone keeps j = 2
+    assert (1 - EXPLORE_MARGIN) * p.expected_tokens()[2] / 40.4 <= 1 / 25.0
+    assert p.choose(128, 16384) == 0  # measured first
+    p.observe_cost(128, 16384, 0, 22.7)
+    assert p.choose(128, 16384) == 0  # one time is not a measurement yet: still trying
+    p.observe_cost(128, 16384, 0, 22.7)
+    assert p.choose(128, 16384) == 0  # measured: 1 / 22.7 beats 1.75 / 40.4
+
+
+def test_a_rival_whose_steps_never_land_as_its_shape_is_tried_a_few_times() -> None:
+    """Exploration is bounded: a rival that yields no measurement (its steps landed as
+    other shapes) is tried EXPLORE_TRIES times, then the best runs until COST_STALE."""
+    p = DraftPolicy(1, decay=1.0)
+    p.observe([1] * 100, [1] * 90 + [0] * 10)  # 0.9
+    p.set_costs(_costs(1, {8: [1.0, 1.6]}))
+    for _ in range(COST_MIN_OBS):
+        p.observe_cost(8, 100, 1, 1.7)  # j = 1 measured: 1.9 / 1.7 against 1 / 1.0
+    picks = [p.choose(8, 100) for _ in range(50)]
+    assert picks[:EXPLORE_TRIES] == [0] * EXPLORE_TRIES and set(picks[EXPLORE_TRIES:]) == {1}
+    for _ in range(COST_STALE):
+        p.choose(8, 100)
+    for _ in range(COST_MIN_OBS):
+        p.observe_cost(8, 100, 1, 1.7)
+    assert p.choose(8, 100) == 0  # a new window: tried again

@@ -33,6 +33,14 @@ optimistic is thus chosen a few times, measured, and dropped if it does not pay 
 its steps took 42 ms against 31 for ``j = 1``, 5% slower than no speculation). A time older
 than ``COST_STALE`` choices is forgotten, so the shape is measured again.
 
+**Measuring the rivals**: graph timings are off both ways (warm-up's dummy batches route
+the MoE unlike real traffic: H100 run 83, at 128 streams x 16K the ``j = 0`` graph took
+25.0 ms against real steps of 22.7), and a ``j`` never chosen is never measured. So once
+the best ``j`` is measured, a ``j`` still timed only by its graph whose tokens per second
+are within ``EXPLORE_MARGIN`` of it is chosen for up to ``EXPLORE_TRIES`` steps (per
+``COST_STALE`` choices) until it has a measurement (run 83 chose ``j = 2`` on measured
+40.4 ms against the graph's 25.0 for ``j = 0``, and lost 13% to no speculation).
+
 **Acceptance** per position is counted from the steps that verified drafts, with counts
 decaying by ``DECAY`` an engine step (steps without drafts included) so the estimate
 follows the traffic: ``a_m = accepted_m / reached_m``, ``reached_m`` the verify rows that
@@ -65,6 +73,8 @@ COST_WINDOW = 5  # measured step times kept per (graph, j); their median is the 
 COST_MIN_OBS = 2  # measured times before they replace the graph timing
 COST_STALE = 1024  # choices after which a shape's measured times are forgotten
 COST_BAND = (0.5, 2.0)  # a measured time outside this many graph timings is not kept
+EXPLORE_MARGIN = 0.15  # a graph-timed j this close to the measured best is measured too
+EXPLORE_TRIES = COST_MIN_OBS + 2  # steps run to measure it (some land as other shapes)
 
 
 class DraftPolicy:
@@ -82,6 +92,8 @@ class DraftPolicy:
         # (width, size, j) -> the last measured step times, and the choice count then
         self.measured: dict[tuple[int, int, int], deque[float]] = {}
         self._measured_at: dict[tuple[int, int, int], int] = {}
+        # (width, size, j) -> steps chosen to measure it, and the choice count then
+        self._explored: dict[tuple[int, int, int], tuple[int, int]] = {}
         self.last_choice = k
         self.steps = 0  # choices made (engine steps)
         self._observed_at = 0  # self.steps at the last observation
@@ -129,14 +141,17 @@ class DraftPolicy:
         measured where the shape has run lately, else the graph timing; None if the
         policy has no costs for it."""
         shape = self.shape(batch, context)
-        if shape is None:
-            return None
+        return None if shape is None else self._costs(shape)[0]
+
+    def _costs(self, shape: tuple[int, int]) -> tuple[list[float], list[bool]]:
+        """:meth:`step_costs` of a graph shape, and which of them were measured."""
         out = list(self.costs[shape])
+        measured = [False] * (self.k + 1)
         for j in range(self.k + 1):
             times = self._fresh((*shape, j))
             if times is not None and len(times) >= COST_MIN_OBS:
-                out[j] = statistics.median(times)
-        return out
+                out[j], measured[j] = statistics.median(times), True
+        return out, measured
 
     def shape(self, batch: int, context: int) -> tuple[int, int] | None:
         """The captured graph ``(width, size)`` a step of ``batch`` requests at longest
@@ -210,10 +225,32 @@ class DraftPolicy:
         return best
 
     def _best(self, batch: int, context: int) -> int:
-        """The ``j`` with the most tokens per second at the step's graph (``k``: no costs)."""
-        cost = self.step_costs(batch, context)
-        if cost is None:
+        """The ``j`` with the most tokens per second at the step's graph (``k``: no costs),
+        or a rival timed only by its graph that is worth measuring (module docstring)."""
+        shape = self.shape(batch, context)
+        if shape is None:
             return self.k
+        cost, measured = self._costs(shape)
         gain = self.expected_tokens()
         rates = [gain[j] / cost[j] for j in range(self.k + 1)]
-        return max(range(self.k + 1), key=lambda j: (rates[j], -j))  # ties: fewer drafts
+        best = max(range(self.k + 1), key=lambda j: (rates[j], -j))  # ties: fewer drafts
+        if not measured[best]:
+            return best  # it is measured by running it
+        rivals = [
+            j
+            for j in range(self.k + 1)
+            if not measured[j]
+            and rates[j] >= (1.0 - EXPLORE_MARGIN) * rates[best]
+            and self._tries((*shape, j)) < EXPLORE_TRIES
+        ]
+        if not rivals:
+            return best
+        j = max(rivals, key=lambda j: (rates[j], -j))
+        key = (*shape, j)
+        self._explored[key] = (self._tries(key) + 1, self.steps)
+        return j
+
+    def _tries(self, key: tuple[int, int, int]) -> int:
+        """Steps run to measure ``key`` in the last ``COST_STALE`` choices."""
+        n, at = self._explored.get(key, (0, 0))
+        return n if self.steps - at <= COST_STALE else 0
