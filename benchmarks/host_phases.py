@@ -15,19 +15,23 @@ microseconds a step; ``other`` is the step less the timed phases (sampling launc
 copy-out, the engine's plumbing). ``syncs``: the source lines where torch's sync debug
 mode saw the host wait for the device in three more steps.
 
-    python benchmarks/host_phases.py --ckpt CKPT --batches 1,16,64 --out host.json
+    python benchmarks/host_phases.py --ckpt CKPT --batches 1,16,64 --top 25 --out a.json
+    python benchmarks/host_phases.py --compare a.json b.json --out diff.json
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import json
+import pstats
 import statistics
 import sys
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -79,13 +83,13 @@ def _add(llm: Any, rid: str, ids: list[int], max_tokens: int) -> None:
     llm.engine.add_request(llm.processor.make_request(rid, ids, sp))
 
 
-def measure(llm: Any, batch: int, ctx: int, steps: int, reps: int) -> dict:
+def measure(llm: Any, batch: int, ctx: int, steps: int, reps: int, top: int = 0) -> dict:
     eng = llm.engine
     g = torch.Generator().manual_seed(batch)
     vocab = int(llm.engine.runner.vocab_size)
     for i in range(batch):
         ids = torch.randint(10, vocab - 10, (ctx,), generator=g).tolist()
-        _add(llm, f"h{batch}-{i}", ids, 8 + steps * reps + 8)
+        _add(llm, f"h{batch}-{i}", ids, 8 + steps * (reps + 1) + 8)
     while eng.scheduler.waiting or any(
         not r.output_token_ids for r in eng.scheduler.requests.values()
     ):
@@ -115,11 +119,34 @@ def measure(llm: Any, batch: int, ctx: int, steps: int, reps: int) -> dict:
             u()
     running = len(eng.scheduler.running)  # the whole batch, still decoding
     syncs = sync_sites(eng, 3)
+    hot = hot_functions(eng, steps, top) if top else []
     eng.abort_requests(list(eng.scheduler.requests))
     eng.step()
-    out = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
-    out.update(batch=batch, ctx=ctx, running=running, syncs=syncs)
+    out: dict[str, Any] = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+    out.update(batch=batch, ctx=ctx, running=running, syncs=syncs, hot=hot)
     return out
+
+
+def hot_functions(eng: Any, steps: int, top: int) -> list[dict]:
+    """The ``top`` functions by own host time over ``steps`` more steps (cProfile; its
+    overhead inflates call-heavy code, so compare trees, not absolute numbers)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        for _ in range(steps):
+            eng.step()
+    finally:
+        prof.disable()
+    stats: dict = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [
+        {
+            "function": f"{fn.rsplit('/src/', 1)[-1]}:{line}({name})",
+            "us_per_step": tt / steps * 1e6,
+            "calls_per_step": nc / steps,
+        }
+        for (fn, line, name), (_cc, nc, tt, _ct, _callers) in rows
+    ]
 
 
 def sync_sites(eng: Any, steps: int) -> dict[str, float]:
@@ -144,9 +171,30 @@ def sync_sites(eng: Any, steps: int) -> dict[str, float]:
     return {k: v / steps for k, v in sites.items()}
 
 
+def compare(paths: list[str], n: int = 12) -> list[dict]:
+    """The hottest functions' host us a step in two or more runs (JSON from ``--out``),
+    per batch: the ``n`` whose time differs most between the first run and the others
+    (each function keyed without its line number, so trees with moved code still pair)."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    out = []
+    for i, row in enumerate(runs[0]["rows"]):
+        per: dict[str, list[float]] = collections.defaultdict(lambda: [0.0] * len(runs))
+        for j, run in enumerate(runs):
+            for h in run["rows"][i].get("hot", []):
+                key = h["function"].split(":", 1)[0] + h["function"][h["function"].find("(") :]
+                per[key][j] += h["us_per_step"]
+        spread = sorted(per.items(), key=lambda kv: -max(abs(v - kv[1][0]) for v in kv[1]))
+        print(f"batch {row['batch']}: host us a step, " + " | ".join(r["label"] for r in runs))
+        for key, vals in spread[:n]:
+            print("  " + " ".join(f"{v:8.1f}" for v in vals) + f"  {key}")
+        out.append({"batch": row["batch"], "functions": dict(spread[:n])})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--compare", nargs="+", help="JSON of earlier runs: their hot functions")
+    ap.add_argument("--ckpt")
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--batches", default="1,16,64")
@@ -154,12 +202,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--label", default="")
+    ap.add_argument("--max-model-len", type=int, default=0, help="0: what the steps need")
+    ap.add_argument("--max-num-seqs", type=int, default=0, help="0: the largest batch")
+    ap.add_argument("--top", type=int, default=0, help="also list the N hottest functions")
     args = ap.parse_args(argv)
+    if args.compare:
+        with open(args.out, "w") as f:
+            json.dump(compare(args.compare), f, indent=1)
+        return 0
+    if not args.ckpt:
+        ap.error("--ckpt is required unless --compare")
     from pdserve import LLM
 
     batches = [int(b) for b in args.batches.split(",")]
-    kw: dict = dict(max_model_len=args.ctx + 8 + args.steps * args.reps + 64,
-                    max_num_seqs=max(batches), max_num_batched_tokens=8192)  # fmt: skip
+    need = args.ctx + 8 + args.steps * args.reps + 64
+    kw: dict = dict(max_model_len=max(args.max_model_len, need),
+                    max_num_seqs=max(args.max_num_seqs, *batches), max_num_batched_tokens=8192)  # fmt: skip
     if args.device == "cpu":
         kw["device"] = "cpu"
     llm = LLM(args.ckpt, **kw)
@@ -171,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{'batch':>5} " + " ".join(f"{k:>8}" for k in (*PHASES, "other", "step")) + "  triton/step"
     )
     for b in batches:
-        r = measure(llm, b, args.ctx, args.steps, args.reps)
+        r = measure(llm, b, args.ctx, args.steps, args.reps, args.top)
         res["rows"].append(r)
         cols = " ".join(f"{r[k]:8.0f}" for k in (*PHASES, "other", "step"))
         print(f"{b:5d} {cols}  {r['triton_launches']:.1f}", flush=True)

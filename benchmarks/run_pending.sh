@@ -591,11 +591,14 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     done
     ;;
   h31)  # issue 31: the host's phases of a synchronous llama-8b-shape decode step, both
-        # trees, A B B A (benchmarks/host_phases.py; each tree on its own src).
-        # H31_TINY=1: the tiny Llama instead (quick; the step is then mostly host time)
+        # trees, A B B A (benchmarks/host_phases.py; each tree on its own src), at
+        # gpu_suite's sizes (run 82: its synchronous steps lost more than run 81's), with
+        # the hot functions compared. H31_TINY=1: the tiny Llama instead (quick; the step is
+        # then mostly host time)
     [ -d .baseline/src/pdserve ] || { echo "no .baseline/src (scripts/make-baseline)"; exit 1; }
+    sizes="--max-model-len 20480 --max-num-seqs 256 --top ${H31_TOP:-40}"
     if [ -n "${H31_TINY:-}" ]; then
-      ck=/tmp/tiny-llama
+      ck=/tmp/tiny-llama sizes="--top ${H31_TOP:-40}"
       [ -f $ck/config.json ] || pdserve make-checkpoint --arch LlamaForCausalLM --preset tiny \
         --out $ck >/dev/null
     else
@@ -607,9 +610,10 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
       left=$(( start + 570 - $(date +%s) )); [ "$left" -gt 40 ] || break
       root=.; [ $tree = baseline ] && root=.baseline
       PYTHONPATH="/tmp/site:$PWD/$root/src" timeout $(( left < 150 ? left : 150 )) python3 \
-        benchmarks/host_phases.py --ckpt $ck --label $tree --out "$OUT/h31_${i}_$tree.json" \
-        2>&1 | grep -v Warning | tail -5
+        benchmarks/host_phases.py --ckpt $ck --label $tree $sizes \
+        --out "$OUT/h31_${i}_$tree.json" 2>&1 | grep -v Warning | sed -n '/^host us/,$p'
     done
+    python3 benchmarks/host_phases.py --compare "$OUT"/h31_*.json --out "$OUT/h31_hot.json"
     ;;
   gpu1)  # tests/kernels, a process per module
     manifest="$OUT/tests/gpu1.tsv"; mkdir -p "$OUT/tests"; : > "$manifest"

@@ -327,7 +327,8 @@ def test_host_phases(tiny_llama: Path, tmp_path: Path) -> None:
     the batch running whole while it was timed."""
     out = tmp_path / "host.json"
     _script("host_phases", "--ckpt", str(tiny_llama), "--device", "cpu", "--out", str(out),
-            "--batches", "1,3", "--ctx", "16", "--steps", "3", "--reps", "2")  # fmt: skip
+            "--batches", "1,3", "--ctx", "16", "--steps", "3", "--reps", "2", "--top", "4",
+            "--max-model-len", "128", "--max-num-seqs", "8")  # fmt: skip
     res = json.loads(out.read_text())
     assert [r["batch"] for r in res["rows"]] == [1, 3]
     for r in res["rows"]:
@@ -335,6 +336,12 @@ def test_host_phases(tiny_llama: Path, tmp_path: Path) -> None:
         assert keys <= set(r) and r["step"] > 0 and r["prepare"] > 0 and r["schedule"] > 0
         assert r["running"] == r["batch"]
         assert r["syncs"] == {}  # no CUDA here: nothing to flag
+        assert len(r["hot"]) == 4 and all(h["us_per_step"] > 0 for h in r["hot"])
+    diff = tmp_path / "diff.json"
+    _script("host_phases", "--compare", str(out), str(out), "--out", str(diff))
+    rows = json.loads(diff.read_text())
+    assert [r["batch"] for r in rows] == [1, 3]
+    assert all(len(v) == 2 and v[0] == v[1] for r in rows for v in r["functions"].values())
 
 
 # Scripts whose CPU smoke test covers only part of them (others edit them as of issue 29).
