@@ -47,17 +47,22 @@ def _adaptive(llm: LLM, k: int) -> FrozenPolicy:
     return policy
 
 
-def _count_proposals(llm: LLM) -> list[int]:
+def _count_proposals(llm: LLM) -> tuple[list[int], list[tuple[int | None, bool]]]:
+    """Calls of the drafter, and per call (the drafts asked for, -1 past them)."""
     calls = [0]
+    asked: list[tuple[int | None, bool]] = []
     proposer = llm.engine.runner.proposer
     real = proposer.propose
 
     def counted(batch: Any) -> Any:
         calls[0] += 1
-        return real(batch)
+        out = real(batch)
+        m = batch.num_drafts
+        asked.append((m, m is None or bool((out[:, m:] == -1).all())))
+        return out
 
     proposer.propose = counted  # type: ignore[method-assign]
-    return calls
+    return calls, asked
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -76,8 +81,10 @@ def test_greedy_output_is_identical_while_the_draft_count_changes(
     want = outputs(base, prompts, params)
     llm = LLM(path, async_scheduling=async_scheduling, speculative_config=spec, **KW)
     _adaptive(llm, 3)
-    calls = _count_proposals(llm)
+    calls, asked = _count_proposals(llm)
     assert outputs(llm, prompts, params) == want
+    if family == "glm":  # a step verifying j < k drafts had MTP propose j, -1 past them
+        assert {m for m, _ in asked} >= {1, 3} and all(tail for _, tail in asked)
     st = llm.engine.stats()
     by_j = st.spec_steps_by_num_drafts
     assert len(by_j) == 4 and by_j[0] > 0 and by_j[1] > 0 and by_j[3] > 0

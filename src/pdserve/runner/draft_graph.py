@@ -29,8 +29,12 @@ logger = logging.getLogger(__name__)
 
 
 class DraftGraphManager:
-    def __init__(self, proposer: MTPProposer, target: CudaGraphManager, num_spec: int) -> None:
+    def __init__(
+        self, proposer: MTPProposer, target: CudaGraphManager, num_spec: int, adaptive: bool
+    ) -> None:
         self.proposer = proposer
+        self.num_spec = num_spec
+        self.adaptive = adaptive  # a key verifying j drafts proposes j (see proposes)
         self.target = target
         s = target.step
         self.buffers = s.buffers
@@ -49,6 +53,12 @@ class DraftGraphManager:
         self.outputs: dict[tuple[int, int, int], torch.Tensor] = {}
         self.capture_seconds = 0.0
         self.replays = 0
+
+    def proposes(self, q: int) -> int:
+        """Drafts the graph of a key of query length ``q`` proposes: under the adaptive
+        policy as many as the step verifies (the next step most likely verifies as many;
+        one that wants more verifies -1 placeholders past them), else always k."""
+        return q - 1 if self.adaptive and q > 1 else self.num_spec
 
     def _batch(self, size: int, q: int, width: int) -> DraftBatch:
         b = self.buffers
@@ -75,6 +85,7 @@ class DraftGraphManager:
             last_next_ids=self.next_ids[:size],
             block_tables=b.block_tables.dev[:size],
             sample_mask=self.samples[:size],
+            num_drafts=self.proposes(q),
         )
 
     def _inert(self, lo: int, hi: int, q: int) -> None:

@@ -228,7 +228,9 @@ class ModelRunner:
             query_lens=query_lens,
         )
         if self.graphs is not None and isinstance(self.proposer, MTPProposer):
-            self.draft_graphs = DraftGraphManager(self.proposer, self.graphs, self.num_spec)
+            self.draft_graphs = DraftGraphManager(
+                self.proposer, self.graphs, self.num_spec, self.adaptive_drafts
+            )
             self.draft_graphs.capture_all()
             phases["capture_draft_graphs"] = self.draft_graphs.capture_seconds
         if self.adaptive_drafts and self.graphs is not None:

@@ -304,7 +304,7 @@ class StepPipeline:
         if dg is not None and r._graph_key in dg.graphs:
             key = r._graph_key
             return dg.run(key, tokens, counts, inp.first_token, inp.next_ids, inp.sample_mask)
-        b, buf = r.batch, r.buffers
+        b, buf, q = r.batch, r.buffers, inp.uniform_query_len
         batch = DraftBatch(
             req_ids=inp.req_ids,
             rows=inp.rows,
@@ -326,5 +326,7 @@ class StepPipeline:
             last_next_ids=inp.next_ids,
             block_tables=buf.block_tables.dev[:n],
             sample_mask=inp.sample_mask,
+            # as the draft graphs do (DraftGraphManager.proposes)
+            num_drafts=q - 1 if r.adaptive_drafts and q is not None and q > 1 else None,
         )
         return r.proposer.propose(batch)

@@ -88,7 +88,9 @@ class MTPProposer:
         drafts = [draft]
         shared = topk0[src] if self.share_topk and topk0 is not None else None
         base = positions[src]
-        for step in range(1, self.num_speculative_tokens):
+        k = self.num_speculative_tokens
+        m = k if batch.num_drafts is None else max(1, min(batch.num_drafts, k))
+        for step in range(1, m):
             pos = base + step
             md = self._draft_metadata(batch, pos, samples, common.max_seq_len + step)
             p = pos.clamp(max=self.max_model_len - 1)
@@ -102,6 +104,8 @@ class MTPProposer:
             draft = self.logits(h).argmax(dim=-1)
             drafts.append(draft)
         out = torch.stack(drafts, dim=1)
+        if m < k:  # none past the m proposed
+            out = torch.cat([out, out.new_full((out.shape[0], k - m), -1)], dim=1)
         return torch.where(samples[:, None], out, -1)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

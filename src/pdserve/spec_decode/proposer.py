@@ -52,6 +52,11 @@ class DraftBatch:
     last_next_ids: torch.Tensor | None = None  # [B] the token after its last one, -1: unknown
     block_tables: torch.Tensor | None = None  # [B, max blocks], lookahead blocks included
     sample_mask: torch.Tensor | None = None  # [B] bool on the device: ``samples``
+    # drafts the next step is expected to verify (the adaptive policy's choice for this
+    # one): MTP proposes that many and -1 past them, so a step that verifies j < k does
+    # not pay for k; None: num_speculative_tokens. The n-gram drafter, whose drafts cost
+    # nothing to speak of, always proposes all of them.
+    num_drafts: int | None = None
 
 
 class Proposer(Protocol):
