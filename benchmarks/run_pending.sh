@@ -309,7 +309,9 @@ case "$stage" in
         sed -i "s/^PREFILL_VARIANT: str | None = .*/PREFILL_VARIANT: str | None = \"$D10_VARIANT\"/" "$mt"
       grep -n '^ROWS_MIN_TOKENS\|^PREFILL_VARIANT' "$mt"
     fi
-    timeout 570 python3 benchmarks/spec_bench.py --sections decode --out "$OUT/spec_decode.json" \
+    # D10_TIMEOUT: when it follows another stage in one call (r11 then d10: ~200 + ~350 s)
+    timeout "${D10_TIMEOUT:-570}" python3 benchmarks/spec_bench.py --sections decode \
+      --out "$OUT/spec_decode.json" \
       --profile-streams 128,192 > "$OUT/spec_decode.log" 2>&1
     quiet < "$OUT/spec_decode.log" | sed -n '/: decode at a/,$p'
     ;;
@@ -492,12 +494,13 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
   f17)  # FP8 (issue 28): is the quantizing norm slow, or its PDL neighbours? (run 72: 42.8
         # ms of _rmsnorm_kernel in the 8K FP8 prefill after clip_waits, 7.9 ms of norms in
         # bf16): fp8_bench llama-8b-shape FP8 with PDL off, then on, then glm5 (f11g)
-    for pdl in 0 1; do
+    # F17_PDL="": the glm5 part only; F17_END: when the call's ~575 s end for it (after h31)
+    for pdl in ${F17_PDL-0 1}; do
       PDSERVE_PDL=$pdl timeout 150 python3 benchmarks/fp8_bench.py --models llama-8b-shape \
         --variants fp8 --out "$OUT/fp8_llama_pdl$pdl.json" > "$OUT/fp8_llama_pdl$pdl.log" 2>&1
       echo "fp8_bench PDSERVE_PDL=$pdl: exit $?"; quiet < "$OUT/fp8_llama_pdl$pdl.log" | sed -n '/^== /,$p'
     done
-    t=$(( start + 575 - $(date +%s) ))
+    t=$(( start + ${F17_END:-575} - $(date +%s) ))
     [ "$t" -gt 120 ] && { timeout "$t" python3 benchmarks/fp8_bench.py --models glm5-m12-e64 \
       --out "$OUT/fp8_glm5.json" > "$OUT/fp8_glm5.log" 2>&1; echo "fp8_bench glm5: exit $?"
       quiet < "$OUT/fp8_glm5.log" | sed -n '/^== /,$p'; }
