@@ -201,3 +201,19 @@ def test_a_rival_whose_steps_never_land_as_its_shape_is_tried_a_few_times() -> N
     for _ in range(COST_MIN_OBS):
         p.observe_cost(8, 100, 1, 1.7)
     assert p.choose(8, 100) == 0  # a new window: tried again
+
+
+def test_steps_forced_to_k_spend_no_exploration_tries() -> None:
+    """While the policy measures acceptance first it runs k; a rival it would have tried
+    keeps its tries for when the choice is its own."""
+    p = DraftPolicy(1, prior=0.9, decay=1.0)
+    p.observe([1] * 10, [1] * 9 + [0])  # evidence still thin: k is forced
+    p.set_costs(_costs(1, {8: [1.0, 1.6]}))
+    for _ in range(COST_MIN_OBS):
+        p.observe_cost(8, 100, 1, 1.7)
+    assert p._best(8, 100) == (0, (1024, 8, 0))  # the rival it would try
+    assert [p.choose(8, 100) for _ in range(10)] == [1] * 10
+    assert p._tries((1024, 8, 0)) == 0
+    p.observe([1] * 100, [1] * 90 + [0] * 10)  # enough evidence now
+    picks = [p.choose(8, 100) for _ in range(EXPLORE_TRIES + 2)]
+    assert picks == [0] * EXPLORE_TRIES + [1, 1]

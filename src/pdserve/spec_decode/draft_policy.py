@@ -210,12 +210,14 @@ class DraftPolicy:
         ``k`` while measuring or probing (module docstring), else the ``j`` with the most
         tokens per second at the graph the step runs on; ``k`` with no costs for it."""
         self.steps += 1
-        best = self._best(batch, context)
+        best, rival = self._best(batch, context)
         if best < self.k:
             if self.reached[1] < MIN_EVIDENCE or self._probe_left > 0:
-                best = self.k
+                best, rival = self.k, None
             elif self._below_k + 1 >= PROBE_EVERY:
-                self._probe_left, best = PROBE_STEPS, self.k
+                self._probe_left, best, rival = PROBE_STEPS, self.k, None
+        if rival is not None:  # a step run to measure it
+            self._explored[rival] = (self._tries(rival) + 1, self.steps)
         if best < self.k:
             self._below_k += 1
         else:
@@ -224,18 +226,19 @@ class DraftPolicy:
         self.last_choice = best
         return best
 
-    def _best(self, batch: int, context: int) -> int:
+    def _best(self, batch: int, context: int) -> tuple[int, tuple[int, int, int] | None]:
         """The ``j`` with the most tokens per second at the step's graph (``k``: no costs),
-        or a rival timed only by its graph that is worth measuring (module docstring)."""
+        or a rival timed only by its graph that is worth measuring (module docstring),
+        with its ``(width, size, j)`` then."""
         shape = self.shape(batch, context)
         if shape is None:
-            return self.k
+            return self.k, None
         cost, measured = self._costs(shape)
         gain = self.expected_tokens()
         rates = [gain[j] / cost[j] for j in range(self.k + 1)]
         best = max(range(self.k + 1), key=lambda j: (rates[j], -j))  # ties: fewer drafts
         if not measured[best]:
-            return best  # it is measured by running it
+            return best, None  # it is measured by running it
         rivals = [
             j
             for j in range(self.k + 1)
@@ -244,11 +247,9 @@ class DraftPolicy:
             and self._tries((*shape, j)) < EXPLORE_TRIES
         ]
         if not rivals:
-            return best
+            return best, None
         j = max(rivals, key=lambda j: (rates[j], -j))
-        key = (*shape, j)
-        self._explored[key] = (self._tries(key) + 1, self.steps)
-        return j
+        return j, (*shape, j)
 
     def _tries(self, key: tuple[int, int, int]) -> int:
         """Steps run to measure ``key`` in the last ``COST_STALE`` choices."""
