@@ -12,8 +12,8 @@ compare trees (issue 31's "no speed lost"); it imports nothing else from the pro
 
 Per batch: the median over ``--reps`` rounds of ``--steps`` steps of each phase's host
 microseconds a step; ``other`` is the step less the timed phases (sampling launches,
-copy-out, the engine's plumbing). ``syncs``: the source lines where torch's sync debug
-mode saw the host wait for the device in three more steps.
+copy-out, the engine's plumbing). ``syncs``: the project's source lines where torch's
+sync debug mode saw the host wait for the device in three more steps.
 
     python benchmarks/host_phases.py --ckpt CKPT --batches 1,16,64 --top 25 --out a.json
     python benchmarks/host_phases.py --compare a.json b.json --out diff.json
@@ -29,6 +29,7 @@ import pstats
 import statistics
 import sys
 import time
+import traceback
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -151,12 +152,19 @@ def hot_functions(eng: Any, steps: int, top: int) -> list[dict]:
 
 def sync_sites(eng: Any, steps: int) -> dict[str, float]:
     """Where the host waits for the device during ``steps`` steps, besides the one wait a
-    step is meant to have: the source lines torch's sync debug mode flags, with their
-    count a step (a hidden sync serialises the host's launches after it with the device)."""
+    step is meant to have: the project's innermost source line on the stack of each sync
+    torch's sync debug mode flags, with their count a step (a hidden sync serialises the
+    host's launches after it with the device)."""
     sites: collections.Counter = collections.Counter()
     cuda = torch.cuda.is_available()
-    with warnings.catch_warnings(record=True) as caught:
+
+    def show(message: Any, *_: Any, **__: Any) -> None:
+        if "synchroniz" in str(message):
+            sites[_project_frame()] += 1
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = show  # restored when the block ends
         if cuda:
             torch.cuda.set_sync_debug_mode("warn")
         try:
@@ -165,10 +173,16 @@ def sync_sites(eng: Any, steps: int) -> dict[str, float]:
         finally:
             if cuda:
                 torch.cuda.set_sync_debug_mode("default")
-    for w in caught:
-        if "synchroniz" in str(w.message):
-            sites[f"{w.filename.rsplit('/src/', 1)[-1]}:{w.lineno}"] += 1
     return {k: v / steps for k, v in sites.items()}
+
+
+def _project_frame() -> str:
+    """``pdserve/<module>:<line>`` of the innermost project frame on the stack (torch's
+    own frame is where the warning is raised, not where the sync was asked for)."""
+    for frame in reversed(traceback.extract_stack()):
+        if "/pdserve/" in frame.filename:
+            return f"pdserve/{frame.filename.rsplit('/pdserve/', 1)[-1]}:{frame.lineno}"
+    return "outside pdserve"
 
 
 def compare(paths: list[str], n: int = 12) -> list[dict]:

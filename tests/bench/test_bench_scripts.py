@@ -7,6 +7,7 @@ test_pytest_table.py; the Triton benches: tests/kernels/test_*_bench.py.)"""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -337,6 +338,17 @@ def test_host_phases(tiny_llama: Path, tmp_path: Path) -> None:
         assert r["running"] == r["batch"]
         assert r["syncs"] == {}  # no CUDA here: nothing to flag
         assert len(r["hot"]) == 4 and all(h["us_per_step"] > 0 for h in r["hot"])
+    # a sync torch flags is put at the project's innermost line on the stack
+    hp = load_script("host_phases")
+    fake = tmp_path / "pdserve" / "runner" / "fake_step.py"
+    fake.parent.mkdir(parents=True)
+    fake.write_text("import warnings\n\n\ndef step():\n"
+                    "    warnings.warn('called a synchronizing CUDA operation')\n")  # fmt: skip
+    spec = importlib.util.spec_from_file_location("fake_step", fake)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert hp.sync_sites(mod, 2) == {"pdserve/runner/fake_step.py:5": 1.0}
     diff = tmp_path / "diff.json"
     _script("host_phases", "--compare", str(out), str(out), "--out", str(diff))
     rows = json.loads(diff.read_text())
