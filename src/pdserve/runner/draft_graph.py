@@ -23,7 +23,7 @@ import torch
 
 from pdserve.runner.cuda_graph import CudaGraphManager
 from pdserve.spec_decode.mtp import MTPProposer
-from pdserve.spec_decode.proposer import DraftBatch
+from pdserve.spec_decode.proposer import DraftBatch, drafts_to_propose
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +33,7 @@ class DraftGraphManager:
         self, proposer: MTPProposer, target: CudaGraphManager, num_spec: int, adaptive: bool
     ) -> None:
         self.proposer = proposer
-        self.num_spec = num_spec
-        self.adaptive = adaptive  # a key verifying j drafts proposes j (see proposes)
+        self.adaptive = adaptive  # a key verifying j drafts proposes j (drafts_to_propose)
         self.target = target
         s = target.step
         self.buffers = s.buffers
@@ -53,12 +52,6 @@ class DraftGraphManager:
         self.outputs: dict[tuple[int, int, int], torch.Tensor] = {}
         self.capture_seconds = 0.0
         self.replays = 0
-
-    def proposes(self, q: int) -> int:
-        """Drafts the graph of a key of query length ``q`` proposes: under the adaptive
-        policy as many as the step verifies (the next step most likely verifies as many;
-        one that wants more verifies -1 placeholders past them), else always k."""
-        return q - 1 if self.adaptive and q > 1 else self.num_spec
 
     def _batch(self, size: int, q: int, width: int) -> DraftBatch:
         b = self.buffers
@@ -85,7 +78,7 @@ class DraftGraphManager:
             last_next_ids=self.next_ids[:size],
             block_tables=b.block_tables.dev[:size],
             sample_mask=self.samples[:size],
-            num_drafts=self.proposes(q),
+            num_drafts=drafts_to_propose(q, self.adaptive),
         )
 
     def _inert(self, lo: int, hi: int, q: int) -> None:

@@ -39,7 +39,7 @@ from pdserve.runner.model_runner import ModelRunner
 from pdserve.runner.prompt_logprobs import piece_rows, plan_prompt_logprobs, score_prompt_rows
 from pdserve.runner.step_inputs import StepInputs
 from pdserve.runner.step_outputs import HostOutputs, StepHandle, copy_out, ragged
-from pdserve.spec_decode.proposer import DraftBatch
+from pdserve.spec_decode.proposer import DraftBatch, drafts_to_propose
 from pdserve.spec_decode.rejection_sampler import rejection_sample, token_logprobs
 
 Land = Callable[[SchedulerOutput, RunnerOutput], list[EngineCoreOutput]]
@@ -304,7 +304,7 @@ class StepPipeline:
         if dg is not None and r._graph_key in dg.graphs:
             key = r._graph_key
             return dg.run(key, tokens, counts, inp.first_token, inp.next_ids, inp.sample_mask)
-        b, buf, q = r.batch, r.buffers, inp.uniform_query_len
+        b, buf = r.batch, r.buffers
         batch = DraftBatch(
             req_ids=inp.req_ids,
             rows=inp.rows,
@@ -326,7 +326,6 @@ class StepPipeline:
             last_next_ids=inp.next_ids,
             block_tables=buf.block_tables.dev[:n],
             sample_mask=inp.sample_mask,
-            # as the draft graphs do (DraftGraphManager.proposes)
-            num_drafts=q - 1 if r.adaptive_drafts and q is not None and q > 1 else None,
+            num_drafts=drafts_to_propose(inp.uniform_query_len, r.adaptive_drafts),
         )
         return r.proposer.propose(batch)

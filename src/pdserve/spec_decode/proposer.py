@@ -59,6 +59,14 @@ class DraftBatch:
     num_drafts: int | None = None
 
 
+def drafts_to_propose(query_len: int | None, adaptive: bool) -> int | None:
+    """``DraftBatch.num_drafts`` of a step computing ``query_len`` tokens per request
+    (None: not uniform): under the adaptive policy as many drafts as the step verifies,
+    since the next step most likely verifies as many (one that wants more verifies -1
+    placeholders past them); else None, all of them."""
+    return query_len - 1 if adaptive and query_len is not None and query_len > 1 else None
+
+
 class Proposer(Protocol):
     """Drafts ``num_speculative_tokens`` tokens per request."""
 
