@@ -44,13 +44,12 @@ def _case(kind: str, seed: int) -> dict[str, torch.Tensor | None]:
                 num=num, drafts=drafts)  # fmt: skip
 
 
-@pytest.mark.parametrize(("kind", "drafting"), [("plain", False), ("plain", True),
-                                                ("verify", True), ("drafts", True)])  # fmt: skip
-def test_one_launch_post_update_equals_the_torch_ops(kind: str, drafting: bool) -> None:
+@pytest.mark.parametrize("kind", ["plain", "verify", "drafts"])
+def test_one_launch_post_update_equals_the_torch_ops(kind: str) -> None:
     case = _case(kind, 3)
-    want = _state(drafting, 1, torch.device("cpu"), fused=False)  # the torch op chain
+    want = _state(True, 1, torch.device("cpu"), fused=False)  # the torch op chain
     want.post_update(**case)  # type: ignore[arg-type]
-    got = _state(drafting, 1, DEV, fused=True)  # kernels.request_state.post_update
+    got = _state(True, 1, DEV, fused=True)  # kernels.request_state.post_update
     got.post_update(**{k: (v.to(DEV) if v is not None else None) for k, v in case.items()})  # type: ignore[arg-type]
     for name in ("last_token", "sampled", "num_sampled", "drafts", "num_computed"):
         # the scratch row (R) is written by every row that sampled nothing: unread

@@ -1,7 +1,8 @@
 """A decode step through the step pipeline reads nothing back from the device (no host
 sync: the step's one sync is landing its results), and the request state's
-``post_update`` is a handful of torch ops (counted on the CPU with the launch counter; on
-CUDA one launch, tests/kernels/test_request_state_kernel.py)."""
+``post_update`` is one op without a drafter and a handful of torch ops with one (counted
+on the CPU with the launch counter; on CUDA one launch,
+tests/kernels/test_request_state_kernel.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.profiling.launch_count import LaunchCounter, LaunchCounts, format_table
 
 SPECS: dict[str, tuple[dict[str, Any] | None, int]] = {
-    "plain": (None, 2),  # (speculative config, most post_update launches)
+    "plain": (None, 1),  # (speculative config, most post_update launches)
     "ngram": ({"method": "ngram", "num_speculative_tokens": 2}, 12),
 }
 

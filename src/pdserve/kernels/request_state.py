@@ -1,13 +1,15 @@
 """The request state's two per-step op chains in few launches
 (:mod:`pdserve.runner.request_state`; their torch ops there are the references).
 
-**post_update** (one launch). After a step samples (and its drafter proposes), each of
-its requests records in its ``InputBatch`` row: the last accepted token, and with a
-drafter also the accepted tokens and their count, the drafts proposed for the next step
-(-1: none) and the computed-token count moved by the scheduled tokens less the rejected
-drafts. A request that sampled nothing (a prompt chunk short of its end) writes into the
-scratch row instead, except its computed count. One program per request; rows are
-distinct within a step, so the computed count is a plain read-modify-write.
+**post_update** (one launch, with a drafter; without one the state is only the last
+tokens, one torch op in :meth:`RequestState.post_update
+<pdserve.runner.request_state.RequestState.post_update>`). After a step samples and its
+drafter proposes, each of its requests records in its ``InputBatch`` row: the last
+accepted token, the accepted tokens and their count, the drafts proposed for the next
+step (-1: none) and the computed-token count moved by the scheduled tokens less the
+rejected drafts. A request that sampled nothing (a prompt chunk short of its end) writes
+into the scratch row instead, except its computed count. One program per request; rows
+are distinct within a step, so the computed count is a plain read-modify-write.
 
 **place** (two launches; one without drafts). Before the next step's forward: the
 scheduler's drafts are merged with the state's (-1: the state's, -2: none, stored as
@@ -17,10 +19,17 @@ positions, sequence lengths and slots from the device's computed counts. Its pro
 split into four ranges by ``program_id`` (tokens, requests, last tokens, drafts); the
 draft inputs read the merged drafts, which is why the merge is a launch of its own.
 
-No host sync in either (CUDA-graph safe).
+No host sync in either (CUDA-graph safe). Nothing a step's sizes set is a compile-time
+constant or a specialisation (counts, widths, strides, pointer alignment): the variants
+are the flags of :func:`post_update_variants` and place's drafting flag, all compiled by
+:meth:`RequestState.warm_up <pdserve.runner.request_state.RequestState.warm_up>` at
+start-up, so traffic compiles none of them.
 """
 
 from __future__ import annotations
+
+import itertools
+from typing import Any
 
 import torch
 import triton
@@ -29,7 +38,18 @@ import triton.language as tl
 from pdserve.kernels._utils import check_device, next_pow2, pdl_args, pdl_enter
 
 
-@triton.jit
+def _runtime(*names: str) -> Any:
+    """``triton.jit`` that specialises none of ``names`` (ints: on 1 or a multiple of 16;
+    pointers: on 16-byte alignment)."""
+    return triton.jit(do_not_specialize=names, do_not_specialize_on_alignment=names)
+
+
+@_runtime(
+    "rows_ptr", "nsched_ptr", "num_rows_ptr", "samples_ptr", "tokens_ptr", "num_ptr",
+    "drafts_ptr", "last_ptr", "sampled_ptr", "num_sampled_ptr", "state_drafts_ptr",
+    "computed_ptr", "scratch", "w", "k", "stride_tok", "stride_din", "stride_sampled",
+    "stride_sdrafts",
+)  # fmt: skip
 def _post_update_kernel(
     rows_ptr,
     nsched_ptr,
@@ -53,7 +73,6 @@ def _post_update_kernel(
     HAS_NUM: tl.constexpr,
     HAS_ROWS: tl.constexpr,
     HAS_DRAFTS: tl.constexpr,
-    DRAFTING: tl.constexpr,
     BLOCK_W: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,
@@ -66,24 +85,31 @@ def _post_update_kernel(
     cnt = tl.load(num_ptr + b).to(tl.int64) if HAS_NUM else tl.full((), 1, tl.int64)
     last = tl.load(tokens_ptr + b * stride_tok + tl.maximum(cnt - 1, 0))
     tl.store(last_ptr + dst, last.to(tl.int64))
-    if DRAFTING:
-        tl.store(num_sampled_ptr + dst, cnt)
-        ow = tl.arange(0, BLOCK_W)
-        mw = ow < w
-        toks = tl.load(tokens_ptr + b * stride_tok + ow, mask=mw)
-        tl.store(sampled_ptr + dst * stride_sampled + ow, toks.to(tl.int64), mask=mw)
-        ok = tl.arange(0, BLOCK_K)
-        mk = ok < k
-        if HAS_DRAFTS:
-            d = tl.load(drafts_ptr + b * stride_din + ok, mask=mk).to(tl.int64)
-        else:
-            d = tl.full((BLOCK_K,), -1, tl.int64)
-        tl.store(state_drafts_ptr + dst * stride_sdrafts + ok, d, mask=mk)
-        moved = tl.load(nsched_ptr + b).to(tl.int64)
-        if HAS_ROWS:  # verified rows less the accepted: the rejected drafts
-            nrows = tl.load(num_rows_ptr + b).to(tl.int64)
-            moved -= tl.where(sampled, nrows - cnt, 0)
-        tl.store(computed_ptr + row, tl.load(computed_ptr + row) + moved)
+    tl.store(num_sampled_ptr + dst, cnt)
+    ow = tl.arange(0, BLOCK_W)
+    mw = ow < w
+    toks = tl.load(tokens_ptr + b * stride_tok + ow, mask=mw)
+    tl.store(sampled_ptr + dst * stride_sampled + ow, toks.to(tl.int64), mask=mw)
+    ok = tl.arange(0, BLOCK_K)
+    mk = ok < k
+    if HAS_DRAFTS:
+        d = tl.load(drafts_ptr + b * stride_din + ok, mask=mk).to(tl.int64)
+    else:
+        d = tl.full((BLOCK_K,), -1, tl.int64)
+    tl.store(state_drafts_ptr + dst * stride_sdrafts + ok, d, mask=mk)
+    moved = tl.load(nsched_ptr + b).to(tl.int64)
+    if HAS_ROWS:  # verified rows less the accepted: the rejected drafts
+        nrows = tl.load(num_rows_ptr + b).to(tl.int64)
+        moved -= tl.where(sampled, nrows - cnt, 0)
+    tl.store(computed_ptr + row, tl.load(computed_ptr + row) + moved)
+
+
+def post_update_variants() -> list[tuple[bool, bool, bool]]:
+    """(num given, num_rows given, drafts given) of a call per compiled variant of
+    :func:`post_update` (the row counts are read only with the accepted counts): one
+    call each compiles them all."""
+    both = (False, True)
+    return [(n, r, d) for n, r, d in itertools.product(both, both, both) if n or not r]
 
 
 def post_update(
@@ -93,7 +119,6 @@ def post_update(
     drafts_state: torch.Tensor,  # [R + 1, K] int64
     num_computed: torch.Tensor,  # [R + 1] int64
     scratch: int,
-    drafting: bool,
     rows: torch.Tensor,  # [B]
     nsched: torch.Tensor,  # [B]
     num_rows: torch.Tensor | None,  # [B] tokens verified; None: all 1
@@ -105,6 +130,7 @@ def post_update(
     """Record a step in its rows (one launch); see the module docstring."""
     check_device(tokens, "post_update")
     n, w = tokens.shape
+    assert w <= sampled.shape[1], (w, sampled.shape)
     if n == 0:
         return
     k = drafts_state.shape[1]
@@ -131,15 +157,14 @@ def post_update(
         HAS_NUM=num is not None,
         HAS_ROWS=num_rows is not None and num is not None,
         HAS_DRAFTS=drafts is not None,
-        DRAFTING=drafting,
-        BLOCK_W=next_pow2(max(w, 1)),
+        BLOCK_W=next_pow2(sampled.shape[1]),  # the widest step, not this one's width
         BLOCK_K=next_pow2(max(k, 1)),
         num_warps=1,
         **pdl_args(rows.device),
     )
 
 
-@triton.jit
+@_runtime("drafts_ptr", "rows_ptr", "state_drafts_ptr", "kd", "stride_dr", "stride_sd")
 def _merge_drafts_kernel(
     drafts_ptr, rows_ptr, state_drafts_ptr, kd, stride_dr, stride_sd,
     BLOCK_K: tl.constexpr,
@@ -155,7 +180,12 @@ def _merge_drafts_kernel(
     tl.store(drafts_ptr + b * stride_dr + j, tl.maximum(tl.where(d == -1, s, d), -1), mask=ok)
 
 
-@triton.jit
+@_runtime(
+    "ids_ptr", "pos_ptr", "seq_ptr", "slots_ptr", "req_idx_ptr", "q_idx_ptr", "bt_ptr",
+    "rows_ptr", "nsched_ptr", "last_at_ptr", "last_req_ptr", "drafts_ptr", "draft_at_ptr",
+    "draft_flat_ptr", "last_tok_ptr", "computed_ptr", "num_tokens", "num_reqs", "num_last",
+    "num_drafts", "kd", "stride_bt", "stride_dr", "page", "p_tok", "p_req", "p_last",
+)  # fmt: skip
 def _place_kernel(
     ids_ptr, pos_ptr, seq_ptr, slots_ptr, req_idx_ptr, q_idx_ptr, bt_ptr, rows_ptr,
     nsched_ptr, last_at_ptr, last_req_ptr, drafts_ptr, draft_at_ptr, draft_flat_ptr,
@@ -231,7 +261,7 @@ def place(
         kd = drafts.shape[1]
         _merge_drafts_kernel[(n,)](
             drafts, rows, drafts_state, kd, drafts.stride(0), drafts_state.stride(0),
-            BLOCK_K=next_pow2(max(kd, 1)), num_warps=1,
+            BLOCK_K=next_pow2(drafts_state.shape[1]), num_warps=1,
             **pdl_args(drafts.device),
         )  # fmt: skip
     nd = draft_at.shape[0] if draft_at is not None else 0

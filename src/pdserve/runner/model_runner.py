@@ -227,6 +227,7 @@ class ModelRunner:
             capture_sizes=sizes if self.graph_mode() == "FULL_DECODE_ONLY" else None,
             query_lens=query_lens,
         )
+        self.state.warm_up(self.buffers)
         if self.graphs is not None and isinstance(self.proposer, MTPProposer):
             self.draft_graphs = DraftGraphManager(
                 self.proposer, self.graphs, self.num_spec, self.adaptive_drafts

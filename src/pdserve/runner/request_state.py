@@ -51,6 +51,32 @@ class RequestState:
         self._ones = torch.ones(r, dtype=i64, device=device)
         self._none = torch.full((r, k), -1, dtype=i64, device=device)
 
+    def warm_up(self, buf: InputBuffers) -> None:
+        """Compile every variant of the fused kernels a step can launch (start-up), with
+        one-row calls that write only the scratch row; traffic then compiles none."""
+        if not self.fused:
+            return
+        from pdserve.kernels.request_state import post_update_variants
+
+        dev, i64 = self.last_token.device, torch.int64
+        row = torch.full((1,), self.scratch, dtype=i64, device=dev)
+        zero, one = torch.zeros_like(row), torch.ones_like(row)
+        tokens = torch.zeros((1, self.sampled.shape[1]), dtype=i64, device=dev)
+        drafts = torch.full((1, self.drafts.shape[1]), -1, dtype=i64, device=dev)
+        nothing = torch.zeros(1, dtype=torch.bool, device=dev)  # sampled nothing: scratch
+        for has_num, has_rows, has_drafts in post_update_variants() if self.drafting else ():
+            self.post_update(
+                row, zero, one if has_rows else None, nothing, tokens,
+                one if has_num else None, drafts if has_drafts else None,
+            )  # fmt: skip
+        # the scratch row's last token placed as input 0, with and without drafts (the
+        # buffers are written anew by every step's prepare)
+        none = torch.empty(0, dtype=i64, device=dev)
+        slot = buf.drafts.dev[:1]
+        slot.fill_(-2)
+        self.place(buf, row, zero, 0, zero, zero, slot, none, none)
+        self.place(buf, row, zero, 0, zero, zero, None, None, None)
+
     def reset(self, rows: torch.Tensor, num_computed: torch.Tensor) -> None:
         """Rows taken by new requests (admitted with ``num_computed`` tokens computed;
         their inputs are all known to the host until they sample)."""
@@ -116,24 +142,23 @@ class RequestState:
     ) -> None:
         """After sampling and drafting: record the step in its rows (no sync; on CUDA one
         launch, :func:`pdserve.kernels.request_state.post_update`; these torch ops are its
-        reference)."""
+        reference). Without a drafter, one op: every row's last token, sampled or not. A
+        row that sampled nothing (a prompt chunk) has host-known inputs up to its first
+        sampling step, which overwrites it, so nothing reads that value."""
+        if not self.drafting:
+            self.last_token.index_copy_(0, rows, _last(tokens, num))
+            return None
         if self.fused:
             from pdserve.kernels.request_state import post_update
 
             return post_update(
                 self.last_token, self.sampled, self.num_sampled, self.drafts,
-                self.num_computed, self.scratch, self.drafting,
+                self.num_computed, self.scratch,
                 rows, nsched, num_rows, samples, tokens, num, drafts,
             )  # fmt: skip
         n, w = tokens.shape
         dst = torch.where(samples, rows, self.scratch)
-        if num is None:
-            self.last_token.index_copy_(0, dst, tokens[:, 0])
-        else:
-            last = tokens.gather(1, (num - 1).unsqueeze(1)).squeeze(1)
-            self.last_token.index_copy_(0, dst, last)
-        if not self.drafting:
-            return
+        self.last_token.index_copy_(0, dst, _last(tokens, num))
         count = num if num is not None else self._ones[:n]
         self.num_sampled.index_copy_(0, dst, count)
         self.sampled[:, :w].index_copy_(0, dst, tokens)
@@ -161,6 +186,11 @@ class RequestState:
             first[:, None] + j[None, :] >= host_count[:, None]
         )
         return toks.clamp(min=0), keep.to(torch.float32)
+
+
+def _last(tokens: torch.Tensor, num: torch.Tensor | None) -> torch.Tensor:
+    """Each request's last accepted token (``num``: accepted counts; None: all 1)."""
+    return tokens[:, 0] if num is None else tokens.gather(1, (num - 1).unsqueeze(1)).squeeze(1)
 
 
 def draft_slots(
