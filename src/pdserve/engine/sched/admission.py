@@ -74,35 +74,42 @@ class Admission:
         return b
 
     def _running(self, b: StepBatch, stats: SchedulerStats, masks_first: bool) -> None:
+        # the hot loop of a decode step (once per running request): bound methods and the
+        # budget are locals
         running = self.queues.running
+        holds_back, end = self.placeholders.holds_back, self.placeholders.end
+        drafts_for = self.spec.drafts if self.spec.k else None
+        allocate, ahead, num_blocks = self.kv.allocate_slots, self._ahead, self.kv.num_blocks
+        num_tokens, all_drafts, cached = b.num_tokens, b.drafts, b.cached
+        budget = b.budget
         i = 0
-        while i < len(running) and b.budget > 0:
+        while i < len(running) and budget > 0:
             req = running[i]
-            if req.num_output_placeholders and self.placeholders.holds_back(req, masks_first):
+            if req.num_output_placeholders and holds_back(req, masks_first):
                 i += 1
                 continue
-            n = min(self.placeholders.end(req) - req.num_computed_tokens, b.budget)
-            drafts = self.spec.drafts(req, n, b.budget) if self.spec.k else None
+            n = min(end(req) - req.num_computed_tokens, budget)
+            drafts = drafts_for(req, n, budget) if drafts_for is not None else None
             if drafts:
                 n += len(drafts)
-            blocks = self.kv.allocate_slots(req, n, num_lookahead_tokens=self._ahead(req, n))
+            blocks = allocate(req, n, num_lookahead_tokens=ahead(req, n))
             if blocks is None:
+                b.budget = budget
                 blocks = self._preempt_for(req, n, i, b, stats)
                 if blocks is None:
                     break
-            b.num_tokens[req.request_id] = n
+            rid = req.request_id
+            num_tokens[rid] = n
             if drafts:
-                b.drafts[req.request_id] = drafts
-            b.cached.append(
+                all_drafts[rid] = drafts
+            cached.append(
                 CachedRequestData(
-                    req.request_id,
-                    [blk.block_id for blk in blocks],
-                    self.kv.num_blocks(req.request_id),
-                    req.num_computed_tokens,
+                    rid, [blk.block_id for blk in blocks], num_blocks(rid), req.num_computed_tokens
                 )
             )
-            b.budget -= n
+            budget -= n
             i += 1
+        b.budget = budget
 
     def _preempt_for(
         self, req: Request, n: int, i: int, b: StepBatch, stats: SchedulerStats
