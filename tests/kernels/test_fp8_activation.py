@@ -255,3 +255,16 @@ def test_splitk_sum_is_torchs_sum_bias_and_cast(
     torch.testing.assert_close(
         got16.float(), want.to(torch.bfloat16).float(), rtol=2**-7, atol=1e-2
     )
+
+
+def test_rmsnorm_fp8_in_place(device: torch.device) -> None:
+    """The quantizing norm reads its row twice (once per layout); the residual written in
+    place (``residual_out=residual``) must not feed the second read."""
+    g = torch.Generator().manual_seed(11)
+    x, r = ((torch.randn(6, 384, generator=g) * 3).to(torch.bfloat16).to(device) for _ in "ab")
+    w = (torch.rand(384, generator=g) + 0.5).to(torch.bfloat16).to(device)
+    want, z_want = fused_add_rmsnorm_fp8(x, r.clone(), w, 1e-6, keep_hp=True)
+    got, z = fused_add_rmsnorm_fp8(x, r, w, 1e-6, residual_out=r, keep_hp=True)
+    assert z.data_ptr() == r.data_ptr() and torch.equal(z, z_want)
+    _assert_same(got, want)
+    assert torch.equal(got.high_precision(), want.high_precision())

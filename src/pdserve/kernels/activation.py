@@ -37,6 +37,17 @@ from pdserve.kernels.reference import (
 
 
 @triton.jit
+def _silu_mul(x_ptr, cols, mask, n_cols):
+    """The rounded ``silu(gate) * up`` at ``cols`` of one row (any tile shape), float32."""
+    g = tl.load(x_ptr + cols, mask=mask, other=0.0)
+    u = tl.load(x_ptr + n_cols + cols, mask=mask, other=0.0)
+    dt = g.dtype
+    gf = g.to(tl.float32)
+    s = (gf / (1.0 + tl.exp(-gf))).to(dt).to(tl.float32)
+    return (s * u.to(tl.float32)).to(dt).to(tl.float32)
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     x_ptr,
     out_ptr,
@@ -54,24 +65,21 @@ def _silu_and_mul_kernel(
 ):
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    u = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
-    dt = g.dtype
-    gf = g.to(tl.float32)
-    s = (gf / (1.0 + tl.exp(-gf))).to(dt).to(tl.float32)
-    y = (s * u.to(tl.float32)).to(dt)
-    if QUANT:  # fp8 out: the rounded product quantized per 128-column group, same pass
-        yq, scale = quantize_rows_e4m3(
-            tl.reshape(y.to(tl.float32), (BLOCK // GROUP, GROUP)), QMAX, ROUND_FIRST
-        )
-        qcols = tl.reshape(cols, (BLOCK // GROUP, GROUP))
-        tl.store(out_ptr + row * stride_o + qcols, yq, mask=qcols < n_cols)
+    x_row = x_ptr + row * stride_x
+    if QUANT:  # fp8 out: the rounded product quantized per 128-column group
+        # computed in a [groups, 128] tile from the start: no 1-D -> 2-D reshape (a
+        # layout change through shared memory)
         groups = tl.program_id(1) * (BLOCK // GROUP) + tl.arange(0, BLOCK // GROUP)
+        cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        mask = cols < n_cols
+        yq, scale = quantize_rows_e4m3(_silu_mul(x_row, cols, mask, n_cols), QMAX, ROUND_FIRST)
+        tl.store(out_ptr + row * stride_o + cols, yq, mask=mask)
         tl.store(qs_ptr + row * stride_qs + groups, scale, mask=groups * GROUP < n_cols)
     else:
-        tl.store(out_ptr + row * stride_o + cols, y, mask=mask)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        y = _silu_mul(x_row, cols, mask, n_cols)
+        tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _launch(x: torch.Tensor, out: torch.Tensor, out_scale: torch.Tensor | None) -> None:
