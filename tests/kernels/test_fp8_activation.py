@@ -26,6 +26,7 @@ import torch
 
 from _attn_helper import PagedKV
 from pdserve.kernels.activation import (
+    quantize_fp8,
     silu_and_mul,
     silu_and_mul_fp8,
     silu_and_mul_fp8_reference,
@@ -268,3 +269,23 @@ def test_rmsnorm_fp8_in_place(device: torch.device) -> None:
     assert z.data_ptr() == r.data_ptr() and torch.equal(z, z_want)
     _assert_same(got, want)
     assert torch.equal(got.high_precision(), want.high_precision())
+
+
+@pytest.mark.parametrize("shape", [(3, 256), (2, 5, 200), (4, 2048 + 64), (1, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_fp8_is_the_reference_quantization(
+    device: torch.device, shape: tuple[int, ...], dtype: torch.dtype
+) -> None:
+    """The one-launch quantization of a plain activation (a GEMM input no producer
+    quantized): torch's per-token per-128-channel values and scales, any leading shape,
+    partial last groups, more than one program per row."""
+    g = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(shape, generator=g) * 5).to(dtype).to(device)
+    got = quantize_fp8(x)
+    assert got.q.shape == x.shape and got.scale.shape == (*shape[:-1], -(-shape[-1] // 128))
+    assert got.dtype == dtype and got.hp is None
+    _assert_same(
+        Fp8Activation(got.q.reshape(-1, shape[-1]), got.scale.reshape(-1, got.scale.shape[-1]),
+                      dtype),
+        quantize_fp8_activation(x.reshape(-1, shape[-1])),
+    )  # fmt: skip

@@ -123,3 +123,29 @@ def test_fp8_gemm_compare_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert "Hopper" in by_phase["decode"]["gluon"]["skipped"]
     assert res["fp8_peak_flops"] is None and res["copy_Bps"] is None
     assert "fp8 GEMM, decode" in capsys.readouterr().out
+
+
+def test_fp8_linear_quantizes_a_plain_input_for_gluon(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefill-sized bf16 input (no quantizing producer: o_proj after attention) runs the
+    Gluon kernel on Hopper after one quantizing launch (``GLUON_QUANTIZE``), within the
+    kernels' tolerance of the Triton kernel that quantizes per tile; elsewhere, and with
+    ``GLUON_QUANTIZE`` off, the Triton kernel."""
+    from pdserve.layers import fp8
+
+    xq, w, ws = _operands(device, 64, 256, 384, 3)
+    x = xq.dequantize(torch.bfloat16)
+    calls = []
+    real = fp8_gemm_gluon.fp8_gemm_gluon
+    monkeypatch.setattr(fp8_gemm_gluon, "fp8_gemm_gluon", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(fp8, "GLUON_MIN_TOKENS", 32)
+    monkeypatch.setattr(fp8, "GLUON_QUANTIZE", False)
+    triton_out = fp8.fp8_linear(x, w, ws, None, 128, fused=True)
+    assert not calls
+    monkeypatch.setattr(fp8, "GLUON_QUANTIZE", True)
+    out = fp8.fp8_linear(x, w, ws, None, 128, fused=True)
+    on_hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    assert fp8_gemm_gluon.supported(x, w, 128, None, x.dtype, quantizable=True) == on_hopper
+    assert len(calls) == int(on_hopper)
+    torch.testing.assert_close(out.float(), triton_out.float(), atol=2e-2, rtol=2e-2)

@@ -11,6 +11,8 @@ FP8 output mode (:func:`silu_and_mul_fp8`, for a block-FP8 ``down_proj``): each
 program quantizes its rounded product per 128-column group (a 1024-column program
 holds eight whole groups) and writes float8_e4m3fn values and float32 scales, an
 :class:`~pdserve.kernels.reference.Fp8Activation`, instead of the ``x.dtype`` output.
+:func:`quantize_fp8` is the same quantization of a plain activation, for a block-FP8
+GEMM whose input has no quantizing producer.
 """
 
 from __future__ import annotations
@@ -80,6 +82,50 @@ def _silu_and_mul_kernel(
         mask = cols < n_cols
         y = _silu_mul(x_row, cols, mask, n_cols)
         tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr, q_ptr, qs_ptr, stride_x, stride_q, stride_qs, n_cols,
+    BLOCK: tl.constexpr,
+    QMAX: tl.constexpr = 448.0,
+    ROUND_FIRST: tl.constexpr = False,
+    GROUP: tl.constexpr = 128,
+    PDL: tl.constexpr = False,
+):  # fmt: skip
+    pdl_enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    groups = tl.program_id(1) * (BLOCK // GROUP) + tl.arange(0, BLOCK // GROUP)
+    cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    xq, scale = quantize_rows_e4m3(x, QMAX, ROUND_FIRST)
+    tl.store(q_ptr + row * stride_q + cols, xq, mask=mask)
+    tl.store(qs_ptr + row * stride_qs + groups, scale, mask=groups * GROUP < n_cols)
+
+
+def quantize_fp8(x: torch.Tensor) -> Fp8Activation:
+    """``x`` [..., K] quantized per token per 128 channels in one launch (what
+    :func:`~pdserve.kernels.reference.quantize_fp8_activation` gives): for a block-FP8
+    GEMM whose input has no quantizing producer."""
+    check_device(x, "quantize_fp8")
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((*x.shape[:-1], triton.cdiv(k, FP8_GROUP)), dtype=torch.float32,
+                        device=x.device)  # fmt: skip
+    rows = x2.shape[0]
+    if rows:
+        q2, s2 = q.view(-1, k), scale.view(rows, -1)
+        block = 1024  # eight whole groups a program
+        _quantize_kernel[(rows, triton.cdiv(k, block))](
+            x2, q2, s2, x2.stride(0), q2.stride(0), s2.stride(0), k,
+            BLOCK=block, QMAX=FP8_MAX, ROUND_FIRST=interpret_mode(), GROUP=FP8_GROUP,
+            num_warps=4, **pdl_args(x2.device),
+        )  # fmt: skip
+    return Fp8Activation(q, scale, x.dtype)
 
 
 def _launch(x: torch.Tensor, out: torch.Tensor, out_scale: torch.Tensor | None) -> None:

@@ -333,13 +333,16 @@ def _fp8_gemm_swap_kernel(
 
 
 def supported(x: torch.Tensor | Fp8Activation, w: torch.Tensor, scale_n: int,
-              bias: torch.Tensor | None, out_dtype: torch.dtype) -> bool:  # fmt: skip
+              bias: torch.Tensor | None, out_dtype: torch.dtype,
+              quantizable: bool = False) -> bool:  # fmt: skip
     """Whether :func:`fp8_gemm_gluon` takes these operands: Hopper, activations quantized
-    by their producer, weight scales over whole 128-row tiles, ``K`` a multiple of 16, no
-    bias, a 16-bit output."""
-    if not isinstance(x, Fp8Activation) or bias is not None or scale_n % BLOCK_N:
+    by their producer (``quantizable``: or a plain activation the caller will quantize),
+    weight scales over whole 128-row tiles, ``K`` a multiple of 16, no bias, a 16-bit
+    output."""
+    fp8 = isinstance(x, Fp8Activation)
+    if not (fp8 or quantizable) or bias is not None or scale_n % BLOCK_N:
         return False
-    cap = capability(x.q.device)
+    cap = capability(x.device)
     if cap is None or cap[0] != 9:
         return False
     return x.shape[-1] % 16 == 0 and out_dtype in (torch.bfloat16, torch.float16) and (

@@ -13,7 +13,8 @@ and runs the block-FP8 GEMM:
   Hopper (:func:`~pdserve.kernels.fp8_gemm_gluon.fp8_gemm_gluon`: the H200 measured it
   at 50-57% of the fp8 peak at 2K-16K tokens, faster than bf16 cuBLAS and than the
   Triton kernel at 2K+; smaller batches keep the Triton kernel, which the Gluon decode
-  kernel did not beat, RESULTS.md run 49); or for
+  kernel did not beat, RESULTS.md run 49), a plain input quantized first by one launch
+  (:func:`~pdserve.kernels.activation.quantize_fp8`, ``GLUON_QUANTIZE``); or for
   batches of at least ``SCALED_MM_MIN_TOKENS`` tokens ``torch._scaled_mm``'s blockwise
   recipe where this PyTorch and GPU support it (checked once per device against the
   reference, at the first such call; the Triton kernel otherwise, and always while a
@@ -51,6 +52,10 @@ from pdserve.layers.linear import Linear, MergedLinear
 SCALED_MM_MIN_TOKENS = 256
 GLUON_FP8 = True  # the Gluon FP8 tile kernel for prefill-sized batches (module docstring)
 GLUON_MIN_TOKENS = 1024
+# inputs no producer quantized (o_proj after attention, the DSA indexer's projections)
+# take the Gluon kernel too, after one quantizing launch, rather than the Triton kernel
+# that quantizes each x tile once per N tile (H100 run 85: 67 ms of an 8K glm5 prefill)
+GLUON_QUANTIZE = True
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -162,7 +167,11 @@ def fp8_linear(
     if GLUON_FP8 and tokens >= GLUON_MIN_TOKENS:
         from pdserve.kernels import fp8_gemm_gluon as g
 
-        if isinstance(x, Fp8Activation) and g.supported(x, weight, scale_rows, None, x.dtype):
+        if g.supported(x, weight, scale_rows, None, x.dtype, quantizable=GLUON_QUANTIZE):
+            if not isinstance(x, Fp8Activation):
+                from pdserve.kernels.activation import quantize_fp8
+
+                x = quantize_fp8(x)
             out = g.fp8_gemm_gluon(x, weight, scale_inv, scale_rows, x.dtype)
             return out + bias if bias is not None else out
     if tokens >= SCALED_MM_MIN_TOKENS and _scaled_mm_usable(x, weight, scale_rows):
