@@ -69,12 +69,13 @@ class RequestState:
                 row, zero, one if has_rows else None, nothing, tokens,
                 one if has_num else None, drafts if has_drafts else None,
             )  # fmt: skip
-        # the scratch row's last token placed as input 0, with and without drafts (the
-        # buffers are written anew by every step's prepare)
-        none = torch.empty(0, dtype=i64, device=dev)
-        slot = buf.drafts.dev[:1]
-        slot.fill_(-2)
-        self.place(buf, row, zero, 0, zero, zero, slot, none, none)
+        # the scratch row's last token placed as input 0, and with a drafter with drafts
+        # too (the buffers are written anew by every step's prepare)
+        if self.drafting:
+            none = torch.empty(0, dtype=i64, device=dev)
+            slot = buf.drafts.dev[:1]
+            slot.fill_(-2)
+            self.place(buf, row, zero, 0, zero, zero, slot, none, none)
         self.place(buf, row, zero, 0, zero, zero, None, None, None)
 
     def reset(self, rows: torch.Tensor, num_computed: torch.Tensor) -> None:
