@@ -11,6 +11,8 @@ Per row:
   input at a position past the tokens the host knows (``InputBatch.num_tokens``: the
   row's prompt and the tokens of the steps that landed) that is not a draft is that
   token. A synchronous step has none: its previous step landed before it was prepared.
+  (Without a drafter a prompt chunk's step writes its row's too, a value never read:
+  the row's inputs stay known to the host until it samples.)
 - ``drafts``: the drafts proposed after that step (-1: none). A draft the scheduler
   sends as -1 is read from here.
 - ``sampled`` / ``num_sampled``: that step's accepted tokens and their count (what the
