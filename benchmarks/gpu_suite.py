@@ -47,6 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from pdserve import LLM, SamplingParams  # noqa: E402
+from pdserve.profiling.kernel_compiles import compiled_variants, new_variants  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -249,6 +250,7 @@ def bench_decode(
     for _ in range(3):
         eng.step()
     _sync(_device(llm))
+    compiled0 = compiled_variants()
     times, sizes = [], []
     for _ in range(steps):
         sizes.append(len(eng.scheduler.running))
@@ -270,6 +272,8 @@ def bench_decode(
         "tok_s": batch / step,
         "graph_replay_ms": replay,
         "running_during_timing": [min(sizes), max(sizes)],  # must be [batch, batch]
+        # Triton variants compiled while timed (each a stall): must be none
+        "kernel_compiles": new_variants(compiled0, compiled_variants()),
         "async_scheduling": async_scheduling,
     }
     if kernels is not None:
@@ -774,6 +778,8 @@ def print_table(res: dict) -> None:
                 ran = r.get("running_during_timing")
                 if ran and ran != [r["batch"], r["batch"]]:
                     print(f"{'':>6} {'':>6} WARNING: {ran[0]}..{ran[1]} requests ran while timed")
+                if r.get("kernel_compiles"):
+                    print(f"{'':>6} {'':>6} WARNING: compiled {sorted(r['kernel_compiles'])} while timed")
         for r in res["decode"]:
             k = r.get("kernels")
             if k:

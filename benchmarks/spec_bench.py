@@ -69,6 +69,7 @@ from pdserve.frontend.processor import InputProcessor  # noqa: E402
 from pdserve.frontend.tokenizer import Tokenizer  # noqa: E402
 from pdserve.models import loader  # noqa: E402
 from pdserve.profiling.decode_roofline import DecodeByteModel, layer_index  # noqa: E402
+from pdserve.profiling.kernel_compiles import compiled_variants, new_variants  # noqa: E402
 from pdserve.profiling.prefill_flops import PrefillFlopModel  # noqa: E402
 from pdserve.profiling.step_profile import profile_step  # noqa: E402
 from pdserve.testing.checkpoint import make_checkpoint  # noqa: E402
@@ -118,6 +119,7 @@ def _decode(llm: LLM, tag: str, batch: int, prefix: list[int], out_tokens: int =
     replays0 = dg.replays if dg is not None else 0
     decode_start = None
     steps0 = None
+    compiled0: dict[str, set] = {}
     live: list[int] = []  # streams of this batch scheduled in each timed step
     full: list[float] = []  # durations of the timed steps that ran every stream
     full_tokens = 0  # the tokens the batch's streams gained in those steps
@@ -151,7 +153,9 @@ def _decode(llm: LLM, tag: str, batch: int, prefix: list[int], out_tokens: int =
                 last[o.request_id] = now
         if decode_start is None and len(first) == batch:
             decode_start, steps0 = now, eng.stats()
+            compiled0 = compiled_variants()
     after = eng.stats()
+    compiles = new_variants(compiled0, compiled_variants())
     assert decode_start is not None and steps0 is not None
     tpot = [(last[r] - first[r]) / (count[r] - 1) for r in ids]
     verifies = after.spec_num_drafts - steps0.spec_num_drafts
@@ -189,6 +193,8 @@ def _decode(llm: LLM, tag: str, batch: int, prefix: list[int], out_tokens: int =
         "draft_graph_replays": (dg.replays - replays0) if dg is not None else 0,
         "mean_accept_len": 1 + accepted / verifies if verifies else None,
         "prefix_hit_tokens": after.prefix_cache_hits - before.prefix_cache_hits,
+        # Triton variants compiled while timed (each a stall of 0.1-0.5 s): must be none
+        "kernel_compiles": compiles,
     }
 
 
@@ -611,6 +617,10 @@ def _table(res: dict[str, Any]) -> None:
                   f"  {r.get('step_x_mixed', 0):7.2f}"
                   f"  {r.get('roofline_tpot_ms', float('nan')):9.2f}  {r['live_min']:8d}"
                   f"  {100 * r['graph_share']:5.1f}  {acc:>10}")  # fmt: skip
+        for r in d["runs"]:
+            if r.get("kernel_compiles"):  # a stall inside the timed steps: the point is off
+                print(f"  ! k={r['k']}{r['policy'] or ''} rate {r['rate']} x{r['batch']} compiled"
+                      f" {sorted(r['kernel_compiles'])} while timed")  # fmt: skip
         for r in d["runs"]:
             p = r.get("profile")
             if not p:

@@ -269,7 +269,7 @@ def decode_prep_variants() -> list[Variant]:
         )  # fmt: skip
     out.append(
         Variant("post_update", _kernel("request_state", "_post_update_kernel"),
-                _fixed(HAS_NUM=True, HAS_ROWS=True, HAS_DRAFTS=True, DRAFTING=True, BLOCK_W=4,
+                _fixed(HAS_NUM=True, HAS_ROWS=True, HAS_DRAFTS=True, BLOCK_W=4,
                        BLOCK_K=4),
                 {n: "*i1" if n == "samples_ptr" else "*i64" for n in (
                     "rows_ptr", "nsched_ptr", "num_rows_ptr", "samples_ptr", "tokens_ptr",

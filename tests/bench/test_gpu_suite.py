@@ -46,6 +46,7 @@ def test_every_section_runs_on_the_cpu(
     assert [(r["batch"], r["ctx"]) for r in decode] == want
     for r in decode:
         assert r["running_during_timing"] == [r["batch"], r["batch"]]
+        assert r["kernel_compiles"] == {}  # nothing compiles on the CPU
         assert r["step_ms"] > 0 and r["roofline_ms"] > 0 and r["async_step_ms"] > 0
         assert r["graph_replay_ms"] > 0  # the replay of the last step's graph, timed
     assert {(b, 1, sizes.max_model_len) for b in (1, 2)} <= set(replayed)

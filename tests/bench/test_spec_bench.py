@@ -53,6 +53,7 @@ def test_spec_bench_cpu_smoke(
         else:
             assert r["profile"] is None
         assert r["steady_tpot_ms"] is None or r["steady_tpot_ms"] > 0
+        assert r["kernel_compiles"] == {}  # nothing compiles on the CPU
         assert r["roofline_mixed_step_ms"] >= r["roofline_step_ms"] * (1 - 1e-9) > 0
         assert r["step_tflop"] > 0
         if r["policy"] == "adaptive":  # the costs it weighed: graph timings, then used

@@ -4,36 +4,15 @@ sampling variant all reuse what the warm-up compiled."""
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
+from pdserve.profiling.kernel_compiles import compiled_variants, new_variants
 
 pytestmark = pytest.mark.gpu
-
-
-def compiled_variants() -> dict[str, set]:
-    """Compiled specialisations (their cache keys) of every Triton kernel of pdserve.kernels.
-
-    Triton is imported here, not at module level: importing it while the CPU suite is
-    being collected, before tests/kernels/conftest.py sets TRITON_INTERPRET, leaves
-    triton.language's own jit helpers uninterpreted for the kernel tests."""
-    from triton.runtime.jit import JITFunction
-
-    import pdserve.kernels
-
-    out: dict[str, set] = {}
-    for mod in pkgutil.iter_modules(pdserve.kernels.__path__):
-        m = importlib.import_module(f"pdserve.kernels.{mod.name}")
-        for name, obj in vars(m).items():
-            if isinstance(obj, JITFunction):
-                keys = {k for c in obj.device_caches.values() for k in c[0]}
-                out[f"{mod.name}.{name}"] = keys
-    return out
 
 
 def test_no_kernel_compiles_under_traffic(tiny_llama: Path) -> None:
@@ -57,6 +36,5 @@ def test_no_kernel_compiles_under_traffic(tiny_llama: Path) -> None:
         [{"prompt_token_ids": p} for p in prompts],
         [params[i % 3] for i in range(len(prompts))],
     )
-    after = compiled_variants()
-    new = {k: sorted(map(str, after[k] - before.get(k, set()))) for k in after}
-    assert not any(new.values()), {k: v for k, v in new.items() if v}
+    new = new_variants(before, compiled_variants())
+    assert not new, new
