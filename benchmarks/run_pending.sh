@@ -253,9 +253,14 @@ gpu_marked_modules() {
 }
 
 # Prints the table of a manifest and writes it as JSON ($2).
+# test_table MANIFEST JSON: the pass/fail table; then each module's log and JUnit XML go
+# into one archive beside the JSON (a call returns a limited number of files: run 86's
+# call, gpu1 after d10, lost most of them)
 test_table() {
   python3 benchmarks/pytest_table.py --manifest "$1" --json "$2"
-  echo "(logs and JUnit XML: \$OUT/tests/; table: $2)"
+  local logs="${2%.json}_logs.tgz"
+  (cd "$OUT/tests" && tar czf "$logs" --remove-files -- *.log *.xml 2>/dev/null)
+  echo "(logs and JUnit XML: $logs; table: $2)"
 }
 
 glm5_config() {  # glm5-m12-e64's weights (53 GB) do not fit the disk: drawn at load
