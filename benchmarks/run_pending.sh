@@ -102,8 +102,9 @@
 #       process per test module (a device-side assert fails only its own module), each
 #       under a timeout, until the call's deadline; each call prints a table first (per
 #       module: status, passed, failed, errors, skipped, seconds; then every failed test),
-#       and leaves each module's log and JUnit XML in $OUT/tests/ and the table in
-#       $OUT/gpu1_tests.json / gpu2_tests.json (benchmarks/pytest_table.py). gpu1: every
+#       and leaves the table in $OUT/gpu1_tests.json / gpu2_tests.json
+#       (benchmarks/pytest_table.py), each module's log and JUnit XML in
+#       $OUT/gpu1_tests_logs.tgz / gpu2_tests_logs.tgz. gpu1: every
 #       module of tests/kernels (they run on CUDA, compiled, where it is there). gpu2: the
 #       `-m gpu` tests of every other folder (kv_transfer, engine, models, and any that
 #       come), found by one collection pass; modules importing `openai` are left out where
