@@ -30,7 +30,8 @@ Sections (default: all):
   moe_fp8  the same cases with block-FP8 experts (float8_e4m3fn, 128x128 block scales):
            fused_experts_fp8 vs the bf16 fused_experts (its "torch_ms" column); bytes
            count one byte a weight. The bound's compute term still uses the bf16 matmul
-           rate (FP8's is about twice), so compute-bound rows understate x_bound
+           rate (FP8's is about twice), so compute-bound rows understate x_bound. At
+           prefill sizes (8+ pairs an expert) also "m128_ms": 128-row tiles, 16 warps
   router   the float32 router's selection for 256 experts, top-8 (n_group 1, and 8/4 as
            DeepSeek-V3.2 has it): router_select vs grouped_topk's tail, 64 and 4096 tokens
   indexer_prefill, indexer_verify
@@ -292,6 +293,9 @@ def run_moe(bw: float, peak: float, quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
+M128_TILES = (128, 128, 16)  # (BLOCK_M, down BLOCK_N, warps) beside _fp8_config's at prefill
+
+
 def run_moe_fp8(bw: float, peak: float, quick: bool) -> list[dict[str, Any]]:
     cases = [(64, 1), (64, 16), (64, 64), (64, 512), (64, 4096), (256, 1), (256, 64)]
     inter = MOE_INTER
@@ -313,12 +317,17 @@ def run_moe_fp8(bw: float, peak: float, quick: bool) -> list[dict[str, Any]]:
         timer = bench_graph if graph else bench
         ms = timer(partial(fused_experts_fp8, x, q13, s13, q2, s2, weights, ids))
         bf16_ms = timer(partial(fused_experts, x, w13, w2, weights, ids))
+        extra: dict[str, Any] = {}
+        if t * TOP_K >= 8 * e:  # prefill sizes: the bf16 kernel's 128-row tile too
+            extra["m128_ms"] = timer(partial(fused_experts_fp8, x, q13, s13, q2, s2, weights,
+                                             ids, tiles=M128_TILES))  # fmt: skip
+            extra["m128_tiles"] = list(M128_TILES)
         active = int(torch.unique(ids).numel())
         nbytes = active * 3 * HIDDEN * inter + t * HIDDEN * 2 * 2
         flops = 2 * t * TOP_K * 3 * HIDDEN * inter
         rows.append(
             _row(f"E{e} T{t} fp8", ms, bf16_ms, nbytes, flops, bw, peak,
-                 active_experts=active, graphed=graph)
+                 active_experts=active, graphed=graph, **extra)
         )  # fmt: skip
     return rows
 

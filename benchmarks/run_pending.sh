@@ -4,7 +4,7 @@
 # $OUT. Record the commit yourself: the device copy of the tree may carry a stale .git.
 #
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh d10 (first), g18, f11g, xfer
-#   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh s12|fp8s|moe|pdl|xfer
+#   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh s12|fp8s|moe|moe8|pdl|xfer
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh k10
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh p10
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh glm5-sla [mtp]
@@ -58,6 +58,8 @@
 #       if it helps (issue 30).
 # moe   benchmarks/prefill_sweep.py --sections moe: the fused MoE's tiles, now with the
 #       grouped program order (row blocks sweep the column tiles together), 512-16K tokens.
+# moe8  glm5_kernels_bench.py --sections moe_fp8: the FP8 fused MoE beside bf16 at 1-4096
+#       tokens, and at prefill sizes its 128-row, 16-warp tiles beside _fp8_config's
 # fp8s  the Gluon FP8 GEMMs' parity on the GPU (kernels/fp8_gemm_gluon.py, never run yet),
 #       benchmarks/fp8_gemm_compare.py (Triton, Gluon, bf16 cuBLAS at 1/16/64 rows against
 #       the copy rate; + Triton 128x128 tiles and torch._scaled_mm at 2K-16K tokens
@@ -137,7 +139,7 @@
 #       --enable-expert-parallel against one GPU, the same closed-loop load per rank
 #       (32 streams per GPU, 1024 in / 256 out): output tok/s per GPU and mean TPOT.
 set -uo pipefail
-stage="${1:?usage: run_pending.sh pdl2|h31|g18|g16|g17|f16|f17|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl-install|nixl|x2|dpep N}"
+stage="${1:?usage: run_pending.sh pdl2|h31|g18|g16|g17|f16|f17|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|moe8|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl-install|nixl|x2|dpep N}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 start=$(date +%s)
 source scripts/gpu-env
@@ -517,6 +519,11 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     [ "$t" -gt 60 ] && { timeout "$t" python3 benchmarks/prefill_sweep.py --sections moe \
       --budget-s $(( t - 30 )) --out "$OUT/moe_sweep.json" > "$OUT/moe_sweep.log" 2>&1
       sed -n '/^== /,$p' "$OUT/moe_sweep.log" | tail -40; }
+    ;;
+  moe8)  # the FP8 fused MoE beside the bf16 one, with 128-row FP8 tiles at prefill sizes
+    timeout 150 python3 benchmarks/glm5_kernels_bench.py --sections moe_fp8 \
+      --out "$OUT/moe_fp8.json" > "$OUT/moe_fp8.log" 2>&1
+    echo "glm5_kernels_bench moe_fp8: exit $?"; quiet < "$OUT/moe_fp8.log" | tail -12
     ;;
   moe)  # the fused MoE's tiles and program order (grouped: MoeConfig.group_m) at 512-16K tokens
     timeout 170 python3 benchmarks/prefill_sweep.py --sections moe --budget-s 150 \

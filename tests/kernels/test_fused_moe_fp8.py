@@ -75,6 +75,19 @@ def test_fused_experts_fp8_matches_reference(
     assert _rel(ref.cpu(), plain) < 0.1
 
 
+@pytest.mark.parametrize("tiles", [(128, 128, 16), (64, 128, 8), (16, 64, 4)])
+def test_fused_experts_fp8_any_tiles_match_reference(
+    device: torch.device, tiles: tuple[int, int, int]
+) -> None:
+    """The tile shapes a sweep tries (``tiles``) give the reference's output too (30 pairs
+    an expert: a 128-row block mostly padding; H and I off the 128 grid)."""
+    x, w13, w2, weights, ids = _problem(40, 4, 3, 200, 136, seed=9)
+    args = [a.to(device) for a in (*quantize_fp8_experts(w13, w2), weights, ids)]
+    out = fused_experts_fp8(x.to(device), *args, tiles=tiles)
+    ref = fused_experts_fp8_reference(x.to(device), *args)
+    assert _rel(out, ref) < (1e-5 if device.type == "cpu" else 1e-2)
+
+
 def test_fused_experts_fp8_chunks_long_batches(
     device: torch.device, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -213,7 +213,10 @@ def _fp8_config(num_pairs: int, num_experts: int) -> tuple[int, int, int]:
     64-row tiles take 8 warps: with 4, the gate/up kernel compiled for sm_90a spills
     (tools/sm90_report.py's compile, 2026-12-05: 255 registers and 976 bytes of spill
     stores with a bf16 x, 192 with a pre-quantized x; 8 warps: 252 / 233 registers, no
-    spills). Only 17-128 pairs per expert changed (they had 4); not yet timed on a GPU."""
+    spills). Only 17-128 pairs per expert changed (they had 4); not yet timed on a GPU.
+    128-row tiles compile with 16 warps at 128 registers and 8 bytes of spills (the same
+    report, 2026-12-06; 8 warps: 255 and 24), the bf16 kernel's prefill tile; timed
+    against these by ``glm5_kernels_bench.py --sections moe_fp8``."""
     per_expert = num_pairs / max(1, num_experts)
     if per_expert <= 16:  # decode: weight streaming, one 16-row block per expert
         return 16, 64, 4
@@ -268,12 +271,15 @@ def fused_experts_fp8(
     ids: torch.Tensor,
     out: torch.Tensor | None = None,
     add: torch.Tensor | None = None,
+    tiles: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """Routed experts' output [T, H] in ``x``'s dtype (bf16/fp16/fp32) with block-FP8
     expert weights: ``sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))``,
     ``e = ids[t, j]``, activations quantized per token per 128 channels (module doc),
     plus ``add`` [T, H] where given. An :class:`Fp8Activation` ``x`` (quantized once per
-    token by its producer) is read as it is; the output then has its ``dtype``."""
+    token by its producer) is read as it is; the output then has its ``dtype``.
+    ``tiles``: (BLOCK_M, the down kernel's BLOCK_N, num_warps) instead of
+    :func:`_fp8_config`'s (for sweeps)."""
     check_device(x.q if isinstance(x, Fp8Activation) else x, "fused_experts_fp8")
     _check(x, w13, w13_scale_inv, w2, w2_scale_inv)
     if out is None:
@@ -284,8 +290,9 @@ def fused_experts_fp8(
         extra = add[a:b] if add is not None else None
         xc = x.rows(a, b) if isinstance(x, Fp8Activation) else x[a:b]
         _fp8_chunk(
-            xc, w13, w13_scale_inv, w2, w2_scale_inv, weights[a:b], ids[a:b], out[a:b], extra
-        )
+            xc, w13, w13_scale_inv, w2, w2_scale_inv, weights[a:b], ids[a:b], out[a:b], extra,
+            tiles,
+        )  # fmt: skip
     return out
 
 
@@ -299,6 +306,7 @@ def _fp8_chunk(
     ids: torch.Tensor,
     out: torch.Tensor,
     add: torch.Tensor | None,
+    tiles: tuple[int, int, int] | None = None,
 ) -> None:
     t, h = x.shape
     k = ids.shape[1]
@@ -307,7 +315,7 @@ def _fp8_chunk(
     n = t * k
     if n == 0:
         return
-    bm, bn, warps = _fp8_config(n, num_experts)
+    bm, bn, warps = tiles or _fp8_config(n, num_experts)
     pairs, block_expert = align_pairs(ids, num_experts, bm)
     nb = block_expert.shape[0]
     interp = interpret_mode()
