@@ -28,6 +28,7 @@ start-up, so traffic compiles none of them.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from typing import Any
 
@@ -38,18 +39,16 @@ import triton.language as tl
 from pdserve.kernels._utils import check_device, next_pow2, pdl_args, pdl_enter
 
 
-def _runtime(*names: str) -> Any:
-    """``triton.jit`` that specialises none of ``names`` (ints: on 1 or a multiple of 16;
-    pointers: on 16-byte alignment)."""
-    return triton.jit(do_not_specialize=names, do_not_specialize_on_alignment=names)
+def _runtime(fn: Any) -> Any:
+    """``triton.jit`` that specialises none of ``fn``'s runtime (non-constexpr) arguments:
+    no int on being 1 or a multiple of 16, no pointer on 16-byte alignment."""
+    names = [
+        n for n, p in inspect.signature(fn).parameters.items() if "constexpr" not in str(p.annotation)
+    ]
+    return triton.jit(do_not_specialize=names, do_not_specialize_on_alignment=names)(fn)
 
 
-@_runtime(
-    "rows_ptr", "nsched_ptr", "num_rows_ptr", "samples_ptr", "tokens_ptr", "num_ptr",
-    "drafts_ptr", "last_ptr", "sampled_ptr", "num_sampled_ptr", "state_drafts_ptr",
-    "computed_ptr", "scratch", "w", "k", "stride_tok", "stride_din", "stride_sampled",
-    "stride_sdrafts",
-)  # fmt: skip
+@_runtime
 def _post_update_kernel(
     rows_ptr,
     nsched_ptr,
@@ -164,7 +163,7 @@ def post_update(
     )
 
 
-@_runtime("drafts_ptr", "rows_ptr", "state_drafts_ptr", "kd", "stride_dr", "stride_sd")
+@_runtime
 def _merge_drafts_kernel(
     drafts_ptr, rows_ptr, state_drafts_ptr, kd, stride_dr, stride_sd,
     BLOCK_K: tl.constexpr,
@@ -180,12 +179,7 @@ def _merge_drafts_kernel(
     tl.store(drafts_ptr + b * stride_dr + j, tl.maximum(tl.where(d == -1, s, d), -1), mask=ok)
 
 
-@_runtime(
-    "ids_ptr", "pos_ptr", "seq_ptr", "slots_ptr", "req_idx_ptr", "q_idx_ptr", "bt_ptr",
-    "rows_ptr", "nsched_ptr", "last_at_ptr", "last_req_ptr", "drafts_ptr", "draft_at_ptr",
-    "draft_flat_ptr", "last_tok_ptr", "computed_ptr", "num_tokens", "num_reqs", "num_last",
-    "num_drafts", "kd", "stride_bt", "stride_dr", "page", "p_tok", "p_req", "p_last",
-)  # fmt: skip
+@_runtime
 def _place_kernel(
     ids_ptr, pos_ptr, seq_ptr, slots_ptr, req_idx_ptr, q_idx_ptr, bt_ptr, rows_ptr,
     nsched_ptr, last_at_ptr, last_req_ptr, drafts_ptr, draft_at_ptr, draft_flat_ptr,

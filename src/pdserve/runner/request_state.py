@@ -62,22 +62,23 @@ class RequestState:
 
         dev, i64 = self.last_token.device, torch.int64
         row = torch.full((1,), self.scratch, dtype=i64, device=dev)
-        zero, one = torch.zeros_like(row), torch.ones_like(row)
-        tokens = torch.zeros((1, self.sampled.shape[1]), dtype=i64, device=dev)
-        drafts = torch.full((1, self.drafts.shape[1]), -1, dtype=i64, device=dev)
-        nothing = torch.zeros(1, dtype=torch.bool, device=dev)  # sampled nothing: scratch
-        for has_num, has_rows, has_drafts in post_update_variants() if self.drafting else ():
-            self.post_update(
-                row, zero, one if has_rows else None, nothing, tokens,
-                one if has_num else None, drafts if has_drafts else None,
-            )  # fmt: skip
-        # the scratch row's last token placed as input 0, and with a drafter with drafts
-        # too (the buffers are written anew by every step's prepare)
-        if self.drafting:
+        zero = torch.zeros_like(row)
+        if self.drafting:  # post_update's variants, and place with drafts
+            one = torch.ones_like(row)
+            tokens = torch.zeros((1, self.sampled.shape[1]), dtype=i64, device=dev)
+            drafts = torch.full((1, self.drafts.shape[1]), -1, dtype=i64, device=dev)
+            nothing = torch.zeros(1, dtype=torch.bool, device=dev)  # sampled nothing: scratch
+            for has_num, has_rows, has_drafts in post_update_variants():
+                self.post_update(
+                    row, zero, one if has_rows else None, nothing, tokens,
+                    one if has_num else None, drafts if has_drafts else None,
+                )  # fmt: skip
             none = torch.empty(0, dtype=i64, device=dev)
             slot = buf.drafts.dev[:1]
             slot.fill_(-2)
             self.place(buf, row, zero, 0, zero, zero, slot, none, none)
+        # the scratch row's last token placed as input 0 (the buffers are written anew by
+        # every step's prepare)
         self.place(buf, row, zero, 0, zero, zero, None, None, None)
 
     def reset(self, rows: torch.Tensor, num_computed: torch.Tensor) -> None:
