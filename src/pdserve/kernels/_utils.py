@@ -150,6 +150,28 @@ def quantize_rows_e4m3(a, QMAX: tl.constexpr, ROUND_FIRST: tl.constexpr):
 
 
 @triton.jit
+def group_tile(first, NUM: tl.constexpr, GROUP: tl.constexpr, n_cols):
+    """Groups ``first .. first + NUM - 1`` of a row as a [NUM, GROUP] tile: (their
+    indices [NUM], the tile's column indices, which columns are within ``n_cols``). A
+    quantizing kernel computes in this tile from the start: reshaping a 1-D row into it
+    is a layout change through shared memory (H100 runs 77 and 85)."""
+    groups = first + tl.arange(0, NUM)
+    cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    return groups, cols, cols < n_cols
+
+
+@triton.jit
+def store_fp8_groups(q_row, qs_row, y, groups, cols, mask, n_cols, QMAX: tl.constexpr,
+                     ROUND_FIRST: tl.constexpr, GROUP: tl.constexpr):  # fmt: skip
+    """The float32 tile ``y`` of :func:`group_tile` quantized group by group
+    (:func:`quantize_rows_e4m3`): values stored at ``q_row + cols``, scales at
+    ``qs_row + groups``."""
+    yq, scale = quantize_rows_e4m3(y, QMAX, ROUND_FIRST)
+    tl.store(q_row + cols, yq, mask=mask)
+    tl.store(qs_row + groups, scale, mask=groups * GROUP < n_cols)
+
+
+@triton.jit
 def dot_fp8(a_q, b, FP8_DOT: tl.constexpr):
     """``a_q @ b`` of two float8_e4m3fn tiles, float32 out: an FP8 MMA, or (``FP8_DOT``
     false: GPUs before sm_89) the same values through bf16."""

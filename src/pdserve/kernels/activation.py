@@ -23,13 +23,13 @@ import triton.language as tl
 
 from pdserve.kernels._utils import (
     check_device,
+    group_tile,
     interpret_mode,
     pdl_args,
     pdl_enter,
-    quantize_rows_e4m3,
+    store_fp8_groups,
 )
 from pdserve.kernels.reference import (
-    FP8_DTYPE,
     FP8_GROUP,
     FP8_MAX,
     Fp8Activation,
@@ -69,14 +69,12 @@ def _silu_and_mul_kernel(
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     if QUANT:  # fp8 out: the rounded product quantized per 128-column group
-        # computed in a [groups, 128] tile from the start: no 1-D -> 2-D reshape (a
-        # layout change through shared memory)
-        groups = tl.program_id(1) * (BLOCK // GROUP) + tl.arange(0, BLOCK // GROUP)
-        cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-        mask = cols < n_cols
-        yq, scale = quantize_rows_e4m3(_silu_mul(x_row, cols, mask, n_cols), QMAX, ROUND_FIRST)
-        tl.store(out_ptr + row * stride_o + cols, yq, mask=mask)
-        tl.store(qs_ptr + row * stride_qs + groups, scale, mask=groups * GROUP < n_cols)
+        groups, cols, mask = group_tile(
+            tl.program_id(1) * (BLOCK // GROUP), BLOCK // GROUP, GROUP, n_cols
+        )
+        store_fp8_groups(out_ptr + row * stride_o, qs_ptr + row * stride_qs,
+                         _silu_mul(x_row, cols, mask, n_cols), groups, cols, mask, n_cols,
+                         QMAX, ROUND_FIRST, GROUP)  # fmt: skip
     else:
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -95,13 +93,12 @@ def _quantize_kernel(
 ):  # fmt: skip
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
-    groups = tl.program_id(1) * (BLOCK // GROUP) + tl.arange(0, BLOCK // GROUP)
-    cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    mask = cols < n_cols
+    groups, cols, mask = group_tile(
+        tl.program_id(1) * (BLOCK // GROUP), BLOCK // GROUP, GROUP, n_cols
+    )
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    xq, scale = quantize_rows_e4m3(x, QMAX, ROUND_FIRST)
-    tl.store(q_ptr + row * stride_q + cols, xq, mask=mask)
-    tl.store(qs_ptr + row * stride_qs + groups, scale, mask=groups * GROUP < n_cols)
+    store_fp8_groups(q_ptr + row * stride_q, qs_ptr + row * stride_qs, x, groups, cols, mask,
+                     n_cols, QMAX, ROUND_FIRST, GROUP)  # fmt: skip
 
 
 def quantize_fp8(x: torch.Tensor) -> Fp8Activation:
@@ -113,19 +110,17 @@ def quantize_fp8(x: torch.Tensor) -> Fp8Activation:
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty((*x.shape[:-1], triton.cdiv(k, FP8_GROUP)), dtype=torch.float32,
-                        device=x.device)  # fmt: skip
+    act = Fp8Activation.empty(x.shape, x.dtype, x.device)
     rows = x2.shape[0]
     if rows:
-        q2, s2 = q.view(-1, k), scale.view(rows, -1)
+        q2, s2 = act.q.view(-1, k), act.scale.view(rows, -1)
         block = 1024  # eight whole groups a program
         _quantize_kernel[(rows, triton.cdiv(k, block))](
             x2, q2, s2, x2.stride(0), q2.stride(0), s2.stride(0), k,
             BLOCK=block, QMAX=FP8_MAX, ROUND_FIRST=interpret_mode(), GROUP=FP8_GROUP,
             num_warps=4, **pdl_args(x2.device),
         )  # fmt: skip
-    return Fp8Activation(q, scale, x.dtype)
+    return act
 
 
 def _launch(x: torch.Tensor, out: torch.Tensor, out_scale: torch.Tensor | None) -> None:
@@ -176,13 +171,9 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
 def silu_and_mul_fp8(x: torch.Tensor) -> Fp8Activation:
     """:func:`silu_and_mul` in the fp8 output mode: the ``x.dtype`` product quantized per
     token per 128 channels in the same pass (float8_e4m3fn values, float32 scales)."""
-    d = _half_width(x)
-    q = torch.empty((*x.shape[:-1], d), dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty(
-        (*x.shape[:-1], triton.cdiv(d, FP8_GROUP)), dtype=torch.float32, device=x.device
-    )
-    _launch(x, q, scale)
-    return Fp8Activation(q, scale, x.dtype)
+    act = Fp8Activation.empty((*x.shape[:-1], _half_width(x)), x.dtype, x.device)
+    _launch(x, act.q, act.scale)
+    return act
 
 
 def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:

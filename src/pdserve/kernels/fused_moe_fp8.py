@@ -321,8 +321,8 @@ def _fp8_chunk(
     interp = interpret_mode()
     stages = 1 if interp else 3
     fp8_dot = fp8_mma(x.device)
-    act = torch.empty(n, inter, dtype=FP8_DTYPE, device=x.device)
-    act_scale = torch.empty(n, triton.cdiv(inter, FP8_GROUP), dtype=torch.float32, device=x.device)
+    mid = Fp8Activation.empty((n, inter), x.dtype, x.device)  # the quantized SiLU-and-mul
+    act, act_scale = mid.q, mid.scale
     pre_q = isinstance(x, Fp8Activation)
     xv, xs = (x.q, x.scale) if isinstance(x, Fp8Activation) else (x, x)
     _gate_up_fp8_kernel[(nb, act_scale.shape[1])](

@@ -168,6 +168,18 @@ class Fp8Activation:
     dtype: torch.dtype  # the producer's (and the consumer's output) dtype
     hp: torch.Tensor | None = None
 
+    @classmethod
+    def empty(
+        cls, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, keep_hp: bool = False
+    ) -> Fp8Activation:
+        """Uninitialised buffers for a producer to write: ``q`` of ``shape``, its group
+        scales, and with ``keep_hp`` the ``dtype`` output too."""
+        q = torch.empty(shape, dtype=FP8_DTYPE, device=device)
+        groups = -(-shape[-1] // FP8_GROUP)
+        scale = torch.empty((*shape[:-1], groups), dtype=torch.float32, device=device)
+        hp = torch.empty(shape, dtype=dtype, device=device) if keep_hp else None
+        return cls(q, scale, dtype, hp)
+
     def rows(self, start: int, stop: int) -> Fp8Activation:
         """Rows ``start:stop`` of a 2-D activation (views)."""
         hp = self.hp[start:stop] if self.hp is not None else None

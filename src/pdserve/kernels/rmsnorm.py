@@ -31,14 +31,14 @@ import triton.language as tl
 
 from pdserve.kernels._utils import (
     check_device,
+    group_tile,
     interpret_mode,
     next_pow2,
     pdl_args,
     pdl_enter,
-    quantize_rows_e4m3,
+    store_fp8_groups,
 )
 from pdserve.kernels.reference import (
-    FP8_DTYPE,
     FP8_GROUP,
     FP8_MAX,
     Fp8Activation,
@@ -91,9 +91,7 @@ def _rmsnorm_kernel(
         # in-place use stays safe), through the same elementwise ops: the same rounded
         # output values, with no 1-D -> 2-D reshape (a layout change through shared
         # memory: H100 runs 77 and 85, the quantizing norm took ~5x the plain one's time)
-        groups = tl.arange(0, BLOCK // GROUP)
-        c2 = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-        m2 = c2 < n_cols
+        groups, c2, m2 = group_tile(0, BLOCK // GROUP, GROUP, n_cols)
         z2 = tl.load(x_ptr + row * stride_x + c2, mask=m2, other=0.0).to(tl.float32)
         if HAS_RES:
             r2 = tl.load(r_ptr + row * stride_r + c2, mask=m2, other=0.0).to(tl.float32)
@@ -101,9 +99,8 @@ def _rmsnorm_kernel(
         xn2 = (z2 * rstd).to(dt).to(tl.float32)
         w2 = tl.load(w_ptr + c2, mask=m2, other=0.0).to(tl.float32)
         y2 = (xn2 * w2).to(dt).to(tl.float32)
-        yq, scale = quantize_rows_e4m3(y2, QMAX, ROUND_FIRST)
-        tl.store(q_ptr + row * stride_q + c2, yq, mask=m2)
-        tl.store(qs_ptr + row * stride_qs + groups, scale, mask=groups * GROUP < n_cols)
+        store_fp8_groups(q_ptr + row * stride_q, qs_ptr + row * stride_qs, y2, groups, c2, m2,
+                         n_cols, QMAX, ROUND_FIRST, GROUP)  # fmt: skip
         # every thread's [groups, 128] loads before any 1-D store below, which may write
         # an element another thread loaded (in-place use: out=x, residual_out=residual)
         tl.debug_barrier()
@@ -176,21 +173,13 @@ def _launch(
     )
 
 
-def _fp8_out(x: torch.Tensor, keep_hp: bool) -> Fp8Activation:
-    n = x.shape[-1]
-    q = torch.empty(x.shape, dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty((*x.shape[:-1], -(-n // FP8_GROUP)), dtype=torch.float32, device=x.device)
-    hp = torch.empty(x.shape, dtype=x.dtype, device=x.device) if keep_hp else None
-    return Fp8Activation(q, scale, x.dtype, hp)
-
-
 def rmsnorm_fp8(
     x: torch.Tensor, weight: torch.Tensor, eps: float, keep_hp: bool = False
 ) -> Fp8Activation:
     """:func:`rmsnorm` in the fp8 output mode: the ``x.dtype`` output quantized per token
     per 128 channels in the same pass (fp8 values and float32 scales); ``keep_hp``: the
     ``x.dtype`` output written too (the activation's ``hp``)."""
-    act = _fp8_out(x, keep_hp)
+    act = Fp8Activation.empty(x.shape, x.dtype, x.device, keep_hp)
     _launch(x, None, weight, eps, act.hp, None, act)
     return act
 
@@ -209,7 +198,7 @@ def fused_add_rmsnorm_fp8(
         raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
     if residual_out is None:
         residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    act = _fp8_out(x, keep_hp)
+    act = Fp8Activation.empty(x.shape, x.dtype, x.device, keep_hp)
     _launch(x, residual, weight, eps, act.hp, residual_out, act)
     return act, residual_out
 
