@@ -51,3 +51,41 @@ def test_decode_step_has_no_host_sync(tiny_llama: Path, name: str) -> None:
     assert 0 < seen["post_update"].total <= most, format_table(seen["post_update"])
     eng.abort_requests([f"r{i}" for i in range(3)])
     eng.step()
+
+
+def test_synchronous_step_without_drafter_skips_the_state(tiny_llama: Path) -> None:
+    """At depth 0 without a drafter the next step's inputs are all known to the host, so
+    a decode step neither records itself in the request state nor uploads the
+    per-request device indices (the packed upload) or the sample mask; with one step in
+    flight it does both."""
+    llm = LLM(str(tiny_llama), dtype="float32", block_size=4, async_scheduling=False)
+    eng = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    for i in range(3):
+        eng.add_request(llm.processor.make_request(f"s{i}", [5, 6, 7, 8, 5, 6][: 4 + i], sp))
+    for _ in range(4):
+        eng.step()
+    buf, state = eng.runner.buffers, eng.runner.state
+    calls: list[str] = []
+
+    def spy(owner: Any, name: str) -> None:
+        fn = getattr(owner, name)
+
+        def wrapped(*a: Any, **k: Any) -> Any:
+            calls.append(name)
+            return fn(*a, **k)
+
+        setattr(owner, name, wrapped)
+
+    spy(state, "post_update")
+    spy(buf.packed, "upload_packed")
+    spy(buf.samples, "upload")
+    eng.step()
+    assert calls == []
+    eng.set_async_scheduling(True)
+    for _ in range(2):
+        eng.step()
+    assert calls.count("post_update") == 2 and calls.count("upload_packed") == 2
+    assert "upload" not in calls  # the sample mask only with a drafter
+    eng.abort_requests([f"s{i}" for i in range(3)])
+    eng.step()

@@ -368,6 +368,7 @@ def follower_main() -> None:
 def serve(runner: ModelRunner, tp: Group) -> None:
     """Mirror the leader's steps until it broadcasts the end (see the module docstring)."""
     pipeline = StepPipeline(runner)
+    pipeline.depth = 1  # the leader may broadcast a step before the one before lands
     handles: deque[StepHandle] = deque()
     with torch.inference_mode():
         while True:

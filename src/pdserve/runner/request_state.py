@@ -139,7 +139,7 @@ class RequestState:
         rows: torch.Tensor,  # [B]
         nsched: torch.Tensor,  # [B]
         num_rows: torch.Tensor | None,  # [B] tokens verified (drafts + 1); None: all 1
-        samples: torch.Tensor,  # [B] bool: the request sampled
+        samples: torch.Tensor | None,  # [B] bool: the request sampled (with a drafter)
         tokens: torch.Tensor,  # [B, w] accepted tokens (-1 past the count)
         num: torch.Tensor | None,  # [B] accepted counts; None: all 1
         drafts: torch.Tensor | None,  # [B, k] proposed for the next step
@@ -152,6 +152,7 @@ class RequestState:
         if not self.drafting:
             self.last_token.index_copy_(0, rows, _last(tokens, num))
             return None
+        assert samples is not None
         if self.fused:
             from pdserve.kernels.request_state import post_update
 

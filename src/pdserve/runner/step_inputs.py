@@ -19,7 +19,7 @@ from pdserve.core_types.utils import cdiv
 from pdserve.layers.attention import CommonAttentionMetadata
 from pdserve.layers.sampler import SamplingMetadata
 from pdserve.runner.input_batch import InputBatch
-from pdserve.runner.input_buffers import InputBuffers
+from pdserve.runner.input_buffers import PACKED_SEGMENTS, InputBuffers
 from pdserve.runner.request_state import RequestState, draft_slots
 from pdserve.runner.sampling_inputs import SamplingInputs
 
@@ -47,7 +47,7 @@ class StepInputs:
     num_rows: torch.Tensor  # [B] its logits rows
     first_token: torch.Tensor  # [B] token index of its first logits row
     next_ids: torch.Tensor  # [B] the known token after its last one, -1: none yet
-    sample_mask: torch.Tensor  # [B] bool: ``samples``
+    sample_mask: torch.Tensor | None  # [B] bool: ``samples`` (with a drafter)
     drafts: torch.Tensor | None  # [B, k] int64, when any request verifies drafts
     sampling: SamplingMetadata  # the masks phase adds the grammar bitmask and bad words
     step: int  # the runner's step number (rows added later are not this step's)
@@ -79,6 +79,7 @@ class StepPreparer:
         # set once a step's host->device copies are enqueued; the next step waits on it
         # before it rewrites the pinned staging buffers those copies read
         self._staging_free: torch.cuda.Event | None = None
+        self._nothing = torch.empty(0, dtype=torch.int64, device=device)
 
     def mark_staging_read(self) -> None:
         """Called once the step's last host->device copy is enqueued."""
@@ -92,7 +93,11 @@ class StepPreparer:
         if self._staging_free is not None:
             self._staging_free.synchronize()
 
-    def prepare(self, so: SchedulerOutput, step: int) -> StepInputs:
+    def prepare(self, so: SchedulerOutput, step: int, keep_state: bool = True) -> StepInputs:
+        """The step's inputs. ``keep_state``: the step will record itself in the request
+        state (its ``post_update``) because the next step may be prepared before it lands;
+        a synchronous step without a drafter does not, and then needs none of the
+        per-request device indices unless its inputs need the state (they never do)."""
         b, buf = self.batch, self.buf
         self.wait_staging()  # the previous step's uploads have been read
         req_ids = list(so.num_scheduled_tokens)
@@ -171,24 +176,30 @@ class StepPreparer:
         logits_idx = buf.logits_idx.upload(num_logit_rows) if num_logit_rows != t else None
         drafts = buf.drafts.upload(nreq) if spec else None
         samples = np.fromiter((r in so.sampling_req_ids for r in req_ids), bool, count=nreq)
-        buf.samples.np[:nreq] = samples
-        sample_mask = buf.samples.upload(nreq)
-        nxt = np.minimum(seq_lens, b.token_ids.shape[1] - 1)
-        next_ids = np.where(seq_lens < b.num_tokens[rows], b.token_ids[rows, nxt], -1)
-        # one upload: row_start | num_rows | first_token | next id | row | nsched, then
-        # the request state's indices (new rows, their computed counts; token indices
-        # whose input is the last sampled token, their request; draft slots, flat index)
-        new_rows = np.fromiter((b.row_of[n.req_id] for n in so.scheduled_new_reqs), np.int64)
-        per = buf.packed.upload_packed(
-            (row_start, nrows, first_tok, next_ids, rows, nsched, new_rows,
-             b.num_computed[new_rows], last_at, req_idx[last_at], draft_at, draft_flat)
-        )  # fmt: skip
-        if len(new_rows):
-            self.state.reset(per[6], per[7])
-        self.state.place(
-            buf, per[4], per[5], t, per[8], per[9], drafts,
-            per[10] if spec else None, per[11] if spec else None,
-        )  # fmt: skip
+        sample_mask = None
+        if self.state.drafting:  # the drafter's and the state's (rows that sampled)
+            buf.samples.np[:nreq] = samples
+            sample_mask = buf.samples.upload(nreq)
+        if self.state.drafting or spec or keep_state or len(last_at):
+            nxt = np.minimum(seq_lens, b.token_ids.shape[1] - 1)
+            next_ids = np.where(seq_lens < b.num_tokens[rows], b.token_ids[rows, nxt], -1)
+            # one upload: row_start | num_rows | first_token | next id | row | nsched,
+            # then the request state's indices (new rows, their computed counts; token
+            # indices whose input is the last sampled token, their request; draft slots,
+            # flat index)
+            new_rows = np.fromiter((b.row_of[n.req_id] for n in so.scheduled_new_reqs), np.int64)
+            per = buf.packed.upload_packed(
+                (row_start, nrows, first_tok, next_ids, rows, nsched, new_rows,
+                 b.num_computed[new_rows], last_at, req_idx[last_at], draft_at, draft_flat)
+            )  # fmt: skip
+            if len(new_rows):
+                self.state.reset(per[6], per[7])
+            self.state.place(
+                buf, per[4], per[5], t, per[8], per[9], drafts,
+                per[10] if spec else None, per[11] if spec else None,
+            )  # fmt: skip
+        else:  # nothing on the device reads them: empty, so a reader would fail loudly
+            per = [self._nothing] * PACKED_SEGMENTS
         uniform = int(nsched[0]) if bool((nsched == nsched[0]).all()) else None
         return StepInputs(
             req_ids,

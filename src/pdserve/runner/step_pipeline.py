@@ -18,8 +18,11 @@
 
 ``depth`` is how many launched steps stay in flight when :meth:`StepPipeline.step`
 returns: 0 (synchronous scheduling) lands each step at the end of its own call; 1
-(asynchronous) lands it in the land phase of the next call. A tensor-parallel follower
-runs phases 1-2 and 4-8 of every step its leader broadcasts (:meth:`launch`).
+(asynchronous) lands it in the land phase of the next call. At depth 0 without a
+drafter the update phase is skipped: the next step's inputs are all known to the host
+by the time it is prepared. A tensor-parallel follower runs phases 1-2 and 4-8 of every
+step its leader broadcasts (:meth:`launch`) at depth 1 (it may launch a step before the
+one before has landed).
 """
 
 from __future__ import annotations
@@ -124,7 +127,9 @@ class StepPipeline:
                 between()
             return StepHandle(None, path)
         start = _record(timing=True) if self.timed else None
-        inp = r.prep.prepare(so, self.steps)
+        # the state records this step only where the next may be prepared before it lands
+        keep_state = self.depth > 0 or r.state.drafting
+        inp = r.prep.prepare(so, self.steps, keep_state)
         hidden, logits, path = self.forward(inp, plan)
         prompt_plan = plan_prompt_logprobs(
             inp.req_ids,
@@ -148,10 +153,11 @@ class StepPipeline:
         tokens, num, lp = self.sample(inp, logits)
         top = self._top_logprobs(inp, logits, tokens.shape[1])
         drafts = self.propose(inp, hidden, tokens, num)
-        num_rows = inp.num_rows if inp.drafts is not None else None
-        r.state.post_update(
-            inp.rows_dev, inp.nsched_dev, num_rows, inp.sample_mask, tokens, num, drafts
-        )
+        if keep_state:
+            num_rows = inp.num_rows if inp.drafts is not None else None
+            r.state.post_update(
+                inp.rows_dev, inp.nsched_dev, num_rows, inp.sample_mask, tokens, num, drafts
+            )
         self.slot ^= 1
         host = self.host[self.slot]
         copied = copy_out(host, tokens, num, lp, drafts, top, scored, r.max_num_tokens)
@@ -303,6 +309,7 @@ class StepPipeline:
         dg = r.draft_graphs
         if dg is not None and r._graph_key in dg.graphs:
             key = r._graph_key
+            assert inp.sample_mask is not None  # uploaded wherever there is a drafter
             return dg.run(key, tokens, counts, inp.first_token, inp.next_ids, inp.sample_mask)
         b, buf = r.batch, r.buffers
         batch = DraftBatch(
