@@ -2,6 +2,8 @@
 # The GPU acceptance runs still open (issues 15, 17, 18, 19, 20, 21, 29), in device calls
 # of at most 10 minutes each; every stage prints its tables and leaves JSON and logs under
 # $OUT. Record the commit yourself: the device copy of the tree may carry a stale .git.
+# Two stages in one call: `export RUN_START=$(date +%s); bash ... A; bash ... B` (B's
+# deadlines then count from the call's start).
 #
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh d10 (first), g18, f11g, xfer
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh s12|fp8s|moe|moe8|pdl|xfer
@@ -141,7 +143,20 @@
 set -uo pipefail
 stage="${1:?usage: run_pending.sh pdl2|h31|g18|g16|g17|f16|f17|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|moe8|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl-install|nixl|x2|dpep N}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
-start=$(date +%s)
+# RUN_START (epoch seconds): where two stages share one call, export it once before both,
+# so the second one's deadlines count from the call's start, not its own
+start=${RUN_START:-$(date +%s)}
+# the device returns at most 8 files: at the end of a stage that left more than 6 loose
+# ones (its JSON, logs, per-module files), they go into one archive (pack_<stage>.tgz);
+# earlier archives stay as they are
+pack_out() {
+  local list=/tmp/pack_out.list
+  (cd "$OUT" && find . -type f ! -name '*.tgz' > $list
+   [ "$(wc -l < $list)" -gt 6 ] || exit 0
+   tar czf "pack_${stage}.tgz" -T $list && xargs rm -f < $list && find . -type d -empty -delete
+   echo "(\$OUT: $(wc -l < $list) files packed into pack_${stage}.tgz)")
+}
+trap pack_out EXIT
 source scripts/gpu-env
 echo "commit ${PDSERVE_COMMIT:-unknown} stage $stage"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
