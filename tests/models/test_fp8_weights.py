@@ -127,7 +127,10 @@ def test_glm5_fp8_checkpoint(tiny_glm5: Path, tmp_path: Path) -> None:
         )
     model, _ = load_model(q, "float32")
     attn = model.model.layers[1].self_attn
-    assert isinstance(attn.q_b_proj, Fp8Linear) and isinstance(attn.indexer.wk, Fp8Linear)
+    assert isinstance(attn.q_b_proj, Fp8Linear) and isinstance(attn.fused_qkv_a_proj, Fp8Linear)
+    # the indexer's wk is a part of the merged q_a | wk | kv_a GEMM
+    assert list(attn.fused_qkv_a_proj.parts) == ["q_a_proj", "indexer.wk", "kv_a_proj_with_mqa"]
+    assert attn.indexer.wk is None
     # MLA reads kv_b_proj whole: dequantized at load
     assert (
         not isinstance(attn.kv_b_proj, Fp8Linear) and attn.kv_b_proj.weight.dtype == torch.float32

@@ -2,10 +2,11 @@
 
     h = embed(tokens)
     for each layer i:
-        qr      = rmsnorm(q_a_proj(x))                 x = rmsnorm(h), the q-LoRA latent
+        a, ik, kv = [q_a_proj | indexer.wk | kv_a_proj_with_mqa](x)   one GEMM
+        qr      = rmsnorm(a)                           x = rmsnorm(h), the q-LoRA latent
         q       = q_b_proj(qr)                         per head: [nope | rope]
-        c, k_pe = kv_a_proj_with_mqa(x)                c normed: the cached latent
-        topk    = indexer(x, qr)   if layer i runs its indexer ("full"; DSA models)
+        c, k_pe = kv                                   c normed: the cached latent
+        topk    = indexer(x, qr, ik) if layer i runs its indexer ("full"; DSA models)
                   the previous full layer's topk       ("shared", GLM-5.2 index sharing)
         h      += o_proj(MLA(q, c, k_pe | topk))       MLA: absorbed attention over the cache
         h      += moe(rmsnorm(h))  or  mlp(...)        dense for the first layers
@@ -25,7 +26,8 @@ per expert in the checkpoint, stacked in memory; the router in float32.
 Tensor parallelism (``groups.tp`` of size n) splits the attention heads: ``q_b_proj``
 (or ``q_proj``) and ``kv_b_proj`` are column-parallel by heads, ``o_proj`` row-parallel.
 What every head shares is replicated on every rank: ``q_a_proj``, ``kv_a_proj_with_mqa``
-and their norms, the latent cache (each rank caches the full latent), and the DSA
+(merged with the indexer's ``wk`` into ``fused_qkv_a_proj``: they read the same input) and
+their norms, the latent cache (each rank caches the full latent), and the DSA
 indexer (its weights, its key cache and the top-k it picks; every rank computes the same).
 The dense MLP of the first layers and the MoE are split by intermediate dimension (see
 :mod:`pdserve.layers.moe`; the router is replicated), the embedding and LM head by
@@ -49,7 +51,7 @@ from pdserve.kernels.reference import Fp8Activation
 from pdserve.layers.attention.dsa import Indexer
 from pdserve.layers.attention.mla import MLAAttention
 from pdserve.layers.embedding import LMHead, VocabEmbedding
-from pdserve.layers.linear import Linear, Shard, checkpoint_entries, copy_checked
+from pdserve.layers.linear import Linear, MergedLinear, Shard, checkpoint_entries, copy_checked
 from pdserve.layers.moe import DenseMLP, MoE
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, tp_divide
@@ -79,8 +81,22 @@ class MLASelfAttention(nn.Module):
         self.dc = dc
         bias = hc.attention_bias
         what = "num_attention_heads x head size"  # divisible once the heads are
+        kv_a = dc.kv_lora_rank + dc.qk_rope_head_dim
+        # the indexer's key projection joins the merged GEMM where it has no bias (its
+        # checkpoint tensors have none)
+        merged_wk = full_indexer and not bias and dc.index_head_dim is not None
+        self.a_split: list[int] = []  # fused_qkv_a_proj's parts, in order
         if dc.q_lora_rank is not None:
-            self.q_a_proj = Linear(h, dc.q_lora_rank, bias=bias, dtype=dtype)
+            # q_a, the indexer's wk and kv_a read the same input: one GEMM (a decode step
+            # launches one small kernel, not three); kv_a last, so FP8 block scales stay
+            # whole 128-row blocks where q_lora_rank and index_head_dim are multiples
+            parts = {"q_a_proj": dc.q_lora_rank}
+            if merged_wk:
+                assert dc.index_head_dim is not None
+                parts["indexer.wk"] = dc.index_head_dim
+            parts["kv_a_proj_with_mqa"] = kv_a
+            self.fused_qkv_a_proj = MergedLinear(h, parts, bias=bias, dtype=dtype)
+            self.a_split = list(parts.values())
             self.q_a_layernorm = RMSNorm(dc.q_lora_rank, _LORA_EPS, dtype)
             self.q_b_proj = ColumnParallelLinear(
                 dc.q_lora_rank, heads * dc.qk_head_dim, dtype=dtype, tp=tp, what=what
@@ -89,9 +105,7 @@ class MLASelfAttention(nn.Module):
             self.q_proj = ColumnParallelLinear(
                 h, heads * dc.qk_head_dim, dtype=dtype, tp=tp, what=what
             )
-        self.kv_a_proj_with_mqa = Linear(
-            h, dc.kv_lora_rank + dc.qk_rope_head_dim, bias=bias, dtype=dtype
-        )
+            self.kv_a_proj_with_mqa = Linear(h, kv_a, bias=bias, dtype=dtype)
         self.kv_a_layernorm = RMSNorm(dc.kv_lora_rank, _LORA_EPS, dtype)
         self.kv_b_proj = ColumnParallelLinear(
             dc.kv_lora_rank,
@@ -125,6 +139,7 @@ class MLASelfAttention(nn.Module):
                 dc.index_topk,
                 dc.indexer_rope_interleave,
                 dtype,
+                own_wk=not merged_wk,
             )
 
     def forward(
@@ -139,20 +154,25 @@ class MLASelfAttention(nn.Module):
         neither scores nor writes its keys (MTP draft steps after the first, with
         ``index_share_for_mtp_iteration``)."""
         dc, t = self.dc, x.shape[0]
+        index_k = None  # the indexer's key projection, where it is merged
         if dc.q_lora_rank is not None:
-            qr = self.q_a_layernorm(self.q_a_proj(x))
+            a = self.fused_qkv_a_proj(x).split(self.a_split, dim=-1)  # row-strided views
+            kv = a[-1]
+            if len(a) == 3:
+                index_k = a[1]
+            qr = self.q_a_layernorm(a[0])
             q = self.q_b_proj(qr)
         else:
-            qr, q = x, self.q_proj(x)
+            qr, q, kv = x, self.q_proj(x), self.kv_a_proj_with_mqa(x)
         q = q.view(t, self.num_heads, dc.qk_head_dim)
         q_nope, q_pe = q.split([dc.qk_nope_head_dim, dc.qk_rope_head_dim], dim=-1)
         # q_pe's RoPE, the latent's norm, k_pe's RoPE (and, where the fused kernels are
         # on, this step's latent-cache rows: then latent and k_pe are None): one launch
         q_pe, latent, k_pe = self.attn.prepare(
-            q_pe, self.kv_a_proj_with_mqa(x), self.kv_a_layernorm, rope, dc.rope_interleave
+            q_pe, kv, self.kv_a_layernorm, rope, dc.rope_interleave
         )
         if self.indexer is not None and not reuse_topk:  # reads the norms' bf16 outputs
-            topk = self.indexer(_hp(x), _hp(qr), rope)
+            topk = self.indexer(_hp(x), _hp(qr), rope, index_k)
         else:
             topk = prev_topk
         out = self.attn(q_nope, q_pe, latent, k_pe, self.kv_b_proj.weight, topk)
@@ -340,13 +360,9 @@ class DeepseekV3ForCausalLM(CausalLM):
             assert isinstance(layer, DeepseekDecoderLayer)
             p, attn = f"model.layers.{i}.", layer.self_attn
             indexer = [p + "self_attn.indexer"] if attn.indexer is not None else []
-            q_in = "q_a_proj" if attn.dc.q_lora_rank is not None else "q_proj"
-            links.append(
-                (
-                    p + "input_layernorm",
-                    [p + f"self_attn.{q_in}", p + "self_attn.kv_a_proj_with_mqa"] + indexer,
-                )
-            )
+            a_in = ["fused_qkv_a_proj"] if attn.dc.q_lora_rank is not None else [
+                "q_proj", "kv_a_proj_with_mqa"]  # fmt: skip
+            links.append((p + "input_layernorm", [p + f"self_attn.{n}" for n in a_in] + indexer))
             if attn.dc.q_lora_rank is not None:
                 links.append((p + "self_attn.q_a_layernorm", [p + "self_attn.q_b_proj"] + indexer))
             mlp = layer.mlp
@@ -420,7 +436,12 @@ class DeepseekV3ForCausalLM(CausalLM):
         return {name: s for name, (_, s) in self._entries().items() if s is not None}
 
     def checkpoint_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return {n: (tuple(t.shape), t.dtype) for n, t in self._targets().items()}
+        """In the order random checkpoints draw them: each layer's as its modules were
+        before ``fused_qkv_a_proj`` merged three of them (:func:`_unmerged_order`), so
+        random and dummy weights stay those of earlier commits (benchmarks compare trees
+        on them)."""
+        targets = self._targets()
+        return {n: (tuple(targets[n].shape), targets[n].dtype) for n in _unmerged_order(targets)}
 
     def checkpoint_tensor_names(self) -> set[str]:
         return set(self._targets())
@@ -468,6 +489,39 @@ def _hp(x: torch.Tensor | Fp8Activation) -> torch.Tensor:
     """A producer's own-dtype output, also where it emits an FP8 activation for its FP8
     consumers (then it keeps that output beside it: ``fuse_fp8_activations``)."""
     return x.high_precision() if isinstance(x, Fp8Activation) else x
+
+
+# a merged part -> the tensor it followed when it was its own module (same layer)
+_DRAWN_AFTER = {
+    "self_attn.kv_a_proj_with_mqa.": "self_attn.q_b_proj.",
+    "self_attn.indexer.wk.": "self_attn.indexer.wq_b.",
+}
+
+
+def _unmerged_order(names: Iterable[str]) -> list[str]:
+    """``names`` (named-module order) with each part of a layer's ``fused_qkv_a_proj``
+    but its first moved back after the tensors it followed before the merge."""
+    moved: dict[str, list[str]] = {}  # anchor prefix -> the names that follow it
+    out: list[str] = []
+    for name in names:
+        head, part = _split_part(name)
+        if part is None:
+            out.append(name)
+        else:
+            moved.setdefault(head + _DRAWN_AFTER[part], []).append(name)
+    for anchor, group in moved.items():
+        at = max((i for i, n in enumerate(out) if n.startswith(anchor)), default=len(out) - 1)
+        out[at + 1 : at + 1] = group
+    return out
+
+
+def _split_part(name: str) -> tuple[str, str | None]:
+    """(the layer's prefix, the merged part ``name`` belongs to) or (name, None)."""
+    for part in _DRAWN_AFTER:
+        head, sep, _ = name.partition(part)
+        if sep:
+            return head, part
+    return name, None
 
 
 def _is_mtp(name: str, num_layers: int) -> bool:

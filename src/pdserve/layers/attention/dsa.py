@@ -107,6 +107,7 @@ class Indexer(nn.Module):
         rope_interleaved: bool,
         dtype: torch.dtype,
         cache_group: str = "indexer",
+        own_wk: bool = True,
     ) -> None:
         super().__init__()
         if rope_dim > head_dim:
@@ -117,7 +118,9 @@ class Indexer(nn.Module):
         self.topk = topk
         self.rope_interleaved = rope_interleaved
         self.wq_b = Linear(q_lora_rank, n_heads * head_dim, dtype=dtype)
-        self.wk = Linear(hidden_size, head_dim, dtype=dtype)
+        # own_wk=False: the caller computes x @ wk^T (merged with its own projections of
+        # x: GLM-5's fused_qkv_a_proj, which then holds the checkpoint's ``wk``)
+        self.wk = Linear(hidden_size, head_dim, dtype=dtype) if own_wk else None
         self.k_norm = LayerNorm(head_dim, eps=1e-6, dtype=dtype)
         self.weights_proj = Linear(hidden_size, n_heads, dtype=dtype)
         self.cache_group = cache_group
@@ -143,9 +146,19 @@ class Indexer(nn.Module):
             return IndexerTritonBackend()
         return IndexerTorchBackend()
 
-    def forward(self, x: torch.Tensor, qr: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        qr: torch.Tensor,
+        rope: RopeInputs,
+        k_proj: torch.Tensor | None = None,  # [T, D] x @ wk^T, where the caller computed it
+    ) -> torch.Tensor:
         """Top-k key positions [T, index_topk] for the tokens ``x`` (with MLA's ``qr``)."""
         t = x.shape[0]
+        if k_proj is None:
+            if self.wk is None:
+                raise ValueError("this indexer's wk is merged into its caller's projection")
+            k_proj = self.wk(x)
         r = self.rope_dim
         q = self.wq_b(qr).view(t, self.n_heads, self.head_dim)
         ctx = get_forward_context()
@@ -159,13 +172,13 @@ class Indexer(nn.Module):
             rt, kn = rope.rope, self.k_norm
             keys, k_scale = indexer_cache_views(cache, self.head_dim)
             q, weights = indexer_prepare(
-                q, self.wk(x), self.weights_proj(x), kn.weight, kn.bias, kn.eps,
+                q, k_proj, self.weights_proj(x), kn.weight, kn.bias, kn.eps,
                 rope.positions, rt.cos_cache[:, : r // 2], rt.sin_cache[:, : r // 2],
                 self.rope_interleaved, keys, c.slot_mapping[: c.num_actual_tokens], k_scale,
             )  # fmt: skip
             k = None
         else:
-            k = self.k_norm(self.wk(x))
+            k = self.k_norm(k_proj)
             q = torch.cat([rope.apply(q[..., :r], self.rope_interleaved), q[..., r:]], dim=-1)
             k_rot = rope.apply(k[:, None, :r], self.rope_interleaved)[:, 0]
             k = torch.cat([k_rot, k[:, r:]], dim=-1)
