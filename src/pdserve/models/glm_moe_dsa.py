@@ -500,28 +500,25 @@ _DRAWN_AFTER = {
 
 def _unmerged_order(names: Iterable[str]) -> list[str]:
     """``names`` (named-module order) with each part of a layer's ``fused_qkv_a_proj``
-    but its first moved back after the tensors it followed before the merge."""
-    moved: dict[str, list[str]] = {}  # anchor prefix -> the names that follow it
+    but its first moved back after the tensors it followed before the merge (one pass:
+    the merged layer comes before those tensors)."""
+    moved: dict[str, list[str]] = {}  # anchor (layer prefix + tensor prefix) -> names
     out: list[str] = []
-    for name in names:
-        head, part = _split_part(name)
-        if part is None:
-            out.append(name)
+    names = list(names)
+    for i, name in enumerate(names):
+        for part, anchor in _DRAWN_AFTER.items():
+            head, sep, _ = name.partition(part)
+            if sep:  # a merged part: drawn later
+                moved.setdefault(head + anchor, []).append(name)
+                break
         else:
-            moved.setdefault(head + _DRAWN_AFTER[part], []).append(name)
-    for anchor, group in moved.items():
-        at = max((i for i, n in enumerate(out) if n.startswith(anchor)), default=len(out) - 1)
-        out[at + 1 : at + 1] = group
-    return out
-
-
-def _split_part(name: str) -> tuple[str, str | None]:
-    """(the layer's prefix, the merged part ``name`` belongs to) or (name, None)."""
-    for part in _DRAWN_AFTER:
-        head, sep, _ = name.partition(part)
-        if sep:
-            return head, part
-    return name, None
+            out.append(name)
+            for anchor in _DRAWN_AFTER.values():
+                head, sep, _ = name.partition(anchor)
+                nxt = names[i + 1] if i + 1 < len(names) else ""
+                if sep and not nxt.startswith(head + anchor):  # the anchor's last tensor
+                    out += moved.pop(head + anchor, [])
+    return out + [n for group in moved.values() for n in group]
 
 
 def _is_mtp(name: str, num_layers: int) -> bool:
