@@ -20,7 +20,12 @@ from pdserve.kernels import _utils
 KERNELS = Path(pdserve.kernels.__file__).parent
 
 
-def test_pdl_is_on_where_possible_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("default", [True, False])
+def test_pdl_is_on_where_possible_unless_turned_off(
+    monkeypatch: pytest.MonkeyPatch, default: bool
+) -> None:
+    """``PDSERVE_PDL`` decides where it is set; else the serving model's default."""
+    monkeypatch.setattr(_utils, "_pdl_default", [default])
     monkeypatch.setenv(_utils.PDL_ENV, "yes")
     with pytest.raises(ValueError, match="must be 0 or 1"):
         _utils.pdl_args(torch.device("cpu"))
@@ -31,9 +36,24 @@ def test_pdl_is_on_where_possible_unless_turned_off(monkeypatch: pytest.MonkeyPa
             monkeypatch.setenv(_utils.PDL_ENV, mode)
         assert _utils.pdl_args(torch.device("cpu")) == {}  # no CUDA, or the interpreter
         if torch.cuda.is_available() and not _utils.interpret_mode():
-            want = torch.cuda.get_device_capability()[0] >= 9 and mode != "0"
+            on = default if mode is None else mode == "1"
+            want = torch.cuda.get_device_capability()[0] >= 9 and on
             got = _utils.pdl_args(torch.device("cuda"))
             assert got == ({"PDL": True, "launch_pdl": True} if want else {})
+
+
+def test_the_runner_takes_the_model_familys_default(
+    monkeypatch: pytest.MonkeyPatch, tiny_llama: Path, tiny_glm5: Path
+) -> None:
+    """Llama serves without dependent launches (they cost its GEMM-bound decode steps at
+    batch 16 and 64), GLM-5 with them, where ``PDSERVE_PDL`` does not say."""
+    from pdserve import LLM
+
+    monkeypatch.setattr(_utils, "_pdl_default", [True])
+    for ckpt, want in ((tiny_llama, False), (tiny_glm5, True)):
+        llm = LLM(str(ckpt), dtype="float32", max_model_len=64)
+        assert _utils._pdl_default == [want]
+        llm.engine.shutdown()
 
 
 def _launches_with_pdl(tree: ast.AST) -> set[str]:

@@ -77,20 +77,32 @@ def capability(device: torch.device) -> tuple[int, int] | None:
     return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
+_pdl_default = [True]  # where PDSERVE_PDL is unset (use_pdl_by_default)
+
+
+def use_pdl_by_default(on: bool) -> None:
+    """Whether :func:`pdl_args` launches dependently where ``PDSERVE_PDL`` is unset: the
+    model runner sets it, before its warm-up, from the model family's measured preference
+    (``CausalLM.pdl_pays``)."""
+    _pdl_default[0] = on
+
+
 def pdl_args(device: torch.device) -> dict[str, bool]:
     """Launch arguments for a kernel that starts with :func:`pdl_enter`: programmatic
     dependent launch (``launch_pdl``, and the kernel's ``PDL`` constexpr that makes it wait
     for its predecessor's memory before anything else) on a Hopper GPU with compiled
-    kernels unless ``PDSERVE_PDL=0``; empty otherwise (an ordinary launch). The kernel may
-    then be scheduled while the previous kernel on the stream still runs, so the launch
-    gap between the small kernels of a decode step (CUDA graphs keep the dependency)
-    overlaps the predecessor's tail: on the H200 it took glm5-m12-e64's 1 x 1K decode step
-    from 4.64 to 4.40 ms and 1 x 16K from 5.41 to 5.13 ms (RESULTS.md run 47)."""
-    mode = os.environ.get(PDL_ENV, "1")
-    if mode not in ("0", "1"):
+    kernels where ``PDSERVE_PDL=1``, or where it is unset and the serving model's family
+    gains from it (:func:`use_pdl_by_default`); empty otherwise (an ordinary launch). The
+    kernel may then be scheduled while the previous kernel on the stream still runs, so
+    the launch gap between the small kernels of a decode step (CUDA graphs keep the
+    dependency) overlaps the predecessor's tail: on the H200 it took glm5-m12-e64's 1 x 1K
+    decode step from 4.64 to 4.40 ms and 1 x 16K from 5.41 to 5.13 ms (RESULTS.md run 47)."""
+    mode = os.environ.get(PDL_ENV)
+    if mode not in (None, "0", "1"):
         raise ValueError(f"{PDL_ENV} must be 0 or 1 (got {mode!r})")
+    on = _pdl_default[0] if mode is None else mode == "1"
     cap = capability(device)
-    if mode != "1" or cap is None or cap[0] < 9 or interpret_mode():
+    if not on or cap is None or cap[0] < 9 or interpret_mode():
         return {}
     return {"PDL": True, "launch_pdl": True}
 

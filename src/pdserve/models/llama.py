@@ -168,6 +168,10 @@ class LlamaForCausalLM(CausalLM):
     """Llama 2/3 (and Qwen3 through :class:`Qwen3ForCausalLM`)."""
 
     qk_norm = False
+    # H100, llama-8b-shape decode (RESULTS.md runs 84, 90-93): dependent launches gave
+    # 0.7-3% at batch 1 and cost 1.4-1.7% at 16 and 64 (FP8: 1.4-5%), where the step
+    # is mostly cuBLAS GEMMs that do not launch their successors early
+    pdl_pays = False
 
     def __init__(
         self,

@@ -40,6 +40,9 @@ class CausalLM(nn.Module, ABC):
     # linears the model reads as raw weights, kept in the model dtype under FP8
     # quantization (dequantized at load; see pdserve.models.quantization)
     fp8_dense_modules: tuple[str, ...] = ()
+    # whether programmatic dependent launch pays on this family's decode path, where
+    # PDSERVE_PDL does not say (pdserve.kernels._utils.use_pdl_by_default)
+    pdl_pays = True
 
     def __init__(self, config: HFModelConfig, dtype: torch.dtype) -> None:
         super().__init__()

@@ -34,6 +34,7 @@ from pdserve.core_types.scheduler_output import SchedulerOutput
 from pdserve.core_types.utils import cdiv
 from pdserve.distributed.groups import ParallelGroups
 from pdserve.forward_context import KVCaches
+from pdserve.kernels._utils import use_pdl_by_default
 from pdserve.layers.moe import MoE
 from pdserve.layers.sampler import Sampler
 from pdserve.runner.cuda_graph import CudaGraphManager
@@ -94,6 +95,7 @@ class ModelRunner:
             **options,
         )
         self.model.eval()
+        use_pdl_by_default(self.model.pdl_pays)  # before anything is compiled or captured
         # expert parallelism: MoE layers are collectives, every step runs on every rank
         self.lockstep = self.groups.ep.size > 1 and any(
             isinstance(m, MoE) for m in self.model.modules()
