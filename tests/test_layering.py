@@ -14,6 +14,8 @@ only)."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -221,3 +223,22 @@ def test_no_source_file_over_600_lines() -> None:
         if (n := len(p.read_text().splitlines())) > 600
     }
     assert not long, long
+
+
+def test_no_triton_function_is_decorated_on_import_outside_kernel_use() -> None:
+    """``@triton.jit`` reads ``TRITON_INTERPRET`` when it decorates, at its module's
+    import, and the kernel tests set it first (tests/kernels/conftest.py): the engine,
+    runner, models and layers may import a kernel module with Triton functions only where
+    they launch it (inside a function), never at their own import."""
+    code = (
+        "import sys\n"
+        "import pdserve.cli, pdserve.frontend.llm, pdserve.engine.engine_core\n"
+        "import pdserve.runner.model_runner, pdserve.runner.step_pipeline\n"
+        "import pdserve.models.llama, pdserve.models.glm_moe_dsa\n"
+        "from triton.runtime.jit import JITFunction\n"
+        "print([m for m, mod in list(sys.modules.items()) if m.startswith('pdserve.kernels')"
+        " and any(isinstance(v, JITFunction) for v in vars(mod).values())])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

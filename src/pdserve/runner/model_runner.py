@@ -34,7 +34,6 @@ from pdserve.core_types.scheduler_output import SchedulerOutput
 from pdserve.core_types.utils import cdiv
 from pdserve.distributed.groups import ParallelGroups
 from pdserve.forward_context import KVCaches
-from pdserve.kernels._utils import use_pdl_by_default
 from pdserve.layers.moe import MoE
 from pdserve.layers.sampler import Sampler
 from pdserve.runner.cuda_graph import CudaGraphManager
@@ -70,6 +69,9 @@ class ModelRunner:
         proposer: Proposer | None = None,
         groups: ParallelGroups | None = None,
     ) -> None:
+        # imported here, not with the module: a kernel module's @triton.jit functions are
+        # decorated on import, which must come after TRITON_INTERPRET is set (tests/kernels)
+        from pdserve.kernels._utils import use_pdl_by_default
         from pdserve.models.loader import load_model
 
         self.config = config
