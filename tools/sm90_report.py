@@ -316,7 +316,7 @@ def decode_prep_variants() -> list[Variant]:
                     pointers, frozenset(), frozenset(), 4, 1, expect_no_spills=True,
                     max_shared_bytes=512)
         )  # fmt: skip
-    for pdl in (False, True):  # on Hopper (unless PDSERVE_PDL=0) decode kernels compile as the 2nd
+    for pdl in (False, True):  # on Hopper, where PDL is on, decode kernels compile as the 2nd
         out.append(
             Variant(f"moe_combine{'_pdl' if pdl else ''}", _kernel("moe_align", "_combine_kernel"),
                     _fixed(K=8, BLOCK=1024, HAS_ADD=True, PDL=pdl),

@@ -29,6 +29,13 @@ def interpret_mode() -> bool:
     return bool(triton.knobs.runtime.interpret)
 
 
+def rows_2d(t: torch.Tensor) -> torch.Tensor:
+    """``t`` [..., n] as a 2-D [rows, n] view with unit inner stride (copies only if it
+    must): what a row-wise kernel indexes with one row stride."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
 def check_device(t: torch.Tensor, what: str) -> None:
     """Refuse CPU tensors unless the interpreter is on (a compiled kernel would crash)."""
     if t.device.type != "cuda" and not interpret_mode():

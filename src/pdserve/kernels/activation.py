@@ -27,6 +27,7 @@ from pdserve.kernels._utils import (
     interpret_mode,
     pdl_args,
     pdl_enter,
+    rows_2d,
     store_fp8_groups,
 )
 from pdserve.kernels.reference import (
@@ -107,9 +108,7 @@ def quantize_fp8(x: torch.Tensor) -> Fp8Activation:
     GEMM whose input has no quantizing producer."""
     check_device(x, "quantize_fp8")
     k = x.shape[-1]
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = rows_2d(x)
     act = Fp8Activation.empty(x.shape, x.dtype, x.device)
     rows = x2.shape[0]
     if rows:
@@ -126,9 +125,7 @@ def quantize_fp8(x: torch.Tensor) -> Fp8Activation:
 def _launch(x: torch.Tensor, out: torch.Tensor, out_scale: torch.Tensor | None) -> None:
     check_device(x, "silu_and_mul")
     d = x.shape[-1] // 2
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = rows_2d(x)
     o2 = out.view(-1, d)
     rows = x2.shape[0]
     if rows == 0:

@@ -70,6 +70,7 @@ from pdserve.kernels._utils import (
     pdl_args,
     pdl_enter,
     quantize_rows_e4m3,
+    rows_2d,
 )
 from pdserve.kernels.reference import FP8_GROUP, FP8_MAX, Fp8Activation
 
@@ -277,9 +278,7 @@ def block_fp8_gemm(
             f"weight_scale_inv has shape {tuple(w_scale_inv.shape)}, expected "
             f"{(triton.cdiv(n, scale_n), k_blocks)} for {n}x{k} weights in {scale_n}x128 blocks"
         )
-    x2 = xv.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = rows_2d(xv)
     m = x2.shape[0]
     xs = x.scale.reshape(m, k_blocks) if isinstance(x, Fp8Activation) else x2
     if xs.stride(-1) != 1:

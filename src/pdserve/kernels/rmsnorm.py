@@ -36,6 +36,7 @@ from pdserve.kernels._utils import (
     next_pow2,
     pdl_args,
     pdl_enter,
+    rows_2d,
     store_fp8_groups,
 )
 from pdserve.kernels.reference import (
@@ -112,12 +113,6 @@ def _rmsnorm_kernel(
         tl.store(out_ptr + row * stride_o + cols, (xn * w).to(dt), mask=mask)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """2-D [rows, hidden] view with unit inner stride (copies only if it must)."""
-    t2 = t.reshape(-1, t.shape[-1])
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
-
-
 def _launch(
     x: torch.Tensor,
     residual: torch.Tensor | None,
@@ -133,12 +128,12 @@ def _launch(
     n = x.shape[-1]
     if weight.shape != (n,):
         raise ValueError(f"weight shape {tuple(weight.shape)} does not match hidden size {n}")
-    x2 = _rows(x)
+    x2 = rows_2d(x)
     rows = x2.shape[0]
     q2 = fp8.q.view(-1, n) if fp8 is not None else x2
     s2 = fp8.scale.view(rows, -1) if fp8 is not None else x2
     o2 = out.view(-1, n) if out is not None else q2
-    r2 = _rows(residual) if residual is not None else x2
+    r2 = rows_2d(residual) if residual is not None else x2
     ro2 = residual_out.view(-1, n) if residual_out is not None else o2
     if rows == 0:
         return

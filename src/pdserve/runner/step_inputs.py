@@ -180,7 +180,7 @@ class StepPreparer:
         if self.state.drafting:  # the drafter's and the state's (rows that sampled)
             buf.samples.np[:nreq] = samples
             sample_mask = buf.samples.upload(nreq)
-        if self.state.drafting or spec or keep_state or len(last_at):
+        if keep_state or spec or len(last_at):  # keep_state: always with a drafter
             nxt = np.minimum(seq_lens, b.token_ids.shape[1] - 1)
             next_ids = np.where(seq_lens < b.num_tokens[rows], b.token_ids[rows, nxt], -1)
             # one upload: row_start | num_rows | first_token | next id | row | nsched,
