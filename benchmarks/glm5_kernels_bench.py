@@ -31,7 +31,9 @@ Sections (default: all):
            fused_experts_fp8 vs the bf16 fused_experts (its "torch_ms" column); bytes
            count one byte a weight. The bound's compute term still uses the bf16 matmul
            rate (FP8's is about twice), so compute-bound rows understate x_bound. At
-           prefill sizes (8+ pairs an expert) also "m128_ms": 128-row tiles, 16 warps
+           prefill sizes (8+ pairs an expert) also "m128_ms": 128-row tiles, 16 warps;
+           "preq_ms": x quantized beforehand, as the model's FP8 norm hands it over (the
+           fp8 column includes the quantizing launch at prefill sizes)
   router   the float32 router's selection for 256 experts, top-8 (n_group 1, and 8/4 as
            DeepSeek-V3.2 has it): router_select vs grouped_topk's tail, 64 and 4096 tokens
   indexer_prefill, indexer_verify
@@ -86,6 +88,7 @@ from indexer_sections import (  # noqa: E402
 )
 
 from pdserve.kernels._utils import interpret_mode  # noqa: E402
+from pdserve.kernels.activation import quantize_fp8  # noqa: E402
 from pdserve.kernels.dsa_indexer import (  # noqa: E402
     SORT_FREE_MAX_WIDTH,
     indexer_logits,
@@ -317,7 +320,11 @@ def run_moe_fp8(bw: float, peak: float, quick: bool) -> list[dict[str, Any]]:
         timer = bench_graph if graph else bench
         ms = timer(partial(fused_experts_fp8, x, q13, s13, q2, s2, weights, ids))
         bf16_ms = timer(partial(fused_experts, x, w13, w2, weights, ids))
-        extra: dict[str, Any] = {}
+        # x as the model's FP8 path hands it over: quantized once by the norm before it
+        xq = quantize_fp8(x)
+        extra: dict[str, Any] = {
+            "preq_ms": timer(partial(fused_experts_fp8, xq, q13, s13, q2, s2, weights, ids))
+        }
         if t * TOP_K >= 8 * e:  # prefill sizes: the bf16 kernel's 128-row tile too
             extra["m128_ms"] = timer(partial(fused_experts_fp8, x, q13, s13, q2, s2, weights,
                                              ids, tiles=M128_TILES))  # fmt: skip

@@ -25,7 +25,9 @@ each token's k rows, chunks of ``CHUNK_TOKENS`` tokens), with FP8 operands:
   :func:`~pdserve.models.quantization.fuse_fp8_activations`), the gate/up kernel loads
   those fp8 rows and scales instead: no program quantizes ``x`` (each of the
   ``ceil(I/128)`` column programs of every expert block did, for each of a token's k
-  pairs).
+  pairs). A bf16 ``x`` at prefill sizes is quantized the same way by one
+  :func:`~pdserve.kernels.activation.quantize_fp8` launch first; at decode sizes (one
+  16-row block per expert) the kernel quantizes it in place.
 - **Accumulation**: each 128-wide K step's partial product is multiplied by the
   activation scale of its row and the weight scale of its column's block and added to a
   float32 accumulator (``BLOCK_K`` is the 128-channel group, so a K step never straddles
@@ -50,6 +52,7 @@ from pdserve.kernels._utils import (
     pdl_enter,
     quantize_rows_e4m3,
 )
+from pdserve.kernels.activation import quantize_fp8
 from pdserve.kernels.fused_moe import align_pairs
 from pdserve.kernels.moe_align import moe_combine
 from pdserve.kernels.reference import FP8_DTYPE, FP8_GROUP, FP8_MAX, Fp8Activation
@@ -316,6 +319,10 @@ def _fp8_chunk(
     if n == 0:
         return
     bm, bn, warps = tiles or _fp8_config(n, num_experts)
+    if bm > 16 and not isinstance(x, Fp8Activation):
+        # prefill sizes: quantize each token once here rather than in every one of the
+        # ceil(I/128) column programs of each of its k pairs' blocks (the same values)
+        x = quantize_fp8(x)
     pairs, block_expert = align_pairs(ids, num_experts, bm)
     nb = block_expert.shape[0]
     interp = interpret_mode()
