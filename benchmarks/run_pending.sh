@@ -61,7 +61,8 @@
 # moe   benchmarks/prefill_sweep.py --sections moe: the fused MoE's tiles, now with the
 #       grouped program order (row blocks sweep the column tiles together), 512-16K tokens.
 # moe8  glm5_kernels_bench.py --sections moe_fp8: the FP8 fused MoE beside bf16 at 1-4096
-#       tokens, and at prefill sizes its 128-row, 16-warp tiles beside _fp8_config's
+#       tokens, and at prefill sizes its 128-row, 16-warp tiles beside _fp8_config's, a
+#       pre-quantized x (the model's FP8 path) and the grouped program order
 # fp8s  the Gluon FP8 GEMMs' parity on the GPU (kernels/fp8_gemm_gluon.py, never run yet),
 #       benchmarks/fp8_gemm_compare.py (Triton, Gluon, bf16 cuBLAS at 1/16/64 rows against
 #       the copy rate; + Triton 128x128 tiles and torch._scaled_mm at 2K-16K tokens

@@ -75,12 +75,15 @@ def test_fused_experts_fp8_matches_reference(
     assert _rel(ref.cpu(), plain) < 0.1
 
 
-@pytest.mark.parametrize("tiles", [(128, 128, 16), (64, 128, 8), (16, 64, 4)])
+@pytest.mark.parametrize(
+    "tiles", [(128, 128, 16), (64, 128, 8), (16, 64, 4), (16, 64, 4, 3), (64, 128, 8, 2)]
+)
 def test_fused_experts_fp8_any_tiles_match_reference(
-    device: torch.device, tiles: tuple[int, int, int]
+    device: torch.device, tiles: tuple[int, ...]
 ) -> None:
-    """The tile shapes a sweep tries (``tiles``) give the reference's output too (30 pairs
-    an expert: a 128-row block mostly padding; H and I off the 128 grid)."""
+    """The tile shapes and program orders a sweep tries (``tiles``) give the reference's
+    output too (30 pairs an expert: a 128-row block mostly padding; H and I off the 128
+    grid; a row-block group of 3 leaves a partial group at the end)."""
     x, w13, w2, weights, ids = _problem(40, 4, 3, 200, 136, seed=9)
     args = [a.to(device) for a in (*quantize_fp8_experts(w13, w2), weights, ids)]
     out = fused_experts_fp8(x.to(device), *args, tiles=tiles)

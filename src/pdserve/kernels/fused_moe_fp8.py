@@ -39,6 +39,8 @@ captures in a CUDA graph. Reference: :func:`~pdserve.kernels.reference.fused_exp
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -47,6 +49,7 @@ from pdserve.kernels._utils import (
     check_device,
     dot_fp8,
     fp8_mma,
+    grouped_tile,
     interpret_mode,
     pdl_args,
     pdl_enter,
@@ -91,11 +94,11 @@ def _gate_up_fp8_kernel(
     QMAX: tl.constexpr,
     ROUND_FIRST: tl.constexpr,
     PRE_Q: tl.constexpr = False,
+    GROUP_M: tl.constexpr = 1,
     PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n = grouped_tile(GROUP_M)
     e = tl.load(block_expert_ptr + pid_m)
     if e >= 0:
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -169,11 +172,11 @@ def _down_fp8_kernel(
     BLOCK_N: tl.constexpr,
     GROUP: tl.constexpr,
     FP8_DOT: tl.constexpr,
+    GROUP_M: tl.constexpr = 1,
     PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n = grouped_tile(GROUP_M)
     e = tl.load(block_expert_ptr + pid_m)
     if e >= 0:
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -208,8 +211,20 @@ def _down_fp8_kernel(
         tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=ok[:, None] & n_ok[None, :])
 
 
-def _fp8_config(num_pairs: int, num_experts: int) -> tuple[int, int, int]:
-    """(BLOCK_M, the down kernel's BLOCK_N, num_warps). The gate/up kernel's N tile is the
+class Fp8MoeTiles(NamedTuple):
+    """Launch shape of both FP8 grouped GEMMs: rows a tile, the down kernel's column tile
+    (the gate/up kernel's is the 128-column group), warps, and the program order (``group_m``
+    > 1: that many row blocks sweep the column tiles together, as
+    :class:`~pdserve.kernels.fused_moe.MoeConfig`'s)."""
+
+    block_m: int
+    down_n: int
+    warps: int
+    group_m: int = 1
+
+
+def _fp8_config(num_pairs: int, num_experts: int) -> Fp8MoeTiles:
+    """The tiles for ``num_pairs`` (token, expert) pairs. The gate/up kernel's N tile is the
     128-column group and BLOCK_K the 128-channel group in both; M tiles stop at 64 so
     the gate/up kernel's two [BLOCK_M, 128] float32 accumulators stay in registers.
 
@@ -222,8 +237,8 @@ def _fp8_config(num_pairs: int, num_experts: int) -> tuple[int, int, int]:
     against these by ``glm5_kernels_bench.py --sections moe_fp8``."""
     per_expert = num_pairs / max(1, num_experts)
     if per_expert <= 16:  # decode: weight streaming, one 16-row block per expert
-        return 16, 64, 4
-    return 64, 128, 8
+        return Fp8MoeTiles(16, 64, 4)
+    return Fp8MoeTiles(64, 128, 8)
 
 
 def fp8_expert_scale_shapes(
@@ -274,15 +289,15 @@ def fused_experts_fp8(
     ids: torch.Tensor,
     out: torch.Tensor | None = None,
     add: torch.Tensor | None = None,
-    tiles: tuple[int, int, int] | None = None,
+    tiles: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """Routed experts' output [T, H] in ``x``'s dtype (bf16/fp16/fp32) with block-FP8
     expert weights: ``sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))``,
     ``e = ids[t, j]``, activations quantized per token per 128 channels (module doc),
     plus ``add`` [T, H] where given. An :class:`Fp8Activation` ``x`` (quantized once per
     token by its producer) is read as it is; the output then has its ``dtype``.
-    ``tiles``: (BLOCK_M, the down kernel's BLOCK_N, num_warps) instead of
-    :func:`_fp8_config`'s (for sweeps)."""
+    ``tiles``: the fields of an :class:`Fp8MoeTiles` (``group_m`` may be left out) instead
+    of :func:`_fp8_config`'s (for sweeps)."""
     check_device(x.q if isinstance(x, Fp8Activation) else x, "fused_experts_fp8")
     _check(x, w13, w13_scale_inv, w2, w2_scale_inv)
     if out is None:
@@ -309,7 +324,7 @@ def _fp8_chunk(
     ids: torch.Tensor,
     out: torch.Tensor,
     add: torch.Tensor | None,
-    tiles: tuple[int, int, int] | None = None,
+    tiles: tuple[int, ...] | None = None,
 ) -> None:
     t, h = x.shape
     k = ids.shape[1]
@@ -318,7 +333,7 @@ def _fp8_chunk(
     n = t * k
     if n == 0:
         return
-    bm, bn, warps = tiles or _fp8_config(n, num_experts)
+    bm, bn, warps, group_m = Fp8MoeTiles(*tiles) if tiles else _fp8_config(n, num_experts)
     if bm > 16 and not isinstance(x, Fp8Activation):
         # prefill sizes: quantize each token once here rather than in every one of the
         # ceil(I/128) column programs of each of its k pairs' blocks (the same values)
@@ -360,6 +375,7 @@ def _fp8_chunk(
         QMAX=FP8_MAX,
         ROUND_FIRST=interp,
         PRE_Q=pre_q,
+        GROUP_M=group_m,
         num_warps=warps,
         num_stages=stages,
         **pdl_args(xv.device),
@@ -388,6 +404,7 @@ def _fp8_chunk(
         BLOCK_N=bn,
         GROUP=FP8_GROUP,
         FP8_DOT=fp8_dot,
+        GROUP_M=group_m,
         num_warps=warps,
         num_stages=stages,
         **pdl_args(act.device),
