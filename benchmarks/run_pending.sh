@@ -507,7 +507,7 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     ;;
   p30)  # issue 30: glm5-m12-e64 decode at batch 1 x 1K / 16K against the roofline with
         # the profile (kernels a step, idle inside the replay), PDL on, then off
-    for pdl in 1 0; do
+    for pdl in ${P30_PDL-1 0}; do  # P30_PDL=1: the default only
       left=$(( start + 575 - $(date +%s) )); [ "$left" -gt 120 ] || break
       PDSERVE_PDL=$pdl timeout $(( left < 270 ? left : 270 )) python3 benchmarks/glm5_bench.py \
         --sections speed,profile --presets glm5-m12-e64 --long --no-peer --workdir /tmp/glm5 \
