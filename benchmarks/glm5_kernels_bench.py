@@ -33,8 +33,9 @@ Sections (default: all):
            rate (FP8's is about twice), so compute-bound rows understate x_bound. At
            prefill sizes (8+ pairs an expert) also "m128_ms": 128-row tiles, 16 warps;
            "preq_ms": x quantized beforehand, as the model's FP8 norm hands it over (the
-           fp8 column includes the quantizing launch at prefill sizes); "g8_ms": that
-           pre-quantized x with the default tile in a grouped program order (8 row blocks)
+           fp8 column includes the quantizing launch at prefill sizes); "g1_ms": that
+           pre-quantized x with the default tile in plain launch order (the default
+           groups 8 row blocks)
   router   the float32 router's selection for 256 experts, top-8 (n_group 1, and 8/4 as
            DeepSeek-V3.2 has it): router_select vs grouped_topk's tail, 64 and 4096 tokens
   indexer_prefill, indexer_verify
@@ -299,7 +300,7 @@ def run_moe(bw: float, peak: float, quick: bool) -> list[dict[str, Any]]:
 
 # beside _fp8_config's at prefill sizes: (BLOCK_M, down BLOCK_N, warps[, group_m])
 M128_TILES = (128, 128, 16)
-GROUPED_TILES = (64, 128, 8, 8)  # the default tile, 8 row blocks sweeping the columns together
+UNGROUPED_TILES = (64, 128, 8, 1)  # the default tile in launch order (default: groups of 8)
 
 
 def run_moe_fp8(bw: float, peak: float, quick: bool) -> list[dict[str, Any]]:
@@ -332,9 +333,9 @@ def run_moe_fp8(bw: float, peak: float, quick: bool) -> list[dict[str, Any]]:
             extra["m128_ms"] = timer(partial(fused_experts_fp8, x, q13, s13, q2, s2, weights,
                                              ids, tiles=M128_TILES))  # fmt: skip
             extra["m128_tiles"] = list(M128_TILES)
-            extra["g8_ms"] = timer(partial(fused_experts_fp8, xq, q13, s13, q2, s2, weights,
-                                           ids, tiles=GROUPED_TILES))  # fmt: skip
-            extra["g8_tiles"] = list(GROUPED_TILES)
+            extra["g1_ms"] = timer(partial(fused_experts_fp8, xq, q13, s13, q2, s2, weights,
+                                           ids, tiles=UNGROUPED_TILES))  # fmt: skip
+            extra["g1_tiles"] = list(UNGROUPED_TILES)
         active = int(torch.unique(ids).numel())
         nbytes = active * 3 * HIDDEN * inter + t * HIDDEN * 2 * 2
         flops = 2 * t * TOP_K * 3 * HIDDEN * inter

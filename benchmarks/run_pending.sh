@@ -185,17 +185,22 @@ llama_config() {
     --preset llama-8b-shape --out $cfg8b --config-only >/dev/null
 }
 # r11_run llama|glm5 baseline|current ROUND: one decode run of issue 31's speed check by
-# that tree's own script and src (.baseline/ from scripts/make-baseline)
+# that tree's own script and src (.baseline/ from scripts/make-baseline). R11_PIN=CPUS runs
+# each process on those cores only (taskset): runs 95-96's synchronous steps were bimodal
+# in both trees, the host's share 0.4 or 0.85 ms at batch 1 from one process to the next
 r11_run() {
-  local root=. name="r11_$2_$3"
+  local root=. name="r11_$2_$3" pin=()
   [ "$2" = baseline ] && root=.baseline
+  [ -n "${R11_PIN:-}" ] && pin=(taskset -c "$R11_PIN")
   if [ "$1" = llama ]; then
-    PYTHONPATH="/tmp/site:$PWD/$root/src" timeout 110 python3 $root/benchmarks/gpu_suite.py \
+    PYTHONPATH="/tmp/site:$PWD/$root/src" timeout 110 ${pin[@]+"${pin[@]}"} \
+      python3 $root/benchmarks/gpu_suite.py \
       --ckpt $ck --sections decode --batches 1,16,64 --contexts 1024 --attention-backend auto \
       --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
   else
     name="r11g_$2_$3"
-    PYTHONPATH="/tmp/site:$PWD/$root/src" timeout 140 python3 $root/benchmarks/glm5_bench.py \
+    PYTHONPATH="/tmp/site:$PWD/$root/src" timeout 140 ${pin[@]+"${pin[@]}"} \
+      python3 $root/benchmarks/glm5_bench.py \
       --sections speed --presets glm5-m12-e64 --no-peer --workdir /tmp/glm5 \
       --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
   fi

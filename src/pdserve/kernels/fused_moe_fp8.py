@@ -233,12 +233,16 @@ def _fp8_config(num_pairs: int, num_experts: int) -> Fp8MoeTiles:
     stores with a bf16 x, 192 with a pre-quantized x; 8 warps: 252 / 233 registers, no
     spills). Only 17-128 pairs per expert changed (they had 4); not yet timed on a GPU.
     128-row tiles compile with 16 warps at 128 registers and 8 bytes of spills (the same
-    report, 2026-12-06; 8 warps: 255 and 24), the bf16 kernel's prefill tile; timed
-    against these by ``glm5_kernels_bench.py --sections moe_fp8``."""
+    report, 2026-12-06; 8 warps: 255 and 24), the bf16 kernel's prefill tile, and are
+    slower (``glm5_kernels_bench.py --sections moe_fp8``, RESULTS.md runs 94-95).
+
+    From 17 pairs an expert, 8 row blocks sweep the column tiles together (H100, run 95,
+    64 experts top-8, a pre-quantized x: 512 tokens 1.162 -> 1.134 ms, 4,096 tokens
+    4.881 -> 4.568 ms)."""
     per_expert = num_pairs / max(1, num_experts)
     if per_expert <= 16:  # decode: weight streaming, one 16-row block per expert
         return Fp8MoeTiles(16, 64, 4)
-    return Fp8MoeTiles(64, 128, 8)
+    return Fp8MoeTiles(64, 128, 8, group_m=8)
 
 
 def fp8_expert_scale_shapes(
