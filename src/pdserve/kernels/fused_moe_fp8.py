@@ -231,7 +231,7 @@ def _fp8_config(num_pairs: int, num_experts: int) -> Fp8MoeTiles:
     64-row tiles take 8 warps: with 4, the gate/up kernel compiled for sm_90a spills
     (tools/sm90_report.py's compile, 2026-12-05: 255 registers and 976 bytes of spill
     stores with a bf16 x, 192 with a pre-quantized x; 8 warps: 252 / 233 registers, no
-    spills). Only 17-128 pairs per expert changed (they had 4); not yet timed on a GPU.
+    spills).
     128-row tiles compile with 16 warps at 128 registers and 8 bytes of spills (the same
     report, 2026-12-06; 8 warps: 255 and 24), the bf16 kernel's prefill tile, and are
     slower (``glm5_kernels_bench.py --sections moe_fp8``, RESULTS.md runs 94-95).
