@@ -280,9 +280,7 @@ def block_fp8_gemm(
         )
     x2 = rows_2d(xv)
     m = x2.shape[0]
-    xs = x.scale.reshape(m, k_blocks) if isinstance(x, Fp8Activation) else x2
-    if xs.stride(-1) != 1:
-        xs = xs.contiguous()
+    xs = rows_2d(x.scale) if isinstance(x, Fp8Activation) else x2
     dtype = out_dtype or x.dtype
     if m == 0:
         return xv.new_empty(*lead, n, dtype=dtype)
