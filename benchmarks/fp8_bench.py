@@ -27,6 +27,8 @@ Measured in one call, on the card it runs on:
            the step's routing took, the latent rows DSA reads, the indexer keys); each
            engine's bytes are its own (FP8 weights and KV for the fp8 variant);
            Llama's points also carry the top kernels of 5 profiled steps (``kernels``)
+           and the step with one step in flight, the engine's default (``async_ratio``,
+           printed ``a1.23`` after the synchronous ``x`` ratio)
   prefill  one 8K and one 16K prompt: tok/s, and its matmul FLOPs over the bf16 and the
            FP8 peak (the compute roofline: ``roofline_s`` at the variant's own peak),
            timed around ``generate`` (16K is two chunks of the 8K token budget); Llama
@@ -190,9 +192,14 @@ def _path(graph_steps: int, steps: int) -> str:
 
 
 def _decode_dense(llm: LLM, batch: int, ctx: int, limits: dict) -> dict:
-    r = bench_decode(llm, batch, ctx, limits, steps=12, profile=True)  # + the top kernels
+    """Synchronous steps (the replay and the top kernels are read from them), then the
+    same point with one step in flight, the engine's default scheduling (``async_*``: as
+    gpu_suite reports it; the glm5 points time the default)."""
+    r = bench_decode(llm, batch, ctx, limits, steps=12, profile=True)
     if "skipped" not in r:
         r["path"] = "eager" if r.get("graph_replay_ms") is None else "graph"
+        ra = bench_decode(llm, batch, ctx, limits, steps=12, async_scheduling=True)
+        r["async_step_ms"], r["async_ratio"] = ra.get("step_ms"), ra.get("ratio")
     return r
 
 
@@ -325,6 +332,8 @@ def _cell(r: dict) -> str:
         return "skipped"
     roof = r.get("roofline_ms")
     ratio = f" x{r['ratio']:.2f}" if roof else ""
+    if r.get("async_ratio"):  # sync step, then the async one's ratio
+        ratio += f" a{r['async_ratio']:.2f}"
     return f"{r['step_ms']:.2f}/{roof or 0:.2f} ms{ratio} {r['path']}"
 
 

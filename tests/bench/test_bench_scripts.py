@@ -259,6 +259,7 @@ def test_fp8_bench(tmp_path: Path) -> None:
         if model == "llama-8b-shape":
             assert all(r["prefill_step"]["share_of_fp8_peak"] > 0 for r in v.values())
             assert all(d["kernels"]["kernels_per_step"] > 0 for r in v.values() for d in r["decode"])
+            assert all(d["async_ratio"] > 0 for r in v.values() for d in r["decode"])
     assert "offline out tok/s" in done.stdout and "decode 2x24" in done.stdout
     assert "fp8 prefill" in done.stdout and "profile (ms)" in done.stdout
 
