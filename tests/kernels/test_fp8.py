@@ -127,8 +127,8 @@ def test_fused_split_sum_equals_the_separate_sum(device: torch.device, pre_q: bo
     """``fused_sum`` (each tile's last split adds the partials) gives the bits of the
     separate :func:`splitk_sum` launch, with and without bias, launch after launch (the
     counters go back to zero), for partial edge tiles in M and N."""
-    from pdserve.kernels.fp8_gemm import tile_counters
     from pdserve.kernels.reference import Fp8Activation
+    from pdserve.kernels.split_counters import split_counters
 
     m, n, k = 20, 80, 640  # 2 x 3 tiles of 16 x 32, 5 K blocks in 3 splits
     g = torch.Generator().manual_seed(11)
@@ -144,7 +144,7 @@ def test_fused_split_sum_equals_the_separate_sum(device: torch.device, pre_q: bo
         assert fused.dtype == torch.bfloat16 and torch.equal(fused, two), i
         ref = block_fp8_matmul_reference(x.float(), wq, ws, bias).float()
         assert _rel(fused, ref) < 1e-2
-    counters = tile_counters(wq.device, 6)
+    counters = split_counters(wq.device, 6)
     assert counters is not None and int(counters.abs().sum()) == 0
 
 

@@ -20,10 +20,9 @@ producer quantizes the bf16 output exactly as the kernel would.
 
 Decode batches have few rows, so the N tiles alone cannot occupy the GPU; the K range is
 then split over several programs (split-K) that store float32 partials. By default the
-same launch adds them up (``fused_sum``): each program counts its arrival on its tile's
-counter (an int32 per tile in a buffer kept per device, zero between launches) and the
-last to arrive sums the tile's partials in split order, adds the bias and casts, then
-zeroes the counter; no second kernel, no wait on a kernel boundary. Without it, one small
+same launch adds them up (``fused_sum``): the last of a tile's splits to finish sums the
+tile's partials in split order, adds the bias and casts (:mod:`pdserve.kernels.split_counters`);
+no second kernel, no wait on a kernel boundary. Without it, one small
 kernel does the same sum (:func:`splitk_sum`: one launch where torch's ``sum``, bias add
 and cast were two or three). Both give the same bits.
 The grid depends only on shapes (no host sync), so the launch can be captured in a CUDA
@@ -79,6 +78,7 @@ from pdserve.kernels._utils import (
     rows_2d,
 )
 from pdserve.kernels.reference import FP8_GROUP, FP8_MAX, Fp8Activation
+from pdserve.kernels.split_counters import arrive, release, split_counters
 
 GROUP_K = FP8_GROUP
 
@@ -199,16 +199,11 @@ def _sum_if_last(
     parts_ptr, y_ptr, bias_ptr, cnt_ptr, offs_m, offs_n, m_ok, n_ok, stride_ps, stride_pm,
     stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
-    """Count this split's arrival on its tile's counter once every thread of the program
-    has stored its partial; the program that arrives last (whichever split it is) adds
-    the tile's partials in split order, as :func:`splitk_sum` does (the same float32
-    values in the same order: the same result bit for bit), adds the bias, casts, stores
-    and sets the counter back to 0 for the next launch. Partials are read from L2 (``.cg``:
-    other multiprocessors wrote them)."""
-    tl.debug_barrier()
+    """The tile's last split (:mod:`pdserve.kernels.split_counters`) adds the tile's
+    partials in split order, as :func:`splitk_sum` does (the same float32 values in the
+    same order: the same result bit for bit), adds the bias, casts and stores."""
     splits = tl.num_programs(2)
-    arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
-    if arrived == splits - 1:
+    if arrive(cnt_ptr, splits):
         mask = m_ok[:, None] & n_ok[None, :]
         at = offs_m[:, None].to(tl.int64) * stride_pm + offs_n[None, :]
         total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -219,7 +214,7 @@ def _sum_if_last(
             total += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         y = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
         tl.store(y, total.to(y_ptr.dtype.element_ty), mask=mask)
-        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
+        release(cnt_ptr)
 
 
 def choose_splits(m_tiles: int, n_tiles: int, k_blocks: int, sms: int) -> int:
@@ -296,24 +291,6 @@ def resolve_fp8_gemm_config(
     )
 
 
-_TILE_COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}
-
-
-def tile_counters(dev: torch.device, tiles: int) -> torch.Tensor | None:
-    """The device's per-tile arrival counters for ``fused_sum`` (int32, zero between
-    launches: each launch's last programs set theirs back), at least ``tiles`` of them;
-    None while a CUDA graph is being captured and none were made yet (the caller then
-    sums in a separate launch; the eager warm-up before a capture makes them)."""
-    key = (dev.type, dev.index)
-    buf = _TILE_COUNTERS.get(key)
-    if buf is None or buf.numel() < tiles:
-        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        buf = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=dev)
-        _TILE_COUNTERS[key] = buf
-    return buf
-
-
 def block_fp8_gemm(
     x: torch.Tensor | Fp8Activation,
     w: torch.Tensor,
@@ -363,7 +340,7 @@ def block_fp8_gemm(
     dev = xv.device
     counters = None
     if splits > 1 and not atomic and cfg.fused_sum:
-        counters = tile_counters(dev, m_tiles * n_tiles)
+        counters = split_counters(dev, m_tiles * n_tiles)
     if atomic:
         out = torch.zeros(1, m, n, dtype=torch.float32, device=dev)
     elif splits == 1:
