@@ -136,18 +136,15 @@ def bench_gemm(
     limits: dict, dev: torch.device, shape: tuple[int, int], tokens: tuple[int, ...]
 ) -> list[dict]:
     """down_proj's FP8 GEMM (``shape`` = (n, k)) at each token count: Triton (x bf16, and
-    x pre-quantized; that again with the split-K partials summed by a second launch,
-    ``_2l``, the default before each tile's last split summed them), scaled_mm and bf16
-    against the byte roofline. Up to
+    x pre-quantized), scaled_mm and bf16 against the byte roofline. Up to
     ``GRAPH_MAX_TOKENS`` rows every GEMM is replayed from a CUDA graph (``timing``)."""
-    from pdserve.kernels.fp8_gemm import Fp8GemmConfig, block_fp8_gemm, scaled_mm_block_fp8
+    from pdserve.kernels.fp8_gemm import block_fp8_gemm, scaled_mm_block_fp8
     from pdserve.kernels.reference import quantize_fp8_activation, quantize_fp8_blocks
 
     n, k = shape
     w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
     wq, ws = quantize_fp8_blocks(w, (128, 128))
     bw = limits["copy_bandwidth_Bps"]
-    two_launches = Fp8GemmConfig(fused_sum=False)  # split partials summed by a second launch
     out = []
     for m in tokens:
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
@@ -158,9 +155,6 @@ def bench_gemm(
         row["triton_fp8_ms"] = timer(lambda x=x: block_fp8_gemm(x, wq, ws), dev)
         xa = quantize_fp8_activation(x)  # as a fused producer hands it over
         row["triton_fp8_prequant_ms"] = timer(lambda xa=xa: block_fp8_gemm(xa, wq, ws), dev)
-        row["triton_fp8_prequant_2l_ms"] = timer(
-            lambda xa=xa: block_fp8_gemm(xa, wq, ws, config=two_launches), dev
-        )
         try:
             row["scaled_mm_fp8_ms"] = timer(
                 lambda x=x: scaled_mm_block_fp8(x, wq, ws, torch.bfloat16), dev
@@ -353,14 +347,14 @@ def print_table(res: dict) -> None:
     g0 = (res.get("gemm") or [{"n": 0, "k": 0}])[0]
     title = f"gemm {g0['n']}x{g0['k']}"
     print(
-        f"{title:<18} {'bf16 ms':>9} {'triton ms':>10} {'prequant':>9} {'pq 2 lnch':>10}"
-        f" {'scaled_mm':>10} {'fp8 roof':>9}"
+        f"{title:<18} {'bf16 ms':>9} {'triton ms':>10} {'prequant':>9} {'scaled_mm':>10}"
+        f" {'fp8 roof':>9}"
     )
     for g in res.get("gemm", []):
         sm = g.get("scaled_mm_fp8_ms")
         print(
             f"{g['tokens']:>18} {g['bf16_ms']:>9.3f} {g['triton_fp8_ms']:>10.3f}"
-            f" {g['triton_fp8_prequant_ms']:>9.3f} {g['triton_fp8_prequant_2l_ms']:>10.3f}"
+            f" {g['triton_fp8_prequant_ms']:>9.3f}"
             f" {'n/a' if sm is None else f'{sm:.3f}':>10} {g['fp8_roofline_ms']:>9.3f}"
             f"  {g['timing']}"
         )

@@ -22,15 +22,12 @@ Variants (fields of ``Fp8GemmConfig``; see the kernel module's docstring):
                output with atomics (no partial buffer, no separate sum kernel). Not
                bitwise deterministic (last float32 bits vary run to run).
   g<N>         group_m: grouped (L2-swizzled) tile order, for large M only.
-  +2l          fused_sum off: the K splits' partials summed by a second launch
-               (splitk_sum) instead of by each tile's last split (the default).
 
 Grid (each point is one resolved config; ``k`` below is the number of K splits):
   M <= 64     block_m as the heuristic (16/32/64), block_n 32/64/128/256, warps 4/8,
               stages 2/3/4/5, the heuristic's splits for that tile; then, for the best 3
               of those per shape and M: splits 0.5x/1x/2x of the heuristic's x the
-              variants base, +wo, +at, +wo+at; +2l at
-              the heuristic's splits
+              variants base, +wo, +at, +wo+at
   M 256       block_m 64/128, block_n 128/256, warps 4/8, stages 2-5, heuristic splits;
               then for the best 3: splits 1/1x/2x, with and without +at
   M >= 1024   block_m 64/128, block_n 128/256, warps 4/8, stages 2-5, no split, group_m
@@ -175,8 +172,6 @@ def label(cfg: Fp8GemmConfig) -> str:
         s += " +wo"
     if cfg.atomic_splits and (cfg.num_splits or 1) > 1:
         s += " +at"
-    elif cfg.fused_sum is False and (cfg.num_splits or 1) > 1:
-        s += " +2l"
     return s
 
 
@@ -193,7 +188,6 @@ def compile_key(cfg: Fp8GemmConfig) -> tuple:
         cfg.weight_only,
         cfg.atomic_splits and split,
         split,
-        split and not cfg.atomic_splits and cfg.fused_sum is not False,
     )
 
 
@@ -237,7 +231,6 @@ def refinements(base: Fp8GemmConfig, m: int, k: int, cpu: bool) -> list[Fp8GemmC
             replace(base, weight_only=True),
             replace(base, atomic_splits=True),
             replace(base, weight_only=True, atomic_splits=True),
-            replace(base, fused_sum=False),
         ]
     h = base.num_splits or 1
     out = []
@@ -247,8 +240,6 @@ def refinements(base: Fp8GemmConfig, m: int, k: int, cpu: bool) -> list[Fp8GemmC
                 for at in (False, True):
                     if not (at and s == 1):
                         out.append(replace(base, num_splits=s, weight_only=wo, atomic_splits=at))
-            if s == h > 1:  # the heuristic's splits, summed by a second launch
-                out.append(replace(base, num_splits=s, fused_sum=False))
     elif m < LARGE_M:
         for s in sorted({1, h, min(kb, 2 * h)}):
             for at in (False, True):

@@ -79,7 +79,7 @@ def _mla_consts(cfg_name: str, split: bool) -> Callable[[], dict[str, Any]]:
         cfg = getattr(sparse_mla, cfg_name)
         return dict(NUM_HEADS=64, LAT=512, ROPE=64, BLOCK_L=512, BLOCK_R=64, PAGE=64,
                     BLOCK_HH=cfg.block_h, BLOCK_N=cfg.block_n, HAS_TOPK=True, SPLIT=split,
-                    FUSED=split, EVEN=True, DOT_PREC="tf32", UPCAST=False)  # fmt: skip
+                    EVEN=True, DOT_PREC="tf32", UPCAST=False)  # fmt: skip
 
     return consts
 
@@ -95,7 +95,6 @@ _MLA_PTRS = {
     "qlat_ptr": "*bf16", "qpe_ptr": "*bf16", "cache_ptr": "*bf16", "bt_ptr": "*i32",
     "seq_lens_ptr": "*i32", "qsl_ptr": "*i32", "req_ptr": "*i64", "qidx_ptr": "*i64",
     "topk_ptr": "*i64", "out_ptr": "*bf16", "ws_o_ptr": "*fp32", "ws_lse_ptr": "*fp32",
-    "cnt_ptr": "*i32",
 }  # fmt: skip
 _MLA_INTS = frozenset({"stride_qlt", "stride_qlh", "stride_qpt", "stride_qph", "stride_cb",
                        "stride_cs", "stride_tk", "stride_ot", "stride_oh", "num_cand_k"})  # fmt: skip
@@ -496,32 +495,7 @@ def variants() -> list[Variant]:
                            frozenset({"stride_lt", "stride_ot", "K"}), frozenset(),
                            _select_warps(width), 1, expect_no_spills=not hist))  # fmt: skip
     return (out + mla_prefill_variants() + mla_gluon_variants() + fp8_gluon_variants()
-            + decode_prep_variants() + split_combine_variants())
-
-
-def split_combine_variants() -> list[Variant]:
-    """Kernels whose splits combine in the launch (kernels/split_counters.py): Llama-8B's
-    split decode attention (4 query heads a KV head, head dim 128) and the block-FP8 GEMM
-    of a decode batch splitting K (16 x 128 tiles, the partials summed by the tile's last
-    split). The attention kernel spilled ~310 bytes before the combine too (368 with it);
-    the GEMM must have none."""
-    att = dict(G=4, NUM_HEADS=32, HEAD_D=128, BLOCK_D=128, PAGE=16, BLOCK_M=16, BLOCK_N=64,
-               USE_DOT=True, SPLIT=True, DOT_PREC="tf32", UPCAST=False, FUSED=True)
-    gemm = dict(SCALE_N=128, BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, FP8_DOT=True, QMAX=448.0,
-                ROUND_FIRST=False, PRE_Q=True, FUSED_SUM=True, HAS_BIAS=False)
-    return [
-        Variant("decode_attn_split", _kernel("decode_attention", "_decode_kernel"),
-                _fixed(**att), {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16",
-                "bt_ptr": "*i32", "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "ws_o_ptr": "*fp32",
-                "ws_lse_ptr": "*fp32", "cnt_ptr": "*i32"}, frozenset({"stride_qt", "stride_kb",
-                "stride_vb", "stride_bt", "stride_ot"}), frozenset({"qk_scale"}), 4, 2,
-                notes="spills ~310 bytes without the combine as well (the loop's tiles)"),
-        Variant("fp8_gemm_splitk", _kernel("fp8_gemm", "_block_fp8_gemm_kernel"), _fixed(**gemm),
-                {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32",
-                 "out_ptr": "*fp32", "y_ptr": "*bf16", "bias_ptr": "*bf16", "cnt_ptr": "*i32"},
-                frozenset({"K", "stride_xm", "stride_wn", "stride_os", "stride_om"}),
-                frozenset(), 4, 3, expect_no_spills=True),
-    ]  # fmt: skip
+            + decode_prep_variants())
 
 
 def _ptxas() -> Path:

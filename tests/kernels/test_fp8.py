@@ -122,52 +122,20 @@ def test_block_fp8_gemm_configs_match_reference(
     assert _rel(out, ref) < tol
 
 
-@pytest.mark.parametrize("pre_q", [False, True], ids=["bf16-x", "prequantized-x"])
-def test_fused_split_sum_equals_the_separate_sum(device: torch.device, pre_q: bool) -> None:
-    """``fused_sum`` (each tile's last split adds the partials) gives the bits of the
-    separate :func:`splitk_sum` launch, with and without bias, launch after launch (the
-    counters go back to zero), for partial edge tiles in M and N."""
-    from pdserve.kernels.reference import Fp8Activation
-    from pdserve.kernels.split_counters import split_counters
-
-    m, n, k = 20, 80, 640  # 2 x 3 tiles of 16 x 32, 5 K blocks in 3 splits
-    g = torch.Generator().manual_seed(11)
-    wq, ws = quantize_fp8_blocks(torch.randn(n, k, generator=g) * 0.05, (128, 128))
-    wq, ws = wq.to(device), ws.to(device)
-    base = Fp8GemmConfig(block_m=16, block_n=32, num_splits=3, num_warps=4)
-    for i, bias in enumerate((None, torch.randn(n, generator=g).to(device), None)):
-        x = torch.randn(m, k, generator=g).to(device, torch.bfloat16)
-        xin = Fp8Activation(*quantize_fp8_groups(x.float()), torch.bfloat16) if pre_q else x
-        fused = block_fp8_gemm(xin, wq, ws, bias=bias, config=base)
-        two = block_fp8_gemm(xin, wq, ws, bias=bias, config=Fp8GemmConfig(
-            block_m=16, block_n=32, num_splits=3, num_warps=4, fused_sum=False))  # fmt: skip
-        assert fused.dtype == torch.bfloat16 and torch.equal(fused, two), i
-        ref = block_fp8_matmul_reference(x.float(), wq, ws, bias).float()
-        assert _rel(fused, ref) < 1e-2
-    counters = split_counters(wq.device, 6)
-    assert counters is not None and int(counters.abs().sum()) == 0
-
-
 def test_fp8_gemm_config_defaults_are_the_heuristic(device: torch.device) -> None:
     """``None`` fields resolve to the heuristic (llama-8b down_proj on 132 SMs), and an
     empty config launches exactly what no config does."""
     down = resolve_fp8_gemm_config(1, 4096, 14336, 132)  # split-K: 128-wide tiles
-    assert down == Fp8GemmConfig(16, 128, 4, 3, 9, 1, False, False, fused_sum=True)
+    assert down == Fp8GemmConfig(16, 128, 4, 3, 9, 1, False, False)
     gate_up = resolve_fp8_gemm_config(1, 28672, 4096, 132)  # 224 tiles of 128: no split
-    assert gate_up == Fp8GemmConfig(16, 64, 4, 3, 1, 1, False, False, fused_sum=True)
-    assert resolve_fp8_gemm_config(8192, 4096, 14336, 132) == Fp8GemmConfig(
-        64, 128, 4, 3, 1, 1, fused_sum=True
-    )
+    assert gate_up == Fp8GemmConfig(16, 64, 4, 3, 1, 1, False, False)
+    assert resolve_fp8_gemm_config(8192, 4096, 14336, 132) == Fp8GemmConfig(64, 128, 4, 3, 1, 1)
     # 64 rows splitting K: 256-wide tiles on 8 warps, about one program a multiprocessor
-    assert resolve_fp8_gemm_config(64, 4096, 14336, 132) == Fp8GemmConfig(
-        64, 256, 8, 3, 9, 1, fused_sum=True
-    )
+    assert resolve_fp8_gemm_config(64, 4096, 14336, 132) == Fp8GemmConfig(64, 256, 8, 3, 9, 1)
     assert resolve_fp8_gemm_config(20, 256, 256, 4, Fp8GemmConfig(num_splits=5)).num_splits == 2
     assert resolve_fp8_gemm_config(64, 4096, 14336, 132, Fp8GemmConfig(block_n=256)) == (
-        Fp8GemmConfig(64, 256, 4, 3, 16, 1, fused_sum=True)  # 16 tiles: 17 splits, 16 at most
+        Fp8GemmConfig(64, 256, 4, 3, 16, 1)  # 16 tiles: 17 splits wanted, 16 at most
     )
-    two = resolve_fp8_gemm_config(1, 4096, 14336, 132, Fp8GemmConfig(fused_sum=False))
-    assert two.fused_sum is False
     with pytest.raises(ValueError, match="power of two"):
         Fp8GemmConfig(block_n=48)
     g = torch.Generator().manual_seed(3)

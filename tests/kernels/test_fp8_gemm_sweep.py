@@ -42,8 +42,6 @@ def test_sweep_smoke_runs_every_variant(
     assert not any(p["skipped"] for p in points) and len(timed) == len(points)
     variants = {(p["resolved"]["weight_only"], p["resolved"]["atomic_splits"]) for p in timed}
     assert variants == {(False, False), (True, False), (False, True), (True, True)}
-    split = [p["resolved"] for p in timed if p["resolved"]["num_splits"] > 1]
-    assert {r["fused_sum"] for r in split if not r["atomic_splits"]} == {True, False}
     assert all(p["ok"] and p["rel_err"] < sweep.TOL for p in timed)  # each vs its reference
     groups = {(p["shape"], p["m"]) for p in points}
     assert len(res["summary"]) == len(res["references"]) == len(groups)
@@ -67,5 +65,5 @@ def test_full_gpu_plan_is_pruned(sweep: ModuleType) -> None:
         p.ms = rng.random()
     refine = sweep.plan_refinements(points, False, 132, sweep.TOP)
     assert len(refine) < 320
-    assert len({sweep.compile_key(p.resolved) for p in refine} - kernels) < 140  # +2l: ~20
+    assert len({sweep.compile_key(p.resolved) for p in refine} - kernels) < 120
     assert {p.resolved.weight_only for p in refine if p.m <= sweep.SMALL_M} == {False, True}

@@ -29,7 +29,6 @@ H, LAT, ROPE, PAGE = 20, 48, 8, 4  # heads not a multiple of the head block, odd
         ([50, 33], [2, 2], 16, 2, torch.bfloat16),
     ],
 )
-@pytest.mark.parametrize("fused", [True, False], ids=["fused-reduce", "reduce-kernel"])
 def test_sparse_mla_matches_reference(
     device: torch.device,
     seq_lens: list[int],
@@ -37,10 +36,7 @@ def test_sparse_mla_matches_reference(
     k: int | None,
     splits: int,
     dtype: torch.dtype,
-    fused: bool,
 ) -> None:
-    """Split outputs combined in the launch (each (token, head block)'s last split) and by
-    the second kernel."""
     g = torch.Generator().manual_seed(sum(seq_lens))
     sb = sparse_batch(seq_lens, q_lens, PAGE, g, device)
     md = sb.md
@@ -51,7 +47,7 @@ def test_sparse_mla_matches_reference(
     topk = sb.random_topk(k, g) if k else None
     out = sparse_mla_attention(
         q_lat, q_pe, cache, md.block_tables, md.seq_lens, md.query_start_loc,
-        md.token_req_idx, md.token_q_idx, topk, 0.15, t, splits, fused_reduce=fused,
+        md.token_req_idx, md.token_q_idx, topk, 0.15, t, splits,
     )  # fmt: skip
     ref = sparse_mla_reference(
         q_lat, q_pe, cache, md.block_tables, sb.positions, sb.req, topk, 0.15

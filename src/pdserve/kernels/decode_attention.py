@@ -15,9 +15,8 @@ matters); with one or two rows (MHA decode) a broadcast multiply-sum is used.
 
 Split-K: each request's context is cut into ``num_splits`` equal, tile-aligned
 chunks computed *in the kernel* from ``seq_lens[b]``; each split writes its
-normalised partial output and log-sum-exp to a workspace, and the last split of each
-(request, KV head) to finish combines them in the same launch
-(:mod:`pdserve.kernels.split_counters`; ``fused_reduce=False``: a second kernel does). ``num_splits`` comes from host information only (batch size, KV
+normalised partial output and log-sum-exp to a workspace and a second kernel
+combines them. ``num_splits`` comes from host information only (batch size, KV
 heads, multiprocessor count and a static context bound, see
 :func:`choose_num_splits`), never from device values, so the two launches are
 CUDA-graph capturable; any ``num_splits`` gives the same result up to rounding.
@@ -44,7 +43,6 @@ from pdserve.kernels._utils import (
     pdl_args,
     pdl_enter,
 )
-from pdserve.kernels.split_counters import arrive, release, split_counters
 
 MAX_SPLITS = 64
 MIN_TOKENS_PER_SPLIT = 64
@@ -74,7 +72,6 @@ def _decode_kernel(
     out_ptr,
     ws_o_ptr,
     ws_lse_ptr,
-    cnt_ptr,
     qk_scale,
     num_splits,
     QL,
@@ -100,7 +97,6 @@ def _decode_kernel(
     SPLIT: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
-    FUSED: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
@@ -178,47 +174,9 @@ def _decode_kernel(
         tl.store(ws_lse_ptr + row * num_splits + sp, lse, mask=row_ok)
         ws = ws_o_ptr + (row[:, None] * num_splits + sp) * HEAD_D + offs_d[None, :]
         tl.store(ws, o, mask=row_ok[:, None] & d_ok[None, :])
-        if FUSED:  # the last split of (request, KV head) to finish combines them all
-            cnt = cnt_ptr + b * tl.num_programs(1) + kvh
-            if arrive(cnt, num_splits):
-                dst = out_ptr + t_idx[:, None] * stride_ot + head[:, None] * stride_oh
-                _combine_splits(ws_o_ptr, ws_lse_ptr, dst + offs_d[None, :], row, row_ok,
-                                offs_d, d_ok, num_splits, HEAD_D, BLOCK_M, BLOCK_D)  # fmt: skip
-                release(cnt)
     else:
         dst = out_ptr + t_idx[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-
-
-@triton.jit
-def _combine_splits(
-    ws_o_ptr, ws_lse_ptr, dst, row, row_ok, offs_d, d_ok, num_splits,
-    HEAD_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """``_reduce_kernel``'s combination of the workspace rows ``row`` [BLOCK_M] (token x
-    heads + head) into ``dst`` [BLOCK_M, BLOCK_D] (pointers), in a program's last split:
-    the splits' log-sum-exps weigh each partial against their maximum, and the output is
-    the weighted mean (splits added in order; the workspace is read from L2, other
-    multiprocessors wrote it). Decode attention and sparse MLA use it."""
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s in range(0, num_splits):
-        lse = tl.load(ws_lse_ptr + row * num_splits + s, mask=row_ok, other=float("-inf"),
-                      cache_modifier=".cg")  # fmt: skip
-        m = tl.maximum(m, lse)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    total = tl.zeros([BLOCK_M], tl.float32)
-    mask = row_ok[:, None] & d_ok[None, :]
-    for s in range(0, num_splits):
-        lse = tl.load(ws_lse_ptr + row * num_splits + s, mask=row_ok, other=float("-inf"),
-                      cache_modifier=".cg")  # fmt: skip
-        w = tl.exp2(lse - m_safe)  # 0 for an empty split
-        part = tl.load(ws_o_ptr + (row[:, None] * num_splits + s) * HEAD_D + offs_d[None, :],
-                       mask=mask, other=0.0, cache_modifier=".cg")  # fmt: skip
-        acc += w[:, None] * part
-        total += w
-    o = acc / tl.where(total > 0.0, total, 1.0)[:, None]
-    tl.store(dst, o.to(dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["num_splits"])  # one compile for every split count
@@ -307,16 +265,13 @@ def decode_attention(
     num_splits: int = 1,
     out: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
-    fused_reduce: bool = True,
 ) -> torch.Tensor:
     """Causal paged attention of ``num_reqs * q_len`` query rows ``q`` [>=B*q_len, H, D].
 
     ``kv_cache`` [2, blocks, block_size, Hkv, D]; ``seq_lens`` [>=B] int32;
     ``block_tables`` [>=B, max_blocks] int32. Rows of ``out`` past ``B*q_len`` are
     left untouched. ``workspace`` (fp32, at least :func:`decode_workspace_numel`
-    elements) is used when ``num_splits > 1``; one is allocated if not given. The splits
-    are combined by each (request, KV head)'s last split to finish, in the same launch
-    (``fused_reduce``), or by a second kernel.
+    elements) is used when ``num_splits > 1``; one is allocated if not given.
     """
     check_device(q, "decode_attention")
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -344,7 +299,6 @@ def decode_attention(
             raise ValueError(f"decode workspace needs {need} fp32 elements")
         n_o = ntok * num_heads * num_splits * head_dim
         ws_o, ws_lse = workspace[:n_o], workspace[n_o:need]
-    counters = split_counters(q.device, num_reqs * hkv) if split and fused_reduce else None
     kc, vc = kv_cache[0], kv_cache[1]
     _decode_kernel[(num_reqs, hkv, num_splits)](
         q,
@@ -355,7 +309,6 @@ def decode_attention(
         out,
         ws_o,
         ws_lse,
-        counters if counters is not None else ws_lse,
         scale * LOG2E,
         num_splits,
         q_len,
@@ -381,12 +334,11 @@ def decode_attention(
         SPLIT=split,
         DOT_PREC=dot_precision(q.dtype),
         UPCAST=dot_upcast(q.dtype),
-        FUSED=counters is not None,
         num_warps=warps,
         num_stages=num_stages(kv_cache),
         **pdl_args(q.device),
     )
-    if split and counters is None:
+    if split:
         _reduce_kernel[(ntok, num_heads)](
             ws_o,
             ws_lse,

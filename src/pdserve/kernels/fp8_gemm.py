@@ -19,12 +19,9 @@ quantization (and the split-K programs each for their K range). Same values: the
 producer quantizes the bf16 output exactly as the kernel would.
 
 Decode batches have few rows, so the N tiles alone cannot occupy the GPU; the K range is
-then split over several programs (split-K) that store float32 partials. By default the
-same launch adds them up (``fused_sum``): the last of a tile's splits to finish sums the
-tile's partials in split order, adds the bias and casts (:mod:`pdserve.kernels.split_counters`);
-no second kernel, no wait on a kernel boundary. Without it, one small
-kernel does the same sum (:func:`splitk_sum`: one launch where torch's ``sum``, bias add
-and cast were two or three). Both give the same bits.
+then split over several programs (split-K) whose float32 partials one small kernel adds
+up, with the bias, and casts (:func:`splitk_sum`: one launch where torch's ``sum``,
+bias add and cast were two or three).
 The grid depends only on shapes (no host sync), so the launch can be captured in a CUDA
 graph.
 
@@ -45,8 +42,6 @@ same kernel (constexpr flags, off by default):
   into one zeroed float32 output with atomics, instead of storing it for a separate
   ``sum``. The order of those additions varies from run to run, so results are not
   bitwise deterministic (they differ in the last bits of float32).
-- ``fused_sum`` (``None``: on): the split partials summed by the tile's last program,
-  as above; ``False``: by :func:`splitk_sum`'s separate launch.
 
 ``BLOCK_K`` is always 128, one weight scale per K step.
 
@@ -78,7 +73,6 @@ from pdserve.kernels._utils import (
     rows_2d,
 )
 from pdserve.kernels.reference import FP8_GROUP, FP8_MAX, Fp8Activation
-from pdserve.kernels.split_counters import arrive, release, split_counters
 
 GROUP_K = FP8_GROUP
 
@@ -100,10 +94,6 @@ def _block_fp8_gemm_kernel(
     stride_os,
     stride_om,
     k_blocks_per_split,
-    y_ptr,
-    bias_ptr,
-    cnt_ptr,
-    stride_ym,
     SCALE_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -117,8 +107,6 @@ def _block_fp8_gemm_kernel(
     UPCAST: tl.constexpr = False,
     DOT_PREC: tl.constexpr = "tf32",
     PRE_Q: tl.constexpr = False,
-    FUSED_SUM: tl.constexpr = False,
-    HAS_BIAS: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
@@ -186,35 +174,6 @@ def _block_fp8_gemm_kernel(
             out_ptr + split * stride_os + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
         )
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-        if FUSED_SUM:  # the tile's last split to finish adds them all up
-            _sum_if_last(
-                out_ptr, y_ptr, bias_ptr, cnt_ptr + pid_m * tl.cdiv(N, BLOCK_N) + pid_n,
-                offs_m, offs_n, m_ok, n_ok, stride_os, stride_om, stride_ym,
-                BLOCK_M, BLOCK_N, HAS_BIAS,
-            )  # fmt: skip
-
-
-@triton.jit
-def _sum_if_last(
-    parts_ptr, y_ptr, bias_ptr, cnt_ptr, offs_m, offs_n, m_ok, n_ok, stride_ps, stride_pm,
-    stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-):  # fmt: skip
-    """The tile's last split (:mod:`pdserve.kernels.split_counters`) adds the tile's
-    partials in split order, as :func:`splitk_sum` does (the same float32 values in the
-    same order: the same result bit for bit), adds the bias, casts and stores."""
-    splits = tl.num_programs(2)
-    if arrive(cnt_ptr, splits):
-        mask = m_ok[:, None] & n_ok[None, :]
-        at = offs_m[:, None].to(tl.int64) * stride_pm + offs_n[None, :]
-        total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for s in range(0, splits):
-            total += tl.load(parts_ptr + s * stride_ps + at, mask=mask, other=0.0,
-                             cache_modifier=".cg")  # fmt: skip
-        if HAS_BIAS:
-            total += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        y = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-        tl.store(y, total.to(y_ptr.dtype.element_ty), mask=mask)
-        release(cnt_ptr)
 
 
 def choose_splits(m_tiles: int, n_tiles: int, k_blocks: int, sms: int) -> int:
@@ -241,7 +200,6 @@ class Fp8GemmConfig:
     group_m: int | None = None
     weight_only: bool = False
     atomic_splits: bool = False
-    fused_sum: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "num_warps"):
@@ -287,7 +245,6 @@ def resolve_fp8_gemm_config(
         num_stages=cfg.num_stages or 3,
         num_splits=triton.cdiv(k_blocks, per_split),
         group_m=cfg.group_m or 1,
-        fused_sum=True if cfg.fused_sum is None else cfg.fused_sum,
     )
 
 
@@ -338,16 +295,12 @@ def block_fp8_gemm(
     per_split = triton.cdiv(k_blocks, splits)
     atomic = cfg.atomic_splits and splits > 1
     dev = xv.device
-    counters = None
-    if splits > 1 and not atomic and cfg.fused_sum:
-        counters = split_counters(dev, m_tiles * n_tiles)
     if atomic:
         out = torch.zeros(1, m, n, dtype=torch.float32, device=dev)
     elif splits == 1:
         out = torch.empty(1, m, n, dtype=dtype, device=dev)
     else:
         out = torch.empty(splits, m, n, dtype=torch.float32, device=dev)
-    y = out[0] if counters is None else torch.empty(m, n, dtype=dtype, device=dev)
     ws = w_scale_inv.float().contiguous()
     _block_fp8_gemm_kernel[(m_tiles, n_tiles, splits)](
         x2,
@@ -365,10 +318,6 @@ def block_fp8_gemm(
         out.stride(0),
         out.stride(1),
         per_split,
-        y,
-        bias if bias is not None else y,
-        counters if counters is not None else y,
-        y.stride(0),
         SCALE_N=scale_n,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
@@ -382,16 +331,13 @@ def block_fp8_gemm(
         UPCAST=cfg.weight_only and dot_upcast(x2.dtype),
         DOT_PREC=dot_precision(x2.dtype),
         PRE_Q=pre_q,
-        FUSED_SUM=counters is not None,
-        HAS_BIAS=bias is not None,
         num_warps=cfg.num_warps,
         num_stages=1 if interpret_mode() else cfg.num_stages,
         **pdl_args(x2.device),
     )
-    if counters is not None:  # summed, biased and cast by each tile's last split
-        return y.view(*lead, n)
     if splits > 1 and not atomic:  # one launch: the float32 partials' sum (+ bias), cast
         return splitk_sum(out, bias, dtype).view(*lead, n)
+    y = out[0]
     if bias is not None:
         y = y + bias
     return y.to(dtype).view(*lead, n)

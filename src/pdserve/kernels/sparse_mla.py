@@ -25,9 +25,7 @@ Work split: program ``(token, head block, split)`` loads ``BLOCK_H`` heads' quer
 head block) and streams its share of the candidates: gather ``BLOCK_N`` positions,
 map them through the block table, load their latent and rope parts, online softmax in
 float32. With ``num_splits > 1`` each split stores its normalised partial output and
-log-sum-exp and the last split of each (token, head block) to finish combines them
-in the same launch (:mod:`pdserve.kernels.split_counters`; ``fused_reduce=False``: a
-second kernel does). ``num_splits`` comes from host ints only
+log-sum-exp and a second kernel combines them. ``num_splits`` comes from host ints only
 (:func:`choose_splits`).
 """
 
@@ -48,8 +46,7 @@ from pdserve.kernels._utils import (
     pdl_args,
     pdl_enter,
 )
-from pdserve.kernels.decode_attention import _combine_splits, _reduce_kernel
-from pdserve.kernels.split_counters import arrive, release, split_counters
+from pdserve.kernels.decode_attention import _reduce_kernel
 
 MAX_SPLITS = 32
 MIN_KEYS_PER_SPLIT = 128
@@ -78,7 +75,6 @@ CONFIG_SMALL = MlaConfig(16, 32, 4, 2)  # narrow latents (tests, toy models)
 # x 4 rows equal, fewer rows better with CONFIG_WIDE)
 CONFIG_PREFILL = MlaConfig(64, 64, 8, 2)
 FEW_TOKENS = 4
-FUSED_CONFIGS = (CONFIG_FEW_TOKENS, CONFIG_SMALL)  # the splits combine in the launch
 WIDE_MIN_TOKENS = 64
 PREFILL_MIN_TOKENS = 1024
 WIDE_CTAS_PER_SM = 1  # a WIDE program takes most of a multiprocessor's shared memory
@@ -123,7 +119,6 @@ def _mla_kernel(
     out_ptr,
     ws_o_ptr,
     ws_lse_ptr,
-    cnt_ptr,
     qk_scale,
     num_splits,
     num_cand_k,
@@ -150,7 +145,6 @@ def _mla_kernel(
     EVEN: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
-    FUSED: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
@@ -243,13 +237,6 @@ def _mla_kernel(
         tl.store(ws_lse_ptr + wrow * num_splits + sp, lse, mask=h_ok)
         ws = ws_o_ptr + (wrow[:, None] * num_splits + sp) * LAT + offs_l[None, :]
         tl.store(ws, o, mask=h_ok[:, None] & l_ok[None, :])
-        if FUSED:  # the last split of (token, head block) to finish combines them all
-            cnt = cnt_ptr + t * tl.num_programs(1) + hb
-            if arrive(cnt, num_splits):
-                dst = out_ptr + t * stride_ot + heads[:, None] * stride_oh + offs_l[None, :]
-                _combine_splits(ws_o_ptr, ws_lse_ptr, dst, wrow, h_ok, offs_l, l_ok,
-                                num_splits, LAT, BLOCK_HH, BLOCK_L)  # fmt: skip
-                release(cnt)
     else:
         dst = out_ptr + t * stride_ot + heads[:, None] * stride_oh + offs_l[None, :]
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & l_ok[None, :])
@@ -309,14 +296,11 @@ def sparse_mla_attention(
     num_splits: int = 1,
     out: torch.Tensor | None = None,
     config: MlaConfig | None = None,
-    fused_reduce: bool = True,
 ) -> torch.Tensor:
     """Attention of the first ``num_tokens`` rows of ``q_lat`` [T, H, L] / ``q_pe``
     [T, H, R] over ``cache`` [blocks, block_size, L + R]; returns ``out`` [T, H, L] (rows
     past ``num_tokens`` untouched). ``topk`` [T, K] (any int dtype) or None for dense.
-    ``config``: the launch shape (default: by token count and heads, :func:`_config`).
-    Splits combine in the launch (``fused_reduce``: each (token, head block)'s last split
-    to finish) or in decode attention's second kernel."""
+    ``config``: the launch shape (default: by token count and heads, :func:`_config`)."""
     check_device(q_lat, "sparse_mla_attention")
     check_widths("sparse_mla_attention", q_lat, q_pe, cache)
     _, num_heads, lat = q_lat.shape
@@ -339,13 +323,7 @@ def sparse_mla_attention(
     block_l = max(16, next_pow2(lat))
     block_r = max(16, next_pow2(rope))
     block_h, block_n, warps, stages = config or _config(num_tokens, num_heads, block_l)
-    head_blocks = triton.cdiv(num_heads, block_h)
-    counters = None
-    # CONFIG_MANY_TOKENS keeps the second kernel: the combine takes its spills from 136 to
-    # 632 bytes a thread (tools/sm90_report.py); the few-token decode shape has none
-    if split and fused_reduce and (block_h, block_n, warps, stages) in FUSED_CONFIGS:
-        counters = split_counters(q_lat.device, num_tokens * head_blocks)
-    _mla_kernel[(num_tokens, head_blocks, num_splits)](
+    _mla_kernel[(num_tokens, triton.cdiv(num_heads, block_h), num_splits)](
         q_lat,
         q_pe,
         cache,
@@ -358,7 +336,6 @@ def sparse_mla_attention(
         out,
         ws_o,
         ws_lse,
-        counters if counters is not None else ws_lse,
         scale * LOG2E,
         num_splits,
         topk.shape[1] if topk is not None else 0,
@@ -385,12 +362,11 @@ def sparse_mla_attention(
         EVEN=block_l == lat and block_r == rope,
         DOT_PREC=dot_precision(q_lat.dtype),
         UPCAST=dot_upcast(q_lat.dtype),
-        FUSED=counters is not None,
         num_warps=warps,
         num_stages=stages,
         **pdl_args(q_lat.device),
     )
-    if split and counters is None:
+    if split:
         _reduce_kernel[(num_tokens, num_heads)](  # the split-K merge of decode attention
             ws_o,
             ws_lse,
