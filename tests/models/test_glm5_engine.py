@@ -139,7 +139,10 @@ def _hf_mtp_reference(hf, tensors: dict[str, torch.Tensor], n_layers: int):  # t
     cfg.num_hidden_layers = 1
     cfg.mlp_layer_types = ["sparse"]
     cfg.indexer_types = ["full"]
-    cfg.layer_types = ["indexed_attention"]
+    # the attention layer type this transformers names (5.24: "indexed_attention"; older
+    # releases had another name, and their cache has no entry for the new one)
+    if getattr(hf.config, "layer_types", None):
+        cfg.layer_types = hf.config.layer_types[:1]
     block = hf_glm.GlmMoeDsaDecoderLayer(cfg, 0)
     h = cfg.hidden_size
     parts = torch.nn.ModuleDict(

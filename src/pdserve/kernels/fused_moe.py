@@ -239,6 +239,26 @@ def _config(num_pairs: int, num_experts: int) -> MoeConfig:
     return MoeConfig(128, 128, 64, 8, stages=4, group_m=8, down_n=256)
 
 
+SHARED_BUDGET = 200 * 1024  # bytes of operand ring a program may take (Hopper has 227 KiB)
+
+
+def fit_shared(cfg: MoeConfig, elt_size: int) -> MoeConfig:
+    """``cfg`` with fewer pipeline stages (down to 2), then a narrower K step, until the
+    larger of the two GEMMs' operand rings (``stages - 1`` steps of its A and B tiles,
+    as Triton allocates them) fits ``SHARED_BUDGET`` for ``elt_size``-byte operands: the
+    16-bit defaults fit as they are, float32 models (the GPU tests) need a shorter ring."""
+
+    def need(c: MoeConfig) -> int:
+        b = c.block_k * max(2 * c.block_n, c.down_n or c.block_n)  # gate and up, or down
+        return max(c.stages - 1, 1) * (c.block_m * c.block_k + b) * elt_size
+
+    while need(cfg) > SHARED_BUDGET and cfg.stages > 2:
+        cfg = cfg._replace(stages=cfg.stages - 1)
+    while need(cfg) > SHARED_BUDGET and cfg.block_k > 16:
+        cfg = cfg._replace(block_k=cfg.block_k // 2)
+    return cfg
+
+
 def fused_experts(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -297,7 +317,8 @@ def _fused_chunk(
     n = t * k
     if n == 0:
         return
-    bm, bn, bk, warps, stages, group_m, _, down_n = config or _config(n, num_experts)
+    cfg = config or fit_shared(_config(n, num_experts), x.element_size())
+    bm, bn, bk, warps, stages, group_m, _, down_n = cfg
     down_n = down_n or bn
     pairs, block_expert = align_pairs(ids, num_experts, bm)
     nb = block_expert.shape[0]
