@@ -49,6 +49,8 @@ ROOT = Path(__file__).resolve().parents[2]
         ("_gluon_prefill_kernel", None, "mla_attention"),
         ("_rows_kernel", "mla_attention", "mla_attention"),  # their candidate rows
         ("_gate_up_kernel", None, "moe_experts"),
+        ("_gate_up_fp8_kernel", None, "moe_experts"),  # the FP8 MoE (run 98: was "other")
+        ("_down_fp8_kernel", None, "moe_experts"),
         ("Memcpy HtoD (Pinned -> Device)", None, "other"),
         ("void at::native::vectorized_elementwise_kernel<4>", "dense_gemm", "dense_gemm"),
         # a range left open does not take the kernels only one category launches
