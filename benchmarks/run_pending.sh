@@ -22,8 +22,8 @@
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh gpu2
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh a
 #   device run (carry [".whl"]):       PDSERVE_COMMIT=<sha> bash benchmarks/run_pending.sh b
-#   device run (carry [".whl-nixl"]):  bash benchmarks/run_pending.sh nixl-install
-#   device run (carry [".whl"], same warm machine):  bash benchmarks/run_pending.sh nixl
+#   device run (carry [".whl", ".whl-nixl"]):  bash benchmarks/run_pending.sh nixl
+#                                      (first, here: scripts/fetch-wheels --nixl)
 #   device run (carry [".whl"]):       bash benchmarks/run_pending.sh glm5      (then glm5-sla)
 #   nvidia-h200-x2 (carry [".whl"]):   bash benchmarks/run_pending.sh x2
 #   nvidia-h200-x4/-x8 (carry [".whl"]): bash benchmarks/run_pending.sh dpep 4   (or 8)
@@ -142,7 +142,7 @@
 #       --enable-expert-parallel against one GPU, the same closed-loop load per rank
 #       (32 streams per GPU, 1024 in / 256 out): output tok/s per GPU and mean TPOT.
 set -uo pipefail
-stage="${1:?usage: run_pending.sh pdl2|h31|g18|g16|g17|f16|f17|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|moe8|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl-install|nixl|x2|dpep N}"
+stage="${1:?usage: run_pending.sh pdl2|h31|g18|g16|g17|f16|f17|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|moe8|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl|x2|dpep N}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 # RUN_START (epoch seconds): where two stages share one call, export it once before both,
 # so the second one's deadlines count from the call's start, not its own
@@ -741,10 +741,9 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     curl -s http://127.0.0.1:8000/metrics | grep -E "^pdserve:(forward_steps_total|num_requests_running)"
     kill $server; wait $server 2>/dev/null
     ;;
-  nixl-install)
-    python3 -c "import nixl; print('nixl', nixl.__file__)"
-    ;;
-  nixl)
+  nixl)  # NIXL from the slim wheel in .whl-nixl (scripts/fetch-wheels --nixl), then the runs
+    python3 -c "from pdserve.kv_transfer.transports.nixl import load_nixl; print(load_nixl())" \
+      || exit 1
     timeout 200 python3 benchmarks/transfer_bench.py --transports cuda_ipc,nixl \
       --out "$OUT/transfer_nixl.json" 2>&1 | tee "$OUT/transfer_nixl.log" | quiet
     llama_ckpt && timeout 330 python3 benchmarks/pd_bench.py --ckpt $ck --device 0 \
