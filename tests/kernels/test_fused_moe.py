@@ -169,15 +169,14 @@ def test_router_takes_the_split_weight_gemm_from_a_prefill_batch(device: torch.d
 def test_default_tiles_fit_shared_memory_for_float32_operands() -> None:
     """The 16-bit defaults stay as they are; for 4-byte operands (float32 models, as the
     engine GPU tests run) the prefill tiles drop a pipeline stage so the operand ring
-    fits (run 98 on an H100: 294,912 bytes asked of 232,448)."""
-    from pdserve.kernels.fused_moe import SHARED_BUDGET, _config, fit_shared
+    fits (run 102 on an H100: 294,912 bytes asked of 232,448)."""
+    from pdserve.kernels.fused_moe import SHARED_BUDGET, _config, fit_shared, ring_bytes
 
+    assert ring_bytes(_config(65536, 64), 4) == 294_912  # what Triton asked for
     for pairs in (64, 1024, 4096, 8192, 65536):
         cfg = _config(pairs, 64)
         assert fit_shared(cfg, 2) == cfg
         f32 = fit_shared(cfg, 4)
-        ring = (f32.stages - 1) * (
-            f32.block_m * f32.block_k + f32.block_k * max(2 * f32.block_n, f32.down_n or 0)
-        ) * 4
-        assert ring <= SHARED_BUDGET and f32.block_m == cfg.block_m and f32.block_n == cfg.block_n
+        assert ring_bytes(f32, 4) <= SHARED_BUDGET
+        assert f32.block_m == cfg.block_m and f32.block_n == cfg.block_n
     assert fit_shared(_config(65536, 64), 4).stages == 3

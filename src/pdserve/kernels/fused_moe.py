@@ -242,19 +242,20 @@ def _config(num_pairs: int, num_experts: int) -> MoeConfig:
 SHARED_BUDGET = 200 * 1024  # bytes of operand ring a program may take (Hopper has 227 KiB)
 
 
+def ring_bytes(cfg: MoeConfig, elt_size: int) -> int:
+    """Shared memory the larger of the two GEMMs' operand rings takes: ``stages - 1``
+    steps of its A and B tiles (gate and up, or down), as Triton allocates them."""
+    b = cfg.block_k * max(2 * cfg.block_n, cfg.down_n or cfg.block_n)
+    return max(cfg.stages - 1, 1) * (cfg.block_m * cfg.block_k + b) * elt_size
+
+
 def fit_shared(cfg: MoeConfig, elt_size: int) -> MoeConfig:
-    """``cfg`` with fewer pipeline stages (down to 2), then a narrower K step, until the
-    larger of the two GEMMs' operand rings (``stages - 1`` steps of its A and B tiles,
-    as Triton allocates them) fits ``SHARED_BUDGET`` for ``elt_size``-byte operands: the
-    16-bit defaults fit as they are, float32 models (the GPU tests) need a shorter ring."""
-
-    def need(c: MoeConfig) -> int:
-        b = c.block_k * max(2 * c.block_n, c.down_n or c.block_n)  # gate and up, or down
-        return max(c.stages - 1, 1) * (c.block_m * c.block_k + b) * elt_size
-
-    while need(cfg) > SHARED_BUDGET and cfg.stages > 2:
+    """``cfg`` with fewer pipeline stages (down to 2), then a narrower K step, until
+    :func:`ring_bytes` fits ``SHARED_BUDGET`` for ``elt_size``-byte operands: the 16-bit
+    defaults fit as they are, float32 models (the GPU tests) need a shorter ring."""
+    while ring_bytes(cfg, elt_size) > SHARED_BUDGET and cfg.stages > 2:
         cfg = cfg._replace(stages=cfg.stages - 1)
-    while need(cfg) > SHARED_BUDGET and cfg.block_k > 16:
+    while ring_bytes(cfg, elt_size) > SHARED_BUDGET and cfg.block_k > 16:
         cfg = cfg._replace(block_k=cfg.block_k // 2)
     return cfg
 
