@@ -179,6 +179,15 @@ def run_decode(bw: float, sweep: bool) -> list[dict[str, object]]:
                 "roofline_ms": nbytes / bw * 1e3,
                 "pct_roofline": 100 * nbytes / bw / (ms * 1e-3),
             }
+            if KV_DTYPE is not None:  # the fp8 cache's MMAs: fp16 (FP8_HALF) or q's dtype
+                import pdserve.kernels.decode_attention as da
+
+                prev, da.FP8_HALF = da.FP8_HALF, not da.FP8_HALF
+                try:
+                    other = timed(auto)
+                finally:
+                    da.FP8_HALF = prev
+                row["fp8_half"] = {"on": ms, "off": other} if prev else {"on": other, "off": ms}
             if sweep:
                 row["sweep_ms"] = {s: timed(s) for s in S.sweep_splits}
             rows.append(row)

@@ -9,8 +9,9 @@ DeepSeek-V3.2 dims (the configs are imported from the kernel modules, so a chang
 default is what gets checked). Arguments are specialised as a real launch specialises
 them: pointers 16-byte aligned, the integer arguments a variant lists as multiples of 16
 (strides of contiguous rows). Per variant: registers per thread and spill bytes (from
-``ptxas -v``), shared memory, and how many warpgroup MMAs (``wgmma``), warp MMAs
-(``mma.sync``) and asynchronous copies (``cp.async``) the PTX holds.
+``ptxas -v``), shared memory, how many warpgroup MMAs (``wgmma``), warp MMAs
+(``mma.sync``) and asynchronous copies (``cp.async``) the PTX holds, and the SASS
+instructions of its largest loop (``cuobjdump -sass``, also from Triton's wheel).
 
 What it answers before any device time is spent: whether a tile config fits a Hopper
 multiprocessor (``MAX_SHARED`` bytes a block, 255 registers a thread), whether it spills,
@@ -63,6 +64,10 @@ class Variant:
     # at most this much shared memory: a row-wise kernel needs only its reductions' scratch
     # (a 1-D -> 2-D reshape through shared memory made the quantizing norm ~5x slower)
     max_shared_bytes: int | None = None
+    # at most this many SASS instructions in the kernel's largest loop (one iteration):
+    # where an fp8 tile halves the bytes an iteration moves, the loop's instruction count
+    # is what bounds a bandwidth-bound kernel
+    max_loop_instructions: int | None = None
     notes: str = field(default="", compare=False)
 
 
@@ -327,6 +332,44 @@ def decode_prep_variants() -> list[Variant]:
     return out
 
 
+def decode_attention_variants() -> list[Variant]:
+    """The paged decode kernel at Llama-8B dims (32 query / 8 KV heads, head dim 128, one
+    token a request, 16-token pages, split-K) over a bf16 and an fp8 cache, with the
+    engine's tile config and pipelining depth; the fp8 cache once more with its MMAs in
+    bf16 (``FP8_HALF`` off) beside the default fp16."""
+
+    def consts(half: bool | None) -> Callable[[], dict[str, Any]]:
+        def get() -> dict[str, Any]:
+            from pdserve.kernels import decode_attention as da
+
+            block_m, dot, block_n, _ = da._config(4, 128)
+            on = da.FP8_HALF if half is None else half
+            return dict(G=4, NUM_HEADS=32, HEAD_D=128, BLOCK_D=128, PAGE=16, BLOCK_M=block_m,
+                        BLOCK_N=block_n, USE_DOT=dot, SPLIT=True, DOT_PREC="tf32",
+                        UPCAST=False, HALF=on, ASM=on)  # fmt: skip
+
+        return get
+
+    from pdserve.kernels import decode_attention as da
+
+    ints = frozenset({"stride_qt", "stride_qh", "stride_kb", "stride_ks", "stride_kh",
+                      "stride_vb", "stride_vs", "stride_vh", "stride_bt", "stride_ot",
+                      "stride_oh"})  # fmt: skip
+    out = []
+    for name, cache, half, stages, limit in (
+        ("decode_bf16", "bf16", False, da.NUM_STAGES, None),
+        ("decode_fp8", "fp8e4nv", None, da.NUM_STAGES_FP8, 520),  # 855 with bf16 MMAs
+        ("decode_fp8_bf16mma", "fp8e4nv", False, da.NUM_STAGES_FP8, None),
+    ):
+        ptrs = {"q_ptr": "*bf16", "k_ptr": f"*{cache}", "v_ptr": f"*{cache}", "bt_ptr": "*i32",
+                "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "ws_o_ptr": "*fp32",
+                "ws_lse_ptr": "*fp32"}  # fmt: skip
+        out.append(Variant(name, _kernel("decode_attention", "_decode_kernel"), consts(half),
+                           ptrs, ints, frozenset({"qk_scale"}), 4, stages,
+                           expect_no_spills=True, max_loop_instructions=limit))  # fmt: skip
+    return out
+
+
 def _prefill_kernel() -> Any:
     from pdserve.kernels.sparse_mla_prefill import _prefill_kernel
 
@@ -495,7 +538,7 @@ def variants() -> list[Variant]:
                            frozenset({"stride_lt", "stride_ot", "K"}), frozenset(),
                            _select_warps(width), 1, expect_no_spills=not hist))  # fmt: skip
     return (out + mla_prefill_variants() + mla_gluon_variants() + fp8_gluon_variants()
-            + decode_prep_variants())
+            + decode_prep_variants() + decode_attention_variants())
 
 
 def _ptxas() -> Path:
@@ -543,6 +586,25 @@ def compile_variant(v: Variant) -> Any:
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
+_SASS_LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+
+
+def loop_instructions(sass: str) -> int:
+    """SASS instructions in the largest loop of ``sass`` (``cuobjdump -sass``): the span
+    from a backward branch's target to the branch, in 16-byte instructions; 0 without
+    a loop. One iteration's instruction count where the loop has no inner branches."""
+    best = 0
+    for line in sass.splitlines():
+        m = _SASS_LINE.match(line)
+        if not m or not m.group(3).startswith("BRA"):
+            continue
+        here = int(m.group(1), 16)
+        target = re.search(r"0x([0-9a-f]+)", m.group(4))
+        if target and int(target.group(1), 16) < here:
+            best = max(best, (here - int(target.group(1), 16)) // 16 + 1)
+    return best
+
+
 def report(v: Variant) -> dict[str, Any]:
     """Resources and instruction counts of ``v`` compiled for sm_90a, with ``problems``:
     the expectations of the variant it misses (empty: all met)."""
@@ -553,6 +615,11 @@ def report(v: Variant) -> dict[str, Any]:
         path.write_text(ptx)
         res = subprocess.run([str(_ptxas()), "-arch=sm_90a", "-v", str(path), "-o", "/dev/null"],
                              capture_output=True, text=True, check=True)  # fmt: skip
+        cubin = Path(d) / "k.cubin"
+        subprocess.run([str(_ptxas()), "-arch=sm_90a", str(path), "-o", str(cubin)],
+                       capture_output=True, check=True)  # fmt: skip
+        sass = subprocess.run([str(_ptxas().with_name("cuobjdump")), "-sass", str(cubin)],
+                              capture_output=True, text=True, check=True).stdout  # fmt: skip
     info = res.stderr
     regs = re.search(r"Used (\d+) registers", info)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
@@ -570,6 +637,7 @@ def report(v: Variant) -> dict[str, Any]:
         "cp_async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
         "griddepcontrol": ptx.count("griddepcontrol."),
         "tma": ptx.count("cp.async.bulk.tensor"),
+        "loop_instructions": loop_instructions(sass),
     }
     problems = []
     if out["shared_bytes"] > MAX_SHARED:
@@ -584,6 +652,9 @@ def report(v: Variant) -> dict[str, Any]:
         problems.append("no cp.async: tile loads are synchronous")
     if v.expect_tma and not out["tma"]:
         problems.append("no cp.async.bulk.tensor: the tiles are not copied by TMA")
+    if v.max_loop_instructions is not None and out["loop_instructions"] > v.max_loop_instructions:
+        problems.append(f"{out['loop_instructions']} instructions a loop iteration > "
+                        f"{v.max_loop_instructions}")  # fmt: skip
     if v.expect_pdl and "griddepcontrol.wait" not in ptx:
         problems.append("PDL on but no griddepcontrol.wait")
     if not v.expect_pdl and out["griddepcontrol"]:
@@ -616,11 +687,12 @@ def main(argv: list[str] | None = None) -> int:
         chosen = [v for v in chosen if v.name in names]
     rows = [report(v) for v in chosen]
     print(f"{'variant':<18} {'warps':>5} {'stages':>6} {'regs':>5} {'spill st/ld':>12} "
-          f"{'smem KB':>8} {'wgmma':>6} {'mma':>5} {'cp.async':>8}  problems")  # fmt: skip
+          f"{'smem KB':>8} {'wgmma':>6} {'mma':>5} {'cp.async':>8} {'loop':>5}  problems")  # fmt: skip
     for r in rows:
         print(f"{r['variant']:<18} {r['warps']:5d} {r['stages']:6d} {r['registers']:5d} "
               f"{r['spill_stores']:5d}/{r['spill_loads']:<6d} {r['shared_bytes'] / 1024:8.1f} "
-              f"{r['wgmma']:6d} {r['mma_sync']:5d} {r['cp_async']:8d}  "
+              f"{r['wgmma']:6d} {r['mma_sync']:5d} {r['cp_async']:8d} "
+              f"{r['loop_instructions']:5d}  "
               f"{'; '.join(r['problems']) or '-'}")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))

@@ -290,6 +290,11 @@ def test_kernels_bench(tmp_path: Path) -> None:
     assert {r["engine_pick"]["stages"] for r in res["decode_configs"]} == {2}
     assert {r["engine_pick"]["stages"] for r in res8["decode_configs"]} == {1}
     assert all(r["ms"] > 0 for r in res8["decode"])
+    # decode over fp8 beside the same launch with bf16 MMAs (decode_attention.FP8_HALF off)
+    assert all(
+        r["ms"] in r["fp8_half"].values() and min(r["fp8_half"].values()) > 0
+        for r in res8["decode"]
+    )
 
 
 def test_pair_compare(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

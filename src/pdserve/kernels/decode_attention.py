@@ -22,8 +22,9 @@ heads, multiprocessor count and a static context bound, see
 CUDA-graph capturable; any ``num_splits`` gives the same result up to rounding.
 
 Requests with ``seq_lens[b] == 0`` (graph padding) read nothing and output zeros.
-The cache may be float8_e4m3fn: tiles are converted to the query dtype, and the caller
-folds the layer's static K scale into ``scale`` and multiplies the output by V's.
+The cache may be float8_e4m3fn: tiles are converted to fp16 for bf16 / fp16 queries
+(``FP8_HALF``; else to the query dtype), and the caller folds the layer's static K scale
+into ``scale`` and multiplies the output by V's.
 Its speed against the copy bound, by batch and context, is in
 ``benchmarks/RESULTS.md`` ("Kernel measurements").
 """
@@ -39,10 +40,12 @@ from pdserve.kernels._utils import (
     check_device,
     dot_precision,
     dot_upcast,
+    interpret_mode,
     next_pow2,
     pdl_args,
     pdl_enter,
 )
+from pdserve.kernels.reference import FP8_DTYPE
 
 MAX_SPLITS = 64
 MIN_TOKENS_PER_SPLIT = 64
@@ -52,6 +55,17 @@ NUM_STAGES = 2  # software-pipelining depth of the K/V tile loop (kernels_bench 
 # the engine's pick at batch 64 took 104.5 us with two stages and 75.5 us with one; the
 # fastest configs at batch 1 and 16 had one stage too (or did not depend on it)
 NUM_STAGES_FP8 = 1
+# Over an fp8 cache with bf16 / fp16 queries the MMAs take fp16 operands and the tiles
+# are converted by the hardware's e4m3x2 -> f16x2 instruction in the layout they were
+# loaded in (an opaque inline-asm op that Triton's layout pass cannot move past), instead
+# of being shuffled byte by byte through shared memory first (64 LDS.U8 an iteration)
+# and converted to bf16 by way of fp16. e4m3 -> fp16 is exact, and fp16 keeps more of
+# q's and p's bits than bf16 (q is clamped to fp16's range). Compiled for sm_90a
+# (tools/sm90_report.py, decode_fp8 against decode_fp8_bf16mma) the K/V loop drops from
+# 855 to 461 SASS instructions an iteration (bf16 cache: 586 for twice the bytes): an
+# fp8 tile holds half a bf16 tile's bytes, so the instruction count, not the copy rate,
+# bounded it (RESULTS.md run 72: 59-63% of the copy bound over fp8, 93% over bf16).
+FP8_HALF = True
 
 
 def num_stages(kv_cache: torch.Tensor) -> int:
@@ -62,6 +76,25 @@ def num_stages(kv_cache: torch.Tensor) -> int:
 # One compile for every split count; the query length QL is a runtime value too (Triton
 # still specialises QL == 1, plain decode), so a short prompt of a new length does not
 # compile a kernel under traffic: only the tile config (BLOCK_M etc.) picks a variant.
+@triton.jit
+def _e4m3_to_f16(x, ASM: tl.constexpr):
+    """fp8 e4m3 ``x`` -> fp16 (exact): the hardware's pairwise conversion, 4 elements an
+    asm instance, converted where they are (not pure, so never moved past a layout
+    change); ``ASM`` off (the CPU interpreter runs no PTX): Triton's own cast."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+            "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r",
+            [x.to(tl.uint8, bitcast=True)],
+            dtype=tl.float16,
+            is_pure=False,
+            pack=4,
+        )
+    else:
+        return x.to(tl.float16)
+
+
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_kernel(
     q_ptr,
@@ -98,6 +131,8 @@ def _decode_kernel(
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
     PDL: tl.constexpr = False,
+    HALF: tl.constexpr = False,
+    ASM: tl.constexpr = False,
 ):
     pdl_enter(PDL)
     b = tl.program_id(0)
@@ -119,6 +154,8 @@ def _decode_kernel(
     )
     if UPCAST:
         q = q.to(tl.float32)
+    if HALF:  # fp8 cache: fp16 MMAs (q clamped to fp16's range)
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
     q_pos = seq_len - QL + tok  # absolute position of each row's token
 
     chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
@@ -141,7 +178,8 @@ def _decode_kernel(
             mask=n_ok[None, :] & d_ok[:, None],
             other=0.0,
         )  # [BLOCK_D, BLOCK_N]
-        kt = kt.to(q.dtype)  # fp8 (its scale is in qk_scale) or bf16 upcast
+        # fp8 (its scale is in qk_scale) or bf16 upcast
+        kt = _e4m3_to_f16(kt, ASM) if HALF else kt.to(q.dtype)
         if USE_DOT:
             s = tl.dot(q, kt, input_precision=DOT_PREC)
         else:
@@ -159,7 +197,7 @@ def _decode_kernel(
             mask=n_ok[:, None] & d_ok[None, :],
             other=0.0,
         )  # [BLOCK_N, BLOCK_D]
-        v = v.to(q.dtype)
+        v = _e4m3_to_f16(v, ASM) if HALF else v.to(q.dtype)
         acc = acc * alpha[:, None]
         if USE_DOT:
             acc = tl.dot(p.to(v.dtype), v, acc=acc, input_precision=DOT_PREC)
@@ -300,6 +338,7 @@ def decode_attention(
         n_o = ntok * num_heads * num_splits * head_dim
         ws_o, ws_lse = workspace[:n_o], workspace[n_o:need]
     kc, vc = kv_cache[0], kv_cache[1]
+    half = FP8_HALF and kv_cache.dtype == FP8_DTYPE and q.dtype in (torch.bfloat16, torch.float16)
     _decode_kernel[(num_reqs, hkv, num_splits)](
         q,
         kc,
@@ -334,6 +373,8 @@ def decode_attention(
         SPLIT=split,
         DOT_PREC=dot_precision(q.dtype),
         UPCAST=dot_upcast(q.dtype),
+        HALF=half,
+        ASM=half and not interpret_mode(),
         num_warps=warps,
         num_stages=num_stages(kv_cache),
         **pdl_args(q.device),
