@@ -49,6 +49,8 @@
 #       the accuracy gate.
 # f16   decode attention over an fp8 cache beside bf16 (kernels_bench --kv-dtype fp8) and its
 #       tile sweep, then fp8_bench llama-8b-shape with its new profiles (issue 28).
+# f18   decode attention over an fp8 cache with fp16 MMAs and in-layout tile conversion
+#       (FP8_HALF) beside bf16 MMAs, its tile sweep, fp8_bench llama-8b-shape (issue 28).
 # g14   the Gluon kernels of session 13 (kernels/sparse_mla_gluon.py,
 #       kernels/fp8_gemm_gluon.py): the MLA kernel's GPU parity, then glm5 prefill on it,
 #       then the FP8 / PDL / MoE GPU tests and the mla_variants sweep and
@@ -142,7 +144,7 @@
 #       --enable-expert-parallel against one GPU, the same closed-loop load per rank
 #       (32 streams per GPU, 1024 in / 256 out): output tok/s per GPU and mean TPOT.
 set -uo pipefail
-stage="${1:?usage: run_pending.sh pdl2|h31|g18|g16|g17|f16|f17|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|moe8|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl|x2|dpep N}"
+stage="${1:?usage: run_pending.sh pdl2|h31|g18|g16|g17|f16|f17|f18|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|moe8|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl|x2|dpep N}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 # RUN_START (epoch seconds): where two stages share one call, export it once before both,
 # so the second one's deadlines count from the call's start, not its own
@@ -519,6 +521,22 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
         --profile 1x1024,1x16384 --out "$OUT/glm5_p30_pdl$pdl.json" > "$OUT/glm5_p30_pdl$pdl.log" 2>&1
       echo "glm5 decode PDSERVE_PDL=$pdl: exit $?"; quiet < "$OUT/glm5_p30_pdl$pdl.log" | tail -24
     done
+    ;;
+  f18)  # FP8 (issue 28): decode attention over an fp8 cache with fp16 MMAs and the tiles
+        # converted in their load layout (decode_attention.FP8_HALF) beside bf16 MMAs, its
+        # tile sweep, then fp8_bench llama-8b-shape (F18_END: the call's end for it)
+    timeout 90 python3 benchmarks/kernels_bench.py --sections decode --kv-dtype fp8 \
+      --out "$OUT/kernels_decode_fp8.json" > "$OUT/kernels_decode_fp8.log" 2>&1
+    echo "kernels_bench decode fp8: exit $?"; tail -8 "$OUT/kernels_decode_fp8.log"
+    python3 -c "import json; [print(r['batch'], r['context'], r['splits'], r['fp8_half'], round(r['pct_roofline'], 1)) for r in json.load(open('$OUT/kernels_decode_fp8.json'))['decode']]"
+    t=$(( start + ${F18_END:-575} - $(date +%s) - 100 ))
+    [ "$t" -gt 60 ] && { timeout $(( t < 200 ? t : 200 )) python3 benchmarks/kernels_bench.py \
+      --sections decode_configs --kv-dtype fp8 --out "$OUT/kernels_decode_configs_fp8.json" \
+      > "$OUT/kernels_decode_configs_fp8.log" 2>&1; tail -4 "$OUT/kernels_decode_configs_fp8.log"; }
+    t=$(( start + ${F18_END:-575} - $(date +%s) ))
+    [ "$t" -gt 90 ] && { PDSERVE_PDL=0 timeout "$t" python3 benchmarks/fp8_bench.py \
+      --models llama-8b-shape --variants fp8 --out "$OUT/fp8_llama.json" > "$OUT/fp8_llama.log" 2>&1
+      echo "fp8_bench llama: exit $?"; quiet < "$OUT/fp8_llama.log" | sed -n '/^== /,$p'; }
     ;;
   f17)  # FP8 (issue 28): is the quantizing norm slow, or its PDL neighbours? (run 72: 42.8
         # ms of _rmsnorm_kernel in the 8K FP8 prefill after clip_waits, 7.9 ms of norms in
