@@ -194,6 +194,33 @@ def test_a_failed_read_is_a_transfer_error_and_sends_no_done(pair, why: str) -> 
     assert not p.dst["l0.attn"].any()
 
 
+def test_the_endpoint_turns_cuda_ipc_gets_on_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode READs are UCX GETs, which cuda_ipc turns off without an active NVLink (then
+    emulated over TCP loopback): the endpoint sets UCX_CUDA_IPC_ENABLE_GET_ZCOPY before
+    its agent's UCX context is made, and leaves a value the environment chose."""
+    import os
+
+    monkeypatch.delenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", raising=False)
+    seen: list[str | None] = []
+
+    class Agent:
+        def __init__(self, name: str, config: object) -> None:
+            seen.append(os.environ.get("UCX_CUDA_IPC_ENABLE_GET_ZCOPY"))
+            raise RuntimeError("stop here")
+
+    class Config:
+        def __init__(self, backends: list[str]) -> None:
+            pass
+
+    caches = filled(_config(), NUM_BLOCKS, None)
+    for preset in (None, "off"):
+        if preset:
+            monkeypatch.setenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", preset)
+        with pytest.raises(RuntimeError, match="stop here"):
+            N.NixlEndpoint(caches, agent_api=(Agent, Config))
+    assert seen == ["on", "off"]
+
+
 def test_without_a_nixl_package_the_transport_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
     for mod in ("nixl", "nixl._api", "nixl_cu13", "nixl_cu13._api", "nixl_cu12", "nixl_cu12._api"):
         monkeypatch.setitem(sys.modules, mod, None)  # import fails

@@ -5,6 +5,7 @@ index_topk, GLM-5.2 index sharing, the MTP layer, and checkpoints that must be r
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import shutil
 from pathlib import Path
@@ -199,17 +200,20 @@ def test_mtp_draft_logits_match_a_reference_from_transformers_parts(tiny_glm5: P
         pos = torch.arange(n - 1)
         e = hf.model.embed_tokens(seq[1:]).masked_fill((pos == 0)[:, None], 0.0)
         x = parts["eh_proj"](torch.cat([parts["enorm"](e), parts["hnorm"](h[:-1])], -1))[None]
-        cache = DynamicCache(config=c1)
+        # the cache argument: ``cache`` in transformers 5.24, ``past_key_values`` in 5.17
+        names = inspect.signature(create_causal_mask).parameters
+        key = "cache" if "cache" in names else "past_key_values"
+        cache = {key: DynamicCache(config=c1)}
         mask = create_causal_mask(
-            config=c1, inputs_embeds=x, attention_mask=None, cache=cache,
-            position_ids=pos[None], allow_is_causal_skip=False,
+            config=c1, inputs_embeds=x, attention_mask=None, position_ids=pos[None],
+            allow_is_causal_skip=False, **cache,
         )  # fmt: skip
         out, _ = block(
             x,
             attention_mask=mask,
             position_embeddings=hf.model.rotary_emb(x, pos[None]),
-            cache=cache,
             use_cache=True,
+            **cache,
         )
         ref_h = parts["shared_head_norm"](out)[0]
         ref_logits = hf.lm_head(ref_h)
@@ -219,15 +223,15 @@ def test_mtp_draft_logits_match_a_reference_from_transformers_parts(tiny_glm5: P
         x1 = parts["eh_proj"](torch.cat([parts["enorm"](e1), parts["hnorm"](ref_h[-1:])], -1))[None]
         p1 = torch.tensor([[n - 1]])
         mask1 = create_causal_mask(
-            config=c1, inputs_embeds=x1, attention_mask=None, cache=cache, position_ids=p1,
-            allow_is_causal_skip=False,
+            config=c1, inputs_embeds=x1, attention_mask=None, position_ids=p1,
+            allow_is_causal_skip=False, **cache,
         )  # fmt: skip
         out1, _ = block(
             x1,
             attention_mask=mask1,
             position_embeddings=hf.model.rotary_emb(x1, p1),
-            cache=cache,
             use_cache=True,
+            **cache,
         )
         ref1 = hf.lm_head(parts["shared_head_norm"](out1)[0])
 

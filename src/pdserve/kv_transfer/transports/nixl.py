@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import threading
 import time
 import uuid
@@ -56,6 +57,15 @@ from pdserve.kv_transfer.transports.block_copy import Segments, check_ids
 logger = logging.getLogger(__name__)
 
 _MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
+# Decode READs prefill's blocks, and a READ is a UCX GET. On one host UCX's cuda_ipc
+# transport turns GETs off where the GPU has no active NVLink ("auto": platforms where
+# concurrent reads were slower than writes), and UCX then emulates the GET over TCP
+# loopback through host memory: on the H100 of RESULTS.md run 103 (a single GPU, its
+# NVLinks idle) a 16K llama-8b-shape prompt took 4.7 s against a 1.4 ms copy bound, the
+# protocol table naming "remote memory read by ucp_get* ... software emulation | tcp/lo".
+# pdserve turns cuda_ipc GETs on unless the environment already chose (UCX reads its
+# environment when the agent's context is made).
+UCX_ENV_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
 _SPIN_POLLS = 200  # polls before the wait starts sleeping between them
 
 
@@ -116,6 +126,8 @@ class NixlEndpoint:
         backends: tuple[str, ...] = ("UCX",),
     ) -> None:
         agent_cls, config_cls = agent_api if agent_api is not None else load_nixl()
+        for key, value in UCX_ENV_DEFAULTS.items():
+            os.environ.setdefault(key, value)
         self.transfer_timeout = transfer_timeout
         self.name = f"pdserve-{uuid.uuid4().hex[:12]}"
         self.segments = Segments.of(kv_caches)
