@@ -63,8 +63,9 @@ NUM_STAGES_FP8 = 1
 # q's and p's bits than bf16 (q is clamped to fp16's range). Compiled for sm_90a
 # (tools/sm90_report.py, decode_fp8 against decode_fp8_bf16mma) the K/V loop drops from
 # 855 to 461 SASS instructions an iteration (bf16 cache: 586 for twice the bytes): an
-# fp8 tile holds half a bf16 tile's bytes, so the instruction count, not the copy rate,
-# bounded it (RESULTS.md run 72: 59-63% of the copy bound over fp8, 93% over bf16).
+# fp8 tile holds half a bf16 tile's bytes, so the loop's instruction count weighs twice
+# as much. H100, RESULTS.md run 103: 3-19% faster at 1-64 x 1K / 16K, 62-68% of the copy
+# bound against 59-63% before (bf16 cache: 93%).
 FP8_HALF = True
 
 
@@ -73,9 +74,6 @@ def num_stages(kv_cache: torch.Tensor) -> int:
     return NUM_STAGES_FP8 if kv_cache.element_size() == 1 else NUM_STAGES
 
 
-# One compile for every split count; the query length QL is a runtime value too (Triton
-# still specialises QL == 1, plain decode), so a short prompt of a new length does not
-# compile a kernel under traffic: only the tile config (BLOCK_M etc.) picks a variant.
 @triton.jit
 def _e4m3_to_f16(x, ASM: tl.constexpr):
     """fp8 e4m3 ``x`` -> fp16 (exact): the hardware's pairwise conversion, 4 elements an
@@ -95,6 +93,9 @@ def _e4m3_to_f16(x, ASM: tl.constexpr):
         return x.to(tl.float16)
 
 
+# One compile for every split count; the query length QL is a runtime value too (Triton
+# still specialises QL == 1, plain decode), so a short prompt of a new length does not
+# compile a kernel under traffic: only the tile config (BLOCK_M etc.) picks a variant.
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_kernel(
     q_ptr,
