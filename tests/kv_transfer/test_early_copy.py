@@ -235,3 +235,30 @@ def test_the_read_is_sent_before_the_early_copy_is_launched(prefill, send_first:
     assert launch == f"at launch served={send_first}"
     assert log.count(f"served {HELD}") == 1 and log[-1] == f"landed {HELD}"
     assert _same(_blocks(dst, LOCAL), _blocks(caches(), HELD))
+
+
+@pytest.mark.parametrize(
+    ("named", "early"), [(tuple(HELD), True), ((1, 2, 3), False), ((5, 1), False)]
+)
+def test_the_link_says_whether_the_early_copy_stood(
+    prefill, named: tuple[int, ...], early: bool
+) -> None:
+    """``copied_early`` (what transfer_bench reports as its ``early`` column): the copy
+    began before the reply and the reply vouched for it. Not when the reply names other
+    ids, nor when the named ids do not cover the read (no early copy is started)."""
+    dst, log = caches(seed=None), []
+    link = PeerLink(
+        zmq.Context.instance(),
+        SECRET,
+        COMPAT,
+        lambda info: RemoteMemoryClient(dst, info, log),
+        KVPeer("127.0.0.1", prefill.port),
+        threading.Event(),
+    )
+    try:
+        link.handshake(5.0)
+        link.start_read(W.Read("r0", 0, len(HELD), len(HELD)), LOCAL, 5.0, named).wait()
+    finally:
+        link.close()
+    assert link.copied_early is early
+    assert _same(_blocks(dst, LOCAL), _blocks(caches(), HELD))

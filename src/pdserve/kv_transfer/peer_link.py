@@ -53,6 +53,7 @@ class PeerLink:
         self.session = W.NO_SESSION  # until the handshake opens one
         self.counter = 0  # the last request's number in the session
         self.replied_at = 0.0  # perf_counter() when the last reply arrived (benchmarks)
+        self.copied_early = False  # the last start_read's copy began before its reply
         self.sock: zmq.Socket = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(f"tcp://{target.host}:{target.port}")
@@ -178,8 +179,10 @@ class PeerLink:
                 with contextlib.suppress(Exception):
                     early.wait()
             raise
+        self.copied_early = False
         if early is not None:
             if list(reply.block_ids) == list(expected_ids):
+                self.copied_early = True
                 return early
             early.wait()  # prefill holds other blocks than its params named: copy those
         left = max(0.001, timeout - (time.monotonic() - t0))
