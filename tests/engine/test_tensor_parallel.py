@@ -143,7 +143,8 @@ def test_tp2_fp8_glm5_with_mtp_drafts_follows_one_process(
     rounding, about 1e-2 of the logits after four layers, so on a near-tie greedy decoding may
     part. So: one process's greedy tokens, scored by the two ranks, are the ranks' own
     choice or within 0.05 nats of it, and the ranks' greedy tokens equal one process's
-    up to the first such near-tie."""
+    up to the first such near-tie (where the ranks' scoring agrees with their decoding
+    to 1e-3 nats)."""
     plain = str(tp_fp8_glm5[0])
     greedy = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)] * len(PROMPTS)
     spec = {"method": "mtp", "num_speculative_tokens": 2}
@@ -163,7 +164,10 @@ def test_tp2_fp8_glm5_with_mtp_drafts_follows_one_process(
     assert all(g < 0.05 for row in gaps for g in row), gaps
     for g, w, row in zip(got, want, gaps, strict=True):
         parted = next((i for i, (a, b) in enumerate(zip(g, w, strict=True)) if a != b), len(w))
-        assert all(gap == 0 for gap in row[:parted])  # the same greedy choices until then
+        # the same greedy choices until then; the ranks' scoring pass (a prefill of the
+        # forced tokens, other kernels and summation orders than the decode steps) may
+        # itself see a near-tie there: 1.2e-4 nats at one position under numpy 2.4.6
+        assert all(gap < 1e-3 for gap in row[:parted]), row
         assert parted == len(w) or row[parted] > 0  # parted on a near-tie
 
 
