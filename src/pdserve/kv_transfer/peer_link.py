@@ -154,6 +154,7 @@ class PeerLink:
         nothing is left writing into blocks the caller may free."""
         assert self.transport is not None
         t0 = time.monotonic()
+        self.copied_early = False
         early: PendingWrite | None = None
         copy_early = self.transport.reads_remote_memory and len(expected_ids) == msg.num_read > 0
         sent = self._send(msg, timeout) if self.send_first or not copy_early else None
@@ -179,7 +180,6 @@ class PeerLink:
                 with contextlib.suppress(Exception):
                     early.wait()
             raise
-        self.copied_early = False
         if early is not None:
             if list(reply.block_ids) == list(expected_ids):
                 self.copied_early = True
