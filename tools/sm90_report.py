@@ -338,10 +338,10 @@ def decode_attention_variants() -> list[Variant]:
     engine's tile config and pipelining depth; the fp8 cache once more with its MMAs in
     bf16 (``FP8_HALF`` off) beside the default fp16."""
 
+    from pdserve.kernels import decode_attention as da
+
     def consts(half: bool | None) -> Callable[[], dict[str, Any]]:
         def get() -> dict[str, Any]:
-            from pdserve.kernels import decode_attention as da
-
             block_m, dot, block_n, _ = da._config(4, 128)
             on = da.FP8_HALF if half is None else half
             return dict(G=4, NUM_HEADS=32, HEAD_D=128, BLOCK_D=128, PAGE=16, BLOCK_M=block_m,
@@ -349,8 +349,6 @@ def decode_attention_variants() -> list[Variant]:
                         UPCAST=False, HALF=on, ASM=on)  # fmt: skip
 
         return get
-
-    from pdserve.kernels import decode_attention as da
 
     ints = frozenset({"stride_qt", "stride_qh", "stride_kb", "stride_ks", "stride_kh",
                       "stride_vb", "stride_vs", "stride_vh", "stride_bt", "stride_ot",
@@ -613,11 +611,9 @@ def report(v: Variant) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "k.ptx"
         path.write_text(ptx)
-        res = subprocess.run([str(_ptxas()), "-arch=sm_90a", "-v", str(path), "-o", "/dev/null"],
-                             capture_output=True, text=True, check=True)  # fmt: skip
         cubin = Path(d) / "k.cubin"
-        subprocess.run([str(_ptxas()), "-arch=sm_90a", str(path), "-o", str(cubin)],
-                       capture_output=True, check=True)  # fmt: skip
+        res = subprocess.run([str(_ptxas()), "-arch=sm_90a", "-v", str(path), "-o", str(cubin)],
+                             capture_output=True, text=True, check=True)  # fmt: skip
         sass = subprocess.run([str(_ptxas().with_name("cuobjdump")), "-sass", str(cubin)],
                               capture_output=True, text=True, check=True).stdout  # fmt: skip
     info = res.stderr
