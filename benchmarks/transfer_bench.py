@@ -207,13 +207,19 @@ def _timeline(link, t0: float, anchor, anchor_at: float) -> dict[str, float]:  #
         return {}
     e = trace[-1]
     start, end = (anchor_at + anchor.elapsed_time(m) / 1e3 for m in e["events"])
-    return {
+    line = {
         "launched": (e["host_launched"] - t0) * 1e3,
         "launch_host": (e["host_launched"] - e["host_start"]) * 1e3,
         "reply": (link.replied_at - t0) * 1e3,
         "gpu_start": (start - t0) * 1e3,
         "gpu_end": (end - t0) * 1e3,
     }
+    phases = e.get("host_phases") or []
+    if len(phases) == 2:  # the launch's host time by part: ids checked, uploaded, the rest
+        line["ids_host"] = (phases[0] - e["host_start"]) * 1e3
+        line["upload_host"] = (phases[1] - phases[0]) * 1e3
+        line["kernel_host"] = (e["host_launched"] - phases[1]) * 1e3
+    return line
 
 
 def _reads(args, name, variant, link, caches, sample) -> list[dict]:  # type: ignore[no-untyped-def]
@@ -291,7 +297,8 @@ def _reads(args, name, variant, link, caches, sample) -> list[dict]:  # type: ig
             "copy_ratio": med["copy"] / bound,
             "transfer_ratio": med["transfer"] / bound,
         }
-        for k in ("launched", "launch_host", "reply", "gpu_start", "gpu_end", "kernel"):
+        for k in ("launched", "launch_host", "ids_host", "upload_host", "kernel_host", "reply",
+                  "gpu_start", "gpu_end", "kernel"):  # fmt: skip
             if k in med:  # the early read's timeline (ms after it began), the kernel alone
                 row[f"{k}_ms"] = med[k] * 1e3
         if "kernel" in med:
@@ -514,13 +521,17 @@ def _print_transfers(rows: list[dict]) -> None:
         )
     timed = [r for r in rows if "gpu_start_ms" in r]
     if timed:  # where the early read's time goes (ms after start_read was called)
-        print("early read, ms after it began: launch returned (host ms in the launch), "
-              "reply arrived, copy on the GPU from .. to, landed")  # fmt: skip
+        print("early read, ms after it began: launch returned (host ms in the launch: ids "
+              "checked + uploaded + kernel launched), reply arrived, copy on the GPU from .. "
+              "to, landed")  # fmt: skip
         for r in timed:
+            parts = "+".join(f"{r[k]:.3f}" for k in ("ids_host_ms", "upload_host_ms",
+                                                     "kernel_host_ms") if k in r)  # fmt: skip
             print(
                 f"{r['transport']:>9} {r['variant']:>7} {r['prompt']:>7}  launched "
-                f"{r['launched_ms']:.3f} ({r['launch_host_ms']:.3f})  reply {r['reply_ms']:.3f}  "
-                f"gpu {r['gpu_start_ms']:.3f}..{r['gpu_end_ms']:.3f}  landed {r['transfer_ms']:.3f}",
+                f"{r['launched_ms']:.3f} ({r['launch_host_ms']:.3f}{' = ' + parts if parts else ''})"
+                f"  reply {r['reply_ms']:.3f}  gpu {r['gpu_start_ms']:.3f}..{r['gpu_end_ms']:.3f}"
+                f"  landed {r['transfer_ms']:.3f}",
                 flush=True,
             )
 
