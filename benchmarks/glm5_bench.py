@@ -64,6 +64,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _gpu_clock import ClockSampler  # noqa: E402
 from gpu_suite import measure_limits  # noqa: E402
 
 from pdserve import LLM, SamplingParams  # noqa: E402
@@ -519,7 +520,8 @@ def bench_prefill(llm: LLM, preset: str, lens: list[int], peak: float | None) ->
             res["points"].append({"tokens": n, "skipped": f"max_model_len {eng.max_model_len}"})
             continue
         warm = _prefill_once(llm, _prompt(n, 499 + 3 * n, vocab))  # compiles: untimed
-        runs = [_prefill_once(llm, _prompt(n, 500 + 3 * n + i, vocab)) for i in range(3)]
+        with ClockSampler(runner.device) as clock:  # the SM clock the prefills ran at
+            runs = [_prefill_once(llm, _prompt(n, 500 + 3 * n + i, vocab)) for i in range(3)]
         flops = fm.flops(n)
         prof = profile_step(lambda n=n: _prefill_once(llm, _prompt(n, 7 * n + 1, vocab)),
                             runner.model, runner.device).table(top_n=40)  # fmt: skip
@@ -543,6 +545,7 @@ def bench_prefill(llm: LLM, preset: str, lens: list[int], peak: float | None) ->
             "steps": [r[2] for r in runs],
             "flops": flops,
             "tflops_overall": flops["total"] / sec / 1e12,
+            "clock": clock.summary(),
             "profile": {"span_ms": prof["span_ms"], "wall_ms": prof["wall_ms"],
                         "kernels": prof["kernels"], "idle_gap_ms": prof["idle_gap"]["ms"],
                         "categories": cats, "top": prof["top"],
@@ -568,12 +571,14 @@ def _mla_alone(llm: LLM, prompt: list[int], top: list[dict], layers: int,
     got = _mla_probe.capture(MLATritonBackend, lambda: _prefill_once(llm, prompt))
     if got is None:
         return {"skipped": "no sparse MLA prefill call (another attention backend ran)"}
-    alone = _mla_probe.time_alone(*got)
+    with ClockSampler(got[1][0].device) as clock:
+        alone = _mla_probe.time_alone(*got)
     del got
     _free()
     kernels = [t for t in top if t["category"] == "mla_attention" and "_rows_" not in t["name"]]
     in_model = sum(t["ms"] for t in kernels) / layers
-    out = {**alone, "in_model_ms": in_model, "alone_over_in_model": alone["ms"] / in_model}
+    out = {**alone, "in_model_ms": in_model, "alone_over_in_model": alone["ms"] / in_model,
+           "clock_alone": clock.summary()}  # fmt: skip
     if peak:
         out["share_alone"] = alone["flop"] / (alone["ms"] * 1e-3) / peak
         out["share_in_model"] = alone["flop"] / (in_model * 1e-3) / peak

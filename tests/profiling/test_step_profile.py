@@ -206,6 +206,7 @@ def test_glm5_bench_cpu_prefill_smoke(tmp_path: Path) -> None:
     for p in (short, long_):
         assert p["prefix_cache_hits"] == 0 and p["seconds"] > 0 and p["warmup_s"] > 0
         assert len(p["runs_s"]) == 3
+        assert "no NVML for a cpu device" in p["clock"]["nvml"]  # sampled on CUDA only
         cats = p["profile"]["categories"]
         diag = p["profile"]["diagnostics"]  # every categorised module ran inside its range
         assert diag["ranges"]["mla_attention"]["count"] > 0 and diag["device_activities"] == 0
