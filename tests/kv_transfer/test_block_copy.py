@@ -14,7 +14,6 @@ from pdserve.core_types.cache_spec import CacheLayout, KVCacheConfig
 from pdserve.forward_context import KVCaches
 from pdserve.kv_transfer.transports.block_copy import (
     CopyPlan,
-    IdStaging,
     Segments,
     copy_blocks,
     reference_copy,
@@ -107,47 +106,5 @@ def test_triton_block_copy_matches_the_reference(
     # it needs a plan of its own, made against ``want``
     ref_plan = CopyPlan.make(Segments.of(src), Segments.of(want), torch.device("cuda"))
     reference_copy(ref_plan, _tensors(src), _tensors(want), remote, local)
-    for (name, _, g), (_, _, w) in zip(got.layers(), want.layers(), strict=True):
-        assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), name
-
-
-def test_id_staging_alternates_slots_and_grows() -> None:
-    """Two uploads in a row land in different buffers (the first stays intact while the
-    second is written: a copy still queued reads its own ids), the third reuses the
-    first's slot, and a larger batch grows the slot's buffer."""
-    st = IdStaging(torch.device("cpu"))
-    plan = CopyPlan.make(Segments.of(filled_caches(_config(), 40, "cpu", 1)),
-                         Segments.of(KVCaches.allocate(_config(), 50, torch.device("cpu"))),
-                         torch.device("cpu"))  # fmt: skip
-    a = st.upload(plan.block_pairs([3, 4, 5], [10, 11, 12]), None)
-    b = st.upload(plan.block_pairs([7, 8], [20, 21]), None)
-    assert a.tolist() == [[3, 4, 5], [10, 11, 12]] and b.tolist() == [[7, 8], [20, 21]]
-    assert a.is_contiguous() and b.is_contiguous() and a.data_ptr() != b.data_ptr()
-    c = st.upload(plan.block_pairs([1], [2]), None)
-    assert c.data_ptr() == a.data_ptr() and c.tolist() == [[1], [2]]
-    big = list(range(39)) * 40  # 1,560 pairs: past the first buffer's 2,048 ids
-    d = st.upload(plan.block_pairs(big, big), None)
-    assert d.shape == (2, len(big)) and d[0].tolist() == big and d[1].tolist() == big
-    assert b.tolist() == [[7, 8], [20, 21]]  # the other slot was left alone
-
-
-@pytest.mark.gpu
-def test_triton_block_copy_through_reused_id_buffers() -> None:
-    """The transport's path: ids uploaded through IdStaging, several copies queued back to
-    back on one stream (each slot reused while earlier copies may still be running)."""
-    cfg = _config()
-    dev = torch.device("cuda")
-    src = filled_caches(cfg, 40, "cuda", 1)
-    got = KVCaches.allocate(cfg, 50, dev)
-    want = KVCaches.allocate(cfg, 50, dev)
-    plan = CopyPlan.make(Segments.of(src), Segments.of(got), dev)
-    ref_plan = CopyPlan.make(Segments.of(src), Segments.of(want), dev)
-    stream, staging = torch.cuda.Stream(), IdStaging(dev)
-    stream.wait_stream(torch.cuda.current_stream())  # the fills ran on the default stream
-    batches = [([3, 4, 5], [10, 11, 12]), ([39, 0], [49, 2]), ([17], [30]), ([6, 7], [40, 41])]
-    for remote, local in batches:
-        copy_blocks(plan, plan.block_pairs(remote, local), stream, staging=staging)
-        reference_copy(ref_plan, _tensors(src), _tensors(want), remote, local)
-    stream.synchronize()
     for (name, _, g), (_, _, w) in zip(got.layers(), want.layers(), strict=True):
         assert torch.equal(g.view(torch.uint8), w.view(torch.uint8)), name

@@ -180,60 +180,10 @@ def _bytes_at(
     return layer.view(-1).view(torch.uint8), idx.to(layer.device)
 
 
-class IdStaging:
-    """Reused buffers for the block ids of one stream's successive copies: a pinned host
-    buffer filled with numpy and one on the device, in two slots used in turn, where
-    each copy used to pin a fresh host tensor. A slot is refilled only after the upload
-    that last read it has completed (its event; in practice long since), and its device
-    buffer is rewritten by an upload queued on the stream behind the copy that read it,
-    so no copy sees another's ids. ``upload`` returns the ids on the device as the
-    kernel takes them (int64 [2, B], contiguous). On a CPU device (tests) the buffers
-    are plain host tensors and the copy is synchronous."""
-
-    SLOTS = 2
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._host: list[torch.Tensor | None] = [None] * self.SLOTS
-        self._dev: list[torch.Tensor | None] = [None] * self.SLOTS
-        self._done: list[torch.cuda.Event | None] = [None] * self.SLOTS
-        self._next = 0
-
-    def upload(self, pairs: torch.Tensor, stream: torch.cuda.Stream | None) -> torch.Tensor:
-        """``pairs`` (int64 [2, B] on the host, from :meth:`CopyPlan.block_pairs`) on the
-        device, the upload queued on ``stream`` (CUDA)."""
-        n = 2 * pairs.shape[1]
-        i, self._next = self._next, (self._next + 1) % self.SLOTS
-        cuda = self.device.type == "cuda"
-        done = self._done[i]
-        if done is not None:
-            done.synchronize()
-        host, dev = self._host[i], self._dev[i]
-        if host is None or dev is None or host.numel() < n:
-            cap = max(2048, 1 << (n - 1).bit_length())
-            host = torch.empty(cap, dtype=torch.int64, pin_memory=cuda)
-            dev = host if not cuda else torch.empty(cap, dtype=torch.int64, device=self.device)
-            self._host[i], self._dev[i] = host, dev
-        host.numpy()[:n] = pairs.numpy().reshape(-1)  # source ids, then destination ids
-        if not cuda:
-            return dev[:n].view(2, -1)
-        assert stream is not None
-        with torch.cuda.stream(stream):
-            dev[:n].copy_(host[:n], non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(stream)
-        self._done[i] = ev
-        return dev[:n].view(2, -1)
-
-
 def upload_pairs(
-    pairs: torch.Tensor, device: torch.device, stream: torch.cuda.Stream,
-    staging: IdStaging | None = None,
-) -> torch.Tensor:  # fmt: skip
-    """The host ids ``pairs`` on ``device``, copied on ``stream``: through ``staging``'s
-    reused buffers, or (None) through a pinned copy made for this upload."""
-    if staging is not None:
-        return staging.upload(pairs, stream)
+    pairs: torch.Tensor, device: torch.device, stream: torch.cuda.Stream
+) -> torch.Tensor:
+    """The host ids ``pairs`` on ``device``: a pinned copy, uploaded on ``stream``."""
     with torch.cuda.stream(stream):
         return pairs.pin_memory().to(device, non_blocking=True)
 
@@ -245,7 +195,6 @@ def copy_blocks(
     step_bytes: int | None = None,
     num_warps: int | None = None,
     *,
-    staging: IdStaging | None = None,
     on_device: bool = False,
 ) -> None:
     """Enqueue on ``stream`` the copy of blocks ``pairs[0] -> pairs[1]`` (host ids from
@@ -255,7 +204,7 @@ def copy_blocks(
     kernel's launch shape (None: its defaults)."""
     from pdserve.kernels.kv_block_copy import copy_blocks_by_address
 
-    ids = pairs if on_device else upload_pairs(pairs, plan.units.device, stream, staging)
+    ids = pairs if on_device else upload_pairs(pairs, plan.units.device, stream)
     with torch.cuda.stream(stream):
         copy_blocks_by_address(
             plan.src_addrs,

@@ -39,7 +39,6 @@ from pdserve.kv_transfer.transports.base import (
 )
 from pdserve.kv_transfer.transports.block_copy import (
     CopyPlan,
-    IdStaging,
     Segments,
     copy_blocks,
     upload_pairs,
@@ -192,7 +191,6 @@ class CudaIpcClient(ClientTransport):
             [(n, ax, r) for (n, ax), r in zip(axes, self.remote, strict=True)]
         )
         self.plan: CopyPlan | None = CopyPlan.make(remote, Segments.of(kv_caches), dev)
-        self._ids = IdStaging(dev)  # the copies' block ids: reused pinned buffers
 
     def write(
         self, remote_block_ids: list[int], local_block_ids: list[int], frames: list[Any]
@@ -221,7 +219,7 @@ class CudaIpcClient(ClientTransport):
         if self.plan is not None:
             pairs = self.plan.block_pairs(remote_block_ids, local_block_ids)  # range-checked
             phases.append(time.perf_counter())
-            ids = upload_pairs(pairs, self.kv_caches.device, self._stream, self._ids)
+            ids = upload_pairs(pairs, self.kv_caches.device, self._stream)
             phases.append(time.perf_counter())
             try:
                 copy_blocks(
