@@ -95,12 +95,20 @@ def held_blocks(length: int) -> list[int]:
     return list(range(1, 1 + -(-length // BLOCK)))
 
 
+def open_spec(spec: str, caches: KVCaches):  # type: ignore[no-untyped-def]
+    """``open_transport`` for a ``--transports`` entry: a transport's name, or ``nixl:N``
+    for nixl with N UCX worker threads (``nixl_threads``)."""
+    from pdserve.kv_transfer.transports import open_transport
+
+    name, _, threads = spec.partition(":")
+    return open_transport(name, caches, nixl_threads=int(threads or 0))
+
+
 def prefill_side(args: argparse.Namespace, conn) -> None:  # type: ignore[no-untyped-def]
     """The prefill process: caches, one KV server per transport, leases for every read."""
     from pdserve.kv_transfer.handler import KVRequestHandler, ServerLimits
     from pdserve.kv_transfer.lease import LeaseTable
     from pdserve.kv_transfer.server import KVServer
-    from pdserve.kv_transfer.transports import open_transport
 
     dev = torch.device(args.prefill_device)
     caches = KVCaches.allocate(
@@ -122,7 +130,7 @@ def prefill_side(args: argparse.Namespace, conn) -> None:  # type: ignore[no-unt
                     leases.add(f"{name}/{v}/{n}-{r}", held_blocks(n))
                     leases.add(f"{name}/{v}/{n}-{r}-seq", held_blocks(n))
         try:
-            t = open_transport(name, caches)
+            t = open_spec(name, caches)
             transports.append(t)
             limits = ServerLimits()
             handler = KVRequestHandler(
@@ -177,11 +185,10 @@ def _measure(args, name, port, caches, sample, zctx, stop) -> list[dict]:  # typ
     """Per variant: a handshaken link, a warm-up read, then ``--reps`` timed reads of
     every length over transport ``name``."""
     from pdserve.kv_transfer.peer_link import PeerLink
-    from pdserve.kv_transfer.transports import open_transport
 
     rows: list[dict] = []
     for variant in args.variants:
-        t = open_transport(name, caches)
+        t = open_spec(name, caches)
         link = PeerLink(zctx, SECRET, COMPAT, t.client, KVPeer("127.0.0.1", port), stop)
         try:
             link.handshake(30.0)
@@ -542,7 +549,8 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--prefill-device", default=None, help="default: --device")
     ap.add_argument(
-        "--transports", default=None, help="default: cuda_ipc,nixl (nixl if importable)"
+        "--transports", default=None,
+        help="default: cuda_ipc,nixl (nixl if importable); nixl:N: nixl with N UCX threads",
     )
     ap.add_argument("--lens", default="1024,16384,65536")
     ap.add_argument("--reps", type=int, default=3)

@@ -221,6 +221,26 @@ def test_the_endpoint_turns_cuda_ipc_gets_on_unless_told(monkeypatch: pytest.Mon
     assert seen == ["on", "off"]
 
 
+def test_nixl_threads_reach_the_agent_config() -> None:
+    """``nixl_threads`` (kv_connector_extra_config) becomes NIXL's ``num_threads`` (its
+    multi-threaded UCX backend); 0 leaves NIXL's own default (no argument at all)."""
+    got: list[dict] = []
+
+    class Agent:
+        def __init__(self, name: str, config: object) -> None:
+            raise RuntimeError("stop here")
+
+    class Config:
+        def __init__(self, **kwargs: object) -> None:
+            got.append(kwargs)
+
+    caches = filled(_config(), NUM_BLOCKS, None)
+    for n in (0, 4):
+        with pytest.raises(RuntimeError, match="stop here"):
+            N.NixlEndpoint(caches, agent_api=(Agent, Config), num_threads=n)
+    assert got == [{"backends": ["UCX"]}, {"backends": ["UCX"], "num_threads": 4}]
+
+
 def test_without_a_nixl_package_the_transport_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
     for mod in ("nixl", "nixl._api", "nixl_cu13", "nixl_cu13._api", "nixl_cu12", "nixl_cu12._api"):
         monkeypatch.setitem(sys.modules, mod, None)  # import fails

@@ -99,6 +99,8 @@ def test_kv_transfer_config_is_validated(cfg, match):
         ({"max_reads_per_second": "fast"}, "max_reads_per_second"),
         ({"max_ids_per_message": True}, "max_ids_per_message"),
         ({"max_prefill_peers": -1}, "max_prefill_peers"),
+        ({"nixl_threads": -1}, "nixl_threads must be an integer >= 0"),
+        ({"nixl_threads": 2.5}, "nixl_threads must be an integer >= 0"),
     ],
 )
 def test_side_channel_limits_are_validated(extra, match):
@@ -111,20 +113,21 @@ def test_side_channel_limits_have_defaults_and_can_be_set():
     c = KVTransferConfig.from_json({"kv_connector": "PdConnector", "kv_role": "kv_both"})
     assert c is not None and c.allowed_prefill is None
     assert (c.max_reads_per_lease, c.max_ids_per_message, c.max_prefill_peers) == (1, 1024, 64)
-    assert c.max_reads_per_second == 1000.0
+    assert c.max_reads_per_second == 1000.0 and c.nixl_threads == 0
     extra = {
         "allowed_prefill": ["10.0.0.1:7000", "[::1]:7001"],
         "max_reads_per_lease": 2,
         "max_reads_per_second": 50,
         "max_ids_per_message": 64,
         "max_prefill_peers": 4,
+        "nixl_threads": 4,
     }
     c = KVTransferConfig.from_json(
         {"kv_connector": "PdConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
     )
     assert c is not None and c.allowed_prefill == {("10.0.0.1", 7000), ("::1", 7001)}
     assert (c.max_reads_per_lease, c.max_ids_per_message, c.max_prefill_peers) == (2, 64, 4)
-    assert c.max_reads_per_second == 50.0
+    assert c.max_reads_per_second == 50.0 and c.nixl_threads == 4
 
 
 def test_side_channel_health_is_exported():

@@ -24,7 +24,8 @@ class KVTransferConfig:
     ``kv_transfer_params`` for decode to dial; default: ``host``, or for a wildcard
     ``host`` such as 0.0.0.0 the address of this machine's default route), ``lease_seconds`` (initial lease on
     prefill-held blocks, default 30), ``handshake_timeout`` (s, default 5),
-    ``transfer_timeout`` (s, default 60).
+    ``transfer_timeout`` (s, default 60), ``nixl_threads`` (nixl: worker threads of the
+    agent's UCX backend, NIXL's ``num_threads``; default 0, NIXL's single worker).
 
     Bounds on the KV side channel (every message on it is authenticated with the
     topology's secret, ``PDSERVE_PD_SECRET``; these bound what an authenticated peer
@@ -84,6 +85,7 @@ class KVTransferConfig:
             "max_ids_per_message",
             "allowed_prefill",
             "max_prefill_peers",
+            "nixl_threads",
         }
         unknown = set(extra) - known
         if unknown:
@@ -107,6 +109,7 @@ class KVTransferConfig:
             if isinstance(v, bool) or not isinstance(v, int | float) or v < 1:
                 raise ValueError(f"--kv-transfer-config: {key} must be a number >= 1 (got {v!r})")
         _ = self.allowed_prefill  # validates the list
+        _ = self.nixl_threads  # validates the count
 
     @classmethod
     def from_json(cls, value: str | dict | None) -> KVTransferConfig | None:
@@ -125,6 +128,15 @@ class KVTransferConfig:
                 raise ValueError(f"--kv-transfer-config needs {req!r}")
         obj.setdefault("kv_connector_extra_config", {})
         return cls(**obj)
+
+    @property
+    def nixl_threads(self) -> int:
+        v = self.kv_connector_extra_config.get("nixl_threads", 0)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(
+                f"--kv-transfer-config: nixl_threads must be an integer >= 0 (got {v!r})"
+            )
+        return v
 
     @property
     def is_producer(self) -> bool:

@@ -246,8 +246,9 @@ class PdConnectorWorker(KVConnectorWorker):
         extra = cfg.kv_connector_extra_config
         transfer_timeout = float(extra.get("transfer_timeout", 60.0))
         transport = self.transport = open_transport(
-            cfg.transport, kv_caches, transfer_timeout=transfer_timeout
-        )
+            cfg.transport, kv_caches, transfer_timeout=transfer_timeout,
+            nixl_threads=cfg.nixl_threads,
+        )  # fmt: skip
         if cfg.is_producer:
             handler = KVRequestHandler(
                 self.s.secret,

@@ -34,8 +34,11 @@ class Transport:
     close: Callable[[], None] = field(default=lambda: None)
 
 
-def open_transport(name: str, kv_caches: KVCaches, *, transfer_timeout: float = 60.0) -> Transport:
-    """Open transport ``name`` over ``kv_caches`` (nixl: its agent registers them now)."""
+def open_transport(
+    name: str, kv_caches: KVCaches, *, transfer_timeout: float = 60.0, nixl_threads: int = 0
+) -> Transport:
+    """Open transport ``name`` over ``kv_caches`` (nixl: its agent registers them now, with
+    ``nixl_threads`` UCX worker threads, 0 for NIXL's default)."""
     if name == "tcp":
         from pdserve.kv_transfer.transports.tcp import TcpClient, TcpServer
 
@@ -54,7 +57,7 @@ def open_transport(name: str, kv_caches: KVCaches, *, transfer_timeout: float = 
     if name == "nixl":
         from pdserve.kv_transfer.transports.nixl import NixlClient, NixlEndpoint, NixlServer
 
-        ep = NixlEndpoint(kv_caches, transfer_timeout=transfer_timeout)
+        ep = NixlEndpoint(kv_caches, transfer_timeout=transfer_timeout, num_threads=nixl_threads)
         return Transport(
             name,
             lambda: NixlServer(kv_caches, ep),

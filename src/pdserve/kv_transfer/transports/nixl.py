@@ -124,6 +124,7 @@ class NixlEndpoint:
         transfer_timeout: float = 60.0,
         agent_api: tuple[Any, Any] | None = None,
         backends: tuple[str, ...] = ("UCX",),
+        num_threads: int = 0,
     ) -> None:
         agent_cls, config_cls = agent_api if agent_api is not None else load_nixl()
         for key, value in UCX_ENV_DEFAULTS.items():
@@ -137,7 +138,10 @@ class NixlEndpoint:
         self.device_id = tensors[0].get_device() if on_gpu and tensors else 0
         self._lock = threading.Lock()
         self._remotes: dict[bytes, tuple[str, int]] = {}  # metadata -> (agent name, users)
-        self.agent = agent_cls(self.name, config_cls(backends=list(backends)))
+        # num_threads > 0: NIXL's multi-threaded UCX backend, a UCX worker a thread (each
+        # with its own CUDA streams: one worker's cuda_ipc GETs from one GPU share a stream)
+        threads = {"num_threads": num_threads} if num_threads else {}
+        self.agent = agent_cls(self.name, config_cls(backends=list(backends), **threads))
         self._registered = self.agent.register_memory(tensors) if tensors else None
         self.metadata = bytes(self.agent.get_agent_metadata())
         self.closed = False
