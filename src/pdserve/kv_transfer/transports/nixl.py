@@ -138,8 +138,9 @@ class NixlEndpoint:
         self.device_id = tensors[0].get_device() if on_gpu and tensors else 0
         self._lock = threading.Lock()
         self._remotes: dict[bytes, tuple[str, int]] = {}  # metadata -> (agent name, users)
-        # num_threads > 0: NIXL's multi-threaded UCX backend, a UCX worker a thread (each
-        # with its own CUDA streams: one worker's cuda_ipc GETs from one GPU share a stream)
+        # num_threads > 0: NIXL's multi-threaded UCX backend, a UCX worker a thread. UCX
+        # keeps cuda_ipc's CUDA streams per worker, and one worker's GETs from one GPU run
+        # on one of them, one after another; whether threads overlap them: the nixl stage
         threads = {"num_threads": num_threads} if num_threads else {}
         self.agent = agent_cls(self.name, config_cls(backends=list(backends), **threads))
         self._registered = self.agent.register_memory(tensors) if tensors else None
