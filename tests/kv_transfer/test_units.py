@@ -101,6 +101,7 @@ def test_kv_transfer_config_is_validated(cfg, match):
         ({"max_prefill_peers": -1}, "max_prefill_peers"),
         ({"nixl_threads": -1}, "nixl_threads must be an integer >= 0"),
         ({"nixl_threads": 2.5}, "nixl_threads must be an integer >= 0"),
+        ({"nixl_threads": 4}, "nixl_threads applies to transport nixl only"),
     ],
 )
 def test_side_channel_limits_are_validated(extra, match):
@@ -121,6 +122,7 @@ def test_side_channel_limits_have_defaults_and_can_be_set():
         "max_ids_per_message": 64,
         "max_prefill_peers": 4,
         "nixl_threads": 4,
+        "transport": "nixl",
     }
     c = KVTransferConfig.from_json(
         {"kv_connector": "PdConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}

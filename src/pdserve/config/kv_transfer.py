@@ -109,7 +109,8 @@ class KVTransferConfig:
             if isinstance(v, bool) or not isinstance(v, int | float) or v < 1:
                 raise ValueError(f"--kv-transfer-config: {key} must be a number >= 1 (got {v!r})")
         _ = self.allowed_prefill  # validates the list
-        _ = self.nixl_threads  # validates the count
+        if self.nixl_threads and self.transport != "nixl":
+            raise ValueError("--kv-transfer-config: nixl_threads applies to transport nixl only")
 
     @classmethod
     def from_json(cls, value: str | dict | None) -> KVTransferConfig | None:
