@@ -571,7 +571,7 @@ def _mla_alone(llm: LLM, prompt: list[int], top: list[dict], layers: int,
     got = _mla_probe.capture(MLATritonBackend, lambda: _prefill_once(llm, prompt))
     if got is None:
         return {"skipped": "no sparse MLA prefill call (another attention backend ran)"}
-    with ClockSampler(got[1][0].device) as clock:
+    with ClockSampler(llm.engine.runner.device) as clock:
         alone = _mla_probe.time_alone(*got)
     del got
     _free()

@@ -194,17 +194,16 @@ def copy_blocks(
     stream: torch.cuda.Stream,
     step_bytes: int | None = None,
     num_warps: int | None = None,
-    *,
-    on_device: bool = False,
 ) -> None:
-    """Enqueue on ``stream`` the copy of blocks ``pairs[0] -> pairs[1]`` (host ids from
+    """Enqueue on ``stream`` the copy of blocks ``pairs[0] -> pairs[1]`` (ids from
     :meth:`CopyPlan.block_pairs`) of every segment: one small host-to-device copy of
-    the ids (:func:`upload_pairs`; ``on_device``: ``pairs`` is already that upload) and
-    one kernel launch (the caller synchronises). ``step_bytes``, ``num_warps``: the
+    the ids (:func:`upload_pairs`; none when ``pairs`` is already on the plan's device)
+    and one kernel launch (the caller synchronises). ``step_bytes``, ``num_warps``: the
     kernel's launch shape (None: its defaults)."""
     from pdserve.kernels.kv_block_copy import copy_blocks_by_address
 
-    ids = pairs if on_device else upload_pairs(pairs, plan.units.device, stream)
+    dev = plan.units.device
+    ids = pairs if pairs.device == dev else upload_pairs(pairs, dev, stream)
     with torch.cuda.stream(stream):
         copy_blocks_by_address(
             plan.src_addrs,

@@ -222,9 +222,7 @@ class CudaIpcClient(ClientTransport):
             ids = upload_pairs(pairs, self.kv_caches.device, self._stream)
             phases.append(time.perf_counter())
             try:
-                copy_blocks(
-                    self.plan, ids, self._stream, self.copy_step, self.copy_warps, on_device=True
-                )
+                copy_blocks(self.plan, ids, self._stream, self.copy_step, self.copy_warps)
             except Exception as e:  # a kernel that does not build: torch from now on
                 logger.warning("cuda_ipc: the block-copy kernel failed (%s); copying with torch", e)
                 self.plan = None
