@@ -221,24 +221,39 @@ def test_the_endpoint_turns_cuda_ipc_gets_on_unless_told(monkeypatch: pytest.Mon
     assert seen == ["on", "off"]
 
 
-def test_nixl_threads_reach_the_agent_config() -> None:
-    """``nixl_threads`` (kv_connector_extra_config) becomes NIXL's ``num_threads`` (its
-    multi-threaded UCX backend); 0 leaves NIXL's own default (no argument at all)."""
-    got: list[dict] = []
+def test_nixl_threads_reach_the_ucx_backend() -> None:
+    """``nixl_threads`` (kv_connector_extra_config) makes the UCX backend NIXL's thread
+    pool (``num_threads``) with a split threshold low enough that a READ's descriptors
+    are spread over the threads; 0 leaves NIXL's single-worker backend (made by the
+    agent's config, no parameters)."""
+    got: list[tuple[str, object]] = []
 
     class Agent:
         def __init__(self, name: str, config: object) -> None:
+            got.append(("config", config.kwargs))  # type: ignore[attr-defined]
+
+        def create_backend(self, backend: str, params: dict[str, str]) -> None:
+            got.append((backend, params))
+            raise RuntimeError("stop here")
+
+        def register_memory(self, tensors: object) -> None:
             raise RuntimeError("stop here")
 
     class Config:
         def __init__(self, **kwargs: object) -> None:
-            got.append(kwargs)
+            self.kwargs = kwargs
 
     caches = filled(_config(), NUM_BLOCKS, None)
     for n in (0, 4):
         with pytest.raises(RuntimeError, match="stop here"):
             N.NixlEndpoint(caches, agent_api=(Agent, Config), num_threads=n)
-    assert got == [{"backends": ["UCX"]}, {"backends": ["UCX"], "num_threads": 4}]
+    split = str(N._SPLIT_DESCS)
+    assert got == [
+        ("config", {"backends": ["UCX"]}),
+        ("config", {"backends": []}),
+        ("UCX", {"num_threads": "4", "split_batch_size": split}),
+    ]
+    assert 1 < N._SPLIT_DESCS < 64  # a 1K llama-8b-shape read (64 descriptors) splits
 
 
 def test_without_a_nixl_package_the_transport_names_it(monkeypatch: pytest.MonkeyPatch) -> None:

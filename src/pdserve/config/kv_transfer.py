@@ -25,7 +25,8 @@ class KVTransferConfig:
     ``host`` such as 0.0.0.0 the address of this machine's default route), ``lease_seconds`` (initial lease on
     prefill-held blocks, default 30), ``handshake_timeout`` (s, default 5),
     ``transfer_timeout`` (s, default 60), ``nixl_threads`` (nixl: worker threads of the
-    agent's UCX backend, NIXL's ``num_threads``; default 0, NIXL's single worker).
+    agent's UCX backend, NIXL's ``num_threads``, a READ's descriptors split among them;
+    default 0, NIXL's single worker).
 
     Bounds on the KV side channel (every message on it is authenticated with the
     topology's secret, ``PDSERVE_PD_SECRET``; these bound what an authenticated peer

@@ -67,6 +67,7 @@ _MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
 # environment when the agent's context is made).
 UCX_ENV_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
 _SPIN_POLLS = 200  # polls before the wait starts sleeping between them
+_SPLIT_DESCS = 8  # with worker threads: READs of this many descriptors or more are split
 
 
 def nixl_package() -> str:
@@ -138,11 +139,20 @@ class NixlEndpoint:
         self.device_id = tensors[0].get_device() if on_gpu and tensors else 0
         self._lock = threading.Lock()
         self._remotes: dict[bytes, tuple[str, int]] = {}  # metadata -> (agent name, users)
-        # num_threads > 0: NIXL's multi-threaded UCX backend, a UCX worker a thread. UCX
-        # keeps cuda_ipc's CUDA streams per worker, and one worker's GETs from one GPU run
-        # on one of them, one after another; whether threads overlap them: the nixl stage
-        threads = {"num_threads": num_threads} if num_threads else {}
-        self.agent = agent_cls(self.name, config_cls(backends=list(backends), **threads))
+        if num_threads:
+            # NIXL's thread-pool UCX backend: a UCX worker a thread, and a READ of at least
+            # split_batch_size descriptors cut into one chunk a thread, each posted by its
+            # thread on its worker. UCX's cuda_ipc keeps its CUDA streams per worker and
+            # runs one worker's GETs from one GPU on one stream, one after another (RESULTS
+            # run 110: 64 driver memcpys in a row for a 16K read); chunks on several
+            # workers overlap both the posting and the copies. NIXL's own split threshold
+            # (1,024 descriptors) is above any read here (one a segment and run of blocks).
+            params = {"num_threads": str(num_threads), "split_batch_size": str(_SPLIT_DESCS)}
+            self.agent = agent_cls(self.name, config_cls(backends=[]))
+            for backend in backends:
+                self.agent.create_backend(backend, params if backend == "UCX" else {})
+        else:
+            self.agent = agent_cls(self.name, config_cls(backends=list(backends)))
         self._registered = self.agent.register_memory(tensors) if tensors else None
         self.metadata = bytes(self.agent.get_agent_metadata())
         self.closed = False
