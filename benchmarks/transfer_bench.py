@@ -198,6 +198,8 @@ def _measure(args, name, port, caches, sample, zctx, stop) -> list[dict]:  # typ
                 client.flush_launch = flush  # type: ignore[union-attr]
                 client.copy_step, client.copy_warps = args.copy_shape  # type: ignore[union-attr]
                 client.trace = []  # type: ignore[union-attr]
+            elif hasattr(client, "trace"):  # nixl: the host times of each read
+                client.trace = []  # type: ignore[union-attr]
             rows += _reads(args, name, variant, link, caches, sample)
         finally:
             link.close()
@@ -271,9 +273,13 @@ def _reads(args, name, variant, link, caches, sample) -> list[dict]:  # type: ig
         link.transport.begin_write(reply.block_ids, local, frames, 60.0).wait()
         t4 = time.perf_counter()
         trace = getattr(link.transport, "trace", None)
-        if trace:  # the copy alone on the GPU (the ids' upload and the kernel)
+        if trace and "events" in trace[-1]:  # the copy alone on the GPU (ids' upload, kernel)
             a, b = trace[-1]["events"]
             line["kernel"] = a.elapsed_time(b)
+        elif trace and "host_landed" in trace[-1]:  # nixl: posting, then the wait (ms)
+            e = trace[-1]
+            line["post"] = (e["host_posted"] - e["host_start"]) * 1e3
+            line["land"] = (e["host_landed"] - e["host_posted"]) * 1e3
         link.notify(W.Done([f"{name}/{rid}-seq"]), 10.0)
         got = {"transfer": t1 - t0, "done": t2 - t1, "rtt": t3 - t2, "copy": t4 - t3}
         return got | {k: v / 1e3 for k, v in line.items()} | {"early": early_used}
@@ -305,7 +311,7 @@ def _reads(args, name, variant, link, caches, sample) -> list[dict]:  # type: ig
             "transfer_ratio": med["transfer"] / bound,
         }
         for k in ("launched", "launch_host", "ids_host", "upload_host", "kernel_host", "reply",
-                  "gpu_start", "gpu_end", "kernel"):  # fmt: skip
+                  "gpu_start", "gpu_end", "kernel", "post", "land"):  # fmt: skip
             if k in med:  # the early read's timeline (ms after it began), the kernel alone
                 row[f"{k}_ms"] = med[k] * 1e3
         if "kernel" in med:
@@ -526,6 +532,13 @@ def _print_transfers(rows: list[dict]) -> None:
             f"{r['copy_ratio']:>7.2f} {kbd} {r['transfer_ratio']:>7.2f} {r['early']}",
             flush=True,
         )
+    posted = [r for r in rows if "post_ms" in r]
+    if posted:  # the sequential read over nixl: on the host until posted, then polled done
+        print("nixl read (sequential), ms: posted (ids checked, descriptors made, READ posted),"
+              " then landed (polled done) after")  # fmt: skip
+        for r in posted:
+            print(f"{r['transport']:>9} {r['variant']:>7} {r['prompt']:>7}  posted "
+                  f"{r['post_ms']:.3f}  landed {r['land_ms']:.3f}", flush=True)  # fmt: skip
     timed = [r for r in rows if "gpu_start_ms" in r]
     if timed:  # where the early read's time goes (ms after start_read was called)
         print("early read, ms after it began: launch returned (host ms in the launch: ids "

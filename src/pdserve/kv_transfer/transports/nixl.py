@@ -253,6 +253,9 @@ class NixlClient(ClientTransport):
         self._metadata = bytes(transport_info["agent"])
         self.remote_name = endpoint.attach(self._metadata)
         self._closed = False
+        # benchmarks set a list: each read appends its host times (perf_counter): begun,
+        # posted (descriptors made, READ posted) and, once polled done, landed
+        self.trace: list[dict[str, float]] | None = None
 
     def write(
         self, remote_block_ids: list[int], local_block_ids: list[int], frames: list[Any]
@@ -270,6 +273,7 @@ class NixlClient(ClientTransport):
         *,
         after: Fence | None = None,
     ) -> PendingWrite:
+        t0 = time.perf_counter()
         check_ids(remote_block_ids, self.remote.num_blocks, "prefill")
         check_ids(local_block_ids, self.endpoint.segments.num_blocks, "decode")
         nbytes = self.kv_caches.bytes_per_block() * len(local_block_ids)
@@ -287,13 +291,19 @@ class NixlClient(ClientTransport):
             self.order_after(after)  # on the host: NIXL writes behind every stream's back
         handle, first = self.endpoint.post_read(self.remote_name, remote, local, self.remote_mem)
         state = [first]
+        times = {"host_start": t0, "host_posted": time.perf_counter()}
+        if self.trace is not None:
+            self.trace.append(times)
         deadline = time.monotonic() + timeout
         what = f"the NIXL READ of {len(local_block_ids)} blocks ({len(local)} descriptors)"
 
         def landed() -> bool:
             if state[0] == "PROC":
                 state[0] = self.endpoint.poll(handle)
-            return state[0] != "PROC"
+            if state[0] == "PROC":
+                return False
+            times.setdefault("host_landed", time.perf_counter())
+            return True
 
         def wait() -> int:
             try:
