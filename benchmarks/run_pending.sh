@@ -762,10 +762,10 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
   nixl)  # NIXL from the slim wheel in .whl-nixl (scripts/fetch-wheels --nixl), then the runs
     python3 -c "from pdserve.kv_transfer.transports.nixl import load_nixl; print(load_nixl())" \
       || exit 1
-    # nixl:4: NIXL's multi-threaded UCX backend (a worker a thread, each its own CUDA
-    # streams; runs 107/110: one worker's GETs from one GPU run one after another)
+    # nixl: the default thread pool (a READ split over 4 UCX workers, each its own CUDA
+    # streams); nixl:0: one worker, whose GETs from one GPU run one after another (run 111)
     UCX_PROTO_INFO=y timeout 200 python3 benchmarks/transfer_bench.py \
-      --transports cuda_ipc,nixl,nixl:4 --out "$OUT/transfer_nixl.json" > "$OUT/transfer_nixl.log" 2>&1
+      --transports cuda_ipc,nixl:0,nixl --out "$OUT/transfer_nixl.json" > "$OUT/transfer_nixl.log" 2>&1
     echo "transfer_bench: exit $?"; grep -vE "^\[[0-9.]+\] " "$OUT/transfer_nixl.log" | quiet
     echo "UCX's protocol for a READ (run 103: software emulation over tcp/lo):"
     grep -A6 "remote memory read by ucp_get" "$OUT/transfer_nixl.log" | grep -E "read by|\| [0-9]" \

@@ -96,12 +96,15 @@ def held_blocks(length: int) -> list[int]:
 
 
 def open_spec(spec: str, caches: KVCaches):  # type: ignore[no-untyped-def]
-    """``open_transport`` for a ``--transports`` entry: a transport's name, or ``nixl:N``
-    for nixl with N UCX worker threads (``nixl_threads``)."""
+    """``open_transport`` for a ``--transports`` entry: a transport's name (nixl with the
+    serve default's UCX worker threads), or ``nixl:N`` for nixl with N (``nixl_threads``;
+    ``nixl:0``: NIXL's single worker)."""
+    from pdserve.config.kv_transfer import DEFAULT_NIXL_THREADS
     from pdserve.kv_transfer.transports import open_transport
 
     name, _, threads = spec.partition(":")
-    return open_transport(name, caches, nixl_threads=int(threads or 0))
+    default = DEFAULT_NIXL_THREADS if name == "nixl" else 0
+    return open_transport(name, caches, nixl_threads=int(threads) if threads else default)
 
 
 def prefill_side(args: argparse.Namespace, conn) -> None:  # type: ignore[no-untyped-def]
@@ -563,7 +566,8 @@ def main() -> int:
     ap.add_argument("--prefill-device", default=None, help="default: --device")
     ap.add_argument(
         "--transports", default=None,
-        help="default: cuda_ipc,nixl (nixl if importable); nixl:N: nixl with N UCX threads",
+        help="default: cuda_ipc,nixl (nixl if importable); nixl:N: nixl with N UCX threads "
+        "(nixl: the serve default's; nixl:0: one worker)",
     )
     ap.add_argument("--lens", default="1024,16384,65536")
     ap.add_argument("--reps", type=int, default=3)

@@ -48,16 +48,25 @@ class FakeFabric:
 
 class FakeAgent:
     def __init__(self, fabric: FakeFabric, name: str, config: FakeConfig) -> None:
-        assert config.backends == ["UCX"]
+        # ["UCX"]: NIXL's single worker; []: the backend comes from create_backend
+        assert config.backends in (["UCX"], [])
         self.fabric, self.name = fabric, name
+        self.backend_params: dict[str, dict[str, str]] = {"UCX": {}} if config.backends else {}
         self.regions: list[tuple[int, int]] = []
         self.remotes: set[str] = set()
         self.live: dict[int, dict[str, Any]] = {}
         self._next = 0
         fabric.agents[name] = self
 
+    def create_backend(self, backend: str, params: dict[str, str]) -> None:
+        self.fabric.log(self.name, "create_backend")
+        assert backend == "UCX" and not self.backend_params, (backend, self.backend_params)
+        assert all(isinstance(v, str) for v in params.values())  # NIXL takes strings only
+        self.backend_params[backend] = dict(params)
+
     def register_memory(self, tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
         self.fabric.log(self.name, "register_memory")
+        assert self.backend_params, "register_memory before any backend exists"
         self.regions = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors]
         return list(self.regions)
 

@@ -19,6 +19,7 @@ from _kv_side_channel import COMPAT
 from _pd_engines import PROMPTS, engine, prefill, proc, run, settle, tokens
 from _polling import wait_until
 from pdserve import LLM, SamplingParams
+from pdserve.config.kv_transfer import DEFAULT_NIXL_THREADS
 from pdserve.core_types.cache_spec import CacheLayout, KVCacheConfig
 from pdserve.core_types.kv_connector import KVLoad, KVNotice, KVPeer
 from pdserve.core_types.pd_auth import new_secret
@@ -343,6 +344,10 @@ def test_1p1d_over_a_fake_nixl_agent_gives_identical_outputs(fake_pd, reference)
     fabric, p, d, pp, dp = fake_pd
     _identical_outputs(p, d, pp, dp, reference)
     assert fabric.count("register_memory") == 2  # once per engine, not per request
+    # serve's default: NIXL's UCX thread pool, a READ split over its workers
+    assert [a.backend_params["UCX"]["num_threads"] for a in fabric.agents.values()] == [
+        str(DEFAULT_NIXL_THREADS)
+    ] * 2
 
 
 def test_1p1d_over_real_nixl_gives_identical_outputs(tiny_llama: Path, reference) -> None:

@@ -3,6 +3,7 @@ import time
 import pytest
 
 from pdserve.config import KVTransferConfig
+from pdserve.config.kv_transfer import DEFAULT_NIXL_THREADS
 from pdserve.kv_transfer.compat import compat_hash, compat_mismatch
 from pdserve.kv_transfer.lease import LeaseTable
 from pdserve.kv_transfer.transports.base import block_runs
@@ -130,6 +131,19 @@ def test_side_channel_limits_have_defaults_and_can_be_set():
     assert c is not None and c.allowed_prefill == {("10.0.0.1", 7000), ("::1", 7001)}
     assert (c.max_reads_per_lease, c.max_ids_per_message, c.max_prefill_peers) == (2, 64, 4)
     assert c.max_reads_per_second == 50.0 and c.nixl_threads == 4
+
+
+def test_nixl_threads_default_to_the_thread_pool_for_nixl_only() -> None:
+    def threads(extra: dict) -> int:
+        c = KVTransferConfig.from_json(
+            {"kv_connector": "PdConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
+        )
+        assert c is not None
+        return c.nixl_threads
+
+    assert threads({"transport": "nixl"}) == DEFAULT_NIXL_THREADS > 1
+    assert threads({"transport": "nixl", "nixl_threads": 0}) == 0  # NIXL's single worker
+    assert threads({"transport": "cuda_ipc"}) == threads({}) == 0
 
 
 def test_side_channel_health_is_exported():

@@ -12,6 +12,12 @@ LOAD_FAILURE_POLICIES = ("fail", "recompute")
 CONNECTORS = ("PdConnector",)
 TRANSPORTS = ("tcp", "cuda_ipc", "nixl")
 
+# The nixl transport's UCX worker threads: a READ's descriptors split over 4 workers took a
+# 16K llama-8b-shape transfer from 2.1x to ~1.4x the copy bound on one H100 (RESULTS.md
+# run 115: 2, 4 and 8 threads within noise of each other; one worker: its GETs one after
+# another on one CUDA stream).
+DEFAULT_NIXL_THREADS = 4
+
 
 @dataclass(frozen=True)
 class KVTransferConfig:
@@ -26,7 +32,7 @@ class KVTransferConfig:
     prefill-held blocks, default 30), ``handshake_timeout`` (s, default 5),
     ``transfer_timeout`` (s, default 60), ``nixl_threads`` (nixl: worker threads of the
     agent's UCX backend, NIXL's ``num_threads``, a READ's descriptors split among them;
-    default 0, NIXL's single worker).
+    default ``DEFAULT_NIXL_THREADS``, 0 for NIXL's single worker).
 
     Bounds on the KV side channel (every message on it is authenticated with the
     topology's secret, ``PDSERVE_PD_SECRET``; these bound what an authenticated peer
@@ -110,7 +116,7 @@ class KVTransferConfig:
             if isinstance(v, bool) or not isinstance(v, int | float) or v < 1:
                 raise ValueError(f"--kv-transfer-config: {key} must be a number >= 1 (got {v!r})")
         _ = self.allowed_prefill  # validates the list
-        if self.nixl_threads and self.transport != "nixl":
+        if self.nixl_threads and self.transport != "nixl":  # validated, then placed
             raise ValueError("--kv-transfer-config: nixl_threads applies to transport nixl only")
 
     @classmethod
@@ -133,7 +139,8 @@ class KVTransferConfig:
 
     @property
     def nixl_threads(self) -> int:
-        v = self.kv_connector_extra_config.get("nixl_threads", 0)
+        default = DEFAULT_NIXL_THREADS if self.transport == "nixl" else 0
+        v = self.kv_connector_extra_config.get("nixl_threads", default)
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(
                 f"--kv-transfer-config: nixl_threads must be an integer >= 0 (got {v!r})"

@@ -24,6 +24,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, ClassVar, Protocol
 
+import numpy as np
 import torch
 
 from pdserve.forward_context import KVCaches
@@ -128,17 +129,27 @@ def frame_view(raw: torch.Tensor, like: torch.Tensor, axis: int, num_blocks: int
     return raw.view(like.dtype).view(shape)
 
 
-def block_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
-    """Coalesce a block-id mapping into runs ``(src_start, dst_start, length)`` where both
-    sides are consecutive, so each run is one slice copy instead of a gather + scatter."""
-    if len(src_ids) != len(dst_ids):
-        raise ValueError(f"{len(src_ids)} source blocks for {len(dst_ids)} destination blocks")
-    runs: list[tuple[int, int, int]] = []
-    for s, d in zip(src_ids, dst_ids, strict=True):
-        if runs:
-            s0, d0, n = runs[-1]
-            if s == s0 + n and d == d0 + n:
-                runs[-1] = (s0, d0, n + 1)
-                continue
-        runs.append((s, d, 1))
-    return runs
+def block_run_table(
+    src_ids: list[int] | np.ndarray, dst_ids: list[int] | np.ndarray
+) -> np.ndarray:
+    """Coalesce a block-id mapping into runs where both sides are consecutive: an [N, 3]
+    int64 table of ``(src_start, dst_start, length)``, so each run is one slice copy (or
+    one descriptor) instead of a block each. Vectorised: a 64K-token prompt is 4,096
+    blocks, and a Python loop over them cost ~0.5 ms of a READ's host time."""
+    src = np.asarray(src_ids, dtype=np.int64).reshape(-1)
+    dst = np.asarray(dst_ids, dtype=np.int64).reshape(-1)
+    if src.size != dst.size:
+        raise ValueError(f"{src.size} source blocks for {dst.size} destination blocks")
+    if not src.size:
+        return np.zeros((0, 3), dtype=np.int64)
+    cut = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate(([0], cut))
+    lengths = np.diff(np.concatenate((starts, [src.size])))
+    return np.stack([src[starts], dst[starts], lengths], axis=1)
+
+
+def block_runs(
+    src_ids: list[int] | np.ndarray, dst_ids: list[int] | np.ndarray
+) -> list[tuple[int, int, int]]:
+    """:func:`block_run_table` as a list of ``(src_start, dst_start, length)`` tuples."""
+    return [(int(s), int(d), int(n)) for s, d, n in block_run_table(src_ids, dst_ids).tolist()]

@@ -50,7 +50,7 @@ from pdserve.kv_transfer.transports.base import (
     Fence,
     PendingWrite,
     ServerTransport,
-    block_runs,
+    block_run_table,
 )
 from pdserve.kv_transfer.transports.block_copy import Segments, check_ids
 
@@ -96,14 +96,14 @@ def load_nixl() -> tuple[Any, Any]:
 def read_descriptors(
     remote: Segments,
     local: Segments,
-    remote_ids: list[int],
-    local_ids: list[int],
+    remote_ids: list[int] | np.ndarray,
+    local_ids: list[int] | np.ndarray,
     remote_device: int,
     local_device: int,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(remote, local)`` descriptor tables, [N, 3] uint64 rows of (address, bytes,
     device): one per run of blocks consecutive on both sides and segment, run-major."""
-    runs = np.asarray(block_runs(remote_ids, local_ids), dtype=np.int64).reshape(-1, 3)
+    runs = block_run_table(remote_ids, local_ids)
     r0, l0, n = runs[:, 0:1], runs[:, 1:2], runs[:, 2:3]
     size = local.block_bytes[None, :]
     length = (n * size).reshape(-1)
@@ -274,16 +274,16 @@ class NixlClient(ClientTransport):
         after: Fence | None = None,
     ) -> PendingWrite:
         t0 = time.perf_counter()
-        check_ids(remote_block_ids, self.remote.num_blocks, "prefill")
-        check_ids(local_block_ids, self.endpoint.segments.num_blocks, "decode")
-        nbytes = self.kv_caches.bytes_per_block() * len(local_block_ids)
-        if not local_block_ids:
+        remote_ids = check_ids(remote_block_ids, self.remote.num_blocks, "prefill")
+        local_ids = check_ids(local_block_ids, self.endpoint.segments.num_blocks, "decode")
+        nbytes = self.kv_caches.bytes_per_block() * len(local_ids)
+        if not len(local_ids):
             return PendingWrite(lambda: 0)
         remote, local = read_descriptors(
             self.remote,
             self.endpoint.segments,
-            remote_block_ids,
-            local_block_ids,
+            remote_ids,
+            local_ids,
             self.remote_device,
             self.endpoint.device_id,
         )
@@ -295,7 +295,7 @@ class NixlClient(ClientTransport):
         if self.trace is not None:
             self.trace.append(times)
         deadline = time.monotonic() + timeout
-        what = f"the NIXL READ of {len(local_block_ids)} blocks ({len(local)} descriptors)"
+        what = f"the NIXL READ of {len(local_ids)} blocks ({len(local)} descriptors)"
 
         def landed() -> bool:
             if state[0] == "PROC":
