@@ -1,12 +1,13 @@
 import time
 
+import numpy as np
 import pytest
 
 from pdserve.config import KVTransferConfig
 from pdserve.config.kv_transfer import DEFAULT_NIXL_THREADS
 from pdserve.kv_transfer.compat import compat_hash, compat_mismatch
 from pdserve.kv_transfer.lease import LeaseTable
-from pdserve.kv_transfer.transports.base import block_runs
+from pdserve.kv_transfer.transports.base import block_run_table, block_runs
 
 
 def test_lease_renew_read_pin_expire_and_finish():
@@ -178,6 +179,33 @@ def test_block_runs_coalesce_consecutive_blocks():
     assert block_runs([3, 2], [1, 2]) == [(3, 1, 1), (2, 2, 1)]
     with pytest.raises(ValueError):
         block_runs([1], [1, 2])
+
+
+def test_block_run_table_matches_a_block_by_block_walk() -> None:
+    """The vectorised runs equal a walk that extends the last run while both sides stay
+    consecutive, on random mappings (some consecutive on one side or both)."""
+
+    def walk(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+        runs: list[tuple[int, int, int]] = []
+        for s, d in zip(src, dst, strict=True):
+            if runs and (s, d) == (runs[-1][0] + runs[-1][2], runs[-1][1] + runs[-1][2]):
+                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+            else:
+                runs.append((s, d, 1))
+        return runs
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n = int(rng.integers(0, 40))
+        src = [int(x) for x in rng.integers(0, 30, n)]
+        dst = [int(x) for x in rng.integers(0, 30, n)]
+        if rng.random() < 0.5:
+            src = list(range(5, 5 + n))
+        if rng.random() < 0.5:
+            dst = list(range(9, 9 + n))
+        table = block_run_table(np.asarray(src), dst)
+        assert table.dtype == np.int64 and table.shape == (len(walk(src, dst)), 3)
+        assert block_runs(src, dst) == walk(src, dst) == [tuple(r) for r in table.tolist()]
 
 
 def test_a_wildcard_kv_server_advertises_a_dialable_address(monkeypatch) -> None:
