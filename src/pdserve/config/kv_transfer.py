@@ -12,10 +12,10 @@ LOAD_FAILURE_POLICIES = ("fail", "recompute")
 CONNECTORS = ("PdConnector",)
 TRANSPORTS = ("tcp", "cuda_ipc", "nixl")
 
-# The nixl transport's UCX worker threads: a READ's descriptors split over 4 workers took a
-# 16K llama-8b-shape transfer from 2.1x to ~1.4x the copy bound on one H100 (RESULTS.md
-# run 115: 2, 4 and 8 threads within noise of each other; one worker: its GETs one after
-# another on one CUDA stream).
+# The nixl transport's UCX worker threads: a READ's descriptors split over them took a 16K
+# llama-8b-shape transfer from 1.7-2.1x to 1.4-1.5x the copy bound on one H100, 64K from
+# 1.5-1.7x to 1.2x (RESULTS.md runs 111 and 115: 2, 4 and 8 threads within noise of each
+# other; one worker runs its GETs one after another on one CUDA stream).
 DEFAULT_NIXL_THREADS = 4
 
 
@@ -116,7 +116,7 @@ class KVTransferConfig:
             if isinstance(v, bool) or not isinstance(v, int | float) or v < 1:
                 raise ValueError(f"--kv-transfer-config: {key} must be a number >= 1 (got {v!r})")
         _ = self.allowed_prefill  # validates the list
-        if self.nixl_threads and self.transport != "nixl":  # validated, then placed
+        if self.nixl_threads and self.transport != "nixl":  # (the property validates it)
             raise ValueError("--kv-transfer-config: nixl_threads applies to transport nixl only")
 
     @classmethod
