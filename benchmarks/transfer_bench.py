@@ -99,12 +99,14 @@ def open_spec(spec: str, caches: KVCaches):  # type: ignore[no-untyped-def]
     """``open_transport`` for a ``--transports`` entry: a transport's name (nixl with the
     serve default's UCX worker threads), or ``nixl:N`` for nixl with N (``nixl_threads``;
     ``nixl:0``: NIXL's single worker)."""
-    from pdserve.config.kv_transfer import DEFAULT_NIXL_THREADS
     from pdserve.kv_transfer.transports import open_transport
 
     name, _, threads = spec.partition(":")
-    default = DEFAULT_NIXL_THREADS if name == "nixl" else 0
-    return open_transport(name, caches, nixl_threads=int(threads) if threads else default)
+    if not threads:
+        return open_transport(name, caches)
+    if name != "nixl":
+        raise SystemExit(f"--transports {spec}: only nixl takes a thread count (nixl:N)")
+    return open_transport(name, caches, nixl_threads=int(threads))
 
 
 def prefill_side(args: argparse.Namespace, conn) -> None:  # type: ignore[no-untyped-def]

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.config.kv_transfer import DEFAULT_NIXL_THREADS
 from pdserve.forward_context import KVCaches
 from pdserve.kv_transfer.transports.base import ClientTransport, ServerTransport
 
@@ -35,10 +36,14 @@ class Transport:
 
 
 def open_transport(
-    name: str, kv_caches: KVCaches, *, transfer_timeout: float = 60.0, nixl_threads: int = 0
+    name: str,
+    kv_caches: KVCaches,
+    *,
+    transfer_timeout: float = 60.0,
+    nixl_threads: int = DEFAULT_NIXL_THREADS,
 ) -> Transport:
     """Open transport ``name`` over ``kv_caches`` (nixl: its agent registers them now, with
-    ``nixl_threads`` UCX worker threads, 0 for NIXL's default)."""
+    ``nixl_threads`` UCX worker threads, 0 for NIXL's single worker)."""
     if name == "tcp":
         from pdserve.kv_transfer.transports.tcp import TcpClient, TcpServer
 
