@@ -70,6 +70,8 @@
 #       the copy rate; + Triton 128x128 tiles and torch._scaled_mm at 2K-16K tokens
 #       against the fp8 peak), then
 #       benchmarks/fp8_gemm_sweep.py down/gate_up at 64 and 8,192 tokens (issue 28).
+# skinny  issue 30: benchmarks/skinny_bench.py (the decode-size GEMM and its prologues
+#       beside cuBLAS and today's launches, llama-8b-shape projections at 1/16/64 rows).
 # xfer  the early copy's order (read sent first, the launch flushed) and the block-copy
 #       kernel shapes: transfer_bench --variants / --copy-shapes (issue 29).
 # k10   the GLM-5 prefill / verify kernels (issues 26, 27), most wanted first: their parity
@@ -582,6 +584,12 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     timeout 120 python3 benchmarks/fp8_gemm_sweep.py --shapes down,gate_up --tokens 64,8192 \
       --budget-s 90 --out "$OUT/fp8_gemm_sweep.json" > "$OUT/fp8_gemm_sweep.log" 2>&1
     tail -14 "$OUT/fp8_gemm_sweep.log"
+    ;;
+  skinny)  # issue 30: the decode-size GEMM (kernels/skinny_gemm.py) beside cuBLAS at the
+    # llama-8b-shape projections x 1/16/64 rows, its config sweep, and its producer prologues
+    # (add+RMSNorm, SiLU-and-mul) beside today's two launches
+    timeout 400 python3 benchmarks/skinny_bench.py ${SKINNY_QUICK:+--quick} \
+      --out "$OUT/skinny.json" 2>&1 | tee "$OUT/skinny.log" | quiet | tail -40
     ;;
   xfer)  # the early copy's order and the block-copy shapes (issue 29)
     timeout 60 python3 -m pytest -p no:cacheprovider -q -m gpu tests/kv_transfer/test_block_copy.py \

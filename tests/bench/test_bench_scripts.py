@@ -316,6 +316,24 @@ def test_kernels_bench(tmp_path: Path) -> None:
     )
 
 
+def test_skinny_bench(tmp_path: Path) -> None:
+    """Every projection x rows with cuBLAS and the sweep, and the prologue rows (the
+    kernels in the interpreter, tiny shapes)."""
+    out = tmp_path / "s.json"
+    _script("skinny_bench", "--device", "cpu", "--rows", "1,3", "--out", str(out))
+    res = json.loads(out.read_text())
+    assert [(r["proj"], r["rows"]) for r in res["gemm"]] == [
+        (p, n) for p in ("qkv", "o", "gate_up", "down") for n in (1, 3)
+    ]
+    for r in res["gemm"]:
+        assert r["cublas_ms"] > 0 and r["best"]["ms"] > 0 and r["best"]["max_err"] < 1e-4
+        assert len(r["configs"]) == (3 if r["rows"] == 1 else 2)
+    assert [(r["proj"], r["producer"]) for r in res["fused"][::2]] == [
+        ("qkv", "rmsnorm"), ("gate_up", "rmsnorm"), ("down", "silu_mul")
+    ]
+    assert all(r["max_diff"] < 1e-4 and r["fused_ms"] > 0 for r in res["fused"])
+
+
 def test_pair_compare(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Issue 31's verdict from the r11 stages' files: medians per tree, current / baseline."""
     bench = load_script("pair_compare")

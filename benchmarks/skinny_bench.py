@@ -1,0 +1,200 @@
+"""The decode-size GEMM (:mod:`pdserve.kernels.skinny_gemm`) beside cuBLAS, issue 30.
+
+    PYTHONPATH=src python3 benchmarks/skinny_bench.py --out $OUT/skinny.json [--quick]
+
+For each llama-8b-shape projection (qkv 6144 x 4096, o 4096 x 4096, gate|up 28672 x 4096,
+down 4096 x 14336) at 1 / 16 / 64 rows:
+
+- ``gemm``: torch's ``F.linear`` (cuBLAS) and every skinny config of the sweep, each as
+  the per-call time of a CUDA graph of calls that cycle over enough weight copies that
+  no call finds its weight in L2 (>= 200 MB; what a decode step pays); bytes = weight +
+  input + output, against the device-to-device copy rate measured in the same call.
+- ``fused``: the producer and the GEMM as the step launches them today (the fused
+  add+RMSNorm kernel then cuBLAS for qkv and gate|up; SiLU-and-mul then cuBLAS for down)
+  beside one skinny launch with that producer as its prologue, at the gemm section's
+  best config for the shape.
+
+``--device cpu``: tiny shapes, kernels in Triton's interpreter, eager host-clock times (a
+smoke run: tests/bench/test_bench_scripts.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _graph import capture_calls  # noqa: E402
+from _interp import bench_device  # noqa: E402
+
+GPU_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+              "down": (4096, 14336)}  # fmt: skip
+CPU_SHAPES = {"qkv": (48, 32), "o": (32, 32), "gate_up": (64, 32), "down": (32, 32)}
+PRODUCER = {"qkv": "rmsnorm", "gate_up": "rmsnorm", "down": "silu_mul"}
+
+
+def sweep(quick: bool, rows: int, cpu: bool) -> list[Any]:
+    from pdserve.kernels.skinny_gemm import SkinnyConfig
+
+    if cpu:
+        return [SkinnyConfig(block_n=16, block_k=16), SkinnyConfig(block_n=16, block_k=32)] + (
+            [SkinnyConfig(block_n=8, block_k=32, row_dot=False)] if rows == 1 else []
+        )
+    ns, ks = ((16, 32), (256, 512)) if quick else ((16, 32, 64), (128, 256, 512))
+    warps, stages = ((4,), (3, 4)) if quick else ((4, 8), (2, 3, 4))
+    out = [SkinnyConfig(block_n=n, block_k=k, num_warps=w, num_stages=s)
+           for n, k, w, s in itertools.product(ns, ks, warps, stages)
+           if not (rows > 16 and n > 32)]  # fmt: skip
+    if rows == 1:  # the register path: one row, no MMA
+        out += [SkinnyConfig(block_n=n, block_k=k, num_warps=w, num_stages=s, row_dot=False)
+                for n, k, w, s in itertools.product((4, 8, 16), (512, 1024), (4,), (2, 3))]  # fmt: skip
+    return out
+
+
+def timer(dev: torch.device) -> Callable[[list[Callable[[], object]]], float]:
+    """Per-call ms of ``calls``: a CUDA graph of them replayed (median of 10 replays);
+    on a CPU the median eager call."""
+
+    def time_calls(calls: list[Callable[[], object]]) -> float:
+        if dev.type != "cuda":
+            calls[0]()
+            t = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                calls[0]()
+                t.append((time.perf_counter() - t0) * 1e3)
+            return statistics.median(t)
+        graph = capture_calls(calls)
+        graph.replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        ms = []
+        for _ in range(10):
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            ms.append(start.elapsed_time(end) / len(calls))
+        return statistics.median(ms)
+
+    return time_calls
+
+
+def copy_rate(dev: torch.device) -> float:
+    """Device-to-device copy, bytes read + written per second (1 on a CPU)."""
+    if dev.type != "cuda":
+        return 1.0
+    src = torch.empty(1 << 28, dtype=torch.bfloat16, device=dev)
+    dst = torch.empty_like(src)
+    ms = timer(dev)([lambda: dst.copy_(src)] * 4)
+    return 2 * src.numel() * 2 / (ms * 1e-3)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--quick", action="store_true", help="a smaller config sweep")
+    ap.add_argument("--rows", default="1,16,64")
+    args = ap.parse_args(argv)
+    dev = bench_device(args.device)
+    if dev is None:
+        return 1
+    from pdserve.kernels.activation import silu_and_mul
+    from pdserve.kernels.rmsnorm import fused_add_rmsnorm
+    from pdserve.kernels.skinny_gemm import skinny_gemm
+
+    cpu = dev.type != "cuda"
+    shapes = CPU_SHAPES if cpu else GPU_SHAPES
+    dt = torch.float32 if cpu else torch.bfloat16
+    time_calls = timer(dev)
+    bw = copy_rate(dev)
+    res: dict[str, Any] = {"device": torch.cuda.get_device_name() if not cpu else "cpu",
+                           "copy_tb_s": bw / 1e12, "gemm": [], "fused": []}  # fmt: skip
+    print(f"copy rate {bw / 1e12:.2f} TB/s")
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for name, (n, k) in shapes.items():
+        copies = 1 if cpu else max(2, min(16, -(-200_000_000 // (n * k * 2))))
+        ws = [(torch.randn(n, k, generator=g) * 0.02).to(dev, dt) for _ in range(copies)]
+        for rows in (int(r) for r in args.rows.split(",")):
+            x = torch.randn(rows, k, generator=g).to(dev, dt)
+            nbytes = (n * k + rows * k + rows * n) * x.element_size()
+            cublas = time_calls([lambda w=w, x=x: F.linear(x, w) for w in ws])
+            row: dict[str, Any] = {"proj": name, "n": n, "k": k, "rows": rows, "copies": copies,
+                                   "bytes": nbytes, "cublas_ms": cublas, "configs": []}  # fmt: skip
+            ref = F.linear(x.float(), ws[0].float())
+            for cfg in sweep(args.quick, rows, cpu):
+                try:
+                    err = (skinny_gemm(x, ws[0], config=cfg).float() - ref).abs().max().item()
+                    ms = time_calls([lambda w=w, c=cfg, x=x: skinny_gemm(x, w, config=c) for w in ws])
+                except Exception as e:  # a config the compiler refuses (resources)
+                    row["configs"].append({"config": vars(cfg), "error": repr(e)[:200]})
+                    continue
+                row["configs"].append({"config": vars(cfg), "ms": ms, "max_err": err})
+            ok = [c for c in row["configs"] if "ms" in c]
+            best = min(ok, key=lambda c: c["ms"])
+            row["best"] = best
+            row["cublas_x_copy"] = cublas / (nbytes / bw * 1e3)
+            row["skinny_x_copy"] = best["ms"] / (nbytes / bw * 1e3)
+            res["gemm"].append(row)
+            print(f"{name:8s} {n:6d}x{k:<6d} rows {rows:3d}: cuBLAS {cublas * 1e3:7.1f} us "
+                  f"({row['cublas_x_copy']:.2f}x copy), skinny {best['ms'] * 1e3:7.1f} us "
+                  f"({row['skinny_x_copy']:.2f}x) {best['config']} err {best['max_err']:.3g}",
+                  flush=True)  # fmt: skip
+            if name not in PRODUCER:
+                continue
+            from pdserve.kernels.skinny_gemm import SkinnyConfig
+
+            cfg = SkinnyConfig(**best["config"])
+            res["fused"].append(fused_row(name, rows, k, x, ws, cfg, dt, dev, time_calls, g,
+                                          fused_add_rmsnorm, silu_and_mul, skinny_gemm))  # fmt: skip
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+def fused_row(name, rows, k, x, ws, cfg, dt, dev, time_calls, g, add_norm, silu_mul, skinny):  # type: ignore[no-untyped-def]
+    """Today's two launches (producer, then cuBLAS) beside one skinny launch with the
+    producer as its prologue; the outputs compared."""
+    if PRODUCER[name] == "rmsnorm":
+        res_in = torch.randn(rows, k, generator=g).to(dev, dt)
+        nw = (torch.rand(k, generator=g) + 0.5).to(dev, dt)
+
+        def today(w: torch.Tensor) -> torch.Tensor:
+            h, _ = add_norm(x, res_in, nw, 1e-5)
+            return F.linear(h, w)
+
+        def fused(w: torch.Tensor) -> torch.Tensor:
+            return skinny(x, w, prologue="rmsnorm", residual=res_in, norm_weight=nw, eps=1e-5,
+                          config=cfg)[0]  # fmt: skip
+    else:
+        gu = torch.randn(rows, 2 * k, generator=g).to(dev, dt)
+
+        def today(w: torch.Tensor) -> torch.Tensor:
+            return F.linear(silu_mul(gu), w)
+
+        def fused(w: torch.Tensor) -> torch.Tensor:
+            return skinny(gu, w, prologue="silu_mul", config=cfg)  # type: ignore[no-any-return]
+
+    err = (fused(ws[0]).float() - today(ws[0]).float()).abs().max().item()
+    t_ms = time_calls([lambda w=w: today(w) for w in ws])
+    f_ms = time_calls([lambda w=w: fused(w) for w in ws])
+    print(f"  {PRODUCER[name]} + {name} rows {rows}: today {t_ms * 1e3:7.1f} us, "
+          f"one launch {f_ms * 1e3:7.1f} us, max diff {err:.3g}", flush=True)  # fmt: skip
+    return {"proj": name, "rows": rows, "producer": PRODUCER[name], "today_ms": t_ms,
+            "fused_ms": f_ms, "max_diff": err, "config": vars(cfg)}  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())

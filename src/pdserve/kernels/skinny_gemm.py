@@ -1,0 +1,202 @@
+"""``y = prologue(x) W^T (+ b)`` for decode batches: few rows, the weight read once.
+
+At 1-64 rows a linear layer is a weight stream: the step's time is the weight's bytes
+over the memory bandwidth. cuBLAS' choice for some decode shapes leaves bandwidth unused
+(llama-8b-shape's 4096 x 4096 ``o_proj`` at one row: 64 column tiles on 132 SMs, about
+half the copy rate on the H100, RESULTS.md run 104), and its split-K shapes add a reduce
+launch. This kernel gives each program ``BLOCK_N`` output columns of every row (all
+rows in one tile, so the weight is read once) over the whole K range: no split, no
+reduce, one launch.
+
+A prologue can fold the layer's producer into the load of ``x``, so the step launches
+one kernel where it launched two (the activation is a few KB a row; every program
+recomputes it from L2):
+
+- ``"rmsnorm"``: ``x`` is ``rmsnorm(x + residual) * norm_weight`` with the numerics of
+  :mod:`pdserve.kernels.rmsnorm` (the sum rounded to ``x.dtype``, float32 statistics,
+  the normalised value rounded before the weight multiply and the product rounded
+  again); the sum is written to ``residual_out`` by the first column tile's programs.
+  Each program first passes over its rows once for the sum of squares.
+- ``"silu_mul"``: ``x`` is the merged gate|up output [M, 2K] and the GEMM input is
+  ``silu(gate) * up`` with :mod:`pdserve.kernels.activation`'s rounding.
+
+The rows go into one ``tl.dot`` tile (``BLOCK_M``, at least 16: the MMA's smallest; rows
+past M are masked to zero), or, with ``BLOCK_M`` 1, a multiply-and-sum in registers.
+Grid: (column tiles, row tiles); shapes only, no host sync, capturable in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from pdserve.kernels._utils import (
+    check_device,
+    dot_precision,
+    dot_upcast,
+    next_pow2,
+    pdl_args,
+    pdl_enter,
+    rows_2d,
+)
+
+PROLOGUES = ("none", "rmsnorm", "silu_mul")
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    """Tiles and pipeline of :func:`skinny_gemm` (``block_m`` None: the rows' power of
+    two, at least 16, or 1 for a single row when ``row_dot`` is off)."""
+
+    block_n: int = 32
+    block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 3
+    block_m: int | None = None
+    row_dot: bool = True  # one row through the MMA too (else a register multiply-and-sum)
+
+
+@triton.jit
+def _prologue_tile(x_ptr, r_ptr, nw_ptr, rows, kk, m2, stride_x, stride_r, K, rstd,
+                   PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr):  # fmt: skip
+    """The GEMM input's [rows, kk] tile, in x's dtype."""
+    offs = rows[:, None].to(tl.int64) * stride_x + kk[None, :]
+    x = tl.load(x_ptr + offs, mask=m2, other=0.0)
+    dt = x.dtype
+    if PROLOGUE == 1:
+        z = x.to(tl.float32)
+        if HAS_RES:
+            roffs = rows[:, None].to(tl.int64) * stride_r + kk[None, :]
+            r = tl.load(r_ptr + roffs, mask=m2, other=0.0).to(tl.float32)
+            z = (z + r).to(dt).to(tl.float32)
+        w = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        x = (((z * rstd[:, None]).to(dt).to(tl.float32)) * w[None, :]).to(dt)
+    elif PROLOGUE == 2:
+        g = x.to(tl.float32)
+        u = tl.load(x_ptr + offs + K, mask=m2, other=0.0).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        x = (s * u).to(dt)
+    return x
+
+
+@triton.jit(do_not_specialize=["M"])
+def _skinny_gemm_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, ro_ptr,
+    M, N, K, stride_x, stride_w, stride_y, stride_r, stride_ro, eps,
+    PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr = False, DOT_PREC: tl.constexpr = "tf32", PDL: tl.constexpr = False,
+):  # fmt: skip
+    pdl_enter(PDL)
+    pid_n = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < M
+    nmask = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    rstd = tl.zeros([BLOCK_M], tl.float32)
+    if PROLOGUE == 1:  # the rows' sum of squares; the first column tile writes the sum
+        ssq = tl.zeros([BLOCK_M], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + ks
+            m2 = rmask[:, None] & (kk < K)[None, :]
+            offs = rows[:, None].to(tl.int64) * stride_x + kk[None, :]
+            x = tl.load(x_ptr + offs, mask=m2, other=0.0)
+            z = x.to(tl.float32)
+            if HAS_RES:
+                roffs = rows[:, None].to(tl.int64) * stride_r + kk[None, :]
+                r = tl.load(r_ptr + roffs, mask=m2, other=0.0).to(tl.float32)
+                z = (z + r).to(x.dtype)
+                if pid_n == 0:
+                    ooffs = rows[:, None].to(tl.int64) * stride_ro + kk[None, :]
+                    tl.store(ro_ptr + ooffs, z, mask=m2)
+                z = z.to(tl.float32)
+            ssq += tl.sum(z * z, axis=1)
+        rstd = tl.rsqrt(ssq / K + eps)
+    w_base = w_ptr + cols[:, None].to(tl.int64) * stride_w
+    if BLOCK_M == 1:
+        acc1 = tl.zeros([BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + ks
+            kmask = kk < K
+            a = _prologue_tile(x_ptr, r_ptr, nw_ptr, rows, kk, rmask[:, None] & kmask[None, :],
+                               stride_x, stride_r, K, rstd, PROLOGUE, HAS_RES)  # fmt: skip
+            w = tl.load(w_base + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            acc1 += tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=1)
+        acc = acc1[None, :]
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + ks
+            kmask = kk < K
+            a = _prologue_tile(x_ptr, r_ptr, nw_ptr, rows, kk, rmask[:, None] & kmask[None, :],
+                               stride_x, stride_r, K, rstd, PROLOGUE, HAS_RES)  # fmt: skip
+            w = tl.load(w_base + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            if UPCAST:  # the interpreter's bf16 dot (see dot_upcast)
+                a = a.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PREC)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    yoffs = rows[:, None].to(tl.int64) * stride_y + cols[None, :]
+    tl.store(y_ptr + yoffs, acc.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+
+
+def skinny_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    prologue: str = "none",
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    config: SkinnyConfig | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``y = prologue(x) @ weight.T (+ bias)``, ``weight`` [N, K] (see the module doc).
+
+    ``prologue="rmsnorm"`` needs ``norm_weight`` [K]; with a ``residual`` it returns
+    ``(y, x + residual)`` (a new tensor: other programs still read ``residual``).
+    ``prologue="silu_mul"``: ``x`` is [..., 2K]."""
+    if prologue not in PROLOGUES:
+        raise ValueError(f"prologue must be one of {PROLOGUES} (got {prologue!r})")
+    check_device(x, "skinny_gemm")
+    cfg = config or SkinnyConfig()
+    N, K = weight.shape
+    x2 = rows_2d(x)
+    width = 2 * K if prologue == "silu_mul" else K
+    if x2.shape[1] != width:
+        raise ValueError(f"x has {x2.shape[1]} columns; weight [{N}, {K}] needs {width}")
+    if weight.stride(1) != 1:
+        raise ValueError("weight must be contiguous along K")
+    M = x2.shape[0]
+    y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
+    r2 = x2
+    ro = x2
+    has_res = residual is not None
+    if prologue == "rmsnorm":
+        if norm_weight is None or norm_weight.shape != (K,):
+            raise ValueError(f"prologue 'rmsnorm' needs norm_weight of shape ({K},)")
+        if residual is not None:
+            r2 = rows_2d(residual)
+            ro = torch.empty_like(x2)
+    elif has_res or norm_weight is not None:
+        raise ValueError("residual and norm_weight belong to the 'rmsnorm' prologue")
+    if M > 0:
+        block_m = cfg.block_m or (1 if M == 1 and not cfg.row_dot else max(16, next_pow2(M)))
+        grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, block_m))
+        _skinny_gemm_kernel[grid](
+            x2, weight, bias if bias is not None else weight, y.view(-1, N), r2,
+            norm_weight if norm_weight is not None else weight, ro,
+            M, N, K, x2.stride(0), weight.stride(0), N, r2.stride(0), ro.stride(0), eps,
+            PROLOGUE=PROLOGUES.index(prologue), HAS_RES=has_res, HAS_BIAS=bias is not None,
+            BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            UPCAST=dot_upcast(x.dtype), DOT_PREC=dot_precision(x.dtype),
+            num_stages=cfg.num_stages, num_warps=cfg.num_warps, **pdl_args(x.device),
+        )  # fmt: skip
+    if prologue == "rmsnorm" and has_res:
+        return y, ro.view(x.shape)
+    return y

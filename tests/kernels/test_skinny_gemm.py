@@ -1,0 +1,116 @@
+"""Parity of the decode-size GEMM (kernels/skinny_gemm.py) and its prologues with torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve.kernels.reference import rms_norm, silu_and_mul_torch
+from pdserve.kernels.skinny_gemm import SkinnyConfig, skinny_gemm
+
+CONFIGS = [SkinnyConfig(block_n=16, block_k=32), SkinnyConfig(block_n=8, block_k=16, row_dot=False)]
+
+
+def _t(g: torch.Generator, *shape: int, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+    return torch.randn(*shape, generator=g).to(dev, dtype)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    """fp32: the sum's order only. 16-bit: the output's rounding (the CPU interpreter
+    also truncates its fp32 -> bf16 casts)."""
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 20])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["dot", "registers"])
+def test_plain_and_bias(device: torch.device, rows: int, dtype: torch.dtype, cfg: SkinnyConfig) -> None:
+    if not cfg.row_dot and rows > 1:
+        pytest.skip("the register path is the single-row path")
+    g = torch.Generator().manual_seed(rows)
+    x, w = _t(g, rows, 80, dtype=dtype, dev=device), _t(g, 40, 80, dtype=dtype, dev=device) * 0.1
+    b = _t(g, 40, dtype=dtype, dev=device)
+    y = skinny_gemm(x, w, config=cfg)
+    assert isinstance(y, torch.Tensor) and y.shape == (rows, 40) and y.dtype == dtype
+    _close(y, F.linear(x.float(), w.float()), dtype)
+    _close(skinny_gemm(x, w, b, config=cfg), F.linear(x.float(), w.float(), b.float()), dtype)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_prologue(device: torch.device, rows: int, dtype: torch.dtype) -> None:
+    """``norm(x + residual) @ W^T`` and the sum, as the add+RMSNorm kernel and a GEMM give
+    them; without a residual, ``norm(x) @ W^T``."""
+    g = torch.Generator().manual_seed(7 + rows)
+    x, r = _t(g, rows, 96, dtype=dtype, dev=device), _t(g, rows, 96, dtype=dtype, dev=device)
+    nw = (torch.rand(96, generator=g) + 0.5).to(device, dtype)
+    w = _t(g, 48, 96, dtype=dtype, dev=device) * 0.1
+    for cfg in CONFIGS if rows == 1 else CONFIGS[:1]:
+        y, s = skinny_gemm(x, w, prologue="rmsnorm", residual=r, norm_weight=nw, eps=1e-5,
+                           config=cfg)  # fmt: skip
+        z = x + r
+        _close(s, z, dtype)
+        assert s.data_ptr() not in (x.data_ptr(), r.data_ptr())  # others still read r
+        _close(y, F.linear(rms_norm(z, nw, 1e-5).float(), w.float()), dtype)
+        y0 = skinny_gemm(x, w, prologue="rmsnorm", norm_weight=nw, eps=1e-5, config=cfg)
+        assert isinstance(y0, torch.Tensor)
+        _close(y0, F.linear(rms_norm(x, nw, 1e-5).float(), w.float()), dtype)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 17])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_prologue(device: torch.device, rows: int, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(11 + rows)
+    gu = _t(g, rows, 2 * 64, dtype=dtype, dev=device)
+    w = _t(g, 32, 64, dtype=dtype, dev=device) * 0.1
+    for cfg in CONFIGS if rows == 1 else CONFIGS[:1]:
+        y = skinny_gemm(gu, w, prologue="silu_mul", config=cfg)
+        assert isinstance(y, torch.Tensor)
+        _close(y, F.linear(silu_and_mul_torch(gu).float(), w.float()), dtype)
+
+
+def test_3d_input_and_empty(device: torch.device) -> None:
+    w = torch.randn(24, 32, device=device)
+    x = torch.randn(2, 3, 32, device=device)
+    y = skinny_gemm(x, w)
+    assert isinstance(y, torch.Tensor) and y.shape == (2, 3, 24)
+    _close(y, F.linear(x, w), torch.float32)
+    e = skinny_gemm(torch.empty(0, 32, device=device), w)
+    assert isinstance(e, torch.Tensor) and e.shape == (0, 24)
+
+
+def test_refuses_mismatches(device: torch.device) -> None:
+    w = torch.randn(24, 32, device=device)
+    x = torch.randn(2, 32, device=device)
+    with pytest.raises(ValueError, match="prologue must be one of"):
+        skinny_gemm(x, w, prologue="gelu")
+    with pytest.raises(ValueError, match="needs 64"):
+        skinny_gemm(x, w, prologue="silu_mul")
+    with pytest.raises(ValueError, match="norm_weight"):
+        skinny_gemm(x, w, prologue="rmsnorm")
+    with pytest.raises(ValueError, match="belong to the 'rmsnorm' prologue"):
+        skinny_gemm(x, w, residual=x)
+    with pytest.raises(ValueError, match="contiguous along K"):
+        skinny_gemm(x, torch.randn(32, 24, device=device).t())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 16, 64])
+def test_llama_shapes_on_gpu(rows: int) -> None:
+    """The llama-8b-shape projections compiled: bf16 within the output's rounding of a
+    float32 GEMM over the same bf16 inputs, the prologues' outputs too."""
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(rows)
+    for n, k in ((6144, 4096), (4096, 14336)):
+        x = _t(g, rows, k, dtype=torch.bfloat16, dev=dev)
+        w = _t(g, n, k, dtype=torch.bfloat16, dev=dev) * 0.02
+        ref = F.linear(x.float(), w.float())
+        torch.testing.assert_close(skinny_gemm(x, w).float(), ref, atol=2e-2, rtol=2e-2)
+        r = _t(g, rows, k, dtype=torch.bfloat16, dev=dev)
+        nw = (torch.rand(k, generator=g) + 0.5).to(dev, torch.bfloat16)
+        y, s = skinny_gemm(x, w, prologue="rmsnorm", residual=r, norm_weight=nw, eps=1e-5)
+        assert torch.equal(s, x + r)
+        ref_n = F.linear(rms_norm(x + r, nw, 1e-5).float(), w.float())
+        torch.testing.assert_close(y.float(), ref_n, atol=3e-2, rtol=2e-2)
