@@ -70,6 +70,8 @@
 #       the copy rate; + Triton 128x128 tiles and torch._scaled_mm at 2K-16K tokens
 #       against the fp8 peak), then
 #       benchmarks/fp8_gemm_sweep.py down/gate_up at 64 and 8,192 tokens (issue 28).
+# s30   issue 30: the skinny GEMM's GPU parity and bench, then llama-8b-shape decode with
+#       it off / at the default rows / to 64 rows / with PDL (gpu_suite decode).
 # skinny  issue 30: benchmarks/skinny_bench.py (the decode-size GEMM and its prologues
 #       beside cuBLAS and today's launches, llama-8b-shape projections at 1/16/64 rows).
 # xfer  the early copy's order (read sent first, the launch flushed) and the block-copy
@@ -146,7 +148,7 @@
 #       --enable-expert-parallel against one GPU, the same closed-loop load per rank
 #       (32 streams per GPU, 1024 in / 256 out): output tok/s per GPU and mean TPOT.
 set -uo pipefail
-stage="${1:?usage: run_pending.sh pdl2|h31|g18|g16|g17|f16|f17|f18|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|moe8|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl|x2|dpep N}"
+stage="${1:?usage: run_pending.sh s30|skinny|pdl2|h31|g18|g16|g17|f16|f17|f18|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|moe8|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl|x2|dpep N}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 # RUN_START (epoch seconds): where two stages share one call, export it once before both,
 # so the second one's deadlines count from the call's start, not its own
@@ -590,6 +592,25 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     # (add+RMSNorm, SiLU-and-mul) beside today's two launches
     timeout 400 python3 benchmarks/skinny_bench.py ${SKINNY_QUICK:+--quick} \
       --out "$OUT/skinny.json" 2>&1 | tee "$OUT/skinny.log" | quiet | tail -40
+    ;;
+  s30)  # issue 30: the decode-size GEMM's GPU parity, its bench (quick sweep), then
+    # llama-8b-shape decode (gpu_suite, sync and async) with it off (PDSERVE_SKINNY_ROWS=0),
+    # at the default rows, up to 64 rows, and at the default with PDL on
+    timeout 150 python3 -m pytest -p no:cacheprovider -q -m gpu tests/kernels/test_skinny_gemm.py \
+      2>&1 | tail -3
+    timeout 200 python3 benchmarks/skinny_bench.py --quick --out "$OUT/skinny.json" 2>&1 \
+      | tee "$OUT/skinny.log" | quiet | tail -40
+    llama_ckpt || exit 1
+    for v in 0:0 default:0 64:0 default:1 0:0; do
+      rows=${v%%:*}; pdl=${v#*:}
+      left=$(( start + 570 - $(date +%s) )); [ "$left" -gt 70 ] || break
+      env $([ "$rows" = default ] || echo PDSERVE_SKINNY_ROWS=$rows) PDSERVE_PDL=$pdl \
+        timeout $(( left < 110 ? left : 110 )) python3 benchmarks/gpu_suite.py --ckpt $ck \
+        --sections decode --batches 1,16,64 --contexts 1024 \
+        --out "$OUT/s30_rows${rows}_pdl$pdl.json" > "$OUT/s30_rows${rows}_pdl$pdl.log" 2>&1
+      echo "decode, skinny rows $rows, PDL $pdl: exit $?"
+      sed -n '/^ batch /,/^batch /p' "$OUT/s30_rows${rows}_pdl$pdl.log"
+    done
     ;;
   xfer)  # the early copy's order and the block-copy shapes (issue 29)
     timeout 60 python3 -m pytest -p no:cacheprovider -q -m gpu tests/kv_transfer/test_block_copy.py \

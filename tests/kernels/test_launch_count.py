@@ -86,7 +86,9 @@ BUDGETS: dict[str, dict[int, dict[str, int]]] = {
         1: {**_GLM_ATTN, "mlp.gate": 3, "mlp.experts": 4, "mlp": 0, "total": 27},
     },
     "LlamaForCausalLM": {
-        i: {"self_attn.attn": 2, "self_attn": 0, "total": 9}  # RoPE + K/V write, decode
+        # RoPE + K/V write, decode; the layer's own three: norm + q|k|v, norm + gate|up,
+        # SiLU-and-mul + down (the decode-size GEMM's prologues; 9 a layer before them)
+        i: {"self_attn.attn": 2, "self_attn": 0, "self_attn.o_proj": 1, "(self)": 3, "total": 6}
         for i in (0, 1)
     },
 }

@@ -35,6 +35,9 @@ def test_fused_layers_match_torch_layers(
     assert not models[0].model.norm.fused and models[1].model.norm.fused
     assert models[1].model.rotary_emb.fused
     assert models[1].model.layers[0].mlp.act_fn.fused
+    # decode rows take the decode-size GEMM, with the norms and SiLU-and-mul as prologues
+    assert models[1].model.layers[0].mlp.down_proj.skinny_rows > 0
+    assert models[0].model.layers[0].mlp.down_proj.skinny_rows == 0
     bt = (1 + torch.arange(8)).view(2, 4).to(torch.int32).to(device)
     bes: list[AttentionBackend] = [TorchReferenceBackend()]
     bes.append(TritonAttentionBackend() if backend == "triton" else TorchReferenceBackend())

@@ -24,10 +24,12 @@ linears in the model dtype (the load-time peak is the FP8 model, not the bf16 on
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -94,8 +96,34 @@ def materialize(root: nn.Module, device: torch.device) -> int:
     return len(done)
 
 
+SKINNY_ENV = "PDSERVE_SKINNY_ROWS"
+
+
+def enable_skinny(root: nn.Module, default: int) -> int:
+    """Let every plain linear under ``root`` run the decode-size GEMM
+    (:mod:`pdserve.kernels.skinny_gemm`) for up to ``default`` rows instead of cuBLAS,
+    where the fused kernels are on (``PDSERVE_SKINNY_ROWS`` overrides ``default``; 0:
+    never). A model family calls it at the end of its constructor with the rows it
+    measured a gain at; returns the rows set."""
+    from pdserve.layers.fused import use_fused_kernels
+
+    mode = os.environ.get(SKINNY_ENV)
+    if mode is not None and not mode.isdigit():
+        raise ValueError(f"{SKINNY_ENV} must be a number of rows (got {mode!r})")
+    rows = (default if mode is None else int(mode)) if use_fused_kernels() else 0
+    for module in root.modules():
+        if isinstance(module, Linear) and is_plain_linear(module):
+            dtype = module.weight.dtype
+            module.skinny_rows = rows if dtype in (torch.bfloat16, torch.float16, torch.float32) else 0
+    return rows
+
+
 class Linear(nn.Module):
-    """``y = x W^T + b`` with ``weight`` [out_features, in_features] and optional ``bias``."""
+    """``y = x W^T + b`` with ``weight`` [out_features, in_features] and optional ``bias``.
+
+    Up to ``skinny_rows`` rows (decode batches) it runs
+    :func:`~pdserve.kernels.skinny_gemm.skinny_gemm`, which can also take the layer's
+    producer as a prologue (:func:`norm_then_linear`, :func:`silu_then_linear`)."""
 
     def __init__(
         self,
@@ -109,9 +137,28 @@ class Linear(nn.Module):
         self.out_features = out_features
         self.weight = empty_weight(out_features, in_features, dtype=dtype)
         self.bias = empty_weight(out_features, dtype=dtype) if bias else None
+        self.skinny_rows = 0  # see enable_skinny
+
+    def takes_skinny(self, x: torch.Tensor) -> bool:
+        """Whether ``x``'s rows go through the decode-size GEMM."""
+        return 0 < x.numel() <= self.skinny_rows * x.shape[-1]
+
+    def gemm(self, x: torch.Tensor, bias: torch.Tensor | None, **prologue: object) -> torch.Tensor:
+        """``prologue(x) W^T + bias``: the decode-size GEMM where :meth:`takes_skinny`,
+        else torch's (no prologue then)."""
+        if self.takes_skinny(x):
+            from pdserve.kernels.skinny_gemm import skinny_gemm
+
+            out: Any = skinny_gemm(x, self.weight, bias, **prologue)  # type: ignore[arg-type]
+            return out  # a (y, residual) pair under the rmsnorm prologue with a residual
+        return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.gemm(x, self.bias)
+
+    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``self(silu(x[..., :K]) * x[..., K:])`` in one launch (:meth:`takes_skinny` rows)."""
+        return self.gemm(x, self.bias, prologue="silu_mul")
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
@@ -200,6 +247,41 @@ def checkpoint_targets(root: nn.Module) -> dict[str, torch.Tensor]:
 def checkpoint_shards(root: nn.Module) -> dict[str, Shard]:
     """The checkpoint names of ``root`` that this rank holds only a part of."""
     return {name: s for name, (_, s) in checkpoint_entries(root).items() if s is not None}
+
+
+def _skinny_target(linear: nn.Module, x: torch.Tensor) -> Linear | None:
+    """``linear`` where it is a plain one whose decode-size GEMM takes ``x``'s rows."""
+    if isinstance(linear, Linear) and is_plain_linear(linear) and linear.takes_skinny(x):
+        return linear
+    return None
+
+
+def norm_then_linear(
+    norm: nn.Module, linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(linear(norm(x + residual)), x + residual)`` (``residual`` None: ``linear(norm(x))``
+    and ``x``): one launch where ``linear`` is a plain one taking ``x``'s rows and ``norm``
+    an RMSNorm with a plain output, else the norm's kernel then the linear. ``linear`` is
+    a plain or column-parallel one (a normed input is whole on every rank)."""
+    target = _skinny_target(linear, x)
+    if target is not None and getattr(norm, "fused", False) and not norm.quant_out:
+        kw = {"prologue": "rmsnorm", "norm_weight": norm.weight, "eps": norm.eps}
+        out: Any = target.gemm(x, target.bias, residual=residual, **kw)
+        return (out, x) if residual is None else out
+    if residual is None:
+        return linear(norm(x)), x
+    h, residual = norm(x, residual)
+    return linear(h), residual
+
+
+def silu_then_linear(act: nn.Module, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``linear(act(x))`` for SwiGLU's gate|up output ``x``: one launch where ``linear`` is
+    a plain one taking ``x``'s rows and ``act`` a plain-output SiLU-and-mul."""
+    target = _skinny_target(linear, x)
+    if target is not None and not act.quant_out:
+        return target.forward_silu_mul(x)
+    out: torch.Tensor = linear(act(x))
+    return out
 
 
 def is_plain_linear(module: nn.Module) -> bool:

@@ -28,7 +28,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-import torch.nn.functional as F
 
 from pdserve.distributed.groups import Group
 from pdserve.layers.linear import Entries, Linear, MergedLinear, Shard
@@ -116,12 +115,11 @@ class RowParallelLinear(Linear):
         self.full_in_features = in_features
         self.reduce_results = reduce_results
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def gemm(self, x: torch.Tensor, bias: torch.Tensor | None, **prologue: object) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        return reduce_row_parallel(
-            F.linear(x, self.weight), self.bias, self.tp, self.reduce_results
-        )
+            return super().gemm(x, bias, **prologue)
+        partial = super().gemm(x, None, **prologue)
+        return reduce_row_parallel(partial, bias, self.tp, self.reduce_results)
 
     def tensor_entries(self, prefix: str) -> Entries:
         out: Entries = {

@@ -35,7 +35,13 @@ from pdserve.distributed.groups import Group, ParallelGroups
 from pdserve.layers.activation import SiluAndMul
 from pdserve.layers.attention import Attention
 from pdserve.layers.embedding import LMHead, VocabEmbedding
-from pdserve.layers.linear import checkpoint_targets, copy_checked
+from pdserve.layers.linear import (
+    checkpoint_targets,
+    copy_checked,
+    enable_skinny,
+    norm_then_linear,
+    silu_then_linear,
+)
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers.parallel_linear import (
     MergedColumnParallelLinear,
@@ -75,8 +81,9 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if qk_norm else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
-    def forward(self, x: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def forward(self, qkv: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
+        """From the q|k|v projection's output (the layer takes it with its norm)."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:  # Qwen3
@@ -109,7 +116,7 @@ class LlamaMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return silu_then_linear(self.act_fn, self.down_proj, self.gate_up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -128,14 +135,15 @@ class LlamaDecoderLayer(nn.Module):
         rope: RopeInputs,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, the residual stream before it is added)."""
-        if residual is None:  # first layer: the residual stream is the embedding
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, rope)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        # the first layer has no residual: the residual stream is the embedding
+        attn = self.self_attn
+        qkv, residual = norm_then_linear(self.input_layernorm, attn.qkv_proj, hidden, residual)
+        hidden = attn(qkv, rope)
+        mlp = self.mlp
+        gate_up, residual = norm_then_linear(
+            self.post_attention_layernorm, mlp.gate_up_proj, hidden, residual
+        )
+        return silu_then_linear(mlp.act_fn, mlp.down_proj, gate_up), residual
 
 
 class LlamaModel(nn.Module):
@@ -172,6 +180,9 @@ class LlamaForCausalLM(CausalLM):
     # 0.7-3% at batch 1 and cost 1.4-1.7% at 16 and 64 (FP8: 1.4-5%), where the step
     # is mostly cuBLAS GEMMs that do not launch their successors early
     pdl_pays = False
+    # decode batches up to this many rows run the decode-size GEMM with the norms and
+    # SiLU-and-mul as its prologues (RESULTS.md run 116)
+    skinny_rows = 16
 
     def __init__(
         self,
@@ -187,6 +198,7 @@ class LlamaForCausalLM(CausalLM):
         self.model = LlamaModel(config, dtype, self.qk_norm, tp)
         tied = self.model.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype, tied=tied, tp=tp)
+        enable_skinny(self, self.skinny_rows)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
