@@ -70,6 +70,8 @@
 #       the copy rate; + Triton 128x128 tiles and torch._scaled_mm at 2K-16K tokens
 #       against the fp8 peak), then
 #       benchmarks/fp8_gemm_sweep.py down/gate_up at 64 and 8,192 tokens (issue 28).
+# h30   on an H200: glm5 16K prefill (issue 26's MLA share) and decode streams within
+#       20 ms at 192-224 x 16K, none and adaptive k=3 (issue 27).
 # s30   issue 30: the skinny GEMM's GPU parity and bench, then llama-8b-shape decode with
 #       it off / at the default rows / to 64 rows / with PDL (gpu_suite decode).
 # skinny  issue 30: benchmarks/skinny_bench.py (the decode-size GEMM and its prologues
@@ -148,7 +150,7 @@
 #       --enable-expert-parallel against one GPU, the same closed-loop load per rank
 #       (32 streams per GPU, 1024 in / 256 out): output tok/s per GPU and mean TPOT.
 set -uo pipefail
-stage="${1:?usage: run_pending.sh s30|skinny|pdl2|h31|g18|g16|g17|f16|f17|f18|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|moe8|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl|x2|dpep N}"
+stage="${1:?usage: run_pending.sh h30|s30|skinny|pdl2|h31|g18|g16|g17|f16|f17|f18|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|moe8|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl|x2|dpep N}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 # RUN_START (epoch seconds): where two stages share one call, export it once before both,
 # so the second one's deadlines count from the call's start, not its own
@@ -611,6 +613,16 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
       echo "decode, skinny rows $rows, PDL $pdl: exit $?"
       sed -n '/^ batch /,/^batch /p' "$OUT/s30_rows${rows}_pdl$pdl.log"
     done
+    ;;
+  h30)  # on an H200 (issues 26, 27): glm5-m12-e64 prefill 16K in one step and in the serve
+    # default's 8K steps (the MLA share), then decode-only streams within 20 ms: no
+    # speculation and adaptive MTP k=3 at 192 / 208 / 224 streams x 16K
+    nvidia-smi --query-gpu=name,power.limit --format=csv,noheader
+    glm5_prefill 170 16k_b16384 16384 --budget 16384
+    t=$(( start + 570 - $(date +%s) ))
+    timeout "$t" python3 benchmarks/spec_bench.py --sections decode --streams 192,208,224 \
+      --configs 0,3a --rates 0.7 --out "$OUT/spec_decode_h30.json" > "$OUT/spec_decode_h30.log" 2>&1
+    echo "spec_bench decode: exit $?"; quiet < "$OUT/spec_decode_h30.log" | sed -n '/: decode at a/,$p'
     ;;
   xfer)  # the early copy's order and the block-copy shapes (issue 29)
     timeout 60 python3 -m pytest -p no:cacheprovider -q -m gpu tests/kv_transfer/test_block_copy.py \
