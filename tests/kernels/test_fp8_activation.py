@@ -174,6 +174,9 @@ def test_fused_model_with_fp8_producers_gives_the_same_logits(
         arch, "tiny", tmp_path, seed=5, dtype="float32", config_overrides={"num_hidden_layers": 2}
     )
     monkeypatch.setenv("PDSERVE_FUSED_KERNELS", "1")
+    # 13 rows would take Llama's decode-size GEMM, which bypasses the FP8 producers
+    # (test_fp8_llama_decode_rows_read_the_weights_unquantized_activations)
+    monkeypatch.setenv("PDSERVE_SKINNY_ROWS", "0")
     model, cfg = load_model(ckpt, "float32", device, quantization="fp8")
     norms = [m for m in model.modules() if isinstance(m, RMSNorm) and m.quant_out]
     assert norms and all(m.fused for m in norms)
@@ -187,6 +190,44 @@ def test_fused_model_with_fp8_producers_gives_the_same_logits(
             if hasattr(m, "quant_out"):
                 m.quant_out = False
     torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
+
+
+def test_fp8_llama_decode_rows_read_the_weights_unquantized_activations(
+    tmp_path: Path, device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode rows of an FP8 Llama take the decode-size GEMM over the FP8 weights with the
+    norms and SiLU-and-mul as its prologues (the quantizing producers bypassed): the
+    logits of every block-FP8 linear computed as ``x @ dequantize(W)^T`` in float32."""
+    from pdserve.kernels.reference import dequantize_fp8_blocks
+    from pdserve.layers import fp8 as fp8_layers
+    from pdserve.layers.fp8 import Fp8Linear
+
+    ckpt = make_checkpoint("LlamaForCausalLM", "tiny", tmp_path, seed=5, dtype="float32",
+                           config_overrides={"num_hidden_layers": 2})  # fmt: skip
+    monkeypatch.setenv("PDSERVE_FUSED_KERNELS", "1")
+    model, cfg = load_model(ckpt, "float32", device, quantization="fp8")
+    fp8s = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    assert fp8s and all(m.skinny_rows > 0 for m in fp8s)
+    ids = torch.randint(3, cfg.vocab_size, (5,), generator=torch.Generator().manual_seed(2))
+    logits = []
+    for _ in range(2):
+        kv = PagedKV(model, 1, 16)
+        with torch.no_grad(), kv.step([0], [5]):
+            logits.append(model.compute_logits(model(ids.to(device), torch.arange(5).to(device))))
+        # second pass, the reference: no decode-size GEMM, plain producers, and every FP8
+        # linear a float32 matmul over its dequantized weights
+        for m in model.modules():
+            if hasattr(m, "quant_out"):
+                m.quant_out = False
+            if hasattr(m, "skinny_rows"):
+                m.skinny_rows = 0
+
+        def weight_only(x, w, s, bias, rows, fused):  # type: ignore[no-untyped-def]
+            deq = dequantize_fp8_blocks(w, s, (rows, 128))
+            return torch.nn.functional.linear(x.float(), deq, bias).to(x.dtype)
+
+        monkeypatch.setattr(fp8_layers, "fp8_linear", weight_only)
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
 
 
 def test_rmsnorm_fp8_keeps_its_output_beside(device: torch.device) -> None:

@@ -114,3 +114,27 @@ def test_llama_shapes_on_gpu(rows: int) -> None:
         assert torch.equal(s, x + r)
         ref_n = F.linear(rms_norm(x + r, nw, 1e-5).float(), w.float())
         torch.testing.assert_close(y.float(), ref_n, atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 6])
+@pytest.mark.parametrize("scale_rows", [128, 1])
+def test_fp8_weights(device: torch.device, rows: int, scale_rows: int) -> None:
+    """Block-scaled FP8 weights, weight-only: ``x @ (w * scale)^T`` in float32, with the
+    prologues too; K not a multiple of 128 (the last block partial)."""
+    from pdserve.kernels.reference import FP8_DTYPE
+
+    g = torch.Generator().manual_seed(rows + scale_rows)
+    n, k = 40, 200
+    w = (torch.randn(n, k, generator=g) * 20).to(FP8_DTYPE).to(device)
+    s = (torch.rand(-(-n // scale_rows), 2, generator=g) * 0.01).to(device)
+    deq = w.float() * s.repeat_interleave(scale_rows, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    x = torch.randn(rows, k, generator=g).to(device, torch.bfloat16)
+    for cfg in CONFIGS if rows == 1 else CONFIGS[:1]:
+        y = skinny_gemm(x, w, weight_scale=s, scale_rows=scale_rows, config=cfg)
+        _close(y, F.linear(x.float(), deq), torch.bfloat16)
+        gu = torch.randn(rows, 2 * k, generator=g).to(device, torch.bfloat16)
+        y2 = skinny_gemm(gu, w, prologue="silu_mul", weight_scale=s, scale_rows=scale_rows,
+                         config=cfg)  # fmt: skip
+        _close(y2, F.linear(silu_and_mul_torch(gu).float(), deq), torch.bfloat16)
+    with pytest.raises(ValueError, match="one per block"):
+        skinny_gemm(x, w, weight_scale=s[:, :1], scale_rows=scale_rows)

@@ -20,6 +20,12 @@ recomputes it from L2):
 - ``"silu_mul"``: ``x`` is the merged gate|up output [M, 2K] and the GEMM input is
   ``silu(gate) * up`` with :mod:`pdserve.kernels.activation`'s rounding.
 
+FP8 weights (``weight_scale`` given): block-scaled float8_e4m3fn as DeepSeek-V3 ships
+them, read as they are (half the bytes) and upcast in registers; each 128-wide K step's
+partial product is scaled by its block's scale. The activation stays in its dtype (the
+block-FP8 GEMM's weight-only mode, :mod:`pdserve.kernels.fp8_gemm`): at decode sizes the
+weight bytes are the cost, and the prologues need no quantizing producer.
+
 The rows go into one ``tl.dot`` tile (``BLOCK_M``, at least 16: the MMA's smallest; rows
 past M are masked to zero), or, with ``BLOCK_M`` 1, a multiply-and-sum in registers.
 Grid: (column tiles, row tiles); shapes only, no host sync, capturable in a CUDA graph.
@@ -27,7 +33,7 @@ Grid: (column tiles, row tiles); shapes only, no host sync, capturable in a CUDA
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -42,6 +48,7 @@ from pdserve.kernels._utils import (
     pdl_enter,
     rows_2d,
 )
+from pdserve.kernels.reference import FP8_GROUP
 
 PROLOGUES = ("none", "rmsnorm", "silu_mul")
 
@@ -84,9 +91,10 @@ def _prologue_tile(x_ptr, r_ptr, nw_ptr, rows, kk, m2, stride_x, stride_r, K, rs
 
 @triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, ro_ptr,
-    M, N, K, stride_x, stride_w, stride_y, stride_r, stride_ro, eps,
+    x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, ro_ptr, ws_ptr,
+    M, N, K, stride_x, stride_w, stride_y, stride_r, stride_ro, stride_ws, eps,
     PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
+    FP8_W: tl.constexpr, SCALE_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr = False, DOT_PREC: tl.constexpr = "tf32", PDL: tl.constexpr = False,
 ):  # fmt: skip
@@ -117,6 +125,9 @@ def _skinny_gemm_kernel(
             ssq += tl.sum(z * z, axis=1)
         rstd = tl.rsqrt(ssq / K + eps)
     w_base = w_ptr + cols[:, None].to(tl.int64) * stride_w
+    ws_base = ws_ptr + (cols // SCALE_ROWS).to(tl.int64) * stride_ws
+    # FP8 weights: one float32 scale per (SCALE_ROWS rows, 128 columns) block, applied to
+    # each 128-wide K step's partial product (BLOCK_K is 128 then)
     if BLOCK_M == 1:
         acc1 = tl.zeros([BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -125,7 +136,10 @@ def _skinny_gemm_kernel(
             a = _prologue_tile(x_ptr, r_ptr, nw_ptr, rows, kk, rmask[:, None] & kmask[None, :],
                                stride_x, stride_r, K, rstd, PROLOGUE, HAS_RES)  # fmt: skip
             w = tl.load(w_base + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-            acc1 += tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=1)
+            part = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=1)
+            if FP8_W:
+                part *= tl.load(ws_base + k0 // BLOCK_K, mask=nmask, other=0.0)
+            acc1 += part
         acc = acc1[None, :]
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -135,10 +149,16 @@ def _skinny_gemm_kernel(
             a = _prologue_tile(x_ptr, r_ptr, nw_ptr, rows, kk, rmask[:, None] & kmask[None, :],
                                stride_x, stride_r, K, rstd, PROLOGUE, HAS_RES)  # fmt: skip
             w = tl.load(w_base + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            if FP8_W:  # e4m3 values are exact in bf16 / fp16
+                w = w.to(a.dtype)
             if UPCAST:  # the interpreter's bf16 dot (see dot_upcast)
                 a = a.to(tl.float32)
                 w = w.to(tl.float32)
-            acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PREC)
+            if FP8_W:
+                part = tl.dot(a, tl.trans(w), input_precision=DOT_PREC)
+                acc += part * tl.load(ws_base + k0 // BLOCK_K, mask=nmask, other=0.0)[None, :]
+            else:
+                acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PREC)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=nmask, other=0.0).to(tl.float32)[None, :]
     yoffs = rows[:, None].to(tl.int64) * stride_y + cols[None, :]
@@ -155,8 +175,15 @@ def skinny_gemm(
     norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     config: SkinnyConfig | None = None,
+    weight_scale: torch.Tensor | None = None,
+    scale_rows: int = 128,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``y = prologue(x) @ weight.T (+ bias)``, ``weight`` [N, K] (see the module doc).
+
+    ``weight_scale``: ``weight`` is float8_e4m3fn with one float32 scale per
+    ``scale_rows`` x 128 block ([ceil(N / scale_rows), ceil(K / 128)], DeepSeek-V3's
+    ``weight_scale_inv``): ``x @ (weight * scale)^T``, the activation unquantized (the
+    block-FP8 GEMM's weight-only mode); the tiles' K width is then 128.
 
     ``prologue="rmsnorm"`` needs ``norm_weight`` [K]; with a ``residual`` it returns
     ``(y, x + residual)`` (a new tensor: other programs still read ``residual``).
@@ -165,6 +192,9 @@ def skinny_gemm(
         raise ValueError(f"prologue must be one of {PROLOGUES} (got {prologue!r})")
     check_device(x, "skinny_gemm")
     cfg = config or SkinnyConfig()
+    fp8 = weight_scale is not None
+    if fp8:
+        cfg = replace(cfg, block_k=FP8_GROUP)
     N, K = weight.shape
     x2 = rows_2d(x)
     width = 2 * K if prologue == "silu_mul" else K
@@ -172,6 +202,10 @@ def skinny_gemm(
         raise ValueError(f"x has {x2.shape[1]} columns; weight [{N}, {K}] needs {width}")
     if weight.stride(1) != 1:
         raise ValueError("weight must be contiguous along K")
+    if fp8:
+        want = (-(-N // scale_rows), -(-K // FP8_GROUP))
+        if tuple(weight_scale.shape) != want or weight_scale.stride(1) != 1:  # type: ignore[union-attr]
+            raise ValueError(f"weight_scale must be a contiguous {list(want)} (one per block)")
     M = x2.shape[0]
     y = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
     r2 = x2
@@ -191,8 +225,11 @@ def skinny_gemm(
         _skinny_gemm_kernel[grid](
             x2, weight, bias if bias is not None else weight, y.view(-1, N), r2,
             norm_weight if norm_weight is not None else weight, ro,
-            M, N, K, x2.stride(0), weight.stride(0), N, r2.stride(0), ro.stride(0), eps,
+            weight_scale if weight_scale is not None else weight,
+            M, N, K, x2.stride(0), weight.stride(0), N, r2.stride(0), ro.stride(0),
+            weight_scale.stride(0) if weight_scale is not None else 0, eps,
             PROLOGUE=PROLOGUES.index(prologue), HAS_RES=has_res, HAS_BIAS=bias is not None,
+            FP8_W=fp8, SCALE_ROWS=scale_rows,
             BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             UPCAST=dot_upcast(x.dtype), DOT_PREC=dot_precision(x.dtype),
             num_stages=cfg.num_stages, num_warps=cfg.num_warps, **pdl_args(x.device),

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -96,11 +97,26 @@ class Fp8Linear(Linear):
             else None
         )
         self.fused = use_fused_kernels()
+        self.skinny_rows = 0  # the plain layer's it replaced (convert_linears)
+
+    def gemm(
+        self, x: torch.Tensor | Fp8Activation, bias: torch.Tensor | None, **prologue: object
+    ) -> torch.Tensor:
+        """Up to ``skinny_rows`` rows of a plain activation: the decode-size GEMM over the
+        FP8 weights, weight-only (the activation unquantized; ``prologue`` as for
+        :class:`Linear`); else the block-FP8 GEMM (no prologue)."""
+        if isinstance(x, torch.Tensor) and self.takes_skinny(x):
+            from pdserve.kernels.skinny_gemm import skinny_gemm
+
+            scales = {"weight_scale": self.weight_scale_inv, "scale_rows": self.scale_rows}
+            out: Any = skinny_gemm(x, self.weight, bias, **scales, **prologue)  # type: ignore[arg-type]
+            return out
+        if prologue:
+            raise ValueError(f"{type(self).__name__}: a prologue needs the decode-size GEMM")
+        return fp8_linear(x, self.weight, self.weight_scale_inv, bias, self.scale_rows, self.fused)
 
     def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
-        return fp8_linear(
-            x, self.weight, self.weight_scale_inv, self.bias, self.scale_rows, self.fused
-        )
+        return self.gemm(x, self.bias)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8 blocks {self.scale_rows}x{FP8_GROUP}"

@@ -33,7 +33,7 @@ from torch import nn
 
 from pdserve.distributed.groups import Group
 from pdserve.kernels.reference import FP8_GROUP, Fp8Activation
-from pdserve.layers.fp8 import Fp8Linear, Fp8MergedLinear, fp8_linear
+from pdserve.layers.fp8 import Fp8Linear, Fp8MergedLinear
 from pdserve.layers.linear import Entries, Linear, MergedLinear, Shard, is_plain_linear
 from pdserve.layers.parallel_linear import (
     ColumnParallelLinear,
@@ -122,12 +122,13 @@ class Fp8RowParallelLinear(Fp8Linear):
         self.full_in_features = in_features
         self.reduce_results = reduce_results
 
-    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+    def gemm(
+        self, x: torch.Tensor | Fp8Activation, bias: torch.Tensor | None, **prologue: object
+    ) -> torch.Tensor:
         if self.tp.size == 1:
-            return super().forward(x)
-        s, rows = self.weight_scale_inv, self.scale_rows
-        partial = fp8_linear(x, self.weight, s, None, rows, self.fused)
-        return reduce_row_parallel(partial, self.bias, self.tp, self.reduce_results)
+            return super().gemm(x, bias, **prologue)
+        partial = super().gemm(x, None, **prologue)
+        return reduce_row_parallel(partial, bias, self.tp, self.reduce_results)
 
     def tensor_entries(self, prefix: str) -> Entries:
         return _split_entries(self, prefix, 1, self.tp, bias_split=False)  # bias: whole
@@ -222,6 +223,7 @@ def convert_linears(
         assert isinstance(module, Linear)
         with torch.device(device if device is not None else module.weight.device):
             new = fp8_counterpart(name, module)
+        new.skinny_rows = module.skinny_rows  # decode rows: the weight-only decode-size GEMM
         parent_name, _, leaf = name.rpartition(".")
         setattr(root.get_submodule(parent_name) if parent_name else root, leaf, new)
         del module

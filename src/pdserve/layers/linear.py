@@ -250,8 +250,9 @@ def checkpoint_shards(root: nn.Module) -> dict[str, Shard]:
 
 
 def _skinny_target(linear: nn.Module, x: torch.Tensor) -> Linear | None:
-    """``linear`` where it is a plain one whose decode-size GEMM takes ``x``'s rows."""
-    if isinstance(linear, Linear) and is_plain_linear(linear) and linear.takes_skinny(x):
+    """``linear`` where its decode-size GEMM takes ``x``'s rows (a plain or a block-FP8
+    linear: the FP8 one then reads its weights with the activation unquantized)."""
+    if isinstance(linear, Linear) and linear.takes_skinny(x):
         return linear
     return None
 
@@ -260,11 +261,12 @@ def norm_then_linear(
     norm: nn.Module, linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(linear(norm(x + residual)), x + residual)`` (``residual`` None: ``linear(norm(x))``
-    and ``x``): one launch where ``linear`` is a plain one taking ``x``'s rows and ``norm``
-    an RMSNorm with a plain output, else the norm's kernel then the linear. ``linear`` is
-    a plain or column-parallel one (a normed input is whole on every rank)."""
+    and ``x``): one launch where ``linear``'s decode-size GEMM takes ``x``'s rows and
+    ``norm`` is a fused RMSNorm (its FP8 output mode, for an FP8 ``linear``'s other
+    batches, is then bypassed), else the norm's kernel then the linear. ``linear`` is a
+    plain or column-parallel one (a normed input is whole on every rank)."""
     target = _skinny_target(linear, x)
-    if target is not None and getattr(norm, "fused", False) and not norm.quant_out:
+    if target is not None and getattr(norm, "fused", False):
         kw = {"prologue": "rmsnorm", "norm_weight": norm.weight, "eps": norm.eps}
         out: Any = target.gemm(x, target.bias, residual=residual, **kw)
         return (out, x) if residual is None else out
@@ -275,10 +277,10 @@ def norm_then_linear(
 
 
 def silu_then_linear(act: nn.Module, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``linear(act(x))`` for SwiGLU's gate|up output ``x``: one launch where ``linear`` is
-    a plain one taking ``x``'s rows and ``act`` a plain-output SiLU-and-mul."""
+    """``linear(act(x))`` for SwiGLU's gate|up output ``x``: one launch where ``linear``'s
+    decode-size GEMM takes ``x``'s rows (``act``'s FP8 output mode then bypassed)."""
     target = _skinny_target(linear, x)
-    if target is not None and not act.quant_out:
+    if target is not None:
         return target.forward_silu_mul(x)
     out: torch.Tensor = linear(act(x))
     return out
