@@ -595,13 +595,23 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     timeout 400 python3 benchmarks/skinny_bench.py ${SKINNY_QUICK:+--quick} \
       --out "$OUT/skinny.json" 2>&1 | tee "$OUT/skinny.log" | quiet | tail -40
     ;;
-  s30)  # issue 30: the decode-size GEMM's GPU parity, its bench (quick sweep), then
+  s30f)  # issue 28: llama-8b-shape FP8 (fp8_bench) with the decode-size GEMM off, then on;
+    # then the skinny kernel's GPU parity tests
+    llama_config || exit 1
+    for rows in 0 default; do
+      env $([ "$rows" = default ] || echo PDSERVE_SKINNY_ROWS=$rows) timeout 150 \
+        python3 benchmarks/fp8_bench.py --models llama-8b-shape --variants fp8 \
+        --out "$OUT/s30f_rows$rows.json" > "$OUT/s30f_rows$rows.log" 2>&1
+      echo "fp8 llama, skinny rows $rows: exit $?"; grep -E '^(decode|prefill|offline)' "$OUT/s30f_rows$rows.log"
+    done
+    timeout 120 python3 -m pytest -p no:cacheprovider -q -m gpu tests/kernels/test_skinny_gemm.py \
+      2>&1 | tail -3
+    ;;
+  s30)  # issue 30: the decode-size GEMM's bench (quick sweep, with FP8 weights), then
     # llama-8b-shape decode (gpu_suite, sync and async) with it off (PDSERVE_SKINNY_ROWS=0),
     # at the default rows, up to 64 rows, and at the default with PDL on
-    timeout 150 python3 -m pytest -p no:cacheprovider -q -m gpu tests/kernels/test_skinny_gemm.py \
-      2>&1 | tail -3
-    timeout 200 python3 benchmarks/skinny_bench.py --quick --out "$OUT/skinny.json" 2>&1 \
-      | tee "$OUT/skinny.log" | quiet | tail -40
+    timeout 200 python3 benchmarks/skinny_bench.py --quick --fp8 --out "$OUT/skinny.json" 2>&1 \
+      | tee "$OUT/skinny.log" | quiet | tail -50
     llama_ckpt || exit 1
     for v in 0:0 default:0 64:0 default:1 0:0; do
       rows=${v%%:*}; pdl=${v#*:}

@@ -9,6 +9,9 @@ down 4096 x 14336) at 1 / 16 / 64 rows:
   the per-call time of a CUDA graph of calls that cycle over enough weight copies that
   no call finds its weight in L2 (>= 200 MB; what a decode step pays); bytes = weight +
   input + output, against the device-to-device copy rate measured in the same call.
+- ``fp8`` (``--fp8``): the same projections with block-FP8 weights (128 x 128 scales):
+  the Triton block-FP8 GEMM the layers run today beside the skinny kernel's weight-only
+  mode over a small sweep, against the copy rate for the fp8 bytes.
 - ``fused``: the producer and the GEMM as the step launches them today (the fused
   add+RMSNorm kernel then cuBLAS for qkv and gate|up; SiLU-and-mul then cuBLAS for down)
   beside one skinny launch with that producer as its prologue, at the gemm section's
@@ -108,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true", help="a smaller config sweep")
     ap.add_argument("--rows", default="1,16,64")
+    ap.add_argument("--fp8", action="store_true", help="also the FP8-weight section")
     args = ap.parse_args(argv)
     dev = bench_device(args.device)
     if dev is None:
@@ -122,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     time_calls = timer(dev)
     bw = copy_rate(dev)
     res: dict[str, Any] = {"device": torch.cuda.get_device_name() if not cpu else "cpu",
-                           "copy_tb_s": bw / 1e12, "gemm": [], "fused": []}  # fmt: skip
+                           "copy_tb_s": bw / 1e12, "gemm": [], "fused": [], "fp8": []}  # fmt: skip
     print(f"copy rate {bw / 1e12:.2f} TB/s")
     g = torch.Generator(device="cpu").manual_seed(0)
     for name, (n, k) in shapes.items():
@@ -160,8 +164,43 @@ def main(argv: list[str] | None = None) -> int:
             cfg = SkinnyConfig(**best["config"])
             res["fused"].append(fused_row(name, rows, k, x, ws, cfg, dt, dev, time_calls, g,
                                           fused_add_rmsnorm, silu_and_mul, skinny_gemm))  # fmt: skip
+        if args.fp8:
+            fp8_rows(name, n, k, ws, args.rows, dev, dt, bw, time_calls, g, res["fp8"], cpu)
     Path(args.out).write_text(json.dumps(res, indent=1))
     return 0
+
+
+def fp8_rows(name, n, k, ws, rows_arg, dev, dt, bw, time_calls, g, out, cpu):  # type: ignore[no-untyped-def]
+    """The block-FP8 GEMM beside the skinny kernel over the same FP8 weights."""
+    from pdserve.kernels.fp8_gemm import block_fp8_gemm
+    from pdserve.kernels.reference import dequantize_fp8_blocks, quantize_fp8_blocks
+    from pdserve.kernels.skinny_gemm import SkinnyConfig, skinny_gemm
+
+    qs = [quantize_fp8_blocks(w, (128, 128)) for w in ws]
+    configs = [SkinnyConfig(block_n=16, block_k=128)] if cpu else [
+        SkinnyConfig(block_n=bn, block_k=128, num_warps=w, num_stages=st)
+        for bn, w, st in itertools.product((16, 32, 64), (4,), (3, 4, 6))
+    ]  # fmt: skip
+    for rows in (int(r) for r in rows_arg.split(",")):
+        x = torch.randn(rows, k, generator=g).to(dev, dt)
+        nbytes = n * k + (-(-n // 128)) * (-(-k // 128)) * 4 + (rows * k + rows * n) * x.element_size()
+        ref = torch.nn.functional.linear(x.float(), dequantize_fp8_blocks(*qs[0], (128, 128)))
+        triton_ms = time_calls([lambda q=q, x=x: block_fp8_gemm(x, q[0], q[1]) for q in qs])
+        best: dict[str, Any] = {}
+        for cfg in configs:
+            kw = {"config": cfg, "scale_rows": 128}
+            err = (skinny_gemm(x, qs[0][0], weight_scale=qs[0][1], **kw).float() - ref).abs().max()
+            ms = time_calls([lambda q=q, x=x, kw=kw: skinny_gemm(x, q[0], weight_scale=q[1], **kw)
+                             for q in qs])  # fmt: skip
+            if not best or ms < best["ms"]:
+                best = {"ms": ms, "config": vars(cfg), "max_err": err.item()}
+        bound = nbytes / bw * 1e3
+        out.append({"proj": name, "rows": rows, "bytes": nbytes, "triton_ms": triton_ms,
+                    "triton_x_copy": triton_ms / bound, "skinny": best,
+                    "skinny_x_copy": best["ms"] / bound})  # fmt: skip
+        print(f"fp8 {name:8s} rows {rows:3d}: Triton block-FP8 {triton_ms * 1e3:7.1f} us "
+              f"({triton_ms / bound:.2f}x copy), skinny {best['ms'] * 1e3:7.1f} us "
+              f"({best['ms'] / bound:.2f}x) {best['config']}", flush=True)  # fmt: skip
 
 
 def fused_row(name, rows, k, x, ws, cfg, dt, dev, time_calls, g, add_norm, silu_mul, skinny):  # type: ignore[no-untyped-def]

@@ -320,7 +320,7 @@ def test_skinny_bench(tmp_path: Path) -> None:
     """Every projection x rows with cuBLAS and the sweep, and the prologue rows (the
     kernels in the interpreter, tiny shapes)."""
     out = tmp_path / "s.json"
-    _script("skinny_bench", "--device", "cpu", "--rows", "1,3", "--out", str(out))
+    _script("skinny_bench", "--device", "cpu", "--rows", "1,3", "--fp8", "--out", str(out))
     res = json.loads(out.read_text())
     assert [(r["proj"], r["rows"]) for r in res["gemm"]] == [
         (p, n) for p in ("qkv", "o", "gate_up", "down") for n in (1, 3)
@@ -332,6 +332,9 @@ def test_skinny_bench(tmp_path: Path) -> None:
         ("qkv", "rmsnorm"), ("gate_up", "rmsnorm"), ("down", "silu_mul")
     ]
     assert all(r["max_diff"] < 1e-4 and r["fused_ms"] > 0 for r in res["fused"])
+    assert len(res["fp8"]) == 8 and all(
+        r["triton_ms"] > 0 and r["skinny"]["max_err"] < 1e-3 for r in res["fp8"]
+    )
 
 
 def test_pair_compare(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
