@@ -72,6 +72,7 @@
 #       benchmarks/fp8_gemm_sweep.py down/gate_up at 64 and 8,192 tokens (issue 28).
 # h30   on an H200: glm5 16K prefill (issue 26's MLA share) and decode streams within
 #       20 ms at 192-224 x 16K, none and adaptive k=3 (issue 27).
+# s30f  issue 28: fp8_bench llama-8b-shape with the skinny GEMM off, then on; its GPU tests.
 # s30   issue 30: the skinny GEMM's GPU parity and bench, then llama-8b-shape decode with
 #       it off / at the default rows / to 64 rows / with PDL (gpu_suite decode).
 # skinny  issue 30: benchmarks/skinny_bench.py (the decode-size GEMM and its prologues
@@ -150,7 +151,7 @@
 #       --enable-expert-parallel against one GPU, the same closed-loop load per rank
 #       (32 streams per GPU, 1024 in / 256 out): output tok/s per GPU and mean TPOT.
 set -uo pipefail
-stage="${1:?usage: run_pending.sh h30|s30|skinny|pdl2|h31|g18|g16|g17|f16|f17|f18|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|moe8|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl|x2|dpep N}"
+stage="${1:?usage: run_pending.sh h30|s30|s30f|skinny|pdl2|h31|g18|g16|g17|f16|f17|f18|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|moe8|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl|x2|dpep N}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 # RUN_START (epoch seconds): where two stages share one call, export it once before both,
 # so the second one's deadlines count from the call's start, not its own
@@ -597,12 +598,11 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     ;;
   s30f)  # issue 28: llama-8b-shape FP8 (fp8_bench) with the decode-size GEMM off, then on;
     # then the skinny kernel's GPU parity tests
-    llama_config || exit 1
     for rows in 0 default; do
       env $([ "$rows" = default ] || echo PDSERVE_SKINNY_ROWS=$rows) timeout 150 \
         python3 benchmarks/fp8_bench.py --models llama-8b-shape --variants fp8 \
         --out "$OUT/s30f_rows$rows.json" > "$OUT/s30f_rows$rows.log" 2>&1
-      echo "fp8 llama, skinny rows $rows: exit $?"; grep -E '^(decode|prefill|offline)' "$OUT/s30f_rows$rows.log"
+      echo "fp8 llama, skinny rows $rows: exit $?"; quiet < "$OUT/s30f_rows$rows.log" | sed -n '/^== /,$p'
     done
     timeout 120 python3 -m pytest -p no:cacheprovider -q -m gpu tests/kernels/test_skinny_gemm.py \
       2>&1 | tail -3
