@@ -142,7 +142,9 @@ def main(argv: list[str] | None = None) -> int:
             for cfg in sweep(args.quick, rows, cpu):
                 try:
                     err = (skinny_gemm(x, ws[0], config=cfg).float() - ref).abs().max().item()
-                    ms = time_calls([lambda w=w, c=cfg, x=x: skinny_gemm(x, w, config=c) for w in ws])
+                    ms = time_calls(
+                        [lambda w=w, c=cfg, x=x: skinny_gemm(x, w, config=c) for w in ws]
+                    )
                 except Exception as e:  # a config the compiler refuses (resources)
                     row["configs"].append({"config": vars(cfg), "error": repr(e)[:200]})
                     continue
@@ -183,7 +185,9 @@ def fp8_rows(name, n, k, ws, rows_arg, dev, dt, bw, time_calls, g, out, cpu):  #
     ]  # fmt: skip
     for rows in (int(r) for r in rows_arg.split(",")):
         x = torch.randn(rows, k, generator=g).to(dev, dt)
-        nbytes = n * k + (-(-n // 128)) * (-(-k // 128)) * 4 + (rows * k + rows * n) * x.element_size()
+        nbytes = (
+            n * k + (-(-n // 128)) * (-(-k // 128)) * 4 + (rows * k + rows * n) * x.element_size()
+        )
         ref = torch.nn.functional.linear(x.float(), dequantize_fp8_blocks(*qs[0], (128, 128)))
         triton_ms = time_calls([lambda q=q, x=x: block_fp8_gemm(x, q[0], q[1]) for q in qs])
         best: dict[str, Any] = {}

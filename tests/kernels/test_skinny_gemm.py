@@ -26,7 +26,9 @@ def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("rows", [1, 3, 16, 20])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cfg", CONFIGS, ids=["dot", "registers"])
-def test_plain_and_bias(device: torch.device, rows: int, dtype: torch.dtype, cfg: SkinnyConfig) -> None:
+def test_plain_and_bias(
+    device: torch.device, rows: int, dtype: torch.dtype, cfg: SkinnyConfig
+) -> None:
     if not cfg.row_dot and rows > 1:
         pytest.skip("the register path is the single-row path")
     g = torch.Generator().manual_seed(rows)

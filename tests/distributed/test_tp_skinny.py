@@ -1,0 +1,77 @@
+"""The decode-size GEMM (kernels/skinny_gemm.py) in tensor-parallel layers, two gloo
+ranks, the kernel in Triton's interpreter: column-parallel with the add+RMSNorm prologue
+and row-parallel with the SiLU-and-mul prologue (its partial all-reduced) against the
+single-process torch layers."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from pdserve.distributed import RankInfo, init_parallel_groups
+from pdserve.kernels.reference import rms_norm, silu_and_mul_torch
+from pdserve.layers.linear import Linear, MergedLinear, norm_then_linear, silu_then_linear
+from pdserve.layers.norm import RMSNorm
+from pdserve.layers.parallel_linear import MergedColumnParallelLinear, RowParallelLinear
+
+HIDDEN, INTER = 32, 48
+
+
+def _interpreter() -> None:
+    """Triton's interpreter in this (spawned) process, with the kernels conftest's fix;
+    before any kernel module is imported."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    conftest = Path(__file__).resolve().parents[1] / "kernels" / "conftest.py"
+    spec = importlib.util.spec_from_file_location("_kernels_conftest", conftest)
+    assert spec is not None and spec.loader is not None
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
+def _worker(rank: int, init_file: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    _interpreter()
+    groups = init_parallel_groups(RankInfo(tp_size=2, tp_rank=rank), init_file, torch.device("cpu"))
+    tp = groups.tp
+    gen = torch.Generator().manual_seed(0)
+    parts = {"gate_proj": INTER, "up_proj": INTER}
+    gate_up = MergedLinear(HIDDEN, parts)
+    down = Linear(INTER, HIDDEN, bias=True)
+    for p in (*gate_up.parameters(), *down.parameters()):
+        p.data.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    pgu = MergedColumnParallelLinear(HIDDEN, parts, tp=tp)
+    pdown = RowParallelLinear(INTER, HIDDEN, bias=True, tp=tp)
+    half = INTER // 2
+    g, u = gate_up.weight.data[:INTER], gate_up.weight.data[INTER:]
+    pgu.weight.data.copy_(
+        torch.cat([g[rank * half : (rank + 1) * half], u[rank * half : (rank + 1) * half]])
+    )
+    pdown.weight.data.copy_(down.weight.data[:, rank * half : (rank + 1) * half])
+    pdown.bias.data.copy_(down.bias.data)  # type: ignore[union-attr]
+    pgu.skinny_rows = pdown.skinny_rows = 16
+    norm = RMSNorm(HIDDEN, 1e-5, torch.float32)
+    norm.weight.data.copy_(torch.rand(HIDDEN, generator=gen) + 0.5)
+    norm.fused = True
+    x, res = torch.randn(3, HIDDEN, generator=gen), torch.randn(3, HIDDEN, generator=gen)
+
+    z = x + res
+    want = down(silu_and_mul_torch(gate_up(rms_norm(z, norm.weight, 1e-5))))
+    h, s = norm_then_linear(norm, pgu, x, res)
+    got = silu_then_linear(torch.nn.Identity(), pdown, h)
+    out = {"mlp": float((got - want).abs().max()), "residual": float((s - z).abs().max())}
+    torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
+    groups.destroy()
+
+
+def test_tp_prologues_match_single_process(tmp_path: Path) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        mp.start_processes(
+            _worker, args=(os.path.join(d, "init"), str(tmp_path)), nprocs=2, start_method="spawn"
+        )
+    for rank in range(2):
+        res = torch.load(tmp_path / f"{rank}.pt")
+        assert res["mlp"] < 1e-4 and res["residual"] == 0.0, (rank, res)
