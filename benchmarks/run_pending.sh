@@ -70,6 +70,8 @@
 #       the copy rate; + Triton 128x128 tiles and torch._scaled_mm at 2K-16K tokens
 #       against the fp8 peak), then
 #       benchmarks/fp8_gemm_sweep.py down/gate_up at 64 and 8,192 tokens (issue 28).
+# c30   one call for issues 29 and 30: transfer_bench over nixl, llama decode with the
+#       skinny GEMM on and off, then the 1P1D nixl serve run in the time left.
 # h30   on an H200: glm5 16K prefill (issue 26's MLA share) and decode streams within
 #       20 ms at 192-224 x 16K, none and adaptive k=3 (issue 27).
 # s30f  issue 28: fp8_bench llama-8b-shape with the skinny GEMM off, then on; its GPU tests.
@@ -151,7 +153,7 @@
 #       --enable-expert-parallel against one GPU, the same closed-loop load per rank
 #       (32 streams per GPU, 1024 in / 256 out): output tok/s per GPU and mean TPOT.
 set -uo pipefail
-stage="${1:?usage: run_pending.sh h30|s30|s30f|skinny|pdl2|h31|g18|g16|g17|f16|f17|f18|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|moe8|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl|x2|dpep N}"
+stage="${1:?usage: run_pending.sh c30|h30|s30|s30f|skinny|pdl2|h31|g18|g16|g17|f16|f17|f18|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|moe8|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl|x2|dpep N}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 # RUN_START (epoch seconds): where two stages share one call, export it once before both,
 # so the second one's deadlines count from the call's start, not its own
@@ -595,6 +597,27 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     # (add+RMSNorm, SiLU-and-mul) beside today's two launches
     timeout 400 python3 benchmarks/skinny_bench.py ${SKINNY_QUICK:+--quick} \
       --out "$OUT/skinny.json" 2>&1 | tee "$OUT/skinny.log" | quiet | tail -40
+    ;;
+  c30)  # one call for issues 29 and 30 when machines are scarce: transfer_bench over
+    # cuda_ipc / nixl:0 / nixl, llama-8b-shape decode (gpu_suite) with the decode-size GEMM
+    # at its default and off, then the 1P1D nixl serve run in the time left
+    python3 -c "from pdserve.kv_transfer.transports.nixl import load_nixl; print(load_nixl())" \
+      || exit 1
+    timeout 100 python3 benchmarks/transfer_bench.py --transports cuda_ipc,nixl:0,nixl \
+      --out "$OUT/transfer_nixl.json" > "$OUT/transfer_nixl.log" 2>&1
+    echo "transfer_bench: exit $?"; grep -vE "^\[[0-9.]+\] " "$OUT/transfer_nixl.log" | quiet
+    llama_ckpt || exit 1
+    for rows in default 0; do
+      env $([ "$rows" = default ] || echo PDSERVE_SKINNY_ROWS=$rows) timeout 110 \
+        python3 benchmarks/gpu_suite.py --ckpt $ck --sections decode --batches 1,16,64 \
+        --contexts 1024 --out "$OUT/s30_rows${rows}_pdl0.json" > "$OUT/s30_rows${rows}_pdl0.log" 2>&1
+      echo "decode, skinny rows $rows: exit $?"; sed -n '/^ batch /,/^batch /p' "$OUT/s30_rows${rows}_pdl0.log"
+    done
+    left=$(( start + 575 - $(date +%s) ))
+    timeout $left python3 benchmarks/pd_bench.py --ckpt $ck --device 0 \
+      --topologies pd --transport nixl --input-len 16384 --output-len 1000 --rates 0.5 \
+      --num-prompts 16 --log-dir "$OUT/pd_nixl_logs" \
+      --out "$OUT/pd_nixl.json" 2>&1 | tee "$OUT/pd_nixl.log" | quiet
     ;;
   s30f)  # issue 28: llama-8b-shape FP8 (fp8_bench) with the decode-size GEMM off, then on;
     # then the skinny kernel's GPU parity tests
