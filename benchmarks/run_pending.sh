@@ -613,7 +613,7 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
         --contexts 1024 --out "$OUT/s30_rows${rows}_pdl0.json" > "$OUT/s30_rows${rows}_pdl0.log" 2>&1
       echo "decode, skinny rows $rows: exit $?"; sed -n '/^ batch /,/^batch /p' "$OUT/s30_rows${rows}_pdl0.log"
     done
-    left=$(( start + 575 - $(date +%s) ))
+    left=$(( start + ${C30_END:-575} - $(date +%s) ))
     timeout $left python3 benchmarks/pd_bench.py --ckpt $ck --device 0 \
       --topologies pd --transport nixl --input-len 16384 --output-len 1000 --rates 0.5 \
       --num-prompts 16 --log-dir "$OUT/pd_nixl_logs" \
