@@ -607,7 +607,7 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
       --out "$OUT/transfer_nixl.json" > "$OUT/transfer_nixl.log" 2>&1
     echo "transfer_bench: exit $?"; grep -vE "^\[[0-9.]+\] " "$OUT/transfer_nixl.log" | quiet
     llama_ckpt || exit 1
-    for rows in default 0; do
+    for rows in 16 0; do
       env $([ "$rows" = default ] || echo PDSERVE_SKINNY_ROWS=$rows) timeout 110 \
         python3 benchmarks/gpu_suite.py --ckpt $ck --sections decode --batches 1,16,64 \
         --contexts 1024 --out "$OUT/s30_rows${rows}_pdl0.json" > "$OUT/s30_rows${rows}_pdl0.log" 2>&1
@@ -622,7 +622,7 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     ;;
   s30f)  # issue 28: llama-8b-shape FP8 (fp8_bench) with the decode-size GEMM off, then on;
     # then the skinny kernel's GPU parity tests
-    for rows in 0 default; do
+    for rows in 0 16; do
       env $([ "$rows" = default ] || echo PDSERVE_SKINNY_ROWS=$rows) timeout 150 \
         python3 benchmarks/fp8_bench.py --models llama-8b-shape --variants fp8 \
         --out "$OUT/s30f_rows$rows.json" > "$OUT/s30f_rows$rows.log" 2>&1
@@ -637,7 +637,7 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     timeout 200 python3 benchmarks/skinny_bench.py --quick --fp8 --out "$OUT/skinny.json" 2>&1 \
       | tee "$OUT/skinny.log" | quiet | tail -50
     llama_ckpt || exit 1
-    for v in 0:0 default:0 64:0 default:1 0:0; do
+    for v in 0:0 16:0 64:0 16:1 0:0; do
       rows=${v%%:*}; pdl=${v#*:}
       left=$(( start + 570 - $(date +%s) )); [ "$left" -gt 70 ] || break
       env $([ "$rows" = default ] || echo PDSERVE_SKINNY_ROWS=$rows) PDSERVE_PDL=$pdl \
