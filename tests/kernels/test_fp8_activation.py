@@ -174,8 +174,8 @@ def test_fused_model_with_fp8_producers_gives_the_same_logits(
         arch, "tiny", tmp_path, seed=5, dtype="float32", config_overrides={"num_hidden_layers": 2}
     )
     monkeypatch.setenv("PDSERVE_FUSED_KERNELS", "1")
-    # 13 rows would take Llama's decode-size GEMM, which bypasses the FP8 producers
-    # (test_fp8_llama_decode_rows_read_the_weights_unquantized_activations)
+    # 13 rows would take Llama's decode-size GEMM where it is on, which bypasses the FP8
+    # producers (test_fp8_llama_decode_rows_read_the_weights_unquantized_activations)
     monkeypatch.setenv("PDSERVE_SKINNY_ROWS", "0")
     model, cfg = load_model(ckpt, "float32", device, quantization="fp8")
     norms = [m for m in model.modules() if isinstance(m, RMSNorm) and m.quant_out]
@@ -205,6 +205,7 @@ def test_fp8_llama_decode_rows_read_the_weights_unquantized_activations(
     ckpt = make_checkpoint("LlamaForCausalLM", "tiny", tmp_path, seed=5, dtype="float32",
                            config_overrides={"num_hidden_layers": 2})  # fmt: skip
     monkeypatch.setenv("PDSERVE_FUSED_KERNELS", "1")
+    monkeypatch.setenv("PDSERVE_SKINNY_ROWS", "16")
     model, cfg = load_model(ckpt, "float32", device, quantization="fp8")
     fp8s = [m for m in model.modules() if isinstance(m, Fp8Linear)]
     assert fp8s and all(m.skinny_rows > 0 for m in fp8s)

@@ -63,6 +63,7 @@ def _model(
     arch: str, tmp: Path, monkeypatch: pytest.MonkeyPatch, device: torch.device
 ) -> nn.Module:
     monkeypatch.setenv("PDSERVE_FUSED_KERNELS", "1")
+    monkeypatch.setenv("PDSERVE_SKINNY_ROWS", "16")  # Llama's decode-size GEMM and prologues
     overrides = {"num_hidden_layers": 2} if arch == "GlmMoeDsaForCausalLM" else None
     ckpt = make_checkpoint(arch, "tiny", tmp, config_only=True, config_overrides=overrides)
     model, _ = load_model(ckpt, "bfloat16", device, load_format="dummy")
@@ -125,6 +126,7 @@ def test_launch_count_script_writes_its_table(
     from _scripts import load_script
 
     monkeypatch.setenv("PDSERVE_FUSED_KERNELS", "1")  # restored after (the script sets it)
+    monkeypatch.setenv("PDSERVE_SKINNY_ROWS", "16")  # the budgets' decode-size GEMM
     bench = load_script("launch_count")
     out = tmp_path / "launches.json"
     device = "cuda" if torch.cuda.is_available() else "cpu"

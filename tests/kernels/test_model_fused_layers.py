@@ -28,6 +28,7 @@ def test_fused_layers_match_torch_layers(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     models = []
+    monkeypatch.setenv("PDSERVE_SKINNY_ROWS", "16")  # decode rows: the decode-size GEMM
     for mode in ("0", "1"):
         monkeypatch.setenv("PDSERVE_FUSED_KERNELS", mode)
         model, cfg = load_model(tiny_ckpts[arch], "float32", device)

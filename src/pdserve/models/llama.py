@@ -181,8 +181,10 @@ class LlamaForCausalLM(CausalLM):
     # is mostly cuBLAS GEMMs that do not launch their successors early
     pdl_pays = False
     # decode batches up to this many rows run the decode-size GEMM with the norms and
-    # SiLU-and-mul as its prologues (RESULTS.md run 116)
-    skinny_rows = 16
+    # SiLU-and-mul as its prologues: off until the GPU has timed it against cuBLAS and
+    # the separate kernels (benchmarks/run_pending.sh c30 / s30); PDSERVE_SKINNY_ROWS=16
+    # turns it on
+    skinny_rows = 0
 
     def __init__(
         self,
