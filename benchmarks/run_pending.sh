@@ -608,7 +608,8 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     echo "transfer_bench: exit $?"; grep -vE "^\[[0-9.]+\] " "$OUT/transfer_nixl.log" | quiet
     llama_ckpt || exit 1
     for rows in 16 0; do
-      env $([ "$rows" = default ] || echo PDSERVE_SKINNY_ROWS=$rows) timeout 110 \
+      left=$(( start + ${C30_END:-575} - $(date +%s) )); [ "$left" -gt 60 ] || break
+      env $([ "$rows" = default ] || echo PDSERVE_SKINNY_ROWS=$rows) timeout $(( left < 110 ? left : 110 )) \
         python3 benchmarks/gpu_suite.py --ckpt $ck --sections decode --batches 1,16,64 \
         --contexts 1024 --out "$OUT/s30_rows${rows}_pdl0.json" > "$OUT/s30_rows${rows}_pdl0.log" 2>&1
       echo "decode, skinny rows $rows: exit $?"; sed -n '/^ batch /,/^batch /p' "$OUT/s30_rows${rows}_pdl0.log"
