@@ -595,8 +595,8 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
   skinny)  # issue 30: the decode-size GEMM (kernels/skinny_gemm.py) beside cuBLAS at the
     # llama-8b-shape projections x 1/16/64 rows, its config sweep, and its producer prologues
     # (add+RMSNorm, SiLU-and-mul) beside today's two launches
-    timeout 400 python3 benchmarks/skinny_bench.py ${SKINNY_QUICK:+--quick} \
-      --out "$OUT/skinny.json" 2>&1 | tee "$OUT/skinny.log" | quiet | tail -40
+    timeout 540 python3 benchmarks/skinny_bench.py ${SKINNY_QUICK:+--quick} --fp8 \
+      --out "$OUT/skinny.json" 2>&1 | tee "$OUT/skinny.log" | quiet | tail -60
     ;;
   c30)  # one call for issues 29 and 30 when machines are scarce: transfer_bench over
     # cuda_ipc / nixl:0 / nixl, llama-8b-shape decode (gpu_suite) with the decode-size GEMM

@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             row["cublas_x_copy"] = cublas / (nbytes / bw * 1e3)
             row["skinny_x_copy"] = best["ms"] / (nbytes / bw * 1e3)
             res["gemm"].append(row)
+            Path(args.out).write_text(json.dumps(res, indent=1))  # so far, should a timeout come
             print(f"{name:8s} {n:6d}x{k:<6d} rows {rows:3d}: cuBLAS {cublas * 1e3:7.1f} us "
                   f"({row['cublas_x_copy']:.2f}x copy), skinny {best['ms'] * 1e3:7.1f} us "
                   f"({row['skinny_x_copy']:.2f}x) {best['config']} err {best['max_err']:.3g}",
