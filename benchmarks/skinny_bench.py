@@ -30,6 +30,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -56,9 +57,9 @@ def sweep(quick: bool, rows: int, cpu: bool) -> list[Any]:
             [SkinnyConfig(block_n=8, block_k=32, row_dot=False)] if rows == 1 else []
         )
     ns, ks = ((16, 32), (256, 512)) if quick else ((16, 32, 64), (128, 256, 512))
-    warps, stages = ((4,), (3, 4)) if quick else ((4, 8), (2, 3, 4))
-    out = [SkinnyConfig(block_n=n, block_k=k, num_warps=w, num_stages=s)
-           for n, k, w, s in itertools.product(ns, ks, warps, stages)
+    warps, stages = ((4,), (3, 4)) if quick else ((4, 8), (3, 4))
+    out = [SkinnyConfig(block_n=n, block_k=k, num_warps=w, num_stages=s, prefetch=p)
+           for n, k, w, s, p in itertools.product(ns, ks, warps, stages, (False, True))
            if not (rows > 16 and n > 32)]  # fmt: skip
     if rows == 1:  # the register path: one row, no MMA
         out += [SkinnyConfig(block_n=n, block_k=k, num_warps=w, num_stages=s, row_dot=False)
@@ -219,25 +220,30 @@ def fused_row(name, rows, k, x, ws, cfg, dt, dev, time_calls, g, add_norm, silu_
             h, _ = add_norm(x, res_in, nw, 1e-5)
             return F.linear(h, w)
 
-        def fused(w: torch.Tensor) -> torch.Tensor:
+        def fused(w: torch.Tensor, c: Any = cfg) -> torch.Tensor:
             return skinny(x, w, prologue="rmsnorm", residual=res_in, norm_weight=nw, eps=1e-5,
-                          config=cfg)[0]  # fmt: skip
+                          config=c)[0]  # fmt: skip
     else:
         gu = torch.randn(rows, 2 * k, generator=g).to(dev, dt)
 
         def today(w: torch.Tensor) -> torch.Tensor:
             return F.linear(silu_mul(gu), w)
 
-        def fused(w: torch.Tensor) -> torch.Tensor:
-            return skinny(gu, w, prologue="silu_mul", config=cfg)  # type: ignore[no-any-return]
+        def fused(w: torch.Tensor, c: Any = cfg) -> torch.Tensor:
+            return skinny(gu, w, prologue="silu_mul", config=c)  # type: ignore[no-any-return]
 
     err = (fused(ws[0]).float() - today(ws[0]).float()).abs().max().item()
     t_ms = time_calls([lambda w=w: today(w) for w in ws])
     f_ms = time_calls([lambda w=w: fused(w) for w in ws])
+    # the same launch with the activation prefetch flipped: what the prologue's loads cost
+    flip = replace(cfg, prefetch=not cfg.prefetch)
+    flip_ms = time_calls([lambda w=w: fused(w, flip) for w in ws])
     print(f"  {PRODUCER[name]} + {name} rows {rows}: today {t_ms * 1e3:7.1f} us, "
-          f"one launch {f_ms * 1e3:7.1f} us, max diff {err:.3g}", flush=True)  # fmt: skip
+          f"one launch {f_ms * 1e3:7.1f} us (prefetch {cfg.prefetch}; flipped "
+          f"{flip_ms * 1e3:7.1f} us), max diff {err:.3g}", flush=True)  # fmt: skip
     return {"proj": name, "rows": rows, "producer": PRODUCER[name], "today_ms": t_ms,
-            "fused_ms": f_ms, "max_diff": err, "config": vars(cfg)}  # fmt: skip
+            "fused_ms": f_ms, "prefetch_flipped_ms": flip_ms, "max_diff": err,
+            "config": vars(cfg)}  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -331,7 +331,10 @@ def test_skinny_bench(tmp_path: Path) -> None:
     assert [(r["proj"], r["producer"]) for r in res["fused"][::2]] == [
         ("qkv", "rmsnorm"), ("gate_up", "rmsnorm"), ("down", "silu_mul")
     ]
-    assert all(r["max_diff"] < 1e-4 and r["fused_ms"] > 0 for r in res["fused"])
+    assert all(
+        r["max_diff"] < 1e-4 and r["fused_ms"] > 0 and r["prefetch_flipped_ms"] > 0
+        for r in res["fused"]
+    )
     assert len(res["fp8"]) == 8 and all(
         r["triton_ms"] > 0 and r["skinny"]["max_err"] < 1e-3 for r in res["fp8"]
     )

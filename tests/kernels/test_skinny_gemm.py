@@ -9,7 +9,13 @@ import torch.nn.functional as F
 from pdserve.kernels.reference import rms_norm, silu_and_mul_torch
 from pdserve.kernels.skinny_gemm import SkinnyConfig, skinny_gemm
 
-CONFIGS = [SkinnyConfig(block_n=16, block_k=32), SkinnyConfig(block_n=8, block_k=16, row_dot=False)]
+CONFIGS = [
+    SkinnyConfig(block_n=16, block_k=32),
+    SkinnyConfig(block_n=8, block_k=16, row_dot=False),
+    SkinnyConfig(block_n=16, block_k=32, prefetch=True),
+    SkinnyConfig(block_n=8, block_k=16, row_dot=False, prefetch=True),
+]
+IDS = ["dot", "registers", "dot-prefetch", "registers-prefetch"]
 
 
 def _t(g: torch.Generator, *shape: int, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
@@ -25,7 +31,7 @@ def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 20])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("cfg", CONFIGS, ids=["dot", "registers"])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
 def test_plain_and_bias(
     device: torch.device, rows: int, dtype: torch.dtype, cfg: SkinnyConfig
 ) -> None:
@@ -49,7 +55,7 @@ def test_rmsnorm_prologue(device: torch.device, rows: int, dtype: torch.dtype) -
     x, r = _t(g, rows, 96, dtype=dtype, dev=device), _t(g, rows, 96, dtype=dtype, dev=device)
     nw = (torch.rand(96, generator=g) + 0.5).to(device, dtype)
     w = _t(g, 48, 96, dtype=dtype, dev=device) * 0.1
-    for cfg in CONFIGS if rows == 1 else CONFIGS[:1]:
+    for cfg in CONFIGS if rows == 1 else CONFIGS[::2]:
         y, s = skinny_gemm(x, w, prologue="rmsnorm", residual=r, norm_weight=nw, eps=1e-5,
                            config=cfg)  # fmt: skip
         z = x + r
@@ -67,7 +73,7 @@ def test_silu_mul_prologue(device: torch.device, rows: int, dtype: torch.dtype) 
     g = torch.Generator().manual_seed(11 + rows)
     gu = _t(g, rows, 2 * 64, dtype=dtype, dev=device)
     w = _t(g, 32, 64, dtype=dtype, dev=device) * 0.1
-    for cfg in CONFIGS if rows == 1 else CONFIGS[:1]:
+    for cfg in CONFIGS if rows == 1 else CONFIGS[::2]:
         y = skinny_gemm(gu, w, prologue="silu_mul", config=cfg)
         assert isinstance(y, torch.Tensor)
         _close(y, F.linear(silu_and_mul_torch(gu).float(), w.float()), dtype)
@@ -131,7 +137,7 @@ def test_fp8_weights(device: torch.device, rows: int, scale_rows: int) -> None:
     s = (torch.rand(-(-n // scale_rows), 2, generator=g) * 0.01).to(device)
     deq = w.float() * s.repeat_interleave(scale_rows, 0)[:n].repeat_interleave(128, 1)[:, :k]
     x = torch.randn(rows, k, generator=g).to(device, torch.bfloat16)
-    for cfg in CONFIGS if rows == 1 else CONFIGS[:1]:
+    for cfg in CONFIGS if rows == 1 else CONFIGS[::2]:
         y = skinny_gemm(x, w, weight_scale=s, scale_rows=scale_rows, config=cfg)
         _close(y, F.linear(x.float(), deq), torch.bfloat16)
         gu = torch.randn(rows, 2 * k, generator=g).to(device, torch.bfloat16)

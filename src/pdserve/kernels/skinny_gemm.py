@@ -64,29 +64,66 @@ class SkinnyConfig:
     num_stages: int = 3
     block_m: int | None = None
     row_dot: bool = True  # one row through the MMA too (else a register multiply-and-sum)
+    prefetch: bool = False  # the next K step's activation loads issued before this step's use
 
 
 @triton.jit
-def _prologue_tile(x_ptr, r_ptr, nw_ptr, rows, kk, m2, stride_x, stride_r, K, rstd,
-                   PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr):  # fmt: skip
-    """The GEMM input's [rows, kk] tile, in x's dtype."""
+def _raw_tile(x_ptr, r_ptr, rows, rmask, k0, ks, stride_x, stride_r, K,
+              PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr):  # fmt: skip
+    """The loads behind the GEMM input's [rows, k0 + ks] tile: x's, and the residual's
+    (rmsnorm) or the up half's (silu_mul), else x's again. Past K: zeros, nothing read."""
+    kk = k0 + ks
+    m2 = rmask[:, None] & (kk < K)[None, :]
     offs = rows[:, None].to(tl.int64) * stride_x + kk[None, :]
     x = tl.load(x_ptr + offs, mask=m2, other=0.0)
+    if PROLOGUE == 2:
+        q = tl.load(x_ptr + offs + K, mask=m2, other=0.0)
+    elif PROLOGUE == 1 and HAS_RES:
+        roffs = rows[:, None].to(tl.int64) * stride_r + kk[None, :]
+        q = tl.load(r_ptr + roffs, mask=m2, other=0.0)
+    else:
+        q = x
+    return x, q
+
+
+@triton.jit
+def _input_tile(x, q, nw_ptr, kk, K, rstd, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr):
+    """The GEMM input's tile from :func:`_raw_tile`'s loads, in x's dtype."""
     dt = x.dtype
     if PROLOGUE == 1:
         z = x.to(tl.float32)
         if HAS_RES:
-            roffs = rows[:, None].to(tl.int64) * stride_r + kk[None, :]
-            r = tl.load(r_ptr + roffs, mask=m2, other=0.0).to(tl.float32)
-            z = (z + r).to(dt).to(tl.float32)
+            z = (z + q.to(tl.float32)).to(dt).to(tl.float32)
         w = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
         x = (((z * rstd[:, None]).to(dt).to(tl.float32)) * w[None, :]).to(dt)
     elif PROLOGUE == 2:
         g = x.to(tl.float32)
-        u = tl.load(x_ptr + offs + K, mask=m2, other=0.0).to(tl.float32)
         s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-        x = (s * u).to(dt)
+        x = (s * q.to(tl.float32)).to(dt)
     return x
+
+
+@triton.jit
+def _tile_product(acc, a, w, ws_base, k0, nmask, FP8_W: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):  # fmt: skip
+    """``acc`` plus the tile's ``a w^T`` (FP8 weights: scaled by the K step's block scale)."""
+    if BLOCK_M == 1:  # registers: acc is [1, BLOCK_N]
+        part = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=1)
+        if FP8_W:
+            part *= tl.load(ws_base + k0 // BLOCK_K, mask=nmask, other=0.0)
+        acc += part[None, :]
+    else:
+        if FP8_W:  # e4m3 values are exact in bf16 / fp16
+            w = w.to(a.dtype)
+        if UPCAST:  # the interpreter's bf16 dot (see dot_upcast)
+            a = a.to(tl.float32)
+            w = w.to(tl.float32)
+        if FP8_W:
+            part = tl.dot(a, tl.trans(w), input_precision=DOT_PREC)
+            acc += part * tl.load(ws_base + k0 // BLOCK_K, mask=nmask, other=0.0)[None, :]
+        else:
+            acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PREC)
+    return acc
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -96,6 +133,7 @@ def _skinny_gemm_kernel(
     PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
     FP8_W: tl.constexpr, SCALE_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PREFETCH: tl.constexpr = False,
     UPCAST: tl.constexpr = False, DOT_PREC: tl.constexpr = "tf32", PDL: tl.constexpr = False,
 ):  # fmt: skip
     pdl_enter(PDL)
@@ -105,60 +143,51 @@ def _skinny_gemm_kernel(
     rmask = rows < M
     nmask = cols < N
     ks = tl.arange(0, BLOCK_K)
+    # PREFETCH: each K step issues the next step's activation loads before it uses this
+    # step's (a one-step ring in registers), so their latency overlaps the weight stream
     rstd = tl.zeros([BLOCK_M], tl.float32)
     if PROLOGUE == 1:  # the rows' sum of squares; the first column tile writes the sum
         ssq = tl.zeros([BLOCK_M], tl.float32)
+        x, q = _raw_tile(x_ptr, r_ptr, rows, rmask, 0, ks, stride_x, stride_r, K, 1, HAS_RES)
         for k0 in range(0, K, BLOCK_K):
-            kk = k0 + ks
-            m2 = rmask[:, None] & (kk < K)[None, :]
-            offs = rows[:, None].to(tl.int64) * stride_x + kk[None, :]
-            x = tl.load(x_ptr + offs, mask=m2, other=0.0)
+            if PREFETCH:
+                xn, qn = _raw_tile(x_ptr, r_ptr, rows, rmask, k0 + BLOCK_K, ks, stride_x,
+                                   stride_r, K, 1, HAS_RES)  # fmt: skip
+            else:
+                x, q = _raw_tile(x_ptr, r_ptr, rows, rmask, k0, ks, stride_x, stride_r, K, 1,
+                                 HAS_RES)  # fmt: skip
+                xn, qn = x, q
             z = x.to(tl.float32)
             if HAS_RES:
-                roffs = rows[:, None].to(tl.int64) * stride_r + kk[None, :]
-                r = tl.load(r_ptr + roffs, mask=m2, other=0.0).to(tl.float32)
-                z = (z + r).to(x.dtype)
+                z = (z + q.to(tl.float32)).to(x.dtype)
                 if pid_n == 0:
+                    kk = k0 + ks
                     ooffs = rows[:, None].to(tl.int64) * stride_ro + kk[None, :]
-                    tl.store(ro_ptr + ooffs, z, mask=m2)
+                    tl.store(ro_ptr + ooffs, z, mask=rmask[:, None] & (kk < K)[None, :])
                 z = z.to(tl.float32)
             ssq += tl.sum(z * z, axis=1)
+            x, q = xn, qn
         rstd = tl.rsqrt(ssq / K + eps)
     w_base = w_ptr + cols[:, None].to(tl.int64) * stride_w
-    ws_base = ws_ptr + (cols // SCALE_ROWS).to(tl.int64) * stride_ws
     # FP8 weights: one float32 scale per (SCALE_ROWS rows, 128 columns) block, applied to
     # each 128-wide K step's partial product (BLOCK_K is 128 then)
-    if BLOCK_M == 1:
-        acc1 = tl.zeros([BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + ks
-            kmask = kk < K
-            a = _prologue_tile(x_ptr, r_ptr, nw_ptr, rows, kk, rmask[:, None] & kmask[None, :],
-                               stride_x, stride_r, K, rstd, PROLOGUE, HAS_RES)  # fmt: skip
-            w = tl.load(w_base + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-            part = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=1)
-            if FP8_W:
-                part *= tl.load(ws_base + k0 // BLOCK_K, mask=nmask, other=0.0)
-            acc1 += part
-        acc = acc1[None, :]
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + ks
-            kmask = kk < K
-            a = _prologue_tile(x_ptr, r_ptr, nw_ptr, rows, kk, rmask[:, None] & kmask[None, :],
-                               stride_x, stride_r, K, rstd, PROLOGUE, HAS_RES)  # fmt: skip
-            w = tl.load(w_base + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-            if FP8_W:  # e4m3 values are exact in bf16 / fp16
-                w = w.to(a.dtype)
-            if UPCAST:  # the interpreter's bf16 dot (see dot_upcast)
-                a = a.to(tl.float32)
-                w = w.to(tl.float32)
-            if FP8_W:
-                part = tl.dot(a, tl.trans(w), input_precision=DOT_PREC)
-                acc += part * tl.load(ws_base + k0 // BLOCK_K, mask=nmask, other=0.0)[None, :]
-            else:
-                acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PREC)
+    ws_base = ws_ptr + (cols // SCALE_ROWS).to(tl.int64) * stride_ws
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    x, q = _raw_tile(x_ptr, r_ptr, rows, rmask, 0, ks, stride_x, stride_r, K, PROLOGUE, HAS_RES)
+    for k0 in range(0, K, BLOCK_K):
+        if PREFETCH:
+            xn, qn = _raw_tile(x_ptr, r_ptr, rows, rmask, k0 + BLOCK_K, ks, stride_x, stride_r,
+                               K, PROLOGUE, HAS_RES)  # fmt: skip
+        else:
+            x, q = _raw_tile(x_ptr, r_ptr, rows, rmask, k0, ks, stride_x, stride_r, K, PROLOGUE,
+                             HAS_RES)  # fmt: skip
+            xn, qn = x, q
+        kk = k0 + ks
+        a = _input_tile(x, q, nw_ptr, kk, K, rstd, PROLOGUE, HAS_RES)
+        w = tl.load(w_base + kk[None, :], mask=nmask[:, None] & (kk < K)[None, :], other=0.0)
+        acc = _tile_product(acc, a, w, ws_base, k0, nmask, FP8_W, BLOCK_M, BLOCK_K, UPCAST,
+                            DOT_PREC)  # fmt: skip
+        x, q = xn, qn
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=nmask, other=0.0).to(tl.float32)[None, :]
     yoffs = rows[:, None].to(tl.int64) * stride_y + cols[None, :]
@@ -230,7 +259,7 @@ def skinny_gemm(
             weight_scale.stride(0) if weight_scale is not None else 0, eps,
             PROLOGUE=PROLOGUES.index(prologue), HAS_RES=has_res, HAS_BIAS=bias is not None,
             FP8_W=fp8, SCALE_ROWS=scale_rows,
-            BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PREFETCH=cfg.prefetch,
             UPCAST=dot_upcast(x.dtype), DOT_PREC=dot_precision(x.dtype),
             num_stages=cfg.num_stages, num_warps=cfg.num_warps, **pdl_args(x.device),
         )  # fmt: skip
