@@ -40,14 +40,21 @@ from pdserve.kernels.reference import (
 
 
 @triton.jit
-def _silu_mul(x_ptr, cols, mask, n_cols):
-    """The rounded ``silu(gate) * up`` at ``cols`` of one row (any tile shape), float32."""
-    g = tl.load(x_ptr + cols, mask=mask, other=0.0)
-    u = tl.load(x_ptr + n_cols + cols, mask=mask, other=0.0)
+def silu_mul_values(g, u):
+    """``silu(g) * u`` of loaded tiles, rounded as the torch ops round (silu to ``g``'s
+    dtype, then the product), as float32."""
     dt = g.dtype
     gf = g.to(tl.float32)
     s = (gf / (1.0 + tl.exp(-gf))).to(dt).to(tl.float32)
     return (s * u.to(tl.float32)).to(dt).to(tl.float32)
+
+
+@triton.jit
+def _silu_mul(x_ptr, cols, mask, n_cols):
+    """The rounded ``silu(gate) * up`` at ``cols`` of one row (any tile shape), float32."""
+    g = tl.load(x_ptr + cols, mask=mask, other=0.0)
+    u = tl.load(x_ptr + n_cols + cols, mask=mask, other=0.0)
+    return silu_mul_values(g, u)
 
 
 @triton.jit

@@ -49,6 +49,15 @@ from pdserve.kernels.reference import (
 
 
 @triton.jit
+def rms_output(z, rstd, w, like):
+    """RMSNorm's output from its float32 input ``z`` (the rounded sum where a residual is
+    added), ``rstd`` and the float32 weight: ``dtype(dtype(z * rstd) * w)`` in ``like``'s
+    dtype (the module doc's rounding)."""
+    dt = like.dtype
+    return ((z * rstd).to(dt).to(tl.float32) * w).to(dt)
+
+
+@triton.jit
 def _rmsnorm_kernel(
     x_ptr,
     r_ptr,
@@ -97,9 +106,8 @@ def _rmsnorm_kernel(
         if HAS_RES:
             r2 = tl.load(r_ptr + row * stride_r + c2, mask=m2, other=0.0).to(tl.float32)
             z2 = (z2 + r2).to(dt).to(tl.float32)
-        xn2 = (z2 * rstd).to(dt).to(tl.float32)
         w2 = tl.load(w_ptr + c2, mask=m2, other=0.0).to(tl.float32)
-        y2 = (xn2 * w2).to(dt).to(tl.float32)
+        y2 = rms_output(z2, rstd, w2, x).to(tl.float32)
         store_fp8_groups(q_ptr + row * stride_q, qs_ptr + row * stride_qs, y2, groups, c2, m2,
                          n_cols, QMAX, ROUND_FIRST, GROUP)  # fmt: skip
         # every thread's [groups, 128] loads before any 1-D store below, which may write
@@ -108,9 +116,8 @@ def _rmsnorm_kernel(
     if HAS_RES:
         tl.store(r_out_ptr + row * stride_ro + cols, z, mask=mask)
     if KEEP_HP or not QUANT:
-        xn = (xf * rstd).to(dt).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * stride_o + cols, (xn * w).to(dt), mask=mask)
+        tl.store(out_ptr + row * stride_o + cols, rms_output(xf, rstd, w, x), mask=mask)
 
 
 def _launch(

@@ -48,7 +48,9 @@ from pdserve.kernels._utils import (
     pdl_enter,
     rows_2d,
 )
+from pdserve.kernels.activation import silu_mul_values
 from pdserve.kernels.reference import FP8_GROUP
+from pdserve.kernels.rmsnorm import rms_output
 
 PROLOGUES = ("none", "rmsnorm", "silu_mul")
 
@@ -89,17 +91,14 @@ def _raw_tile(x_ptr, r_ptr, rows, rmask, k0, ks, stride_x, stride_r, K,
 @triton.jit
 def _input_tile(x, q, nw_ptr, kk, K, rstd, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr):
     """The GEMM input's tile from :func:`_raw_tile`'s loads, in x's dtype."""
-    dt = x.dtype
     if PROLOGUE == 1:
         z = x.to(tl.float32)
         if HAS_RES:
-            z = (z + q.to(tl.float32)).to(dt).to(tl.float32)
+            z = (z + q.to(tl.float32)).to(x.dtype).to(tl.float32)
         w = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-        x = (((z * rstd[:, None]).to(dt).to(tl.float32)) * w[None, :]).to(dt)
+        x = rms_output(z, rstd[:, None], w[None, :], x)
     elif PROLOGUE == 2:
-        g = x.to(tl.float32)
-        s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-        x = (s * q.to(tl.float32)).to(dt)
+        x = silu_mul_values(x, q).to(x.dtype)
     return x
 
 
@@ -148,7 +147,8 @@ def _skinny_gemm_kernel(
     rstd = tl.zeros([BLOCK_M], tl.float32)
     if PROLOGUE == 1:  # the rows' sum of squares; the first column tile writes the sum
         ssq = tl.zeros([BLOCK_M], tl.float32)
-        x, q = _raw_tile(x_ptr, r_ptr, rows, rmask, 0, ks, stride_x, stride_r, K, 1, HAS_RES)
+        if PREFETCH:
+            x, q = _raw_tile(x_ptr, r_ptr, rows, rmask, 0, ks, stride_x, stride_r, K, 1, HAS_RES)
         for k0 in range(0, K, BLOCK_K):
             if PREFETCH:
                 xn, qn = _raw_tile(x_ptr, r_ptr, rows, rmask, k0 + BLOCK_K, ks, stride_x,
@@ -156,7 +156,6 @@ def _skinny_gemm_kernel(
             else:
                 x, q = _raw_tile(x_ptr, r_ptr, rows, rmask, k0, ks, stride_x, stride_r, K, 1,
                                  HAS_RES)  # fmt: skip
-                xn, qn = x, q
             z = x.to(tl.float32)
             if HAS_RES:
                 z = (z + q.to(tl.float32)).to(x.dtype)
@@ -166,14 +165,17 @@ def _skinny_gemm_kernel(
                     tl.store(ro_ptr + ooffs, z, mask=rmask[:, None] & (kk < K)[None, :])
                 z = z.to(tl.float32)
             ssq += tl.sum(z * z, axis=1)
-            x, q = xn, qn
+            if PREFETCH:
+                x, q = xn, qn
         rstd = tl.rsqrt(ssq / K + eps)
     w_base = w_ptr + cols[:, None].to(tl.int64) * stride_w
     # FP8 weights: one float32 scale per (SCALE_ROWS rows, 128 columns) block, applied to
     # each 128-wide K step's partial product (BLOCK_K is 128 then)
     ws_base = ws_ptr + (cols // SCALE_ROWS).to(tl.int64) * stride_ws
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    x, q = _raw_tile(x_ptr, r_ptr, rows, rmask, 0, ks, stride_x, stride_r, K, PROLOGUE, HAS_RES)
+    if PREFETCH:
+        x, q = _raw_tile(x_ptr, r_ptr, rows, rmask, 0, ks, stride_x, stride_r, K, PROLOGUE,
+                         HAS_RES)  # fmt: skip
     for k0 in range(0, K, BLOCK_K):
         if PREFETCH:
             xn, qn = _raw_tile(x_ptr, r_ptr, rows, rmask, k0 + BLOCK_K, ks, stride_x, stride_r,
@@ -181,13 +183,13 @@ def _skinny_gemm_kernel(
         else:
             x, q = _raw_tile(x_ptr, r_ptr, rows, rmask, k0, ks, stride_x, stride_r, K, PROLOGUE,
                              HAS_RES)  # fmt: skip
-            xn, qn = x, q
         kk = k0 + ks
         a = _input_tile(x, q, nw_ptr, kk, K, rstd, PROLOGUE, HAS_RES)
         w = tl.load(w_base + kk[None, :], mask=nmask[:, None] & (kk < K)[None, :], other=0.0)
         acc = _tile_product(acc, a, w, ws_base, k0, nmask, FP8_W, BLOCK_M, BLOCK_K, UPCAST,
                             DOT_PREC)  # fmt: skip
-        x, q = xn, qn
+        if PREFETCH:
+            x, q = xn, qn
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=nmask, other=0.0).to(tl.float32)[None, :]
     yoffs = rows[:, None].to(tl.int64) * stride_y + cols[None, :]

@@ -156,10 +156,6 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.gemm(x, self.bias)
 
-    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """``self(silu(x[..., :K]) * x[..., K:])`` in one launch (:meth:`takes_skinny` rows)."""
-        return self.gemm(x, self.bias, prologue="silu_mul")
-
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
 
@@ -281,7 +277,7 @@ def silu_then_linear(act: nn.Module, linear: nn.Module, x: torch.Tensor) -> torc
     decode-size GEMM takes ``x``'s rows (``act``'s FP8 output mode then bypassed)."""
     target = _skinny_target(linear, x)
     if target is not None:
-        return target.forward_silu_mul(x)
+        return target.gemm(x, target.bias, prologue="silu_mul")
     out: torch.Tensor = linear(act(x))
     return out
 
