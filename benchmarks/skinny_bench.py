@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     from pdserve.kernels.activation import silu_and_mul
     from pdserve.kernels.rmsnorm import fused_add_rmsnorm
-    from pdserve.kernels.skinny_gemm import skinny_gemm
+    from pdserve.kernels.skinny_gemm import SkinnyConfig, skinny_gemm
 
     cpu = dev.type != "cuda"
     shapes = CPU_SHAPES if cpu else GPU_SHAPES
@@ -163,8 +163,6 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)  # fmt: skip
             if name not in PRODUCER:
                 continue
-            from pdserve.kernels.skinny_gemm import SkinnyConfig
-
             cfg = SkinnyConfig(**best["config"])
             res["fused"].append(fused_row(name, rows, k, x, ws, cfg, dt, dev, time_calls, g,
                                           fused_add_rmsnorm, silu_and_mul, skinny_gemm))  # fmt: skip

@@ -87,9 +87,10 @@ BUDGETS: dict[str, dict[int, dict[str, int]]] = {
         1: {**_GLM_ATTN, "mlp.gate": 3, "mlp.experts": 4, "mlp": 0, "total": 27},
     },
     "LlamaForCausalLM": {
-        # RoPE + K/V write, decode; the layer's own three: norm + q|k|v, norm + gate|up,
-        # SiLU-and-mul + down (the decode-size GEMM's prologues; 9 a layer before them)
-        i: {"self_attn.attn": 2, "self_attn": 0, "self_attn.o_proj": 1, "(self)": 3, "total": 6}
+        # RoPE + K/V write, decode; the layer's own two (norm + q|k|v, norm + gate|up) and
+        # the MLP's SiLU-and-mul + down: the decode-size GEMM's prologues (9 a layer before)
+        i: {"self_attn.attn": 2, "self_attn": 0, "self_attn.o_proj": 1, "(self)": 2, "mlp": 1,
+            "total": 6}  # fmt: skip
         for i in (0, 1)
     },
 }

@@ -115,8 +115,9 @@ class LlamaMLP(nn.Module):
             inter, config.hidden_size, bias=config.mlp_bias, dtype=dtype, tp=tp, what=what
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_then_linear(self.act_fn, self.down_proj, self.gate_up_proj(x))
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """From the gate|up projection's output (the layer takes it with its norm)."""
+        return silu_then_linear(self.act_fn, self.down_proj, gate_up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -139,11 +140,10 @@ class LlamaDecoderLayer(nn.Module):
         attn = self.self_attn
         qkv, residual = norm_then_linear(self.input_layernorm, attn.qkv_proj, hidden, residual)
         hidden = attn(qkv, rope)
-        mlp = self.mlp
         gate_up, residual = norm_then_linear(
-            self.post_attention_layernorm, mlp.gate_up_proj, hidden, residual
+            self.post_attention_layernorm, self.mlp.gate_up_proj, hidden, residual
         )
-        return silu_then_linear(mlp.act_fn, mlp.down_proj, gate_up), residual
+        return self.mlp(gate_up), residual
 
 
 class LlamaModel(nn.Module):
