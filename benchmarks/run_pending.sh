@@ -190,6 +190,17 @@ glm5_accuracy() {
   echo "accuracy: exit $?"; quiet < "$OUT/glm5_accuracy.log" | tail -3
 }
 ck=/tmp/llama-8b
+# llama_decode ROWS PDL END MIN: llama-8b-shape decode (gpu_suite, 1/16/64 x 1K) with
+# PDSERVE_SKINNY_ROWS=ROWS and PDSERVE_PDL=PDL by the call's second END (at most 110 s);
+# returns 1 without running when MIN seconds or fewer are left
+llama_decode() {
+  local rows=$1 pdl=$2 left=$(( start + $3 - $(date +%s) )) tag=s30_rows$1_pdl$2
+  [ "$left" -gt "$4" ] || return 1
+  PDSERVE_SKINNY_ROWS=$rows PDSERVE_PDL=$pdl timeout $(( left < 110 ? left : 110 )) \
+    python3 benchmarks/gpu_suite.py --ckpt $ck --sections decode --batches 1,16,64 \
+    --contexts 1024 --out "$OUT/$tag.json" > "$OUT/$tag.log" 2>&1
+  echo "decode, skinny rows $rows, PDL $pdl: exit $?"; sed -n '/^ batch /,/^batch /p' "$OUT/$tag.log"
+}
 cfg8b=/tmp/llama-8b-config  # config and tokenizer only: weights drawn at load
 llama_config() {
   [ -f $cfg8b/config.json ] || pdserve make-checkpoint --arch LlamaForCausalLM \
@@ -600,20 +611,14 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     ;;
   c30)  # one call for issues 29 and 30 when machines are scarce: transfer_bench over
     # cuda_ipc / nixl:0 / nixl, llama-8b-shape decode (gpu_suite) with the decode-size GEMM
-    # at its default and off, then the 1P1D nixl serve run in the time left
+    # on (16 rows) and off, then the 1P1D nixl serve run in the time left
     python3 -c "from pdserve.kv_transfer.transports.nixl import load_nixl; print(load_nixl())" \
       || exit 1
     timeout 100 python3 benchmarks/transfer_bench.py --transports cuda_ipc,nixl:0,nixl \
       --out "$OUT/transfer_nixl.json" > "$OUT/transfer_nixl.log" 2>&1
     echo "transfer_bench: exit $?"; grep -vE "^\[[0-9.]+\] " "$OUT/transfer_nixl.log" | quiet
     llama_ckpt || exit 1
-    for rows in 16 0; do
-      left=$(( start + ${C30_END:-575} - $(date +%s) )); [ "$left" -gt 60 ] || break
-      env $([ "$rows" = default ] || echo PDSERVE_SKINNY_ROWS=$rows) timeout $(( left < 110 ? left : 110 )) \
-        python3 benchmarks/gpu_suite.py --ckpt $ck --sections decode --batches 1,16,64 \
-        --contexts 1024 --out "$OUT/s30_rows${rows}_pdl0.json" > "$OUT/s30_rows${rows}_pdl0.log" 2>&1
-      echo "decode, skinny rows $rows: exit $?"; sed -n '/^ batch /,/^batch /p' "$OUT/s30_rows${rows}_pdl0.log"
-    done
+    for rows in 16 0; do llama_decode $rows 0 ${C30_END:-575} 60 || break; done
     left=$(( start + ${C30_END:-575} - $(date +%s) ))
     [ "$left" -gt 200 ] || { echo "1P1D nixl serve run: skipped, ${left}s left"; exit 0; }
     timeout $left python3 benchmarks/pd_bench.py --ckpt $ck --device 0 \
@@ -624,7 +629,7 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
   s30f)  # issue 28: llama-8b-shape FP8 (fp8_bench) with the decode-size GEMM off, then on;
     # then the skinny kernel's GPU parity tests
     for rows in 0 16; do
-      env $([ "$rows" = default ] || echo PDSERVE_SKINNY_ROWS=$rows) timeout 150 \
+      PDSERVE_SKINNY_ROWS=$rows timeout 150 \
         python3 benchmarks/fp8_bench.py --models llama-8b-shape --variants fp8 \
         --out "$OUT/s30f_rows$rows.json" > "$OUT/s30f_rows$rows.log" 2>&1
       echo "fp8 llama, skinny rows $rows: exit $?"; quiet < "$OUT/s30f_rows$rows.log" | sed -n '/^== /,$p'
@@ -634,20 +639,11 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     ;;
   s30)  # issue 30: the decode-size GEMM's bench (quick sweep, with FP8 weights), then
     # llama-8b-shape decode (gpu_suite, sync and async) with it off (PDSERVE_SKINNY_ROWS=0),
-    # at the default rows, up to 64 rows, and at the default with PDL on
+    # up to 16 rows, up to 64 rows, up to 16 rows with PDL on, and off again
     timeout 200 python3 benchmarks/skinny_bench.py --quick --fp8 --out "$OUT/skinny.json" 2>&1 \
       | tee "$OUT/skinny.log" | quiet | tail -50
     llama_ckpt || exit 1
-    for v in 0:0 16:0 64:0 16:1 0:0; do
-      rows=${v%%:*}; pdl=${v#*:}
-      left=$(( start + 570 - $(date +%s) )); [ "$left" -gt 70 ] || break
-      env $([ "$rows" = default ] || echo PDSERVE_SKINNY_ROWS=$rows) PDSERVE_PDL=$pdl \
-        timeout $(( left < 110 ? left : 110 )) python3 benchmarks/gpu_suite.py --ckpt $ck \
-        --sections decode --batches 1,16,64 --contexts 1024 \
-        --out "$OUT/s30_rows${rows}_pdl$pdl.json" > "$OUT/s30_rows${rows}_pdl$pdl.log" 2>&1
-      echo "decode, skinny rows $rows, PDL $pdl: exit $?"
-      sed -n '/^ batch /,/^batch /p' "$OUT/s30_rows${rows}_pdl$pdl.log"
-    done
+    for v in 0:0 16:0 64:0 16:1 0:0; do llama_decode ${v%%:*} ${v#*:} 570 70 || break; done
     ;;
   h30)  # on an H200 (issues 26, 27): glm5-m12-e64 prefill 16K in one step and in the serve
     # default's 8K steps (the MLA share), then decode-only streams within 20 ms: no
