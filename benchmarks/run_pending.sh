@@ -72,6 +72,7 @@
 #       benchmarks/fp8_gemm_sweep.py down/gate_up at 64 and 8,192 tokens (issue 28).
 # c30   one call for issues 29 and 30: transfer_bench over nixl, llama decode with the
 #       skinny GEMM on and off, then the 1P1D nixl serve run in the time left.
+# a31   by card: h30 on an H200, else issue 29's nixl serve run and the quick skinny sweep
 # h30   on an H200: glm5 16K prefill (issue 26's MLA share) and decode streams within
 #       20 ms at 192-224 x 16K, none and adaptive k=3 (issue 27).
 # s30f  issue 28: fp8_bench llama-8b-shape with the skinny GEMM off, then on; its GPU tests.
@@ -153,7 +154,7 @@
 #       --enable-expert-parallel against one GPU, the same closed-loop load per rank
 #       (32 streams per GPU, 1024 in / 256 out): output tok/s per GPU and mean TPOT.
 set -uo pipefail
-stage="${1:?usage: run_pending.sh c30|h30|s30|s30f|skinny|pdl2|h31|g18|g16|g17|f16|f17|f18|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|moe8|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl|x2|dpep N}"
+stage="${1:?usage: run_pending.sh a31|c30|h30|s30|s30f|skinny|pdl2|h31|g18|g16|g17|f16|f17|f18|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|moe8|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl|x2|dpep N}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 # RUN_START (epoch seconds): where two stages share one call, export it once before both,
 # so the second one's deadlines count from the call's start, not its own
@@ -644,6 +645,22 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
       | tee "$OUT/skinny.log" | quiet | tail -50
     llama_ckpt || exit 1
     for v in 0:0 16:0 64:0 16:1 0:0; do llama_decode ${v%%:*} ${v#*:} 570 70 || break; done
+    ;;
+  a31)  # session 31's first call, by card: on an H200 the h30 runs (issues 26, 27); on
+    # any other card issue 29's 1P1D nixl serve run, then the skinny sweep in the time left
+    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+      exec bash "$0" h30
+    fi
+    python3 -c "from pdserve.kv_transfer.transports.nixl import load_nixl; print(load_nixl())" \
+      || exit 1
+    llama_ckpt && timeout 330 python3 benchmarks/pd_bench.py --ckpt $ck --device 0 \
+      --topologies pd --transport nixl --input-len 16384 --output-len 1000 --rates 0.5 \
+      --num-prompts 16 --log-dir "$OUT/pd_nixl_logs" \
+      --out "$OUT/pd_nixl.json" 2>&1 | tee "$OUT/pd_nixl.log" | quiet | tail -40
+    t=$(( start + 570 - $(date +%s) ))
+    [ "$t" -gt 60 ] || { echo "skinny: skipped, ${t}s left"; exit 0; }
+    timeout "$t" python3 benchmarks/skinny_bench.py --quick --fp8 --out "$OUT/skinny.json" 2>&1 \
+      | tee "$OUT/skinny.log" | quiet | tail -50
     ;;
   h30)  # on an H200 (issues 26, 27): glm5-m12-e64 prefill 16K in one step and in the serve
     # default's 8K steps (the MLA share), then decode-only streams within 20 ms: no
