@@ -5,7 +5,8 @@
 For each llama-8b-shape projection (qkv 6144 x 4096, o 4096 x 4096, gate|up 28672 x 4096,
 down 4096 x 14336) at 1 / 16 / 64 rows:
 
-- ``gemm``: torch's ``F.linear`` (cuBLAS) and every skinny config of the sweep, each as
+- ``gemm``: torch's ``F.linear`` (cuBLAS) and every skinny config of the sweep (split-K
+  among them where the column tiles are few), each as
   the per-call time of a CUDA graph of calls that cycle over enough weight copies that
   no call finds its weight in L2 (>= 200 MB; what a decode step pays); bytes = weight +
   input + output, against the device-to-device copy rate measured in the same call.
@@ -49,21 +50,26 @@ CPU_SHAPES = {"qkv": (48, 32), "o": (32, 32), "gate_up": (64, 32), "down": (32, 
 PRODUCER = {"qkv": "rmsnorm", "gate_up": "rmsnorm", "down": "silu_mul"}
 
 
-def sweep(quick: bool, rows: int, cpu: bool) -> list[Any]:
+def sweep(quick: bool, rows: int, cpu: bool, n: int) -> list[Any]:
+    """The configs timed for an ``n``-column projection at ``rows`` rows. Split-K only
+    where the column tiles alone are fewer than ~2 per SM (132 SMs on the H100)."""
     from pdserve.kernels.skinny_gemm import SkinnyConfig
 
     if cpu:
-        return [SkinnyConfig(block_n=16, block_k=16), SkinnyConfig(block_n=16, block_k=32)] + (
+        return [SkinnyConfig(block_n=16, block_k=16), SkinnyConfig(block_n=16, block_k=32),
+                SkinnyConfig(block_n=16, block_k=16, split_k=2)] + (
             [SkinnyConfig(block_n=8, block_k=32, row_dot=False)] if rows == 1 else []
-        )
+        )  # fmt: skip
     ns, ks = ((16, 32), (256, 512)) if quick else ((16, 32, 64), (128, 256, 512))
     warps, stages = ((4,), (3, 4)) if quick else ((4, 8), (3, 4))
-    out = [SkinnyConfig(block_n=n, block_k=k, num_warps=w, num_stages=s, prefetch=p)
-           for n, k, w, s, p in itertools.product(ns, ks, warps, stages, (False, True))
-           if not (rows > 16 and n > 32)]  # fmt: skip
+    prefetch = (False,) if quick else (False, True)
+    out = [SkinnyConfig(block_n=bn, block_k=k, num_warps=w, num_stages=s, prefetch=p,
+                        split_k=sk)
+           for bn, k, w, s, p, sk in itertools.product(ns, ks, warps, stages, prefetch, (1, 2, 4))
+           if not (rows > 16 and bn > 32) and (sk == 1 or -(-n // bn) < 264)]  # fmt: skip
     if rows == 1:  # the register path: one row, no MMA
-        out += [SkinnyConfig(block_n=n, block_k=k, num_warps=w, num_stages=s, row_dot=False)
-                for n, k, w, s in itertools.product((4, 8, 16), (512, 1024), (4,), (2, 3))]  # fmt: skip
+        out += [SkinnyConfig(block_n=bn, block_k=k, num_warps=w, num_stages=s, row_dot=False)
+                for bn, k, w, s in itertools.product((4, 8, 16), (512, 1024), (4,), (2, 3))]  # fmt: skip
     return out
 
 
@@ -140,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             row: dict[str, Any] = {"proj": name, "n": n, "k": k, "rows": rows, "copies": copies,
                                    "bytes": nbytes, "cublas_ms": cublas, "configs": []}  # fmt: skip
             ref = F.linear(x.float(), ws[0].float())
-            for cfg in sweep(args.quick, rows, cpu):
+            for cfg in sweep(args.quick, rows, cpu, n):
                 try:
                     err = (skinny_gemm(x, ws[0], config=cfg).float() - ref).abs().max().item()
                     ms = time_calls(
@@ -180,8 +186,9 @@ def fp8_rows(name, n, k, ws, rows_arg, dev, dt, bw, time_calls, g, out, cpu):  #
 
     qs = [quantize_fp8_blocks(w, (128, 128)) for w in ws]
     configs = [SkinnyConfig(block_n=16, block_k=128)] if cpu else [
-        SkinnyConfig(block_n=bn, block_k=128, num_warps=w, num_stages=st)
-        for bn, w, st in itertools.product((16, 32, 64), (4,), (3, 4, 6))
+        SkinnyConfig(block_n=bn, block_k=128, num_warps=w, num_stages=st, split_k=sk)
+        for bn, w, st, sk in itertools.product((16, 32, 64), (4,), (3, 4, 6), (1, 2, 4))
+        if sk == 1 or -(-n // bn) < 264
     ]  # fmt: skip
     for rows in (int(r) for r in rows_arg.split(",")):
         x = torch.randn(rows, k, generator=g).to(dev, dt)

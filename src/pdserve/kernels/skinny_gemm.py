@@ -26,9 +26,19 @@ partial product is scaled by its block's scale. The activation stays in its dtyp
 block-FP8 GEMM's weight-only mode, :mod:`pdserve.kernels.fp8_gemm`): at decode sizes the
 weight bytes are the cost, and the prologues need no quantizing producer.
 
+Split-K (``SkinnyConfig.split_k`` > 1): where the column tiles alone leave SMs idle
+(a 4096-wide output in 32-column tiles is 128 programs on 132 SMs, one weight stream
+each), each tile's K range is cut into that many slices, one program each. Every
+program stores its float32 partial, then counts itself on the tile's counter; the last
+one of the tile sums the partials in slice order (so the result does not depend on which
+finished first), writes the output and sets the counter back to zero for the next
+launch. Still one launch; the counters are a per-device buffer of zeros
+(:func:`_tile_counters`), so split-K launches on one device must not run concurrently
+on two streams (the engine's forward runs on one).
+
 The rows go into one ``tl.dot`` tile (``BLOCK_M``, at least 16: the MMA's smallest; rows
 past M are masked to zero), or, with ``BLOCK_M`` 1, a multiply-and-sum in registers.
-Grid: (column tiles, row tiles); shapes only, no host sync, capturable in a CUDA graph.
+Grid: (column tiles, row tiles, K slices); shapes only, no host sync, capturable in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -67,6 +77,7 @@ class SkinnyConfig:
     block_m: int | None = None
     row_dot: bool = True  # one row through the MMA too (else a register multiply-and-sum)
     prefetch: bool = False  # the next K step's activation loads issued before this step's use
+    split_k: int = 1  # K slices per column tile, summed by the tile's last program
 
 
 @triton.jit
@@ -125,14 +136,35 @@ def _tile_product(acc, a, w, ws_base, k0, nmask, FP8_W: tl.constexpr, BLOCK_M: t
     return acc
 
 
+@triton.jit
+def _split_k_fixup(acc, part_ptr, cnt_ptr, rows, cols, omask, M, N,
+                   SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """Split-K: store this program's partial, count it on the tile's counter; the tile's
+    last program gets the partials' sum in slice order (and resets the counter), the
+    others get ``done`` False."""
+    pid_k = tl.program_id(2)
+    offs = (pid_k * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
+    tl.store(part_ptr + offs, acc, mask=omask)
+    tl.debug_barrier()  # every thread's partial stored before the release below
+    tile = cnt_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    done = tl.atomic_add(tile, 1, sem="acq_rel") == SPLIT_K - 1
+    total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if done:
+        for s in tl.static_range(SPLIT_K):
+            offs = (s * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
+            total += tl.load(part_ptr + offs, mask=omask, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(tile, 0)
+    return total, done
+
+
 @triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, ro_ptr, ws_ptr,
-    M, N, K, stride_x, stride_w, stride_y, stride_r, stride_ro, stride_ws, eps,
+    x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, ro_ptr, ws_ptr, part_ptr, cnt_ptr,
+    M, N, K, K_SLICE, stride_x, stride_w, stride_y, stride_r, stride_ro, stride_ws, eps,
     PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
     FP8_W: tl.constexpr, SCALE_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PREFETCH: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, SPLIT_K: tl.constexpr = 1,
     UPCAST: tl.constexpr = False, DOT_PREC: tl.constexpr = "tf32", PDL: tl.constexpr = False,
 ):  # fmt: skip
     pdl_enter(PDL)
@@ -159,7 +191,7 @@ def _skinny_gemm_kernel(
             z = x.to(tl.float32)
             if HAS_RES:
                 z = (z + q.to(tl.float32)).to(x.dtype)
-                if pid_n == 0:
+                if (pid_n == 0) & (tl.program_id(2) == 0):
                     kk = k0 + ks
                     ooffs = rows[:, None].to(tl.int64) * stride_ro + kk[None, :]
                     tl.store(ro_ptr + ooffs, z, mask=rmask[:, None] & (kk < K)[None, :])
@@ -173,10 +205,12 @@ def _skinny_gemm_kernel(
     # each 128-wide K step's partial product (BLOCK_K is 128 then)
     ws_base = ws_ptr + (cols // SCALE_ROWS).to(tl.int64) * stride_ws
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    k_lo = tl.program_id(2) * K_SLICE  # split-K: this program's slice of K
+    k_hi = tl.minimum(K, k_lo + K_SLICE)
     if PREFETCH:
-        x, q = _raw_tile(x_ptr, r_ptr, rows, rmask, 0, ks, stride_x, stride_r, K, PROLOGUE,
+        x, q = _raw_tile(x_ptr, r_ptr, rows, rmask, k_lo, ks, stride_x, stride_r, K, PROLOGUE,
                          HAS_RES)  # fmt: skip
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         if PREFETCH:
             xn, qn = _raw_tile(x_ptr, r_ptr, rows, rmask, k0 + BLOCK_K, ks, stride_x, stride_r,
                                K, PROLOGUE, HAS_RES)  # fmt: skip
@@ -190,10 +224,37 @@ def _skinny_gemm_kernel(
                             DOT_PREC)  # fmt: skip
         if PREFETCH:
             x, q = xn, qn
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    yoffs = rows[:, None].to(tl.int64) * stride_y + cols[None, :]
-    tl.store(y_ptr + yoffs, acc.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+    omask = rmask[:, None] & nmask[None, :]
+    done = True
+    if SPLIT_K > 1:
+        acc, done = _split_k_fixup(acc, part_ptr, cnt_ptr, rows, cols, omask, M, N, SPLIT_K,
+                                   BLOCK_M, BLOCK_N)  # fmt: skip
+    if done:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        yoffs = rows[:, None].to(tl.int64) * stride_y + cols[None, :]
+        tl.store(y_ptr + yoffs, acc.to(y_ptr.dtype.element_ty), mask=omask)
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The split-K tile counters of ``device``: int32 zeros that every launch leaves at
+    zero. Made and grown outside a CUDA graph capture only (a capture runs no zero fill,
+    and a graph keeps the buffer it baked in); the engine's eager warm-up runs each shape
+    first."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"skinny_gemm split-K needs {tiles} tile counters, "
+                f"{0 if buf is None else buf.numel()} exist; "
+                "run the shape once outside the CUDA graph capture first"
+            )
+        buf = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
 
 
 def skinny_gemm(
@@ -252,16 +313,25 @@ def skinny_gemm(
         raise ValueError("residual and norm_weight belong to the 'rmsnorm' prologue")
     if M > 0:
         block_m = cfg.block_m or (1 if M == 1 and not cfg.row_dot else max(16, next_pow2(M)))
-        grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, block_m))
+        # split-K slices: whole K steps each, none empty
+        steps = triton.cdiv(K, cfg.block_k)
+        k_slice = triton.cdiv(steps, max(1, min(cfg.split_k, steps))) * cfg.block_k
+        split = triton.cdiv(K, k_slice)
+        grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, block_m), split)
+        part = cnt = y
+        if split > 1:
+            part = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+            cnt = _tile_counters(x.device, grid[0] * grid[1])
         _skinny_gemm_kernel[grid](
             x2, weight, bias if bias is not None else weight, y.view(-1, N), r2,
             norm_weight if norm_weight is not None else weight, ro,
-            weight_scale if weight_scale is not None else weight,
-            M, N, K, x2.stride(0), weight.stride(0), N, r2.stride(0), ro.stride(0),
+            weight_scale if weight_scale is not None else weight, part, cnt,
+            M, N, K, k_slice, x2.stride(0), weight.stride(0), N, r2.stride(0), ro.stride(0),
             weight_scale.stride(0) if weight_scale is not None else 0, eps,
             PROLOGUE=PROLOGUES.index(prologue), HAS_RES=has_res, HAS_BIAS=bias is not None,
             FP8_W=fp8, SCALE_ROWS=scale_rows,
             BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PREFETCH=cfg.prefetch,
+            SPLIT_K=split,
             UPCAST=dot_upcast(x.dtype), DOT_PREC=dot_precision(x.dtype),
             num_stages=cfg.num_stages, num_warps=cfg.num_warps, **pdl_args(x.device),
         )  # fmt: skip
