@@ -236,6 +236,25 @@ def _skinny_gemm_kernel(
         tl.store(y_ptr + yoffs, acc.to(y_ptr.dtype.element_ty), mask=omask)
 
 
+def block_rows(cfg: SkinnyConfig, rows: int) -> int:
+    """The row tile for ``rows`` rows: ``cfg.block_m``, else the rows' power of two, at
+    least 16 (the MMA's smallest), or 1 for one row on the register path."""
+    return cfg.block_m or (1 if rows == 1 and not cfg.row_dot else max(16, next_pow2(rows)))
+
+
+RING_BYTES = 160 * 1024  # shared memory for the pipeline's ring of tiles (227 KB on Hopper)
+
+
+def fit_stages(cfg: SkinnyConfig, block_m: int, x_bytes: int, w_bytes: int, inputs: int) -> int:
+    """``cfg.num_stages``, cut so the ring of tiles in flight fits :data:`RING_BYTES`: the
+    compiler keeps ``num_stages - 1`` K steps of every tile the loop loads (the weight's
+    ``block_n x block_k`` and ``inputs`` activation tiles of ``block_m x block_k``: two
+    under the silu_mul prologue or a residual). 64 rows under add+RMSNorm at 4 stages
+    would ask for 280 KB."""
+    per_step = cfg.block_k * (cfg.block_n * w_bytes + inputs * block_m * x_bytes)
+    return max(1, min(cfg.num_stages, 1 + RING_BYTES // per_step))
+
+
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -312,7 +331,7 @@ def skinny_gemm(
     elif has_res or norm_weight is not None:
         raise ValueError("residual and norm_weight belong to the 'rmsnorm' prologue")
     if M > 0:
-        block_m = cfg.block_m or (1 if M == 1 and not cfg.row_dot else max(16, next_pow2(M)))
+        block_m = block_rows(cfg, M)
         # split-K slices: whole K steps each, none empty
         steps = triton.cdiv(K, cfg.block_k)
         k_slice = triton.cdiv(steps, max(1, min(cfg.split_k, steps))) * cfg.block_k
@@ -333,7 +352,9 @@ def skinny_gemm(
             BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PREFETCH=cfg.prefetch,
             SPLIT_K=split,
             UPCAST=dot_upcast(x.dtype), DOT_PREC=dot_precision(x.dtype),
-            num_stages=cfg.num_stages, num_warps=cfg.num_warps, **pdl_args(x.device),
+            num_stages=fit_stages(cfg, block_m, x.element_size(), weight.element_size(),
+                                  2 if prologue == "silu_mul" or has_res else 1),
+            num_warps=cfg.num_warps, **pdl_args(x.device),
         )  # fmt: skip
     if prologue == "rmsnorm" and has_res:
         return y, ro.view(x.shape)
