@@ -72,6 +72,8 @@
 #       benchmarks/fp8_gemm_sweep.py down/gate_up at 64 and 8,192 tokens (issue 28).
 # c30   one call for issues 29 and 30: transfer_bench over nixl, llama decode with the
 #       skinny GEMM on and off, then the 1P1D nixl serve run in the time left.
+# k31   issue 30: the skinny GEMM's GPU tests, then its quick sweep (no FP8)
+# b31   by card: h30 on an H200, else k31
 # a31   by card: h30 on an H200, else issue 29's nixl serve run and the quick skinny sweep
 # h30   on an H200: glm5 16K prefill (issue 26's MLA share) and decode streams within
 #       20 ms at 192-224 x 16K, none and adaptive k=3 (issue 27).
@@ -154,7 +156,7 @@
 #       --enable-expert-parallel against one GPU, the same closed-loop load per rank
 #       (32 streams per GPU, 1024 in / 256 out): output tok/s per GPU and mean TPOT.
 set -uo pipefail
-stage="${1:?usage: run_pending.sh a31|c30|h30|s30|s30f|skinny|pdl2|h31|g18|g16|g17|f16|f17|f18|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|moe8|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl|x2|dpep N}"
+stage="${1:?usage: run_pending.sh b31|k31|a31|c30|h30|s30|s30f|skinny|pdl2|h31|g18|g16|g17|f16|f17|f18|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|moe8|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl|x2|dpep N}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 # RUN_START (epoch seconds): where two stages share one call, export it once before both,
 # so the second one's deadlines count from the call's start, not its own
@@ -645,6 +647,20 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
       | tee "$OUT/skinny.log" | quiet | tail -50
     llama_ckpt || exit 1
     for v in 0:0 16:0 64:0 16:1 0:0; do llama_decode ${v%%:*} ${v#*:} 570 70 || break; done
+    ;;
+  k31)  # issue 30: the skinny GEMM's GPU tests (split-K's counters under real concurrency),
+    # then skinny_bench's quick sweep without the FP8 section in the time left
+    timeout 150 python3 -m pytest -p no:cacheprovider -q tests/kernels/test_skinny_gemm.py \
+      2>&1 | tail -3
+    t=$(( start + 570 - $(date +%s) ))
+    timeout "$t" python3 benchmarks/skinny_bench.py --quick --out "$OUT/skinny.json" 2>&1 \
+      | tee "$OUT/skinny.log" | quiet | tail -50
+    ;;
+  b31)  # by card: h30 on an H200, else k31
+    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+      exec bash "$0" h30
+    fi
+    exec bash "$0" k31
     ;;
   a31)  # session 31's first call, by card: on an H200 the h30 runs (issues 26, 27); on
     # any other card issue 29's 1P1D nixl serve run, then the skinny sweep in the time left
