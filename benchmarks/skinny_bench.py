@@ -19,6 +19,13 @@ down 4096 x 14336) at 1 / 16 / 64 rows:
   best config for the shape, with the prefetch flipped, and at ``SkinnyConfig()``'s tiles
   (the model's launch).
 
+- ``layer`` (first): one llama layer's GEMM path as the model runs it (its RMSNorm,
+  Linear and SiLU-and-mul modules through ``norm_then_linear`` / ``silu_then_linear``;
+  attention left out, o_proj reads a fixed buffer), 8 layers chained in one CUDA graph so
+  their weights miss L2, with the decode-size GEMM on (default tiles, the producers as
+  prologues) and off (the fused norm kernels, cuBLAS, SiLU-and-mul); per-layer ms against
+  the copy rate for the weights, and each launch's device time from the profiler.
+
 ``--device cpu``: tiny shapes, kernels in Triton's interpreter, eager host-clock times (a
 smoke run: tests/bench/test_bench_scripts.py).
 """
@@ -139,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
                            "copy_tb_s": bw / 1e12, "gemm": [], "fused": [], "fp8": []}  # fmt: skip
     print(f"copy rate {bw / 1e12:.2f} TB/s")
     g = torch.Generator(device="cpu").manual_seed(0)
+    rows_list = [int(r) for r in args.rows.split(",")]
+    res["layer"] = layer_section(shapes, rows_list, dev, dt, bw, time_calls)
+    Path(args.out).write_text(json.dumps(res, indent=1))
     for name, (n, k) in shapes.items():
         copies = 1 if cpu else max(2, min(16, -(-200_000_000 // (n * k * 2))))
         ws = [(torch.randn(n, k, generator=g) * 0.02).to(dev, dt) for _ in range(copies)]
@@ -182,6 +192,90 @@ def main(argv: list[str] | None = None) -> int:
             fp8_rows(name, n, k, ws, args.rows, dev, dt, bw, time_calls, g, res["fp8"], cpu)
     Path(args.out).write_text(json.dumps(res, indent=1))
     return 0
+
+
+def layer_section(shapes, rows_list, dev, dt, bw, time_calls):  # type: ignore[no-untyped-def]
+    """The model's layer path with the decode-size GEMM on and off (see the module doc)."""
+    from pdserve.layers.activation import SiluAndMul
+    from pdserve.layers.linear import Linear, norm_then_linear, silu_then_linear
+    from pdserve.layers.norm import RMSNorm
+
+    cpu = dev.type != "cuda"
+    hidden, inter = shapes["o"][0], shapes["down"][1]
+    torch.manual_seed(0)
+
+    def lin(n: int, k: int) -> Any:
+        m = Linear(k, n, dtype=dt).to(dev)
+        m.weight.data.normal_(0, 0.02)
+        return m
+
+    def norm() -> Any:
+        m = RMSNorm(hidden, 1e-5, dt).to(dev)
+        m.weight.data.uniform_(0.5, 1.5)
+        m.fused = True  # the GPU default; the interpreter's kernel on a CPU
+        return m
+
+    layers = []
+    for _ in range(1 if cpu else 8):
+        act = SiluAndMul()
+        act.fused = True
+        layers.append({"n1": norm(), "qkv": lin(shapes["qkv"][0], hidden), "o": lin(hidden, hidden),
+                       "n2": norm(), "gate_up": lin(2 * inter, hidden), "act": act,
+                       "down": lin(hidden, inter)})  # fmt: skip
+    wbytes = sum(m.weight.numel() * m.weight.element_size() for m in layers[0].values()
+                 if isinstance(m, Linear))  # fmt: skip
+    out = []
+    for rows in rows_list:
+        x = torch.randn(rows, hidden, device=dev).to(dt)
+        attn = torch.randn(rows, hidden, device=dev).to(dt)  # attention's output, fixed
+
+        def step(x: torch.Tensor = x, attn: torch.Tensor = attn) -> torch.Tensor:
+            h, res = x, None
+            for ly in layers:
+                _, res = norm_then_linear(ly["n1"], ly["qkv"], h, res)
+                h = ly["o"](attn)
+                gu, res = norm_then_linear(ly["n2"], ly["gate_up"], h, res)
+                h = silu_then_linear(ly["act"], ly["down"], gu)
+            return h
+
+        row: dict[str, Any] = {"rows": rows, "layers": len(layers), "weight_bytes": wbytes}
+        for mode, cap in (("skinny", max(rows, 1)), ("off", 0)):
+            for ly in layers:
+                for m in ly.values():
+                    if isinstance(m, Linear):
+                        m.skinny_rows = cap
+            ms = time_calls([step]) / len(layers)
+            row[f"{mode}_ms"] = ms
+            row[f"{mode}_x_copy"] = ms / (wbytes / bw * 1e3)
+            row[f"{mode}_launches"] = [] if cpu else launch_times(step, len(layers))
+        out.append(row)
+        print(f"layer rows {rows:3d}: skinny {row['skinny_ms'] * 1e3:7.1f} us "
+              f"({row['skinny_x_copy']:.2f}x copy), off {row['off_ms'] * 1e3:7.1f} us "
+              f"({row['off_x_copy']:.2f}x); skinny launches "
+              + ", ".join(f"{n} {us:.1f}" for n, us in row["skinny_launches"])
+              + "; off: " + ", ".join(f"{n[:28]} {us:.1f}" for n, us in row["off_launches"]),
+              flush=True)  # fmt: skip
+    return out
+
+
+def launch_times(step: Callable[[], object], n_layers: int) -> list[tuple[str, float]]:
+    """Each launch of one layer: (kernel name, device us averaged over the layers), from
+    the profiler over a CUDA graph of ``step``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from pdserve.profiling.step_profile import spans_from_events
+
+    graph = capture_calls([step])
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    spans = spans_from_events(prof.events(), "cuda")
+    per = len(spans) // n_layers
+    return [(spans[i].name, sum(spans[i + j * per].end_us - spans[i + j * per].start_us
+                                for j in range(n_layers)) / n_layers)
+            for i in range(per)]  # fmt: skip
 
 
 def fp8_rows(name, n, k, ws, rows_arg, dev, dt, bw, time_calls, g, out, cpu):  # type: ignore[no-untyped-def]

@@ -322,6 +322,9 @@ def test_skinny_bench(tmp_path: Path) -> None:
     out = tmp_path / "s.json"
     _script("skinny_bench", "--device", "cpu", "--rows", "1,3", "--fp8", "--out", str(out))
     res = json.loads(out.read_text())
+    assert [r["rows"] for r in res["layer"]] == [1, 3]
+    assert all(r["skinny_ms"] > 0 and r["off_ms"] > 0 and r["weight_bytes"] > 0
+               for r in res["layer"])  # fmt: skip
     assert [(r["proj"], r["rows"]) for r in res["gemm"]] == [
         (p, n) for p in ("qkv", "o", "gate_up", "down") for n in (1, 3)
     ]
