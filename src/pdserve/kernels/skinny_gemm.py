@@ -38,7 +38,8 @@ on two streams (the engine's forward runs on one).
 
 The rows go into one ``tl.dot`` tile (``BLOCK_M``, at least 16: the MMA's smallest; rows
 past M are masked to zero), or, with ``BLOCK_M`` 1, a multiply-and-sum in registers.
-Grid: (column tiles, row tiles, K slices); shapes only, no host sync, capturable in a CUDA graph.
+Grid: (column tiles, row tiles, K slices); shapes only, no host sync, capturable in a
+CUDA graph.
 """
 
 from __future__ import annotations
