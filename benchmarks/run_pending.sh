@@ -72,7 +72,8 @@
 #       benchmarks/fp8_gemm_sweep.py down/gate_up at 64 and 8,192 tokens (issue 28).
 # c30   one call for issues 29 and 30: transfer_bench over nixl, llama decode with the
 #       skinny GEMM on and off, then the 1P1D nixl serve run in the time left.
-# k31   issue 30: the skinny GEMM's GPU tests, then its quick sweep (no FP8)
+# k31   issue 30: the skinny GEMM's GPU tests, then its quick sweep (no FP8) at K31_ROWS
+#       (default 1,16: the rows it runs at by default)
 # b31   by card: h30 on an H200, else k31
 # a31   by card: h30 on an H200, else issue 29's nixl serve run and the quick skinny sweep
 # h30   on an H200: glm5 16K prefill (issue 26's MLA share) and decode streams within
@@ -653,8 +654,8 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     timeout 150 python3 -m pytest -p no:cacheprovider -q tests/kernels/test_skinny_gemm.py \
       2>&1 | tail -3
     t=$(( start + 570 - $(date +%s) ))
-    timeout "$t" python3 benchmarks/skinny_bench.py --quick --out "$OUT/skinny.json" 2>&1 \
-      | tee "$OUT/skinny.log" | quiet | tail -50
+    timeout "$t" python3 benchmarks/skinny_bench.py --quick --rows "${K31_ROWS:-1,16}" \
+      --out "$OUT/skinny.json" 2>&1 | tee "$OUT/skinny.log" | quiet | tail -50
     ;;
   b31)  # by card: h30 on an H200, else k31
     if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
