@@ -75,6 +75,7 @@
 # k31   issue 30: the skinny GEMM's GPU tests, then its quick sweep (no FP8) at K31_ROWS
 #       (default 1,16: the rows it runs at by default)
 # b31   by card: h30 on an H200, else k31
+# c31   on an H200 issue 26's glm5 16K prefill first; then k31 on any card
 # a31   by card: h30 on an H200, else issue 29's nixl serve run and the quick skinny sweep
 # h30   on an H200: glm5 16K prefill (issue 26's MLA share) and decode streams within
 #       20 ms at 192-224 x 16K, none and adaptive k=3 (issue 27).
@@ -157,7 +158,7 @@
 #       --enable-expert-parallel against one GPU, the same closed-loop load per rank
 #       (32 streams per GPU, 1024 in / 256 out): output tok/s per GPU and mean TPOT.
 set -uo pipefail
-stage="${1:?usage: run_pending.sh b31|k31|a31|c30|h30|s30|s30f|skinny|pdl2|h31|g18|g16|g17|f16|f17|f18|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|moe8|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl|x2|dpep N}"
+stage="${1:?usage: run_pending.sh c31|b31|k31|a31|c30|h30|s30|s30f|skinny|pdl2|h31|g18|g16|g17|f16|f17|f18|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|moe8|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl|x2|dpep N}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 # RUN_START (epoch seconds): where two stages share one call, export it once before both,
 # so the second one's deadlines count from the call's start, not its own
@@ -656,6 +657,14 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     t=$(( start + 570 - $(date +%s) ))
     timeout "$t" python3 benchmarks/skinny_bench.py --quick --rows "${K31_ROWS:-1,16}" \
       --out "$OUT/skinny.json" 2>&1 | tee "$OUT/skinny.log" | quiet | tail -50
+    ;;
+  c31)  # by card: on an H200 first issue 26's glm5 16K prefill (MLA share), then k31's tests
+    # and sweep in the time left; elsewhere k31
+    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+      nvidia-smi --query-gpu=name,power.limit --format=csv,noheader
+      glm5_prefill 170 16k_b16384 16384 --budget 16384
+    fi
+    exec bash "$0" k31
     ;;
   b31)  # by card: h30 on an H200, else k31
     if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
