@@ -129,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a smaller config sweep")
     ap.add_argument("--rows", default="1,16,64")
     ap.add_argument("--fp8", action="store_true", help="also the FP8-weight section")
+    ap.add_argument("--projs", default="qkv,o,gate_up,down",
+                    help="the projections of the gemm, fused and fp8 sections, in this order")  # fmt: skip
     args = ap.parse_args(argv)
     dev = bench_device(args.device)
     if dev is None:
@@ -149,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     rows_list = [int(r) for r in args.rows.split(",")]
     res["layer"] = layer_section(shapes, rows_list, dev, dt, bw, time_calls)
     Path(args.out).write_text(json.dumps(res, indent=1))
-    for name, (n, k) in shapes.items():
+    for name in args.projs.split(","):
+        n, k = shapes[name]
         copies = 1 if cpu else max(2, min(16, -(-200_000_000 // (n * k * 2))))
         ws = [(torch.randn(n, k, generator=g) * 0.02).to(dev, dt) for _ in range(copies)]
         for rows in (int(r) for r in args.rows.split(",")):
