@@ -656,7 +656,7 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
       tests/kernels/test_skinny_gemm.py -k "split or llama_shapes" 2>&1 | tail -3
     t=$(( start + 570 - $(date +%s) ))
     timeout "$t" python3 benchmarks/skinny_bench.py --quick --rows "${K31_ROWS:-1,16}" \
-      --projs "${K31_PROJS:-qkv,o,gate_up,down}" \
+      --projs "${K31_PROJS-qkv,o,gate_up,down}" \
       --out "$OUT/skinny.json" 2>&1 | tee "$OUT/skinny.log" | quiet | tail -50
     ;;
   c31)  # by card: on an H200 first issue 26's glm5 16K prefill (MLA share), then k31's tests

@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     rows_list = [int(r) for r in args.rows.split(",")]
     res["layer"] = layer_section(shapes, rows_list, dev, dt, bw, time_calls)
     Path(args.out).write_text(json.dumps(res, indent=1))
-    for name in args.projs.split(","):
+    for name in [p for p in args.projs.split(",") if p]:  # "": the layer section only
         n, k = shapes[name]
         copies = 1 if cpu else max(2, min(16, -(-200_000_000 // (n * k * 2))))
         ws = [(torch.randn(n, k, generator=g) * 0.02).to(dev, dt) for _ in range(copies)]
