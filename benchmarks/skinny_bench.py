@@ -17,7 +17,7 @@ down 4096 x 14336) at 1 / 16 / 64 rows:
   add+RMSNorm kernel then cuBLAS for qkv and gate|up; SiLU-and-mul then cuBLAS for down)
   beside one skinny launch with that producer as its prologue, at the gemm section's
   best config for the shape, with the prefetch flipped, and at ``SkinnyConfig()``'s tiles
-  (the model's launch).
+  (the model's launch); for the RMSNorm producer also with ``one_pass_norm`` at both.
 
 - ``layer`` (first): one llama layer's GEMM path as the model runs it (its RMSNorm,
   Linear and SiLU-and-mul modules through ``norm_then_linear`` / ``silu_then_linear``;
@@ -348,13 +348,22 @@ def fused_row(name, rows, k, x, ws, cfg, dt, dev, time_calls, g, add_norm, silu_
     flip_ms = time_calls([lambda w=w: fused(w, flip) for w in ws])
     # and at SkinnyConfig()'s tiles: the launch the model makes today
     d_ms = time_calls([lambda w=w: fused(w, type(cfg)()) for w in ws])
+    # the norm in one pass (no pass for the statistics first), at both tiles
+    one: dict[str, float] = {}
+    if PRODUCER[name] == "rmsnorm":
+        for tag, c in (("best", replace(cfg, split_k=1)), ("default", type(cfg)())):
+            c1 = replace(c, one_pass_norm=True)
+            one[tag] = time_calls([lambda w=w, c1=c1: fused(w, c1) for w in ws])
+        one["max_diff"] = (fused(ws[0], c1).float() - today(ws[0]).float()).abs().max().item()
     print(f"  {PRODUCER[name]} + {name} rows {rows}: today {t_ms * 1e3:7.1f} us, "
           f"one launch {f_ms * 1e3:7.1f} us (prefetch {cfg.prefetch}; flipped "
-          f"{flip_ms * 1e3:7.1f} us; default tiles {d_ms * 1e3:7.1f} us), max diff {err:.3g}",
+          f"{flip_ms * 1e3:7.1f} us; default tiles {d_ms * 1e3:7.1f} us), max diff {err:.3g}"
+          + (f"; one-pass norm {one['best'] * 1e3:7.1f} us (default tiles "
+             f"{one['default'] * 1e3:7.1f} us, max diff {one['max_diff']:.3g})" if one else ""),
           flush=True)  # fmt: skip
     return {"proj": name, "rows": rows, "producer": PRODUCER[name], "today_ms": t_ms,
             "fused_ms": f_ms, "prefetch_flipped_ms": flip_ms, "default_config_ms": d_ms,
-            "max_diff": err, "config": vars(cfg)}  # fmt: skip
+            "one_pass_norm": one, "max_diff": err, "config": vars(cfg)}  # fmt: skip
 
 
 if __name__ == "__main__":

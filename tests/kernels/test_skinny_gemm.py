@@ -55,7 +55,8 @@ def test_rmsnorm_prologue(device: torch.device, rows: int, dtype: torch.dtype) -
     x, r = _t(g, rows, 96, dtype=dtype, dev=device), _t(g, rows, 96, dtype=dtype, dev=device)
     nw = (torch.rand(96, generator=g) + 0.5).to(device, dtype)
     w = _t(g, 48, 96, dtype=dtype, dev=device) * 0.1
-    for cfg in CONFIGS if rows == 1 else CONFIGS[::2]:
+    one_pass = [SkinnyConfig(block_n=16, block_k=32, one_pass_norm=True)]
+    for cfg in (CONFIGS if rows == 1 else CONFIGS[::2]) + one_pass:
         y, s = skinny_gemm(x, w, prologue="rmsnorm", residual=r, norm_weight=nw, eps=1e-5,
                            config=cfg)  # fmt: skip
         z = x + r
@@ -137,6 +138,9 @@ def test_refuses_mismatches(device: torch.device) -> None:
         skinny_gemm(x, w, residual=x)
     with pytest.raises(ValueError, match="contiguous along K"):
         skinny_gemm(x, torch.randn(32, 24, device=device).t())
+    with pytest.raises(ValueError, match="split_k 1"):
+        skinny_gemm(x, w, prologue="rmsnorm", norm_weight=torch.ones(32, device=device),
+                    config=SkinnyConfig(block_k=16, split_k=2, one_pass_norm=True))  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -161,6 +165,10 @@ def test_llama_shapes_on_gpu(rows: int) -> None:
         assert torch.equal(s, x + r)
         ref_n = F.linear(rms_norm(x + r, nw, 1e-5).float(), w.float())
         torch.testing.assert_close(y.float(), ref_n, atol=3e-2, rtol=2e-2)
+        y1, s1 = skinny_gemm(x, w, prologue="rmsnorm", residual=r, norm_weight=nw, eps=1e-5,
+                             config=SkinnyConfig(one_pass_norm=True))  # fmt: skip
+        assert torch.equal(s1, x + r)
+        torch.testing.assert_close(y1.float(), ref_n, atol=3e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("rows", [1, 6])

@@ -16,7 +16,11 @@ recomputes it from L2):
   :mod:`pdserve.kernels.rmsnorm` (the sum rounded to ``x.dtype``, float32 statistics,
   the normalised value rounded before the weight multiply and the product rounded
   again); the sum is written to ``residual_out`` by the first column tile's programs.
-  Each program first passes over its rows once for the sum of squares.
+  Each program first passes over its rows once for the sum of squares. With
+  ``SkinnyConfig.one_pass_norm`` there is no such pass: the rows' sum of squares
+  accumulates beside the GEMM over ``(x + residual) * norm_weight`` (rounded to
+  ``x.dtype``), and ``1 / rms``, a per-row factor, scales the output at the end (the
+  same product, rounded once rather than twice before the GEMM).
 - ``"silu_mul"``: ``x`` is the merged gate|up output [M, 2K] and the GEMM input is
   ``silu(gate) * up`` with :mod:`pdserve.kernels.activation`'s rounding.
 
@@ -79,6 +83,9 @@ class SkinnyConfig:
     row_dot: bool = True  # one row through the MMA too (else a register multiply-and-sum)
     prefetch: bool = False  # the next K step's activation loads issued before this step's use
     split_k: int = 1  # K slices per column tile, summed by the tile's last program
+    # rmsnorm prologue: one pass (the sum of squares beside the GEMM, 1 / rms applied to
+    # the output; needs split_k 1) instead of a pass for the statistics first
+    one_pass_norm: bool = False
 
 
 @triton.jit
@@ -98,6 +105,20 @@ def _raw_tile(x_ptr, r_ptr, rows, rmask, k0, ks, stride_x, stride_r, K,
     else:
         q = x
     return x, q
+
+
+@triton.jit
+def _norm_sum(x, q, ro_ptr, rows, rmask, kk, stride_ro, K, write, HAS_RES: tl.constexpr):
+    """The rmsnorm prologue's input in float32: ``x``, or ``x + residual`` rounded to x's
+    dtype (the add+RMSNorm kernel's rounding), that sum stored to ``ro`` where ``write``."""
+    z = x.to(tl.float32)
+    if HAS_RES:
+        z = (z + q.to(tl.float32)).to(x.dtype)
+        if write:
+            ooffs = rows[:, None].to(tl.int64) * stride_ro + kk[None, :]
+            tl.store(ro_ptr + ooffs, z, mask=rmask[:, None] & (kk < K)[None, :])
+        z = z.to(tl.float32)
+    return z
 
 
 @triton.jit
@@ -165,7 +186,7 @@ def _skinny_gemm_kernel(
     PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
     FP8_W: tl.constexpr, SCALE_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PREFETCH: tl.constexpr = False, SPLIT_K: tl.constexpr = 1,
+    PREFETCH: tl.constexpr = False, SPLIT_K: tl.constexpr = 1, ONE_PASS: tl.constexpr = False,
     UPCAST: tl.constexpr = False, DOT_PREC: tl.constexpr = "tf32", PDL: tl.constexpr = False,
 ):  # fmt: skip
     pdl_enter(PDL)
@@ -178,8 +199,9 @@ def _skinny_gemm_kernel(
     # PREFETCH: each K step issues the next step's activation loads before it uses this
     # step's (a one-step ring in registers), so their latency overlaps the weight stream
     rstd = tl.zeros([BLOCK_M], tl.float32)
-    if PROLOGUE == 1:  # the rows' sum of squares; the first column tile writes the sum
-        ssq = tl.zeros([BLOCK_M], tl.float32)
+    ssq = tl.zeros([BLOCK_M], tl.float32)  # the rows' sum of squares (rmsnorm)
+    first = (pid_n == 0) & (tl.program_id(2) == 0)  # the program that writes the sum
+    if (PROLOGUE == 1) and (not ONE_PASS):  # a pass for the sum of squares first
         if PREFETCH:
             x, q = _raw_tile(x_ptr, r_ptr, rows, rmask, 0, ks, stride_x, stride_r, K, 1, HAS_RES)
         for k0 in range(0, K, BLOCK_K):
@@ -189,14 +211,7 @@ def _skinny_gemm_kernel(
             else:
                 x, q = _raw_tile(x_ptr, r_ptr, rows, rmask, k0, ks, stride_x, stride_r, K, 1,
                                  HAS_RES)  # fmt: skip
-            z = x.to(tl.float32)
-            if HAS_RES:
-                z = (z + q.to(tl.float32)).to(x.dtype)
-                if (pid_n == 0) & (tl.program_id(2) == 0):
-                    kk = k0 + ks
-                    ooffs = rows[:, None].to(tl.int64) * stride_ro + kk[None, :]
-                    tl.store(ro_ptr + ooffs, z, mask=rmask[:, None] & (kk < K)[None, :])
-                z = z.to(tl.float32)
+            z = _norm_sum(x, q, ro_ptr, rows, rmask, k0 + ks, stride_ro, K, first, HAS_RES)
             ssq += tl.sum(z * z, axis=1)
             if PREFETCH:
                 x, q = xn, qn
@@ -219,12 +234,20 @@ def _skinny_gemm_kernel(
             x, q = _raw_tile(x_ptr, r_ptr, rows, rmask, k0, ks, stride_x, stride_r, K, PROLOGUE,
                              HAS_RES)  # fmt: skip
         kk = k0 + ks
-        a = _input_tile(x, q, nw_ptr, kk, K, rstd, PROLOGUE, HAS_RES)
+        if ONE_PASS:  # rmsnorm: the weighted sum now, the rows' 1 / rms at the end
+            z = _norm_sum(x, q, ro_ptr, rows, rmask, kk, stride_ro, K, first, HAS_RES)
+            ssq += tl.sum(z * z, axis=1)
+            nw = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+            a = (z * nw[None, :]).to(x.dtype)
+        else:
+            a = _input_tile(x, q, nw_ptr, kk, K, rstd, PROLOGUE, HAS_RES)
         w = tl.load(w_base + kk[None, :], mask=nmask[:, None] & (kk < K)[None, :], other=0.0)
         acc = _tile_product(acc, a, w, ws_base, k0, nmask, FP8_W, BLOCK_M, BLOCK_K, UPCAST,
                             DOT_PREC)  # fmt: skip
         if PREFETCH:
             x, q = xn, qn
+    if ONE_PASS:
+        acc = acc * tl.rsqrt(ssq / K + eps)[:, None]
     omask = rmask[:, None] & nmask[None, :]
     done = True
     if SPLIT_K > 1:
@@ -337,6 +360,9 @@ def skinny_gemm(
         steps = triton.cdiv(K, cfg.block_k)
         k_slice = triton.cdiv(steps, max(1, min(cfg.split_k, steps))) * cfg.block_k
         split = triton.cdiv(K, k_slice)
+        one_pass = cfg.one_pass_norm and prologue == "rmsnorm"
+        if one_pass and split > 1:
+            raise ValueError("one_pass_norm needs each program to see all of K (split_k 1)")
         grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, block_m), split)
         part = cnt = y
         if split > 1:
@@ -351,7 +377,7 @@ def skinny_gemm(
             PROLOGUE=PROLOGUES.index(prologue), HAS_RES=has_res, HAS_BIAS=bias is not None,
             FP8_W=fp8, SCALE_ROWS=scale_rows,
             BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PREFETCH=cfg.prefetch,
-            SPLIT_K=split,
+            SPLIT_K=split, ONE_PASS=one_pass,
             UPCAST=dot_upcast(x.dtype), DOT_PREC=dot_precision(x.dtype),
             num_stages=fit_stages(cfg, block_m, x.element_size(), weight.element_size(),
                                   2 if prologue == "silu_mul" or has_res else 1),
