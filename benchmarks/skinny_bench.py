@@ -16,8 +16,9 @@ down 4096 x 14336) at 1 / 16 / 64 rows:
 - ``fused``: the producer and the GEMM as the step launches them today (the fused
   add+RMSNorm kernel then cuBLAS for qkv and gate|up; SiLU-and-mul then cuBLAS for down)
   beside one skinny launch with that producer as its prologue, at the gemm section's
-  best config for the shape, with the prefetch flipped, and at ``SkinnyConfig()``'s tiles
-  (the model's launch); for the RMSNorm producer also with ``one_pass_norm`` at both.
+  best config for the shape, with the prefetch flipped, and at the default tiles
+  (``default_config``: the model's launch); for the RMSNorm producer also with
+  ``one_pass_norm`` at both.
 
 - ``layer`` (first): one llama layer's GEMM path as the model runs it (its RMSNorm,
   Linear and SiLU-and-mul modules through ``norm_then_linear`` / ``silu_then_linear``;
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     from pdserve.kernels.activation import silu_and_mul
     from pdserve.kernels.rmsnorm import fused_add_rmsnorm
-    from pdserve.kernels.skinny_gemm import SkinnyConfig, skinny_gemm
+    from pdserve.kernels.skinny_gemm import SkinnyConfig, default_config, skinny_gemm
 
     cpu = dev.type != "cuda"
     shapes = CPU_SHAPES if cpu else GPU_SHAPES
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             ok = [c for c in row["configs"] if "ms" in c]
             best = min(ok, key=lambda c: c["ms"])
             row["best"] = best
-            dflt = [c for c in ok if c["config"] == vars(SkinnyConfig())]
+            dflt = [c for c in ok if c["config"] == vars(default_config(rows))]
             row["default_ms"] = dflt[0]["ms"] if dflt else None
             row["cublas_x_copy"] = cublas / (nbytes / bw * 1e3)
             row["skinny_x_copy"] = best["ms"] / (nbytes / bw * 1e3)
@@ -320,6 +321,8 @@ def fp8_rows(name, n, k, ws, rows_arg, dev, dt, bw, time_calls, g, out, cpu):  #
 def fused_row(name, rows, k, x, ws, cfg, dt, dev, time_calls, g, add_norm, silu_mul, skinny):  # type: ignore[no-untyped-def]
     """Today's two launches (producer, then cuBLAS) beside one skinny launch with the
     producer as its prologue; the outputs compared."""
+    from pdserve.kernels.skinny_gemm import default_config
+
     if PRODUCER[name] == "rmsnorm":
         res_in = torch.randn(rows, k, generator=g).to(dev, dt)
         nw = (torch.rand(k, generator=g) + 0.5).to(dev, dt)
@@ -346,12 +349,12 @@ def fused_row(name, rows, k, x, ws, cfg, dt, dev, time_calls, g, add_norm, silu_
     # the same launch with the activation prefetch flipped: what the prologue's loads cost
     flip = replace(cfg, prefetch=not cfg.prefetch)
     flip_ms = time_calls([lambda w=w: fused(w, flip) for w in ws])
-    # and at SkinnyConfig()'s tiles: the launch the model makes today
-    d_ms = time_calls([lambda w=w: fused(w, type(cfg)()) for w in ws])
+    # and at default_config's tiles: the launch the model makes
+    d_ms = time_calls([lambda w=w: fused(w, default_config(rows)) for w in ws])
     # the norm in one pass (no pass for the statistics first), at both tiles
     one: dict[str, float] = {}
     if PRODUCER[name] == "rmsnorm":
-        for tag, c in (("best", replace(cfg, split_k=1)), ("default", type(cfg)())):
+        for tag, c in (("best", replace(cfg, split_k=1)), ("default", default_config(rows))):
             c1 = replace(c, one_pass_norm=True)
             one[tag] = time_calls([lambda w=w, c1=c1: fused(w, c1) for w in ws])
         one["max_diff"] = (fused(ws[0], c1).float() - today(ws[0]).float()).abs().max().item()

@@ -218,6 +218,40 @@ def _fixed(**consts: Any) -> Callable[[], dict[str, Any]]:
     return lambda: dict(consts)
 
 
+_SKINNY_PTRS = {n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "r_ptr", "nw_ptr",
+                                      "ro_ptr")} | {"ws_ptr": "*fp32", "part_ptr": "*fp32",
+                                                    "cnt_ptr": "*i32"}  # fmt: skip
+_SKINNY_INTS = frozenset({"N", "K", "K_SLICE", "stride_x", "stride_w", "stride_y", "stride_r",
+                          "stride_ro"})  # fmt: skip
+
+
+def skinny_variants() -> list[Variant]:
+    """The decode-size GEMM (issue 30) at Llama-8B dims as the model launches it under
+    each prologue (and the RMSNorm prologue in one pass): at ``default_config``'s tiles
+    for one row (the register path, loads without cp.async) and for 16 rows (a 16-row
+    MMA tile, whose weight tiles must be pipelined); neither may spill. The report's
+    loop column shows what a prologue costs a K step."""
+    from pdserve.kernels.skinny_gemm import PROLOGUES, block_rows, default_config, fit_stages
+
+    out = []
+    for rows in (1, 16):
+        cfg = default_config(rows)
+        bm = block_rows(cfg, rows)
+        for name, prologue, res, one_pass in (("", "none", False, False),
+                                              ("_norm", "rmsnorm", True, False),
+                                              ("_norm_1pass", "rmsnorm", True, True),
+                                              ("_silu", "silu_mul", False, False)):  # fmt: skip
+            consts = _fixed(PROLOGUE=PROLOGUES.index(prologue), HAS_RES=res, HAS_BIAS=False,
+                            FP8_W=False, SCALE_ROWS=128, BLOCK_M=bm, BLOCK_N=cfg.block_n,
+                            BLOCK_K=cfg.block_k, ONE_PASS=one_pass)  # fmt: skip
+            stages = fit_stages(cfg, bm, 2, 2, 2 if res or prologue == "silu_mul" else 1)
+            out.append(Variant(f"skinny{rows}{name}", _kernel("skinny_gemm", "_skinny_gemm_kernel"),
+                               consts, _SKINNY_PTRS, _SKINNY_INTS, frozenset({"eps"}),
+                               cfg.num_warps, stages, expect_cp_async=bm > 1,
+                               expect_no_spills=True))  # fmt: skip
+    return out
+
+
 def decode_prep_variants() -> list[Variant]:
     """The small fused kernels of the decode path (issue 30) at GLM-5 / Llama-8B dims: each
     replaces a chain of torch launches, so it must stay cheap (few registers, no spills)."""
@@ -536,7 +570,7 @@ def variants() -> list[Variant]:
                            frozenset({"stride_lt", "stride_ot", "K"}), frozenset(),
                            _select_warps(width), 1, expect_no_spills=not hist))  # fmt: skip
     return (out + mla_prefill_variants() + mla_gluon_variants() + fp8_gluon_variants()
-            + decode_prep_variants() + decode_attention_variants())
+            + decode_prep_variants() + decode_attention_variants() + skinny_variants())
 
 
 def _ptxas() -> Path:

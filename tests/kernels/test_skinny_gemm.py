@@ -55,7 +55,10 @@ def test_rmsnorm_prologue(device: torch.device, rows: int, dtype: torch.dtype) -
     x, r = _t(g, rows, 96, dtype=dtype, dev=device), _t(g, rows, 96, dtype=dtype, dev=device)
     nw = (torch.rand(96, generator=g) + 0.5).to(device, dtype)
     w = _t(g, 48, 96, dtype=dtype, dev=device) * 0.1
-    one_pass = [SkinnyConfig(block_n=16, block_k=32, one_pass_norm=True)]
+    one_pass = [SkinnyConfig(block_n=16, block_k=32, one_pass_norm=True)] + (
+        [SkinnyConfig(block_n=8, block_k=16, row_dot=False, one_pass_norm=True)] if rows == 1
+        else []
+    )  # fmt: skip
     for cfg in (CONFIGS if rows == 1 else CONFIGS[::2]) + one_pass:
         y, s = skinny_gemm(x, w, prologue="rmsnorm", residual=r, norm_weight=nw, eps=1e-5,
                            config=cfg)  # fmt: skip
@@ -78,6 +81,26 @@ def test_silu_mul_prologue(device: torch.device, rows: int, dtype: torch.dtype) 
         y = skinny_gemm(gu, w, prologue="silu_mul", config=cfg)
         assert isinstance(y, torch.Tensor)
         _close(y, F.linear(silu_and_mul_torch(gu).float(), w.float()), dtype)
+
+
+def test_default_config(device: torch.device) -> None:
+    """No config: one row takes the register path, more rows the MMA tile; both give
+    the reference under every prologue."""
+    from pdserve.kernels.skinny_gemm import default_config
+
+    assert not default_config(1).row_dot and default_config(2).row_dot
+    g = torch.Generator().manual_seed(5)
+    dt = torch.bfloat16
+    w = _t(g, 40, 80, dtype=dt, dev=device) * 0.1
+    nw = (torch.rand(80, generator=g) + 0.5).to(device, dt)
+    for rows in (1, 5):
+        x, r = _t(g, rows, 80, dtype=dt, dev=device), _t(g, rows, 80, dtype=dt, dev=device)
+        _close(skinny_gemm(x, w), F.linear(x.float(), w.float()), dt)
+        y, _ = skinny_gemm(x, w, prologue="rmsnorm", residual=r, norm_weight=nw, eps=1e-5)
+        _close(y, F.linear(rms_norm(x + r, nw, 1e-5).float(), w.float()), dt)
+        gu = _t(g, rows, 160, dtype=dt, dev=device)
+        ys = skinny_gemm(gu, w, prologue="silu_mul")
+        _close(ys, F.linear(silu_and_mul_torch(gu).float(), w.float()), dt)
 
 
 @pytest.mark.parametrize("split", [2, 3, 9])
