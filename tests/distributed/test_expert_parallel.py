@@ -4,13 +4,12 @@ process holding all of them (the MoE layer's two dispatchers, and rank-aware loa
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from _ranks import run_ranks
 from pdserve.distributed import Group, ParallelGroups, RankInfo, init_parallel_groups
 from pdserve.layers.moe import MoE
 from pdserve.models import load_model
@@ -61,20 +60,13 @@ def _worker(rank: int, init_file: str, out_dir: str, ckpt: str) -> None:
 
 
 def test_two_ep_ranks_match_one_process(tiny_glm5: Path, tmp_path: Path) -> None:
-    with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(
-            _worker,
-            args=(os.path.join(d, "init"), str(tmp_path), str(tiny_glm5)),
-            nprocs=2,
-            start_method="spawn",
-        )
+    results = run_ranks(_worker, 2, tmp_path, str(tiny_glm5))
     ref = _moe()
     full, _ = load_model(tiny_glm5, "float32")
     full_dummy, _ = load_model(tiny_glm5, "float32", load_format="dummy", seed=2)
     w13 = full.model.layers[1].mlp.experts.w13  # type: ignore[union-attr,index]
     w13_dummy = full_dummy.model.layers[1].mlp.experts.w13  # type: ignore[union-attr,index]
-    for rank in range(2):
-        res = torch.load(tmp_path / f"{rank}.pt")
+    for rank, res in enumerate(results):
         x = _tokens(rank)
         with torch.no_grad():
             want = ref(x)

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from _ranks import run_ranks
 from pdserve.distributed import Group, RankInfo, init_parallel_groups
 
 
-def _worker(rank: int, tp: int, dp: int, init_file: str, out_dir: str) -> None:
+def _worker(rank: int, init_file: str, out_dir: str, tp: int, dp: int) -> None:
     info = RankInfo(tp_size=tp, tp_rank=rank % tp, dp_size=dp, dp_rank=rank // tp)
     g = init_parallel_groups(info, init_file, torch.device("cpu"), expert_parallel=True)
     res: dict[str, object] = {"tp_ranks": g.tp.ranks, "dp_ranks": g.dp.ranks}
@@ -49,14 +48,7 @@ def test_rank_info_is_checked() -> None:
 
 def test_tp2_dp2_groups_and_collectives(tmp_path: Path) -> None:
     tp, dp = 2, 2
-    with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(
-            _worker,
-            args=(tp, dp, os.path.join(d, "init"), str(tmp_path)),
-            nprocs=tp * dp,
-            start_method="spawn",
-        )
-    res = {r: torch.load(tmp_path / f"{r}.pt") for r in range(tp * dp)}
+    res = run_ranks(_worker, tp * dp, tmp_path, tp, dp)
     for r in range(4):
         d_rank, t_rank = divmod(r, tp)
         assert res[r]["tp_ranks"] == (2 * d_rank, 2 * d_rank + 1)

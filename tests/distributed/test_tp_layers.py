@@ -4,13 +4,12 @@ rank-aware loading: each rank holds exactly its slice of the weights one process
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
+from _ranks import run_ranks
 from pdserve.distributed import Group, ParallelGroups, RankInfo, init_parallel_groups
 from pdserve.layers.embedding import LMHead, VocabEmbedding
 from pdserve.layers.linear import Linear, MergedLinear, checkpoint_entries, checkpoint_targets
@@ -92,12 +91,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
 
 
 def test_parallel_layers_match_single_process(tmp_path: Path) -> None:
-    with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(
-            _worker, args=(os.path.join(d, "init"), str(tmp_path)), nprocs=2, start_method="spawn"
-        )
-    for rank in range(2):
-        res = torch.load(tmp_path / f"{rank}.pt")
+    for rank, res in enumerate(run_ranks(_worker, 2, tmp_path)):
         assert set(res) >= {"col_row", "row_partial", "merged", "embedding", "lm_head"}
         for name, (same_shape, err) in res.items():
             assert same_shape and err < 1e-5, (rank, name, err)

@@ -5,14 +5,13 @@ single-process torch layers."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import tempfile
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
+from _ranks import run_ranks
+from _scripts import load_script
 from pdserve.distributed import RankInfo, init_parallel_groups
 from pdserve.kernels.reference import rms_norm, silu_and_mul_torch
 from pdserve.layers.linear import Linear, MergedLinear, norm_then_linear, silu_then_linear
@@ -22,19 +21,15 @@ from pdserve.layers.parallel_linear import MergedColumnParallelLinear, RowParall
 HIDDEN, INTER = 32, 48
 
 
-def _interpreter() -> None:
-    """Triton's interpreter in this (spawned) process, with the kernels conftest's fix;
-    before any kernel module is imported."""
-    os.environ["TRITON_INTERPRET"] = "1"
-    conftest = Path(__file__).resolve().parents[1] / "kernels" / "conftest.py"
-    spec = importlib.util.spec_from_file_location("_kernels_conftest", conftest)
-    assert spec is not None and spec.loader is not None
-    spec.loader.exec_module(importlib.util.module_from_spec(spec))
-
-
 def _worker(rank: int, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
-    _interpreter()
+    # Triton's interpreter in this (spawned) process, with its fix, before any kernel
+    # module is imported (the benchmarks' CPU mode)
+    os.environ["TRITON_INTERPRET"] = "1"
+    load_script("_interp").interpreter_fix()
+    from triton.runtime import interpreter
+
+    assert getattr(interpreter._patch_lang_tensor, "_pdserve_fixed", False)
     groups = init_parallel_groups(RankInfo(tp_size=2, tp_rank=rank), init_file, torch.device("cpu"))
     tp = groups.tp
     gen = torch.Generator().manual_seed(0)
@@ -68,10 +63,5 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
 
 
 def test_tp_prologues_match_single_process(tmp_path: Path) -> None:
-    with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(
-            _worker, args=(os.path.join(d, "init"), str(tmp_path)), nprocs=2, start_method="spawn"
-        )
-    for rank in range(2):
-        res = torch.load(tmp_path / f"{rank}.pt")
+    for rank, res in enumerate(run_ranks(_worker, 2, tmp_path)):
         assert res["mlp"] < 1e-4 and res["residual"] == 0.0, (rank, res)
