@@ -108,16 +108,23 @@ def _raw_tile(x_ptr, r_ptr, rows, rmask, k0, ks, stride_x, stride_r, K,
 
 
 @triton.jit
-def _norm_sum(x, q, ro_ptr, rows, rmask, kk, stride_ro, K, write, HAS_RES: tl.constexpr):
-    """The rmsnorm prologue's input in float32: ``x``, or ``x + residual`` rounded to x's
-    dtype (the add+RMSNorm kernel's rounding), that sum stored to ``ro`` where ``write``."""
+def _norm_in(x, q, HAS_RES: tl.constexpr):
+    """The rmsnorm prologue's input in float32: ``x``, or ``x + residual`` (``q``) rounded
+    to x's dtype (the add+RMSNorm kernel's rounding)."""
     z = x.to(tl.float32)
     if HAS_RES:
-        z = (z + q.to(tl.float32)).to(x.dtype)
+        z = (z + q.to(tl.float32)).to(x.dtype).to(tl.float32)
+    return z
+
+
+@triton.jit
+def _norm_sum(x, q, ro_ptr, rows, rmask, kk, stride_ro, K, write, HAS_RES: tl.constexpr):
+    """:func:`_norm_in`, with the sum stored to ``ro`` where ``write`` (and a residual)."""
+    z = _norm_in(x, q, HAS_RES)
+    if HAS_RES:  # noqa: SIM102 (a compile-time branch around the run-time one)
         if write:
             ooffs = rows[:, None].to(tl.int64) * stride_ro + kk[None, :]
-            tl.store(ro_ptr + ooffs, z, mask=rmask[:, None] & (kk < K)[None, :])
-        z = z.to(tl.float32)
+            tl.store(ro_ptr + ooffs, z.to(x.dtype), mask=rmask[:, None] & (kk < K)[None, :])
     return z
 
 
@@ -125,9 +132,7 @@ def _norm_sum(x, q, ro_ptr, rows, rmask, kk, stride_ro, K, write, HAS_RES: tl.co
 def _input_tile(x, q, nw_ptr, kk, K, rstd, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr):
     """The GEMM input's tile from :func:`_raw_tile`'s loads, in x's dtype."""
     if PROLOGUE == 1:
-        z = x.to(tl.float32)
-        if HAS_RES:
-            z = (z + q.to(tl.float32)).to(x.dtype).to(tl.float32)
+        z = _norm_in(x, q, HAS_RES)
         w = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
         x = rms_output(z, rstd[:, None], w[None, :], x)
     elif PROLOGUE == 2:
