@@ -59,9 +59,14 @@ CPU_SHAPES = {"qkv": (48, 32), "o": (32, 32), "gate_up": (64, 32), "down": (32, 
 PRODUCER = {"qkv": "rmsnorm", "gate_up": "rmsnorm", "down": "silu_mul"}
 
 
+def splits(n: int, block_n: int) -> tuple[int, ...]:
+    """The split-K slice counts timed for ``n`` columns in ``block_n``-wide tiles: more
+    than one only where the column tiles alone are fewer than ~2 per SM (132 on the H100)."""
+    return (1, 2, 4) if -(-n // block_n) < 264 else (1,)
+
+
 def sweep(quick: bool, rows: int, cpu: bool, n: int) -> list[Any]:
-    """The configs timed for an ``n``-column projection at ``rows`` rows. Split-K only
-    where the column tiles alone are fewer than ~2 per SM (132 SMs on the H100)."""
+    """The configs timed for an ``n``-column projection at ``rows`` rows."""
     from pdserve.kernels.skinny_gemm import SkinnyConfig, block_rows, fit_stages
 
     if cpu:
@@ -74,8 +79,8 @@ def sweep(quick: bool, rows: int, cpu: bool, n: int) -> list[Any]:
     prefetch = (False,) if quick else (False, True)
     out = [SkinnyConfig(block_n=bn, block_k=k, num_warps=w, num_stages=s, prefetch=p,
                         split_k=sk)
-           for bn, k, w, s, p, sk in itertools.product(ns, ks, warps, stages, prefetch, (1, 2, 4))
-           if not (rows > 16 and bn > 32) and (sk == 1 or -(-n // bn) < 264)]  # fmt: skip
+           for bn, k, w, s, p in itertools.product(ns, ks, warps, stages, prefetch)
+           for sk in splits(n, bn) if not (rows > 16 and bn > 32)]  # fmt: skip
     # not those whose ring of tiles the kernel would cut to fewer stages (a repeat)
     out = [c for c in out if fit_stages(c, block_rows(c, rows), 2, 2, 1) == c.num_stages]
     if rows == 1:  # the register path: one row, no MMA
@@ -291,8 +296,7 @@ def fp8_rows(name, n, k, ws, rows_arg, dev, dt, bw, time_calls, g, out, cpu):  #
     qs = [quantize_fp8_blocks(w, (128, 128)) for w in ws]
     configs = [SkinnyConfig(block_n=16, block_k=128)] if cpu else [
         SkinnyConfig(block_n=bn, block_k=128, num_warps=w, num_stages=st, split_k=sk)
-        for bn, w, st, sk in itertools.product((16, 32, 64), (4,), (3, 4, 6), (1, 2, 4))
-        if sk == 1 or -(-n // bn) < 264
+        for bn, w, st in itertools.product((16, 32, 64), (4,), (3, 4, 6)) for sk in splits(n, bn)
     ]  # fmt: skip
     for rows in (int(r) for r in rows_arg.split(",")):
         x = torch.randn(rows, k, generator=g).to(dev, dt)
