@@ -243,6 +243,13 @@ llama_ckpt() {
       --device cuda >/dev/null || return 1
   fi
 }
+# nixl_serve SECONDS: the 1P1D nixl serve run at 16384/1000 (issue 29) into $OUT/pd_nixl.*
+nixl_serve() {
+  llama_ckpt && timeout "$1" python3 benchmarks/pd_bench.py --ckpt $ck --device 0 \
+    --topologies pd --transport nixl --input-len 16384 --output-len 1000 --rates 0.5 \
+    --num-prompts 16 --log-dir "$OUT/pd_nixl_logs" \
+    --out "$OUT/pd_nixl.json" 2>&1 | tee "$OUT/pd_nixl.log" | quiet
+}
 
 # The tests that use the GPU: every kernel test (they run on CUDA when it is there,
 # compiled, rather than in Triton's interpreter) and the gpu-marked tests elsewhere.
@@ -626,10 +633,7 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     for rows in 16 0; do llama_decode $rows 0 ${C30_END:-575} 60 || break; done
     left=$(( start + ${C30_END:-575} - $(date +%s) ))
     [ "$left" -gt 200 ] || { echo "1P1D nixl serve run: skipped, ${left}s left"; exit 0; }
-    timeout $left python3 benchmarks/pd_bench.py --ckpt $ck --device 0 \
-      --topologies pd --transport nixl --input-len 16384 --output-len 1000 --rates 0.5 \
-      --num-prompts 16 --log-dir "$OUT/pd_nixl_logs" \
-      --out "$OUT/pd_nixl.json" 2>&1 | tee "$OUT/pd_nixl.log" | quiet
+    nixl_serve $left
     ;;
   s30f)  # issue 28: llama-8b-shape FP8 (fp8_bench) with the decode-size GEMM off, then on;
     # then the skinny kernel's GPU parity tests
@@ -680,10 +684,7 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     fi
     python3 -c "from pdserve.kv_transfer.transports.nixl import load_nixl; print(load_nixl())" \
       || exit 1
-    llama_ckpt && timeout 330 python3 benchmarks/pd_bench.py --ckpt $ck --device 0 \
-      --topologies pd --transport nixl --input-len 16384 --output-len 1000 --rates 0.5 \
-      --num-prompts 16 --log-dir "$OUT/pd_nixl_logs" \
-      --out "$OUT/pd_nixl.json" 2>&1 | tee "$OUT/pd_nixl.log" | quiet | tail -40
+    nixl_serve 330 | tail -40
     t=$(( start + 570 - $(date +%s) ))
     [ "$t" -gt 60 ] || { echo "skinny: skipped, ${t}s left"; exit 0; }
     timeout "$t" python3 benchmarks/skinny_bench.py --quick --fp8 --out "$OUT/skinny.json" 2>&1 \
@@ -886,10 +887,7 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     echo "UCX's protocol for a READ (run 103: software emulation over tcp/lo):"
     grep -A6 "remote memory read by ucp_get" "$OUT/transfer_nixl.log" | grep -E "read by|\| [0-9]" \
       | sed -E 's/^\[[^]]*\] \[[^]]*\] +//' | sort -u | head -8
-    llama_ckpt && timeout 330 python3 benchmarks/pd_bench.py --ckpt $ck --device 0 \
-      --topologies pd --transport nixl --input-len 16384 --output-len 1000 --rates 0.5 \
-      --num-prompts 16 --log-dir "$OUT/pd_nixl_logs" \
-      --out "$OUT/pd_nixl.json" 2>&1 | tee "$OUT/pd_nixl.log" | quiet
+    nixl_serve 330
     ;;
   x2)
     timeout 120 python3 -m pytest -p no:cacheprovider -q -m gpu \
