@@ -243,6 +243,8 @@ llama_ckpt() {
       --device cuda >/dev/null || return 1
   fi
 }
+# on_h200: whether this call's card is an H200 (stages that pick their runs by card)
+on_h200() { nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; }
 # nixl_serve SECONDS: the 1P1D nixl serve run at 16384/1000 (issue 29) into $OUT/pd_nixl.*
 nixl_serve() {
   llama_ckpt && timeout "$1" python3 benchmarks/pd_bench.py --ckpt $ck --device 0 \
@@ -665,21 +667,21 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     ;;
   c31)  # by card: on an H200 first issue 26's glm5 16K prefill (MLA share), then k31's tests
     # and sweep in the time left; elsewhere k31
-    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+    if on_h200; then
       nvidia-smi --query-gpu=name,power.limit --format=csv,noheader
       glm5_prefill 170 16k_b16384 16384 --budget 16384
     fi
     exec bash "$0" k31
     ;;
   b31)  # by card: h30 on an H200, else k31
-    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+    if on_h200; then
       exec bash "$0" h30
     fi
     exec bash "$0" k31
     ;;
   a31)  # session 31's first call, by card: on an H200 the h30 runs (issues 26, 27); on
     # any other card issue 29's 1P1D nixl serve run, then the skinny sweep in the time left
-    if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+    if on_h200; then
       exec bash "$0" h30
     fi
     python3 -c "from pdserve.kv_transfer.transports.nixl import load_nixl; print(load_nixl())" \
