@@ -82,7 +82,7 @@ def sweep(quick: bool, rows: int, cpu: bool, n: int) -> list[Any]:
            for bn, k, w, s, p in itertools.product(ns, ks, warps, stages, prefetch)
            for sk in splits(n, bn) if not (rows > 16 and bn > 32)]  # fmt: skip
     # not those whose ring of tiles the kernel would cut to fewer stages (a repeat)
-    out = [c for c in out if fit_stages(c, block_rows(c, rows), 2, 2, 1) == c.num_stages]
+    out = [c for c in out if fit_stages(c, block_rows(c, rows), 2, 2) == c.num_stages]
     if rows == 1:  # the register path: one row, no MMA
         out += [SkinnyConfig(block_n=bn, block_k=k, num_warps=w, num_stages=s, row_dot=False)
                 for bn, k, w, s in itertools.product((4, 8, 16), (512, 1024), (4,), (2, 3))]  # fmt: skip

@@ -244,7 +244,7 @@ def skinny_variants() -> list[Variant]:
             consts = _fixed(PROLOGUE=PROLOGUES.index(prologue), HAS_RES=res, HAS_BIAS=False,
                             FP8_W=False, SCALE_ROWS=128, BLOCK_M=bm, BLOCK_N=cfg.block_n,
                             BLOCK_K=cfg.block_k, ONE_PASS=one_pass)  # fmt: skip
-            stages = fit_stages(cfg, bm, 2, 2, 2 if res or prologue == "silu_mul" else 1)
+            stages = fit_stages(cfg, bm, 2, 2, prologue, res)
             out.append(Variant(f"skinny{rows}{name}", _kernel("skinny_gemm", "_skinny_gemm_kernel"),
                                consts, _SKINNY_PTRS, _SKINNY_INTS, frozenset({"eps"}),
                                cfg.num_warps, stages, expect_cp_async=bm > 1,

@@ -286,12 +286,14 @@ def block_rows(cfg: SkinnyConfig, rows: int) -> int:
 RING_BYTES = 160 * 1024  # shared memory for the pipeline's ring of tiles (227 KB on Hopper)
 
 
-def fit_stages(cfg: SkinnyConfig, block_m: int, x_bytes: int, w_bytes: int, inputs: int) -> int:
+def fit_stages(cfg: SkinnyConfig, block_m: int, x_bytes: int, w_bytes: int,
+               prologue: str = "none", has_res: bool = False) -> int:  # fmt: skip
     """``cfg.num_stages``, cut so the ring of tiles in flight fits :data:`RING_BYTES`: the
     compiler keeps ``num_stages - 1`` K steps of every tile the loop loads (the weight's
-    ``block_n x block_k`` and ``inputs`` activation tiles of ``block_m x block_k``: two
-    under the silu_mul prologue or a residual). 64 rows under add+RMSNorm at 4 stages
-    would ask for 280 KB."""
+    ``block_n x block_k`` and one activation tile of ``block_m x block_k``, two under the
+    silu_mul prologue or a residual). 64 rows under add+RMSNorm at 4 stages would ask for
+    280 KB."""
+    inputs = 2 if prologue == "silu_mul" or has_res else 1
     per_step = cfg.block_k * (cfg.block_n * w_bytes + inputs * block_m * x_bytes)
     return max(1, min(cfg.num_stages, 1 + RING_BYTES // per_step))
 
@@ -397,7 +399,7 @@ def skinny_gemm(
             SPLIT_K=split, ONE_PASS=one_pass,
             UPCAST=dot_upcast(x.dtype), DOT_PREC=dot_precision(x.dtype),
             num_stages=fit_stages(cfg, block_m, x.element_size(), weight.element_size(),
-                                  2 if prologue == "silu_mul" or has_res else 1),
+                                  prologue, has_res),
             num_warps=cfg.num_warps, **pdl_args(x.device),
         )  # fmt: skip
     if prologue == "rmsnorm" and has_res:
