@@ -1,7 +1,8 @@
 """The decode-size GEMM (kernels/skinny_gemm.py) in tensor-parallel layers, two gloo
 ranks, the kernel in Triton's interpreter: column-parallel with the add+RMSNorm prologue
-and row-parallel with the SiLU-and-mul prologue (its partial all-reduced) against the
-single-process torch layers."""
+and row-parallel with the SiLU-and-mul prologue (its partial all-reduced) at one row, and
+the same layers after their producers at three rows, against the single-process torch
+layers."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from _ranks import run_ranks
 from _scripts import load_script
 from pdserve.distributed import RankInfo, init_parallel_groups
 from pdserve.kernels.reference import rms_norm, silu_and_mul_torch
+from pdserve.layers.activation import SiluAndMul
 from pdserve.layers.linear import Linear, MergedLinear, norm_then_linear, silu_then_linear
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers.parallel_linear import MergedColumnParallelLinear, RowParallelLinear
@@ -51,17 +53,22 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
     norm = RMSNorm(HIDDEN, 1e-5, torch.float32)
     norm.weight.data.copy_(torch.rand(HIDDEN, generator=gen) + 0.5)
     norm.fused = True
-    x, res = torch.randn(3, HIDDEN, generator=gen), torch.randn(3, HIDDEN, generator=gen)
-
-    z = x + res
-    want = down(silu_and_mul_torch(gate_up(rms_norm(z, norm.weight, 1e-5))))
-    h, s = norm_then_linear(norm, pgu, x, res)
-    got = silu_then_linear(torch.nn.Identity(), pdown, h)
-    out = {"mlp": float((got - want).abs().max()), "residual": float((s - z).abs().max())}
+    act = SiluAndMul()
+    out = {}
+    for rows in (1, 3):  # the prologues folded in (one row), the producers first (three)
+        x = torch.randn(rows, HIDDEN, generator=gen)
+        res = torch.randn(rows, HIDDEN, generator=gen)
+        z = x + res
+        want = down(silu_and_mul_torch(gate_up(rms_norm(z, norm.weight, 1e-5))))
+        h, s = norm_then_linear(norm, pgu, x, res)
+        got = silu_then_linear(act, pdown, h)
+        out[f"mlp{rows}"] = float((got - want).abs().max())
+        out[f"residual{rows}"] = float((s - z).abs().max())
     torch.save(out, os.path.join(out_dir, f"{rank}.pt"))
     groups.destroy()
 
 
 def test_tp_prologues_match_single_process(tmp_path: Path) -> None:
     for rank, res in enumerate(run_ranks(_worker, 2, tmp_path)):
-        assert res["mlp"] < 1e-4 and res["residual"] == 0.0, (rank, res)
+        for rows in (1, 3):
+            assert res[f"mlp{rows}"] < 1e-4 and res[f"residual{rows}"] == 0.0, (rank, res)

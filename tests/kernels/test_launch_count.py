@@ -113,9 +113,12 @@ def test_decode_launches_per_layer_within_budget(
             if name != "total":
                 assert got.get(name, 0) <= most, f"layer {layer} {name}\n{table}"
     assert sum(counts.outside_layers().values()) <= 4, table  # embedding, final norm, head
-    # a batch of 8 launches the same kernels (the MoE alignment: one program still)
+    # a batch of 8 launches the same kernels (the MoE alignment: one program still), but
+    # for Llama's producers: the two norms and SiLU-and-mul fold into the decode-size
+    # GEMM's launch at one row only (skinny_gemm.prologue_pays)
     batch8 = decode_step_launches(model, batch=8, context=32, width=64)
-    assert batch8.total == counts.total and not batch8.syncs, format_table(batch8)
+    unfolded = 3 * len(per) if arch == "LlamaForCausalLM" else 0
+    assert batch8.total == counts.total + unfolded and not batch8.syncs, format_table(batch8)
 
 
 def test_launch_count_script_writes_its_table(
@@ -131,7 +134,7 @@ def test_launch_count_script_writes_its_table(
     bench = load_script("launch_count")
     out = tmp_path / "launches.json"
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    argv = ["--out", str(out), "--points", "llama=tiny", "--batch", "2", "--device", device,
+    argv = ["--out", str(out), "--points", "llama=tiny", "--batch", "1", "--device", device,
             "--context", "32", "--width", "64"]  # fmt: skip
     assert bench.main(argv) == 0
     res = json.loads(out.read_text())

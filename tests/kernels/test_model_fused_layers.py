@@ -12,6 +12,7 @@ from test_model_backends import BLOCK, _metadata
 
 from _attn_helper import model_caches
 from pdserve.forward_context import set_forward_context
+from pdserve.kernels import skinny_gemm as skinny
 from pdserve.layers.attention.backend import AttentionBackend
 from pdserve.layers.attention.torch_ref import TorchReferenceBackend
 from pdserve.layers.attention.triton_backend import TritonAttentionBackend
@@ -44,15 +45,30 @@ def test_fused_layers_match_torch_layers(
     bes.append(TritonAttentionBackend() if backend == "triton" else TorchReferenceBackend())
     caches = [model_caches(m, 9, BLOCK) for m in models]
     g = torch.Generator().manual_seed(3)
+    folded: list[str] = []  # the prologues the decode-size GEMM ran in this step
+    run = skinny.skinny_gemm
+
+    def spy(*args, **kw):  # type: ignore[no-untyped-def]
+        folded.append(kw.get("prologue", "none"))
+        return run(*args, **kw)
+
+    monkeypatch.setattr(skinny, "skinny_gemm", spy)
     computed = [0, 0]
-    for new in ([11, 30], [1, 1]):  # prompts, then a decode step over the cache
+    # prompts, a decode step of both (two rows: the norms and SiLU-and-mul launched
+    # first), then one of the first alone (one row: folded into the GEMMs)
+    for reqs, new in (([0, 1], [11, 30]), ([0, 1], [1, 1]), ([0], [1])):
+        done = [computed[r] for r in reqs]
         ids = torch.randint(0, cfg.vocab_size, (sum(new),), generator=g).to(device)
-        pos = torch.cat([torch.arange(c, c + n) for c, n in zip(computed, new, strict=True)])
-        md = _metadata(computed, new, bt, device)
+        pos = torch.cat([torch.arange(c, c + n) for c, n in zip(done, new, strict=True)])
+        md = _metadata(done, new, bt[reqs], device)
         logits = []
+        folded.clear()
         for model, cache, be in zip(models, caches, bes, strict=True):
             ctx = set_forward_context({"attn": be}, {"attn": be.build_metadata(md)}, cache)
             with torch.no_grad(), ctx:
                 logits.append(model.compute_logits(model(ids, pos.to(device))))
         torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
-        computed = [c + n for c, n in zip(computed, new, strict=True)]
+        want = {1: {"none", "rmsnorm", "silu_mul"}, 2: {"none"}}.get(sum(new), set())
+        assert set(folded) == want, (new, folded)
+        for r, n in zip(reqs, new, strict=True):
+            computed[r] += n

@@ -277,6 +277,16 @@ def default_config(rows: int) -> SkinnyConfig:
     return ONE_ROW if rows == 1 else SkinnyConfig()
 
 
+def prologue_pays(rows: int) -> bool:
+    """Whether a producer (add+RMSNorm, SiLU-and-mul) is worth folding into the launch at
+    ``rows`` rows under :func:`default_config`: on the register path only. An MMA tile
+    recomputes the prologue for all its rows, masked ones too, in every column-tile
+    program (for down at 16 rows, 128 programs each redo SiLU-and-mul over 16 x 14,336
+    values), which costs more than the launch it saves: add+RMSNorm + qkv at 16 rows took
+    35.6 us in one launch against 25.8 us in two (RESULTS.md run 117)."""
+    return block_rows(default_config(rows), rows) == 1
+
+
 def block_rows(cfg: SkinnyConfig, rows: int) -> int:
     """The row tile for ``rows`` rows: ``cfg.block_m``, else the rows' power of two, at
     least 16 (the MMA's smallest), or 1 for one row on the register path."""

@@ -245,11 +245,16 @@ def checkpoint_shards(root: nn.Module) -> dict[str, Shard]:
     return {name: s for name, (_, s) in checkpoint_entries(root).items() if s is not None}
 
 
-def _skinny_target(linear: nn.Module, x: torch.Tensor) -> Linear | None:
-    """``linear`` where its decode-size GEMM takes ``x``'s rows (a plain or a block-FP8
-    linear: the FP8 one then reads its weights with the activation unquantized)."""
+def _prologue_target(linear: nn.Module, x: torch.Tensor) -> Linear | None:
+    """``linear`` where its decode-size GEMM takes ``x``'s rows and a prologue pays at
+    that many rows (:func:`~pdserve.kernels.skinny_gemm.prologue_pays`); a plain or a
+    block-FP8 linear (the FP8 one then reads its weights with the activation
+    unquantized)."""
     if isinstance(linear, Linear) and linear.takes_skinny(x):
-        return linear
+        from pdserve.kernels.skinny_gemm import prologue_pays
+
+        if prologue_pays(x.numel() // x.shape[-1]):
+            return linear
     return None
 
 
@@ -257,11 +262,11 @@ def norm_then_linear(
     norm: nn.Module, linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(linear(norm(x + residual)), x + residual)`` (``residual`` None: ``linear(norm(x))``
-    and ``x``): one launch where ``linear``'s decode-size GEMM takes ``x``'s rows and
-    ``norm`` is a fused RMSNorm (its FP8 output mode, for an FP8 ``linear``'s other
+    and ``x``): one launch where ``linear``'s decode-size GEMM takes ``x``'s rows with a
+    prologue and ``norm`` is a fused RMSNorm (its FP8 output mode, for an FP8 ``linear``'s other
     batches, is then bypassed), else the norm's kernel then the linear. ``linear`` is a
     plain or column-parallel one (a normed input is whole on every rank)."""
-    target = _skinny_target(linear, x)
+    target = _prologue_target(linear, x)
     if target is not None and getattr(norm, "fused", False):
         kw = {"prologue": "rmsnorm", "norm_weight": norm.weight, "eps": norm.eps}
         out: Any = target.gemm(x, target.bias, residual=residual, **kw)
@@ -274,8 +279,9 @@ def norm_then_linear(
 
 def silu_then_linear(act: nn.Module, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``linear(act(x))`` for SwiGLU's gate|up output ``x``: one launch where ``linear``'s
-    decode-size GEMM takes ``x``'s rows (``act``'s FP8 output mode then bypassed)."""
-    target = _skinny_target(linear, x)
+    decode-size GEMM takes ``x``'s rows with a prologue (``act``'s FP8 output mode then
+    bypassed)."""
+    target = _prologue_target(linear, x)
     if target is not None:
         return target.gemm(x, target.bias, prologue="silu_mul")
     out: torch.Tensor = linear(act(x))
