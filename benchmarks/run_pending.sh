@@ -72,6 +72,8 @@
 #       benchmarks/fp8_gemm_sweep.py down/gate_up at 64 and 8,192 tokens (issue 28).
 # c30   one call for issues 29 and 30: transfer_bench over nixl, llama decode with the
 #       skinny GEMM on and off, then the 1P1D nixl serve run in the time left.
+# k32   issue 30: the skinny GEMM's tests, its layer section with PDL and early weight
+#       loads, and llama-8b-shape decode with it off / on / with PDL
 # k31   issue 30: the skinny GEMM's GPU tests, then its quick sweep (no FP8) at K31_ROWS
 #       (default 1,16: the rows it runs at by default)
 # b31   by card: h30 on an H200, else k31
@@ -158,7 +160,7 @@
 #       --enable-expert-parallel against one GPU, the same closed-loop load per rank
 #       (32 streams per GPU, 1024 in / 256 out): output tok/s per GPU and mean TPOT.
 set -uo pipefail
-stage="${1:?usage: run_pending.sh c31|b31|k31|a31|c30|h30|s30|s30f|skinny|pdl2|h31|g18|g16|g17|f16|f17|f18|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|moe8|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl|x2|dpep N}"
+stage="${1:?usage: run_pending.sh k32|c31|b31|k31|a31|c30|h30|s30|s30f|skinny|pdl2|h31|g18|g16|g17|f16|f17|f18|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|moe8|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl|x2|dpep N}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 # RUN_START (epoch seconds): where two stages share one call, export it once before both,
 # so the second one's deadlines count from the call's start, not its own
@@ -655,6 +657,16 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
       | tee "$OUT/skinny.log" | quiet | tail -50
     llama_ckpt || exit 1
     for v in 0:0 16:0 64:0 16:1 0:0; do llama_decode ${v%%:*} ${v#*:} 570 70 || break; done
+    ;;
+  k32)  # issue 30: the skinny GEMM's GPU tests (early weight steps, split-K, PDL in a
+    # graph), the layer section alone (PDL off / on, early_w 0-2), then llama-8b-shape
+    # decode off, to 16 rows, to 16 rows with PDL, to 1 row with PDL, off again
+    timeout 100 python3 -m pytest -p no:cacheprovider -q tests/kernels/test_skinny_gemm.py \
+      tests/kernels/test_pdl.py -k "split or llama_shapes or early or graph" 2>&1 | tail -3
+    timeout 120 python3 benchmarks/skinny_bench.py --rows 1,16 --projs "" \
+      --out "$OUT/skinny_layer.json" 2>&1 | tee "$OUT/skinny_layer.log" | quiet | tail -20
+    llama_ckpt || exit 1
+    for v in 0:0 16:0 16:1 1:1 0:0; do llama_decode ${v%%:*} ${v#*:} 570 60 || break; done
     ;;
   k31)  # issue 30: the skinny GEMM's GPU tests (split-K's counters under real concurrency),
     # then skinny_bench's quick sweep without the FP8 section in the time left

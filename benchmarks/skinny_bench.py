@@ -23,9 +23,12 @@ down 4096 x 14336) at 1 / 16 / 64 rows:
 - ``layer`` (first): one llama layer's GEMM path as the model runs it (its RMSNorm,
   Linear and SiLU-and-mul modules through ``norm_then_linear`` / ``silu_then_linear``;
   attention left out, o_proj reads a fixed buffer), 8 layers chained in one CUDA graph so
-  their weights miss L2, with the decode-size GEMM on (default tiles, the producers as
-  prologues) and off (the fused norm kernels, cuBLAS, SiLU-and-mul); per-layer ms against
-  the copy rate for the weights, and each launch's device time from the profiler.
+  their weights miss L2, with the decode-size GEMM on (default tiles, the prologues
+  ``prologue_pays`` picks) and off (the fused norm kernels, cuBLAS, SiLU-and-mul), each
+  launched as Llama launches them (no PDL) and with PDL (at one row also with 0 and 2 of
+  the weight's K steps loaded before the PDL wait); per-layer ms against the copy rate
+  for the weights, and each launch's device time from the profiler (with PDL a launch's
+  span starts before its predecessor ends).
 
 ``--device cpu``: tiny shapes, kernels in Triton's interpreter, eager host-clock times (a
 smoke run: tests/bench/test_bench_scripts.py).
@@ -34,12 +37,13 @@ smoke run: tests/bench/test_bench_scripts.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -248,23 +252,53 @@ def layer_section(shapes, rows_list, dev, dt, bw, time_calls):  # type: ignore[n
             return h
 
         row: dict[str, Any] = {"rows": rows, "layers": len(layers), "weight_bytes": wbytes}
-        for mode, cap in (("skinny", max(rows, 1)), ("off", 0)):
+        for mode, on, pdl, early in layer_modes(rows, cpu):
             for ly in layers:
                 for m in ly.values():
                     if isinstance(m, Linear):
-                        m.skinny_rows = cap
-            ms = time_calls([step]) / len(layers)
+                        m.skinny_rows = max(rows, 1) if on else 0
+            with launch_setting(pdl, early):
+                ms = time_calls([step]) / len(layers)
+                launches = [] if cpu else launch_times(step, len(layers))
             row[f"{mode}_ms"] = ms
             row[f"{mode}_x_copy"] = ms / (wbytes / bw * 1e3)
-            row[f"{mode}_launches"] = [] if cpu else launch_times(step, len(layers))
+            row[f"{mode}_launches"] = launches
+            print(f"layer rows {rows:3d} {mode:>14}: {ms * 1e3:7.1f} us ({ms / (wbytes / bw * 1e3):.2f}x "
+                  "copy); " + ", ".join(f"{n[:28]} {us:.1f}" for n, us in launches), flush=True)  # fmt: skip
         out.append(row)
-        print(f"layer rows {rows:3d}: skinny {row['skinny_ms'] * 1e3:7.1f} us "
-              f"({row['skinny_x_copy']:.2f}x copy), off {row['off_ms'] * 1e3:7.1f} us "
-              f"({row['off_x_copy']:.2f}x); skinny launches "
-              + ", ".join(f"{n} {us:.1f}" for n, us in row["skinny_launches"])
-              + "; off: " + ", ".join(f"{n[:28]} {us:.1f}" for n, us in row["off_launches"]),
-              flush=True)  # fmt: skip
     return out
+
+
+def layer_modes(rows: int, cpu: bool) -> list[tuple[str, bool, bool, int | None]]:
+    """The layer section's modes: (name, decode-size GEMM on, PDL, the one-row tiles'
+    ``early_w``; None: the default's). ``off`` and ``skinny`` launch as the Llama model
+    does (no PDL); the rest with PDL, at one row also with 0 and 2 early weight steps."""
+    modes: list[tuple[str, bool, bool, int | None]] = [("off", False, False, None),
+                                                        ("skinny", True, False, None)]  # fmt: skip
+    if cpu:
+        return modes
+    modes += [("off_pdl", False, True, None), ("skinny_pdl", True, True, None)]
+    if rows == 1:
+        modes += [(f"skinny_pdl_early{e}", True, True, e) for e in (0, 2)]
+    return modes
+
+
+@contextlib.contextmanager
+def launch_setting(pdl: bool, early: int | None) -> Iterator[None]:
+    """PDL on or off where ``PDSERVE_PDL`` is unset, and the one-row tiles' ``early_w``,
+    for the launches (and captures) inside; both restored after."""
+    from pdserve.kernels import _utils
+    from pdserve.kernels import skinny_gemm as sk
+
+    was_pdl, was_cfg = _utils._pdl_default[0], sk.ONE_ROW
+    _utils.use_pdl_by_default(pdl)
+    if early is not None:
+        sk.ONE_ROW = replace(was_cfg, early_w=early)
+    try:
+        yield
+    finally:
+        _utils.use_pdl_by_default(was_pdl)
+        sk.ONE_ROW = was_cfg
 
 
 def launch_times(step: Callable[[], object], n_layers: int) -> list[tuple[str, float]]:

@@ -226,29 +226,38 @@ _SKINNY_INTS = frozenset({"N", "K", "K_SLICE", "stride_x", "stride_w", "stride_y
 
 
 def skinny_variants() -> list[Variant]:
-    """The decode-size GEMM (issue 30) at Llama-8B dims as the model launches it under
-    each prologue (and the RMSNorm prologue in one pass): at ``default_config``'s tiles
-    for one row (the register path, loads without cp.async) and for 16 rows (a 16-row
-    MMA tile, whose weight tiles must be pipelined); neither may spill. The report's
-    loop column shows what a prologue costs a K step."""
-    from pdserve.kernels.skinny_gemm import PROLOGUES, block_rows, default_config, fit_stages
+    """The decode-size GEMM (issue 30) at Llama-8B dims as the model launches it: at
+    ``default_config``'s tiles for one row (the register path, loads without cp.async;
+    plain, dependently launched with its early weight loads, and with the SiLU-and-mul
+    prologue) and for 16 rows (a 16-row MMA tile, whose weight tiles must be pipelined;
+    plain, as ``prologue_pays`` folds nothing there); none may spill. The report's loop
+    column shows what a prologue costs a K step."""
+    from pdserve.kernels.skinny_gemm import (
+        PROLOGUES,
+        block_rows,
+        default_config,
+        fit_stages,
+        prologue_pays,
+    )
 
     out = []
     for rows in (1, 16):
         cfg = default_config(rows)
         bm = block_rows(cfg, rows)
-        for name, prologue, res, one_pass in (("", "none", False, False),
-                                              ("_norm", "rmsnorm", True, False),
-                                              ("_norm_1pass", "rmsnorm", True, True),
-                                              ("_silu", "silu_mul", False, False)):  # fmt: skip
+        for name, prologue, res, one_pass, pdl in (("", "none", False, False, False),
+                                                   ("_pdl", "none", False, False, True),
+                                                   ("_silu", "silu_mul", False, False, False)):  # fmt: skip
+            if (pdl and bm > 1) or (prologue != "none" and not prologue_pays(rows, prologue)):
+                continue  # only what the model launches (early weight steps: one row)
             consts = _fixed(PROLOGUE=PROLOGUES.index(prologue), HAS_RES=res, HAS_BIAS=False,
                             FP8_W=False, SCALE_ROWS=128, BLOCK_M=bm, BLOCK_N=cfg.block_n,
-                            BLOCK_K=cfg.block_k, ONE_PASS=one_pass)  # fmt: skip
+                            BLOCK_K=cfg.block_k, ONE_PASS=one_pass, PDL=pdl,
+                            EARLY_W=cfg.early_w if bm == 1 else 0)  # fmt: skip
             stages = fit_stages(cfg, bm, 2, 2, prologue, res)
             out.append(Variant(f"skinny{rows}{name}", _kernel("skinny_gemm", "_skinny_gemm_kernel"),
                                consts, _SKINNY_PTRS, _SKINNY_INTS, frozenset({"eps"}),
                                cfg.num_warps, stages, expect_cp_async=bm > 1,
-                               expect_no_spills=True))  # fmt: skip
+                               expect_no_spills=True, expect_pdl=pdl))  # fmt: skip
     return out
 
 

@@ -14,8 +14,11 @@ CONFIGS = [
     SkinnyConfig(block_n=8, block_k=16, row_dot=False),
     SkinnyConfig(block_n=16, block_k=32, prefetch=True),
     SkinnyConfig(block_n=8, block_k=16, row_dot=False, prefetch=True),
+    SkinnyConfig(block_n=8, block_k=16, row_dot=False, early_w=1),
+    SkinnyConfig(block_n=8, block_k=16, row_dot=False, early_w=2, prefetch=True),
 ]
-IDS = ["dot", "registers", "dot-prefetch", "registers-prefetch"]
+IDS = ["dot", "registers", "dot-prefetch", "registers-prefetch", "registers-early1",
+       "registers-early2"]  # fmt: skip
 
 
 def _t(g: torch.Generator, *shape: int, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
@@ -113,7 +116,8 @@ def test_split_k(device: torch.device, split: int) -> None:
 
     g = torch.Generator().manual_seed(split)
     dt = torch.bfloat16
-    for rows, cfg in ((1, SkinnyConfig(block_n=8, block_k=16, row_dot=False, split_k=split)),
+    reg = SkinnyConfig(block_n=8, block_k=16, row_dot=False, split_k=split, early_w=(split - 1) % 3)
+    for rows, cfg in ((1, reg),
                       (5, SkinnyConfig(block_n=16, block_k=16, split_k=split, prefetch=True))):
         x, r = _t(g, rows, 80, dtype=dt, dev=device), _t(g, rows, 80, dtype=dt, dev=device)
         w, b = _t(g, 40, 80, dtype=dt, dev=device) * 0.1, _t(g, 40, dtype=dt, dev=device)
@@ -128,14 +132,14 @@ def test_split_k(device: torch.device, split: int) -> None:
         gu = _t(g, rows, 160, dtype=dt, dev=device)
         ys = skinny_gemm(gu, w, prologue="silu_mul", config=cfg)
         _close(ys, F.linear(silu_and_mul_torch(gu).float(), w.float()), dt)
-        assert not _COUNTERS[device].any()
+        assert not _COUNTERS[y.device].any()  # cuda:0, where the fixture says cuda
     w8 = (torch.randn(40, 300, generator=g) * 20).to(FP8_DTYPE).to(device)
     sc = (torch.rand(1, 3, generator=g) * 0.01).to(device)
     deq = w8.float() * sc.repeat_interleave(128, 1)[:, :300]
     x8 = _t(g, 2, 300, dtype=dt, dev=device)
     y8 = skinny_gemm(x8, w8, weight_scale=sc, config=SkinnyConfig(block_n=16, split_k=split))
     _close(y8, F.linear(x8.float(), deq), dt)
-    assert not _COUNTERS[device].any()
+    assert not _COUNTERS[y8.device].any()
 
 
 def test_3d_input_and_empty(device: torch.device) -> None:
@@ -161,6 +165,8 @@ def test_refuses_mismatches(device: torch.device) -> None:
         skinny_gemm(x, w, residual=x)
     with pytest.raises(ValueError, match="contiguous along K"):
         skinny_gemm(x, torch.randn(32, 24, device=device).t())
+    with pytest.raises(ValueError, match="early_w must be"):
+        skinny_gemm(x, w, config=SkinnyConfig(early_w=3))
     with pytest.raises(ValueError, match="split_k 1"):
         skinny_gemm(x, w, prologue="rmsnorm", norm_weight=torch.ones(32, device=device),
                     config=SkinnyConfig(block_k=16, split_k=2, one_pass_norm=True))  # fmt: skip

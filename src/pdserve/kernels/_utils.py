@@ -118,7 +118,9 @@ def pdl_args(device: torch.device) -> dict[str, bool]:
 def pdl_enter(PDL: tl.constexpr):
     """A dependently launched kernel's first statement: wait until the previous kernel's
     writes are visible (it may still have been running at this kernel's launch), then let
-    the next kernel launch. Nothing before it may read or write memory."""
+    the next kernel launch. Nothing before it may write memory or read what a kernel of
+    the step writes (index math and a GEMM's weight loads may come first:
+    tests/kernels/test_pdl.py's ``EARLY_READS``)."""
     if PDL:
         tl_cuda.gdc_wait()
         tl_cuda.gdc_launch_dependents()

@@ -86,6 +86,10 @@ class SkinnyConfig:
     # rmsnorm prologue: one pass (the sum of squares beside the GEMM, 1 / rms applied to
     # the output; needs split_k 1) instead of a pass for the statistics first
     one_pass_norm: bool = False
+    # register path (one row): K steps of the weight loaded before the dependent launch's
+    # wait (0-2), so they stream while the previous kernel finishes (PDL); each later
+    # step's load is then issued that many steps ahead of its use
+    early_w: int = 0
 
 
 @triton.jit
@@ -141,6 +145,18 @@ def _input_tile(x, q, nw_ptr, kk, K, rstd, PROLOGUE: tl.constexpr, HAS_RES: tl.c
 
 
 @triton.jit
+def _w_tile(w_base, k0, ks, nmask, k_hi, LOAD: tl.constexpr):
+    """The weight's [BLOCK_N, k0 + ks] tile, zeros from ``k_hi`` on (nothing read there);
+    without ``LOAD`` a placeholder of zeros."""
+    kk = k0 + ks
+    if LOAD:
+        w = tl.load(w_base + kk[None, :], mask=nmask[:, None] & (kk < k_hi)[None, :], other=0.0)
+    else:
+        w = tl.zeros([w_base.shape[0], ks.shape[0]], w_base.dtype.element_ty)
+    return w
+
+
+@triton.jit
 def _tile_product(acc, a, w, ws_base, k0, nmask, FP8_W: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):  # fmt: skip
     """``acc`` plus the tile's ``a w^T`` (FP8 weights: scaled by the K step's block scale)."""
@@ -193,14 +209,22 @@ def _skinny_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PREFETCH: tl.constexpr = False, SPLIT_K: tl.constexpr = 1, ONE_PASS: tl.constexpr = False,
     UPCAST: tl.constexpr = False, DOT_PREC: tl.constexpr = "tf32", PDL: tl.constexpr = False,
+    EARLY_W: tl.constexpr = 0,
 ):  # fmt: skip
-    pdl_enter(PDL)
     pid_n = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < M
     nmask = cols < N
     ks = tl.arange(0, BLOCK_K)
+    w_base = w_ptr + cols[:, None].to(tl.int64) * stride_w
+    k_lo = tl.program_id(2) * K_SLICE  # split-K: this program's slice of K
+    k_hi = tl.minimum(K, k_lo + K_SLICE)
+    # EARLY_W: the weight is no predecessor's output, so its first K steps load before
+    # the dependent launch's wait (the previous kernel may still be running)
+    w0 = _w_tile(w_base, k_lo, ks, nmask, k_hi, EARLY_W > 0)
+    w1 = _w_tile(w_base, k_lo + BLOCK_K, ks, nmask, k_hi, EARLY_W > 1)
+    pdl_enter(PDL)
     # PREFETCH: each K step issues the next step's activation loads before it uses this
     # step's (a one-step ring in registers), so their latency overlaps the weight stream
     rstd = tl.zeros([BLOCK_M], tl.float32)
@@ -221,13 +245,10 @@ def _skinny_gemm_kernel(
             if PREFETCH:
                 x, q = xn, qn
         rstd = tl.rsqrt(ssq / K + eps)
-    w_base = w_ptr + cols[:, None].to(tl.int64) * stride_w
     # FP8 weights: one float32 scale per (SCALE_ROWS rows, 128 columns) block, applied to
     # each 128-wide K step's partial product (BLOCK_K is 128 then)
     ws_base = ws_ptr + (cols // SCALE_ROWS).to(tl.int64) * stride_ws
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    k_lo = tl.program_id(2) * K_SLICE  # split-K: this program's slice of K
-    k_hi = tl.minimum(K, k_lo + K_SLICE)
     if PREFETCH:
         x, q = _raw_tile(x_ptr, r_ptr, rows, rmask, k_lo, ks, stride_x, stride_r, K, PROLOGUE,
                          HAS_RES)  # fmt: skip
@@ -246,7 +267,15 @@ def _skinny_gemm_kernel(
             a = (z * nw[None, :]).to(x.dtype)
         else:
             a = _input_tile(x, q, nw_ptr, kk, K, rstd, PROLOGUE, HAS_RES)
-        w = tl.load(w_base + kk[None, :], mask=nmask[:, None] & (kk < K)[None, :], other=0.0)
+        if EARLY_W == 0:
+            w = _w_tile(w_base, k0, ks, nmask, k_hi, True)
+        elif EARLY_W == 1:
+            w = w0
+            w0 = _w_tile(w_base, k0 + BLOCK_K, ks, nmask, k_hi, True)
+        else:
+            w = w0
+            w0 = w1
+            w1 = _w_tile(w_base, k0 + 2 * BLOCK_K, ks, nmask, k_hi, True)
         acc = _tile_product(acc, a, w, ws_base, k0, nmask, FP8_W, BLOCK_M, BLOCK_K, UPCAST,
                             DOT_PREC)  # fmt: skip
         if PREFETCH:
@@ -265,7 +294,7 @@ def _skinny_gemm_kernel(
         tl.store(y_ptr + yoffs, acc.to(y_ptr.dtype.element_ty), mask=omask)
 
 
-ONE_ROW = SkinnyConfig(block_n=8, block_k=512, row_dot=False)
+ONE_ROW = SkinnyConfig(block_n=8, block_k=512, row_dot=False, early_w=1)
 
 
 def default_config(rows: int) -> SkinnyConfig:
@@ -273,18 +302,23 @@ def default_config(rows: int) -> SkinnyConfig:
     path (8 columns x 512 K a program): a 16-row MMA tile would compute its prologue for
     15 masked rows too, which compiled for Hopper is 2,006 instructions a K step under
     SiLU-and-mul against 248 on this path (``tools/sm90_report.py``), while the plain
-    weight stream is as fast (qkv at one row: 20.7 against 20.8 us, RESULTS.md run 117)."""
+    weight stream is as fast (qkv at one row: 20.7 against 20.8 us, RESULTS.md run 117).
+    Its first weight step loads before a dependent launch's wait (``early_w``)."""
     return ONE_ROW if rows == 1 else SkinnyConfig()
 
 
-def prologue_pays(rows: int) -> bool:
-    """Whether a producer (add+RMSNorm, SiLU-and-mul) is worth folding into the launch at
-    ``rows`` rows under :func:`default_config`: on the register path only. An MMA tile
-    recomputes the prologue for all its rows, masked ones too, in every column-tile
-    program (for down at 16 rows, 128 programs each redo SiLU-and-mul over 16 x 14,336
-    values), which costs more than the launch it saves: add+RMSNorm + qkv at 16 rows took
-    35.6 us in one launch against 25.8 us in two (RESULTS.md run 117)."""
-    return block_rows(default_config(rows), rows) == 1
+def prologue_pays(rows: int, prologue: str) -> bool:
+    """Whether ``prologue``'s producer is worth folding into the launch at ``rows`` rows
+    under :func:`default_config`: SiLU-and-mul on the register path (one row) only.
+
+    - An MMA tile recomputes the prologue for all its rows, masked ones too, in every
+      column-tile program: SiLU-and-mul + down at 16 rows took 271 us in one launch
+      against 50 us in two (RESULTS.md run 119, H100).
+    - add+RMSNorm costs each program a pass over its rows for the statistics before the
+      weight stream starts: even on the register path qkv took 25.3 us with it against
+      2.3 + 20.6 us for the norm's kernel then the plain launch, gate|up 88.2 against
+      2.3 + 80.6 (run 119)."""
+    return prologue == "silu_mul" and block_rows(default_config(rows), rows) == 1
 
 
 def block_rows(cfg: SkinnyConfig, rows: int) -> int:
@@ -390,6 +424,8 @@ def skinny_gemm(
         k_slice = triton.cdiv(steps, max(1, min(cfg.split_k, steps))) * cfg.block_k
         split = triton.cdiv(K, k_slice)
         one_pass = cfg.one_pass_norm and prologue == "rmsnorm"
+        if cfg.early_w not in (0, 1, 2):
+            raise ValueError(f"early_w must be 0, 1 or 2 K steps (got {cfg.early_w})")
         if one_pass and split > 1:
             raise ValueError("one_pass_norm needs each program to see all of K (split_k 1)")
         grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, block_m), split)
@@ -406,7 +442,7 @@ def skinny_gemm(
             PROLOGUE=PROLOGUES.index(prologue), HAS_RES=has_res, HAS_BIAS=bias is not None,
             FP8_W=fp8, SCALE_ROWS=scale_rows,
             BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PREFETCH=cfg.prefetch,
-            SPLIT_K=split, ONE_PASS=one_pass,
+            SPLIT_K=split, ONE_PASS=one_pass, EARLY_W=cfg.early_w if block_m == 1 else 0,
             UPCAST=dot_upcast(x.dtype), DOT_PREC=dot_precision(x.dtype),
             num_stages=fit_stages(cfg, block_m, x.element_size(), weight.element_size(),
                                   prologue, has_res),

@@ -245,15 +245,15 @@ def checkpoint_shards(root: nn.Module) -> dict[str, Shard]:
     return {name: s for name, (_, s) in checkpoint_entries(root).items() if s is not None}
 
 
-def _prologue_target(linear: nn.Module, x: torch.Tensor) -> Linear | None:
-    """``linear`` where its decode-size GEMM takes ``x``'s rows and a prologue pays at
+def _prologue_target(linear: nn.Module, x: torch.Tensor, prologue: str) -> Linear | None:
+    """``linear`` where its decode-size GEMM takes ``x``'s rows and ``prologue`` pays at
     that many rows (:func:`~pdserve.kernels.skinny_gemm.prologue_pays`); a plain or a
     block-FP8 linear (the FP8 one then reads its weights with the activation
     unquantized)."""
     if isinstance(linear, Linear) and linear.takes_skinny(x):
         from pdserve.kernels.skinny_gemm import prologue_pays
 
-        if prologue_pays(x.numel() // x.shape[-1]):
+        if prologue_pays(x.numel() // x.shape[-1], prologue):
             return linear
     return None
 
@@ -266,7 +266,7 @@ def norm_then_linear(
     prologue and ``norm`` is a fused RMSNorm (its FP8 output mode, for an FP8 ``linear``'s other
     batches, is then bypassed), else the norm's kernel then the linear. ``linear`` is a
     plain or column-parallel one (a normed input is whole on every rank)."""
-    target = _prologue_target(linear, x)
+    target = _prologue_target(linear, x, "rmsnorm")
     if target is not None and getattr(norm, "fused", False):
         kw = {"prologue": "rmsnorm", "norm_weight": norm.weight, "eps": norm.eps}
         out: Any = target.gemm(x, target.bias, residual=residual, **kw)
@@ -281,7 +281,7 @@ def silu_then_linear(act: nn.Module, linear: nn.Module, x: torch.Tensor) -> torc
     """``linear(act(x))`` for SwiGLU's gate|up output ``x``: one launch where ``linear``'s
     decode-size GEMM takes ``x``'s rows with a prologue (``act``'s FP8 output mode then
     bypassed)."""
-    target = _prologue_target(linear, x)
+    target = _prologue_target(linear, x, "silu_mul")
     if target is not None:
         return target.gemm(x, target.bias, prologue="silu_mul")
     out: torch.Tensor = linear(act(x))
