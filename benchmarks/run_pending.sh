@@ -72,6 +72,8 @@
 #       benchmarks/fp8_gemm_sweep.py down/gate_up at 64 and 8,192 tokens (issue 28).
 # c30   one call for issues 29 and 30: transfer_bench over nixl, llama decode with the
 #       skinny GEMM on and off, then the 1P1D nixl serve run in the time left.
+# k33   issues 30, 28: llama-8b-shape decode on the defaults, then FP8 with the decode-size
+#       GEMM off and on
 # k32   issue 30: the skinny GEMM's tests, its layer section with PDL and early weight
 #       loads, and llama-8b-shape decode with it off / on / with PDL
 # k31   issue 30: the skinny GEMM's GPU tests, then its quick sweep (no FP8) at K31_ROWS
@@ -160,7 +162,7 @@
 #       --enable-expert-parallel against one GPU, the same closed-loop load per rank
 #       (32 streams per GPU, 1024 in / 256 out): output tok/s per GPU and mean TPOT.
 set -uo pipefail
-stage="${1:?usage: run_pending.sh k32|c31|b31|k31|a31|c30|h30|s30|s30f|skinny|pdl2|h31|g18|g16|g17|f16|f17|f18|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|moe8|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl|x2|dpep N}"
+stage="${1:?usage: run_pending.sh k33|k32|c31|b31|k31|a31|c30|h30|s30|s30f|skinny|pdl2|h31|g18|g16|g17|f16|f17|f18|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|moe8|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl|x2|dpep N}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 # RUN_START (epoch seconds): where two stages share one call, export it once before both,
 # so the second one's deadlines count from the call's start, not its own
@@ -200,10 +202,15 @@ ck=/tmp/llama-8b
 # llama_decode ROWS PDL END MIN: llama-8b-shape decode (gpu_suite, 1/16/64 x 1K) with
 # PDSERVE_SKINNY_ROWS=ROWS and PDSERVE_PDL=PDL by the call's second END (at most 110 s);
 # returns 1 without running when MIN seconds or fewer are left
+# llama_decode ROWS PDL END MIN: gpu_suite's llama-8b-shape decode with PDSERVE_SKINNY_ROWS
+# and PDSERVE_PDL set (- leaves one unset: the model's default), if MIN seconds are left
+# before END
 llama_decode() {
-  local rows=$1 pdl=$2 left=$(( start + $3 - $(date +%s) )) tag=s30_rows$1_pdl$2
+  local rows=$1 pdl=$2 left=$(( start + $3 - $(date +%s) )) tag=s30_rows$1_pdl$2 env=()
   [ "$left" -gt "$4" ] || return 1
-  PDSERVE_SKINNY_ROWS=$rows PDSERVE_PDL=$pdl timeout $(( left < 110 ? left : 110 )) \
+  [ "$rows" = - ] || env+=(PDSERVE_SKINNY_ROWS=$rows)
+  [ "$pdl" = - ] || env+=(PDSERVE_PDL=$pdl)
+  env ${env[@]+"${env[@]}"} timeout $(( left < 110 ? left : 110 )) \
     python3 benchmarks/gpu_suite.py --ckpt $ck --sections decode --batches 1,16,64 \
     --contexts 1024 --out "$OUT/$tag.json" > "$OUT/$tag.log" 2>&1
   echo "decode, skinny rows $rows, PDL $pdl: exit $?"; sed -n '/^ batch /,/^batch /p' "$OUT/$tag.log"
@@ -657,6 +664,17 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
       | tee "$OUT/skinny.log" | quiet | tail -50
     llama_ckpt || exit 1
     for v in 0:0 16:0 64:0 16:1 0:0; do llama_decode ${v%%:*} ${v#*:} 570 70 || break; done
+    ;;
+  k33)  # issue 30 / 28: llama-8b-shape decode on the defaults (decode-size GEMM and PDL
+    # to 16 rows), then FP8 (fp8_bench) with it off and on
+    llama_ckpt || exit 1
+    llama_decode - - 570 60
+    for rows in 0 16; do
+      PDSERVE_SKINNY_ROWS=$rows timeout 160 \
+        python3 benchmarks/fp8_bench.py --models llama-8b-shape --variants fp8 \
+        --out "$OUT/s30f_rows$rows.json" > "$OUT/s30f_rows$rows.log" 2>&1
+      echo "fp8 llama, skinny rows $rows: exit $?"; quiet < "$OUT/s30f_rows$rows.log" | sed -n '/^== /,$p'
+    done
     ;;
   k32)  # issue 30: the skinny GEMM's GPU tests (early weight steps, split-K, PDL in a
     # graph), the layer section alone (PDL off / on, early_w 0-2), then llama-8b-shape

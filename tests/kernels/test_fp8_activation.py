@@ -195,9 +195,10 @@ def test_fused_model_with_fp8_producers_gives_the_same_logits(
 def test_fp8_llama_decode_rows_read_the_weights_unquantized_activations(
     tmp_path: Path, device: torch.device, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Decode rows of an FP8 Llama take the decode-size GEMM over the FP8 weights with the
-    norms and SiLU-and-mul as its prologues (the quantizing producers bypassed): the
-    logits of every block-FP8 linear computed as ``x @ dequantize(W)^T`` in float32."""
+    """Decode rows of an FP8 Llama take the decode-size GEMM over the FP8 weights, the
+    norms and SiLU-and-mul giving it unquantized activations (their fp8 output mode
+    bypassed): the logits of every block-FP8 linear computed as ``x @ dequantize(W)^T``
+    in float32."""
     from pdserve.kernels.reference import dequantize_fp8_blocks
     from pdserve.layers import fp8 as fp8_layers
     from pdserve.layers.fp8 import Fp8Linear

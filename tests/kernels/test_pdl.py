@@ -45,14 +45,32 @@ def test_pdl_is_on_where_possible_unless_turned_off(
 def test_the_runner_takes_the_model_familys_default(
     monkeypatch: pytest.MonkeyPatch, tiny_llama: Path, tiny_glm5: Path
 ) -> None:
-    """Llama serves without dependent launches (they cost its GEMM-bound decode steps at
-    batch 16 and 64), GLM-5 with them, where ``PDSERVE_PDL`` does not say."""
-    from pdserve import LLM
+    """Where ``PDSERVE_PDL`` does not say: Llama launches dependently in the steps of at
+    most ``pdl_tokens`` (16) tokens, its decode batches on the decode-size GEMM, and not
+    in larger ones (cuBLAS GEMMs do not launch their successors early); GLM-5 in every
+    step."""
+    from pdserve import LLM, SamplingParams
+    from pdserve.runner import model_step
 
-    monkeypatch.setattr(_utils, "_pdl_default", [True])
-    for ckpt, want in ((tiny_llama, False), (tiny_glm5, True)):
+    monkeypatch.delenv(_utils.PDL_ENV, raising=False)
+    monkeypatch.delenv("PDSERVE_SKINNY_ROWS", raising=False)
+    monkeypatch.setenv("PDSERVE_FUSED_KERNELS", "1")  # the decode-size GEMM's rows (CPU: interpreted)
+    seen: list[tuple[int, bool]] = []
+    hidden = model_step.ModelStep.hidden
+
+    def spy(self, common, kv_caches=None):  # type: ignore[no-untyped-def]
+        out = hidden(self, common, kv_caches)
+        seen.append((common.num_actual_tokens, _utils._pdl_default[0]))
+        return out
+
+    monkeypatch.setattr(model_step.ModelStep, "hidden", spy)
+    prompt = list(range(3, 40))  # 37 tokens: a prefill step past Llama's 16
+    for ckpt, limit in ((tiny_llama, 16), (tiny_glm5, None)):
         llm = LLM(str(ckpt), dtype="float32", max_model_len=64)
-        assert _utils._pdl_default == [want]
+        seen.clear()
+        llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=3))
+        assert {t for t, _ in seen} >= {37, 1}, seen
+        assert all(on == (limit is None or t <= limit) for t, on in seen), (ckpt, seen)
         llm.engine.shutdown()
 
 

@@ -89,8 +89,8 @@ _pdl_default = [True]  # where PDSERVE_PDL is unset (use_pdl_by_default)
 
 def use_pdl_by_default(on: bool) -> None:
     """Whether :func:`pdl_args` launches dependently where ``PDSERVE_PDL`` is unset: the
-    model runner sets it, before its warm-up, from the model family's measured preference
-    (``CausalLM.pdl_pays``)."""
+    model runner sets it for each step (``ModelStep.hidden``) from the model family's
+    measured preference (``CausalLM.pdl_tokens``)."""
     _pdl_default[0] = on
 
 

@@ -33,6 +33,10 @@ class SiluAndMul(nn.Module):
 
                 return silu_and_mul_fp8(x)
             return quantize_fp8_activation(silu_and_mul_torch(x))
+        return self.plain(x)
+
+    def plain(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` in the model dtype, ``quant_out`` aside."""
         if self.fused:
             from pdserve.kernels.activation import silu_and_mul
 

@@ -245,46 +245,51 @@ def checkpoint_shards(root: nn.Module) -> dict[str, Shard]:
     return {name: s for name, (_, s) in checkpoint_entries(root).items() if s is not None}
 
 
-def _prologue_target(linear: nn.Module, x: torch.Tensor, prologue: str) -> Linear | None:
-    """``linear`` where its decode-size GEMM takes ``x``'s rows and ``prologue`` pays at
-    that many rows (:func:`~pdserve.kernels.skinny_gemm.prologue_pays`); a plain or a
-    block-FP8 linear (the FP8 one then reads its weights with the activation
-    unquantized)."""
+def _skinny_target(linear: nn.Module, x: torch.Tensor) -> Linear | None:
+    """``linear`` where its decode-size GEMM takes ``x``'s rows (a plain or a block-FP8
+    linear: the FP8 one then reads its weights with the activation unquantized)."""
     if isinstance(linear, Linear) and linear.takes_skinny(x):
-        from pdserve.kernels.skinny_gemm import prologue_pays
-
-        if prologue_pays(x.numel() // x.shape[-1], prologue):
-            return linear
+        return linear
     return None
+
+
+def _folds(prologue: str, x: torch.Tensor) -> bool:
+    from pdserve.kernels.skinny_gemm import prologue_pays
+
+    return prologue_pays(x.numel() // x.shape[-1], prologue)
 
 
 def norm_then_linear(
     norm: nn.Module, linear: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(linear(norm(x + residual)), x + residual)`` (``residual`` None: ``linear(norm(x))``
-    and ``x``): one launch where ``linear``'s decode-size GEMM takes ``x``'s rows with a
-    prologue and ``norm`` is a fused RMSNorm (its FP8 output mode, for an FP8 ``linear``'s other
-    batches, is then bypassed), else the norm's kernel then the linear. ``linear`` is a
-    plain or column-parallel one (a normed input is whole on every rank)."""
-    target = _prologue_target(linear, x, "rmsnorm")
-    if target is not None and getattr(norm, "fused", False):
+    and ``x``). Where ``linear``'s decode-size GEMM takes ``x``'s rows, the norm's FP8
+    output mode (for an FP8 ``linear``'s other batches) is bypassed, and a fused RMSNorm
+    folds into the GEMM's launch where that pays
+    (:func:`~pdserve.kernels.skinny_gemm.prologue_pays`); else the norm's kernel, then
+    the linear. ``linear`` is a plain or column-parallel one (a normed input is whole on
+    every rank)."""
+    target = _skinny_target(linear, x)
+    if target is not None and getattr(norm, "fused", False) and _folds("rmsnorm", x):
         kw = {"prologue": "rmsnorm", "norm_weight": norm.weight, "eps": norm.eps}
         out: Any = target.gemm(x, target.bias, residual=residual, **kw)
         return (out, x) if residual is None else out
+    produce: Any = getattr(norm, "plain", norm) if target is not None else norm
     if residual is None:
-        return linear(norm(x)), x
-    h, residual = norm(x, residual)
+        return linear(produce(x)), x
+    h, residual = produce(x, residual)
     return linear(h), residual
 
 
 def silu_then_linear(act: nn.Module, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``linear(act(x))`` for SwiGLU's gate|up output ``x``: one launch where ``linear``'s
-    decode-size GEMM takes ``x``'s rows with a prologue (``act``'s FP8 output mode then
-    bypassed)."""
-    target = _prologue_target(linear, x, "silu_mul")
-    if target is not None:
+    """``linear(act(x))`` for SwiGLU's gate|up output ``x``: where ``linear``'s
+    decode-size GEMM takes ``x``'s rows, ``act``'s FP8 output mode is bypassed and
+    SiLU-and-mul folds into the GEMM's launch where that pays."""
+    target = _skinny_target(linear, x)
+    if target is not None and _folds("silu_mul", x):
         return target.gemm(x, target.bias, prologue="silu_mul")
-    out: torch.Tensor = linear(act(x))
+    produce: Any = getattr(act, "plain", act) if target is not None else act
+    out: torch.Tensor = linear(produce(x))
     return out
 
 

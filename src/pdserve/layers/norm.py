@@ -55,6 +55,13 @@ class RMSNorm(nn.Module):
         (``norm`` an :class:`Fp8Activation` under ``quant_out``)."""
         if self.quant_out:
             return self._forward_fp8(x, residual)
+        return self.plain(x, residual)
+
+    def plain(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` in the model dtype, ``quant_out`` aside (for a consumer that
+        reads unquantized activations: an FP8 linear's decode-size GEMM)."""
         if self.fused:
             from pdserve.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
 

@@ -176,15 +176,13 @@ class LlamaForCausalLM(CausalLM):
     """Llama 2/3 (and Qwen3 through :class:`Qwen3ForCausalLM`)."""
 
     qk_norm = False
-    # H100, llama-8b-shape decode (RESULTS.md runs 84, 90-93): dependent launches gave
-    # 0.7-3% at batch 1 and cost 1.4-1.7% at 16 and 64 (FP8: 1.4-5%), where the step
-    # is mostly cuBLAS GEMMs that do not launch their successors early
-    pdl_pays = False
-    # decode batches up to this many rows run the decode-size GEMM with the norms and
-    # SiLU-and-mul as its prologues: off until the GPU has timed it against cuBLAS and
-    # the separate kernels (benchmarks/run_pending.sh c30 / s30); PDSERVE_SKINNY_ROWS=16
-    # turns it on
-    skinny_rows = 0
+    # decode batches up to this many rows run the decode-size GEMM (one row: SiLU-and-mul
+    # folded into down's launch) and launch dependently: llama-8b-shape on the H100 at
+    # batch 1 x 1K, 5.94 ms a step against 6.13 with cuBLAS and no PDL, 16 rows even
+    # (RESULTS.md run 120). From 17 rows cuBLAS and no PDL: dependent launches cost
+    # 1.4-1.7% at 64 rows (runs 84, 90-93, 120), where cuBLAS GEMMs do not launch their
+    # successors early. PDSERVE_SKINNY_ROWS / PDSERVE_PDL override.
+    skinny_rows = 16
 
     def __init__(
         self,
@@ -200,7 +198,7 @@ class LlamaForCausalLM(CausalLM):
         self.model = LlamaModel(config, dtype, self.qk_norm, tp)
         tied = self.model.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype, tied=tied, tp=tp)
-        enable_skinny(self, self.skinny_rows)
+        self.pdl_tokens = enable_skinny(self, self.skinny_rows)  # PDL where it runs
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)

@@ -40,9 +40,10 @@ class CausalLM(nn.Module, ABC):
     # linears the model reads as raw weights, kept in the model dtype under FP8
     # quantization (dequantized at load; see pdserve.models.quantization)
     fp8_dense_modules: tuple[str, ...] = ()
-    # whether programmatic dependent launch pays on this family's decode path, where
-    # PDSERVE_PDL does not say (pdserve.kernels._utils.use_pdl_by_default)
-    pdl_pays = True
+    # the steps that launch dependently (programmatic dependent launch) where PDSERVE_PDL
+    # does not say: those of at most this many tokens, None every step, 0 none
+    # (pdserve.kernels._utils.use_pdl_by_default, set by ModelStep.hidden)
+    pdl_tokens: int | None = None
 
     def __init__(self, config: HFModelConfig, dtype: torch.dtype) -> None:
         super().__init__()

@@ -97,7 +97,8 @@ class ModelRunner:
             **options,
         )
         self.model.eval()
-        use_pdl_by_default(self.model.pdl_pays)  # before anything is compiled or captured
+        # before anything is compiled or captured (ModelStep.hidden sets it for each step)
+        use_pdl_by_default(self.model.pdl_tokens != 0)
         # expert parallelism: MoE layers are collectives, every step runs on every rank
         self.lockstep = self.groups.ep.size > 1 and any(
             isinstance(m, MoE) for m in self.model.modules()

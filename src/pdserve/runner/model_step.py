@@ -100,8 +100,12 @@ class ModelStep:
         the input buffers (``kv_caches``: throwaway caches for profiling runs)."""
         caches = kv_caches if kv_caches is not None else self.kv_caches
         assert caches is not None, "the KV cache is not allocated yet"
+        from pdserve.kernels._utils import use_pdl_by_default  # Triton: at use (test_layering)
+
         md = {g: b.build_metadata(common) for g, b in self.backends.items()}
         t = common.num_actual_tokens
+        limit = self.model.pdl_tokens  # the family's dependent launches, for this step
+        use_pdl_by_default(limit is None or t <= limit)
         with set_forward_context(self.backends, md, caches):
             return self.model(self.buffers.input_ids.dev[:t], self.buffers.positions.dev[:t])
 
