@@ -192,6 +192,27 @@ def test_fused_model_with_fp8_producers_gives_the_same_logits(
     torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
 
 
+def test_llama_takes_the_decode_size_gemm_in_bf16_only_by_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where PDSERVE_SKINNY_ROWS does not say: a bf16 Llama's linears take decode rows up
+    to 16 on the decode-size GEMM, and its steps of at most 16 tokens launch dependently;
+    an FP8 Llama keeps the block-FP8 GEMM and no dependent launches (run 121)."""
+    from pdserve.layers.fp8 import Fp8Linear
+    from pdserve.layers.linear import Linear
+
+    ckpt = make_checkpoint("LlamaForCausalLM", "tiny", tmp_path, config_only=True,
+                           config_overrides={"num_hidden_layers": 1})  # fmt: skip
+    monkeypatch.setenv("PDSERVE_FUSED_KERNELS", "1")
+    monkeypatch.delenv("PDSERVE_SKINNY_ROWS", raising=False)
+    for quant, rows, fp8s in ((None, 16, 0), ("fp8", 0, 4)):
+        model, _ = load_model(ckpt, "bfloat16", "cpu", load_format="dummy", quantization=quant)
+        lins = [m for m in model.modules() if isinstance(m, Linear)]
+        assert sum(isinstance(m, Fp8Linear) for m in lins) == fp8s
+        assert lins and {m.skinny_rows for m in lins} == {rows}
+        assert model.pdl_tokens == rows
+
+
 def test_fp8_llama_decode_rows_read_the_weights_unquantized_activations(
     tmp_path: Path, device: torch.device, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -97,7 +97,7 @@ class Fp8Linear(Linear):
             else None
         )
         self.fused = use_fused_kernels()
-        self.skinny_rows = 0  # the plain layer's it replaced (convert_linears)
+        self.skinny_rows = 0  # see enable_skinny (weight-only decode-size GEMM)
 
     def gemm(
         self, x: torch.Tensor | Fp8Activation, bias: torch.Tensor | None, **prologue: object

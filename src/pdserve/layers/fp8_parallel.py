@@ -223,7 +223,6 @@ def convert_linears(
         assert isinstance(module, Linear)
         with torch.device(device if device is not None else module.weight.device):
             new = fp8_counterpart(name, module)
-        new.skinny_rows = module.skinny_rows  # decode rows: the weight-only decode-size GEMM
         parent_name, _, leaf = name.rpartition(".")
         setattr(root.get_submodule(parent_name) if parent_name else root, leaf, new)
         del module

@@ -100,22 +100,32 @@ SKINNY_ENV = "PDSERVE_SKINNY_ROWS"
 
 
 def enable_skinny(root: nn.Module, default: int) -> int:
-    """Let every plain linear under ``root`` run the decode-size GEMM
+    """Let the linears under ``root`` run the decode-size GEMM
     (:mod:`pdserve.kernels.skinny_gemm`) for up to ``default`` rows instead of cuBLAS,
-    where the fused kernels are on (``PDSERVE_SKINNY_ROWS`` overrides ``default``; 0:
-    never). A model family calls it at the end of its constructor with the rows it
-    measured a gain at; returns the rows set."""
+    where the fused kernels are on: plain ones in the model dtype; block-FP8 ones (its
+    weight-only mode) only where ``PDSERVE_SKINNY_ROWS`` asks, as it measured slower
+    than the block-FP8 GEMM in the model (llama-8b-shape decode 2.38x against 1.49x the
+    FP8 roofline at batch 1, RESULTS.md run 121). ``PDSERVE_SKINNY_ROWS`` overrides
+    ``default`` (0: never). A model family calls it once its layers are final
+    (``CausalLM.configure_decode``) with the rows it measured a gain at; returns the most
+    rows any linear takes."""
     from pdserve.layers.fused import use_fused_kernels
 
     mode = os.environ.get(SKINNY_ENV)
     if mode is not None and not mode.isdigit():
         raise ValueError(f"{SKINNY_ENV} must be a number of rows (got {mode!r})")
     rows = (default if mode is None else int(mode)) if use_fused_kernels() else 0
+    most = 0
     for module in root.modules():
-        if isinstance(module, Linear) and is_plain_linear(module):
+        if not isinstance(module, Linear):
+            continue
+        if getattr(module, "quantized", False):
+            module.skinny_rows = rows if mode is not None else 0
+        else:
             dtype = module.weight.dtype
             module.skinny_rows = rows if dtype in (torch.bfloat16, torch.float16, torch.float32) else 0
-    return rows
+        most = max(most, module.skinny_rows)
+    return most
 
 
 class Linear(nn.Module):

@@ -179,10 +179,12 @@ class LlamaForCausalLM(CausalLM):
     # decode batches up to this many rows run the decode-size GEMM (one row: SiLU-and-mul
     # folded into down's launch) and launch dependently: llama-8b-shape on the H100 at
     # batch 1 x 1K, 5.94 ms a step against 6.13 with cuBLAS and no PDL, 16 rows even
-    # (RESULTS.md run 120). From 17 rows cuBLAS and no PDL: dependent launches cost
+    # (RESULTS.md runs 120-121). From 17 rows cuBLAS and no PDL: dependent launches cost
     # 1.4-1.7% at 64 rows (runs 84, 90-93, 120), where cuBLAS GEMMs do not launch their
-    # successors early. PDSERVE_SKINNY_ROWS / PDSERVE_PDL override.
+    # successors early; FP8 linears keep the block-FP8 GEMM and no PDL (enable_skinny).
+    # PDSERVE_SKINNY_ROWS / PDSERVE_PDL override.
     skinny_rows = 16
+    pdl_tokens: int | None = 0  # configure_decode: the rows the decode-size GEMM takes
 
     def __init__(
         self,
@@ -198,6 +200,8 @@ class LlamaForCausalLM(CausalLM):
         self.model = LlamaModel(config, dtype, self.qk_norm, tp)
         tied = self.model.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype, tied=tied, tp=tp)
+
+    def configure_decode(self) -> None:
         self.pdl_tokens = enable_skinny(self, self.skinny_rows)  # PDL where it runs
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

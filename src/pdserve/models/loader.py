@@ -217,6 +217,7 @@ def _build(
         quantize_model_experts(model, fp8, device)
         fuse_fp8_activations(model)
     materialize(model, device)  # the layers that stay in the model dtype
+    model.configure_decode()
     return model, Fp8WeightStream(model.checkpoint_tensors(), names, model.checkpoint_shards())
 
 

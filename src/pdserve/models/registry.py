@@ -69,6 +69,10 @@ class CausalLM(nn.Module, ABC):
     def checkpoint_tensor_names(self) -> set[str]:
         """The HF tensor names a complete checkpoint provides for this model."""
 
+    def configure_decode(self) -> None:
+        """The family's decode-path choices, made by the loader once the layers are final
+        (FP8 linears swapped in): nothing by default."""
+
     def fp8_activation_links(self) -> list[tuple[str, list[str]]]:
         """(producer, every consumer of its output) as module paths, for the producers
         that can emit an FP8 activation (an RMSNorm, SiLU-and-mul): where all the
