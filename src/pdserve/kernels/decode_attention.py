@@ -50,10 +50,12 @@ from pdserve.kernels.reference import FP8_DTYPE
 MAX_SPLITS = 64
 MIN_TOKENS_PER_SPLIT = 64
 CTAS_PER_SM = 4
-NUM_STAGES = 2  # software-pipelining depth of the K/V tile loop (kernels_bench sweeps it)
-# over an fp8 cache: one stage. H100 sweep of 2026-12-05 (RESULTS.md run 64, 1K context):
-# the engine's pick at batch 64 took 104.5 us with two stages and 75.5 us with one; the
-# fastest configs at batch 1 and 16 had one stage too (or did not depend on it)
+# software-pipelining depth of the K/V tile loop (kernels_bench's decode_configs sweeps
+# it): one stage, over a bf16 cache too. H100, 1K context, attention + reduce (RESULTS.md
+# run 122): the engine's pick at batch 64 took 99.2 us with two stages and 92.1 with one
+# (the KV bound: 88.7); the fastest configs at batch 1 and 16 had one stage too. Over an
+# fp8 cache (run 64): 104.5 against 75.5 us at batch 64.
+NUM_STAGES = 1
 NUM_STAGES_FP8 = 1
 # Over an fp8 cache with bf16 / fp16 queries the MMAs take fp16 operands and the tiles
 # are converted by the hardware's e4m3x2 -> f16x2 instruction in the layout they were
