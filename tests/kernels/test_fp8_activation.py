@@ -198,13 +198,17 @@ def test_llama_takes_the_decode_size_gemm_in_bf16_only_by_default(
     """Where PDSERVE_SKINNY_ROWS does not say: a bf16 Llama's linears take decode rows up
     to 16 on the decode-size GEMM, and its steps of at most 16 tokens launch dependently;
     an FP8 Llama keeps the block-FP8 GEMM and no dependent launches (run 121)."""
+    from pdserve.layers import fused
     from pdserve.layers.fp8 import Fp8Linear
     from pdserve.layers.linear import Linear
 
     ckpt = make_checkpoint("LlamaForCausalLM", "tiny", tmp_path, config_only=True,
                            config_overrides={"num_hidden_layers": 1})  # fmt: skip
-    monkeypatch.setenv("PDSERVE_FUSED_KERNELS", "1")
     monkeypatch.delenv("PDSERVE_SKINNY_ROWS", raising=False)
+    # the fused kernels "on" for the model's own device only: the choice must ask about
+    # it, not the default device (a GPU model is configured outside its device context)
+    monkeypatch.setattr(fused, "use_fused_kernels", lambda device=None: device is not None
+                        and torch.device(device).type == "cpu")  # fmt: skip
     for quant, rows, fp8s in ((None, 16, 0), ("fp8", 0, 4)):
         model, _ = load_model(ckpt, "bfloat16", "cpu", load_format="dummy", quantization=quant)
         lins = [m for m in model.modules() if isinstance(m, Linear)]

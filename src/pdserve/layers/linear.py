@@ -114,7 +114,8 @@ def enable_skinny(root: nn.Module, default: int) -> int:
     mode = os.environ.get(SKINNY_ENV)
     if mode is not None and not mode.isdigit():
         raise ValueError(f"{SKINNY_ENV} must be a number of rows (got {mode!r})")
-    rows = (default if mode is None else int(mode)) if use_fused_kernels() else 0
+    device = next((p.device for p in root.parameters()), None)  # not the default device
+    rows = (default if mode is None else int(mode)) if use_fused_kernels(device) else 0
     most = 0
     for module in root.modules():
         if not isinstance(module, Linear):
