@@ -51,11 +51,11 @@ MAX_SPLITS = 64
 MIN_TOKENS_PER_SPLIT = 64
 CTAS_PER_SM = 4
 # software-pipelining depth of the K/V tile loop (kernels_bench's decode_configs sweeps
-# it): one stage, over a bf16 cache too. H100, 1K context, attention + reduce (RESULTS.md
-# run 122): the engine's pick at batch 64 took 99.2 us with two stages and 92.1 with one
-# (the KV bound: 88.7); the fastest configs at batch 1 and 16 had one stage too. Over an
-# fp8 cache (run 64): 104.5 against 75.5 us at batch 64.
-NUM_STAGES = 1
+# it). Over a bf16 cache two: alone at 1K context the engine's pick at batch 64 took
+# 99.2 us with two stages and 92.1 with one (H100, RESULTS.md run 122), but in the
+# llama-8b-shape decode step the kernel took 95.4 us a layer either way and the step the
+# same time (run 123). Over an fp8 cache one (run 64: 104.5 against 75.5 us at batch 64).
+NUM_STAGES = 2
 NUM_STAGES_FP8 = 1
 # Over an fp8 cache with bf16 / fp16 queries the MMAs take fp16 operands and the tiles
 # are converted by the hardware's e4m3x2 -> f16x2 instruction in the layout they were
