@@ -159,12 +159,15 @@ def _w_tile(w_base, k0, ks, nmask, k_hi, LOAD: tl.constexpr):
 @triton.jit
 def _tile_product(acc, a, w, ws_base, k0, nmask, FP8_W: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):  # fmt: skip
-    """``acc`` plus the tile's ``a w^T`` (FP8 weights: scaled by the K step's block scale)."""
-    if BLOCK_M == 1:  # registers: acc is [1, BLOCK_N]
-        part = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=1)
+    """``acc`` plus the tile's ``a w^T`` (FP8 weights: scaled by the K step's block scale).
+    On the register path (``BLOCK_M`` 1) ``acc`` is [BLOCK_N, BLOCK_K]: each element's
+    products accumulate where they are, summed over K once after the loop (no reduction
+    across the threads every K step)."""
+    if BLOCK_M == 1:
+        part = w.to(tl.float32) * a.to(tl.float32)
         if FP8_W:
-            part *= tl.load(ws_base + k0 // BLOCK_K, mask=nmask, other=0.0)
-        acc += part[None, :]
+            part *= tl.load(ws_base + k0 // BLOCK_K, mask=nmask, other=0.0)[:, None]
+        acc += part
     else:
         if FP8_W:  # e4m3 values are exact in bf16 / fp16
             w = w.to(a.dtype)
@@ -248,7 +251,10 @@ def _skinny_gemm_kernel(
     # FP8 weights: one float32 scale per (SCALE_ROWS rows, 128 columns) block, applied to
     # each 128-wide K step's partial product (BLOCK_K is 128 then)
     ws_base = ws_ptr + (cols // SCALE_ROWS).to(tl.int64) * stride_ws
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if BLOCK_M == 1:  # the register path's per-element partials (_tile_product)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if PREFETCH:
         x, q = _raw_tile(x_ptr, r_ptr, rows, rmask, k_lo, ks, stride_x, stride_r, K, PROLOGUE,
                          HAS_RES)  # fmt: skip
@@ -280,6 +286,8 @@ def _skinny_gemm_kernel(
                             DOT_PREC)  # fmt: skip
         if PREFETCH:
             x, q = xn, qn
+    if BLOCK_M == 1:
+        acc = tl.sum(acc, axis=1)[None, :]
     if ONE_PASS:
         acc = acc * tl.rsqrt(ssq / K + eps)[:, None]
     omask = rmask[:, None] & nmask[None, :]
@@ -301,9 +309,10 @@ def default_config(rows: int) -> SkinnyConfig:
     """The tiles for ``rows`` rows where the caller gives none. One row takes the register
     path (8 columns x 512 K a program): a 16-row MMA tile would compute its prologue for
     15 masked rows too, which compiled for Hopper is 2,006 instructions a K step under
-    SiLU-and-mul against 248 on this path (``tools/sm90_report.py``), while the plain
-    weight stream is as fast (qkv at one row: 20.7 against 20.8 us, RESULTS.md run 117).
-    Its first weight step loads before a dependent launch's wait (``early_w``)."""
+    SiLU-and-mul against 200 on this path (``tools/sm90_report.py``; 136 without a
+    prologue, 197 before the per-element partials), while the plain weight stream is as
+    fast (qkv at one row: 20.7 against 20.8 us, RESULTS.md run 117). Its first weight
+    step loads before a dependent launch's wait (``early_w``)."""
     return ONE_ROW if rows == 1 else SkinnyConfig()
 
 
