@@ -26,9 +26,9 @@ down 4096 x 14336) at 1 / 16 / 64 rows:
   their weights miss L2, with the decode-size GEMM on (default tiles, the prologues
   ``prologue_pays`` picks) and off (the fused norm kernels, cuBLAS, SiLU-and-mul), each
   launched as Llama launches them (no PDL) and with PDL (at one row also with 0 and 2 of
-  the weight's K steps loaded before the PDL wait); per-layer ms against the copy rate
-  for the weights, and each launch's device time from the profiler (with PDL a launch's
-  span starts before its predecessor ends).
+  the weight's K steps loaded before the PDL wait, and with the norms folded in one
+  pass); per-layer ms against the copy rate for the weights, and each launch's device
+  time from the profiler (with PDL a launch's span starts before its predecessor ends).
 
 ``--device cpu``: tiny shapes, kernels in Triton's interpreter, eager host-clock times (a
 smoke run: tests/bench/test_bench_scripts.py).
@@ -242,63 +242,77 @@ def layer_section(shapes, rows_list, dev, dt, bw, time_calls):  # type: ignore[n
         x = torch.randn(rows, hidden, device=dev).to(dt)
         attn = torch.randn(rows, hidden, device=dev).to(dt)  # attention's output, fixed
 
-        def step(x: torch.Tensor = x, attn: torch.Tensor = attn) -> torch.Tensor:
-            h, res = x, None
+        def step(x: torch.Tensor = x, attn: torch.Tensor = attn) -> tuple[torch.Tensor, ...]:
+            h, res, qkv = x, None, x
             for ly in layers:
-                _, res = norm_then_linear(ly["n1"], ly["qkv"], h, res)
+                qkv, res = norm_then_linear(ly["n1"], ly["qkv"], h, res)
                 h = ly["o"](attn)
                 gu, res = norm_then_linear(ly["n2"], ly["gate_up"], h, res)
                 h = silu_then_linear(ly["act"], ly["down"], gu)
-            return h
+            return qkv, h, res
 
         row: dict[str, Any] = {"rows": rows, "layers": len(layers), "weight_bytes": wbytes}
-        for mode, on, pdl, early in layer_modes(rows, cpu):
+        ref: tuple[torch.Tensor, ...] = ()
+        for mode, on, pdl, early, norm1p in layer_modes(rows, cpu):
             for ly in layers:
                 for m in ly.values():
                     if isinstance(m, Linear):
                         m.skinny_rows = max(rows, 1) if on else 0
-            with launch_setting(pdl, early):
+            with launch_setting(pdl, early, norm1p):
+                got = step()  # the last layer's q|k|v, output and residual, against off's
+                ref = ref or got
+                diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(got, ref, strict=True))
                 ms = time_calls([step]) / len(layers)
                 launches = [] if cpu else launch_times(step, len(layers))
+            row[f"{mode}_max_diff"] = diff
             row[f"{mode}_ms"] = ms
             row[f"{mode}_x_copy"] = ms / (wbytes / bw * 1e3)
             row[f"{mode}_launches"] = launches
             print(f"layer rows {rows:3d} {mode:>14}: {ms * 1e3:7.1f} us ({ms / (wbytes / bw * 1e3):.2f}x "
-                  "copy); " + ", ".join(f"{n[:28]} {us:.1f}" for n, us in launches), flush=True)  # fmt: skip
+                  f"copy, max diff {diff:.3g}); " + ", ".join(f"{n[:28]} {us:.1f}" for n, us in launches), flush=True)  # fmt: skip
         out.append(row)
     return out
 
 
-def layer_modes(rows: int, cpu: bool) -> list[tuple[str, bool, bool, int | None]]:
+Mode = tuple[str, bool, bool, int | None, bool]
+
+
+def layer_modes(rows: int, cpu: bool) -> list[Mode]:
     """The layer section's modes: (name, decode-size GEMM on, PDL, the one-row tiles'
-    ``early_w``; None: the default's). ``off`` and ``skinny`` launch as the Llama model
-    does (no PDL); the rest with PDL, at one row also with 0 and 2 early weight steps."""
-    modes: list[tuple[str, bool, bool, int | None]] = [("off", False, False, None),
-                                                        ("skinny", True, False, None)]  # fmt: skip
+    ``early_w`` (None: the default's), the norms folded in one pass). ``off`` and
+    ``skinny`` launch as the Llama model did before its defaults (no PDL); the rest with
+    PDL, at one row also with 0 and 2 early weight steps and with the norms folded into
+    q|k|v and gate|up in one pass (``one_pass_norm``)."""
+    modes: list[Mode] = [("off", False, False, None, False), ("skinny", True, False, None, False)]
     if cpu:
-        return modes
-    modes += [("off_pdl", False, True, None), ("skinny_pdl", True, True, None)]
+        return modes + [("skinny_norm1p", True, False, None, True)] if rows == 1 else modes
+    modes += [("off_pdl", False, True, None, False), ("skinny_pdl", True, True, None, False)]
     if rows == 1:
-        modes += [(f"skinny_pdl_early{e}", True, True, e) for e in (0, 2)]
+        modes += [(f"skinny_pdl_early{e}", True, True, e, False) for e in (0, 2)]
+        modes.append(("skinny_pdl_norm1p", True, True, None, True))
     return modes
 
 
 @contextlib.contextmanager
-def launch_setting(pdl: bool, early: int | None) -> Iterator[None]:
-    """PDL on or off where ``PDSERVE_PDL`` is unset, and the one-row tiles' ``early_w``,
-    for the launches (and captures) inside; both restored after."""
+def launch_setting(pdl: bool, early: int | None, norm1p: bool = False) -> Iterator[None]:
+    """PDL on or off where ``PDSERVE_PDL`` is unset, the one-row tiles' ``early_w``, and
+    (``norm1p``) add+RMSNorm folded into the one-row launches in one pass, for the
+    launches (and captures) inside; all restored after."""
     from pdserve.kernels import _utils
     from pdserve.kernels import skinny_gemm as sk
 
-    was_pdl, was_cfg = _utils._pdl_default[0], sk.ONE_ROW
+    was_pdl, was_cfg, was_pays = _utils._pdl_default[0], sk.ONE_ROW, sk.prologue_pays
     _utils.use_pdl_by_default(pdl)
     if early is not None:
-        sk.ONE_ROW = replace(was_cfg, early_w=early)
+        sk.ONE_ROW = replace(sk.ONE_ROW, early_w=early)
+    if norm1p:
+        sk.ONE_ROW = replace(sk.ONE_ROW, one_pass_norm=True)
+        sk.prologue_pays = lambda rows, prologue: rows == 1 or was_pays(rows, prologue)
     try:
         yield
     finally:
         _utils.use_pdl_by_default(was_pdl)
-        sk.ONE_ROW = was_cfg
+        sk.ONE_ROW, sk.prologue_pays = was_cfg, was_pays
 
 
 def launch_times(step: Callable[[], object], n_layers: int) -> list[tuple[str, float]]:

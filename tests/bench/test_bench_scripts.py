@@ -325,6 +325,9 @@ def test_skinny_bench(tmp_path: Path) -> None:
     assert [r["rows"] for r in res["layer"]] == [1, 3]
     assert all(r["skinny_ms"] > 0 and r["off_ms"] > 0 and r["weight_bytes"] > 0
                for r in res["layer"])  # fmt: skip
+    # one row also with the norms folded in one pass; every mode computes off's layers
+    assert res["layer"][0]["skinny_norm1p_ms"] > 0 and "skinny_norm1p_ms" not in res["layer"][1]
+    assert all(r[k] < 1e-4 for r in res["layer"] for k in r if k.endswith("_max_diff"))
     assert [(r["proj"], r["rows"]) for r in res["gemm"]] == [
         (p, n) for p in ("qkv", "o", "gate_up", "down") for n in (1, 3)
     ]

@@ -133,6 +133,16 @@ def _norm_sum(x, q, ro_ptr, rows, rmask, kk, stride_ro, K, write, HAS_RES: tl.co
 
 
 @triton.jit
+def _squares(sq, z, BLOCK_M: tl.constexpr):
+    """``sq`` plus the K step's squares of ``z``: per element on the register path (summed
+    over K once after the pass: no reduction across the threads a step), else each row's
+    sum (an MMA tile's rows would hold too many registers per element)."""
+    if BLOCK_M == 1:
+        return sq + z * z
+    return sq + tl.sum(z * z, axis=1, keep_dims=True)
+
+
+@triton.jit
 def _input_tile(x, q, nw_ptr, kk, K, rstd, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr):
     """The GEMM input's tile from :func:`_raw_tile`'s loads, in x's dtype."""
     if PROLOGUE == 1:
@@ -231,7 +241,11 @@ def _skinny_gemm_kernel(
     # PREFETCH: each K step issues the next step's activation loads before it uses this
     # step's (a one-step ring in registers), so their latency overlaps the weight stream
     rstd = tl.zeros([BLOCK_M], tl.float32)
-    ssq = tl.zeros([BLOCK_M], tl.float32)  # the rows' sum of squares (rmsnorm)
+    # the rows' sums of squares (rmsnorm; _squares)
+    if BLOCK_M == 1:
+        sq = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
+    else:
+        sq = tl.zeros([BLOCK_M, 1], tl.float32)
     first = (pid_n == 0) & (tl.program_id(2) == 0)  # the program that writes the sum
     if (PROLOGUE == 1) and (not ONE_PASS):  # a pass for the sum of squares first
         if PREFETCH:
@@ -244,10 +258,10 @@ def _skinny_gemm_kernel(
                 x, q = _raw_tile(x_ptr, r_ptr, rows, rmask, k0, ks, stride_x, stride_r, K, 1,
                                  HAS_RES)  # fmt: skip
             z = _norm_sum(x, q, ro_ptr, rows, rmask, k0 + ks, stride_ro, K, first, HAS_RES)
-            ssq += tl.sum(z * z, axis=1)
+            sq = _squares(sq, z, BLOCK_M)
             if PREFETCH:
                 x, q = xn, qn
-        rstd = tl.rsqrt(ssq / K + eps)
+        rstd = tl.rsqrt(tl.sum(sq, axis=1) / K + eps)
     # FP8 weights: one float32 scale per (SCALE_ROWS rows, 128 columns) block, applied to
     # each 128-wide K step's partial product (BLOCK_K is 128 then)
     ws_base = ws_ptr + (cols // SCALE_ROWS).to(tl.int64) * stride_ws
@@ -268,7 +282,7 @@ def _skinny_gemm_kernel(
         kk = k0 + ks
         if ONE_PASS:  # rmsnorm: the weighted sum now, the rows' 1 / rms at the end
             z = _norm_sum(x, q, ro_ptr, rows, rmask, kk, stride_ro, K, first, HAS_RES)
-            ssq += tl.sum(z * z, axis=1)
+            sq = _squares(sq, z, BLOCK_M)
             nw = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
             a = (z * nw[None, :]).to(x.dtype)
         else:
@@ -289,7 +303,7 @@ def _skinny_gemm_kernel(
     if BLOCK_M == 1:
         acc = tl.sum(acc, axis=1)[None, :]
     if ONE_PASS:
-        acc = acc * tl.rsqrt(ssq / K + eps)[:, None]
+        acc = acc * tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]
     omask = rmask[:, None] & nmask[None, :]
     done = True
     if SPLIT_K > 1:
