@@ -72,6 +72,8 @@
 #       benchmarks/fp8_gemm_sweep.py down/gate_up at 64 and 8,192 tokens (issue 28).
 # c30   one call for issues 29 and 30: transfer_bench over nixl, llama decode with the
 #       skinny GEMM on and off, then the 1P1D nixl serve run in the time left.
+# b32   by card: c32 on an H200, else k34
+# k34   issue 30: the skinny GEMM's tests, its layer section, r11's llama pair (.baseline)
 # c32   by card: on an H200 llama decode on the defaults and off, glm5 16K prefill, decode
 #       streams at 192 x 16K (issues 30, 26, 27); elsewhere the decode attention configs
 # k33   issues 30, 28: llama-8b-shape decode on the defaults, then FP8 with the decode-size
@@ -164,7 +166,7 @@
 #       --enable-expert-parallel against one GPU, the same closed-loop load per rank
 #       (32 streams per GPU, 1024 in / 256 out): output tok/s per GPU and mean TPOT.
 set -uo pipefail
-stage="${1:?usage: run_pending.sh c32|k33|k32|c31|b31|k31|a31|c30|h30|s30|s30f|skinny|pdl2|h31|g18|g16|g17|f16|f17|f18|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|moe8|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl|x2|dpep N}"
+stage="${1:?usage: run_pending.sh b32|k34|c32|k33|k32|c31|b31|k31|a31|c30|h30|s30|s30f|skinny|pdl2|h31|g18|g16|g17|f16|f17|f18|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|moe8|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl|x2|dpep N}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 # RUN_START (epoch seconds): where two stages share one call, export it once before both,
 # so the second one's deadlines count from the call's start, not its own
@@ -666,6 +668,21 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
       | tee "$OUT/skinny.log" | quiet | tail -50
     llama_ckpt || exit 1
     for v in 0:0 16:0 64:0 16:1 0:0; do llama_decode ${v%%:*} ${v#*:} 570 70 || break; done
+    ;;
+  b32)  # by card: c32 on an H200, else k34
+    if on_h200; then
+      exec bash "$0" c32
+    fi
+    exec bash "$0" k34
+    ;;
+  k34)  # issue 30: the skinny GEMM's GPU tests, its layer section (the register path's
+    # per-element partials; the norms folded in one pass at one row), then r11's llama
+    # pair against .baseline (scripts/make-baseline 4189cb7: before the partials)
+    timeout 100 python3 -m pytest -p no:cacheprovider -q tests/kernels/test_skinny_gemm.py \
+      -k "split or llama_shapes or early or prologue" 2>&1 | tail -3
+    timeout 120 python3 benchmarks/skinny_bench.py --rows 1,16 --projs "" \
+      --out "$OUT/skinny_layer.json" 2>&1 | tee "$OUT/skinny_layer.log" | quiet | tail -20
+    exec bash "$0" r11
     ;;
   c32)  # by card. On an H200 (issues 30, 26, 27): llama-8b-shape decode on the defaults
     # and with the decode-size GEMM and PDL off (issue 30's llama bar is the H200's), glm5
