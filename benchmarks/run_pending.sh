@@ -203,9 +203,29 @@ glm5_accuracy() {
   echo "accuracy: exit $?"; quiet < "$OUT/glm5_accuracy.log" | tail -3
 }
 ck=/tmp/llama-8b
+# fp8_llama_skinny: FP8 llama-8b-shape (fp8_bench) with the decode-size GEMM off, then on
+fp8_llama_skinny() {
+  local rows
+  for rows in 0 16; do
+    PDSERVE_SKINNY_ROWS=$rows timeout 160 \
+      python3 benchmarks/fp8_bench.py --models llama-8b-shape --variants fp8 \
+      --out "$OUT/s30f_rows$rows.json" > "$OUT/s30f_rows$rows.log" 2>&1
+    echo "fp8 llama, skinny rows $rows: exit $?"; quiet < "$OUT/s30f_rows$rows.log" | sed -n '/^== /,$p'
+  done
+}
 # llama_decode ROWS PDL END MIN: llama-8b-shape decode (gpu_suite, 1/16/64 x 1K) with
 # PDSERVE_SKINNY_ROWS=ROWS and PDSERVE_PDL=PDL by the call's second END (at most 110 s);
 # returns 1 without running when MIN seconds or fewer are left
+# fp8_llama_skinny: FP8 llama-8b-shape (fp8_bench) with the decode-size GEMM off, then on
+fp8_llama_skinny() {
+  local rows
+  for rows in 0 16; do
+    PDSERVE_SKINNY_ROWS=$rows timeout 160 \
+      python3 benchmarks/fp8_bench.py --models llama-8b-shape --variants fp8 \
+      --out "$OUT/s30f_rows$rows.json" > "$OUT/s30f_rows$rows.log" 2>&1
+    echo "fp8 llama, skinny rows $rows: exit $?"; quiet < "$OUT/s30f_rows$rows.log" | sed -n '/^== /,$p'
+  done
+}
 # llama_decode ROWS PDL END MIN: gpu_suite's llama-8b-shape decode with PDSERVE_SKINNY_ROWS
 # and PDSERVE_PDL set (- leaves one unset: the model's default), if MIN seconds are left
 # before END
@@ -652,12 +672,7 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     ;;
   s30f)  # issue 28: llama-8b-shape FP8 (fp8_bench) with the decode-size GEMM off, then on;
     # then the skinny kernel's GPU parity tests
-    for rows in 0 16; do
-      PDSERVE_SKINNY_ROWS=$rows timeout 150 \
-        python3 benchmarks/fp8_bench.py --models llama-8b-shape --variants fp8 \
-        --out "$OUT/s30f_rows$rows.json" > "$OUT/s30f_rows$rows.log" 2>&1
-      echo "fp8 llama, skinny rows $rows: exit $?"; quiet < "$OUT/s30f_rows$rows.log" | sed -n '/^== /,$p'
-    done
+    fp8_llama_skinny
     timeout 120 python3 -m pytest -p no:cacheprovider -q -m gpu tests/kernels/test_skinny_gemm.py \
       2>&1 | tail -3
     ;;
@@ -707,12 +722,7 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     # to 16 rows), then FP8 (fp8_bench) with it off and on
     llama_ckpt || exit 1
     llama_decode - - 570 60
-    for rows in 0 16; do
-      PDSERVE_SKINNY_ROWS=$rows timeout 160 \
-        python3 benchmarks/fp8_bench.py --models llama-8b-shape --variants fp8 \
-        --out "$OUT/s30f_rows$rows.json" > "$OUT/s30f_rows$rows.log" 2>&1
-      echo "fp8 llama, skinny rows $rows: exit $?"; quiet < "$OUT/s30f_rows$rows.log" | sed -n '/^== /,$p'
-    done
+    fp8_llama_skinny
     ;;
   k32)  # issue 30: the skinny GEMM's GPU tests (early weight steps, split-K, PDL in a
     # graph), the layer section alone (PDL off / on, early_w 0-2), then llama-8b-shape
