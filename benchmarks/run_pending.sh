@@ -213,19 +213,6 @@ fp8_llama_skinny() {
     echo "fp8 llama, skinny rows $rows: exit $?"; quiet < "$OUT/s30f_rows$rows.log" | sed -n '/^== /,$p'
   done
 }
-# llama_decode ROWS PDL END MIN: llama-8b-shape decode (gpu_suite, 1/16/64 x 1K) with
-# PDSERVE_SKINNY_ROWS=ROWS and PDSERVE_PDL=PDL by the call's second END (at most 110 s);
-# returns 1 without running when MIN seconds or fewer are left
-# fp8_llama_skinny: FP8 llama-8b-shape (fp8_bench) with the decode-size GEMM off, then on
-fp8_llama_skinny() {
-  local rows
-  for rows in 0 16; do
-    PDSERVE_SKINNY_ROWS=$rows timeout 160 \
-      python3 benchmarks/fp8_bench.py --models llama-8b-shape --variants fp8 \
-      --out "$OUT/s30f_rows$rows.json" > "$OUT/s30f_rows$rows.log" 2>&1
-    echo "fp8 llama, skinny rows $rows: exit $?"; quiet < "$OUT/s30f_rows$rows.log" | sed -n '/^== /,$p'
-  done
-}
 # llama_decode ROWS PDL END MIN: gpu_suite's llama-8b-shape decode with PDSERVE_SKINNY_ROWS
 # and PDSERVE_PDL set (- leaves one unset: the model's default), if MIN seconds are left
 # before END
