@@ -346,6 +346,11 @@ def fp8_rows(name, n, k, ws, rows_arg, dev, dt, bw, time_calls, g, out, cpu):  #
         SkinnyConfig(block_n=bn, block_k=128, num_warps=w, num_stages=st, split_k=sk)
         for bn, w, st in itertools.product((16, 32, 64), (4,), (3, 4, 6)) for sk in splits(n, bn)
     ]  # fmt: skip
+    # one row also on the register path (narrower tiles, the first weight step early)
+    one_row = [SkinnyConfig(block_n=8, block_k=128, row_dot=False)] if cpu else [
+        SkinnyConfig(block_n=bn, block_k=128, row_dot=False, early_w=e)
+        for bn in (8, 16, 32) for e in (0, 1)
+    ]  # fmt: skip
     for rows in (int(r) for r in rows_arg.split(",")):
         x = torch.randn(rows, k, generator=g).to(dev, dt)
         nbytes = (
@@ -354,9 +359,13 @@ def fp8_rows(name, n, k, ws, rows_arg, dev, dt, bw, time_calls, g, out, cpu):  #
         ref = torch.nn.functional.linear(x.float(), dequantize_fp8_blocks(*qs[0], (128, 128)))
         triton_ms = time_calls([lambda q=q, x=x: block_fp8_gemm(x, q[0], q[1]) for q in qs])
         best: dict[str, Any] = {}
-        for cfg in configs:
+        worst = 0.0  # the largest error of any config
+        default_ms = time_calls([lambda q=q, x=x: skinny_gemm(x, q[0], weight_scale=q[1])
+                                 for q in qs])  # fmt: skip
+        for cfg in configs + (one_row if rows == 1 else []):
             kw = {"config": cfg, "scale_rows": 128}
             err = (skinny_gemm(x, qs[0][0], weight_scale=qs[0][1], **kw).float() - ref).abs().max()
+            worst = max(worst, err.item())
             ms = time_calls([lambda q=q, x=x, kw=kw: skinny_gemm(x, q[0], weight_scale=q[1], **kw)
                              for q in qs])  # fmt: skip
             if not best or ms < best["ms"]:
@@ -364,10 +373,12 @@ def fp8_rows(name, n, k, ws, rows_arg, dev, dt, bw, time_calls, g, out, cpu):  #
         bound = nbytes / bw * 1e3
         out.append({"proj": name, "rows": rows, "bytes": nbytes, "triton_ms": triton_ms,
                     "triton_x_copy": triton_ms / bound, "skinny": best,
-                    "skinny_x_copy": best["ms"] / bound})  # fmt: skip
+                    "skinny_x_copy": best["ms"] / bound, "default_config_ms": default_ms,
+                    "worst_err": worst})  # fmt: skip
         print(f"fp8 {name:8s} rows {rows:3d}: Triton block-FP8 {triton_ms * 1e3:7.1f} us "
               f"({triton_ms / bound:.2f}x copy), skinny {best['ms'] * 1e3:7.1f} us "
-              f"({best['ms'] / bound:.2f}x) {best['config']}", flush=True)  # fmt: skip
+              f"({best['ms'] / bound:.2f}x) {best['config']}; default tiles "
+              f"{default_ms * 1e3:.1f} us", flush=True)  # fmt: skip
 
 
 def fused_row(name, rows, k, x, ws, cfg, dt, dev, time_calls, g, add_norm, silu_mul, skinny):  # type: ignore[no-untyped-def]
