@@ -41,7 +41,10 @@ launch. Still one launch; the counters are a per-device buffer of zeros
 on two streams (the engine's forward runs on one).
 
 The rows go into one ``tl.dot`` tile (``BLOCK_M``, at least 16: the MMA's smallest; rows
-past M are masked to zero), or, with ``BLOCK_M`` 1, a multiply-and-sum in registers.
+past M are masked to zero), or, with ``BLOCK_M`` 1, a multiply-and-add in registers whose
+per-element partials are summed over K once, after the loop. Launched dependently (PDL),
+that one-row path loads its first weight step before it waits for the previous kernel
+(``SkinnyConfig.early_w``): the weights are no kernel's output.
 Grid: (column tiles, row tiles, K slices); shapes only, no host sync, capturable in a
 CUDA graph.
 """
