@@ -43,7 +43,7 @@ on two streams (the engine's forward runs on one).
 The rows go into one ``tl.dot`` tile (``BLOCK_M``, at least 16: the MMA's smallest; rows
 past M are masked to zero), or, with ``BLOCK_M`` 1, a multiply-and-add in registers whose
 per-element partials are summed over K once, after the loop. Launched dependently (PDL),
-that one-row path loads its first weight step before it waits for the previous kernel
+that one-row path loads its first weight steps before it waits for the previous kernel
 (``SkinnyConfig.early_w``): the weights are no kernel's output.
 Grid: (column tiles, row tiles, K slices); shapes only, no host sync, capturable in a
 CUDA graph.
@@ -319,17 +319,20 @@ def _skinny_gemm_kernel(
         tl.store(y_ptr + yoffs, acc.to(y_ptr.dtype.element_ty), mask=omask)
 
 
-ONE_ROW = SkinnyConfig(block_n=8, block_k=512, row_dot=False, early_w=1)
+# two weight steps early: a llama-8b-shape layer's GEMM path at one row with PDL took
+# 156.0 / 152.3 / 155.0 us against 161.0 / 156.9 / 159.9 with one and 159.2 / 155.1 /
+# 158.3 with none (three calls, H100, RESULTS.md runs 125-127)
+ONE_ROW = SkinnyConfig(block_n=8, block_k=512, row_dot=False, early_w=2)
 
 
 def default_config(rows: int) -> SkinnyConfig:
     """The tiles for ``rows`` rows where the caller gives none. One row takes the register
     path (8 columns x 512 K a program): a 16-row MMA tile would compute its prologue for
     15 masked rows too, which compiled for Hopper is 2,006 instructions a K step under
-    SiLU-and-mul against 200 on this path (``tools/sm90_report.py``; 136 without a
-    prologue, 197 before the per-element partials), while the plain weight stream is as
-    fast (qkv at one row: 20.7 against 20.8 us, RESULTS.md run 117). Its first weight
-    step loads before a dependent launch's wait (``early_w``)."""
+    SiLU-and-mul against 216 on this path (``tools/sm90_report.py``; 152 without a
+    prologue), while the plain weight stream is as
+    fast (qkv at one row: 20.7 against 20.8 us, RESULTS.md run 117). Its first two weight
+    steps load before a dependent launch's wait (``early_w``)."""
     return ONE_ROW if rows == 1 else SkinnyConfig()
 
 
