@@ -120,11 +120,11 @@ def enable_skinny(root: nn.Module, default: int) -> int:
     for module in root.modules():
         if not isinstance(module, Linear):
             continue
-        if getattr(module, "quantized", False):
-            module.skinny_rows = rows if mode is not None else 0
-        else:
+        if is_plain_linear(module):
             dtype = module.weight.dtype
             module.skinny_rows = rows if dtype in (torch.bfloat16, torch.float16, torch.float32) else 0
+        else:  # block-FP8
+            module.skinny_rows = rows if mode is not None else 0
         most = max(most, module.skinny_rows)
     return most
 
