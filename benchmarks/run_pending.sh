@@ -206,7 +206,7 @@ ck=/tmp/llama-8b
 # fp8_llama_skinny: FP8 llama-8b-shape (fp8_bench) with the decode-size GEMM off, then on
 fp8_llama_skinny() {
   local rows
-  for rows in 0 16; do
+  for rows in ${FP8_SKINNY_ROWS:-0 16}; do
     PDSERVE_SKINNY_ROWS=$rows timeout 160 \
       python3 benchmarks/fp8_bench.py --models llama-8b-shape --variants fp8 \
       --out "$OUT/s30f_rows$rows.json" > "$OUT/s30f_rows$rows.log" 2>&1

@@ -342,14 +342,18 @@ def fp8_rows(name, n, k, ws, rows_arg, dev, dt, bw, time_calls, g, out, cpu):  #
     from pdserve.kernels.skinny_gemm import SkinnyConfig, skinny_gemm
 
     qs = [quantize_fp8_blocks(w, (128, 128)) for w in ws]
-    configs = [SkinnyConfig(block_n=16, block_k=128)] if cpu else [
-        SkinnyConfig(block_n=bn, block_k=128, num_warps=w, num_stages=st, split_k=sk)
-        for bn, w, st in itertools.product((16, 32, 64), (4,), (3, 4, 6)) for sk in splits(n, bn)
+    # K steps of one scale block (128) and wider (each activation column scaled by its
+    # block's scale: wide_fp8_steps)
+    configs = [SkinnyConfig(block_n=16, block_k=128), SkinnyConfig(block_n=16, block_k=256)] \
+        if cpu else [
+        SkinnyConfig(block_n=bn, block_k=bk, num_warps=w, num_stages=st, split_k=sk)
+        for bn, w, st in itertools.product((16, 32, 64), (4,), (3, 4, 6))
+        for bk in (128, 256, 512) for sk in splits(n, bn) if bk == 128 or st < 6
     ]  # fmt: skip
-    # one row also on the register path (narrower tiles, the first weight step early)
-    one_row = [SkinnyConfig(block_n=8, block_k=128, row_dot=False)] if cpu else [
-        SkinnyConfig(block_n=bn, block_k=128, row_dot=False, early_w=e)
-        for bn in (8, 16, 32) for e in (0, 1)
+    # one row also on the register path (narrower tiles, weight steps early)
+    one_row = [SkinnyConfig(block_n=8, block_k=512, row_dot=False, early_w=2)] if cpu else [
+        SkinnyConfig(block_n=bn, block_k=bk, row_dot=False, early_w=e)
+        for bn in (8, 16, 32) for bk in (128, 512) for e in (0, 1, 2)
     ]  # fmt: skip
     for rows in (int(r) for r in rows_arg.split(",")):
         x = torch.randn(rows, k, generator=g).to(dev, dt)

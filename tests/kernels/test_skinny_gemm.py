@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.kernels.reference import rms_norm, silu_and_mul_torch
-from pdserve.kernels.skinny_gemm import SkinnyConfig, skinny_gemm
+from pdserve.kernels.skinny_gemm import SkinnyConfig, default_config, skinny_gemm
 
 CONFIGS = [
     SkinnyConfig(block_n=16, block_k=32),
@@ -89,7 +89,6 @@ def test_silu_mul_prologue(device: torch.device, rows: int, dtype: torch.dtype) 
 def test_default_config(device: torch.device) -> None:
     """No config: one row takes the register path, more rows the MMA tile; both give
     the reference under every prologue."""
-    from pdserve.kernels.skinny_gemm import default_config
 
     assert not default_config(1).row_dot and default_config(2).row_dot
     g = torch.Generator().manual_seed(5)
@@ -222,3 +221,40 @@ def test_fp8_weights(device: torch.device, rows: int, scale_rows: int) -> None:
         _close(y2, F.linear(silu_and_mul_torch(gu).float(), deq), torch.bfloat16)
     with pytest.raises(ValueError, match="one per block"):
         skinny_gemm(x, w, weight_scale=s[:, :1], scale_rows=scale_rows)
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_fp8_wide_steps(device: torch.device, rows: int) -> None:
+    """K steps wider than a scale block (each activation column scaled by its 128-group's
+    scale), on both paths, split-K and early weight steps too; K 330: the last step's
+    second group partial, its third past K. Per-row scales (``scale_rows`` 1) keep the
+    128-wide steps."""
+    from pdserve.kernels.reference import FP8_DTYPE
+    from pdserve.kernels.skinny_gemm import wide_fp8_steps
+
+    g = torch.Generator().manual_seed(rows)
+    n, k = 48, 330
+    w = (torch.randn(n, k, generator=g) * 20).to(FP8_DTYPE).to(device)
+    s = (torch.rand(1, 3, generator=g) * 0.01 + 1e-3).to(device)
+    deq = w.float() * s.repeat_interleave(128, 1)[:, :k]
+    x = torch.randn(rows, k, generator=g).to(device, torch.bfloat16)
+    gu = torch.randn(rows, 2 * k, generator=g).to(device, torch.bfloat16)
+    wide = [SkinnyConfig(block_n=16, block_k=256), SkinnyConfig(block_n=16, block_k=256, split_k=2),
+            SkinnyConfig(block_n=8, block_k=256, row_dot=False, early_w=2),
+            SkinnyConfig(block_n=8, block_k=512, row_dot=False)]  # fmt: skip
+    for cfg in wide:
+        assert wide_fp8_steps(cfg, 128) and not wide_fp8_steps(cfg, 1)
+        y = skinny_gemm(x, w, weight_scale=s, config=cfg)
+        _close(y, F.linear(x.float(), deq), torch.bfloat16)
+        y2 = skinny_gemm(gu, w, prologue="silu_mul", weight_scale=s, config=cfg)
+        _close(y2, F.linear(silu_and_mul_torch(gu).float(), deq), torch.bfloat16)
+    # the default tiles (one row: the register path's wide steps; more: 128-wide steps,
+    # split-K up to 4 slices)
+    y = skinny_gemm(x, w, weight_scale=s)
+    _close(y, F.linear(x.float(), deq), torch.bfloat16)
+    cfg = default_config(16, fp8=True, n=6144, sms=132)
+    assert (cfg.block_n, cfg.block_k, cfg.split_k) == (64, 128, 4)
+    assert default_config(16, fp8=True, n=28672, sms=132).split_k == 1
+    assert default_config(1, fp8=True).early_w == 0 and wide_fp8_steps(default_config(1), 128)
+    assert not wide_fp8_steps(SkinnyConfig(block_n=16, block_k=128), 128)
+    assert not wide_fp8_steps(SkinnyConfig(block_n=32, block_k=192), 128)

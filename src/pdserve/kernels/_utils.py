@@ -207,3 +207,22 @@ def fp8_mma(device: torch.device) -> bool:
     """Whether ``device`` has FP8 tensor cores (sm_89+); the interpreter emulates them."""
     cap = capability(device)
     return cap is None or cap >= (8, 9)
+
+
+@triton.jit
+def e4m3_to_f16(x, ASM: tl.constexpr):
+    """fp8 e4m3 ``x`` -> fp16 (exact): the hardware's pairwise conversion, 4 elements an
+    asm instance, converted where they are (not pure, so never moved past a layout
+    change); ``ASM`` off (the CPU interpreter runs no PTX): Triton's own cast."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+            "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r",
+            [x.to(tl.uint8, bitcast=True)],
+            dtype=tl.float16,
+            is_pure=False,
+            pack=4,
+        )
+    else:
+        return x.to(tl.float16)

@@ -40,6 +40,7 @@ from pdserve.kernels._utils import (
     check_device,
     dot_precision,
     dot_upcast,
+    e4m3_to_f16,
     interpret_mode,
     next_pow2,
     pdl_args,
@@ -74,25 +75,6 @@ FP8_HALF = True
 def num_stages(kv_cache: torch.Tensor) -> int:
     """The K/V tile loop's pipelining depth for this cache's element type."""
     return NUM_STAGES_FP8 if kv_cache.element_size() == 1 else NUM_STAGES
-
-
-@triton.jit
-def _e4m3_to_f16(x, ASM: tl.constexpr):
-    """fp8 e4m3 ``x`` -> fp16 (exact): the hardware's pairwise conversion, 4 elements an
-    asm instance, converted where they are (not pure, so never moved past a layout
-    change); ``ASM`` off (the CPU interpreter runs no PTX): Triton's own cast."""
-    if ASM:
-        return tl.inline_asm_elementwise(
-            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
-            "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
-            "=r,=r,r",
-            [x.to(tl.uint8, bitcast=True)],
-            dtype=tl.float16,
-            is_pure=False,
-            pack=4,
-        )
-    else:
-        return x.to(tl.float16)
 
 
 # One compile for every split count; the query length QL is a runtime value too (Triton
@@ -182,7 +164,7 @@ def _decode_kernel(
             other=0.0,
         )  # [BLOCK_D, BLOCK_N]
         # fp8 (its scale is in qk_scale) or bf16 upcast
-        kt = _e4m3_to_f16(kt, ASM) if HALF else kt.to(q.dtype)
+        kt = e4m3_to_f16(kt, ASM) if HALF else kt.to(q.dtype)
         if USE_DOT:
             s = tl.dot(q, kt, input_precision=DOT_PREC)
         else:
@@ -200,7 +182,7 @@ def _decode_kernel(
             mask=n_ok[:, None] & d_ok[None, :],
             other=0.0,
         )  # [BLOCK_N, BLOCK_D]
-        v = _e4m3_to_f16(v, ASM) if HALF else v.to(q.dtype)
+        v = e4m3_to_f16(v, ASM) if HALF else v.to(q.dtype)
         acc = acc * alpha[:, None]
         if USE_DOT:
             acc = tl.dot(p.to(v.dtype), v, acc=acc, input_precision=DOT_PREC)

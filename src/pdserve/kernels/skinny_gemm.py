@@ -25,8 +25,10 @@ recomputes it from L2):
   ``silu(gate) * up`` with :mod:`pdserve.kernels.activation`'s rounding.
 
 FP8 weights (``weight_scale`` given): block-scaled float8_e4m3fn as DeepSeek-V3 ships
-them, read as they are (half the bytes) and upcast in registers; each 128-wide K step's
-partial product is scaled by its block's scale. The activation stays in its dtype (the
+them, read as they are (half the bytes) and upcast in registers. A 128-wide K step's
+partial product is scaled by its block's scale; a wider step (:func:`wide_fp8_steps`:
+more weight bytes in flight a program) scales each activation column by its 128-group's
+scale before the product instead. The activation stays in its dtype (the
 block-FP8 GEMM's weight-only mode, :mod:`pdserve.kernels.fp8_gemm`): at decode sizes the
 weight bytes are the cost, and the prologues need no quantizing producer.
 
@@ -61,7 +63,10 @@ from pdserve.kernels._utils import (
     check_device,
     dot_precision,
     dot_upcast,
+    e4m3_to_f16,
+    interpret_mode,
     next_pow2,
+    num_sms,
     pdl_args,
     pdl_enter,
     rows_2d,
@@ -170,26 +175,41 @@ def _w_tile(w_base, k0, ks, nmask, k_hi, LOAD: tl.constexpr):
 
 
 @triton.jit
-def _tile_product(acc, a, w, ws_base, k0, nmask, FP8_W: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):  # fmt: skip
-    """``acc`` plus the tile's ``a w^T`` (FP8 weights: scaled by the K step's block scale).
-    On the register path (``BLOCK_M`` 1) ``acc`` is [BLOCK_N, BLOCK_K]: each element's
-    products accumulate where they are, summed over K once after the loop (no reduction
-    across the threads every K step)."""
+def _tile_product(acc, a, w, ws_base, ws_row, k0, ks, K, nmask, FP8_W: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+                  DOT_PREC: tl.constexpr, F8ASM: tl.constexpr):  # fmt: skip
+    """``acc`` plus the tile's ``a w^T`` over K columns ``k0 + ks``. FP8 weights: a 128-wide
+    step's partial product is scaled by its block's scale (``ws_base``: one a column);
+    a wider step scales the activation's columns instead, each by its 128-group's scale
+    (``ws_row``: the tile's one row of scales). On the register path (``BLOCK_M`` 1)
+    ``acc`` is [BLOCK_N, BLOCK_K]: each element's products accumulate where they are,
+    summed over K once after the loop (no reduction across the threads every K step).
+    FP8 values are widened by the hardware's e4m3 -> f16 conversion (``F8ASM``)."""
+    if FP8_W:  # exact in fp16, and from there in bf16 / fp32
+        w = e4m3_to_f16(w, F8ASM)
+    WIDE: tl.constexpr = FP8_W and BLOCK_K > 128
+    if WIDE:  # one scale per activation column: its 128-group's
+        kk = k0 + ks
+        sk = tl.load(ws_row + kk // 128, mask=kk < K, other=0.0)[None, :]
     if BLOCK_M == 1:
-        part = w.to(tl.float32) * a.to(tl.float32)
-        if FP8_W:
-            part *= tl.load(ws_base + k0 // BLOCK_K, mask=nmask, other=0.0)[:, None]
+        af = a.to(tl.float32)
+        if WIDE:
+            af = af * sk
+        part = w.to(tl.float32) * af
+        if FP8_W and not WIDE:
+            part *= tl.load(ws_base + k0 // 128, mask=nmask, other=0.0)[:, None]
         acc += part
     else:
-        if FP8_W:  # e4m3 values are exact in bf16 / fp16
+        if FP8_W:
             w = w.to(a.dtype)
+        if WIDE:
+            a = (a.to(tl.float32) * sk).to(w.dtype)
         if UPCAST:  # the interpreter's bf16 dot (see dot_upcast)
             a = a.to(tl.float32)
             w = w.to(tl.float32)
-        if FP8_W:
+        if FP8_W and not WIDE:
             part = tl.dot(a, tl.trans(w), input_precision=DOT_PREC)
-            acc += part * tl.load(ws_base + k0 // BLOCK_K, mask=nmask, other=0.0)[None, :]
+            acc += part * tl.load(ws_base + k0 // 128, mask=nmask, other=0.0)[None, :]
         else:
             acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PREC)
     return acc
@@ -225,7 +245,7 @@ def _skinny_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PREFETCH: tl.constexpr = False, SPLIT_K: tl.constexpr = 1, ONE_PASS: tl.constexpr = False,
     UPCAST: tl.constexpr = False, DOT_PREC: tl.constexpr = "tf32", PDL: tl.constexpr = False,
-    EARLY_W: tl.constexpr = 0,
+    EARLY_W: tl.constexpr = 0, F8ASM: tl.constexpr = False,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -265,9 +285,11 @@ def _skinny_gemm_kernel(
             if PREFETCH:
                 x, q = xn, qn
         rstd = tl.rsqrt(tl.sum(sq, axis=1) / K + eps)
-    # FP8 weights: one float32 scale per (SCALE_ROWS rows, 128 columns) block, applied to
-    # each 128-wide K step's partial product (BLOCK_K is 128 then)
+    # FP8 weights: one float32 scale per (SCALE_ROWS rows, 128 columns) block: a column's
+    # scales (128-wide K steps), or the tile's one row of them (wider steps: the host
+    # checks that BLOCK_N columns share it)
     ws_base = ws_ptr + (cols // SCALE_ROWS).to(tl.int64) * stride_ws
+    ws_row = ws_ptr + ((pid_n * BLOCK_N) // SCALE_ROWS).to(tl.int64) * stride_ws
     if BLOCK_M == 1:  # the register path's per-element partials (_tile_product)
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     else:
@@ -299,8 +321,8 @@ def _skinny_gemm_kernel(
             w = w0
             w0 = w1
             w1 = _w_tile(w_base, k0 + 2 * BLOCK_K, ks, nmask, k_hi, True)
-        acc = _tile_product(acc, a, w, ws_base, k0, nmask, FP8_W, BLOCK_M, BLOCK_K, UPCAST,
-                            DOT_PREC)  # fmt: skip
+        acc = _tile_product(acc, a, w, ws_base, ws_row, k0, ks, K, nmask, FP8_W, BLOCK_M,
+                            BLOCK_K, UPCAST, DOT_PREC, F8ASM)  # fmt: skip
         if PREFETCH:
             x, q = xn, qn
     if BLOCK_M == 1:
@@ -323,17 +345,31 @@ def _skinny_gemm_kernel(
 # 156.0 / 152.3 / 155.0 us against 161.0 / 156.9 / 159.9 with one and 159.2 / 155.1 /
 # 158.3 with none (three calls, H100, RESULTS.md runs 125-127)
 ONE_ROW = SkinnyConfig(block_n=8, block_k=512, row_dot=False, early_w=2)
+# FP8 weights at one row: no weight step early (qkv 12.9 us against 20.3 with two early,
+# gate|up 48.3 against 72.9: H100, RESULTS.md run 129)
+ONE_ROW_FP8 = replace(ONE_ROW, early_w=0)
 
 
-def default_config(rows: int) -> SkinnyConfig:
+def default_config(rows: int, fp8: bool = False, n: int = 0, sms: int = 132) -> SkinnyConfig:
     """The tiles for ``rows`` rows where the caller gives none. One row takes the register
     path (8 columns x 512 K a program): a 16-row MMA tile would compute its prologue for
     15 masked rows too, which compiled for Hopper is 2,006 instructions a K step under
     SiLU-and-mul against 216 on this path (``tools/sm90_report.py``; 152 without a
     prologue), while the plain weight stream is as
     fast (qkv at one row: 20.7 against 20.8 us, RESULTS.md run 117). Its first two weight
-    steps load before a dependent launch's wait (``early_w``)."""
-    return ONE_ROW if rows == 1 else SkinnyConfig()
+    steps load before a dependent launch's wait (``early_w``).
+
+    FP8 weights (``fp8``) at more rows: 64 of the ``n`` columns a program over 128-wide K
+    steps, with split-K up to 4 slices until the programs are about two a multiprocessor
+    (``sms``): the best of run 129's sweep at 16 and 64 rows (wider K steps lost there)."""
+    if rows == 1:
+        return ONE_ROW_FP8 if fp8 else ONE_ROW
+    if fp8:
+        tiles, split = -(-n // 64), 1
+        while split < 4 and tiles * split < 2 * sms:
+            split *= 2
+        return SkinnyConfig(block_n=64, block_k=FP8_GROUP, split_k=split)
+    return SkinnyConfig()
 
 
 def prologue_pays(rows: int, prologue: str) -> bool:
@@ -354,6 +390,14 @@ def block_rows(cfg: SkinnyConfig, rows: int) -> int:
     """The row tile for ``rows`` rows: ``cfg.block_m``, else the rows' power of two, at
     least 16 (the MMA's smallest), or 1 for one row on the register path."""
     return cfg.block_m or (1 if rows == 1 and not cfg.row_dot else max(16, next_pow2(rows)))
+
+
+def wide_fp8_steps(cfg: SkinnyConfig, scale_rows: int) -> bool:
+    """Whether FP8 weights keep ``cfg``'s K steps: a multiple of 128 wider than 128 and
+    a column tile within one row of scales (``scale_rows`` a multiple of ``block_n``), so
+    each activation column takes its 128-group's scale. Otherwise the steps are 128 wide,
+    one scale a (column, step)."""
+    return cfg.block_k > FP8_GROUP and cfg.block_k % FP8_GROUP == 0 and scale_rows % cfg.block_n == 0
 
 
 RING_BYTES = 160 * 1024  # shared memory for the pipeline's ring of tiles (227 KB on Hopper)
@@ -410,7 +454,8 @@ def skinny_gemm(
     ``weight_scale``: ``weight`` is float8_e4m3fn with one float32 scale per
     ``scale_rows`` x 128 block ([ceil(N / scale_rows), ceil(K / 128)], DeepSeek-V3's
     ``weight_scale_inv``): ``x @ (weight * scale)^T``, the activation unquantized (the
-    block-FP8 GEMM's weight-only mode); the tiles' K width is then 128.
+    block-FP8 GEMM's weight-only mode). The tiles' K width is then 128 unless
+    :func:`wide_fp8_steps`.
 
     ``prologue="rmsnorm"`` needs ``norm_weight`` [K]; with a ``residual`` it returns
     ``(y, x + residual)`` (a new tensor: other programs still read ``residual``).
@@ -418,9 +463,10 @@ def skinny_gemm(
     if prologue not in PROLOGUES:
         raise ValueError(f"prologue must be one of {PROLOGUES} (got {prologue!r})")
     check_device(x, "skinny_gemm")
-    cfg = config or default_config(x.numel() // max(1, x.shape[-1]))
     fp8 = weight_scale is not None
-    if fp8:
+    cfg = config or default_config(x.numel() // max(1, x.shape[-1]), fp8, weight.shape[0],
+                                   num_sms(x.device))  # fmt: skip
+    if fp8 and not wide_fp8_steps(cfg, scale_rows):
         cfg = replace(cfg, block_k=FP8_GROUP)
     N, K = weight.shape
     x2 = rows_2d(x)
@@ -469,7 +515,7 @@ def skinny_gemm(
             M, N, K, k_slice, x2.stride(0), weight.stride(0), N, r2.stride(0), ro.stride(0),
             weight_scale.stride(0) if weight_scale is not None else 0, eps,
             PROLOGUE=PROLOGUES.index(prologue), HAS_RES=has_res, HAS_BIAS=bias is not None,
-            FP8_W=fp8, SCALE_ROWS=scale_rows,
+            FP8_W=fp8, SCALE_ROWS=scale_rows, F8ASM=fp8 and not interpret_mode(),
             BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PREFETCH=cfg.prefetch,
             SPLIT_K=split, ONE_PASS=one_pass, EARLY_W=cfg.early_w if block_m == 1 else 0,
             UPCAST=dot_upcast(x.dtype), DOT_PREC=dot_precision(x.dtype),
