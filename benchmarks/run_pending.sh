@@ -671,6 +671,18 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     llama_ckpt || exit 1
     for v in 0:0 16:0 64:0 16:1 0:0; do llama_decode ${v%%:*} ${v#*:} 570 70 || break; done
     ;;
+  k35)  # issues 30 / 28: the skinny GEMM's GPU tests (FP8 wide steps, the transposed
+    # MMA tile), its quick sweep with FP8 weights, then FP8 llama-8b-shape (fp8_bench)
+    # with the decode-size GEMM off, at one row, and to 64 rows, in the time left
+    timeout 100 python3 -m pytest -p no:cacheprovider -q tests/kernels/test_skinny_gemm.py \
+      -k "fp8 or swapped or default" 2>&1 | tail -3
+    timeout 240 python3 benchmarks/skinny_bench.py --quick --fp8 --out "$OUT/skinny.json" 2>&1 \
+      | tee "$OUT/skinny.log" | quiet | grep -E "^(fp8|qkv|o |gate|down)" | head -40
+    for rows in 0 1 64; do
+      [ $(( start + 570 - $(date +%s) )) -gt 150 ] || { echo "fp8 rows $rows: no time"; break; }
+      FP8_SKINNY_ROWS=$rows fp8_llama_skinny
+    done
+    ;;
   b32)  # by card: c32 on an H200, else k34
     if on_h200; then
       exec bash "$0" c32

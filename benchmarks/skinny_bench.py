@@ -75,7 +75,8 @@ def sweep(quick: bool, rows: int, cpu: bool, n: int) -> list[Any]:
 
     if cpu:
         return [SkinnyConfig(block_n=16, block_k=16), SkinnyConfig(block_n=16, block_k=32),
-                SkinnyConfig(block_n=16, block_k=16, split_k=2)] + (
+                SkinnyConfig(block_n=16, block_k=16, split_k=2),
+                SkinnyConfig(block_n=16, block_k=32, swap=True)] + (
             [SkinnyConfig(block_n=8, block_k=32, row_dot=False)] if rows == 1 else []
         )  # fmt: skip
     ns, ks = ((16, 32), (256, 512)) if quick else ((16, 32, 64), (128, 256, 512))
@@ -86,6 +87,10 @@ def sweep(quick: bool, rows: int, cpu: bool, n: int) -> list[Any]:
            for bn, k, w, s, p in itertools.product(ns, ks, warps, stages, prefetch)
            for sk in splits(n, bn) if not (rows > 16 and bn > 32)]  # fmt: skip
     # not those whose ring of tiles the kernel would cut to fewer stages (a repeat)
+    # the product transposed (the weight's columns as the MMA's M: Hopper's warpgroup MMA)
+    out += [SkinnyConfig(block_n=bn, block_k=k, num_stages=s, split_k=sk, swap=True)
+            for bn, k, s in itertools.product((64, 128), (128, 256), (3, 4))
+            for sk in splits(n, bn)]  # fmt: skip
     out = [c for c in out if fit_stages(c, block_rows(c, rows), 2, 2) == c.num_stages]
     if rows == 1:  # the register path: one row, no MMA
         out += [SkinnyConfig(block_n=bn, block_k=k, num_warps=w, num_stages=s, row_dot=False)
@@ -349,7 +354,8 @@ def fp8_rows(name, n, k, ws, rows_arg, dev, dt, bw, time_calls, g, out, cpu):  #
         SkinnyConfig(block_n=bn, block_k=bk, num_warps=w, num_stages=st, split_k=sk)
         for bn, w, st in itertools.product((16, 32, 64), (4,), (3, 4, 6))
         for bk in (128, 256, 512) for sk in splits(n, bn) if bk == 128 or st < 6
-    ]  # fmt: skip
+    ] + [SkinnyConfig(block_n=bn, block_k=128, num_stages=st, split_k=sk, swap=True)
+         for bn, st in itertools.product((64, 128), (3, 4, 6)) for sk in splits(n, bn)]  # fmt: skip
     # one row also on the register path (narrower tiles, weight steps early)
     one_row = [SkinnyConfig(block_n=8, block_k=512, row_dot=False, early_w=2)] if cpu else [
         SkinnyConfig(block_n=bn, block_k=bk, row_dot=False, early_w=e)

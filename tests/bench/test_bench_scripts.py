@@ -333,7 +333,7 @@ def test_skinny_bench(tmp_path: Path) -> None:
     ]
     for r in res["gemm"]:
         assert r["cublas_ms"] > 0 and r["best"]["ms"] > 0 and r["best"]["max_err"] < 1e-4
-        assert len(r["configs"]) == (4 if r["rows"] == 1 else 3)
+        assert len(r["configs"]) == (5 if r["rows"] == 1 else 4)
         split = [c for c in r["configs"] if c["config"]["split_k"] == 2]
         assert len(split) == 1 and split[0]["max_err"] < 1e-4
     assert [(r["proj"], r["producer"]) for r in res["fused"][::2]] == [

@@ -16,9 +16,10 @@ CONFIGS = [
     SkinnyConfig(block_n=8, block_k=16, row_dot=False, prefetch=True),
     SkinnyConfig(block_n=8, block_k=16, row_dot=False, early_w=1),
     SkinnyConfig(block_n=8, block_k=16, row_dot=False, early_w=2, prefetch=True),
+    SkinnyConfig(block_n=16, block_k=32, swap=True),
 ]
 IDS = ["dot", "registers", "dot-prefetch", "registers-prefetch", "registers-early1",
-       "registers-early2"]  # fmt: skip
+       "registers-early2", "dot-swapped"]  # fmt: skip
 
 
 def _t(g: torch.Generator, *shape: int, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
@@ -241,7 +242,8 @@ def test_fp8_wide_steps(device: torch.device, rows: int) -> None:
     gu = torch.randn(rows, 2 * k, generator=g).to(device, torch.bfloat16)
     wide = [SkinnyConfig(block_n=16, block_k=256), SkinnyConfig(block_n=16, block_k=256, split_k=2),
             SkinnyConfig(block_n=8, block_k=256, row_dot=False, early_w=2),
-            SkinnyConfig(block_n=8, block_k=512, row_dot=False)]  # fmt: skip
+            SkinnyConfig(block_n=8, block_k=512, row_dot=False),
+            SkinnyConfig(block_n=16, block_k=256, swap=True, split_k=2)]  # fmt: skip
     for cfg in wide:
         assert wide_fp8_steps(cfg, 128) and not wide_fp8_steps(cfg, 1)
         y = skinny_gemm(x, w, weight_scale=s, config=cfg)

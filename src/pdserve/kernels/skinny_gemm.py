@@ -98,6 +98,10 @@ class SkinnyConfig:
     # wait (0-2), so they stream while the previous kernel finishes (PDL); each later
     # step's load is then issued that many steps ahead of its use
     early_w: int = 0
+    # MMA tile (more than one row): the product transposed, y^T = W x^T, so the weight's
+    # columns are the MMA's M (64 or more: Hopper's warpgroup MMA, operands from shared
+    # memory) and the rows its N (from 8), instead of the rows as M (at least 16)
+    swap: bool = False
 
 
 @triton.jit
@@ -177,14 +181,14 @@ def _w_tile(w_base, k0, ks, nmask, k_hi, LOAD: tl.constexpr):
 @triton.jit
 def _tile_product(acc, a, w, ws_base, ws_row, k0, ks, K, nmask, FP8_W: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-                  DOT_PREC: tl.constexpr, F8ASM: tl.constexpr):  # fmt: skip
+                  DOT_PREC: tl.constexpr, F8ASM: tl.constexpr, SWAP: tl.constexpr):  # fmt: skip
     """``acc`` plus the tile's ``a w^T`` over K columns ``k0 + ks``. FP8 weights: a 128-wide
     step's partial product is scaled by its block's scale (``ws_base``: one a column);
     a wider step scales the activation's columns instead, each by its 128-group's scale
     (``ws_row``: the tile's one row of scales). On the register path (``BLOCK_M`` 1)
     ``acc`` is [BLOCK_N, BLOCK_K]: each element's products accumulate where they are,
     summed over K once after the loop (no reduction across the threads every K step).
-    FP8 values are widened by the hardware's e4m3 -> f16 conversion (``F8ASM``)."""
+    ``SWAP``: ``acc`` is the transposed tile [BLOCK_N, BLOCK_M], plus ``w a^T``. FP8 values are widened by the hardware's e4m3 -> f16 conversion (``F8ASM``)."""
     if FP8_W:  # exact in fp16, and from there in bf16 / fp32
         w = e4m3_to_f16(w, F8ASM)
     WIDE: tl.constexpr = FP8_W and BLOCK_K > 128
@@ -207,7 +211,13 @@ def _tile_product(acc, a, w, ws_base, ws_row, k0, ks, K, nmask, FP8_W: tl.conste
         if UPCAST:  # the interpreter's bf16 dot (see dot_upcast)
             a = a.to(tl.float32)
             w = w.to(tl.float32)
-        if FP8_W and not WIDE:
+        if SWAP:
+            if FP8_W and not WIDE:
+                part = tl.dot(w, tl.trans(a), input_precision=DOT_PREC)
+                acc += part * tl.load(ws_base + k0 // 128, mask=nmask, other=0.0)[:, None]
+            else:
+                acc = tl.dot(w, tl.trans(a), acc, input_precision=DOT_PREC)
+        elif FP8_W and not WIDE:
             part = tl.dot(a, tl.trans(w), input_precision=DOT_PREC)
             acc += part * tl.load(ws_base + k0 // 128, mask=nmask, other=0.0)[None, :]
         else:
@@ -245,7 +255,7 @@ def _skinny_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PREFETCH: tl.constexpr = False, SPLIT_K: tl.constexpr = 1, ONE_PASS: tl.constexpr = False,
     UPCAST: tl.constexpr = False, DOT_PREC: tl.constexpr = "tf32", PDL: tl.constexpr = False,
-    EARLY_W: tl.constexpr = 0, F8ASM: tl.constexpr = False,
+    EARLY_W: tl.constexpr = 0, F8ASM: tl.constexpr = False, SWAP: tl.constexpr = False,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -292,6 +302,8 @@ def _skinny_gemm_kernel(
     ws_row = ws_ptr + ((pid_n * BLOCK_N) // SCALE_ROWS).to(tl.int64) * stride_ws
     if BLOCK_M == 1:  # the register path's per-element partials (_tile_product)
         acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    elif SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if PREFETCH:
@@ -322,11 +334,13 @@ def _skinny_gemm_kernel(
             w0 = w1
             w1 = _w_tile(w_base, k0 + 2 * BLOCK_K, ks, nmask, k_hi, True)
         acc = _tile_product(acc, a, w, ws_base, ws_row, k0, ks, K, nmask, FP8_W, BLOCK_M,
-                            BLOCK_K, UPCAST, DOT_PREC, F8ASM)  # fmt: skip
+                            BLOCK_K, UPCAST, DOT_PREC, F8ASM, SWAP)  # fmt: skip
         if PREFETCH:
             x, q = xn, qn
     if BLOCK_M == 1:
         acc = tl.sum(acc, axis=1)[None, :]
+    elif SWAP:
+        acc = tl.trans(acc)
     if ONE_PASS:
         acc = acc * tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]
     omask = rmask[:, None] & nmask[None, :]
@@ -518,6 +532,7 @@ def skinny_gemm(
             FP8_W=fp8, SCALE_ROWS=scale_rows, F8ASM=fp8 and not interpret_mode(),
             BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PREFETCH=cfg.prefetch,
             SPLIT_K=split, ONE_PASS=one_pass, EARLY_W=cfg.early_w if block_m == 1 else 0,
+            SWAP=cfg.swap and block_m > 1,
             UPCAST=dot_upcast(x.dtype), DOT_PREC=dot_precision(x.dtype),
             num_stages=fit_stages(cfg, block_m, x.element_size(), weight.element_size(),
                                   prologue, has_res),
