@@ -679,7 +679,7 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     timeout 240 python3 benchmarks/skinny_bench.py --quick --fp8 --out "$OUT/skinny.json" 2>&1 \
       | tee "$OUT/skinny.log" | quiet | grep -E "^(fp8|qkv|o |gate|down)" | head -40
     for rows in 0 1 64; do
-      [ $(( start + 570 - $(date +%s) )) -gt 150 ] || { echo "fp8 rows $rows: no time"; break; }
+      [ $(( start + ${K35_END:-570} - $(date +%s) )) -gt 150 ] || { echo "fp8 rows $rows: no time"; break; }
       FP8_SKINNY_ROWS=$rows fp8_llama_skinny
     done
     ;;
