@@ -188,7 +188,8 @@ def _tile_product(acc, a, w, ws_base, ws_row, k0, ks, K, nmask, FP8_W: tl.conste
     (``ws_row``: the tile's one row of scales). On the register path (``BLOCK_M`` 1)
     ``acc`` is [BLOCK_N, BLOCK_K]: each element's products accumulate where they are,
     summed over K once after the loop (no reduction across the threads every K step).
-    ``SWAP``: ``acc`` is the transposed tile [BLOCK_N, BLOCK_M], plus ``w a^T``. FP8 values are widened by the hardware's e4m3 -> f16 conversion (``F8ASM``)."""
+    ``SWAP``: ``acc`` is the transposed tile [BLOCK_N, BLOCK_M], plus ``w a^T``. FP8
+    values are widened by the hardware's e4m3 -> f16 conversion (``F8ASM``)."""
     if FP8_W:  # exact in fp16, and from there in bf16 / fp32
         w = e4m3_to_f16(w, F8ASM)
     WIDE: tl.constexpr = FP8_W and BLOCK_K > 128
@@ -411,7 +412,8 @@ def wide_fp8_steps(cfg: SkinnyConfig, scale_rows: int) -> bool:
     a column tile within one row of scales (``scale_rows`` a multiple of ``block_n``), so
     each activation column takes its 128-group's scale. Otherwise the steps are 128 wide,
     one scale a (column, step)."""
-    return cfg.block_k > FP8_GROUP and cfg.block_k % FP8_GROUP == 0 and scale_rows % cfg.block_n == 0
+    k = cfg.block_k
+    return k > FP8_GROUP and k % FP8_GROUP == 0 and scale_rows % cfg.block_n == 0
 
 
 RING_BYTES = 160 * 1024  # shared memory for the pipeline's ring of tiles (227 KB on Hopper)
