@@ -678,7 +678,7 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     end=${K35_END:-570}
     timeout 100 python3 -m pytest -p no:cacheprovider -q tests/kernels/test_skinny_gemm.py \
       -k "fp8 or swapped or default" 2>&1 | tail -3
-    for rows in 0 1; do
+    for rows in ${K35_ROWS:-0 1}; do
       [ $(( start + end - $(date +%s) )) -gt 150 ] || { echo "fp8 rows $rows: no time"; exit 0; }
       FP8_SKINNY_ROWS=$rows fp8_llama_skinny
     done
@@ -687,6 +687,12 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     timeout "$left" python3 benchmarks/skinny_bench.py --quick --fp8 --out "$OUT/skinny.json" \
       2>&1 | tee "$OUT/skinny.log" | quiet | grep -E "^(fp8|qkv|o |gate|down)" | head -40
     [ $(( start + end - $(date +%s) )) -gt 150 ] && FP8_SKINNY_ROWS=64 fp8_llama_skinny
+    ;;
+  x36)  # issues 30 / 28 in one call: r11's llama pair (the tree against .baseline: an
+    # experiment branch against main), then k35 in the time left (K35_END: the seconds
+    # the call has; FP8 at one row before off)
+    bash "$0" r11
+    K35_ROWS="1 0" bash "$0" k35
     ;;
   b32)  # by card: c32 on an H200, else k34
     if on_h200; then
