@@ -259,16 +259,18 @@ def skinny_variants() -> list[Variant]:
                                consts, _SKINNY_PTRS, _SKINNY_INTS, frozenset({"eps"}),
                                cfg.num_warps, stages, expect_cp_async=bm > 1,
                                expect_no_spills=True, expect_pdl=pdl))  # fmt: skip
-        # FP8 weights (weight-only, PDSERVE_SKINNY_ROWS): the default tiles' wide K steps,
-        # each activation column scaled by its 128-group's scale (wide_fp8_steps)
-        assert wide_fp8_steps(cfg, 128)
+        # FP8 weights (weight-only, PDSERVE_SKINNY_ROWS) at their default tiles (o_proj's
+        # 4096 columns): one row wide K steps read as int32 words, more rows 128-wide
+        # steps with split-K
+        f8 = default_config(rows, fp8=True, n=4096)
+        assert wide_fp8_steps(f8, 128) == (bm == 1)
         consts = _fixed(PROLOGUE=0, HAS_RES=False, HAS_BIAS=False, FP8_W=True, SCALE_ROWS=128,
-                        BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ONE_PASS=False,
-                        PDL=bm == 1, EARLY_W=cfg.early_w if bm == 1 else 0,
-                        F8ASM=True)  # fmt: skip
+                        BLOCK_M=bm, BLOCK_N=f8.block_n, BLOCK_K=f8.block_k, ONE_PASS=False,
+                        SPLIT_K=f8.split_k, PDL=bm == 1, EARLY_W=f8.early_w if bm == 1 else 0,
+                        F8ASM=True, WORDS=bm == 1)  # fmt: skip
         out.append(Variant(f"skinny{rows}_fp8", _kernel("skinny_gemm", "_skinny_gemm_kernel"),
                            consts, _SKINNY_PTRS | {"w_ptr": "*fp8e4nv"}, _SKINNY_INTS,
-                           frozenset({"eps"}), cfg.num_warps, fit_stages(cfg, bm, 2, 1),
+                           frozenset({"eps"}), f8.num_warps, fit_stages(f8, bm, 2, 1),
                            expect_cp_async=bm > 1, expect_no_spills=True,
                            expect_pdl=bm == 1))  # fmt: skip
     return out

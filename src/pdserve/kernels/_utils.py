@@ -226,3 +226,40 @@ def e4m3_to_f16(x, ASM: tl.constexpr):
         )
     else:
         return x.to(tl.float16)
+
+
+@triton.jit
+def _e4m3_byte(b):
+    """The e4m3 value of byte ``b`` (int32, 0-255) by arithmetic: the interpreter's way."""
+    e = (b >> 3) & 15
+    m = (b & 7).to(tl.float32)
+    # normal: (1 + m / 8) * 2^(e - 7) = (8 + m) * 2^(e - 10); subnormal: m * 2^-9
+    mag = tl.where(e == 0, m * 0.001953125, (8.0 + m) * tl.exp2((e - 10).to(tl.float32)))
+    return tl.where((b & 128) != 0, -mag, mag)
+
+
+@triton.jit
+def fp8x4_to_f32(w, ASM: tl.constexpr):
+    """Four e4m3 values packed in each int32 of ``w`` (little-endian: byte ``c`` is the
+    value at offset ``c``) -> four float32 tensors of ``w``'s shape, one per byte: from
+    one 4-byte load, two pairwise e4m3 -> f16 conversions and four f16 -> f32 ones,
+    with no byte shuffles (``ASM``; off: by arithmetic, for the CPU interpreter)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi, h0, h1, h2, h3; .reg .b32 p, q; mov.b32 {lo, hi}, $4; "
+            "cvt.rn.f16x2.e4m3x2 p, lo; cvt.rn.f16x2.e4m3x2 q, hi; "
+            "mov.b32 {h0, h1}, p; mov.b32 {h2, h3}, q; "
+            "cvt.f32.f16 $0, h0; cvt.f32.f16 $1, h1; cvt.f32.f16 $2, h2; cvt.f32.f16 $3, h3; }",
+            "=r,=r,=r,=r,r",
+            [w],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        return (
+            _e4m3_byte(w & 255),
+            _e4m3_byte((w >> 8) & 255),
+            _e4m3_byte((w >> 16) & 255),
+            _e4m3_byte((w >> 24) & 255),
+        )
