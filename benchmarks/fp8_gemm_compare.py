@@ -14,6 +14,8 @@ engine feeds them), it times:
               kernel for decode rows, the 128 x 128 tile kernel with cp.async copies for
               prefill; Hopper only
   gluon_tma   (prefill only) its 128 x 128 tile kernel with TMA copies (the default)
+  gluon_ws    (prefill only) the warp-specialized, persistent tile kernel
+              (kernels/fp8_gemm_gluon_ws.py)
   scaled_mm   (prefill only) torch._scaled_mm with 1x128 / 128x128 block scales, where
               this PyTorch runs it (activations quantized by it: the engine's path from
               256 tokens)
@@ -110,7 +112,8 @@ def entries(m: int, xs: list[Any], xqs: list[Any], ws: list[tuple[Any, Any, Any]
         out.append(("triton_big", [lambda w=w, s=s: fp8_gemm.block_fp8_gemm(xq, w, s, config=big)
                                    for w, s, _ in ws]))  # fmt: skip
     # the Gluon kernels: decode rows take the swapped kernel; prefill sizes each tile kernel
-    kernels = [("gluon", "cp_async")] if decode else [("gluon", "cp_async"), ("gluon_tma", "tma")]
+    kernels = [("gluon", "cp_async")] if decode else [
+        ("gluon", "cp_async"), ("gluon_tma", "tma"), ("gluon_ws", "ws")]
     for label, kern in kernels:
         if fp8_gemm_gluon.supported(xq, ws[0][0], 128, None, x.dtype):
             out.append((label, [lambda w=w, s=s, kern=kern: fp8_gemm_gluon.fp8_gemm_gluon(

@@ -512,6 +512,12 @@ def _fp8_tma_kernel() -> Any:
     return _fp8_gemm_tma_kernel
 
 
+def _fp8_ws_kernel() -> Any:
+    from pdserve.kernels.fp8_gemm_gluon_ws import _fp8_gemm_ws_kernel
+
+    return _fp8_gemm_ws_kernel
+
+
 def _tile_desc_type() -> str:
     """The argument type of a 128 x 128 fp8 tile descriptor (as a launch would mangle it)."""
     import torch
@@ -542,6 +548,13 @@ def fp8_gluon_variants() -> list[Variant]:
                        {**descs, "a_desc": tile, "b_desc": tile},
                        frozenset({"K", "stride_xsm", "stride_om"}), frozenset(), m.WARPS, 1,
                        expect_wgmma=True, expect_no_spills=True, expect_tma=True))  # fmt: skip
+    from pdserve.kernels import fp8_gemm_gluon_ws as ws
+
+    out.append(Variant("fp8_gluon_prefill_ws", _fp8_ws_kernel, lambda: ws.ws_constexprs(128),
+                       {**descs, "a_desc": tile, "b_desc": tile},
+                       frozenset({"K", "stride_xsm", "stride_om"}), frozenset(), ws.WARPS, 1,
+                       expect_wgmma=True, expect_no_spills=True, expect_tma=True,
+                       maxnreg=ws.MAXNREG))  # fmt: skip
     for rows in (16, 64):  # decode batches of 1-16 and 33-64 rows: the swapped kernel
         consts = dict(SCALE_N=128, BLOCK_N=m.DECODE_BLOCK_N, BLOCK_M=rows, BLOCK_K=m.BLOCK_K,
                       STAGES=m.DECODE_STAGES)  # fmt: skip

@@ -113,10 +113,10 @@ def test_fp8_gemm_compare_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[st
         by_phase.setdefault(r["phase"], {})[r["impl"]] = r
     assert set(by_phase["decode"]) == {"triton", "gluon", "bf16"}
     assert set(by_phase["prefill"]) == {"triton", "triton_big", "gluon", "gluon_tma",
-                                        "scaled_mm", "bf16"}  # fmt: skip
+                                        "gluon_ws", "scaled_mm", "bf16"}  # fmt: skip
     for phase, rows in by_phase.items():
         for name, r in rows.items():
-            if name in ("gluon", "gluon_tma", "scaled_mm"):
+            if name in ("gluon", "gluon_tma", "gluon_ws", "scaled_mm"):
                 assert "skipped" in r, r
                 continue
             assert r["ms"] > 0 and not r["bad"] and r["bytes"] > 0, (phase, r)

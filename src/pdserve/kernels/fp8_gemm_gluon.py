@@ -48,13 +48,21 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from pdserve.kernels._utils import capability, num_sms
 from pdserve.kernels.fp8_gemm import splitk_sum
-from pdserve.kernels.reference import FP8_GROUP, Fp8Activation
+from pdserve.kernels.fp8_gemm_gluon_tiles import (
+    BLOCK_K,
+    BLOCK_M,
+    BLOCK_N,
+    GROUP_M,
+    scale_rows,
+    step_mma,
+    store_tile,
+    tile_at,
+    tile_layout,
+)
+from pdserve.kernels.fp8_gemm_gluon_ws import fp8_gemm_ws
+from pdserve.kernels.reference import Fp8Activation
 
-BLOCK_M = 128
-BLOCK_N = 128
-BLOCK_K = FP8_GROUP  # one scale a step
 STAGES = 4  # 32 KB a stage
-GROUP_M = 8
 WARPS = 8
 # decode-sized batches (the swapped kernel): 64 weight rows a program (the M of one
 # warpgroup MMA), the batch's rows as the MMA's N, a deeper ring of weight tiles
@@ -63,8 +71,9 @@ DECODE_BLOCK_N = 64
 DECODE_STAGES = 6  # 6 x 16 KB: two programs a multiprocessor
 DECODE_WARPS = 4
 # prefill sizes: "tma" (tiles copied by the Tensor Memory Accelerator into a ring of
-# TMA_STAGES stages, one mbarrier each) or "cp_async" (every thread copies 16-byte pieces)
-PREFILL_KERNELS = ("tma", "cp_async")
+# TMA_STAGES stages, one mbarrier each), "cp_async" (every thread copies 16-byte pieces)
+# or "ws" (warp-specialized and persistent: kernels/fp8_gemm_gluon_ws.py, TMA copies)
+PREFILL_KERNELS = ("tma", "cp_async", "ws")
 PREFILL_KERNEL = "tma"
 TMA_STAGES = 5  # 5 x 32 KB
 
@@ -95,58 +104,9 @@ def _issue_step(
 
 @gluon.jit
 def _tile_origin(M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
-    """This program's output tile (row and column offsets) in the grouped order: GROUP_M
-    row tiles sweep the column tiles together, so the programs running at once share
-    their rows and columns in L2 (the order of :func:`pdserve.kernels._utils.grouped_tile`,
-    which Gluon cannot call)."""
-    pid = gl.program_id(0)
-    num_m = gl.cdiv(M, BLOCK_M)
-    width = GROUP_M * gl.cdiv(N, BLOCK_N)
-    first_m = (pid // width) * GROUP_M
-    size_m = gl.minimum(num_m - first_m, GROUP_M)
-    return (first_m + (pid % width) % size_m) * BLOCK_M, ((pid % width) // size_m) * BLOCK_N
-
-
-@gluon.jit
-def _scale_rows(xs_ptr, ws_ptr, off_m, off_n, M, stride_xsm, stride_wsn, SCALE_N: gl.constexpr,
-                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ACC: gl.constexpr):  # fmt: skip
-    """The tile's activation-scale row pointers (one a row of the tile), which of them are
-    real rows, and its weight-scale row: one weight scale a (tile, step), the scale blocks
-    spanning the tile (a per-column scale would hold 2 x 32 more registers a thread than
-    the three accumulators leave)."""
-    rm = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ACC))
-    xs_rows = xs_ptr + rm.to(gl.int64) * stride_xsm
-    m_ok = rm < M
-    gl.static_assert(SCALE_N % BLOCK_N == 0)
-    return xs_rows, m_ok, ws_ptr + (off_n // SCALE_N).to(gl.int64) * stride_wsn
-
-
-@gluon.jit
-def _step_mma(a_buf, b_buf, xs_rows, m_ok, ws_rows, kb, ACC: gl.constexpr):
-    """Issue K step ``kb``'s MMA into a fresh accumulator (its zeros made where they are
-    used, so no loop-long register tile holds them) and load the step's scales, which
-    the caller applies once the MMA is done."""
-    BLOCK_M: gl.constexpr = a_buf.type.shape[0]
-    BLOCK_N: gl.constexpr = b_buf.type.shape[0]
-    part = warpgroup_mma(a_buf, b_buf.permute((1, 0)),
-                         gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=ACC), use_acc=False,
-                         is_async=True)  # fmt: skip
-    return part, gl.load(xs_rows + kb, mask=m_ok, other=0.0), gl.load(ws_rows + kb)
-
-
-@gluon.jit
-def _store_tile(acc, out_ptr, off_m, off_n, M, N, stride_om, BLOCK_M: gl.constexpr,
-                BLOCK_N: gl.constexpr):  # fmt: skip
-    """Store an accumulator tile (8 warps) in the output's dtype, rows past M and columns
-    past N left out."""
-    OUT: gl.constexpr = gl.BlockedLayout(
-        size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[8, 1], order=[1, 0]
-    )
-    y = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), OUT)
-    om = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, OUT))
-    on = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, OUT))
-    gl.store(out_ptr + om[:, None].to(gl.int64) * stride_om + on[None, :], y,
-             mask=(om < M)[:, None] & (on < N)[None, :])  # fmt: skip
+    """This program's output tile (row and column offsets) in :func:`tile_at`'s grouped
+    order."""
+    return tile_at(gl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
 
 @gluon.jit
@@ -174,7 +134,7 @@ def _fp8_gemm_kernel(
         _issue_step(x_ptr, w_ptr, a_bufs.index(s), b_bufs.index(s), off_m, off_n, s, M, N, K,
                     stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, LD)  # fmt: skip
 
-    xs_rows, m_ok, ws_rows = _scale_rows(xs_ptr, ws_ptr, off_m, off_n, M, stride_xsm,
+    xs_rows, m_ok, ws_rows = scale_rows(xs_ptr, ws_ptr, off_m, off_n, M, stride_xsm,
                                          stride_wsn, SCALE_N, BLOCK_M, BLOCK_N, ACC)  # fmt: skip
     acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=ACC)
 
@@ -182,13 +142,13 @@ def _fp8_gemm_kernel(
     async_copy.wait_group(STAGES - 1)
     fence_async_shared()
     gl.thread_barrier()
-    part, a_s, b_s = _step_mma(a_bufs.index(0), b_bufs.index(0), xs_rows, m_ok, ws_rows, 0, ACC)
+    part, a_s, b_s = step_mma(a_bufs.index(0), b_bufs.index(0), xs_rows, m_ok, ws_rows, 0, ACC)
     for kb in range(1, k_steps):
         st = kb % STAGES
         async_copy.wait_group(STAGES - 2)  # step kb landed
         fence_async_shared()
         gl.thread_barrier()
-        nxt, a_next, b_next = _step_mma(a_bufs.index(st), b_bufs.index(st), xs_rows, m_ok,
+        nxt, a_next, b_next = step_mma(a_bufs.index(st), b_bufs.index(st), xs_rows, m_ok,
                                         ws_rows, kb, ACC)  # fmt: skip
         done = warpgroup_mma_wait(num_outstanding=1, deps=(part,))  # step kb - 1
         gl.thread_barrier()  # both warpgroups are done with step kb - 1's stage
@@ -204,7 +164,7 @@ def _fp8_gemm_kernel(
     acc += done * (a_s * b_s)[:, None]
     async_copy.wait_group(0)  # the empty groups past the last step
 
-    _store_tile(acc, out_ptr, off_m, off_n, M, N, stride_om, BLOCK_M, BLOCK_N)
+    store_tile(acc, out_ptr, off_m, off_n, M, N, stride_om, BLOCK_M, BLOCK_N)
 
 
 @gluon.jit
@@ -247,16 +207,16 @@ def _fp8_gemm_tma_kernel(
         _tma_step(a_desc, b_desc, a_bufs.index(s), b_bufs.index(s), bars.index(s), off_m, off_n,
                   s, k_steps)  # fmt: skip
 
-    xs_rows, m_ok, ws_rows = _scale_rows(xs_ptr, ws_ptr, off_m, off_n, M, stride_xsm,
+    xs_rows, m_ok, ws_rows = scale_rows(xs_ptr, ws_ptr, off_m, off_n, M, stride_xsm,
                                          stride_wsn, SCALE_N, BLOCK_M, BLOCK_N, ACC)  # fmt: skip
     acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=ACC)
 
     mbarrier.wait(bars.index(0), phase=0)
-    part, a_s, b_s = _step_mma(a_bufs.index(0), b_bufs.index(0), xs_rows, m_ok, ws_rows, 0, ACC)
+    part, a_s, b_s = step_mma(a_bufs.index(0), b_bufs.index(0), xs_rows, m_ok, ws_rows, 0, ACC)
     for kb in range(1, k_steps):
         st = kb % STAGES
         mbarrier.wait(bars.index(st), phase=(kb // STAGES) & 1)  # step kb's tiles landed
-        nxt, a_next, b_next = _step_mma(a_bufs.index(st), b_bufs.index(st), xs_rows, m_ok,
+        nxt, a_next, b_next = step_mma(a_bufs.index(st), b_bufs.index(st), xs_rows, m_ok,
                                         ws_rows, kb, ACC)  # fmt: skip
         done = warpgroup_mma_wait(num_outstanding=1, deps=(part,))  # step kb - 1
         gl.thread_barrier()  # both warpgroups are done reading step kb - 1's stage
@@ -272,7 +232,7 @@ def _fp8_gemm_tma_kernel(
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
 
-    _store_tile(acc, out_ptr, off_m, off_n, M, N, stride_om, BLOCK_M, BLOCK_N)
+    store_tile(acc, out_ptr, off_m, off_n, M, N, stride_om, BLOCK_M, BLOCK_N)
 
 
 @gluon.jit
@@ -361,11 +321,6 @@ def tma_constexprs(scale_n: int) -> dict[str, int]:
     return dict(SCALE_N=scale_n, STAGES=TMA_STAGES, GROUP_M=GROUP_M)
 
 
-def tile_layout() -> gl.NVMMASharedLayout:
-    """The shared-memory layout of a 128 x 128 fp8 tile (both operands, K innermost)."""
-    return gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float8e4nv)
-
-
 def _tma_ok(*ts: torch.Tensor) -> bool:
     """Whether the Tensor Memory Accelerator can copy tiles of these 2-D tensors: 16-byte
     aligned bases and row strides, contiguous rows."""
@@ -396,8 +351,8 @@ def fp8_gemm_gluon(
     :func:`~pdserve.kernels.fp8_gemm.block_fp8_gemm` computes it: up to
     ``DECODE_MAX_ROWS`` rows with the swapped kernel (split-K partials summed in one
     launch), more with a 128 x 128 tile kernel (``prefill_kernel``: one of
-    :data:`PREFILL_KERNELS`; "tma" falls back to "cp_async" for operands the Tensor Memory
-    Accelerator cannot address). Raises ``ValueError`` where :func:`supported` is false
+    :data:`PREFILL_KERNELS`; "tma" and "ws" fall back to "cp_async" for operands the
+    Tensor Memory Accelerator cannot address). Raises ``ValueError`` where :func:`supported` is false
     (bias aside: the caller adds it)."""
     if prefill_kernel not in PREFILL_KERNELS:
         raise ValueError(f"prefill_kernel {prefill_kernel!r}: one of {PREFILL_KERNELS}")
@@ -432,7 +387,9 @@ def fp8_gemm_gluon(
         return y.view(*lead, n)
     out = torch.empty(m, n, dtype=out_dtype, device=x2.device)
     grid = (triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N),)
-    if prefill_kernel == "tma" and _tma_ok(x2, wc):
+    if prefill_kernel == "ws" and _tma_ok(x2, wc):
+        return fp8_gemm_ws(x2, xs, wc, ws, out, scale_n).view(*lead, n)
+    if prefill_kernel in ("tma", "ws") and _tma_ok(x2, wc):
         lay = tile_layout()
         a_desc = TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [BLOCK_M, BLOCK_K], lay)
         b_desc = TensorDescriptor(wc, list(wc.shape), list(wc.stride()), [BLOCK_N, BLOCK_K], lay)
