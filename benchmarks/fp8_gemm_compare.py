@@ -130,7 +130,8 @@ def entries(m: int, xs: list[Any], xqs: list[Any], ws: list[tuple[Any, Any, Any]
     return out
 
 
-def run(cuda: bool, budget_s: float) -> dict[str, Any]:
+def run(cuda: bool, budget_s: float, prefill_only: bool = False,
+        impls: frozenset[str] | None = None) -> dict[str, Any]:  # fmt: skip
     import torch
 
     from pdserve.kernels.reference import (
@@ -144,7 +145,7 @@ def run(cuda: bool, budget_s: float) -> dict[str, Any]:
     end = time.perf_counter() + budget_s
     lim = limits(cuda)
     shapes = SHAPES if cuda else CPU_SHAPES
-    points = [(m, True) for m in (DECODE if cuda else CPU_DECODE)]
+    points = [] if prefill_only else [(m, True) for m in (DECODE if cuda else CPU_DECODE)]
     points += [(m, False) for m in (PREFILL if cuda else CPU_PREFILL)]
     rows: list[dict[str, Any]] = []
     g = torch.Generator(device=dev).manual_seed(0)
@@ -167,6 +168,8 @@ def run(cuda: bool, budget_s: float) -> dict[str, Any]:
                                         decode):  # fmt: skip
                 row: dict[str, Any] = {"shape": name, "m": m, "n": n, "k": k, "impl": label,
                                        "phase": "decode" if decode else "prefill"}  # fmt: skip
+                if impls is not None and label not in impls:
+                    continue
                 if isinstance(calls, str):
                     rows.append({**row, "skipped": calls})
                     continue
@@ -221,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--budget-s", type=float, default=150.0)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--prefill-only", action="store_true", help="no decode points")
+    ap.add_argument("--impls", default=None, help="comma-separated: only these (e.g. gluon_ws)")
     args = ap.parse_args(argv)
     cuda = args.device == "cuda"
     if not cuda:
@@ -228,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         from _interp import interpreter_fix
 
         interpreter_fix()
-    res = run(cuda, args.budget_s)
+    impls = frozenset(args.impls.split(",")) if args.impls else None
+    res = run(cuda, args.budget_s, args.prefill_only, impls)
     print_table(res)
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=2))

@@ -637,6 +637,23 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
       --budget-s 90 --out "$OUT/fp8_gemm_sweep.json" > "$OUT/fp8_gemm_sweep.log" 2>&1
     tail -14 "$OUT/fp8_gemm_sweep.log"
     ;;
+  fp8w)  # issue 28: the warp-specialized FP8 prefill GEMM (kernels/fp8_gemm_gluon_ws.py):
+    # its GPU parity (a hang stops the stage), the prefill GEMMs beside the "tma" kernel,
+    # then llama-8b-shape FP8 (fp8_bench) with PDSERVE_FP8_PREFILL=tma and =ws
+    timeout 90 python3 -m pytest -p no:cacheprovider -q -rfE tests/kernels/test_fp8_gemm_gluon.py \
+      -k "ws" 2>&1 | tail -4
+    [ "${PIPESTATUS[0]}" = 0 ] || { echo "ws parity failed: stage stopped"; exit 1; }
+    timeout 150 python3 benchmarks/fp8_gemm_compare.py --prefill-only --budget-s 120 \
+      --impls gluon_tma,gluon_ws,bf16 --out "$OUT/fp8_ws_compare.json" \
+      > "$OUT/fp8_ws_compare.log" 2>&1
+    sed -n '/^== /,$p' "$OUT/fp8_ws_compare.log"
+    for kern in ws tma; do
+      [ $(( start + ${FP8W_END:-570} - $(date +%s) )) -gt 150 ] || { echo "fp8 $kern: no time"; break; }
+      PDSERVE_FP8_PREFILL=$kern timeout 160 python3 benchmarks/fp8_bench.py --models llama-8b-shape \
+        --variants fp8 --out "$OUT/fp8w_$kern.json" > "$OUT/fp8w_$kern.log" 2>&1
+      echo "fp8 llama, prefill kernel $kern: exit $?"; quiet < "$OUT/fp8w_$kern.log" | sed -n '/^== /,$p'
+    done
+    ;;
   skinny)  # issue 30: the decode-size GEMM (kernels/skinny_gemm.py) beside cuBLAS at the
     # llama-8b-shape projections x 1/16/64 rows, its config sweep, and its producer prologues
     # (add+RMSNorm, SiLU-and-mul) beside today's two launches

@@ -63,7 +63,9 @@ def test_gluon_fp8_gemm_matches_reference(m: int, n: int, k: int, prefill_kernel
     torch.testing.assert_close(got.float(), triton_out.float(), atol=atol, rtol=2e-2)
 
 
-def test_gluon_fp8_gemm_refuses_what_it_does_not_run(device: torch.device) -> None:
+def test_gluon_fp8_gemm_refuses_what_it_does_not_run(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
     xq, w, ws = _operands(device, 32, 256, 256, 1)
     on_hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
     assert fp8_gemm_gluon.supported(xq, w, 128, None, torch.bfloat16) == on_hopper
@@ -73,6 +75,10 @@ def test_gluon_fp8_gemm_refuses_what_it_does_not_run(device: torch.device) -> No
     assert not fp8_gemm_gluon.supported(xq, w, 128, None, torch.float32)
     with pytest.raises(ValueError, match="prefill_kernel"):
         fp8_gemm_gluon.fp8_gemm_gluon(xq, w, ws, 128, torch.bfloat16, "wgmma")
+    with monkeypatch.context() as mp:  # the engine's choice through the environment
+        mp.setenv(fp8_gemm_gluon.PREFILL_ENV, "wgmma")
+        with pytest.raises(ValueError, match="PDSERVE_FP8_PREFILL"):
+            fp8_gemm_gluon.fp8_gemm_gluon(xq, w, ws, 128, torch.bfloat16)
     if not on_hopper:
         with pytest.raises(ValueError, match="sm_90"):
             fp8_gemm_gluon.fp8_gemm_gluon(xq, w, ws, 128, torch.bfloat16)
@@ -123,6 +129,11 @@ def test_fp8_gemm_compare_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert "Hopper" in by_phase["decode"]["gluon"]["skipped"]
     assert res["fp8_peak_flops"] is None and res["copy_Bps"] is None
     assert "fp8 GEMM, decode" in capsys.readouterr().out
+    assert mod.main(["--device", "cpu", "--out", str(out), "--prefill-only",
+                     "--impls", "triton,gluon_ws"]) == 0  # fmt: skip
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["phase"], r["impl"]) for r in rows} == {("prefill", "triton"),
+                                                        ("prefill", "gluon_ws")}  # fmt: skip
 
 
 def test_fp8_linear_quantizes_a_plain_input_for_gluon(

@@ -32,6 +32,8 @@ otherwise. Gluon has no CPU interpreter: the CPU suite compiles these kernels fo
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -75,6 +77,7 @@ DECODE_WARPS = 4
 # or "ws" (warp-specialized and persistent: kernels/fp8_gemm_gluon_ws.py, TMA copies)
 PREFILL_KERNELS = ("tma", "cp_async", "ws")
 PREFILL_KERNEL = "tma"
+PREFILL_ENV = "PDSERVE_FP8_PREFILL"  # one of PREFILL_KERNELS: the engine's choice instead
 TMA_STAGES = 5  # 5 x 32 KB
 
 
@@ -344,18 +347,22 @@ def fp8_gemm_gluon(
     w_scale_inv: torch.Tensor,
     scale_n: int,
     out_dtype: torch.dtype,
-    prefill_kernel: str = PREFILL_KERNEL,
+    prefill_kernel: str | None = None,
 ) -> torch.Tensor:
     """``x`` [..., K] (fp8 values and group scales) times ``w`` [N, K] fp8 transposed with
     ``w_scale_inv`` [ceil(N / scale_n), ceil(K / 128)]: [..., N] in ``out_dtype``, as
     :func:`~pdserve.kernels.fp8_gemm.block_fp8_gemm` computes it: up to
     ``DECODE_MAX_ROWS`` rows with the swapped kernel (split-K partials summed in one
     launch), more with a 128 x 128 tile kernel (``prefill_kernel``: one of
-    :data:`PREFILL_KERNELS`; "tma" and "ws" fall back to "cp_async" for operands the
-    Tensor Memory Accelerator cannot address). Raises ``ValueError`` where :func:`supported` is false
+    :data:`PREFILL_KERNELS`, else ``PDSERVE_FP8_PREFILL``'s, else :data:`PREFILL_KERNEL`;
+    "tma" and "ws" fall back to "cp_async" for operands the Tensor Memory Accelerator
+    cannot address). Raises ``ValueError`` where :func:`supported` is false
     (bias aside: the caller adds it)."""
+    if prefill_kernel is None:
+        prefill_kernel = os.environ.get(PREFILL_ENV, PREFILL_KERNEL)
     if prefill_kernel not in PREFILL_KERNELS:
-        raise ValueError(f"prefill_kernel {prefill_kernel!r}: one of {PREFILL_KERNELS}")
+        raise ValueError(f"prefill_kernel {prefill_kernel!r} ({PREFILL_ENV}): one of "
+                         f"{PREFILL_KERNELS}")  # fmt: skip
     if not supported(x, w, scale_n, None, out_dtype):
         raise ValueError("fp8_gemm_gluon: needs sm_90, an Fp8Activation with K a multiple "
                          "of 16, fp8 weights in 128x128 scale blocks and a bf16/fp16 "
