@@ -13,7 +13,8 @@ and runs the block-FP8 GEMM:
   Hopper (:func:`~pdserve.kernels.fp8_gemm_gluon.fp8_gemm_gluon`: the H200 measured it
   at 50-57% of the fp8 peak at 2K-16K tokens, faster than bf16 cuBLAS and than the
   Triton kernel at 2K+; smaller batches keep the Triton kernel, which the Gluon decode
-  kernel did not beat, RESULTS.md run 49), a plain input quantized first by one launch
+  kernel did not beat, RESULTS.md run 49; ``PDSERVE_FP8_PREFILL`` = ``ws`` picks the
+  warp-specialized one instead), a plain input quantized first by one launch
   (:func:`~pdserve.kernels.activation.quantize_fp8`, ``GLUON_QUANTIZE``); or for
   batches of at least ``SCALED_MM_MIN_TOKENS`` tokens ``torch._scaled_mm``'s blockwise
   recipe where this PyTorch and GPU support it (checked once per device against the
