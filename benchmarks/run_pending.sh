@@ -72,6 +72,7 @@
 #       benchmarks/fp8_gemm_sweep.py down/gate_up at 64 and 8,192 tokens (issue 28).
 # c30   one call for issues 29 and 30: transfer_bench over nixl, llama decode with the
 #       skinny GEMM on and off, then the 1P1D nixl serve run in the time left.
+# b33   by card: c32 on an H200, else fp8w
 # fp8w  issue 28: the warp-specialized FP8 prefill GEMM's GPU parity, its prefill GEMMs
 #       beside the TMA kernel, llama-8b-shape FP8 with PDSERVE_FP8_PREFILL=ws and =tma
 # k35   issues 28, 30: the skinny GEMM's FP8 word path and swapped tile on the GPU, FP8
@@ -171,7 +172,7 @@
 #       --enable-expert-parallel against one GPU, the same closed-loop load per rank
 #       (32 streams per GPU, 1024 in / 256 out): output tok/s per GPU and mean TPOT.
 set -uo pipefail
-stage="${1:?usage: run_pending.sh fp8w|k35|x36|b32|k34|c32|k33|k32|c31|b31|k31|a31|c30|h30|s30|s30f|skinny|pdl2|h31|g18|g16|g17|f16|f17|f18|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|moe8|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl|x2|dpep N}"
+stage="${1:?usage: run_pending.sh b33|fp8w|k35|x36|b32|k34|c32|k33|k32|c31|b31|k31|a31|c30|h30|s30|s30f|skinny|pdl2|h31|g18|g16|g17|f16|f17|f18|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|moe8|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl|x2|dpep N}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 # RUN_START (epoch seconds): where two stages share one call, export it once before both,
 # so the second one's deadlines count from the call's start, not its own
@@ -715,6 +716,12 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     # the call has; FP8 at one row before off)
     bash "$0" r11
     K35_ROWS="1 0" bash "$0" k35
+    ;;
+  b33)  # by card: c32 on an H200 (issues 30, 26, 27 need that card), else fp8w
+    if on_h200; then
+      exec bash "$0" c32
+    fi
+    exec bash "$0" fp8w
     ;;
   b32)  # by card: c32 on an H200, else k34
     if on_h200; then
