@@ -225,16 +225,18 @@ def test_fp8_weights(device: torch.device, rows: int, scale_rows: int) -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 5])
-def test_fp8_wide_steps(device: torch.device, rows: int) -> None:
+@pytest.mark.parametrize("k", [330, 332])
+def test_fp8_wide_steps(device: torch.device, rows: int, k: int) -> None:
     """K steps wider than a scale block (each activation column scaled by its 128-group's
-    scale), on both paths, split-K and early weight steps too; K 330: the last step's
-    second group partial, its third past K. Per-row scales (``scale_rows`` 1) keep the
+    scale), on both paths, split-K and early weight steps too; K 330 / 332: the last
+    step's second group partial, its third past K; the register path reads K 332's rows
+    as int32 words, K 330's byte by byte. Per-row scales (``scale_rows`` 1) keep the
     128-wide steps."""
     from pdserve.kernels.reference import FP8_DTYPE
     from pdserve.kernels.skinny_gemm import wide_fp8_steps
 
     g = torch.Generator().manual_seed(rows)
-    n, k = 48, 330
+    n = 48
     w = (torch.randn(n, k, generator=g) * 20).to(FP8_DTYPE).to(device)
     s = (torch.rand(1, 3, generator=g) * 0.01 + 1e-3).to(device)
     deq = w.float() * s.repeat_interleave(128, 1)[:, :k]
@@ -250,6 +252,9 @@ def test_fp8_wide_steps(device: torch.device, rows: int) -> None:
         _close(y, F.linear(x.float(), deq), torch.bfloat16)
         y2 = skinny_gemm(gu, w, prologue="silu_mul", weight_scale=s, config=cfg)
         _close(y2, F.linear(silu_and_mul_torch(gu).float(), deq), torch.bfloat16)
+    # rows of whole int32 words but K not (a view of a wider weight): byte loads, K 258
+    y = skinny_gemm(x[:, :258], w[:, :258], weight_scale=s, config=wide[2])
+    _close(y, F.linear(x[:, :258].float(), deq[:, :258]), torch.bfloat16)
     # the default tiles (one row: the register path's wide steps; more: 128-wide steps,
     # split-K up to 4 slices)
     y = skinny_gemm(x, w, weight_scale=s)

@@ -460,8 +460,8 @@ def wide_fp8_steps(cfg: SkinnyConfig, scale_rows: int) -> bool:
 
 def _word_aligned(weight: torch.Tensor) -> bool:
     """Whether an fp8 weight's rows can be read as int32 words (the register path's FP8
-    loads): 4-byte aligned start and row stride."""
-    return weight.data_ptr() % 4 == 0 and weight.stride(0) % 4 == 0
+    loads): 4-byte aligned start and row stride, whole words of K."""
+    return weight.data_ptr() % 4 == 0 and weight.stride(0) % 4 == 0 and weight.shape[1] % 4 == 0
 
 
 RING_BYTES = 160 * 1024  # shared memory for the pipeline's ring of tiles (227 KB on Hopper)
