@@ -106,20 +106,13 @@ def _issue_step(
 
 
 @gluon.jit
-def _tile_origin(M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
-    """This program's output tile (row and column offsets) in :func:`tile_at`'s grouped
-    order."""
-    return tile_at(gl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-
-
-@gluon.jit
 def _fp8_gemm_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K,
     stride_xm, stride_xsm, stride_wn, stride_wsn, stride_om,
     SCALE_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     STAGES: gl.constexpr, GROUP_M: gl.constexpr,
 ):  # fmt: skip
-    off_m, off_n = _tile_origin(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    off_m, off_n = tile_at(gl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     k_steps = gl.cdiv(K, BLOCK_K)
 
     ACC: gl.constexpr = gl.NVMMADistributedLayout(
@@ -138,7 +131,7 @@ def _fp8_gemm_kernel(
                     stride_xm, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, LD)  # fmt: skip
 
     xs_rows, m_ok, ws_rows = scale_rows(xs_ptr, ws_ptr, off_m, off_n, M, stride_xsm,
-                                         stride_wsn, SCALE_N, BLOCK_M, BLOCK_N, ACC)  # fmt: skip
+                                        stride_wsn, SCALE_N, BLOCK_M, BLOCK_N, ACC)  # fmt: skip
     acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=ACC)
 
     # step 0: its stage landed (the other STAGES - 1 may be in flight)
@@ -152,7 +145,7 @@ def _fp8_gemm_kernel(
         fence_async_shared()
         gl.thread_barrier()
         nxt, a_next, b_next = step_mma(a_bufs.index(st), b_bufs.index(st), xs_rows, m_ok,
-                                        ws_rows, kb, ACC)  # fmt: skip
+                                       ws_rows, kb, ACC)  # fmt: skip
         done = warpgroup_mma_wait(num_outstanding=1, deps=(part,))  # step kb - 1
         gl.thread_barrier()  # both warpgroups are done with step kb - 1's stage
         prev = (kb - 1) % STAGES
@@ -195,7 +188,7 @@ def _fp8_gemm_tma_kernel(
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
-    off_m, off_n = _tile_origin(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    off_m, off_n = tile_at(gl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     k_steps = gl.cdiv(K, BLOCK_K)
 
     ACC: gl.constexpr = gl.NVMMADistributedLayout(
@@ -211,7 +204,7 @@ def _fp8_gemm_tma_kernel(
                   s, k_steps)  # fmt: skip
 
     xs_rows, m_ok, ws_rows = scale_rows(xs_ptr, ws_ptr, off_m, off_n, M, stride_xsm,
-                                         stride_wsn, SCALE_N, BLOCK_M, BLOCK_N, ACC)  # fmt: skip
+                                        stride_wsn, SCALE_N, BLOCK_M, BLOCK_N, ACC)  # fmt: skip
     acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=ACC)
 
     mbarrier.wait(bars.index(0), phase=0)
@@ -220,7 +213,7 @@ def _fp8_gemm_tma_kernel(
         st = kb % STAGES
         mbarrier.wait(bars.index(st), phase=(kb // STAGES) & 1)  # step kb's tiles landed
         nxt, a_next, b_next = step_mma(a_bufs.index(st), b_bufs.index(st), xs_rows, m_ok,
-                                        ws_rows, kb, ACC)  # fmt: skip
+                                       ws_rows, kb, ACC)  # fmt: skip
         done = warpgroup_mma_wait(num_outstanding=1, deps=(part,))  # step kb - 1
         gl.thread_barrier()  # both warpgroups are done reading step kb - 1's stage
         prev = (kb - 1) % STAGES

@@ -20,7 +20,8 @@ GROUP_M = 8
 
 @gluon.jit
 def tile_at(pid, M, N, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
-    """Tile ``pid``'s row and column offsets in the grouped order: GROUP_M row tiles sweep
+    """Tile ``pid``'s row and column offsets (``pid``: the program's index, or a
+    persistent program's current tile) in the grouped order: GROUP_M row tiles sweep
     the column tiles together, so the programs running at once share their rows and
     columns in L2 (the order of :func:`pdserve.kernels._utils.grouped_tile`, which Gluon
     cannot call)."""

@@ -185,48 +185,48 @@ def _w_tile(w_base, k0, ks, nmask, k_hi, LOAD: tl.constexpr):
 
 
 @triton.jit
-def _tile_product(acc, a, w, ws_base, ws_row, k0, ks, K, nmask, FP8_W: tl.constexpr,
+def _tile_product(acc, a, w, ws_base, ws_row, k0, K, nmask, FP8_W: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
                   DOT_PREC: tl.constexpr, F8ASM: tl.constexpr, SWAP: tl.constexpr,
                   WORDS: tl.constexpr):  # fmt: skip
-    """``acc`` plus the tile's ``a w^T`` over K columns ``k0 + ks``. FP8 weights: a 128-wide
-    step's partial product is scaled by its block's scale (``ws_base``: one a column);
-    a wider step scales the activation's columns instead, each by its 128-group's scale
-    (``ws_row``: the tile's one row of scales). On the register path (``BLOCK_M`` 1)
-    ``acc`` is [BLOCK_N, BLOCK_K]: each element's products accumulate where they are,
-    summed over K once after the loop (no reduction across the threads every K step).
-    ``SWAP``: ``acc`` is the transposed tile [BLOCK_N, BLOCK_M], plus ``w a^T``. FP8
-    values are widened by the hardware's e4m3 -> f16 conversion (``F8ASM``). ``WORDS``
-    (FP8 on the register path): ``w`` holds four weights an int32, [BLOCK_N, BLOCK_K / 4],
-    and so does ``acc``; each word's four products are added where the word is."""
+    """``acc`` plus the tile's ``a w^T`` over K columns ``k0`` to ``k0 + BLOCK_K``. FP8
+    weights: a 128-wide step's partial product is scaled by its block's scale
+    (``ws_base``: one a column); a wider step scales the activation's columns instead,
+    each by its 128-group's scale (``ws_row``: the tile's one row of scales). On the
+    register path (``BLOCK_M`` 1) ``acc`` is [BLOCK_N, BLOCK_K]: each element's products
+    accumulate where they are, summed over K once after the loop (no reduction across the
+    threads every K step). ``SWAP``: ``acc`` is the transposed tile [BLOCK_N, BLOCK_M],
+    plus ``w a^T``. FP8 values are widened by the hardware's e4m3 -> f16 conversion
+    (``F8ASM``). ``WORDS`` (FP8 on the register path): ``w`` holds four weights an int32,
+    [BLOCK_N, BLOCK_K / 4], and so does ``acc``; each word's four products are added where
+    the word is."""
+    WIDE: tl.constexpr = FP8_W and BLOCK_K > 128
+    DIV: tl.constexpr = 4 if WORDS else 1
+    if WIDE:  # one scale per activation column (per word: its four share it)
+        kk = k0 + DIV * tl.arange(0, BLOCK_K // DIV)
+        sk = tl.load(ws_row + kk // 128, mask=kk < K, other=0.0)[None, :]
+    elif FP8_W:  # one scale per weight column for the step
+        sc = tl.load(ws_base + k0 // 128, mask=nmask, other=0.0)
     if FP8_W and not WORDS:  # exact in fp16, and from there in bf16 / fp32
         w = e4m3_to_f16(w, F8ASM)
-    WIDE: tl.constexpr = FP8_W and BLOCK_K > 128
-    if WIDE and not WORDS:  # one scale per activation column: its 128-group's
-        kk = k0 + ks
-        sk = tl.load(ws_row + kk // 128, mask=kk < K, other=0.0)[None, :]
     if BLOCK_M == 1:
         af = a.to(tl.float32)
         if WORDS:
             f0, f1, f2, f3 = fp8x4_to_f32(w, F8ASM)
             a0, a1, a2, a3 = _quarters(af, BLOCK_K)
-            if WIDE:  # the word's four columns share their 128-group's scale
-                kq = k0 + 4 * tl.arange(0, BLOCK_K // 4)
-                sq = tl.load(ws_row + kq // 128, mask=kq < K, other=0.0)[None, :]
-                a0, a1, a2, a3 = a0 * sq, a1 * sq, a2 * sq, a3 * sq
-                acc += f0 * a0
-                acc += f1 * a1
-                acc += f2 * a2
-                acc += f3 * a3
+            if WIDE:
+                acc += f0 * (a0 * sk)
+                acc += f1 * (a1 * sk)
+                acc += f2 * (a2 * sk)
+                acc += f3 * (a3 * sk)
             else:
-                part = f0 * a0 + f1 * a1 + f2 * a2 + f3 * a3
-                acc += part * tl.load(ws_base + k0 // 128, mask=nmask, other=0.0)[:, None]
+                acc += (f0 * a0 + f1 * a1 + f2 * a2 + f3 * a3) * sc[:, None]
         else:
             if WIDE:
                 af = af * sk
             part = w.to(tl.float32) * af
             if FP8_W and not WIDE:
-                part *= tl.load(ws_base + k0 // 128, mask=nmask, other=0.0)[:, None]
+                part *= sc[:, None]
             acc += part
     else:
         if FP8_W:
@@ -238,13 +238,11 @@ def _tile_product(acc, a, w, ws_base, ws_row, k0, ks, K, nmask, FP8_W: tl.conste
             w = w.to(tl.float32)
         if SWAP:
             if FP8_W and not WIDE:
-                part = tl.dot(w, tl.trans(a), input_precision=DOT_PREC)
-                acc += part * tl.load(ws_base + k0 // 128, mask=nmask, other=0.0)[:, None]
+                acc += tl.dot(w, tl.trans(a), input_precision=DOT_PREC) * sc[:, None]
             else:
                 acc = tl.dot(w, tl.trans(a), acc, input_precision=DOT_PREC)
         elif FP8_W and not WIDE:
-            part = tl.dot(a, tl.trans(w), input_precision=DOT_PREC)
-            acc += part * tl.load(ws_base + k0 // 128, mask=nmask, other=0.0)[None, :]
+            acc += tl.dot(a, tl.trans(w), input_precision=DOT_PREC) * sc[None, :]
         else:
             acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PREC)
     return acc
@@ -376,8 +374,8 @@ def _skinny_gemm_kernel(
             w = w0
             w0 = w1
             w1 = _w_tile(w_base, (k0 + 2 * BLOCK_K) // DIV, wks, nmask, k_hi // DIV, True)
-        acc = _tile_product(acc, a, w, ws_base, ws_row, k0, ks, K, nmask, FP8_W, BLOCK_M,
-                            BLOCK_K, UPCAST, DOT_PREC, F8ASM, SWAP, WORDS)  # fmt: skip
+        acc = _tile_product(acc, a, w, ws_base, ws_row, k0, K, nmask, FP8_W, BLOCK_M, BLOCK_K,
+                            UPCAST, DOT_PREC, F8ASM, SWAP, WORDS)  # fmt: skip
         if PREFETCH:
             x, q = xn, qn
     if BLOCK_M == 1:
