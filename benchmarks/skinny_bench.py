@@ -86,11 +86,11 @@ def sweep(quick: bool, rows: int, cpu: bool, n: int) -> list[Any]:
                         split_k=sk)
            for bn, k, w, s, p in itertools.product(ns, ks, warps, stages, prefetch)
            for sk in splits(n, bn) if not (rows > 16 and bn > 32)]  # fmt: skip
-    # not those whose ring of tiles the kernel would cut to fewer stages (a repeat)
     # the product transposed (the weight's columns as the MMA's M: Hopper's warpgroup MMA)
     out += [SkinnyConfig(block_n=bn, block_k=k, num_stages=s, split_k=sk, swap=True)
             for bn, k, s in itertools.product((64, 128), (128, 256), (3, 4))
             for sk in splits(n, bn)]  # fmt: skip
+    # not those whose ring of tiles the kernel would cut to fewer stages (a repeat)
     out = [c for c in out if fit_stages(c, block_rows(c, rows), 2, 2) == c.num_stages]
     if rows == 1:  # the register path: one row, no MMA
         out += [SkinnyConfig(block_n=bn, block_k=k, num_warps=w, num_stages=s, row_dot=False)
