@@ -92,6 +92,7 @@ def test_default_config(device: torch.device) -> None:
     the reference under every prologue."""
 
     assert not default_config(1).row_dot and default_config(2).row_dot
+    assert default_config(16).swap and not default_config(17).swap
     g = torch.Generator().manual_seed(5)
     dt = torch.bfloat16
     w = _t(g, 40, 80, dtype=dt, dev=device) * 0.1

@@ -403,6 +403,7 @@ ONE_ROW = SkinnyConfig(block_n=8, block_k=512, row_dot=False, early_w=2)
 # FP8 weights at one row: no weight step early (qkv 12.9 us against 20.3 with two early,
 # gate|up 48.3 against 72.9: H100, RESULTS.md run 129)
 ONE_ROW_FP8 = replace(ONE_ROW, early_w=0)
+SWAP_16 = SkinnyConfig(block_n=64, block_k=256, num_stages=4, swap=True)
 
 
 def default_config(rows: int, fp8: bool = False, n: int = 0, sms: int = 132) -> SkinnyConfig:
@@ -414,6 +415,11 @@ def default_config(rows: int, fp8: bool = False, n: int = 0, sms: int = 132) -> 
     fast (qkv at one row: 20.7 against 20.8 us, RESULTS.md run 117). Its first two weight
     steps load before a dependent launch's wait (``early_w``).
 
+    16-bit weights at 2-16 rows: the transposed tile (``swap``), 64 columns x 256 K a
+    program, four stages: within 1 us of the sweep's best for each llama-8b-shape
+    projection at 16 rows and 171 us a layer against 180 for the 32 x 256 MMA tile
+    (RESULTS.md run 131, H100); at 64 rows it lost o and down, so more rows keep that tile.
+
     FP8 weights (``fp8``) at more rows: 64 of the ``n`` columns a program over 128-wide K
     steps, with split-K up to 4 slices until the programs are about two a multiprocessor
     (``sms``): the best of run 129's sweep at 16 and 64 rows (wider K steps lost there)."""
@@ -424,7 +430,7 @@ def default_config(rows: int, fp8: bool = False, n: int = 0, sms: int = 132) -> 
         while split < 4 and tiles * split < 2 * sms:
             split *= 2
         return SkinnyConfig(block_n=64, block_k=FP8_GROUP, split_k=split)
-    return SkinnyConfig()
+    return SWAP_16 if rows <= 16 else SkinnyConfig()
 
 
 def prologue_pays(rows: int, prologue: str) -> bool:
