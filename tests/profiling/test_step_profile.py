@@ -47,6 +47,8 @@ ROOT = Path(__file__).resolve().parents[2]
         ("_mla_kernel", None, "mla_attention"),
         ("_prefill_kernel", None, "mla_attention"),  # the sparse MLA prefill kernels
         ("_gluon_prefill_kernel", None, "mla_attention"),
+        ("_gluon_ws_kernel", None, "mla_attention"),
+        ("_fp8_gemm_ws_kernel", None, "dense_gemm"),  # run 130: was "mla_attention"
         ("_rows_kernel", "mla_attention", "mla_attention"),  # their candidate rows
         ("_gate_up_kernel", None, "moe_experts"),
         ("_gate_up_fp8_kernel", None, "moe_experts"),  # the FP8 MoE (run 98: was "other")

@@ -10,11 +10,12 @@ and runs the block-FP8 GEMM:
 - CUDA: the Triton kernel (:func:`~pdserve.kernels.fp8_gemm.block_fp8_gemm`); with
   ``GLUON_FP8`` on (the default), batches of at least ``GLUON_MIN_TOKENS`` tokens whose
   activations come quantized from their producer run the Gluon TMA tile kernel on
-  Hopper (:func:`~pdserve.kernels.fp8_gemm_gluon.fp8_gemm_gluon`: the H200 measured it
-  at 50-57% of the fp8 peak at 2K-16K tokens, faster than bf16 cuBLAS and than the
-  Triton kernel at 2K+; smaller batches keep the Triton kernel, which the Gluon decode
-  kernel did not beat, RESULTS.md run 49; ``PDSERVE_FP8_PREFILL`` = ``ws`` picks the
-  warp-specialized one instead), a plain input quantized first by one launch
+  Hopper (:func:`~pdserve.kernels.fp8_gemm_gluon.fp8_gemm_gluon`, by default its
+  warp-specialized persistent schedule: 64-71% of the fp8 peak at 2K-16K tokens on the
+  H100, run 130, against 49-61% for the TMA ring, which the H200 measured at 50-57%,
+  faster than bf16 cuBLAS and than the Triton kernel at 2K+; ``PDSERVE_FP8_PREFILL``
+  picks another; smaller batches keep the Triton kernel, which the Gluon decode kernel
+  did not beat, RESULTS.md run 49), a plain input quantized first by one launch
   (:func:`~pdserve.kernels.activation.quantize_fp8`, ``GLUON_QUANTIZE``); or for
   batches of at least ``SCALED_MM_MIN_TOKENS`` tokens ``torch._scaled_mm``'s blockwise
   recipe where this PyTorch and GPU support it (checked once per device against the

@@ -66,7 +66,7 @@ NAME_RULES: tuple[tuple[str, str], ...] = (
     ("topk_select", r"topk|_select_kernel|radix|sort|kthvalue|bitonic"),
     ("indexer_score", r"_logits_kernel"),
     # (the sparse MLA kernels: decode/verify, the prefill kernels and their candidate rows)
-    ("mla_attention", r"_mla_kernel|_prefill_kernel|_ws_kernel|_rows_kernel|decode_attention|flash"),
+    ("mla_attention", r"_mla_kernel|_prefill_kernel|_gluon_ws_kernel|_rows_kernel|decode_attention|flash"),
     ("moe_experts",
      r"_gate_up(_fp8)?_kernel|_down(_fp8)?_kernel|fused_moe|_align_kernel|_combine_kernel"),
     # the fused preparation kernels (norm + RoPE + cache write) count as norms and RoPE
