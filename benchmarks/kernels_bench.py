@@ -10,8 +10,11 @@ Sections (``--sections``, comma separated; default ``decode``; ``all`` for every
             roofline at the measured copy bandwidth; ``--sweep`` also times every
             split count to check the heuristic; ``--kv-dtype fp8``: an fp8 e4m3 cache
             (here and in decode_configs; half the bytes)
-  prefill   one prompt (8K new, and 4K cached + 4K new): Triton paged kernel vs
-            torch SDPA on contiguous K/V, in TFLOP/s
+  prefill   one prompt (8K new, 8000 new, and 4K cached + 4K new): Triton paged kernel
+            vs torch SDPA on contiguous K/V, in TFLOP/s; with no cached prefix also each
+            SDPA kernel alone (``sdpa_prefill(strict=True)``: flash / cuDNN, K/V heads
+            expanded or shared by enable_gqa), cuDNN's first call at the length (its plan),
+            and each one's largest difference to the default's output
   sampling  [B, 128256] float32 logits, top-p 0.9 (and top-k 50 + top-p): the
             sort-free kernel vs the runner's sort-based torch path
   norm      fused add + RMSNorm and RoPE at 4096 tokens x hidden 4096 vs torch
@@ -73,7 +76,7 @@ GPU = Shapes(
     heads=32, kv_heads=8, head_dim=128, page=16, dtype=torch.bfloat16, contexts=(1024, 16384),
     batches=(1, 16, 64), sweep_splits=(1, 2, 4, 8, 16, 32, 64),
     config_grid=((1, 2, 4, 8, 16, 32, 64), (32, 64, 128), (4, 8), (1, 2, 3)), config_ctx=1024,
-    graph_len=20480, prefill=((0, 8192), (4096, 4096)), sampling_vocab=128256,
+    graph_len=20480, prefill=((0, 8192), (0, 8000), (4096, 4096)), sampling_vocab=128256,
     sampling_batches=(1, 16, 64, 128), norm_tokens=4096, hidden=4096, rope_positions=8192,
     copy_elements=1 << 29,
 )  # fmt: skip
@@ -253,6 +256,36 @@ PREFILL_CONFIGS = [
 ]
 
 
+SDPA_VARIANTS = (("flash", False), ("flash", True), ("cudnn", False), ("cudnn", True))
+
+
+def sdpa_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flops: float) -> dict:
+    """Each of :data:`SDPA_VARIANTS` alone: TFLOP/s, its largest difference to the
+    default's output, cuDNN's first call (ms: its plan, where the length's bucket has
+    none yet), or the error where that kernel cannot run these shapes."""
+    from pdserve.kernels.prefill_attention import sdpa_prefill
+
+    want = sdpa_prefill(q, k, v, q.shape[-1] ** -0.5).float()
+    out: dict[str, object] = {}
+    for backend, gqa in SDPA_VARIANTS:
+        name = f"{backend}{'_gqa' if gqa else ''}"
+        fn = partial(sdpa_prefill, q, k, v, q.shape[-1] ** -0.5, backend, gqa, True)
+        try:
+            t0 = time.perf_counter()
+            got = fn()
+            if DEV.type == "cuda":
+                torch.cuda.synchronize()
+            first = (time.perf_counter() - t0) * 1e3
+            out[f"{name}_TFLOPs"] = flops / bench(fn) / 1e9
+        except RuntimeError as e:  # this kernel does not take these shapes here
+            out[f"{name}_error"] = str(e).split("\n")[0][:120]
+            continue
+        out[f"{name}_diff"] = (got.float() - want).abs().max().item()
+        if backend == "cudnn":
+            out[f"{name}_first_ms"] = first
+    return out
+
+
 def run_prefill(sweep: bool) -> list[dict[str, object]]:
     from pdserve.kernels.prefill_attention import prefill_attention, sdpa_prefill
 
@@ -286,6 +319,7 @@ def run_prefill(sweep: bool) -> list[dict[str, object]]:
         if cached == 0:
             ms2 = bench(partial(sdpa_prefill, q, k, v, d**-0.5))
             row |= {"sdpa_ms": ms2, "sdpa_TFLOPs": flops / ms2 / 1e9}
+            row |= sdpa_kernels(q, k, v, flops)
         rows.append(row)
     return rows
 

@@ -72,7 +72,8 @@
 #       benchmarks/fp8_gemm_sweep.py down/gate_up at 64 and 8,192 tokens (issue 28).
 # c30   one call for issues 29 and 30: transfer_bench over nixl, llama decode with the
 #       skinny GEMM on and off, then the 1P1D nixl serve run in the time left.
-# s34   r11 (the tree against .baseline), then llama-8b-shape bf16 beside FP8 (fp8_bench)
+# s34   SDPA's prefill kernels (flash / cuDNN, GQA), r11 (the tree against .baseline),
+#       then llama-8b-shape bf16 beside FP8 (fp8_bench)
 # b33   by card: c32 on an H200, else fp8w
 # fp8w  issue 28: the warp-specialized FP8 prefill GEMM's GPU parity, its prefill GEMMs
 #       beside the TMA kernel, llama-8b-shape FP8 with PDSERVE_FP8_PREFILL=ws and =tma
@@ -718,9 +719,13 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     bash "$0" r11
     K35_ROWS="1 0" bash "$0" k35
     ;;
-  s34)  # issues 30 / 28 in one call: r11's llama pair (the tree against .baseline), then
-    # llama-8b-shape bf16 beside FP8 (fp8_bench: decode against each roofline, 8K prefill
-    # against the fp8 rate, offline) in the time left (S34_END: the seconds the call has)
+  s34)  # issues 30 / 28 in one call: torch SDPA's prefill kernels alone (flash, cuDNN with
+    # its length buckets, K/V heads expanded or shared), r11's llama pair (the tree against
+    # .baseline), then llama-8b-shape bf16 beside FP8 (fp8_bench: decode against each
+    # roofline, 8K prefill against the fp8 rate, offline) in the time left (S34_END: the
+    # seconds the call has)
+    timeout 90 python3 benchmarks/kernels_bench.py --sections prefill --out "$OUT/sdpa_s34.json" \
+      2>&1 | quiet | tail -8
     bash "$0" r11
     left=$(( start + ${S34_END:-570} - $(date +%s) - 5 ))
     [ "$left" -gt 120 ] || { echo "fp8_bench: no time (${left}s)"; exit 0; }

@@ -295,6 +295,10 @@ def test_kernels_bench(tmp_path: Path) -> None:
         assert r["engine_pick_us"] > 0 and len(r["top5"]) >= 2
     assert [(r["cached"], r["new"]) for r in res["prefill"]] == [(0, 24), (16, 8)]
     assert res["prefill"][0]["sdpa_ms"] > 0 and len(res["prefill"][1]["sweep_ms"]) == 5
+    for name in ("flash", "flash_gqa", "cudnn", "cudnn_gqa"):  # timed, or why not
+        row = res["prefill"][0]
+        assert row.get(f"{name}_TFLOPs", 0) > 0 or f"{name}_error" in row
+    assert res["prefill"][0]["flash_gqa_diff"] < 1e-5  # the CPU's flash kernel runs it
     assert {(r["batch"], r["mode"]) for r in res["sampling"]} == {
         (b, m) for b in (1, 2) for m in ("top_p", "top_k+top_p")
     }

@@ -9,6 +9,7 @@ from _paged import make_paged, tol
 from pdserve.kernels.prefill_attention import (
     prefill_attention,
     prefill_attention_reference,
+    sdpa_bucket,
     sdpa_prefill,
 )
 
@@ -58,8 +59,13 @@ def test_prefill_matches_reference(
     assert torch.all(out[t:] == 5.0)  # padded rows untouched
 
 
+@pytest.mark.parametrize("backend,gqa", [("flash", False), ("cudnn", True)])
 @pytest.mark.parametrize("h,hkv", [(4, 4), (4, 1)])
-def test_sdpa_prefill_matches_reference(device: torch.device, h: int, hkv: int) -> None:
+def test_sdpa_prefill_matches_reference(
+    device: torch.device, h: int, hkv: int, backend: str, gqa: bool
+) -> None:
+    """Either order; under "cudnn" the 37 rows are padded to 128 (on the CPU the math
+    kernel runs them), and the K/V heads shared by enable_gqa."""
     n, d = 37, 16
     pb = make_paged([n], [n], hkv, d, 16, torch.float32, device)
     md = pb.common(device)
@@ -68,8 +74,15 @@ def test_sdpa_prefill_matches_reference(device: torch.device, h: int, hkv: int) 
     k = pb.kv_cache[0].reshape(-1, hkv, d)[slots]
     v = pb.kv_cache[1].reshape(-1, hkv, d)[slots]
     q = torch.randn(n, h, d, device=device)
-    out = sdpa_prefill(q, k, v, 0.3)
+    out = sdpa_prefill(q, k, v, 0.3, backend=backend, gqa=gqa)
+    assert out.shape == q.shape
     ref = prefill_attention_reference(
         q, pb.kv_cache, md.query_start_loc, md.seq_lens, md.block_tables, 0.3, 1
     )
     torch.testing.assert_close(out, ref, **tol(torch.float32))
+
+
+def test_sdpa_bucket() -> None:
+    assert [sdpa_bucket(n) for n in (1, 128, 129, 1000, 1025, 8000, 8192, 8193)] == [
+        128, 128, 256, 1024, 1152, 8192, 8192, 9216,
+    ]

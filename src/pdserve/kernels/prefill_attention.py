@@ -277,25 +277,52 @@ def prefill_attention(
     return out
 
 
-# Not cuDNN: its attention builds an execution plan for every new sequence length,
-# which costs a request of a length not seen before tens of milliseconds
-# (benchmarks/warm_diag.py measures it).
-_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# torch SDPA's kernels in the order tried, by name. cuDNN's attention builds an
+# execution plan for every new shape, which costs a request of a length not seen before
+# tens of milliseconds (benchmarks/warm_diag.py measures it), so under "cudnn" a prompt
+# is padded at its end to a bucket (:func:`sdpa_bucket`): causal rows never see the keys
+# after them, so the padding changes no real row.
+SDPA_ORDERS = {
+    "flash": (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH),
+    "cudnn": (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+              SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH),
+}  # fmt: skip
+SDPA_BACKEND = "flash"
+SDPA_GQA = False  # K/V heads shared through SDPA's enable_gqa instead of expanded copies
 
 
-def sdpa_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def sdpa_bucket(n: int) -> int:
+    """``n`` rounded up to a sixteenth of its power of two (at least 128): at most 16
+    lengths, so 16 cuDNN plans, an octave, and at most 1/8 of the rows padding."""
+    step = max(128, next_pow2(n) // 16)
+    return -(-n // step) * step
+
+
+def sdpa_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+    backend: str | None = None, gqa: bool | None = None, strict: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """Causal attention of ONE request with no cached prefix, straight from this
-    step's contiguous ``q`` [n, H, D], ``k``/``v`` [n, Hkv, D] (torch's fused SDPA)."""
-    group = q.shape[1] // k.shape[1]
+    step's contiguous ``q`` [n, H, D], ``k``/``v`` [n, Hkv, D] (torch's fused SDPA):
+    ``backend`` names a :data:`SDPA_ORDERS` order (default :data:`SDPA_BACKEND`);
+    ``strict`` allows only its first kernel (an error where it cannot run: benches)."""
+    backend = backend or SDPA_BACKEND
+    gqa = SDPA_GQA if gqa is None else gqa
+    n, group = q.shape[0], q.shape[1] // k.shape[1]
+    if backend == "cudnn" and (m := sdpa_bucket(n)) != n:
+        q, k, v = (F.pad(t, (0, 0, 0, 0, 0, m - n)) for t in (q, k, v))
     qh = q.transpose(0, 1).unsqueeze(0)
     kh = k.transpose(0, 1).unsqueeze(0)
     vh = v.transpose(0, 1).unsqueeze(0)
-    if group > 1:
+    if group > 1 and not gqa:
         kh = kh.repeat_interleave(group, dim=1)
         vh = vh.repeat_interleave(group, dim=1)
-    with sdpa_kernel(_SDPA_BACKENDS):
-        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
-    return o.squeeze(0).transpose(0, 1)
+    order = list(SDPA_ORDERS[backend][: 1 if strict else None])
+    with sdpa_kernel(order, set_priority=True):
+        o = F.scaled_dot_product_attention(
+            qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa and group > 1
+        )
+    return o.squeeze(0).transpose(0, 1)[:n]
 
 
 def prefill_attention_reference(
