@@ -73,7 +73,7 @@
 # c30   one call for issues 29 and 30: transfer_bench over nixl, llama decode with the
 #       skinny GEMM on and off, then the 1P1D nixl serve run in the time left.
 # s34   SDPA's prefill kernels (flash / cuDNN, GQA), r11 (the tree against .baseline),
-#       then llama-8b-shape bf16 beside FP8 (fp8_bench)
+#       then llama-8b-shape bf16 beside FP8 (fp8_bench), FP8 with PDSERVE_SDPA_PREFILL=cudnn
 # b33   by card: c32 on an H200, else fp8w
 # fp8w  issue 28: the warp-specialized FP8 prefill GEMM's GPU parity, its prefill GEMMs
 #       beside the TMA kernel, llama-8b-shape FP8 with PDSERVE_FP8_PREFILL=ws and =tma
@@ -732,6 +732,15 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     timeout "$left" python3 benchmarks/fp8_bench.py --models llama-8b-shape \
       --out "$OUT/fp8_bench_s34.json" > "$OUT/fp8_bench_s34.log" 2>&1
     echo "fp8_bench llama bf16,fp8: exit $?"; quiet < "$OUT/fp8_bench_s34.log" | sed -n '/^== /,$p'
+    # then FP8 with the prompt's attention on another SDPA kernel (S34_SDPA), if time is left
+    for kern in ${S34_SDPA:-cudnn}; do
+      left=$(( start + ${S34_END:-570} - $(date +%s) - 5 ))
+      [ "$left" -gt 70 ] || { echo "fp8 sdpa $kern: no time (${left}s)"; exit 0; }
+      PDSERVE_SDPA_PREFILL=$kern timeout "$left" python3 benchmarks/fp8_bench.py \
+        --models llama-8b-shape --variants fp8 --out "$OUT/fp8_sdpa_$kern.json" \
+        > "$OUT/fp8_sdpa_$kern.log" 2>&1
+      echo "fp8 llama, SDPA $kern: exit $?"; quiet < "$OUT/fp8_sdpa_$kern.log" | grep -E "^ *(prefill|  fp8 prefill)"
+    done
     ;;
   b33)  # by card: c32 on an H200 (issues 30, 26, 27 need that card), else fp8w
     if on_h200; then

@@ -59,10 +59,10 @@ def test_prefill_matches_reference(
     assert torch.all(out[t:] == 5.0)  # padded rows untouched
 
 
-@pytest.mark.parametrize("backend,gqa", [("flash", False), ("cudnn", True)])
+@pytest.mark.parametrize("kernel", ["flash", "cudnn_gqa"])
 @pytest.mark.parametrize("h,hkv", [(4, 4), (4, 1)])
 def test_sdpa_prefill_matches_reference(
-    device: torch.device, h: int, hkv: int, backend: str, gqa: bool
+    device: torch.device, h: int, hkv: int, kernel: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Either order; under "cudnn" the 37 rows are padded to 128 (on the CPU the math
     kernel runs them), and the K/V heads shared by enable_gqa."""
@@ -74,7 +74,8 @@ def test_sdpa_prefill_matches_reference(
     k = pb.kv_cache[0].reshape(-1, hkv, d)[slots]
     v = pb.kv_cache[1].reshape(-1, hkv, d)[slots]
     q = torch.randn(n, h, d, device=device)
-    out = sdpa_prefill(q, k, v, 0.3, backend=backend, gqa=gqa)
+    monkeypatch.setenv("PDSERVE_SDPA_PREFILL", kernel)
+    out = sdpa_prefill(q, k, v, 0.3)
     assert out.shape == q.shape
     ref = prefill_attention_reference(
         q, pb.kv_cache, md.query_start_loc, md.seq_lens, md.block_tables, 0.3, 1
@@ -86,3 +87,9 @@ def test_sdpa_bucket() -> None:
     assert [sdpa_bucket(n) for n in (1, 128, 129, 1000, 1025, 8000, 8192, 8193)] == [
         128, 128, 256, 1024, 1152, 8192, 8192, 9216,
     ]
+
+
+def test_sdpa_prefill_refuses_unknown_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_SDPA_PREFILL", "fa3")
+    with pytest.raises(ValueError, match="PDSERVE_SDPA_PREFILL"):
+        sdpa_prefill(*(torch.zeros(4, 2, 8) for _ in range(3)), 1.0)

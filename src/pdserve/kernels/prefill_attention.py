@@ -30,6 +30,8 @@ kernel handles any batch in one launch, cached prefixes included.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -287,8 +289,11 @@ SDPA_ORDERS = {
     "cudnn": (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
               SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH),
 }  # fmt: skip
-SDPA_BACKEND = "flash"
-SDPA_GQA = False  # K/V heads shared through SDPA's enable_gqa instead of expanded copies
+# the choices: an order, "_gqa" where SDPA shares the K/V heads (enable_gqa) instead of
+# taking expanded copies of them
+SDPA_KERNELS = ("flash", "flash_gqa", "cudnn", "cudnn_gqa")
+SDPA_KERNEL = "flash"
+SDPA_ENV = "PDSERVE_SDPA_PREFILL"  # one of SDPA_KERNELS: the engine's choice instead
 
 
 def sdpa_bucket(n: int) -> int:
@@ -300,14 +305,17 @@ def sdpa_bucket(n: int) -> int:
 
 def sdpa_prefill(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-    backend: str | None = None, gqa: bool | None = None, strict: bool = False,
+    kernel: str | None = None, strict: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """Causal attention of ONE request with no cached prefix, straight from this
     step's contiguous ``q`` [n, H, D], ``k``/``v`` [n, Hkv, D] (torch's fused SDPA):
-    ``backend`` names a :data:`SDPA_ORDERS` order (default :data:`SDPA_BACKEND`);
-    ``strict`` allows only its first kernel (an error where it cannot run: benches)."""
-    backend = backend or SDPA_BACKEND
-    gqa = SDPA_GQA if gqa is None else gqa
+    ``kernel`` one of :data:`SDPA_KERNELS`, else ``PDSERVE_SDPA_PREFILL``'s, else
+    :data:`SDPA_KERNEL`; ``strict`` allows only its order's first kernel (an error where
+    that one cannot run: benches)."""
+    kernel = kernel or os.environ.get(SDPA_ENV, SDPA_KERNEL)
+    if kernel not in SDPA_KERNELS:
+        raise ValueError(f"SDPA prefill kernel {kernel!r} ({SDPA_ENV}): one of {SDPA_KERNELS}")
+    backend, gqa = kernel.removesuffix("_gqa"), kernel.endswith("_gqa")
     n, group = q.shape[0], q.shape[1] // k.shape[1]
     if backend == "cudnn" and (m := sdpa_bucket(n)) != n:
         q, k, v = (F.pad(t, (0, 0, 0, 0, 0, m - n)) for t in (q, k, v))
