@@ -93,3 +93,16 @@ def test_sdpa_prefill_refuses_unknown_kernel(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("PDSERVE_SDPA_PREFILL", "fa3")
     with pytest.raises(ValueError, match="PDSERVE_SDPA_PREFILL"):
         sdpa_prefill(*(torch.zeros(4, 2, 8) for _ in range(3)), 1.0)
+
+
+def test_warm_sdpa_plans(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One call per shape at each bucket up to the budget's under cuDNN; none under flash."""
+    from pdserve.kernels import prefill_attention as pa
+
+    lens: list[int] = []
+    monkeypatch.setattr(pa, "sdpa_prefill", lambda q, *a: lens.append(q.shape[0]))
+    shapes, cpu = {(4, 2, 8), (4, 4, 8)}, torch.device("cpu")
+    assert pa.warm_sdpa_plans(shapes, 1000, torch.float32, cpu) == 0
+    monkeypatch.setenv("PDSERVE_SDPA_PREFILL", "cudnn")
+    assert pa.warm_sdpa_plans(shapes, 1000, torch.float32, cpu) == 16
+    assert lens == [128 * i for i in range(1, 9)] * 2

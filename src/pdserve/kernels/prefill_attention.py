@@ -303,6 +303,36 @@ def sdpa_bucket(n: int) -> int:
     return -(-n // step) * step
 
 
+def sdpa_kernel_name(kernel: str | None = None) -> str:
+    """``kernel``, else ``PDSERVE_SDPA_PREFILL``'s, else :data:`SDPA_KERNEL`; a name not
+    in :data:`SDPA_KERNELS` raises ``ValueError``."""
+    kernel = kernel or os.environ.get(SDPA_ENV, SDPA_KERNEL)
+    if kernel not in SDPA_KERNELS:
+        raise ValueError(f"SDPA prefill kernel {kernel!r} ({SDPA_ENV}): one of {SDPA_KERNELS}")
+    return kernel
+
+
+def warm_sdpa_plans(
+    shapes: set[tuple[int, int, int]], max_tokens: int, dtype: torch.dtype, device: torch.device
+) -> int:
+    """Under a cuDNN kernel: one :func:`sdpa_prefill` call per (heads, KV heads, head dim)
+    of ``shapes`` at every bucket length up to ``max_tokens``'s, so that cuDNN has built
+    each plan a prompt can need before one arrives (the engine's warm-up). Returns the
+    calls made: none under flash, whose kernels need no plan."""
+    if not sdpa_kernel_name().startswith("cudnn"):
+        return 0
+    calls = 0
+    for heads, kv_heads, dim in sorted(shapes):
+        n = sdpa_bucket(1)
+        while n <= sdpa_bucket(max_tokens):
+            q = torch.zeros(n, heads, dim, dtype=dtype, device=device)
+            kv = torch.zeros(n, kv_heads, dim, dtype=dtype, device=device)
+            sdpa_prefill(q, kv, kv, dim**-0.5)
+            calls += 1
+            n = sdpa_bucket(n + 1)
+    return calls
+
+
 def sdpa_prefill(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     kernel: str | None = None, strict: bool = False,
@@ -312,9 +342,7 @@ def sdpa_prefill(
     ``kernel`` one of :data:`SDPA_KERNELS`, else ``PDSERVE_SDPA_PREFILL``'s, else
     :data:`SDPA_KERNEL`; ``strict`` allows only its order's first kernel (an error where
     that one cannot run: benches)."""
-    kernel = kernel or os.environ.get(SDPA_ENV, SDPA_KERNEL)
-    if kernel not in SDPA_KERNELS:
-        raise ValueError(f"SDPA prefill kernel {kernel!r} ({SDPA_ENV}): one of {SDPA_KERNELS}")
+    kernel = sdpa_kernel_name(kernel)
     backend, gqa = kernel.removesuffix("_gqa"), kernel.endswith("_gqa")
     n, group = q.shape[0], q.shape[1] // k.shape[1]
     if backend == "cudnn" and (m := sdpa_bucket(n)) != n:

@@ -54,6 +54,8 @@ def warm_up(
         dummy_prompt_run(step, n, max_num_reqs)
         n *= 4
     dummy_prompt_run(step, top, max_num_reqs)
+    if cuda:
+        sdpa_plans(step, top)
     dummy_paged_runs(step, top)
     dummy_uniform_runs(step, top)
     dummy_samples(sampler, step.vocab_size, step.device)
@@ -73,6 +75,21 @@ def gemm_warmup_token_counts(max_tokens: int) -> list[int]:
     1024, every 32nd beyond, and ``max_tokens`` itself."""
     counts = [*range(1, 129), *range(136, 1025, 8), *range(1056, max_tokens, 32), max_tokens]
     return sorted({m for m in counts if m <= max_tokens})
+
+
+def sdpa_plans(step: ModelStep, max_tokens: int) -> None:
+    """cuDNN's prompt-attention plans for every length bucket up to ``max_tokens``, where
+    ``PDSERVE_SDPA_PREFILL`` picks a cuDNN kernel (its first call at a new shape builds
+    a plan: tens of milliseconds the first prompt of each length would pay)."""
+    from pdserve.kernels.prefill_attention import warm_sdpa_plans
+    from pdserve.layers.attention.layer import Attention
+
+    shapes = {
+        (m.num_heads, m.num_kv_heads, m.head_dim)
+        for m in step.model.modules()
+        if isinstance(m, Attention)
+    }
+    warm_sdpa_plans(shapes, max_tokens, step.dtype, step.device)
 
 
 def dummy_gemms(step: ModelStep, max_logit_rows: int, max_num_tokens: int) -> None:
