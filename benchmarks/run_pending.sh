@@ -73,7 +73,9 @@
 # c30   one call for issues 29 and 30: transfer_bench over nixl, llama decode with the
 #       skinny GEMM on and off, then the 1P1D nixl serve run in the time left.
 # s34   SDPA's prefill kernels (flash / cuDNN, GQA), r11 (the tree against .baseline),
-#       then llama-8b-shape bf16 beside FP8 (fp8_bench), FP8 with PDSERVE_SDPA_PREFILL=cudnn
+#       then f35
+# f35   llama-8b-shape bf16 beside FP8 (fp8_bench) on the defaults, then FP8 with the
+#       prompt's attention on FlashAttention (PDSERVE_SDPA_PREFILL=flash)
 # b33   by card: c32 on an H200, else fp8w
 # fp8w  issue 28: the warp-specialized FP8 prefill GEMM's GPU parity, its prefill GEMMs
 #       beside the TMA kernel, llama-8b-shape FP8 with PDSERVE_FP8_PREFILL=ws and =tma
@@ -174,7 +176,7 @@
 #       --enable-expert-parallel against one GPU, the same closed-loop load per rank
 #       (32 streams per GPU, 1024 in / 256 out): output tok/s per GPU and mean TPOT.
 set -uo pipefail
-stage="${1:?usage: run_pending.sh s34|b33|fp8w|k35|x36|b32|k34|c32|k33|k32|c31|b31|k31|a31|c30|h30|s30|s30f|skinny|pdl2|h31|g18|g16|g17|f16|f17|f18|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|moe8|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl|x2|dpep N}"
+stage="${1:?usage: run_pending.sh f35|s34|b33|fp8w|k35|x36|b32|k34|c32|k33|k32|c31|b31|k31|a31|c30|h30|s30|s30f|skinny|pdl2|h31|g18|g16|g17|f16|f17|f18|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|moe8|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl|x2|dpep N}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 # RUN_START (epoch seconds): where two stages share one call, export it once before both,
 # so the second one's deadlines count from the call's start, not its own
@@ -727,14 +729,20 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     timeout 90 python3 benchmarks/kernels_bench.py --sections prefill --out "$OUT/sdpa_s34.json" \
       2>&1 | quiet | tail -8
     bash "$0" r11
-    left=$(( start + ${S34_END:-570} - $(date +%s) - 5 ))
+    F35_END=${S34_END:-570} exec bash "$0" f35
+    ;;
+  f35)  # issue 28: llama-8b-shape bf16 beside FP8 on the defaults (fp8_bench: decode
+    # against each roofline, 8K prefill against the fp8 rate, offline; the prompt's
+    # attention on cuDNN's SDPA kernel, the ws FP8 GEMM), then FP8 with the prompt's
+    # attention on each of F35_SDPA (default: flash), in the time left (F35_END: the
+    # seconds the call has)
+    left=$(( start + ${F35_END:-570} - $(date +%s) - 5 ))
     [ "$left" -gt 120 ] || { echo "fp8_bench: no time (${left}s)"; exit 0; }
     timeout "$left" python3 benchmarks/fp8_bench.py --models llama-8b-shape \
-      --out "$OUT/fp8_bench_s34.json" > "$OUT/fp8_bench_s34.log" 2>&1
-    echo "fp8_bench llama bf16,fp8: exit $?"; quiet < "$OUT/fp8_bench_s34.log" | sed -n '/^== /,$p'
-    # then FP8 with the prompt's attention on another SDPA kernel (S34_SDPA), if time is left
-    for kern in ${S34_SDPA:-cudnn}; do
-      left=$(( start + ${S34_END:-570} - $(date +%s) - 5 ))
+      --out "$OUT/fp8_bench_f35.json" > "$OUT/fp8_bench_f35.log" 2>&1
+    echo "fp8_bench llama bf16,fp8: exit $?"; quiet < "$OUT/fp8_bench_f35.log" | sed -n '/^== /,$p'
+    for kern in ${F35_SDPA:-flash}; do
+      left=$(( start + ${F35_END:-570} - $(date +%s) - 5 ))
       [ "$left" -gt 70 ] || { echo "fp8 sdpa $kern: no time (${left}s)"; exit 0; }
       PDSERVE_SDPA_PREFILL=$kern timeout "$left" python3 benchmarks/fp8_bench.py \
         --models llama-8b-shape --variants fp8 --out "$OUT/fp8_sdpa_$kern.json" \

@@ -59,7 +59,7 @@ def test_prefill_matches_reference(
     assert torch.all(out[t:] == 5.0)  # padded rows untouched
 
 
-@pytest.mark.parametrize("kernel", ["flash", "cudnn_gqa"])
+@pytest.mark.parametrize("kernel", ["flash", "cudnn", "cudnn_gqa"])
 @pytest.mark.parametrize("h,hkv", [(4, 4), (4, 1)])
 def test_sdpa_prefill_matches_reference(
     device: torch.device, h: int, hkv: int, kernel: str, monkeypatch: pytest.MonkeyPatch
@@ -102,7 +102,8 @@ def test_warm_sdpa_plans(monkeypatch: pytest.MonkeyPatch) -> None:
     lens: list[int] = []
     monkeypatch.setattr(pa, "sdpa_prefill", lambda q, *a: lens.append(q.shape[0]))
     shapes, cpu = {(4, 2, 8), (4, 4, 8)}, torch.device("cpu")
+    monkeypatch.setenv("PDSERVE_SDPA_PREFILL", "flash")
     assert pa.warm_sdpa_plans(shapes, 1000, torch.float32, cpu) == 0
-    monkeypatch.setenv("PDSERVE_SDPA_PREFILL", "cudnn")
+    monkeypatch.delenv("PDSERVE_SDPA_PREFILL")  # the default: cudnn_gqa
     assert pa.warm_sdpa_plans(shapes, 1000, torch.float32, cpu) == 16
     assert lens == [128 * i for i in range(1, 9)] * 2

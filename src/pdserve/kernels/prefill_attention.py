@@ -292,7 +292,10 @@ SDPA_ORDERS = {
 # the choices: an order, "_gqa" where SDPA shares the K/V heads (enable_gqa) instead of
 # taking expanded copies of them
 SDPA_KERNELS = ("flash", "flash_gqa", "cudnn", "cudnn_gqa")
-SDPA_KERNEL = "flash"
+# an 8K llama-8b-shape prompt (32 / 8 heads of 128): cudnn_gqa 554 TFLOP/s, cudnn 493,
+# flash_gqa 324, flash 291; at 8,000 tokens (padded to 8,192, real rows' FLOPs) 491,
+# with that bucket's plan reused: 1.6 ms for the first call (RESULTS.md run 133, H100)
+SDPA_KERNEL = "cudnn_gqa"
 SDPA_ENV = "PDSERVE_SDPA_PREFILL"  # one of SDPA_KERNELS: the engine's choice instead
 
 
