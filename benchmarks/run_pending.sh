@@ -74,6 +74,7 @@
 #       skinny GEMM on and off, then the 1P1D nixl serve run in the time left.
 # s34   SDPA's prefill kernels (flash / cuDNN, GQA), r11 (the tree against .baseline),
 #       then f35
+# b35   by card: c32 on an H200, else f35
 # f35   llama-8b-shape bf16 beside FP8 (fp8_bench) on the defaults, then FP8 with the
 #       prompt's attention on FlashAttention (PDSERVE_SDPA_PREFILL=flash)
 # b33   by card: c32 on an H200, else fp8w
@@ -176,7 +177,7 @@
 #       --enable-expert-parallel against one GPU, the same closed-loop load per rank
 #       (32 streams per GPU, 1024 in / 256 out): output tok/s per GPU and mean TPOT.
 set -uo pipefail
-stage="${1:?usage: run_pending.sh f35|s34|b33|fp8w|k35|x36|b32|k34|c32|k33|k32|c31|b31|k31|a31|c30|h30|s30|s30f|skinny|pdl2|h31|g18|g16|g17|f16|f17|f18|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|moe8|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl|x2|dpep N}"
+stage="${1:?usage: run_pending.sh b35|f35|s34|b33|fp8w|k35|x36|b32|k34|c32|k33|k32|c31|b31|k31|a31|c30|h30|s30|s30f|skinny|pdl2|h31|g18|g16|g17|f16|f17|f18|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|moe8|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl|x2|dpep N}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 # RUN_START (epoch seconds): where two stages share one call, export it once before both,
 # so the second one's deadlines count from the call's start, not its own
@@ -730,6 +731,12 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
       2>&1 | quiet | tail -8
     bash "$0" r11
     F35_END=${S34_END:-570} exec bash "$0" f35
+    ;;
+  b35)  # by card: c32 on an H200 (issues 30, 26, 27 need that card), else f35
+    if on_h200; then
+      exec bash "$0" c32
+    fi
+    exec bash "$0" f35
     ;;
   f35)  # issue 28: llama-8b-shape bf16 beside FP8 on the defaults (fp8_bench: decode
     # against each roofline, 8K prefill against the fp8 rate, offline; the prompt's
