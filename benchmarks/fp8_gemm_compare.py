@@ -13,9 +13,9 @@ engine feeds them), it times:
   gluon       fp8_gemm_gluon (kernels/fp8_gemm_gluon.py): the swapped weight-streaming
               kernel for decode rows, the 128 x 128 tile kernel with cp.async copies for
               prefill; Hopper only
-  gluon_tma   (prefill only) its 128 x 128 tile kernel with TMA copies (the default)
+  gluon_tma   (prefill only) its 128 x 128 tile kernel with TMA copies
   gluon_ws    (prefill only) the warp-specialized, persistent tile kernel
-              (kernels/fp8_gemm_gluon_ws.py)
+              (kernels/fp8_gemm_gluon_ws.py; the engine's default)
   scaled_mm   (prefill only) torch._scaled_mm with 1x128 / 128x128 block scales, where
               this PyTorch runs it (activations quantized by it: the engine's path from
               256 tokens)
@@ -166,10 +166,10 @@ def run(cuda: bool, budget_s: float, prefill_only: bool = False,
             flops = 2 * m * n * k
             for label, calls in entries(m, [x], [xq], dec_ws if decode else [(w, s, w_bf16)],
                                         decode):  # fmt: skip
-                row: dict[str, Any] = {"shape": name, "m": m, "n": n, "k": k, "impl": label,
-                                       "phase": "decode" if decode else "prefill"}  # fmt: skip
                 if impls is not None and label not in impls:
                     continue
+                row: dict[str, Any] = {"shape": name, "m": m, "n": n, "k": k, "impl": label,
+                                       "phase": "decode" if decode else "prefill"}  # fmt: skip
                 if isinstance(calls, str):
                     rows.append({**row, "skipped": calls})
                     continue

@@ -257,9 +257,10 @@ PREFILL_CONFIGS = [
 
 
 def sdpa_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flops: float) -> dict:
-    """Each of ``SDPA_KERNELS`` alone (its order's first kernel only): TFLOP/s, its largest difference to the
-    default's output, cuDNN's first call (ms: its plan, where the length's bucket has
-    none yet), or the error where that kernel cannot run these shapes."""
+    """Each of ``SDPA_KERNELS`` alone (its order's first kernel only): TFLOP/s, its
+    largest difference to the default's output, cuDNN's first call (ms: its plan, where
+    the length's bucket has none yet), or the error where that kernel cannot run these
+    shapes."""
     from pdserve.kernels.prefill_attention import SDPA_KERNELS, sdpa_prefill
 
     want = sdpa_prefill(q, k, v, q.shape[-1] ** -0.5).float()

@@ -521,14 +521,12 @@ def _fp8_ws_kernel() -> Any:
 def _tile_desc_type() -> str:
     """The argument type of a 128 x 128 fp8 tile descriptor (as a launch would mangle it)."""
     import torch
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import mangle_type
 
-    from pdserve.kernels import fp8_gemm_gluon as m
+    from pdserve.kernels.fp8_gemm_gluon_tiles import tile_descs
 
     t = torch.empty(256, 256, dtype=torch.float8_e4m3fn)
-    return str(mangle_type(TensorDescriptor(t, [256, 256], [256, 1], [m.BLOCK_M, m.BLOCK_K],
-                                            m.tile_layout())))  # fmt: skip
+    return str(mangle_type(tile_descs(t, t)[0]))
 
 
 def fp8_gluon_variants() -> list[Variant]:

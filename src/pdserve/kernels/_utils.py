@@ -94,6 +94,16 @@ def use_pdl_by_default(on: bool) -> None:
     _pdl_default[0] = on
 
 
+def env_choice(given: str | None, env: str, default: str, choices: tuple[str, ...],
+               what: str) -> str:  # fmt: skip
+    """A kernel switch: ``given``, else the ``env`` variable's value, else ``default``;
+    a name not in ``choices`` raises ``ValueError`` naming ``what`` and ``env``."""
+    name = os.environ.get(env, default) if given is None else given
+    if name not in choices:
+        raise ValueError(f"{what} {name!r} ({env}): one of {choices}")
+    return name
+
+
 def pdl_args(device: torch.device) -> dict[str, bool]:
     """Launch arguments for a kernel that starts with :func:`pdl_enter`: programmatic
     dependent launch (``launch_pdl``, and the kernel's ``PDL`` constexpr that makes it wait

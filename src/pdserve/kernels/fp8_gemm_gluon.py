@@ -32,8 +32,6 @@ otherwise. Gluon has no CPU interpreter: the CPU suite compiles these kernels fo
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 from triton.experimental import gluon
@@ -46,9 +44,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from pdserve.kernels._utils import capability, num_sms
+from pdserve.kernels._utils import capability, env_choice, num_sms
 from pdserve.kernels.fp8_gemm import splitk_sum
 from pdserve.kernels.fp8_gemm_gluon_tiles import (
     BLOCK_K,
@@ -59,7 +56,7 @@ from pdserve.kernels.fp8_gemm_gluon_tiles import (
     step_mma,
     store_tile,
     tile_at,
-    tile_layout,
+    tile_descs,
 )
 from pdserve.kernels.fp8_gemm_gluon_ws import fp8_gemm_ws
 from pdserve.kernels.reference import Fp8Activation
@@ -353,11 +350,8 @@ def fp8_gemm_gluon(
     "tma" and "ws" fall back to "cp_async" for operands the Tensor Memory Accelerator
     cannot address). Raises ``ValueError`` where :func:`supported` is false
     (bias aside: the caller adds it)."""
-    if prefill_kernel is None:
-        prefill_kernel = os.environ.get(PREFILL_ENV, PREFILL_KERNEL)
-    if prefill_kernel not in PREFILL_KERNELS:
-        raise ValueError(f"prefill_kernel {prefill_kernel!r} ({PREFILL_ENV}): one of "
-                         f"{PREFILL_KERNELS}")  # fmt: skip
+    prefill_kernel = env_choice(prefill_kernel, PREFILL_ENV, PREFILL_KERNEL, PREFILL_KERNELS,
+                                "prefill_kernel")  # fmt: skip
     if not supported(x, w, scale_n, None, out_dtype):
         raise ValueError("fp8_gemm_gluon: needs sm_90, an Fp8Activation with K a multiple "
                          "of 16, fp8 weights in 128x128 scale blocks and a bf16/fp16 "
@@ -389,12 +383,11 @@ def fp8_gemm_gluon(
         return y.view(*lead, n)
     out = torch.empty(m, n, dtype=out_dtype, device=x2.device)
     grid = (triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N),)
-    if prefill_kernel == "ws" and _tma_ok(x2, wc):
+    tma = prefill_kernel != "cp_async" and _tma_ok(x2, wc)
+    if tma and prefill_kernel == "ws":
         return fp8_gemm_ws(x2, xs, wc, ws, out, scale_n).view(*lead, n)
-    if prefill_kernel in ("tma", "ws") and _tma_ok(x2, wc):
-        lay = tile_layout()
-        a_desc = TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [BLOCK_M, BLOCK_K], lay)
-        b_desc = TensorDescriptor(wc, list(wc.shape), list(wc.stride()), [BLOCK_N, BLOCK_K], lay)
+    if tma:
+        a_desc, b_desc = tile_descs(x2, wc)
         _fp8_gemm_tma_kernel[grid](
             a_desc, b_desc, xs, ws, out, m, n, k, xs.stride(0), ws.stride(0), out.stride(0),
             **tma_constexprs(scale_n), num_warps=WARPS,

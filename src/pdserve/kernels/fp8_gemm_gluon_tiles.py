@@ -6,9 +6,11 @@ tile's K step needs, its MMA into a fresh accumulator, and the store."""
 
 from __future__ import annotations
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from pdserve.kernels.reference import FP8_GROUP
 
@@ -77,3 +79,11 @@ def store_tile(acc, out_ptr, off_m, off_n, M, N, stride_om, BLOCK_M: gl.constexp
 def tile_layout() -> gl.NVMMASharedLayout:
     """The shared-memory layout of a 128 x 128 fp8 tile (both operands, K innermost)."""
     return gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float8e4nv)
+
+
+def tile_descs(x2: torch.Tensor, w: torch.Tensor) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """The Tensor Memory Accelerator's descriptors of ``x2`` [M, K] and ``w`` [N, K] fp8 in
+    128 x 128 tiles (the caller checked that it can address them)."""
+    lay = tile_layout()
+    return (TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [BLOCK_M, BLOCK_K], lay),
+            TensorDescriptor(w, list(w.shape), list(w.stride()), [BLOCK_N, BLOCK_K], lay))  # fmt: skip

@@ -35,11 +35,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     tma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from pdserve.kernels._utils import num_sms
 from pdserve.kernels.fp8_gemm_gluon_tiles import (
-    BLOCK_K,
     BLOCK_M,
     BLOCK_N,
     GROUP_M,
@@ -47,7 +45,7 @@ from pdserve.kernels.fp8_gemm_gluon_tiles import (
     step_mma,
     store_tile,
     tile_at,
-    tile_layout,
+    tile_descs,
 )
 
 STAGES = 4  # 4 x 32 KB
@@ -170,9 +168,7 @@ def fp8_gemm_ws(x2: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.T
     that the Tensor Memory Accelerator can address them."""
     m, k = x2.shape
     n = w.shape[0]
-    lay = tile_layout()
-    a_desc = TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [BLOCK_M, BLOCK_K], lay)
-    b_desc = TensorDescriptor(w, list(w.shape), list(w.stride()), [BLOCK_N, BLOCK_K], lay)
+    a_desc, b_desc = tile_descs(x2, w)
     tiles = triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N)
     _fp8_gemm_ws_kernel[(min(tiles, num_sms(x2.device)),)](
         a_desc, b_desc, xs, ws, out, m, n, k, xs.stride(0), ws.stride(0), out.stride(0),

@@ -30,15 +30,20 @@ kernel handles any batch in one launch, cached prefixes included.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from pdserve.kernels._utils import LOG2E, check_device, dot_precision, dot_upcast, next_pow2
+from pdserve.kernels._utils import (
+    LOG2E,
+    check_device,
+    dot_precision,
+    dot_upcast,
+    env_choice,
+    next_pow2,
+)
 
 
 @triton.jit
@@ -309,10 +314,7 @@ def sdpa_bucket(n: int) -> int:
 def sdpa_kernel_name(kernel: str | None = None) -> str:
     """``kernel``, else ``PDSERVE_SDPA_PREFILL``'s, else :data:`SDPA_KERNEL`; a name not
     in :data:`SDPA_KERNELS` raises ``ValueError``."""
-    kernel = kernel or os.environ.get(SDPA_ENV, SDPA_KERNEL)
-    if kernel not in SDPA_KERNELS:
-        raise ValueError(f"SDPA prefill kernel {kernel!r} ({SDPA_ENV}): one of {SDPA_KERNELS}")
-    return kernel
+    return env_choice(kernel, SDPA_ENV, SDPA_KERNEL, SDPA_KERNELS, "SDPA prefill kernel")
 
 
 def warm_sdpa_plans(
@@ -324,10 +326,10 @@ def warm_sdpa_plans(
     calls made: none under flash, whose kernels need no plan."""
     if not sdpa_kernel_name().startswith("cudnn"):
         return 0
-    calls = 0
+    calls, top = 0, sdpa_bucket(max_tokens)
     for heads, kv_heads, dim in sorted(shapes):
         n = sdpa_bucket(1)
-        while n <= sdpa_bucket(max_tokens):
+        while n <= top:
             q = torch.zeros(n, heads, dim, dtype=dtype, device=device)
             kv = torch.zeros(n, kv_heads, dim, dtype=dtype, device=device)
             sdpa_prefill(q, kv, kv, dim**-0.5)

@@ -9,7 +9,7 @@ and runs the block-FP8 GEMM:
 
 - CUDA: the Triton kernel (:func:`~pdserve.kernels.fp8_gemm.block_fp8_gemm`); with
   ``GLUON_FP8`` on (the default), batches of at least ``GLUON_MIN_TOKENS`` tokens whose
-  activations come quantized from their producer run the Gluon TMA tile kernel on
+  activations come quantized from their producer run a Gluon tile kernel on
   Hopper (:func:`~pdserve.kernels.fp8_gemm_gluon.fp8_gemm_gluon`, by default its
   warp-specialized persistent schedule: 64-71% of the fp8 peak at 2K-16K tokens on the
   H100, run 130, against 49-61% for the TMA ring, which the H200 measured at 50-57%,
