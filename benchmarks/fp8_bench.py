@@ -35,7 +35,10 @@ Measured in one call, on the card it runs on:
            also ``prefill_step``: one 8K engine step alone (gpu_suite.bench_prefill, the
            number earlier runs and issue 28's acceptance use); ``prefill_profile``: one
            8K prompt under the profiler, device time by category and the longest kernels
-  offline  prompts x 512 in / 128 out: output tok/s (the serve-shaped number)
+  offline  prompts x 512 in / 128 out: output tok/s (the serve-shaped number), the
+           engine steps it took by path (graph / eager), and the same prompts again under
+           the profiler: device time by category, idle gap (the device waiting on the
+           host) and the longest kernels
 Prints one table per model (bf16 | fp8 per row) and writes every number to ``--out``.
 About 3 minutes per model on an H200.
 
@@ -68,6 +71,7 @@ from gpu_suite import (  # noqa: E402
     CPU_SIZES,
     GPU_SIZES,
     Sizes,
+    _ids,
     _timed,
     bench_decode,
     bench_prefill,
@@ -267,7 +271,6 @@ def _prefill_profile(llm: LLM, n: int) -> dict:
     """One ``n``-token prompt's prefill under the profiler: device time by category
     (pdserve.profiling.step_profile), kernels, idle gap and the longest kernels."""
     from pdserve import SamplingParams
-    from pdserve.profiling.step_profile import profile_step
 
     eng = llm.engine
     if n + 1 > eng.max_model_len:
@@ -276,11 +279,40 @@ def _prefill_profile(llm: LLM, n: int) -> dict:
                         generator=torch.Generator().manual_seed(13)).tolist()  # fmt: skip
     sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     run = partial(llm.generate, [{"prompt_token_ids": ids}], sp)
+    return {"tokens": n, **_profile_table(llm, run)}
+
+
+def _profile_table(llm: LLM, run: Callable[[], object]) -> dict:
+    """``run`` under the profiler: device span, kernels, idle gap, time by category and
+    the longest kernels (pdserve.profiling.step_profile)."""
+    from pdserve.profiling.step_profile import profile_step
+
+    eng = llm.engine
     t = profile_step(run, eng.runner.model, eng.runner.device).table()
-    return {"tokens": n, "span_ms": t["span_ms"], "kernels": t["kernels"],
+    return {"span_ms": t["span_ms"], "kernels": t["kernels"],
             "idle_gap_ms": t["idle_gap"]["ms"],
             "categories": {c: round(v["ms"], 3) for c, v in t["categories"].items() if v["ms"]},
             "top": [{k: x[k] for k in ("name", "ms", "count")} for x in t["top"][:8]]}  # fmt: skip
+
+
+def _offline(llm: LLM, num: int, inp: int, out: int) -> dict:
+    """gpu_suite's offline throughput, the engine steps it took by path (graph replays
+    of pure decode batches, eager mixed and prefill steps), then the same prompts under
+    the profiler (``profile``: where the device time went; its idle gap is the time the
+    device waited on the host)."""
+    from pdserve import SamplingParams
+
+    before = llm.engine.stats()
+    res = bench_throughput(llm, num=num, inp=inp, out=out)
+    after = llm.engine.stats()
+    res["steps"] = after.num_steps - before.num_steps
+    res["step_paths"] = {k: v - before.step_paths.get(k, 0)
+                         for k, v in after.step_paths.items() if v - before.step_paths.get(k, 0)}  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    prompts = [{"prompt_token_ids": _ids(llm, g, inp)} for _ in range(num)]
+    sp = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)
+    res["profile"] = _profile_table(llm, partial(llm.generate, prompts, sp))
+    return res
 
 
 def bench_variant(
@@ -312,7 +344,7 @@ def bench_variant(
         res["prefill_step"] = step
         print(name, json.dumps(step), flush=True)
     num, inp, out = sizes.throughput
-    res["offline"] = bench_throughput(llm, num=num // 2, inp=inp, out=out)
+    res["offline"] = _offline(llm, num // 2, inp, out)
     print(name, json.dumps(res["offline"]), flush=True)
     llm.engine.shutdown()
     del llm
@@ -406,6 +438,13 @@ def print_table(res: dict) -> None:
                 print(f"  {n} decode {last['batch']}x{last['ctx']} kernels: "
                       f"{k['kernel_ms_per_step']:.2f} ms, {k['kernels_per_step']:.0f} a step; top: "
                       + ", ".join(f"{x['name'][:40]} {x['ms']:.3f}" for x in k["top"][:4]))  # fmt: skip
+            off = v[n]["offline"]
+            if "profile" in off:
+                op = off["profile"]
+                cats = ", ".join(f"{c} {ms:.0f}" for c, ms in op["categories"].items())
+                print(f"  {n} offline: {off['steps']} steps {off['step_paths']}; profiled "
+                      f"span {op['span_ms']:.0f} ms: {cats}; idle {op['idle_gap_ms']:.0f}; top: "
+                      + ", ".join(f"{x['name'][:40]} {x['ms']:.0f}" for x in op["top"][:5]))  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

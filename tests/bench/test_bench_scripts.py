@@ -271,7 +271,10 @@ def test_fp8_bench(tmp_path: Path) -> None:
             for p in r["prefill"]:
                 assert p["tok_s"] > 0 and p["share_of_fp8_peak"] > 0 and p["roofline_s"] > 0
                 assert p["share_of_matmul_peak"] > 0 and p["ratio"] > 0
-            assert r["offline"]["output_tok_s"] > 0 and r["cudagraph_mode"]
+            off = r["offline"]
+            assert off["output_tok_s"] > 0 and r["cudagraph_mode"]
+            assert off["steps"] >= 1 and sum(off["step_paths"].values()) == off["steps"]
+            assert off["profile"]["kernels"] > 0 and off["profile"]["categories"]
             pp = r["prefill_profile"]
             assert pp["tokens"] == m["prefill_lens"][0] and pp["kernels"] > 0
             assert pp["categories"] and pp["top"]
@@ -281,6 +284,7 @@ def test_fp8_bench(tmp_path: Path) -> None:
             assert all(d["async_ratio"] > 0 for r in v.values() for d in r["decode"])
     assert "offline out tok/s" in done.stdout and "decode 2x24" in done.stdout
     assert "fp8 prefill" in done.stdout and "profile (ms)" in done.stdout
+    assert "fp8 offline:" in done.stdout
 
 
 def test_kernels_bench(tmp_path: Path) -> None:
