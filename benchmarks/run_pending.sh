@@ -77,7 +77,8 @@
 # b35   by card: c32 on an H200, else f35
 # b36   by card: c32 on an H200, else f36
 # f36   the block-FP8 GEMM's split-K in one launch: GPU tests, fp8_bench llama bf16 + FP8
-#       (offline steps and profile), FP8 by .baseline's tree and this one
+#       (offline steps and profile), the GEMM's tiles at 64 / 128 rows, FP8 by .baseline's
+#       tree and this one
 # f35   llama-8b-shape bf16 beside FP8 (fp8_bench) on the defaults, then FP8 with the
 #       prompt's attention on FlashAttention (PDSERVE_SDPA_PREFILL=flash)
 # b33   by card: c32 on an H200, else fp8w
@@ -761,6 +762,10 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     timeout "$left" python3 benchmarks/fp8_bench.py --models llama-8b-shape \
       --out "$OUT/fp8_bench_f36.json" > "$OUT/fp8_bench_f36.log" 2>&1
     echo "fp8_bench llama bf16,fp8: exit $?"; quiet < "$OUT/fp8_bench_f36.log" | sed -n '/^== /,$p'
+    # the block-FP8 GEMM's tiles at 64 and 128 rows (offline decodes 128 rows) beside bf16
+    timeout 100 python3 benchmarks/fp8_gemm_sweep.py --tokens 64,128 --shapes down,gate_up,qkv \
+      --out "$OUT/f36_sweep.json" > "$OUT/f36_sweep.log" 2>&1
+    echo "fp8_gemm_sweep 64,128: exit $?"; quiet < "$OUT/f36_sweep.log" | tail -12
     for tree in baseline current; do
       root=.; [ $tree = baseline ] && root=.baseline
       left=$(( start + ${F36_END:-570} - $(date +%s) - 5 ))
