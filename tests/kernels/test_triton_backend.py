@@ -64,6 +64,23 @@ def test_triton_backend_matches_torch(
     assert torch.equal(tri_cache, ref_cache)  # same layout, same contents
 
 
+@pytest.mark.parametrize("sdpa", [False, True])
+def test_lone_prompt_without_padding(device: torch.device, sdpa: bool) -> None:
+    """One prompt and no padding rows: SDPA's output is returned as it is (no copy into
+    a buffer), contiguous, equal to the reference, and the cache written as the
+    reference writes it."""
+    pb = make_paged([40], [40], 2, 16, 16, torch.bfloat16, device, seed=6)
+    md = pb.common(device)
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(40, h, 16, generator=g).to(device, torch.bfloat16) for h in (8, 2, 2))
+    tri_cache, ref_cache = pb.kv_cache.clone(), pb.kv_cache.clone()
+    out = _run(TritonAttentionBackend(sdpa_prefill=sdpa), md, tri_cache, q, k, v)
+    ref = _run(TorchReferenceBackend(), md, ref_cache, q, k, v)
+    assert out.shape == q.shape and out.is_contiguous()
+    torch.testing.assert_close(out.float(), ref.float(), **tol(torch.bfloat16))
+    assert torch.equal(tri_cache, ref_cache)
+
+
 def test_dispatch_uses_host_ints_only(device: torch.device) -> None:
     pb = make_paged([9, 9], [2, 2], 1, 16, 16, torch.float32, device)
     assert uniform_query_len_of(pb.common(device)) == 2
