@@ -13,13 +13,13 @@ it.
 
 Variants (fields of ``Fp8GemmConfig``; see the kernel module's docstring):
   base         today's numerics: activations quantized per token per 128 channels in the
-               kernel, fp8 x fp8 MMA; K splits (split-K) store float32 partials that the
-               output tile's last program adds up in split order. Deterministic.
+               kernel, fp8 x fp8 MMA; K splits (split-K) write float32 partials that one
+               ``sum`` adds up. Deterministic.
   +wo          weight_only: no activation quantization, bf16 x times the fp8 weight tile
                upcast to bf16 (``x @ (w_fp8 * scale)^T``). Other numerics (no activation
                quantization error; closer to bf16), more ALU work per weight byte.
   +at          atomic_splits: the K splits add their float32 partials into one zeroed
-               output with atomics (no partial buffer; a cast after the kernel). Not
+               output with atomics (no partial buffer, no separate sum kernel). Not
                bitwise deterministic (last float32 bits vary run to run).
   g<N>         group_m: grouped (L2-swizzled) tile order, for large M only.
 

@@ -76,6 +76,7 @@
 #       then f35
 # b35   by card: c32 on an H200, else f35
 # b36   by card: c32 on an H200, else f36
+# f37   fp8_bench llama-8b-shape (offline timed warm), then glm5-m12-e64
 # f36   the block-FP8 GEMM's split-K in one launch: GPU tests, fp8_bench llama bf16 + FP8
 #       (offline steps and profile), the GEMM's tiles at 64 / 128 rows, FP8 by .baseline's
 #       tree and this one
@@ -181,7 +182,7 @@
 #       --enable-expert-parallel against one GPU, the same closed-loop load per rank
 #       (32 streams per GPU, 1024 in / 256 out): output tok/s per GPU and mean TPOT.
 set -uo pipefail
-stage="${1:?usage: run_pending.sh b36|f36|b35|f35|s34|b33|fp8w|k35|x36|b32|k34|c32|k33|k32|c31|b31|k31|a31|c30|h30|s30|s30f|skinny|pdl2|h31|g18|g16|g17|f16|f17|f18|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|moe8|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl|x2|dpep N}"
+stage="${1:?usage: run_pending.sh f37|b36|f36|b35|f35|s34|b33|fp8w|k35|x36|b32|k34|c32|k33|k32|c31|b31|k31|a31|c30|h30|s30|s30f|skinny|pdl2|h31|g18|g16|g17|f16|f17|f18|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|moe8|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl|x2|dpep N}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 # RUN_START (epoch seconds): where two stages share one call, export it once before both,
 # so the second one's deadlines count from the call's start, not its own
@@ -741,6 +742,19 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
       exec bash "$0" c32
     fi
     exec bash "$0" f35
+    ;;
+  f37)  # issue 28 on the tree: llama-8b-shape bf16 beside FP8 (fp8_bench; the offline pass
+    # timed after a warm pass under the profiler), then glm5-m12-e64 bf16 beside FP8 in the
+    # time left (F37_END: the seconds the call has)
+    left=$(( start + ${F37_END:-570} - $(date +%s) - 5 ))
+    timeout "$left" python3 benchmarks/fp8_bench.py --models llama-8b-shape \
+      --out "$OUT/fp8_bench_f37.json" > "$OUT/fp8_bench_f37.log" 2>&1
+    echo "fp8_bench llama bf16,fp8: exit $?"; quiet < "$OUT/fp8_bench_f37.log" | sed -n '/^== /,$p'
+    left=$(( start + ${F37_END:-570} - $(date +%s) - 5 ))
+    [ "$left" -gt 200 ] || { echo "fp8_bench glm5: no time (${left}s)"; exit 0; }
+    timeout "$left" python3 benchmarks/fp8_bench.py --models glm5-m12-e64 \
+      --out "$OUT/fp8_glm5_f37.json" > "$OUT/fp8_glm5_f37.log" 2>&1
+    echo "fp8_bench glm5 bf16,fp8: exit $?"; quiet < "$OUT/fp8_glm5_f37.log" | sed -n '/^== /,$p'
     ;;
   b36)  # by card: c32 on an H200 (issues 30, 26, 27 need that card), else f36
     if on_h200; then

@@ -122,29 +122,6 @@ def test_block_fp8_gemm_configs_match_reference(
     assert _rel(out, ref) < tol
 
 
-def test_block_fp8_gemm_sums_its_splits_in_the_launch(device: torch.device) -> None:
-    """Split-K in one launch: the tile's last split adds the float32 partials in split
-    order, with the bias, and stores the output (bf16 here); a second launch gives the
-    same bits, and every launch leaves the tile counters at zero."""
-    from pdserve.kernels._utils import SPLIT_COUNTERS
-
-    m, n, k = 5, 80, 384  # partial row and column tiles, 3 K blocks
-    g = torch.Generator().manual_seed(11)
-    wq, ws = quantize_fp8_blocks(torch.randn(n, k, generator=g) * 0.05, (128, 128))
-    x = torch.randn(m, k, generator=g).to(device, torch.bfloat16)
-    bias = torch.randn(n, generator=g).to(device, torch.bfloat16)
-    wq, ws = wq.to(device), ws.to(device)
-    ref = block_fp8_matmul_reference(x.float(), wq, ws, bias.float())
-    one = block_fp8_gemm(x, wq, ws, bias=bias, config=Fp8GemmConfig(block_n=32, num_splits=1))
-    for splits in (2, 3):
-        cfg = Fp8GemmConfig(block_n=32, num_splits=splits)
-        out = block_fp8_gemm(x, wq, ws, bias=bias, config=cfg)
-        assert out.dtype == torch.bfloat16 and _rel(out.float(), ref) < 1e-2
-        assert _rel(out.float(), one.float()) < 1e-2
-        assert torch.equal(block_fp8_gemm(x, wq, ws, bias=bias, config=cfg), out)
-        assert not SPLIT_COUNTERS[out.device].any()
-
-
 def test_fp8_gemm_config_defaults_are_the_heuristic(device: torch.device) -> None:
     """``None`` fields resolve to the heuristic (llama-8b down_proj on 132 SMs), and an
     empty config launches exactly what no config does."""

@@ -112,8 +112,8 @@ def test_split_k(device: torch.device, split: int) -> None:
     """K cut into slices (9 asks for more than the 5 K steps: 5 slices of one): the plain
     GEMM with a bias, both prologues, FP8 weights; a second launch gives the same bits
     (the slices summed in order) and every launch leaves the tile counters at zero."""
-    from pdserve.kernels._utils import SPLIT_COUNTERS
     from pdserve.kernels.reference import FP8_DTYPE
+    from pdserve.kernels.skinny_gemm import _COUNTERS
 
     g = torch.Generator().manual_seed(split)
     dt = torch.bfloat16
@@ -133,14 +133,14 @@ def test_split_k(device: torch.device, split: int) -> None:
         gu = _t(g, rows, 160, dtype=dt, dev=device)
         ys = skinny_gemm(gu, w, prologue="silu_mul", config=cfg)
         _close(ys, F.linear(silu_and_mul_torch(gu).float(), w.float()), dt)
-        assert not SPLIT_COUNTERS[y.device].any()  # cuda:0, where the fixture says cuda
+        assert not _COUNTERS[y.device].any()  # cuda:0, where the fixture says cuda
     w8 = (torch.randn(40, 300, generator=g) * 20).to(FP8_DTYPE).to(device)
     sc = (torch.rand(1, 3, generator=g) * 0.01).to(device)
     deq = w8.float() * sc.repeat_interleave(128, 1)[:, :300]
     x8 = _t(g, 2, 300, dtype=dt, dev=device)
     y8 = skinny_gemm(x8, w8, weight_scale=sc, config=SkinnyConfig(block_n=16, split_k=split))
     _close(y8, F.linear(x8.float(), deq), dt)
-    assert not SPLIT_COUNTERS[y8.device].any()
+    assert not _COUNTERS[y8.device].any()
 
 
 def test_3d_input_and_empty(device: torch.device) -> None:

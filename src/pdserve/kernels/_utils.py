@@ -1,9 +1,8 @@
 """Small helpers shared by the Triton kernels (launch heuristics, device facts).
 
-Nothing here synchronises, and nothing but :func:`tile_counters` (the split-K tile
-counters, made once outside any CUDA graph capture) touches device memory: every other
-function answers from host information (shapes, dtypes, device properties), so callers
-can use the answers while a CUDA graph is being captured.
+Nothing here touches device memory or synchronises: every function answers from
+host information (shapes, dtypes, device properties), so callers can use the
+answers while a CUDA graph is being captured.
 """
 
 from __future__ import annotations
@@ -274,49 +273,3 @@ def fp8x4_to_f32(w, ASM: tl.constexpr):
             _e4m3_byte((w >> 16) & 255),
             _e4m3_byte((w >> 24) & 255),
         )
-
-
-@triton.jit
-def split_k_fixup(acc, part_ptr, cnt_ptr, rows, cols, omask, M, N,
-                  SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """Split-K in one launch, for a grid of (tiles along dim 0, tiles along dim 1, K
-    slices): store this program's float32 partial ``acc`` at ``part_ptr`` ([SPLIT_K, M,
-    N], contiguous), count it on the tile's counter; the tile's last program gets the
-    partials' sum in slice order (so the result does not depend on which finished first)
-    and resets the counter for the next launch, the others get ``done`` False."""
-    pid_k = tl.program_id(2)
-    offs = (pid_k * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
-    tl.store(part_ptr + offs, acc, mask=omask)
-    tl.debug_barrier()  # every thread's partial stored before the release below
-    tile = cnt_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-    done = tl.atomic_add(tile, 1, sem="acq_rel") == SPLIT_K - 1
-    total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if done:
-        for s in tl.static_range(SPLIT_K):
-            offs = (s * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
-            total += tl.load(part_ptr + offs, mask=omask, other=0.0, cache_modifier=".cg")
-        tl.atomic_xchg(tile, 0)
-    return total, done
-
-
-SPLIT_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """The split-K tile counters of ``device`` (:func:`split_k_fixup`), shared by every
-    kernel that reduces its K slices in the launch: int32 zeros that every launch leaves
-    at zero, so split-K launches on one device must not run concurrently on two streams
-    (the engine's forward runs on one). Made and grown outside a CUDA graph capture only
-    (a capture runs no zero fill, and a graph keeps the buffer it baked in); the engine's
-    eager warm-up runs each shape first."""
-    buf = SPLIT_COUNTERS.get(device)
-    if buf is None or buf.numel() < tiles:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"split-K needs {tiles} tile counters, "
-                f"{0 if buf is None else buf.numel()} exist; "
-                "run the shape once outside the CUDA graph capture first"
-            )
-        buf = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-        SPLIT_COUNTERS[device] = buf
-    return buf

@@ -19,15 +19,16 @@ quantization (and the split-K programs each for their K range). Same values: the
 producer quantizes the bf16 output exactly as the kernel would.
 
 Decode batches have few rows, so the N tiles alone cannot occupy the GPU; the K range is
-then split over several programs (split-K). Each stores its float32 partial and counts
-itself on its output tile's counter; the tile's last program adds the partials up in
-split order, with the bias, and stores the output
-(:func:`~pdserve.kernels._utils.split_k_fixup`): one launch, where a second kernel
-(:func:`splitk_sum`, which the Gluon decode kernel still uses) summed them before, 96
-launches and 0.19-0.28 ms of a llama-8b-shape decode step (H100, RESULTS.md run 134).
+then split over several programs (split-K) whose float32 partials one small kernel adds
+up, with the bias, and casts (:func:`splitk_sum`: one launch where torch's ``sum``,
+bias add and cast were two or three). Summing them in the GEMM's own launch instead (the
+tile's last split adding the stored partials, as :mod:`pdserve.kernels.skinny_gemm`
+does) measured no faster at one row and slower from 16 (llama-8b-shape FP8 decode, the
+GEMM's kernels a step at 1 / 16 / 64 rows: 2.94 / 3.17 / 5.36 ms against 2.93 / 3.04 /
+3.81 with the sum kernel, H100, RESULTS.md run 135): the tile's last program reads every
+partial after its own K range, and the 64-row tiles (64 x 256) hold two accumulators.
 The grid depends only on shapes (no host sync), so the launch can be captured in a CUDA
-graph; the tile counters are made outside the capture (the engine's eager warm-up runs
-each shape first).
+graph.
 
 Tile configuration: :class:`Fp8GemmConfig` (``block_fp8_gemm(..., config=...)``) sets the
 tile sizes, warps, pipeline stages and K splits; every field left ``None`` takes the
@@ -43,8 +44,8 @@ same kernel (constexpr flags, off by default):
   reference is the float32 matmul of ``x`` with the dequantized weights, not
   :func:`~pdserve.kernels.reference.block_fp8_matmul_reference`.
 - ``atomic_splits``: with more than one K split, each program adds its float32 partial
-  into one zeroed float32 output with atomics (then cast, and the bias added, by torch),
-  instead of the last program of the tile summing the stored partials. The order of those additions varies from run to run, so results are not
+  into one zeroed float32 output with atomics, instead of storing it for a separate
+  ``sum``. The order of those additions varies from run to run, so results are not
   bitwise deterministic (they differ in the last bits of float32).
 
 ``BLOCK_K`` is always 128, one weight scale per K step.
@@ -75,8 +76,6 @@ from pdserve.kernels._utils import (
     pdl_enter,
     quantize_rows_e4m3,
     rows_2d,
-    split_k_fixup,
-    tile_counters,
 )
 from pdserve.kernels.reference import FP8_GROUP, FP8_MAX, Fp8Activation
 
@@ -90,9 +89,6 @@ def _block_fp8_gemm_kernel(
     w_ptr,
     ws_ptr,
     out_ptr,
-    y_ptr,
-    bias_ptr,
-    cnt_ptr,
     M,
     N,
     K,
@@ -100,8 +96,8 @@ def _block_fp8_gemm_kernel(
     stride_xsm,
     stride_wn,
     stride_wsn,
+    stride_os,
     stride_om,
-    stride_ym,
     k_blocks_per_split,
     SCALE_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -116,8 +112,6 @@ def _block_fp8_gemm_kernel(
     UPCAST: tl.constexpr = False,
     DOT_PREC: tl.constexpr = "tf32",
     PRE_Q: tl.constexpr = False,
-    SPLITS: tl.constexpr = 1,
-    HAS_BIAS: tl.constexpr = False,
     PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
@@ -177,20 +171,14 @@ def _block_fp8_gemm_kernel(
             part = dot_fp8(a_q, b, FP8_DOT)
             b_scale = tl.load(ws_ptr + w_scale_rows + kb, mask=n_ok, other=0.0)  # [BLOCK_N]
             acc += part * a_scale[:, None] * b_scale[None, :]
-    omask = m_ok[:, None] & n_ok[None, :]
     if ATOMIC:  # every split adds into the same float32 [M, N]
         out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-        tl.atomic_add(out, acc, mask=omask, sem="relaxed")
+        tl.atomic_add(out, acc, mask=m_ok[:, None] & n_ok[None, :], sem="relaxed")
     else:
-        done = True
-        if SPLITS > 1:  # the tile's last split sums the float32 partials in split order
-            acc, done = split_k_fixup(acc, out_ptr, cnt_ptr, offs_m, offs_n, omask, M, N,
-                                      SPLITS, BLOCK_M, BLOCK_N)  # fmt: skip
-        if done:
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            y = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-            tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=omask)
+        out = (
+            out_ptr + split * stride_os + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        )
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def choose_splits(m_tiles: int, n_tiles: int, k_blocks: int, sms: int) -> int:
@@ -312,14 +300,12 @@ def block_fp8_gemm(
     per_split = triton.cdiv(k_blocks, splits)
     atomic = cfg.atomic_splits and splits > 1
     dev = xv.device
-    y = torch.empty(m, n, dtype=dtype, device=dev)
-    out = y  # splits > 1: the float32 partials [splits, M, N], or their atomic sum [1, M, N]
-    cnt = y
     if atomic:
         out = torch.zeros(1, m, n, dtype=torch.float32, device=dev)
-    elif splits > 1:
+    elif splits == 1:
+        out = torch.empty(1, m, n, dtype=dtype, device=dev)
+    else:
         out = torch.empty(splits, m, n, dtype=torch.float32, device=dev)
-        cnt = tile_counters(dev, m_tiles * n_tiles)
     ws = w_scale_inv.float().contiguous()
     _block_fp8_gemm_kernel[(m_tiles, n_tiles, splits)](
         x2,
@@ -327,9 +313,6 @@ def block_fp8_gemm(
         w,
         ws,
         out,
-        y,
-        bias if bias is not None and not atomic else y,
-        cnt,
         m,
         n,
         k,
@@ -337,8 +320,8 @@ def block_fp8_gemm(
         xs.stride(0),
         w.stride(0),
         ws.stride(0),
-        out.stride(-2),
-        y.stride(0),
+        out.stride(0),
+        out.stride(1),
         per_split,
         SCALE_N=scale_n,
         BLOCK_M=cfg.block_m,
@@ -353,16 +336,16 @@ def block_fp8_gemm(
         UPCAST=cfg.weight_only and dot_upcast(x2.dtype),
         DOT_PREC=dot_precision(x2.dtype),
         PRE_Q=pre_q,
-        SPLITS=1 if atomic else splits,
-        HAS_BIAS=bias is not None and not atomic,
         num_warps=cfg.num_warps,
         num_stages=1 if interpret_mode() else cfg.num_stages,
         **pdl_args(x2.device),
     )
-    if atomic:
-        y = out[0] + bias if bias is not None else out[0]
-        return y.to(dtype).view(*lead, n)
-    return y.view(*lead, n)
+    if splits > 1 and not atomic:  # one launch: the float32 partials' sum (+ bias), cast
+        return splitk_sum(out, bias, dtype).view(*lead, n)
+    y = out[0]
+    if bias is not None:
+        y = y + bias
+    return y.to(dtype).view(*lead, n)
 
 
 @triton.jit

@@ -43,8 +43,9 @@ each), each tile's K range is cut into that many slices, one program each. Every
 program stores its float32 partial, then counts itself on the tile's counter; the last
 one of the tile sums the partials in slice order (so the result does not depend on which
 finished first), writes the output and sets the counter back to zero for the next
-launch (:func:`~pdserve.kernels._utils.split_k_fixup`). Still one launch; the counters
-are a per-device buffer of zeros (:func:`~pdserve.kernels._utils.tile_counters`).
+launch. Still one launch; the counters are a per-device buffer of zeros
+(:func:`_tile_counters`), so split-K launches on one device must not run concurrently
+on two streams (the engine's forward runs on one).
 
 The rows go into one ``tl.dot`` tile (``BLOCK_M``, at least 16: the MMA's smallest; rows
 past M are masked to zero), or, with ``BLOCK_M`` 1, a multiply-and-add in registers whose
@@ -75,8 +76,6 @@ from pdserve.kernels._utils import (
     pdl_args,
     pdl_enter,
     rows_2d,
-    split_k_fixup,
-    tile_counters,
 )
 from pdserve.kernels.activation import silu_mul_values
 from pdserve.kernels.reference import FP8_GROUP
@@ -260,6 +259,27 @@ def _quarters(af, BLOCK_K: tl.constexpr):
     return a0[None, :], a1[None, :], a2[None, :], a3[None, :]
 
 
+@triton.jit
+def _split_k_fixup(acc, part_ptr, cnt_ptr, rows, cols, omask, M, N,
+                   SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """Split-K: store this program's partial, count it on the tile's counter; the tile's
+    last program gets the partials' sum in slice order (and resets the counter), the
+    others get ``done`` False."""
+    pid_k = tl.program_id(2)
+    offs = (pid_k * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
+    tl.store(part_ptr + offs, acc, mask=omask)
+    tl.debug_barrier()  # every thread's partial stored before the release below
+    tile = cnt_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    done = tl.atomic_add(tile, 1, sem="acq_rel") == SPLIT_K - 1
+    total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if done:
+        for s in tl.static_range(SPLIT_K):
+            offs = (s * M + rows[:, None]).to(tl.int64) * N + cols[None, :]
+            total += tl.load(part_ptr + offs, mask=omask, other=0.0, cache_modifier=".cg")
+        tl.atomic_xchg(tile, 0)
+    return total, done
+
+
 @triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, ro_ptr, ws_ptr, part_ptr, cnt_ptr,
@@ -367,7 +387,7 @@ def _skinny_gemm_kernel(
     omask = rmask[:, None] & nmask[None, :]
     done = True
     if SPLIT_K > 1:
-        acc, done = split_k_fixup(acc, part_ptr, cnt_ptr, rows, cols, omask, M, N, SPLIT_K,
+        acc, done = _split_k_fixup(acc, part_ptr, cnt_ptr, rows, cols, omask, M, N, SPLIT_K,
                                    BLOCK_M, BLOCK_N)  # fmt: skip
     if done:
         if HAS_BIAS:
@@ -463,6 +483,27 @@ def fit_stages(cfg: SkinnyConfig, block_m: int, x_bytes: int, w_bytes: int,
     return max(1, min(cfg.num_stages, 1 + RING_BYTES // per_step))
 
 
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The split-K tile counters of ``device``: int32 zeros that every launch leaves at
+    zero. Made and grown outside a CUDA graph capture only (a capture runs no zero fill,
+    and a graph keeps the buffer it baked in); the engine's eager warm-up runs each shape
+    first."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"skinny_gemm split-K needs {tiles} tile counters, "
+                f"{0 if buf is None else buf.numel()} exist; "
+                "run the shape once outside the CUDA graph capture first"
+            )
+        buf = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
 def skinny_gemm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -534,7 +575,7 @@ def skinny_gemm(
         part = cnt = y
         if split > 1:
             part = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-            cnt = tile_counters(x.device, grid[0] * grid[1])
+            cnt = _tile_counters(x.device, grid[0] * grid[1])
         _skinny_gemm_kernel[grid](
             x2, weight, bias if bias is not None else weight, y.view(-1, N), r2,
             norm_weight if norm_weight is not None else weight, ro,
