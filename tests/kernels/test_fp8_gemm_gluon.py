@@ -63,6 +63,17 @@ def test_gluon_fp8_gemm_matches_reference(m: int, n: int, k: int, prefill_kernel
     torch.testing.assert_close(got.float(), triton_out.float(), atol=atol, rtol=2e-2)
 
 
+def test_prefill_kernels_compile_once_for_every_row_count() -> None:
+    """The prefill kernels do not specialise on M (rows): a step whose token count is
+    not a multiple of 16 would otherwise compile another variant under traffic (run 136:
+    the first offline pass of llama-8b-shape FP8 compiled one ws variant the warm-up had
+    not)."""
+    from pdserve.kernels import fp8_gemm_gluon_ws
+
+    for kernel in (fp8_gemm_gluon._fp8_gemm_tma_kernel, fp8_gemm_gluon_ws._fp8_gemm_ws_kernel):
+        assert [p.do_not_specialize for p in kernel.params if p.name == "M"] == [True]
+
+
 def test_gluon_fp8_gemm_refuses_what_it_does_not_run(
     device: torch.device, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -127,7 +127,7 @@ def _ws_math(W: gl.constexpr, a_bufs, b_bufs, ready, empty, xs_ptr, ws_ptr, out_
         store_tile(acc, out_ptr, row0, off_n, M, N, stride_om, HALF, BN, 4)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["M"])  # M % 16 would compile another variant
 def _fp8_gemm_ws_kernel(
     a_desc, b_desc, xs_ptr, ws_ptr, out_ptr, M, N, K, stride_xsm, stride_wsn, stride_om,
     SCALE_N: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
