@@ -77,6 +77,7 @@
 # b35   by card: c32 on an H200, else f35
 # b36   by card: c32 on an H200, else f36
 # f37   fp8_bench llama-8b-shape (offline timed warm), then glm5-m12-e64
+# b37   by card: c32 on an H200, else f37
 # f36   the block-FP8 GEMM's split-K in one launch: GPU tests, fp8_bench llama bf16 + FP8
 #       (offline steps and profile), the GEMM's tiles at 64 / 128 rows, FP8 by .baseline's
 #       tree and this one
@@ -182,7 +183,7 @@
 #       --enable-expert-parallel against one GPU, the same closed-loop load per rank
 #       (32 streams per GPU, 1024 in / 256 out): output tok/s per GPU and mean TPOT.
 set -uo pipefail
-stage="${1:?usage: run_pending.sh f37|b36|f36|b35|f35|s34|b33|fp8w|k35|x36|b32|k34|c32|k33|k32|c31|b31|k31|a31|c30|h30|s30|s30f|skinny|pdl2|h31|g18|g16|g17|f16|f17|f18|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|moe8|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl|x2|dpep N}"
+stage="${1:?usage: run_pending.sh b37|f37|b36|f36|b35|f35|s34|b33|fp8w|k35|x36|b32|k34|c32|k33|k32|c31|b31|k31|a31|c30|h30|s30|s30f|skinny|pdl2|h31|g18|g16|g17|f16|f17|f18|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|moe8|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl|x2|dpep N}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 # RUN_START (epoch seconds): where two stages share one call, export it once before both,
 # so the second one's deadlines count from the call's start, not its own
@@ -742,6 +743,12 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
       exec bash "$0" c32
     fi
     exec bash "$0" f35
+    ;;
+  b37)  # by card: c32 on an H200 (issues 30, 26, 27 need that card), else f37
+    if on_h200; then
+      exec bash "$0" c32
+    fi
+    exec bash "$0" f37
     ;;
   f37)  # issue 28 on the tree: llama-8b-shape bf16 beside FP8 (fp8_bench; the offline pass
     # timed after a warm pass under the profiler), then glm5-m12-e64 bf16 beside FP8 in the
