@@ -192,12 +192,13 @@ def test_fused_model_with_fp8_producers_gives_the_same_logits(
     torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
 
 
-def test_llama_takes_the_decode_size_gemm_in_bf16_only_by_default(
+def test_llama_takes_the_decode_size_gemm_to_16_rows_in_bf16_and_one_in_fp8(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Where PDSERVE_SKINNY_ROWS does not say: a bf16 Llama's linears take decode rows up
     to 16 on the decode-size GEMM, and its steps of at most 16 tokens launch dependently;
-    an FP8 Llama keeps the block-FP8 GEMM and no dependent launches (run 121)."""
+    an FP8 Llama's take one row there (more rows keep the block-FP8 GEMM) and its
+    one-token steps launch dependently (run 131)."""
     from pdserve.layers import fused
     from pdserve.layers.fp8 import Fp8Linear
     from pdserve.layers.linear import Linear
@@ -209,7 +210,7 @@ def test_llama_takes_the_decode_size_gemm_in_bf16_only_by_default(
     # it, not the default device (a GPU model is configured outside its device context)
     monkeypatch.setattr(fused, "use_fused_kernels", lambda device=None: device is not None
                         and torch.device(device).type == "cpu")  # fmt: skip
-    for quant, rows, fp8s in ((None, 16, 0), ("fp8", 0, 4)):
+    for quant, rows, fp8s in ((None, 16, 0), ("fp8", 1, 4)):
         model, _ = load_model(ckpt, "bfloat16", "cpu", load_format="dummy", quantization=quant)
         lins = [m for m in model.modules() if isinstance(m, Linear)]
         assert sum(isinstance(m, Fp8Linear) for m in lins) == fp8s

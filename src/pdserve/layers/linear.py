@@ -97,16 +97,21 @@ def materialize(root: nn.Module, device: torch.device) -> int:
 
 
 SKINNY_ENV = "PDSERVE_SKINNY_ROWS"
+# block-FP8 linears take the decode-size GEMM (weight-only) at one row by default: FP8
+# llama-8b-shape at batch 1 x 1K, 3.84 ms a graph replay against 3.98 and 3.89 against
+# 4.04 ms a step with one in flight (303 kernels a step against 431: the norms folded
+# into the GEMMs' prologues, the split-K sums gone); at 16 and 64 rows it was slower
+# (5.94 / 8.42 ms of kernels against 4.61 / 7.03, H100, RESULTS.md run 131)
+FP8_SKINNY_ROWS = 1
 
 
 def enable_skinny(root: nn.Module, default: int) -> int:
     """Let the linears under ``root`` run the decode-size GEMM
     (:mod:`pdserve.kernels.skinny_gemm`) for up to ``default`` rows instead of cuBLAS,
     where the fused kernels are on: plain ones in the model dtype; block-FP8 ones (its
-    weight-only mode) only where ``PDSERVE_SKINNY_ROWS`` asks, as it measured slower
-    than the block-FP8 GEMM in the model (llama-8b-shape decode 2.38x against 1.49x the
-    FP8 roofline at batch 1, RESULTS.md run 121). ``PDSERVE_SKINNY_ROWS`` overrides
-    ``default`` (0: never). A model family calls it once its layers are final
+    weight-only mode) up to :data:`FP8_SKINNY_ROWS` rows, or as many as
+    ``PDSERVE_SKINNY_ROWS`` asks. ``PDSERVE_SKINNY_ROWS`` overrides ``default`` (0:
+    never). A model family calls it once its layers are final
     (``CausalLM.configure_decode``) with the rows it measured a gain at; returns the most
     rows any linear takes."""
     from pdserve.layers.fused import use_fused_kernels
@@ -124,7 +129,7 @@ def enable_skinny(root: nn.Module, default: int) -> int:
             dtype = module.weight.dtype
             module.skinny_rows = rows if dtype in (torch.bfloat16, torch.float16, torch.float32) else 0
         else:  # block-FP8
-            module.skinny_rows = rows if mode is not None else 0
+            module.skinny_rows = rows if mode is not None else min(rows, FP8_SKINNY_ROWS)
         most = max(most, module.skinny_rows)
     return most
 

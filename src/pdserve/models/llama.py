@@ -181,7 +181,7 @@ class LlamaForCausalLM(CausalLM):
     # batch 1 x 1K, 5.94 ms a step against 6.13 with cuBLAS and no PDL, 16 rows even
     # (RESULTS.md runs 120-121). From 17 rows cuBLAS and no PDL: dependent launches cost
     # 1.4-1.7% at 64 rows (runs 84, 90-93, 120), where cuBLAS GEMMs do not launch their
-    # successors early; FP8 linears keep the block-FP8 GEMM and no PDL (enable_skinny).
+    # successors early; FP8 linears take it at one row only (enable_skinny).
     # PDSERVE_SKINNY_ROWS / PDSERVE_PDL override.
     skinny_rows = 16
     pdl_tokens: int | None = 0  # configure_decode: the rows the decode-size GEMM takes
