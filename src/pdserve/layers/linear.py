@@ -99,8 +99,8 @@ def materialize(root: nn.Module, device: torch.device) -> int:
 SKINNY_ENV = "PDSERVE_SKINNY_ROWS"
 # block-FP8 linears take the decode-size GEMM (weight-only) at one row by default: FP8
 # llama-8b-shape at batch 1 x 1K, 3.84 ms a graph replay against 3.98 and 3.89 against
-# 4.04 ms a step with one in flight (303 kernels a step against 431: the norms folded
-# into the GEMMs' prologues, the split-K sums gone); at 16 and 64 rows it was slower
+# 4.04 ms a step with one in flight (303 kernels a step against 431: SiLU-and-mul folded
+# into down's prologue, no split-K sums); at 16 and 64 rows it was slower
 # (5.94 / 8.42 ms of kernels against 4.61 / 7.03, H100, RESULTS.md run 131)
 FP8_SKINNY_ROWS = 1
 
