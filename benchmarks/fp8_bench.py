@@ -71,13 +71,13 @@ from gpu_suite import (  # noqa: E402
     CPU_SIZES,
     GPU_SIZES,
     Sizes,
-    _ids,
     _timed,
     bench_decode,
     bench_prefill,
     bench_throughput,
     kv_bytes_per_token,
     measure_limits,
+    offline_workload,
     weight_bytes,
 )
 
@@ -304,12 +304,9 @@ def _offline(llm: LLM, num: int, inp: int, out: int) -> dict:
     took 3.81 s warm), so the timed pass measures the engine, not the compiler: its
     ``kernel_compiles`` must be empty. Also the engine steps the timed pass took, by path
     (graph replays of pure decode batches, eager mixed and prefill steps)."""
-    from pdserve import SamplingParams
     from pdserve.profiling.kernel_compiles import compiled_variants, new_variants
 
-    g = torch.Generator().manual_seed(1)
-    prompts = [{"prompt_token_ids": _ids(llm, g, inp)} for _ in range(num)]
-    sp = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)
+    prompts, sp = offline_workload(llm, num, inp, out, seed=1)
     compiled0 = compiled_variants()
     profile = _profile_table(llm, partial(llm.generate, prompts, sp))
     compiled1 = compiled_variants()
@@ -319,8 +316,8 @@ def _offline(llm: LLM, num: int, inp: int, out: int) -> dict:
     res["kernel_compiles"] = new_variants(compiled1, compiled_variants())
     res["first_pass_compiles"] = {k: len(v) for k, v in new_variants(compiled0, compiled1).items()}
     res["steps"] = after.num_steps - before.num_steps
-    res["step_paths"] = {k: v - before.step_paths.get(k, 0)
-                         for k, v in after.step_paths.items() if v - before.step_paths.get(k, 0)}  # fmt: skip
+    paths = {k: v - before.step_paths.get(k, 0) for k, v in after.step_paths.items()}
+    res["step_paths"] = {k: n for k, n in paths.items() if n}
     res["profile"] = profile
     return res
 

@@ -191,10 +191,17 @@ def _drain(llm: LLM) -> None:
     eng.step()
 
 
-def bench_throughput(llm: LLM, num: int = 256, inp: int = 512, out: int = 128) -> dict:
-    g = torch.Generator().manual_seed(0)
+def offline_workload(
+    llm: LLM, num: int, inp: int, out: int, seed: int = 0
+) -> tuple[list[dict], SamplingParams]:
+    """``num`` random prompts of ``inp`` tokens, each to generate ``out`` (greedy, no EOS)."""
+    g = torch.Generator().manual_seed(seed)
     prompts = [{"prompt_token_ids": _ids(llm, g, inp)} for _ in range(num)]
-    sp = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)
+    return prompts, SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)
+
+
+def bench_throughput(llm: LLM, num: int = 256, inp: int = 512, out: int = 128) -> dict:
+    prompts, sp = offline_workload(llm, num, inp, out)
     llm.generate(
         prompts[:4], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     )  # warm-up

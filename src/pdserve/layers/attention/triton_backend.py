@@ -216,12 +216,16 @@ class TritonAttentionBackend(GQABackend):
         ql = md.uniform_query_len
         lone_prompt = (ql is None and self.sdpa_prefill and c.num_reqs == 1
                        and c.max_seq_len == c.max_query_len == t)  # fmt: skip
-        if lone_prompt and q.shape[0] == t:
-            # no padding rows: SDPA's output as it comes (its kernels write [t, H, D]
-            # rows, so no copy into a buffer: 1.3 ms of an 8K llama-8b-shape prefill)
-            return sdpa_prefill(q, k, v, scale).contiguous()
+        if lone_prompt:  # SDPA on this step's K/V: neither cache scale applies
+            o = sdpa_prefill(q[:t], k[:t], v[:t], scale)
+            if q.shape[0] == t:  # no padding rows: the output as it comes (its kernels
+                # write [t, H, D] rows: no copy, 1.3 ms of an 8K llama-8b-shape prefill)
+                return o.contiguous()
+            out = torch.empty_like(q)
+            out[:t] = o
+            out[t:].zero_()  # graph padding: defined zeros
+            return out
         out = torch.empty_like(q)
-        from_cache = True
         if ql is not None:
             hkv = kv_cache.shape[-2]
             splits = self._num_splits(c.num_reqs, hkv, c.max_seq_len, q.device)
@@ -231,9 +235,6 @@ class TritonAttentionBackend(GQABackend):
             decode_attention(
                 q, kv_cache, c.seq_lens, c.block_tables, qk, ql, c.num_reqs, splits, out, ws
             )
-        elif lone_prompt:
-            out[:t] = sdpa_prefill(q[:t], k[:t], v[:t], scale)
-            from_cache = False
         else:
             prefill_attention(
                 q,
@@ -247,7 +248,7 @@ class TritonAttentionBackend(GQABackend):
                 c.max_query_len,
                 out,
             )
-        if from_cache and v_scale != 1.0:
+        if v_scale != 1.0:
             out[:t].mul_(v_scale)
         if q.shape[0] > t:  # graph padding: defined zeros, never stale memory
             out[t:].zero_()
