@@ -75,12 +75,8 @@
 # s34   SDPA's prefill kernels (flash / cuDNN, GQA), r11 (the tree against .baseline),
 #       then f35
 # b35   by card: c32 on an H200, else f35
-# b36   by card: c32 on an H200, else f36
 # f37   fp8_bench llama-8b-shape (offline timed warm), then glm5-m12-e64
 # b37   by card: c32 on an H200, else f37
-# f36   the block-FP8 GEMM's split-K in one launch: GPU tests, fp8_bench llama bf16 + FP8
-#       (offline steps and profile), the GEMM's tiles at 64 / 128 rows, FP8 by .baseline's
-#       tree and this one
 # f35   llama-8b-shape bf16 beside FP8 (fp8_bench) on the defaults, then FP8 with the
 #       prompt's attention on FlashAttention (PDSERVE_SDPA_PREFILL=flash)
 # b33   by card: c32 on an H200, else fp8w
@@ -183,7 +179,7 @@
 #       --enable-expert-parallel against one GPU, the same closed-loop load per rank
 #       (32 streams per GPU, 1024 in / 256 out): output tok/s per GPU and mean TPOT.
 set -uo pipefail
-stage="${1:?usage: run_pending.sh b37|f37|b36|f36|b35|f35|s34|b33|fp8w|k35|x36|b32|k34|c32|k33|k32|c31|b31|k31|a31|c30|h30|s30|s30f|skinny|pdl2|h31|g18|g16|g17|f16|f17|f18|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|moe8|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl|x2|dpep N}"
+stage="${1:?usage: run_pending.sh b37|f37|b35|f35|s34|b33|fp8w|k35|x36|b32|k34|c32|k33|k32|c31|b31|k31|a31|c30|h30|s30|s30f|skinny|pdl2|h31|g18|g16|g17|f16|f17|f18|p30|g15|g15b|g15c|g15e|g14|s12|fp8s|moe|moe8|pdl|xfer|k10|p10|d10|c11|f11|f11g|r11|r11g|r11all|gpu1|gpu2|ab1|ab2|a|b|glm5|glm5-sla [mtp]|nixl|x2|dpep N}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 # RUN_START (epoch seconds): where two stages share one call, export it once before both,
 # so the second one's deadlines count from the call's start, not its own
@@ -762,40 +758,6 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     timeout "$left" python3 benchmarks/fp8_bench.py --models glm5-m12-e64 \
       --out "$OUT/fp8_glm5_f37.json" > "$OUT/fp8_glm5_f37.log" 2>&1
     echo "fp8_bench glm5 bf16,fp8: exit $?"; quiet < "$OUT/fp8_glm5_f37.log" | sed -n '/^== /,$p'
-    ;;
-  b36)  # by card: c32 on an H200 (issues 30, 26, 27 need that card), else f36
-    if on_h200; then
-      exec bash "$0" c32
-    fi
-    exec bash "$0" f36
-    ;;
-  f36)  # issue 28: the block-FP8 GEMM's split-K summed in its own launch: its GPU tests
-    # (and the skinny GEMM's, whose fixup it shares), llama-8b-shape bf16 beside FP8
-    # (fp8_bench; offline with its engine steps and profile), then FP8 alone by .baseline's
-    # tree and this one (scripts/make-baseline <before>; carry .baseline), in the time
-    # left (F36_END: the seconds the call has)
-    [ -d .baseline/src/pdserve ] || { echo "no .baseline/src (scripts/make-baseline)"; exit 1; }
-    timeout 120 python3 -m pytest -p no:cacheprovider -q tests/kernels/test_fp8.py \
-      tests/kernels/test_skinny_gemm.py > "$OUT/f36_tests.log" 2>&1
-    echo "fp8 / skinny GEMM tests: exit $?"; tail -3 "$OUT/f36_tests.log"
-    left=$(( start + ${F36_END:-570} - $(date +%s) - 5 ))
-    [ "$left" -gt 120 ] || { echo "fp8_bench: no time (${left}s)"; exit 0; }
-    timeout "$left" python3 benchmarks/fp8_bench.py --models llama-8b-shape \
-      --out "$OUT/fp8_bench_f36.json" > "$OUT/fp8_bench_f36.log" 2>&1
-    echo "fp8_bench llama bf16,fp8: exit $?"; quiet < "$OUT/fp8_bench_f36.log" | sed -n '/^== /,$p'
-    # the block-FP8 GEMM's tiles at 64 and 128 rows (offline decodes 128 rows) beside bf16
-    timeout 100 python3 benchmarks/fp8_gemm_sweep.py --tokens 64,128 --shapes down,gate_up,qkv \
-      --out "$OUT/f36_sweep.json" > "$OUT/f36_sweep.log" 2>&1
-    echo "fp8_gemm_sweep 64,128: exit $?"; quiet < "$OUT/f36_sweep.log" | tail -12
-    for tree in baseline current; do
-      root=.; [ $tree = baseline ] && root=.baseline
-      left=$(( start + ${F36_END:-570} - $(date +%s) - 5 ))
-      [ "$left" -gt 75 ] || { echo "fp8 $tree: no time (${left}s)"; exit 0; }
-      PYTHONPATH="/tmp/site:$PWD/$root/src" timeout "$left" python3 $root/benchmarks/fp8_bench.py \
-        --models llama-8b-shape --variants fp8 --out "$OUT/f36_fp8_$tree.json" \
-        > "$OUT/f36_fp8_$tree.log" 2>&1
-      echo "fp8 llama, $tree tree: exit $?"; quiet < "$OUT/f36_fp8_$tree.log" | grep -E "^(decode|prefill|offline)"
-    done
     ;;
   f35)  # issue 28: llama-8b-shape bf16 beside FP8 on the defaults (fp8_bench: decode
     # against each roofline, 8K prefill against the fp8 rate, offline; the prompt's
