@@ -77,6 +77,8 @@
 # b35   by card: c32 on an H200, else f35
 # f37   fp8_bench llama-8b-shape (offline timed warm), then glm5-m12-e64
 # b37   by card: c32 on an H200, else f37
+# b38   by card: h31 on an H200, else f37
+# h31   issue 30's bars on an H200 (llama decode, glm5 b1 decode + profile), then glm5 16K prefill
 # f35   llama-8b-shape bf16 beside FP8 (fp8_bench) on the defaults, then FP8 with the
 #       prompt's attention on FlashAttention (PDSERVE_SDPA_PREFILL=flash)
 # b33   by card: c32 on an H200, else fp8w
@@ -745,6 +747,28 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
       exec bash "$0" c32
     fi
     exec bash "$0" f37
+    ;;
+  b38)  # by card: h31 on an H200 (issue 30 whole, then 26), else f37
+    if on_h200; then
+      exec bash "$0" h31
+    fi
+    exec bash "$0" f37
+    ;;
+  h31)  # on an H200, every bar of issue 30 in one call: llama-8b-shape decode on the
+    # defaults (async <= 1.15x at 1 / 16 / 64), glm5-m12-e64 decode at 1 x 1K / 16K with
+    # the profile (x roofline, kernels a step); then glm5 16K prefill (issue 26) if 180 s
+    # are left
+    nvidia-smi --query-gpu=name,power.limit --format=csv,noheader
+    llama_ckpt || exit 1
+    llama_decode - - 570 60
+    left=$(( start + 570 - $(date +%s) ))
+    timeout $(( left < 280 ? left : 280 )) python3 benchmarks/glm5_bench.py \
+      --sections speed,profile --presets glm5-m12-e64 --long --no-peer --workdir /tmp/glm5 \
+      --profile 1x1024,1x16384 --out "$OUT/glm5_h31.json" > "$OUT/glm5_h31.log" 2>&1
+    echo "glm5 decode: exit $?"; quiet < "$OUT/glm5_h31.log" | tail -24
+    left=$(( start + 570 - $(date +%s) ))
+    [ "$left" -gt 180 ] || { echo "glm5 prefill: skipped, ${left}s left"; exit 0; }
+    glm5_prefill $(( left - 5 )) 16k_b16384 16384 --budget 16384
     ;;
   f37)  # issue 28 on the tree: llama-8b-shape bf16 beside FP8 (fp8_bench; the offline pass
     # timed after a warm pass under the profiler), then glm5-m12-e64 bf16 beside FP8 in the
