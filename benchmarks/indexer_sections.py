@@ -123,8 +123,15 @@ PREFILL_SWEEP = [
 ]
 PREFILL_SWEEP_QUICK = [PREFILL_TILE, _cfg("rows", 4, 64, 1024, 4, 3)]
 PREFILL_SWEEP_TINY = [_cfg("heads", 16, 16, 32, 4, 2), _cfg("rows", 4, 16, 32, 4, 2)]
-# the verify sweep (batch 128): "rows" tiles (BT: the rows, 4)
+# the verify sweep (batch 128): "keys" tiles (the key block as the MMA's rows), then
+# "rows" tiles (BT: the rows, 4)
 VERIFY_SWEEP = [
+    _cfg("keys", 8, 64, 1024, 4, 3),
+    _cfg("keys", 8, 64, 1024, 8, 3),
+    _cfg("keys", 8, 128, 1024, 8, 3),
+    _cfg("keys", 8, 64, 1024, 4, 4),
+    _cfg("keys", 8, 64, 2048, 4, 3),
+    _cfg("keys", 8, 128, 1024, 8, 2),
     _cfg("rows", 8, 64, 1024, 4, 3),
     _cfg("rows", 8, 64, 512, 4, 3),
     _cfg("rows", 8, 64, 2048, 4, 3),
@@ -135,7 +142,7 @@ VERIFY_SWEEP = [
     _cfg("rows", 8, 128, 2048, 8, 3),
 ]
 VERIFY_SWEEP_QUICK = VERIFY_SWEEP[:2]
-VERIFY_SWEEP_TINY = [_cfg("rows", 4, 16, 32, 4, 2)]
+VERIFY_SWEEP_TINY = [_cfg("rows", 4, 16, 32, 4, 2), _cfg("keys", 4, 16, 32, 4, 2)]
 
 
 def cfg_name(cfg: TileConfig) -> str:

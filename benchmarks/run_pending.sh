@@ -78,6 +78,7 @@
 # f37   fp8_bench llama-8b-shape (offline timed warm), then glm5-m12-e64
 # b37   by card: c32 on an H200, else f37
 # b38   by card: h31 on an H200, else f37
+# v38   issue 27: the indexer's verify tile with keys as the MMA's rows (parity, sweep, MTP decode)
 # h31   issue 30's bars on an H200 (llama decode, glm5 b1 decode + profile), then glm5 16K prefill
 # f35   llama-8b-shape bf16 beside FP8 (fp8_bench) on the defaults, then FP8 with the
 #       prompt's attention on FlashAttention (PDSERVE_SDPA_PREFILL=flash)
@@ -769,6 +770,37 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     left=$(( start + 570 - $(date +%s) ))
     [ "$left" -gt 180 ] || { echo "glm5 prefill: skipped, ${left}s left"; exit 0; }
     glm5_prefill $(( left - 5 )) 16k_b16384 16384 --budget 16384
+    ;;
+  v38)  # issue 27: the indexer's verify scores with the key block as the MMA's rows
+    # (TileConfig "keys"): its GPU parity, the verify sweep beside the "rows" default, then
+    # MTP decode at 192 / 208 x 16K with the sweep's best verify tile as the default
+    timeout 120 python3 -m pytest -p no:cacheprovider -q tests/kernels/test_dsa_indexer_tiled.py \
+      tests/kernels/test_dsa_indexer.py 2>&1 | tail -3
+    timeout 150 python3 benchmarks/glm5_kernels_bench.py --sections indexer_verify \
+      --out "$OUT/indexer_verify.json" > "$OUT/indexer_verify.log" 2>&1
+    echo "indexer_verify: exit $?"
+    python3 - "$OUT/indexer_verify.json" <<'PY'
+import json, sys
+rows = json.load(open(sys.argv[1]))["indexer_verify"]
+for r in rows:
+    if r["kernel"].startswith(("tiled", "best", "old")):
+        print(f"{r['case']:<28} {r['kernel']:<42} {r['ms'] or 0:8.3f} ms  x_copy {r.get('x_copy') or 0:.2f}")
+PY
+    best=$(python3 - "$OUT/indexer_verify.json" <<'PY'
+import json, sys
+rows = json.load(open(sys.argv[1]))["indexer_verify"]
+b = next(r["config"] for r in rows if r["kernel"] == "best")
+print(f'TileConfig("{b["variant"]}", bt={b["bt"]}, bn={b["bn"]}, span={b["span"]}, '
+      f'num_warps={b["num_warps"]}, num_stages={b["num_stages"]})')
+PY
+)
+    [ -n "$best" ] && sed -i "s/^VERIFY_TILE = .*/VERIFY_TILE = $best/" src/pdserve/kernels/dsa_indexer_tiled.py
+    grep -n "^VERIFY_TILE" src/pdserve/kernels/dsa_indexer_tiled.py
+    t=$(( start + ${V38_END:-430} - $(date +%s) ))
+    [ "$t" -gt 60 ] || { echo "spec_bench: skipped, ${t}s left"; exit 0; }
+    timeout "$t" python3 benchmarks/spec_bench.py --sections decode --streams 192,208 \
+      --configs 0,3,3a --rates 0.7 --out "$OUT/spec_decode_v38.json" > "$OUT/spec_decode_v38.log" 2>&1
+    echo "spec_bench decode: exit $?"; quiet < "$OUT/spec_decode_v38.log" | sed -n '/: decode at a/,$p'
     ;;
   f37)  # issue 28 on the tree: llama-8b-shape bf16 beside FP8 (fp8_bench; the offline pass
     # timed after a warm pass under the profiler), then glm5-m12-e64 bf16 beside FP8 in the

@@ -152,7 +152,12 @@ def _indexer_kernel() -> Any:
 def _indexer_tile(which: str) -> Any:
     from pdserve.kernels import dsa_indexer_tiled as m
 
-    return m.PREFILL_TILE if which == "prefill" else m.verify_config(4, 32)  # 1 + 3 rows
+    if which == "prefill":
+        return m.PREFILL_TILE
+    cfg = m.verify_config(4, 32)  # 1 + 3 rows
+    if which.startswith("verify_keys"):  # the transposed tile, on 4 or 8 warps (_w8)
+        return replace(cfg, variant="keys", num_warps=8 if which.endswith("_w8") else 4)
+    return cfg
 
 
 def _indexer_consts(which: str, fp8: bool = False) -> Callable[[], dict[str, Any]]:
@@ -162,7 +167,8 @@ def _indexer_consts(which: str, fp8: bool = False) -> Callable[[], dict[str, Any
         cfg = _indexer_tile(which)
         bt = cfg.bt if which == "prefill" else min(cfg.bt, next_pow2(4))
         return dict(NH=32, D=128, BLOCK_H=32, BLOCK_D=128, PAGE=64, BT=bt, BN=cfg.bn,
-                    SPAN=cfg.span, HEAD_LOOP=cfg.variant == "heads", DOT_PREC="tf32",
+                    SPAN=cfg.span, HEAD_LOOP=cfg.variant == "heads",
+                    KEYS_M=cfg.variant == "keys", DOT_PREC="tf32",
                     UPCAST=False, FILL=False, KEY_SCALE=fp8)  # fmt: skip
 
     return consts
@@ -586,7 +592,8 @@ def variants() -> list[Variant]:
                                _moe_consts(tokens, down), _DOWN_PTRS if down else _GATE_UP_PTRS,
                                _MOE_INTS, frozenset(), warps, stages, expect_wgmma=True,
                                expect_cp_async=True, expect_no_spills=True))  # fmt: skip
-    for which, fp8 in (("prefill", False), ("verify", False), ("prefill", True)):
+    for which, fp8 in (("prefill", False), ("verify", False), ("verify_keys", False),
+                       ("verify_keys_w8", False), ("prefill", True)):  # fmt: skip
         cfg = _indexer_tile(which)
         out.append(Variant(f"indexer_{which}{'_fp8' if fp8 else ''}", _indexer_kernel,
                            _indexer_consts(which, fp8), _INDEXER_FP8_PTRS if fp8 else

@@ -6,10 +6,13 @@ and the quantization itself within e4m3's rounding."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from _sparse_batch import SparseBatch, sparse_batch
 
+from pdserve.kernels import dsa_indexer_tiled
 from pdserve.kernels.dsa_indexer import indexer_logits, indexer_topk_reference, topk_select
 from pdserve.kernels.dsa_indexer_tiled import indexer_logits_tiled
 from pdserve.kernels.index_cache import (
@@ -152,18 +155,20 @@ def test_fp8_keys_round_within_e4m3(device: torch.device) -> None:
 
 
 @pytest.mark.parametrize(
-    "seq_lens,q_lens,dtype,fp8_q",
+    "seq_lens,q_lens,dtype,fp8_q,verify",
     [
-        ([5, 40, 300], [1, 1, 1], torch.float32, False),  # decode kernel
-        ([30, 50], [7, 2], torch.float32, False),  # the tiled kernel: prompt, verify rows
-        ([60, 20], [1, 3], torch.bfloat16, False),  # both launch kinds, bf16 queries
-        ([5, 40, 300], [1, 1, 1], torch.bfloat16, True),  # fp8 queries: FP8 MMAs
-        ([30, 50], [20, 2], torch.bfloat16, True),
+        ([5, 40, 300], [1, 1, 1], torch.float32, False, "rows"),  # decode kernel
+        ([30, 50], [7, 2], torch.float32, False, "rows"),  # tiled: prompt, verify rows
+        ([30, 50], [7, 2], torch.float32, False, "keys"),  # verify rows as MMA columns
+        ([60, 20], [1, 3], torch.bfloat16, False, "rows"),  # both launch kinds, bf16 queries
+        ([5, 40, 300], [1, 1, 1], torch.bfloat16, True, "rows"),  # fp8 queries: FP8 MMAs
+        ([30, 50], [20, 2], torch.bfloat16, True, "rows"),
+        ([30, 50], [20, 2], torch.bfloat16, True, "keys"),
     ],
 )
 def test_fp8_key_scores_match_dequantized_reference(
     device: torch.device, seq_lens: list[int], q_lens: list[int], dtype: torch.dtype,
-    fp8_q: bool,
+    fp8_q: bool, verify: str,
 ) -> None:  # fmt: skip
     """Scores over fp8 keys equal the reference's over the dequantized keys (the only
     difference: where each key's scale multiplies), and the selection matches. With fp8
@@ -187,6 +192,7 @@ def test_fp8_key_scores_match_dequantized_reference(
         full = indexer_logits_tiled(
             q, w, keys, md.block_tables, md.seq_lens, md.query_start_loc, md.num_reqs,
             md.max_query_len, 0, t, 0.2, width, k, for_select=False, k_scale=scales,
+            verify=replace(dsa_indexer_tiled.VERIFY_TILE, variant=verify),
         )  # fmt: skip
     deq = _keys(sb, dequantize_index_cache(raw, D))
     q_ref = q.float() if fp8_q else q

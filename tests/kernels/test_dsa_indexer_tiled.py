@@ -1,10 +1,12 @@
-"""Parity of the query-tiled DSA indexer scores (both formulations) and of the
+"""Parity of the query-tiled DSA indexer scores (each formulation) and of the
 register top-k select with the torch reference: prefill tiles (several, partial, across
 requests), a cached prefix, verify-shaped batches, top-k wider than the context, a CUDA
 graph's width past every context, token chunks that cut requests, and a mixed batch that
 takes both launches. Tiny shapes: each case runs in seconds under the interpreter."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -24,8 +26,11 @@ TOL = 1e-4  # float32 inputs: the kernels' and the reference's sums differ in or
 PREFILL = {
     "heads": TileConfig("heads", bt=16, bn=16, span=32, num_warps=4, num_stages=2),
     "rows": TileConfig("rows", bt=8, bn=16, span=32, num_warps=4, num_stages=2),
+    "keys": TileConfig("keys", bt=8, bn=16, span=32, num_warps=4, num_stages=2),
 }
 VERIFY = TileConfig("rows", bt=4, bn=16, span=32, num_warps=4, num_stages=2)
+# the verify launch of each variant's test: "keys" runs there too (its engine use)
+VERIFY_OF = {"heads": VERIFY, "rows": VERIFY, "keys": replace(VERIFY, variant="keys")}
 
 
 def _inputs(
@@ -56,13 +61,14 @@ def _scores(
     hi: int,
     for_select: bool,
     prefill: TileConfig,
+    verify: TileConfig = VERIFY,
 ) -> torch.Tensor:
     md = sb.md
     uniform = md.num_actual_tokens == md.num_reqs * md.max_query_len
     return indexer_logits_tiled(
         q, w, cache, md.block_tables, md.seq_lens, md.query_start_loc, md.num_reqs,
         md.max_query_len, lo, hi, SCALE, width, topk, for_select=for_select, uniform=uniform,
-        prefill=prefill, verify=VERIFY,
+        prefill=prefill, verify=verify,
     )  # fmt: skip
 
 
@@ -89,7 +95,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("variant", ["heads", "rows"])
+@pytest.mark.parametrize("variant", list(PREFILL))
 @pytest.mark.parametrize("case", list(CASES))
 def test_tiled_scores_and_selects_match_reference(
     device: torch.device, case: str, variant: str
@@ -98,12 +104,12 @@ def test_tiled_scores_and_selects_match_reference(
     sb, cache, q, w, width = _inputs(seq_lens, q_lens, device, pad)
     md, t = sb.md, sb.md.num_actual_tokens
     scores, want = _reference(sb, cache, q, w, width, k)
-    cfg = PREFILL[variant]
+    cfg, vcfg = PREFILL[variant], VERIFY_OF[variant]
     # every score, -inf past each position (the torch.topk path)
-    full = _scores(sb, cache, q, w, width, k, 0, t, False, cfg)
+    full = _scores(sb, cache, q, w, width, k, 0, t, False, cfg, vcfg)
     torch.testing.assert_close(full, scores, atol=TOL, rtol=TOL)
     # the select's input: causal scores of the rows a select reads
-    sparse = _scores(sb, cache, q, w, width, k, 0, t, True, cfg)
+    sparse = _scores(sb, cache, q, w, width, k, 0, t, True, cfg, vcfg)
     scored = (md.seq_lens.long()[sb.req] > k) & (sb.positions + 1 > k)
     causal = torch.arange(width, device=device)[None, :] <= sb.positions[:, None]
     m = scored[:, None] & causal
@@ -118,7 +124,7 @@ def test_tiled_scores_and_selects_match_reference(
         assert torch.equal(got[~scored], take_all[~scored])
 
 
-@pytest.mark.parametrize("variant", ["heads", "rows"])
+@pytest.mark.parametrize("variant", list(PREFILL))
 def test_token_chunks_cut_requests(device: torch.device, variant: str) -> None:
     """Chunks [lo, hi) that start and end inside requests write rows lo..hi only."""
     seq_lens, q_lens = [50, 61, 3], [26, 41, 3]
@@ -126,7 +132,8 @@ def test_token_chunks_cut_requests(device: torch.device, variant: str) -> None:
     t, k = sb.md.num_actual_tokens, 16
     scores, _ = _reference(sb, cache, q, w, width, k)
     for lo, hi in ((0, 11), (11, 45), (45, t)):
-        got = _scores(sb, cache, q, w, width, k, lo, hi, False, PREFILL[variant])
+        got = _scores(sb, cache, q, w, width, k, lo, hi, False, PREFILL[variant],
+                      VERIFY_OF[variant])  # fmt: skip
         assert got.shape == (hi - lo, width)
         torch.testing.assert_close(got, scores[lo:hi], atol=TOL, rtol=TOL)
 

@@ -22,6 +22,11 @@ formulations (:class:`TileConfig` ``variant``):
 ``heads``  ``BT`` tokens as the MMA's rows; per key block a loop over heads,
            ``acc += ReLU(Q_h K^T) * w[:, h]`` with ``Q_h`` ([BT, D]) reloaded per head
            (from L2). No reshape; it needs ``BT >= 16`` tokens: prefill.
+``keys``   ``rows`` transposed: the key block is the MMA's rows, ``[BN, D] x [D, BT *
+           heads]``, so a token's heads are accumulator columns. In ``rows`` a token's
+           heads are rows that span two warps, so the head sum crosses warps (shared
+           memory and a barrier every key block); as columns they lie in one thread's
+           registers and its quad's lanes. ``BN`` must be 64 keys a warpgroup (wgmma).
 
 The grid comes from host ints only (``num_reqs``, the step's ``max_query_len``, the score
 width), so a CUDA graph of verify steps (fixed ``1+k`` rows) captures one launch. One
@@ -76,7 +81,7 @@ from pdserve.kernels.index_cache import check_key_cache
 
 @dataclass(frozen=True)
 class TileConfig:
-    variant: str  # "rows" | "heads" (see the module doc)
+    variant: str  # "rows" | "heads" | "keys" (see the module doc)
     bt: int  # query tokens a tile ("rows": the most; a launch uses next_pow2(rows) up to it)
     bn: int  # keys a block (one dot)
     span: int  # keys a program (at most; see the module doc)
@@ -84,8 +89,10 @@ class TileConfig:
     num_stages: int
 
     def __post_init__(self) -> None:
-        if self.variant not in ("rows", "heads"):
-            raise ValueError(f"TileConfig.variant must be 'rows' or 'heads', not {self.variant!r}")
+        if self.variant not in ("rows", "heads", "keys"):
+            raise ValueError(
+                f"TileConfig.variant must be 'rows', 'heads' or 'keys', not {self.variant!r}"
+            )
         for name in ("bt", "bn", "span"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
@@ -137,6 +144,7 @@ def _tiled_logits_kernel(
     BN: tl.constexpr,
     SPAN: tl.constexpr,
     HEAD_LOOP: tl.constexpr,
+    KEYS_M: tl.constexpr,
     DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr,
     FILL: tl.constexpr,
@@ -217,28 +225,49 @@ def _tiled_logits_kernel(
             if UPCAST:
                 q = q.to(tl.float32)
             w = tl.load(w_ptr + tok_m * stride_wt + mh, mask=m_ok, other=0.0) * scale
+            if KEYS_M:
+                qt = tl.trans(q)  # [BLOCK_D, BT * BLOCK_H]: the MMA's columns
             for s0 in range(start, kend, BN):
                 s_pos = s0 + tl.arange(0, BN)
                 ok = s_pos < kend
                 blk = tl.load(bt_row + s_pos // PAGE, mask=ok, other=0).to(tl.int64)
                 krow = blk * stride_cb + (s_pos % PAGE).to(tl.int64) * stride_cs
-                k = tl.load(
-                    cache_ptr + krow[None, :] + offs_d[:, None],
-                    mask=ok[None, :] & d_ok[:, None],
-                    other=0.0,
-                )  # [BLOCK_D, BN]
-                s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PREC)  # [BT * BLOCK_H, BN]
-                r = tl.maximum(s, 0.0) * w[:, None]
-                idx = tl.sum(tl.reshape(r, (BT, BLOCK_H, BN)), axis=1)  # [BT, BN]
-                if KEY_SCALE:  # fp8 keys: each key's scale (> 0) after the ReLU
-                    ks = tl.load(ks_ptr + blk * stride_kb + s_pos % PAGE, mask=ok, other=0.0)
-                    idx *= ks[None, :]
-                causal = s_pos[None, :] <= pos_t[:, None]
-                tl.store(
-                    out_rows[:, None] + s_pos[None, :],
-                    tl.where(causal, idx, float("-inf")),
-                    mask=t_ok[:, None] & (s_pos < width)[None, :],
-                )
+                if KEYS_M:
+                    kk = tl.load(
+                        cache_ptr + krow[:, None] + offs_d[None, :],
+                        mask=ok[:, None] & d_ok[None, :],
+                        other=0.0,
+                    )  # [BN, BLOCK_D]
+                    st = tl.dot(kk.to(q.dtype), qt, input_precision=DOT_PREC)  # [BN, BT*BH]
+                    rt = tl.maximum(st, 0.0) * w[None, :]
+                    idx_t = tl.sum(tl.reshape(rt, (BN, BT, BLOCK_H)), axis=2)  # [BN, BT]
+                    if KEY_SCALE:  # fp8 keys: each key's scale (> 0) after the ReLU
+                        ks = tl.load(ks_ptr + blk * stride_kb + s_pos % PAGE, mask=ok, other=0.0)
+                        idx_t *= ks[:, None]
+                    causal_t = s_pos[:, None] <= pos_t[None, :]
+                    tl.store(
+                        out_rows[None, :] + s_pos[:, None],
+                        tl.where(causal_t, idx_t, float("-inf")),
+                        mask=t_ok[None, :] & (s_pos < width)[:, None],
+                    )
+                else:
+                    k = tl.load(
+                        cache_ptr + krow[None, :] + offs_d[:, None],
+                        mask=ok[None, :] & d_ok[:, None],
+                        other=0.0,
+                    )  # [BLOCK_D, BN]
+                    s = tl.dot(q, k.to(q.dtype), input_precision=DOT_PREC)  # [BT*BH, BN]
+                    r = tl.maximum(s, 0.0) * w[:, None]
+                    idx = tl.sum(tl.reshape(r, (BT, BLOCK_H, BN)), axis=1)  # [BT, BN]
+                    if KEY_SCALE:  # fp8 keys: each key's scale (> 0) after the ReLU
+                        ks = tl.load(ks_ptr + blk * stride_kb + s_pos % PAGE, mask=ok, other=0.0)
+                        idx *= ks[None, :]
+                    causal = s_pos[None, :] <= pos_t[:, None]
+                    tl.store(
+                        out_rows[:, None] + s_pos[None, :],
+                        tl.where(causal, idx, float("-inf")),
+                        mask=t_ok[:, None] & (s_pos < width)[None, :],
+                    )
     if FILL:  # noqa: SIM102 (constexpr, then runtime): -inf over the rest of the range
         if live:
             fill_from = tl.where(scored, start + tl.cdiv(kend - start, BN) * BN, start)
@@ -264,8 +293,8 @@ def tile_grid(
     requests of up to ``rows`` query rows and a score width ``width`` (host ints only)."""
     block_h = next_pow2(nh)
     bt = cfg.bt
-    if cfg.variant == "rows":
-        bt = max(min(cfg.bt, next_pow2(rows)), -(-16 // block_h))  # >= 16 MMA rows
+    if cfg.variant in ("rows", "keys"):
+        bt = max(min(cfg.bt, next_pow2(rows)), -(-16 // block_h))  # >= 16 MMA rows / cols
     elif bt < 16:
         raise ValueError(f"heads tile of {bt} tokens < 16 MMA rows")
     tiles = triton.cdiv(rows, bt)
@@ -340,6 +369,7 @@ def _launch(
         BN=cfg.bn,
         SPAN=span,
         HEAD_LOOP=cfg.variant == "heads",
+        KEYS_M=cfg.variant == "keys",
         DOT_PREC=dot_precision(q.dtype),
         UPCAST=dot_upcast(q.dtype),
         FILL=fill,
