@@ -35,7 +35,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -392,6 +392,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", action="store_true", help="time every decode split count")
     ap.add_argument("--kv-dtype", choices=("auto", "fp8"), default="auto",
                     help="decode sections' KV cache: the shapes' dtype, or fp8 e4m3")  # fmt: skip
+    ap.add_argument("--config-ctx", type=int, default=None,
+                    help="decode_configs' context (default: 1024; CPU 40)")  # fmt: skip
+    ap.add_argument("--batches", default=None,
+                    help="the decode sections' batches, comma-separated (default: 1,16,64)")
     args = ap.parse_args(argv)
     chosen = set(SECTIONS) if args.sections == "all" else set(args.sections.split(","))
     if chosen - set(SECTIONS):
@@ -408,6 +412,10 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     S, DEV = (CPU, torch.device("cpu")) if cpu else (GPU, torch.device("cuda"))
+    if args.config_ctx is not None:
+        S = replace(S, config_ctx=args.config_ctx)
+    if args.batches:
+        S = replace(S, batches=tuple(int(b) for b in args.batches.split(",")))
     KV_DTYPE = torch.float8_e4m3fn if args.kv_dtype == "fp8" else None
     bw = copy_bandwidth()
     result: dict[str, object] = {

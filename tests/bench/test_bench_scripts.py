@@ -312,9 +312,13 @@ def test_kernels_bench(tmp_path: Path) -> None:
     assert {r["kv_dtype"] for r in res["decode"]} == {"float32"}
     fp8 = tmp_path / "k8.json"  # the decode sections over an fp8 cache
     _script("kernels_bench", "--device", "cpu", "--sections", "decode,decode_configs",
-            "--kv-dtype", "fp8", "--out", str(fp8))  # fmt: skip
+            "--kv-dtype", "fp8", "--config-ctx", "24", "--batches", "2", "--out", str(fp8))  # fmt: skip
     res8 = json.loads(fp8.read_text())
     assert {r["kv_dtype"] for r in res8["decode"] + res8["decode_configs"]} == {"float8_e4m3fn"}
+    assert {r["batch"] for r in res8["decode"] + res8["decode_configs"]} == {2}
+    # at --config-ctx 24: K and V of 2 requests x 24 tokens x 2 KV heads x 16 dims, 1 byte
+    want_us = 2 * 2 * 24 * 2 * 16 / (res8["copy_bandwidth_GBps"] * 1e9) * 1e6
+    assert res8["decode_configs"][0]["roofline_us"] == pytest.approx(want_us)
     # the pick's pipelining depth is the cache type's (decode_attention.num_stages)
     assert {r["engine_pick"]["stages"] for r in res["decode_configs"]} == {2}
     assert {r["engine_pick"]["stages"] for r in res8["decode_configs"]} == {1}
