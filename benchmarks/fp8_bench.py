@@ -314,7 +314,13 @@ def _offline(llm: LLM, num: int, inp: int, out: int) -> dict:
     res = bench_throughput(llm, num=num, inp=inp, out=out)
     after = llm.engine.stats()
     res["kernel_compiles"] = new_variants(compiled1, compiled_variants())
-    res["first_pass_compiles"] = {k: len(v) for k, v in new_variants(compiled0, compiled1).items()}
+    first = new_variants(compiled0, compiled1)
+    res["first_pass_compiles"] = {k: len(v) for k, v in first.items()}
+    # each one's cache key (its specialisation) beside the keys the warm-up compiled: what
+    # the warm-up missed (an int argument's divisibility, a constexpr's value)
+    res["first_pass_variants"] = {
+        k: {"new": v, "warm_up": sorted(map(str, compiled0.get(k, set())))} for k, v in first.items()
+    }
     res["steps"] = after.num_steps - before.num_steps
     paths = {k: v - before.step_paths.get(k, 0) for k, v in after.step_paths.items()}
     res["step_paths"] = {k: n for k, n in paths.items() if n}

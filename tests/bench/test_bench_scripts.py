@@ -277,6 +277,7 @@ def test_fp8_bench(tmp_path: Path) -> None:
             assert off["steps"] >= 1 and sum(off["step_paths"].values()) == off["steps"]
             assert off["profile"]["kernels"] > 0 and off["profile"]["categories"]
             assert "first_pass_compiles" in off and "kernel_compiles" in off
+            assert off["first_pass_variants"].keys() == off["first_pass_compiles"].keys()
             pp = r["prefill_profile"]
             assert pp["tokens"] == m["prefill_lens"][0] and pp["kernels"] > 0
             assert pp["categories"] and pp["top"]
