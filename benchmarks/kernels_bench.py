@@ -18,6 +18,9 @@ Sections (``--sections``, comma separated; default ``decode``; ``all`` for every
   sampling  [B, 128256] float32 logits, top-p 0.9 (and top-k 50 + top-p): the
             sort-free kernel vs the runner's sort-based torch path
   norm      fused add + RMSNorm and RoPE at 4096 tokens x hidden 4096 vs torch
+  decode_configs  every (splits, BLOCK_N, warps, stages) of the decode kernel beside the
+            engine's pick, at context ``--config-ctx`` (default 1K)
+``--batches 16,64``: the decode sections' batches (default 1, 16, 64).
 Times are medians of ``triton.testing.do_bench``. Prints a table, writes JSON.
 
 ``--device cpu`` runs every section's code at tiny shapes (:data:`CPU`) with the kernels
