@@ -101,9 +101,10 @@ def categorize(name: str, scope: str | None) -> str:
     left open (a profiler cycle that dropped its end) then cannot swallow them, as it
     swallowed a 64K prefill's attention and experts into indexer_score (run 43); nor
     pdserve's own select, norm and RoPE kernels (an 8K-chunk prefill's MoE range took
-    them, run 60). A GEMM launched in the attention range is the absorbed ``kv_b_proj``
-    (batched GEMMs, a dense GEMM's work; on a CPU the torch reference's own score and
-    value products are ``bmm`` too and land there as well)."""
+    them, run 60), nor a library GEMM kernel the indexer's range (run 140: the GPU
+    indexer launches none of its own). A GEMM launched in the attention range is the
+    absorbed ``kv_b_proj`` (batched GEMMs, a dense GEMM's work; on a CPU the torch
+    reference's own score and value products are ``bmm`` too and land there as well)."""
     rule = name_category(name)
     if rule in _OWN_KERNELS or (rule is not None and _OWN_NAMES.search(name.lower())):
         return rule
@@ -111,6 +112,11 @@ def categorize(name: str, scope: str | None) -> str:
         return scope
     if rule == "dense_gemm" and scope == "mla_attention":
         return rule  # the absorbed W_UK / W_UV products (prefill_flops counts them as dense)
+    if rule == "dense_gemm" and scope == "indexer_score" and not name.startswith("aten::"):
+        # a library GEMM kernel: the GPU indexer scores with its own kernels, so this is a
+        # projection whose range was lost (a 64K prefill's dense GEMMs, run 140); on a
+        # CPU the torch reference's score products are aten operators and stay there
+        return rule
     if rule in ("topk_select", "norm_rope") and (scope is None or scope in _KIND_OVER):
         return rule
     if scope is not None:
