@@ -78,6 +78,7 @@
 # f37   fp8_bench llama-8b-shape (offline timed warm), then glm5-m12-e64
 # b37   by card: c32 on an H200, else f37
 # b38   by card: h31 on an H200, else f37
+# s38   issue 30: glm5 decode at 1 x 1K / 16K with its linears on cuBLAS, then on the decode-size GEMM
 # f38   issue 28: decode attention configs at 16K over fp8 and bf16 caches
 # v38   issue 27: the indexer's verify tile with keys as the MMA's rows (parity, sweep, MTP decode)
 # h31   issue 30's bars on an H200 (llama decode, glm5 b1 decode + profile), then glm5 16K prefill
@@ -802,6 +803,17 @@ PY
     timeout "$t" python3 benchmarks/spec_bench.py --sections decode --streams 192,208 \
       --configs 0,3,3a --rates 0.7 --out "$OUT/spec_decode_v38.json" > "$OUT/spec_decode_v38.log" 2>&1
     echo "spec_bench decode: exit $?"; quiet < "$OUT/spec_decode_v38.log" | sed -n '/: decode at a/,$p'
+    ;;
+  s38)  # issue 30: glm5-m12-e64 decode at 1 x 1K / 16K (x roofline, kernels a step, idle in
+    # the replay) with its linears on cuBLAS (the default) and on the decode-size GEMM
+    # at one row (PDSERVE_SKINNY_ROWS=1), one call
+    for rows in ${S38_ROWS:-0 1}; do
+      left=$(( start + 575 - $(date +%s) )); [ "$left" -gt 120 ] || break
+      PDSERVE_SKINNY_ROWS=$rows timeout $(( left < 280 ? left : 280 )) python3 benchmarks/glm5_bench.py \
+        --sections speed,profile --presets glm5-m12-e64 --long --no-peer --workdir /tmp/glm5 \
+        --profile 1x1024,1x16384 --out "$OUT/glm5_s38_rows$rows.json" > "$OUT/glm5_s38_rows$rows.log" 2>&1
+      echo "glm5 decode PDSERVE_SKINNY_ROWS=$rows: exit $?"; quiet < "$OUT/glm5_s38_rows$rows.log" | tail -14
+    done
     ;;
   f38)  # issue 28: decode attention over an fp8 cache at 16 x 16K took 8.53 ms a step
     # on the H200 against 8.30 for a bf16 cache of twice the bytes (run 139): its configs

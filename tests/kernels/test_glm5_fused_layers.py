@@ -14,33 +14,52 @@ import torch
 
 from _attn_helper import PagedKV
 from pdserve.forward_context import KVCaches
+from pdserve.kernels import skinny_gemm
 from pdserve.kernels.index_cache import dequantize_index_cache
 from pdserve.kernels.reference import FP8_DTYPE
 from pdserve.layers.attention.dsa import Indexer
+from pdserve.layers.linear import Linear
 from pdserve.models import load_model
 from pdserve.runner.model_step import collect_cache_layers
 from pdserve.testing.checkpoint import make_checkpoint
 
 
-# DeepSeek-V3.2: the half-split indexer RoPE, YaRN tables, grouped routing (n_group 2)
+# DeepSeek-V3.2: the half-split indexer RoPE, YaRN tables, grouped routing (n_group 2);
+# skinny: the fused model's linears take the two-row decode step on the decode-size GEMM
 @pytest.mark.parametrize(
-    "arch,fp8",
-    [("GlmMoeDsaForCausalLM", False), ("DeepseekV32ForCausalLM", False),
-     ("GlmMoeDsaForCausalLM", True)],
+    "arch,fp8,skinny",
+    [("GlmMoeDsaForCausalLM", False, False), ("DeepseekV32ForCausalLM", False, False),
+     ("GlmMoeDsaForCausalLM", True, False), ("GlmMoeDsaForCausalLM", False, True)],
 )  # fmt: skip
 def test_tiny_glm5_fused_layers_match_torch_layers(
-    arch: str, fp8: bool, tmp_path: Path, device: torch.device, monkeypatch: pytest.MonkeyPatch
-) -> None:
+    arch: str, fp8: bool, skinny: bool, tmp_path: Path, device: torch.device,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
     # two layers (one dense, one MoE with an indexer) keep the interpreter fast
     ckpt = make_checkpoint(
         arch, "tiny", tmp_path, seed=4, dtype="float32", config_overrides={"num_hidden_layers": 2}
     )
     models = []
+    if skinny:
+        monkeypatch.setenv("PDSERVE_SKINNY_ROWS", "2")
+    else:
+        monkeypatch.delenv("PDSERVE_SKINNY_ROWS", raising=False)
     for mode in ("0", "1"):
         monkeypatch.setenv("PDSERVE_FUSED_KERNELS", mode)
         models.append(load_model(ckpt, "float32", device)[0])
     ref, fast = models
     assert fast.model.rotary_emb.fused and not ref.model.rotary_emb.fused
+    # the family's default (GlmMoeDsaForCausalLM.skinny_rows): cuBLAS until measured
+    rows = {m.skinny_rows for m in fast.modules() if isinstance(m, Linear)}
+    assert rows == {2 if skinny else 0}
+    ran: list[int] = []  # the rows of each decode-size GEMM call
+    run = skinny_gemm.skinny_gemm
+
+    def spy(x, *args, **kw):  # type: ignore[no-untyped-def]
+        ran.append(x.numel() // x.shape[-1])
+        return run(x, *args, **kw)
+
+    monkeypatch.setattr(skinny_gemm, "skinny_gemm", spy)
     kvs = [PagedKV(ref, 2, 40, 4, "torch"), PagedKV(fast, 2, 40, 4, "triton")]
     if fp8:
         for m, kv in zip(models, kvs, strict=True):
@@ -62,6 +81,8 @@ def test_tiny_glm5_fused_layers_match_torch_layers(
         tol = 2e-3 if fp8 else 2e-4
         torch.testing.assert_close(logits[1], logits[0], atol=tol, rtol=tol)
         computed = [c + n for c, n in zip(computed, new, strict=True)]
+    # the decode step's projections, shared experts and the dense layer's MLP
+    assert (len(ran) > 10 and set(ran) == {2}) if skinny else not ran
     if not fp8:
         for a, b in zip(kvs[0].kv_caches, kvs[1].kv_caches, strict=True):  # same cache rows
             torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)

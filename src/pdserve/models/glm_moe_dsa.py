@@ -51,7 +51,14 @@ from pdserve.kernels.reference import Fp8Activation
 from pdserve.layers.attention.dsa import Indexer
 from pdserve.layers.attention.mla import MLAAttention
 from pdserve.layers.embedding import LMHead, VocabEmbedding
-from pdserve.layers.linear import Linear, MergedLinear, Shard, checkpoint_entries, copy_checked
+from pdserve.layers.linear import (
+    Linear,
+    MergedLinear,
+    Shard,
+    checkpoint_entries,
+    copy_checked,
+    enable_skinny,
+)
 from pdserve.layers.moe import DenseMLP, MoE
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, tp_divide
@@ -318,6 +325,12 @@ class DeepseekV3ForCausalLM(CausalLM):
 
     has_mtp = True  # the architecture defines MTP layers (num_nextn_predict_layers of them)
     fp8_dense_modules = ("kv_b_proj",)  # MLA absorbs its weight into attention
+    # decode batches of up to this many rows run the decode-size GEMM (launched
+    # dependently, as this family's other decode kernels are) in place of cuBLAS, whose
+    # 175 launches took 2.37 ms of a 1 x 16K step at 81% of the copy rate, 23% of the
+    # replay idle between kernels (H200, RESULTS.md run 137). 0 until measured in the
+    # model; PDSERVE_SKINNY_ROWS=1 tries it.
+    skinny_rows = 0
 
     def __init__(
         self,
@@ -339,6 +352,9 @@ class DeepseekV3ForCausalLM(CausalLM):
         self.model = DeepseekModel(config, self.dc, dtype, with_mtp, groups)
         tied = self.model.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype, tied=tied, tp=groups.tp)
+
+    def configure_decode(self) -> None:
+        enable_skinny(self, self.skinny_rows)
 
     @property
     def mtp_layers(self) -> list[MTPLayer]:
