@@ -79,7 +79,7 @@
 # b37   by card: c32 on an H200, else f37
 # b38   by card: h31 on an H200, else f37
 # s38   issue 30: glm5 decode at 1 x 1K / 16K with its linears on cuBLAS, then on the decode-size GEMM
-# f38   issue 28: decode attention configs at 16K over fp8 and bf16 caches
+# f38   issue 28: decode attention configs at 16K over fp8 and bf16 caches; the select at 1 x 16K in a 32K buffer
 # v38   issue 27: the indexer's verify tile with keys as the MMA's rows (parity, sweep, MTP decode)
 # h31   issue 30's bars on an H200 (llama decode, glm5 b1 decode + profile), then glm5 16K prefill
 # f35   llama-8b-shape bf16 beside FP8 (fp8_bench) on the defaults, then FP8 with the
@@ -824,6 +824,13 @@ PY
         > "$OUT/decode_configs16k_$kv.log" 2>&1
       echo "decode_configs 16K, kv $kv: exit $?"; tail -4 "$OUT/decode_configs16k_$kv.log" | cut -c1-400
     done
+    # issue 30: the indexer's select at one row past 16K keys in the graphs' 32K-wide
+    # buffer (37 us a layer in run 137's glm5 1 x 16K step), on 16 and 32 warps
+    left=$(( start + 570 - $(date +%s) ))
+    [ "$left" -gt 60 ] || { echo "select_bench: skipped, ${left}s left"; exit 0; }
+    timeout "$left" python3 benchmarks/select_bench.py --out "$OUT/select_f38.json" \
+      > "$OUT/select_f38.log" 2>&1
+    echo "select_bench: exit $?"; grep -E '"case": "decode' "$OUT/select_f38.log" | cut -c1-200
     ;;
   f37)  # issue 28 on the tree: llama-8b-shape bf16 beside FP8 (fp8_bench; the offline pass
     # timed after a warm pass under the profiler), then glm5-m12-e64 bf16 beside FP8 in the

@@ -47,15 +47,23 @@ GPU_CASES = {
     # decode-sized (timed as graph replays): one row, and 32 rows, at a 16K context
     "decode 1 x 16K": ((16383, 16384),),
     "decode 32 x 16K": ((16352, 16384),),
+    # glm5_bench's 1 x 16K decode: a row just past 16K keys in the 32K-wide score buffer
+    # of the graphs (dsa_triton.graph_context_widths): the register select's widest path
+    "decode 1 x 16K, 32K graph": ((16392, 16393),),
 }
-CPU_CASES = {"prefill 48": ((0, 24), (24, 48))}
+# score buffers wider than the context
+WIDTHS = {"decode 1 x 16K, 32K graph": 32768, "decode 1 x 40, 64 graph": 64}
+CPU_CASES = {"prefill 48": ((0, 24), (24, 48)), "decode 1 x 40, 64 graph": ((40, 41),)}
 GPU_TOPK, CPU_TOPK = 2048, 16
 
 
-def _chunk(a: int, b: int, dev: torch.device, g: torch.Generator) -> dict[str, Any]:
-    """Score rows of the prompt tokens a..b-1 (one request), as the indexer leaves them."""
+def _chunk(
+    a: int, b: int, dev: torch.device, g: torch.Generator, width: int | None = None
+) -> dict[str, Any]:
+    """Score rows of the prompt tokens a..b-1 (one request), as the indexer leaves them
+    (``width``: the buffer's, default ``b``; scores past a row's position are not read)."""
     q = b - a
-    logits = torch.randn(q, b, device=dev, generator=g)
+    logits = torch.randn(q, width or b, device=dev, generator=g)
     return {
         "logits": logits,
         "seq_lens": torch.tensor([b], dtype=torch.int32, device=dev),
@@ -114,11 +122,11 @@ def run(dev: torch.device, bw: float | None, reps: int) -> list[dict[str, Any]]:
     g = torch.Generator(device=dev).manual_seed(11)
     rows = []
     for name, chunks in cases.items():
-        inputs = [(a, _chunk(a, b, dev, g)) for a, b in chunks]
+        inputs = [(a, _chunk(a, b, dev, g, WIDTHS.get(name))) for a, b in chunks]
         for a, c in inputs:
             _reference(c, a, topk)
         nbytes = sum(4 * max(0, p + 1) for a, b in chunks for p in range(a, b) if p + 1 > topk)
-        wide = max(b for _, b in chunks) > REG_SELECT_MAX_WIDTH
+        wide = max(WIDTHS.get(name, b) for _, b in chunks) > REG_SELECT_MAX_WIDTH
         graph = name.startswith("decode")
         kernels = [x for x in SELECT_VARIANTS if x not in ("auto", "rows")]
         if graph or cpu:  # few rows: one program's latency, so more warps a row may pay
