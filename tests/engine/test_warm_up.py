@@ -14,6 +14,7 @@ from pdserve.runner.warmup import (
     dummy_gemms,
     dummy_paged_runs,
     gemm_warmup_token_counts,
+    prompt_warmup_lens,
 )
 
 
@@ -54,6 +55,15 @@ def test_paged_dummies_leave_real_blocks_untouched(tiny_llama: Path) -> None:
     dummy_paged_runs(runner.step, runner.max_num_tokens)
     for b, c in zip(before, caches, strict=True):
         assert torch.equal(b, c[:, 1:])  # only block 0, the null block, may change
+
+
+def test_prompt_warmup_lens() -> None:
+    # a GPU: every power of two and the odd count below it (tile sizes x divisibility)
+    assert prompt_warmup_lens(128, True) == [15, 16, 31, 32, 63, 64, 127, 128]
+    assert prompt_warmup_lens(100, True) == [15, 16, 31, 32, 63, 64, 99, 100]
+    # a CPU: nothing compiles, a few sizes check the paths
+    assert prompt_warmup_lens(256, False) == [16, 64, 256]
+    assert prompt_warmup_lens(8, True) == [7, 8] and prompt_warmup_lens(1, True) == [1]
 
 
 def test_gemm_token_counts() -> None:

@@ -46,14 +46,11 @@ def warm_up(
         torch.cuda.synchronize(step.device)
         phases["gemm_sweep"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    # eager prefill path at 16, 64, 256, ... tokens and the full budget; on the CPU
-    # nothing is compiled, so a few hundred tokens only check that the paths run
+    # the eager prefill path (prompt_warmup_lens); on the CPU nothing is compiled, so a
+    # few hundred tokens only check that the paths run
     top = max_num_tokens if cuda else min(max_num_tokens, CPU_WARMUP_TOKENS)
-    n = 16
-    while n < top:
+    for n in prompt_warmup_lens(top, cuda):
         dummy_prompt_run(step, n, max_num_reqs)
-        n *= 4
-    dummy_prompt_run(step, top, max_num_reqs)
     if cuda:
         sdpa_plans(step, top)
     dummy_paged_runs(step, top)
@@ -68,6 +65,26 @@ def warm_up(
         graphs.capture_all()
         phases["capture_graphs"] = graphs.capture_seconds
     return phases, graphs
+
+
+def prompt_warmup_lens(top: int, every_size: bool) -> list[int]:
+    """Token counts of the single-prompt dummy forwards, up to ``top``.
+
+    ``every_size`` (a GPU, where kernels compile): each power of two from 16 below
+    ``top`` and the odd count one below it, then ``top - 1`` and ``top``. Kernels size
+    tiles by the next power of two of a token count or score width (the indexer's
+    select, the MoE token alignment, the split reduces) and Triton specialises their
+    integer arguments on divisibility by 16, so every (power of two, odd or even) a
+    prompt can reach is compiled here; every fourth power alone left glm5-m12-e64's
+    first pass of traffic six kernels to compile (RESULTS.md run 139). Else (a CPU) 16,
+    64, 256, ... and ``top``."""
+    lens: list[int] = []
+    n = 16
+    while n < top:
+        lens += [n - 1, n] if every_size else [n]
+        n *= 2 if every_size else 4
+    lens += [top - 1, top] if every_size else [top]
+    return sorted({m for m in lens if m >= 1})
 
 
 def gemm_warmup_token_counts(max_tokens: int) -> list[int]:
