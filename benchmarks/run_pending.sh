@@ -212,6 +212,15 @@ glm5_prefill() {
     --out "$OUT/glm5_prefill_$tag.json" > "$OUT/glm5_prefill_$tag.log" 2>&1
   echo "glm5 prefill $tag: exit $?"; quiet < "$OUT/glm5_prefill_$tag.log" | tail -14
 }
+# glm5_decode SECONDS TAG [VAR=VALUE ...]: glm5-m12-e64 decode at 1 x 1K / 16K against the
+# roofline, with the profile (kernels a step, idle in the replay), into $OUT/glm5_TAG.*
+glm5_decode() {
+  local secs=$1 tag=$2; shift 2
+  env "$@" timeout "$secs" python3 benchmarks/glm5_bench.py --sections speed,profile \
+    --presets glm5-m12-e64 --long --no-peer --workdir /tmp/glm5 --profile 1x1024,1x16384 \
+    --out "$OUT/glm5_$tag.json" > "$OUT/glm5_$tag.log" 2>&1
+  echo "glm5 decode $tag $*: exit $?"; quiet < "$OUT/glm5_$tag.log" | tail -24
+}
 # glm5_accuracy: the accuracy gate (glm5-s4-e16) if a minute is left of the call's ~575 s
 glm5_accuracy() {
   local t=$(( start + 575 - $(date +%s) ))
@@ -588,10 +597,7 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
         # the profile (kernels a step, idle inside the replay), PDL on, then off
     for pdl in ${P30_PDL-1 0}; do  # P30_PDL=1: the default only
       left=$(( start + 575 - $(date +%s) )); [ "$left" -gt 120 ] || break
-      PDSERVE_PDL=$pdl timeout $(( left < 270 ? left : 270 )) python3 benchmarks/glm5_bench.py \
-        --sections speed,profile --presets glm5-m12-e64 --long --no-peer --workdir /tmp/glm5 \
-        --profile 1x1024,1x16384 --out "$OUT/glm5_p30_pdl$pdl.json" > "$OUT/glm5_p30_pdl$pdl.log" 2>&1
-      echo "glm5 decode PDSERVE_PDL=$pdl: exit $?"; quiet < "$OUT/glm5_p30_pdl$pdl.log" | tail -24
+      glm5_decode $(( left < 270 ? left : 270 )) "p30_pdl$pdl" PDSERVE_PDL=$pdl
     done
     ;;
   f18)  # FP8 (issue 28): decode attention over an fp8 cache with fp16 MMAs and the tiles
@@ -765,10 +771,7 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     llama_ckpt || exit 1
     llama_decode - - 570 60
     left=$(( start + 570 - $(date +%s) ))
-    timeout $(( left < 280 ? left : 280 )) python3 benchmarks/glm5_bench.py \
-      --sections speed,profile --presets glm5-m12-e64 --long --no-peer --workdir /tmp/glm5 \
-      --profile 1x1024,1x16384 --out "$OUT/glm5_h31.json" > "$OUT/glm5_h31.log" 2>&1
-    echo "glm5 decode: exit $?"; quiet < "$OUT/glm5_h31.log" | tail -24
+    glm5_decode $(( left < 280 ? left : 280 )) h31
     left=$(( start + 570 - $(date +%s) ))
     [ "$left" -gt 180 ] || { echo "glm5 prefill: skipped, ${left}s left"; exit 0; }
     glm5_prefill $(( left - 5 )) 16k_b16384 16384 --budget 16384
@@ -809,10 +812,7 @@ PY
     # at one row (PDSERVE_SKINNY_ROWS=1), one call
     for rows in ${S38_ROWS:-0 1}; do
       left=$(( start + 575 - $(date +%s) )); [ "$left" -gt 120 ] || break
-      PDSERVE_SKINNY_ROWS=$rows timeout $(( left < 280 ? left : 280 )) python3 benchmarks/glm5_bench.py \
-        --sections speed,profile --presets glm5-m12-e64 --long --no-peer --workdir /tmp/glm5 \
-        --profile 1x1024,1x16384 --out "$OUT/glm5_s38_rows$rows.json" > "$OUT/glm5_s38_rows$rows.log" 2>&1
-      echo "glm5 decode PDSERVE_SKINNY_ROWS=$rows: exit $?"; quiet < "$OUT/glm5_s38_rows$rows.log" | tail -14
+      glm5_decode $(( left < 280 ? left : 280 )) "s38_rows$rows" PDSERVE_SKINNY_ROWS=$rows
     done
     ;;
   f38)  # issue 28: decode attention over an fp8 cache at 16 x 16K took 8.53 ms a step
