@@ -403,6 +403,9 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"--cpu-smoke runs only {', '.join(CPU_SECTIONS)}, not {', '.join(bad)}")
         if not interpret_mode():
             sys.exit("--cpu-smoke needs TRITON_INTERPRET=1 in the environment")
+        from _interp import interpreter_fix
+
+        interpreter_fix()  # Triton 3.6's interpreter under NumPy >= 2.3 (a no-op under pytest)
     elif not torch.cuda.is_available():
         sys.exit("glm5_kernels_bench.py needs a CUDA GPU (or --cpu-smoke)")
     torch.manual_seed(0)
