@@ -75,7 +75,7 @@ def prompt_warmup_lens(top: int, every_size: bool) -> list[int]:
     tiles by the next power of two of a token count or score width (the indexer's
     select, the MoE token alignment, the split reduces) and Triton specialises their
     integer arguments on divisibility by 16, so every (power of two, odd or even) a
-    prompt can reach is compiled here. With every fourth power alone, glm5-m12-e64's
+    prompt can reach is compiled here. With every other power of two, glm5-m12-e64's
     first pass of offline traffic compiled six kernels (RESULTS.md run 139; which
     variants they were, fp8_bench's ``first_pass_variants`` records). Else (a CPU) 16,
     64, 256, ... and ``top``."""
