@@ -784,16 +784,14 @@ print("hist" if ms.get("rows_hist", 1e9) < 0.97 * ms.get("rows_bits", 1e9) else 
     timeout 150 python3 benchmarks/glm5_kernels_bench.py --sections indexer_verify \
       --out "$OUT/indexer_verify.json" > "$OUT/indexer_verify.log" 2>&1
     echo "indexer_verify: exit $?"
-    python3 - "$OUT/indexer_verify.json" <<'PY'
+    # the sweep's table (on stderr, so it prints), and its best config (stdout)
+    best=$(python3 - "$OUT/indexer_verify.json" <<'PY'
 import json, sys
 rows = json.load(open(sys.argv[1]))["indexer_verify"]
 for r in rows:
     if r["kernel"].startswith(("tiled", "best", "old")):
-        print(f"{r['case']:<28} {r['kernel']:<42} {r['ms'] or 0:8.3f} ms  x_copy {r.get('x_copy') or 0:.2f}")
-PY
-    best=$(python3 - "$OUT/indexer_verify.json" <<'PY'
-import json, sys
-rows = json.load(open(sys.argv[1]))["indexer_verify"]
+        print(f"{r['case']:<28} {r['kernel']:<42} {r['ms'] or 0:8.3f} ms  "
+              f"x_copy {r.get('x_copy') or 0:.2f}", file=sys.stderr)
 b = next(r["config"] for r in rows if r["kernel"] == "best")
 print(f'TileConfig("{b["variant"]}", bt={b["bt"]}, bn={b["bn"]}, span={b["span"]}, '
       f'num_warps={b["num_warps"]}, num_stages={b["num_stages"]})')
