@@ -37,7 +37,7 @@ def test_envelope_verifies_before_decoding() -> None:
     assert W.open_request(SECRET, [tag, head, payload]) == (tag, session, 7, W.Heartbeat(["a"]))
     for frames in (
         [tag, head, payload + b"x"],
-        [tag[:-1] + b"\0", head, payload],
+        [tag[:-1] + bytes([tag[-1] ^ 1]), head, payload],  # a random secret: flip, never set
         [b"", head, payload],
         [tag, W.header(session, 8), payload],  # the counter is covered
         [tag, W.header(b"t" * W.SESSION_BYTES, 7), payload],  # and the session
