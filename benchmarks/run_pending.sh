@@ -78,6 +78,9 @@
 # f37   fp8_bench llama-8b-shape (offline timed warm), then glm5-m12-e64
 # b37   by card: c32 on an H200, else f37
 # b38   by card: h31 on an H200, else f37
+# x39   issue 30: the split top-k select (kernels/dsa_select_split.py, never run on a GPU): its
+#       parity, select_bench's decode cases, then glm5 decode at 1 x 1K / 16K with it on (8 rows)
+#       and off
 # s38   issue 30: glm5 decode at 1 x 1K / 16K with its linears on cuBLAS, then on the decode-size GEMM
 # f38   issue 28: decode attention configs at 16K over fp8 and bf16 caches; the select at 1 x 16K in a 32K buffer
 # v38   issue 27: the indexer's verify tile with keys as the MMA's rows (parity, sweep, MTP decode)
@@ -804,6 +807,21 @@ PY
     timeout "$t" python3 benchmarks/spec_bench.py --sections decode --streams 192,208 \
       --configs 0,3,3a --rates 0.7 --out "$OUT/spec_decode_v38.json" > "$OUT/spec_decode_v38.log" 2>&1
     echo "spec_bench decode: exit $?"; quiet < "$OUT/spec_decode_v38.log" | sed -n '/: decode at a/,$p'
+    ;;
+  x39)  # issue 30: the top-k select split over several programs a row (run 137: one row
+    # past 16K keys in the graphs' 32K buffer took 37 us a layer on one program); its GPU
+    # parity, its shapes on select_bench's decode cases, then glm5 decode 1 x 1K / 16K with
+    # auto taking it up to 8 rows (PDSERVE_SELECT_SPLIT_ROWS=8), then without
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_dsa_select_split.py \
+      tests/kernels/test_dsa_indexer.py > "$OUT/x39_tests.log" 2>&1
+    echo "split select tests: exit $?"; tail -3 "$OUT/x39_tests.log"
+    timeout 150 python3 benchmarks/select_bench.py --cases decode --out "$OUT/select_x39.json" \
+      > "$OUT/select_x39.log" 2>&1
+    echo "select_bench decode: exit $?"; sed -n '/^== select/,$p' "$OUT/select_x39.log"
+    for rows in ${X39_ROWS:-8 0}; do
+      left=$(( start + 575 - $(date +%s) )); [ "$left" -gt 120 ] || break
+      glm5_decode $(( left < 200 ? left : 200 )) "x39_split$rows" PDSERVE_SELECT_SPLIT_ROWS=$rows
+    done
     ;;
   s38)  # issue 30: glm5-m12-e64 decode at 1 x 1K / 16K (x roofline, kernels a step, idle in
     # the replay) with its linears on cuBLAS (the default) and on the decode-size GEMM

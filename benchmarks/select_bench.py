@@ -10,7 +10,9 @@ then 8192..16383 in a 16K-wide one), a 4K prompt in one chunk, and the last 4K-t
 chunk of a 64K prompt (64K-wide rows: the backend hands them to ``torch.topk``), then
 decode-sized selects at a 16K context, 1 and 32 rows, timed as CUDA-graph replays (at
 one row the select is one program's latency, not bandwidth), where the register selects
-also run on 16 and 32 warps (``rows_hist@32w``).
+also run on 16 and 32 warps (``rows_hist@32w``) and the split select on other shapes
+(``split@c8,s1024,w8/8``: 8 programs a row, a 1,024-key sample, 8 warps for its scan and
+its pick; :mod:`pdserve.kernels.dsa_select_split`).
 Variants (:data:`pdserve.kernels.dsa_indexer.SELECT_VARIANTS`): ``rows_bits`` and
 ``rows_hist`` (the row in registers, up to 32K keys; the K-th key found bit by bit, or by
 byte histograms), ``radix`` (histogram passes over memory), and ``torch.topk`` over rows
@@ -55,6 +57,23 @@ GPU_CASES = {
 WIDTHS = {"decode 1 x 16K, 32K graph": 32768, "decode 1 x 40, 64 graph": 64}
 CPU_CASES = {"prefill 48": ((0, 24), (24, 48)), "decode 1 x 40, 64 graph": ((40, 41),)}
 GPU_TOPK, CPU_TOPK = 2048, 16
+# the split select's shapes beside its default on the decode cases
+SPLIT_SHAPES = ("c8", "c64", "s1024", "s4096", "w8/8", "w4/4", "s1024,w8/4")
+SPLIT_SHAPES_CPU = ("c2,s256,w8/4",)  # the interpreter's time goes with the sample
+
+
+def _split_shape(v: str) -> dict[str, Any]:
+    """``split@c8,s1024,w8/4`` -> split_topk_select's chunks, sample and warps."""
+    kw: dict[str, Any] = {}
+    for part in v.split("@", 1)[1].split(","):
+        if part[0] == "c":
+            kw["chunks"] = int(part[1:])
+        elif part[0] == "s":
+            kw["sample"] = int(part[1:])
+        else:
+            scan, pick = part[1:].split("/")
+            kw["warps"] = (int(scan), int(pick))
+    return kw
 
 
 def _chunk(
@@ -112,9 +131,10 @@ def _time_ms(fn: Any, dev: torch.device, reps: int, graph: bool = False) -> floa
     return float(triton.testing.do_bench(g.replay, warmup=5, rep=reps, return_mode="median")) / 20
 
 
-def run(dev: torch.device, bw: float | None, reps: int) -> list[dict[str, Any]]:
+def run(dev: torch.device, bw: float | None, reps: int, only: str = "") -> list[dict[str, Any]]:
     from pdserve.kernels.dsa_indexer import SELECT_VARIANTS, topk_select
     from pdserve.kernels.dsa_select import REG_SELECT_HIST, REG_SELECT_MAX_WIDTH, reg_topk_select
+    from pdserve.kernels.dsa_select_split import split_topk_select
 
     cpu = dev.type == "cpu"
     cases, topk = (CPU_CASES, CPU_TOPK) if cpu else (GPU_CASES, GPU_TOPK)
@@ -122,6 +142,8 @@ def run(dev: torch.device, bw: float | None, reps: int) -> list[dict[str, Any]]:
     g = torch.Generator(device=dev).manual_seed(11)
     rows = []
     for name, chunks in cases.items():
+        if not name.startswith(only):
+            continue
         inputs = [(a, _chunk(a, b, dev, g, WIDTHS.get(name))) for a, b in chunks]
         for a, c in inputs:
             _reference(c, a, topk)
@@ -131,6 +153,7 @@ def run(dev: torch.device, bw: float | None, reps: int) -> list[dict[str, Any]]:
         kernels = [x for x in SELECT_VARIANTS if x not in ("auto", "rows")]
         if graph or cpu:  # few rows: one program's latency, so more warps a row may pay
             kernels += [f"{x}@{w}w" for x in ("rows_bits", "rows_hist") for w in (16, 32)]
+            kernels += [f"split@{x}" for x in (SPLIT_SHAPES_CPU if cpu else SPLIT_SHAPES)]
         for v in [x for x in kernels if not (wide and x.startswith("rows"))] + ["torch.topk"]:
             total, exact, error = 0.0, True, None
             for _, c in inputs:
@@ -144,7 +167,9 @@ def run(dev: torch.device, bw: float | None, reps: int) -> list[dict[str, Any]]:
                     out = torch.empty(q, topk, dtype=torch.int64, device=dev)
                     args = (c["logits"], c["seq_lens"], c["qsl"], c["req"], c["qidx"], topk, q,
                             out)  # fmt: skip
-                    if "@" in v:  # rows_bits@16w: the register select on 16 warps
+                    if v.startswith("split@"):
+                        fn = partial(split_topk_select, *args, **_split_shape(v))
+                    elif "@" in v:  # rows_bits@16w: the register select on 16 warps
                         kind, w = v.split("@")
                         fn = partial(reg_topk_select, *args, hist=kind == "rows_hist",
                                      num_warps=int(w.rstrip("w")))  # fmt: skip
@@ -174,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--reps", type=int, default=50, help="ms of timed calls a point")
+    ap.add_argument("--cases", default="", help="only the cases whose name starts so")
     a = ap.parse_args(argv)
     dev = bench_device(a.device)
     if dev is None:
@@ -190,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         "copy_bandwidth_Bps": bw,
     }
     with torch.inference_mode():
-        res["select"] = run(dev, bw, a.reps)
+        res["select"] = run(dev, bw, a.reps, a.cases)
     Path(a.out).write_text(json.dumps(res, indent=2))
     print(f"\n== select (top-k of the indexer's score rows): ms, GB/s of scores read"
           f"{'' if bw is None else f' (copy {bw / 1e12:.2f} TB/s)'}; * = the default")

@@ -58,13 +58,14 @@ from pdserve.kernels._utils import (
     pdl_args,
     pdl_enter,
 )
-from pdserve.kernels.dsa_select import REG_SELECT_MAX_WIDTH, reg_topk_select
+from pdserve.kernels.dsa_select import REG_SELECT_MAX_WIDTH, radix_select_row, reg_topk_select
+from pdserve.kernels.dsa_select_split import split_rows, split_topk_select
 from pdserve.kernels.index_cache import check_key_cache
 
 BLOCK_N = 64
 KEYS_PER_PROGRAM = 256
 SELECT_BLOCK = 4096
-SELECT_VARIANTS = ("auto", "rows", "rows_bits", "rows_hist", "radix")
+SELECT_VARIANTS = ("auto", "rows", "rows_bits", "rows_hist", "radix", "split")
 SORT_FREE_MAX_WIDTH = 32768  # wider score rows go to torch.topk (see the module doc)
 
 
@@ -170,52 +171,12 @@ def _select_kernel(
     n = pos + 1
     row = logits_ptr + t * stride_lt
     dst = out_ptr + t * stride_ot
-    offs = tl.arange(0, BLOCK)
     if (n <= K) | (seq_len <= K):
         for k0 in range(0, K, BLOCK_K):
             j = k0 + tl.arange(0, BLOCK_K)
             tl.store(dst + j, tl.where(j < n, j, -1).to(tl.int64), mask=j < K)
     else:
-        bins = tl.arange(0, 256)
-        prefix = tl.zeros([], tl.uint32)
-        pmask = tl.zeros([], tl.uint32)
-        remaining = K
-        for p in tl.static_range(4):
-            shift = 24 - 8 * p
-            hist = tl.zeros([256], tl.int32)
-            for n0 in range(0, n, BLOCK):
-                s = n0 + offs
-                # float bits -> uint32 in float order (helpers are inlined: the
-                # interpreter re-patches triton.language on every device-function call)
-                bits = tl.load(row + s, mask=s < n, other=0.0).to(tl.int32, bitcast=True)
-                bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-                key = (bits ^ (-2147483648)).to(tl.uint32, bitcast=True)
-                match = (s < n) & ((key & pmask) == prefix)
-                digit = ((key >> shift) & 255).to(tl.int32)
-                hist += tl.histogram(digit, 256, mask=match)
-            ge = tl.sum(hist) - tl.cumsum(hist, 0) + hist  # keys with digit >= bin
-            d = tl.max(tl.where(ge >= remaining, bins, -1))
-            remaining -= tl.sum(tl.where(bins > d, hist, 0))
-            prefix = prefix | (d.to(tl.uint32) << shift)
-            pmask = pmask | (tl.full([], 255, tl.uint32) << shift)
-        above = K - remaining  # keys strictly above the threshold: all taken
-        n_gt = tl.zeros([], tl.int32)
-        n_eq = tl.zeros([], tl.int32)
-        for n0 in range(0, n, BLOCK):
-            s = n0 + offs
-            in_row = s < n
-            bits = tl.load(row + s, mask=in_row, other=0.0).to(tl.int32, bitcast=True)
-            bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-            key = (bits ^ (-2147483648)).to(tl.uint32, bitcast=True)
-            gt = in_row & (key > prefix)
-            eq = in_row & (key == prefix)
-            gt_rank = n_gt + tl.cumsum(gt.to(tl.int32), 0) - 1
-            eq_rank = n_eq + tl.cumsum(eq.to(tl.int32), 0) - 1
-            take_eq = eq & (eq_rank < remaining)
-            slot = tl.where(gt, gt_rank, above + eq_rank)
-            tl.store(dst + slot, s.to(tl.int64), mask=gt | take_eq)
-            n_gt += tl.sum(gt.to(tl.int32))
-            n_eq += tl.sum(eq.to(tl.int32))
+        radix_select_row(row, dst, n, K, BLOCK)
 
 
 def indexer_logits(
@@ -308,16 +269,23 @@ def topk_select(
     ``variant``: ``"rows"`` holds each row in registers
     (:func:`~pdserve.kernels.dsa_select.reg_topk_select`, rows up to
     ``REG_SELECT_MAX_WIDTH`` keys; ``"rows_bits"`` / ``"rows_hist"`` name how it finds the
-    K-th key), ``"radix"`` the histogram kernel here (any width), ``"auto"`` the first
-    where the width allows."""
+    K-th key), ``"radix"`` the histogram kernel here (any width), ``"split"`` each row over
+    several programs (:func:`~pdserve.kernels.dsa_select_split.split_topk_select`, any
+    width), ``"auto"``: ``"split"`` up to :func:`~pdserve.kernels.dsa_select_split.split_rows`
+    rows, else the first of ``"rows"``, ``"radix"`` the width allows."""
     check_device(logits, "topk_select")
     if variant not in SELECT_VARIANTS:
         raise ValueError(f"topk_select variant must be one of {SELECT_VARIANTS}, not {variant!r}")
+    if variant == "auto" and num_tokens <= split_rows():
+        variant = "split"
     rows = variant.startswith("rows") or (
         variant == "auto" and logits.shape[1] <= REG_SELECT_MAX_WIDTH
     )
-    if out is None:  # the register select writes every slot of its rows (-1 pads) itself
+    if out is None:  # the register and split selects write every slot of their rows
         out = torch.empty((num_tokens, topk), dtype=torch.int64, device=logits.device)
+    if variant == "split":
+        place = (seq_lens, query_start_loc, token_req_idx, token_q_idx)
+        return split_topk_select(logits, *place, topk, num_tokens, out)
     if not rows:
         out.fill_(-1)
     if num_tokens == 0:

@@ -135,6 +135,54 @@ def _select_row(row, dst, n, K, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
 
 
 @triton.jit
+def radix_select_row(row, dst, n, K, BLOCK: tl.constexpr):
+    """Write the top-``K`` positions of ``row[0:n]`` (``K < n``, any ``n``) to ``dst``: a
+    most-significant-digit radix select over memory, ``BLOCK`` keys a step (the
+    histogram select of :mod:`~pdserve.kernels.dsa_indexer`)."""
+    offs = tl.arange(0, BLOCK)
+    bins = tl.arange(0, 256)
+    prefix = tl.zeros([], tl.uint32)
+    pmask = tl.zeros([], tl.uint32)
+    remaining = K
+    for p in tl.static_range(4):
+        shift = 24 - 8 * p
+        hist = tl.zeros([256], tl.int32)
+        for n0 in range(0, n, BLOCK):
+            s = n0 + offs
+            # float bits -> uint32 in float order (helpers are inlined: the
+            # interpreter re-patches triton.language on every device-function call)
+            bits = tl.load(row + s, mask=s < n, other=0.0).to(tl.int32, bitcast=True)
+            bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+            key = (bits ^ (-2147483648)).to(tl.uint32, bitcast=True)
+            match = (s < n) & ((key & pmask) == prefix)
+            digit = ((key >> shift) & 255).to(tl.int32)
+            hist += tl.histogram(digit, 256, mask=match)
+        ge = tl.sum(hist) - tl.cumsum(hist, 0) + hist  # keys with digit >= bin
+        d = tl.max(tl.where(ge >= remaining, bins, -1))
+        remaining -= tl.sum(tl.where(bins > d, hist, 0))
+        prefix = prefix | (d.to(tl.uint32) << shift)
+        pmask = pmask | (tl.full([], 255, tl.uint32) << shift)
+    above = K - remaining  # keys strictly above the threshold: all taken
+    n_gt = tl.zeros([], tl.int32)
+    n_eq = tl.zeros([], tl.int32)
+    for n0 in range(0, n, BLOCK):
+        s = n0 + offs
+        in_row = s < n
+        bits = tl.load(row + s, mask=in_row, other=0.0).to(tl.int32, bitcast=True)
+        bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        key = (bits ^ (-2147483648)).to(tl.uint32, bitcast=True)
+        gt = in_row & (key > prefix)
+        eq = in_row & (key == prefix)
+        gt_rank = n_gt + tl.cumsum(gt.to(tl.int32), 0) - 1
+        eq_rank = n_eq + tl.cumsum(eq.to(tl.int32), 0) - 1
+        take_eq = eq & (eq_rank < remaining)
+        slot = tl.where(gt, gt_rank, above + eq_rank)
+        tl.store(dst + slot, s.to(tl.int64), mask=gt | take_eq)
+        n_gt += tl.sum(gt.to(tl.int32))
+        n_eq += tl.sum(eq.to(tl.int32))
+
+
+@triton.jit
 def _reg_select_kernel(
     logits_ptr,
     seq_lens_ptr,
