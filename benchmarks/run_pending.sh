@@ -78,6 +78,8 @@
 # f37   fp8_bench llama-8b-shape (offline timed warm), then glm5-m12-e64
 # b37   by card: c32 on an H200, else f37
 # b38   by card: h31 on an H200, else f37
+# m39   issue 27: decode-only concurrency within 20 ms at 200 / 208 x 16K: none, k=1, k=3 adaptive
+#       (neighbouring sizes' measured costs) at 0.7, 256 tokens a stream
 # x39   issue 30: the split top-k select (kernels/dsa_select_split.py, never run on a GPU): its
 #       parity, select_bench's decode cases, then glm5 decode at 1 x 1K / 16K with it on (8 rows)
 #       and off
@@ -807,6 +809,16 @@ PY
     timeout "$t" python3 benchmarks/spec_bench.py --sections decode --streams 192,208 \
       --configs 0,3,3a --rates 0.7 --out "$OUT/spec_decode_v38.json" > "$OUT/spec_decode_v38.log" 2>&1
     echo "spec_bench decode: exit $?"; quiet < "$OUT/spec_decode_v38.log" | sed -n '/: decode at a/,$p'
+    ;;
+  m39)  # issue 27's concurrency bar (>= 200 streams x 16K within TPOT 20 ms): run 138's
+    # streams decoded 96 tokens, so the adaptive policy's first steps (graph timings,
+    # exploring) weighed a third of its steady steps; 256 tokens a stream here, at 200 and
+    # 208 streams, with k=1 beside no speculation and k=3 adaptive
+    left=$(( start + ${M39_END:-570} - $(date +%s) ))
+    timeout "$left" python3 benchmarks/spec_bench.py --sections decode --streams 200,208 \
+      --configs 0,1,3a --rates 0.7 --out-tokens 256 --out "$OUT/spec_decode_m39.json" \
+      > "$OUT/spec_decode_m39.log" 2>&1
+    echo "spec_bench decode: exit $?"; quiet < "$OUT/spec_decode_m39.log" | sed -n '/: decode at a/,$p'
     ;;
   x39)  # issue 30: the top-k select split over several programs a row (run 137: one row
     # past 16K keys in the graphs' 32K buffer took 37 us a layer on one program); its GPU

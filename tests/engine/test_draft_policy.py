@@ -11,6 +11,7 @@ from pdserve.spec_decode.draft_policy import (
     COST_STALE,
     COST_WINDOW,
     EXPLORE_MARGIN,
+    EXPLORE_MARGIN_SCALED,
     EXPLORE_TRIES,
     MIN_EVIDENCE,
     PROBE_EVERY,
@@ -217,3 +218,40 @@ def test_steps_forced_to_k_spend_no_exploration_tries() -> None:
     p.observe([1] * 100, [1] * 90 + [0] * 10)  # enough evidence now
     picks = [p.choose(8, 100) for _ in range(EXPLORE_TRIES + 2)]
     assert picks == [0] * EXPLORE_TRIES + [1, 1]
+
+
+def test_a_size_without_measurements_scales_its_graph_timing_as_the_nearest_size_measured() -> None:
+    """Run 138's shrinking batch: j = 2's graph timing is 10% optimistic at size 208; at the
+    sizes the batch passes through later that j is timed by its graph scaled by the
+    nearest measured size's ratio, so j = 1 stays the choice there without re-learning."""
+    p = DraftPolicy(2, decay=1.0)
+    p.observe([2] * 1000, [2] * 490 + [1] * 210 + [0] * 300)  # 0.7 at each position
+    graph = [23.0, 35.0, 43.0]
+    p.set_costs(_costs(2, {s: graph for s in (128, 160, 176, 208)}, width=16384 + 2048))
+    for j, t in ((0, 23.0), (1, 34.0), (2, 47.3)):
+        for _ in range(COST_MIN_OBS):
+            p.observe_cost(208, 16384, j, t)
+    assert p.choose(208, 16384) == 1  # 1.7 / 34 beats 2.19 / 47.3 and 1 / 23
+    # size 176 has no measurements: j = 1 and j = 2 scaled by 208's ratios
+    assert p.step_costs(170, 16384) == pytest.approx([23.0, 34.0, 47.3])
+    assert p.choose(170, 16384) == 1  # scaled, not measured: it runs to be measured
+    # the nearest measured size wins: 160 measured j = 2 at its graph timing
+    for _ in range(COST_MIN_OBS):
+        p.observe_cost(150, 16384, 2, 43.0)
+    assert p.step_costs(170, 16384)[2] == pytest.approx(43.0)  # 160: nearer 176 than 208
+    assert p.step_costs(120, 16384)[2] == pytest.approx(43.0)  # 160 is nearer 128 than 208
+    # a rival timed by scaling is explored only within EXPLORE_MARGIN_SCALED
+    q = DraftPolicy(1, decay=1.0)
+    q.observe([1] * 100, [1] * 100)  # 1.0: j = 1 gains 2 tokens a step
+    q.set_costs(_costs(1, {8: [1.0, 1.9], 16: [1.0, 1.9]}))
+    for size, j, t in ((8, 0, 1.0), (16, 1, 1.9), (16, 1, 1.9)):
+        q.observe_cost(size, 100, j, t)
+    q.observe_cost(8, 100, 0, 1.0)
+    # size 8: j = 0 measured (1 token / 1.0), j = 1 scaled by 16's ratio 1.0 (2 / 1.9)
+    assert q.choose(8, 100) == 1  # the best, scaled: run to be measured
+    for _ in range(COST_MIN_OBS):
+        q.observe_cost(8, 100, 1, 1.9)
+    # size 16: j = 1 measured, j = 0 scaled from 8 (ratio 1.0): 1 / 1.0 against 2 / 1.9 is
+    # 5% behind, outside EXPLORE_MARGIN_SCALED but inside EXPLORE_MARGIN
+    assert EXPLORE_MARGIN_SCALED < 1 - (1 / 1.0) / (2 / 1.9) < EXPLORE_MARGIN
+    assert [q.choose(16, 100) for _ in range(3)] == [1, 1, 1]

@@ -33,13 +33,22 @@ optimistic is thus chosen a few times, measured, and dropped if it does not pay 
 its steps took 42 ms against 31 for ``j = 1``, 5% slower than no speculation). A time older
 than ``COST_STALE`` choices is forgotten, so the shape is measured again.
 
+**Neighbouring sizes**: a graph timing is off by much the same factor at nearby batch
+sizes (the same kernels on a few more or fewer rows), so where ``j`` has no measurement
+at a step's size, its graph timing is scaled by ``measured / graph`` of ``j`` at the
+nearest size of the same width that has one. Without it every size a shrinking batch
+passes through (streams end at different steps) started again from the graph timings
+(H200 run 138, 208 streams x 16K at 0.7: ``j = 2``, whose graph timing was 7% optimistic
+at the full size, ran 22 of 58 steps where ``j = 1`` paid best).
+
 **Measuring the rivals**: graph timings are off both ways (warm-up's dummy batches route
 the MoE unlike real traffic: H100 run 83, at 128 streams x 16K the ``j = 0`` graph took
 25.0 ms against real steps of 22.7), and a ``j`` never chosen is never measured. So once
 the best ``j`` is measured, a ``j`` still timed only by its graph whose tokens per second
 are within ``EXPLORE_MARGIN`` of it is chosen for up to ``EXPLORE_TRIES`` steps (per
 ``COST_STALE`` choices) until it has a measurement (run 83 chose ``j = 2`` on measured
-40.4 ms against the graph's 25.0 for ``j = 0``, and lost 13% to no speculation).
+40.4 ms against the graph's 25.0 for ``j = 0``, and lost 13% to no speculation); one
+whose timing is scaled from a neighbouring size only within ``EXPLORE_MARGIN_SCALED``.
 
 **Acceptance** per position is counted from the steps that verified drafts, with counts
 decaying by ``DECAY`` an engine step (steps without drafts included) so the estimate
@@ -75,6 +84,7 @@ COST_STALE = 1024  # choices after which a shape's measured times are forgotten
 COST_BAND = (0.5, 2.0)  # a measured time outside this many graph timings is not kept
 EXPLORE_MARGIN = 0.15  # a graph-timed j this close to the measured best is measured too
 EXPLORE_TRIES = COST_MIN_OBS + 2  # steps run to measure it (some land as other shapes)
+EXPLORE_MARGIN_SCALED = 0.03  # ... and one timed from a neighbouring size's measurement
 
 
 class DraftPolicy:
@@ -138,20 +148,48 @@ class DraftPolicy:
 
     def step_costs(self, batch: int, context: int) -> list[float] | None:
         """Seconds of a step with ``j = 0..k`` at the graph ``(batch, context)`` runs on:
-        measured where the shape has run lately, else the graph timing; None if the
-        policy has no costs for it."""
+        measured where the shape has run lately, else the graph timing (scaled as a
+        neighbouring size measured it, where one did); None if the policy has no costs
+        for it."""
         shape = self.shape(batch, context)
         return None if shape is None else self._costs(shape)[0]
 
-    def _costs(self, shape: tuple[int, int]) -> tuple[list[float], list[bool]]:
-        """:meth:`step_costs` of a graph shape, and which of them were measured."""
+    def _costs(self, shape: tuple[int, int]) -> tuple[list[float], list[str]]:
+        """:meth:`step_costs` of a graph shape, and how each was timed: ``"measured"`` at
+        this shape, ``"scaled"`` (its graph timing by a neighbouring size's measured
+        ratio), ``"graph"``."""
         out = list(self.costs[shape])
-        measured = [False] * (self.k + 1)
+        how = ["graph"] * (self.k + 1)
         for j in range(self.k + 1):
-            times = self._fresh((*shape, j))
-            if times is not None and len(times) >= COST_MIN_OBS:
-                out[j], measured[j] = statistics.median(times), True
-        return out, measured
+            median = self._measured(shape, j)
+            if median is not None:
+                out[j], how[j] = median, "measured"
+                continue
+            ratio = self._neighbour_ratio(shape, j)
+            if ratio is not None:
+                out[j], how[j] = out[j] * ratio, "scaled"
+        return out, how
+
+    def _measured(self, shape: tuple[int, int], j: int) -> float | None:
+        """The median of ``j``'s fresh step times at ``shape``, once there are enough."""
+        times = self._fresh((*shape, j))
+        return statistics.median(times) if times is not None and len(times) >= COST_MIN_OBS else None
+
+    def _neighbour_ratio(self, shape: tuple[int, int], j: int) -> float | None:
+        """``measured / graph`` of ``j`` at the nearest other size (by ratio of sizes; the
+        smaller one on a tie) of ``shape``'s width that has it measured."""
+        width, size = shape
+        best: tuple[float, float] | None = None
+        for other in self.sizes[width]:
+            if other == size:
+                continue
+            median = self._measured((width, other), j)
+            if median is None:
+                continue
+            dist = max(other, size) / min(other, size)
+            if best is None or dist < best[0]:
+                best = (dist, median / self.costs[(width, other)][j])
+        return None if best is None else best[1]
 
     def shape(self, batch: int, context: int) -> tuple[int, int] | None:
         """The captured graph ``(width, size)`` a step of ``batch`` requests at longest
@@ -233,17 +271,18 @@ class DraftPolicy:
         shape = self.shape(batch, context)
         if shape is None:
             return self.k, None
-        cost, measured = self._costs(shape)
+        cost, how = self._costs(shape)
         gain = self.expected_tokens()
         rates = [gain[j] / cost[j] for j in range(self.k + 1)]
         best = max(range(self.k + 1), key=lambda j: (rates[j], -j))  # ties: fewer drafts
-        if not measured[best]:
+        if how[best] != "measured":
             return best, None  # it is measured by running it
+        margin = {"graph": EXPLORE_MARGIN, "scaled": EXPLORE_MARGIN_SCALED}
         rivals = [
             j
             for j in range(self.k + 1)
-            if not measured[j]
-            and rates[j] >= (1.0 - EXPLORE_MARGIN) * rates[best]
+            if how[j] != "measured"
+            and rates[j] >= (1.0 - margin[how[j]]) * rates[best]
             and self._tries((*shape, j)) < EXPLORE_TRIES
         ]
         if not rivals:
