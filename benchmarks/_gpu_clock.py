@@ -121,3 +121,37 @@ class ClockSampler:
             "power_w_median": statistics.median(watts),
             "power_w_max": max(watts),
         }
+
+
+def sustained_matmul(device: torch.device, seconds: float, m: int) -> dict[str, Any]:
+    """bf16 ``m``^3 matmuls back to back for ``seconds``, as long as a long prefill keeps
+    the tensor cores busy: FLOP/s over the second half (a card held at its power cap has
+    lowered its clock by then), with the clock and power while they ran. The matmul rate
+    measured in short bursts (``gpu_suite.measure_limits``) runs at the boost clock; this
+    is the rate the same card sustains under the power draw of the work it is compared
+    with."""
+    a = torch.randn(m, m, dtype=torch.bfloat16, device=device)
+    b = torch.randn(m, m, dtype=torch.bfloat16, device=device)
+    cuda = device.type == "cuda"
+    batch = 20 if cuda else 2
+    samples: list[tuple[float, float]] = []  # (seconds since the start, FLOP/s)
+    with ClockSampler(device) as clock:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            if cuda:
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                for _ in range(batch):
+                    a @ b
+                e.record()
+                e.synchronize()
+                dt = s.elapsed_time(e) * 1e-3
+            else:
+                t1 = time.perf_counter()
+                for _ in range(batch):
+                    a @ b
+                dt = time.perf_counter() - t1
+            samples.append((time.perf_counter() - t0, batch * 2 * m**3 / dt))
+    late = [f for t, f in samples if t >= seconds / 2] or [samples[-1][1]]
+    return {"flops": statistics.median(late), "seconds": seconds, "m": m,
+            "samples": len(samples), "clock": clock.summary()}  # fmt: skip

@@ -31,7 +31,9 @@ prefill   per preset (``--prefill-lens``, default 4096,16384,65536 on the GPU; p
           three distinct prompts; prefix-cache hits counted, they must be 0), then another
           prompt profiled: device time by kernel category
           and, per category, the achieved TFLOP/s and its share of the bf16 matmul rate
-          measured in the same call (FLOP formulas: :mod:`pdserve.profiling.prefill_flops`);
+          measured in the same call (FLOP formulas: :mod:`pdserve.profiling.prefill_flops`),
+          and its share of the rate bf16 matmuls sustain over 1.5 s (``sustained_matmul``:
+          the burst rate is the boost clock's, the prefill runs at the power cap's);
           transformers' prefill of the same config where it fits (``--no-peer``: not)
 profile   per point BxCTX, the same steady batch, then one profiled step each
           (:mod:`pdserve.profiling.step_profile`): the CUDA-graph replay, the captured forward
@@ -64,7 +66,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _gpu_clock import ClockSampler  # noqa: E402
+from _gpu_clock import ClockSampler, sustained_matmul  # noqa: E402
 from gpu_suite import measure_limits  # noqa: E402
 
 from pdserve import LLM, SamplingParams  # noqa: E402
@@ -556,7 +558,26 @@ def bench_prefill(llm: LLM, preset: str, lens: list[int], peak: float | None) ->
                                             fm.attention_layers, peak)  # fmt: skip
         res["points"].append(point)
         print(json.dumps({k: v for k, v in point.items() if k != "profile"}), flush=True)
+    _against_sustained(res, runner.device)
     return res
+
+
+def _against_sustained(res: dict, device: torch.device) -> None:
+    """The bf16 matmul rate the card sustains for as long as a prefill (the burst rate
+    of ``measure_limits`` runs at the boost clock; a 16K prefill holds the H200 at its
+    700 W cap, RESULTS.md run 137), and each category's share of it beside the burst
+    share."""
+    cuda = device.type == "cuda"
+    sus = sustained_matmul(device, 1.5 if cuda else 0.05, 8192 if cuda else 64)
+    res["sustained_matmul"] = sus
+    print(json.dumps({"sustained_matmul": sus}), flush=True)
+    for p in res["points"]:
+        for row in p.get("profile", {}).get("categories", {}).values():
+            if "tflops" in row:
+                row["share_of_sustained"] = row["tflops"] * 1e12 / sus["flops"]
+        alone = p.get("mla_alone", {})
+        if "flop" in alone:
+            alone["share_in_model_sustained"] = alone["flop"] / (alone["in_model_ms"] * 1e-3) / sus["flops"]
 
 
 def _mla_alone(llm: LLM, prompt: list[int], top: list[dict], layers: int,
@@ -866,6 +887,15 @@ def _prefill_table(pf: dict, peak: float | None) -> None:
             cells.append(f"{v.get('ms', 0.0):9.1f}/{tf:>5}/{sh:>5}")
         print(f"{p['tokens']:7d} {p['seconds']:7.3f} {p['tok_per_s']:8.0f} "
               f"{p['prefix_cache_hits']:5d} {p['profile']['idle_gap_ms']:7.1f} " + " ".join(cells))
+        mla = pc.get("mla_attention", {})
+        if "share_of_sustained" in mla:
+            print(f"{'':7} sparse MLA {mla['share_of_sustained'] * 100:.1f}% of the sustained rate "
+                  f"(SM clock {p['clock'].get('sm_mhz_median', '-')} MHz in the prefills)")
+    sus = pf.get("sustained_matmul")
+    if sus:
+        print(f" sustained bf16 matmul ({sus['seconds']:.1f} s of {sus['m']}^3): "
+              f"{sus['flops'] / 1e12:.0f} TFLOP/s at {sus['clock'].get('sm_mhz_median', '-')} MHz, "
+              f"{sus['clock'].get('power_w_median', '-')} W")
     hf = pf.get("transformers")
     if hf:
         print(" transformers prefill: " + ", ".join(f"{k}: {_ms(v * 1e3 if isinstance(v, float) else v)}"

@@ -219,6 +219,10 @@ def test_glm5_bench_cpu_prefill_smoke(tmp_path: Path) -> None:
         for cat in ("mla_attention", "moe_experts", "dense_gemm"):
             assert cats[cat]["ms"] > 0 and cats[cat]["tflop"] == p["flops"][cat] / 1e12
     assert short["flops"]["indexer_score"] == 0.0 and long_["flops"]["indexer_score"] > 0
+    sus = pf["sustained_matmul"]  # the rate matmuls sustain, and each category's share of it
+    assert sus["flops"] > 0 and sus["samples"] > 0 and "nvml" in sus["clock"]
+    mla = long_["profile"]["categories"]["mla_attention"]
+    assert mla["share_of_sustained"] == pytest.approx(mla["tflops"] * 1e12 / sus["flops"])
     assert long_["profile"]["categories"]["indexer_score"]["ms"] > 0
 
 
