@@ -78,6 +78,7 @@
 # f37   fp8_bench llama-8b-shape (offline timed warm), then glm5-m12-e64
 # b37   by card: c32 on an H200, else f37
 # b38   by card: h31 on an H200, else f37
+# p39   issue 26: glm5 16K prefill, the MLA share against the burst and the sustained matmul rate
 # m39   issue 27: decode-only concurrency within 20 ms at 200 / 208 x 16K: none, k=1, k=3 adaptive
 #       (neighbouring sizes' measured costs) at 0.7, 256 tokens a stream
 # x39   issue 30: the split top-k select (kernels/dsa_select_split.py, never run on a GPU): its
@@ -809,6 +810,11 @@ PY
     timeout "$t" python3 benchmarks/spec_bench.py --sections decode --streams 192,208 \
       --configs 0,3,3a --rates 0.7 --out "$OUT/spec_decode_v38.json" > "$OUT/spec_decode_v38.log" 2>&1
     echo "spec_bench decode: exit $?"; quiet < "$OUT/spec_decode_v38.log" | sed -n '/: decode at a/,$p'
+    ;;
+  p39)  # issue 26: glm5-m12-e64 16K prefill in one step, the MLA share against the burst
+    # matmul rate and against the rate matmuls sustain at the card's power cap
+    nvidia-smi --query-gpu=name,power.limit --format=csv,noheader
+    glm5_prefill 200 16k_b16384 16384 --budget 16384
     ;;
   m39)  # issue 27's concurrency bar (>= 200 streams x 16K within TPOT 20 ms): run 138's
     # streams decoded 96 tokens, so the adaptive policy's first steps (graph timings,
