@@ -10,7 +10,9 @@ then 8192..16383 in a 16K-wide one), a 4K prompt in one chunk, and the last 4K-t
 chunk of a 64K prompt (64K-wide rows: the backend hands them to ``torch.topk``), then
 decode-sized selects at a 16K context, 1 and 32 rows, timed as CUDA-graph replays (at
 one row the select is one program's latency, not bandwidth), where the register selects
-also run on 16 and 32 warps (``rows_hist@32w``) and the split select on other shapes
+also run on 16 and 32 warps (``rows_hist@32w``), with rows just past half the buffer as
+two tiles (``rows_bits@tail16``: :data:`pdserve.kernels.dsa_select.REG_SELECT_TAIL`), and
+the split select on other shapes
 (``split@c8,s1024,w8/8``: 8 programs a row, a 1,024-key sample, 8 warps for its scan and
 its pick; :mod:`pdserve.kernels.dsa_select_split`).
 Variants (:data:`pdserve.kernels.dsa_indexer.SELECT_VARIANTS`): ``rows_bits`` and
@@ -52,9 +54,12 @@ GPU_CASES = {
     # glm5_bench's 1 x 16K decode: a row just past 16K keys in the 32K-wide score buffer
     # of the graphs (dsa_triton.graph_context_widths): the register select's widest path
     "decode 1 x 16K, 32K graph": ((16392, 16393),),
+    # spec_bench's verify at 192 streams x (1 + 3): 768 rows just past 16K keys each
+    "decode verify 768 rows past 16K, 32K graph": ((16400, 17168),),
 }
 # score buffers wider than the context
-WIDTHS = {"decode 1 x 16K, 32K graph": 32768, "decode 1 x 40, 64 graph": 64}
+WIDTHS = {"decode 1 x 16K, 32K graph": 32768, "decode 1 x 40, 64 graph": 64,
+          "decode verify 768 rows past 16K, 32K graph": 32768}  # fmt: skip
 CPU_CASES = {"prefill 48": ((0, 24), (24, 48)), "decode 1 x 40, 64 graph": ((40, 41),)}
 GPU_TOPK, CPU_TOPK = 2048, 16
 # the split select's shapes beside its default on the decode cases
@@ -153,6 +158,7 @@ def run(dev: torch.device, bw: float | None, reps: int, only: str = "") -> list[
         kernels = [x for x in SELECT_VARIANTS if x not in ("auto", "rows")]
         if graph or cpu:  # few rows: one program's latency, so more warps a row may pay
             kernels += [f"{x}@{w}w" for x in ("rows_bits", "rows_hist") for w in (16, 32)]
+            kernels += [f"rows_bits@tail{x}" for x in (4, 16)]
             kernels += [f"split@{x}" for x in (SPLIT_SHAPES_CPU if cpu else SPLIT_SHAPES)]
         for v in [x for x in kernels if not (wide and x.startswith("rows"))] + ["torch.topk"]:
             total, exact, error = 0.0, True, None
@@ -170,9 +176,14 @@ def run(dev: torch.device, bw: float | None, reps: int, only: str = "") -> list[
                     if v.startswith("split@"):
                         fn = partial(split_topk_select, *args, **_split_shape(v))
                     elif "@" in v:  # rows_bits@16w: the register select on 16 warps
-                        kind, w = v.split("@")
-                        fn = partial(reg_topk_select, *args, hist=kind == "rows_hist",
-                                     num_warps=int(w.rstrip("w")))  # fmt: skip
+                        kind, opts = v.split("@")
+                        kw: dict[str, Any] = {"hist": kind == "rows_hist"}
+                        for o in opts.split(","):  # rows_bits@tail16: rows past half as two tiles
+                            if o.startswith("tail"):
+                                kw["tail"] = int(o[4:])
+                            else:
+                                kw["num_warps"] = int(o.rstrip("w"))
+                        fn = partial(reg_topk_select, *args, **kw)
                     else:
                         fn = partial(topk_select, *args, variant=v)
                     total += _time_ms(fn, dev, reps, graph)

@@ -14,6 +14,7 @@ from _sparse_batch import SparseBatch, sparse_batch
 
 from pdserve.kernels import dsa_indexer_tiled
 from pdserve.kernels.dsa_indexer import indexer_logits, indexer_topk_reference, topk_select
+from pdserve.kernels.dsa_select import reg_topk_select
 from pdserve.kernels.dsa_indexer_tiled import indexer_logits_tiled
 from pdserve.kernels.index_cache import (
     dequantize_index_cache,
@@ -102,6 +103,33 @@ def test_select_breaks_ties_to_exactly_k(device: torch.device, variant: str) -> 
         sel = got[t]
         assert sel.min() >= 0 and sel.max() <= pos and torch.unique(sel).numel() == k
         assert torch.equal(logits[t][sel].sort().values, ref)
+
+
+@pytest.mark.parametrize("tail", [4, 16])
+def test_rows_just_past_half_the_buffer_take_two_tiles(device: torch.device, tail: int) -> None:
+    """The register select's two-tile rows (``tail``): rows of a 1,024-wide buffer just past
+    512 keys (the tail tile), past 512 + 256 (a quarter tile) and near 1,024 (one tile),
+    with distinct and tied scores: exactly k keys, the best ones."""
+    g = torch.Generator().manual_seed(tail)
+    n, k = 1000, 64
+    ns = [520, 700, 800, 1000]  # causal keys of rows 0..3 (positions n - 1 ..)
+    rows = len(ns)
+    logits = torch.randn(rows, 1024, generator=g)
+    logits[1, :600] = torch.randint(0, 3, (600,), generator=g).float() + 5.0  # many ties
+    logits = logits.to(device)
+    seq = torch.tensor(ns, dtype=torch.int32, device=device)
+    qsl = torch.arange(rows + 1, dtype=torch.int32, device=device)
+    req = torch.arange(rows, device=device)
+    qidx = torch.zeros(rows, dtype=torch.int64, device=device)
+    out = torch.full((rows, k), 999, dtype=torch.int64, device=device)
+    reg_topk_select(logits, seq, qsl, req, qidx, k, rows, out, tail=tail)
+    for t, m in enumerate(ns):
+        sel = out[t]
+        assert sel.min() >= 0 and sel.max() < m and torch.unique(sel).numel() == k, t
+        want = logits[t, :m].topk(k).values.sort().values
+        assert torch.equal(logits[t][sel].sort().values, want), t
+    with pytest.raises(ValueError, match="power of two"):
+        reg_topk_select(logits, seq, qsl, req, qidx, k, rows, out, tail=6)
 
 
 @pytest.mark.parametrize("variant", ["rows_bits", "rows_hist", "radix"])

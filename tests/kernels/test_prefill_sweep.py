@@ -101,7 +101,7 @@ def test_select_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert {r["variant"] for r in rows} == {"rows_bits", "rows_hist", "radix", "split",
                                             "torch.topk"} | {
         f"{v}@{w}w" for v in ("rows_bits", "rows_hist") for w in (16, 32)} | {
-        f"split@{x}" for x in bench.SPLIT_SHAPES_CPU}
+        f"split@{x}" for x in bench.SPLIT_SHAPES_CPU} | {"rows_bits@tail4", "rows_bits@tail16"}
     assert all(r["exact"] and r["score_bytes"] > 0 for r in rows)
     cases = {r["case"] for r in rows}  # a chunked prompt; a decode row in a wider buffer
     assert cases == {"prefill 48", "decode 1 x 40, 64 graph"}

@@ -20,13 +20,18 @@ positions above it and then the first ones equal to it (two prefix sums). With `
 at a time instead: four 256-bin histograms (``tl.histogram``) of the keys sharing the
 bytes found so far, in place of up to 32 row-wide reductions. A row is processed at the
 smallest of ``BLOCK``, ``BLOCK/2``, ``BLOCK/4`` that holds it (``SPLITS``), so short rows
-of a wide buffer cost less. Rows wider than :data:`REG_SELECT_MAX_WIDTH` keep the
+of a wide buffer cost less; with ``TAIL`` (:data:`REG_SELECT_TAIL`) a row just past
+``BLOCK/2`` (a 16K context plus what decode added, in the 32K buffer of a decode graph)
+is held as a ``BLOCK/2`` tile and a ``BLOCK/TAIL`` (or ``BLOCK/4``) one, two reductions
+a step over 17K keys instead of one over 32K. Rows wider than :data:`REG_SELECT_MAX_WIDTH` keep the
 histogram radix kernel of :mod:`~pdserve.kernels.dsa_indexer`.
 
 Warps: about :data:`REG_SELECT_PER_THREAD` keys a thread (8 warps at 16K, 16 at 32K).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -39,6 +44,10 @@ REG_SELECT_PER_THREAD = 64  # keys a thread holds (sets num_warps, 4..16)
 REG_SELECT_SPLITS = 2  # also compile BLOCK/2 .. BLOCK/2**SPLITS paths for short rows
 REG_SELECT_CHUNK = 2048  # keys a step of the writing pass
 REG_SELECT_HIST = False  # byte histograms: 5.49 ms against 1.36 at 16K (H100, RESULTS.md run 58)
+# rows just past half the block as two tiles (BLOCK/2 and BLOCK/TAIL or BLOCK/4 keys):
+# 0, off, until measured; PDSERVE_SELECT_TAIL=16 turns it on
+REG_SELECT_TAIL = 0
+SELECT_TAIL_ENV = "PDSERVE_SELECT_TAIL"
 
 
 @triton.jit
@@ -93,6 +102,42 @@ def _kth_key_hist(key, K):
 
 
 @triton.jit
+def _write_top(row, dst, n, thr, CHUNK: tl.constexpr):
+    """Write the positions of ``row[0:n]``'s keys at or above ``thr`` (exactly the top K)
+    to ``dst`` in position order: one prefix sum a chunk, re-read from L2 (a prefix sum
+    over the whole row in registers would double the registers a key needs)."""
+    n_in = tl.zeros([], tl.int32)
+    for c0 in range(0, n, CHUNK):
+        s = c0 + tl.arange(0, CHUNK)
+        ok = s < n
+        take = ok & (_keys_of(tl.load(row + s, mask=ok, other=0.0)) >= thr)
+        rank = n_in + tl.cumsum(take.to(tl.int32), 0) - 1
+        tl.store(dst + rank, s.to(tl.int64), mask=take)
+        n_in += tl.sum(take.to(tl.int32))
+
+
+@triton.jit
+def _write_ties(row, dst, n, K, thr, above, CHUNK: tl.constexpr):
+    """Ties at the K-th key ``thr``: every key above it (``above`` of them), then the
+    first ``K - above`` equal to it, in position order within each group."""
+    n_gt = tl.zeros([], tl.int32)
+    n_eq = tl.zeros([], tl.int32)
+    for c0 in range(0, n, CHUNK):
+        s = c0 + tl.arange(0, CHUNK)
+        ok = s < n
+        ck = _keys_of(tl.load(row + s, mask=ok, other=0.0))
+        gt = ok & (ck > thr)
+        eq = ok & (ck == thr)
+        gt_rank = n_gt + tl.cumsum(gt.to(tl.int32), 0) - 1
+        eq_rank = n_eq + tl.cumsum(eq.to(tl.int32), 0) - 1
+        take_eq = eq & (eq_rank < K - above)
+        slot = tl.where(gt, gt_rank, above + eq_rank)
+        tl.store(dst + slot, s.to(tl.int64), mask=gt | take_eq)
+        n_gt += tl.sum(gt.to(tl.int32))
+        n_eq += tl.sum(eq.to(tl.int32))
+
+
+@triton.jit
 def _select_row(row, dst, n, K, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
                 HIST: tl.constexpr = False):  # fmt: skip
     """Write the top-``K`` positions of ``row[0:n]`` (``K < n <= BLOCK``) to ``dst``."""
@@ -104,34 +149,55 @@ def _select_row(row, dst, n, K, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
         thr, n_ge = _kth_key_hist(key, K)
     else:
         thr, n_ge = _kth_key_bits(key, K, BLOCK)
-    # the positions, in chunks re-read from L2 (a prefix sum over the whole row in
-    # registers would double the registers a key needs)
-    if n_ge == K:  # the keys >= thr are the top K: one prefix sum, slots in position order
-        n_in = tl.zeros([], tl.int32)
-        for c0 in range(0, n, CHUNK):
-            s = c0 + tl.arange(0, CHUNK)
-            ok = s < n
-            take = ok & (_keys_of(tl.load(row + s, mask=ok, other=0.0)) >= thr)
-            rank = n_in + tl.cumsum(take.to(tl.int32), 0) - 1
-            tl.store(dst + rank, s.to(tl.int64), mask=take)
-            n_in += tl.sum(take.to(tl.int32))
-    else:  # ties at the K-th key: every key above it, then the first K - above equal to it
-        above = tl.sum((key > thr).to(tl.int32))
-        n_gt = tl.zeros([], tl.int32)
-        n_eq = tl.zeros([], tl.int32)
-        for c0 in range(0, n, CHUNK):
-            s = c0 + tl.arange(0, CHUNK)
-            ok = s < n
-            ck = _keys_of(tl.load(row + s, mask=ok, other=0.0))
-            gt = ok & (ck > thr)
-            eq = ok & (ck == thr)
-            gt_rank = n_gt + tl.cumsum(gt.to(tl.int32), 0) - 1
-            eq_rank = n_eq + tl.cumsum(eq.to(tl.int32), 0) - 1
-            take_eq = eq & (eq_rank < K - above)
-            slot = tl.where(gt, gt_rank, above + eq_rank)
-            tl.store(dst + slot, s.to(tl.int64), mask=gt | take_eq)
-            n_gt += tl.sum(gt.to(tl.int32))
-            n_eq += tl.sum(eq.to(tl.int32))
+    if n_ge == K:  # the keys >= thr are the top K
+        _write_top(row, dst, n, thr, CHUNK)
+    else:
+        _write_ties(row, dst, n, K, thr, tl.sum((key > thr).to(tl.int32)), CHUNK)
+
+
+@triton.jit
+def _select_row2(row, dst, n, K, BLOCK: tl.constexpr, TAIL_BLOCK: tl.constexpr,
+                 CHUNK: tl.constexpr):  # fmt: skip
+    """:func:`_select_row` for ``BLOCK < n <= BLOCK + TAIL_BLOCK``: the first ``BLOCK``
+    keys in one tile and the rest in a ``TAIL_BLOCK`` one, so a row just past a power of
+    two is not held (and every step of the search not reduced) at twice its width."""
+    key = _keys_of(tl.load(row + tl.arange(0, BLOCK)))
+    toffs = BLOCK + tl.arange(0, TAIL_BLOCK)
+    in_row = toffs < n
+    tail = _keys_of(tl.load(row + toffs, mask=in_row, other=0.0))
+    tail = tl.where(in_row, tail, tl.zeros_like(tail))
+    thr = tl.zeros([], tl.uint32)
+    cnt_thr = tl.full([], BLOCK + TAIL_BLOCK, tl.int32)
+    top = tl.full([], 2147483648, tl.uint32)
+    b = tl.zeros([], tl.int32)
+    while (b < 32) & (cnt_thr != K):  # as _kth_key_bits, over both tiles
+        cand = thr | (top >> b.to(tl.uint32))
+        cnt = tl.sum((key >= cand).to(tl.int32)) + tl.sum((tail >= cand).to(tl.int32))
+        thr = tl.where(cnt >= K, cand, thr)
+        cnt_thr = tl.where(cnt >= K, cnt, cnt_thr)
+        b += 1
+    if cnt_thr == K:
+        _write_top(row, dst, n, thr, CHUNK)
+    else:
+        above = tl.sum((key > thr).to(tl.int32)) + tl.sum((tail > thr).to(tl.int32))
+        _write_ties(row, dst, n, K, thr, above, CHUNK)
+
+
+@triton.jit
+def _select_wide(row, dst, n, K, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+                 HIST: tl.constexpr, TAIL: tl.constexpr):  # fmt: skip
+    """A row of ``BLOCK / 2 < n <= BLOCK`` keys: with ``TAIL`` (and bits, not histograms)
+    one just past ``BLOCK / 2`` as two tiles, ``BLOCK / 2`` and ``BLOCK / TAIL`` or
+    ``BLOCK / 4`` keys (:func:`_select_row2`); else one ``BLOCK`` tile."""
+    if TAIL > 0 and not HIST:
+        if n <= BLOCK // 2 + BLOCK // TAIL:
+            _select_row2(row, dst, n, K, BLOCK // 2, BLOCK // TAIL, CHUNK)
+        elif n <= BLOCK // 2 + BLOCK // 4:
+            _select_row2(row, dst, n, K, BLOCK // 2, BLOCK // 4, CHUNK)
+        else:
+            _select_row(row, dst, n, K, BLOCK, CHUNK, HIST)
+    else:
+        _select_row(row, dst, n, K, BLOCK, CHUNK, HIST)
 
 
 @triton.jit
@@ -198,6 +264,7 @@ def _reg_select_kernel(
     SPLITS: tl.constexpr,
     CHUNK: tl.constexpr,
     HIST: tl.constexpr = False,
+    TAIL: tl.constexpr = 0,
     PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
@@ -224,12 +291,12 @@ def _reg_select_kernel(
             elif n <= BLOCK // 2:
                 _select_row(row, dst, n, K, BLOCK // 2, CHUNK, HIST)
             else:
-                _select_row(row, dst, n, K, BLOCK, CHUNK, HIST)
+                _select_wide(row, dst, n, K, BLOCK, CHUNK, HIST, TAIL)
         elif SPLITS == 1:
             if n <= BLOCK // 2:
                 _select_row(row, dst, n, K, BLOCK // 2, CHUNK, HIST)
             else:
-                _select_row(row, dst, n, K, BLOCK, CHUNK, HIST)
+                _select_wide(row, dst, n, K, BLOCK, CHUNK, HIST, TAIL)
         else:
             _select_row(row, dst, n, K, BLOCK, CHUNK, HIST)
 
@@ -250,14 +317,26 @@ def reg_topk_select(
     splits: int = REG_SELECT_SPLITS,
     num_warps: int | None = None,
     hist: bool | None = None,
+    tail: int | None = None,
 ) -> torch.Tensor:
     """Fill ``out`` [num_tokens, topk] (every slot of those rows is written; -1 pads) from
     score rows of width up to :data:`REG_SELECT_MAX_WIDTH`. ``hist``: find the K-th key
-    by byte histograms instead of bit by bit (default :data:`REG_SELECT_HIST`)."""
+    by byte histograms instead of bit by bit (default :data:`REG_SELECT_HIST`). ``tail``:
+    a row just past half the block as two tiles (:func:`_select_wide`; a power of two >=
+    4, 0 off; default ``PDSERVE_SELECT_TAIL``, else :data:`REG_SELECT_TAIL`)."""
     width = logits.shape[1]
     if width > REG_SELECT_MAX_WIDTH:
         raise ValueError(f"register select holds rows up to {REG_SELECT_MAX_WIDTH} keys: {width}")
     block = max(16, next_pow2(width))
+    if tail is None:
+        env = os.environ.get(SELECT_TAIL_ENV)
+        if env is not None and not env.isdigit():
+            raise ValueError(f"{SELECT_TAIL_ENV} must be 0 or a power of two >= 4 (got {env!r})")
+        tail = REG_SELECT_TAIL if env is None else int(env)
+    if tail and (tail < 4 or tail & (tail - 1)):
+        raise ValueError(f"select tail must be 0 or a power of two >= 4 (got {tail})")
+    if block // max(tail, 1) < 16:
+        tail = 0  # the tail tile would be under 16 keys
     _reg_select_kernel[(num_tokens,)](
         logits,
         seq_lens,
@@ -273,6 +352,7 @@ def reg_topk_select(
         SPLITS=min(splits, max(0, block.bit_length() - 5)),  # keep BLOCK >> SPLITS >= 16
         CHUNK=min(block, REG_SELECT_CHUNK),
         HIST=REG_SELECT_HIST if hist is None else hist,
+        TAIL=tail,
         num_warps=num_warps or reg_select_warps(width),
         **pdl_args(logits.device),
     )
