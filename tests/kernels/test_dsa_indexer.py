@@ -14,8 +14,8 @@ from _sparse_batch import SparseBatch, sparse_batch
 
 from pdserve.kernels import dsa_indexer_tiled
 from pdserve.kernels.dsa_indexer import indexer_logits, indexer_topk_reference, topk_select
-from pdserve.kernels.dsa_select import reg_topk_select
 from pdserve.kernels.dsa_indexer_tiled import indexer_logits_tiled
+from pdserve.kernels.dsa_select import reg_topk_select
 from pdserve.kernels.index_cache import (
     dequantize_index_cache,
     fp8_index_row_bytes,
@@ -111,8 +111,8 @@ def test_rows_just_past_half_the_buffer_take_two_tiles(device: torch.device, tai
     512 keys (the tail tile), past 512 + 256 (a quarter tile) and near 1,024 (one tile),
     with distinct and tied scores: exactly k keys, the best ones."""
     g = torch.Generator().manual_seed(tail)
-    n, k = 1000, 64
-    ns = [520, 700, 800, 1000]  # causal keys of rows 0..3 (positions n - 1 ..)
+    k = 64
+    ns = [520, 700, 800, 1000]  # causal keys of rows 0..3 (one token a request)
     rows = len(ns)
     logits = torch.randn(rows, 1024, generator=g)
     logits[1, :600] = torch.randint(0, 3, (600,), generator=g).float() + 5.0  # many ties
