@@ -201,10 +201,12 @@ def _sync(llm: LLM) -> None:
 
 
 def _engine(preset: str, workdir: Path, long: bool, device: str,
-            budget: int = 8192) -> tuple[LLM, bool, float]:  # fmt: skip
+            budget: int = 8192, fp8: bool = False) -> tuple[LLM, bool, float]:  # fmt: skip
     """The preset's engine (graphs on where the device has them), whether its weights
-    were drawn at load (``dummy``), and its start-up seconds."""
+    were drawn at load (``dummy``), and its start-up seconds. ``fp8``: weights quantized
+    to block FP8 as they load and an fp8 KV cache (fp8_bench's fp8 variant)."""
     cpu = device == "cpu"
+    quant: dict = {"quantization": "fp8", "kv_cache_dtype": "fp8"} if fp8 else {}
     path = workdir / preset
     dummy = preset not in ("glm5-s4-e16", CPU_PRESET)
     if not (path / "config.json").is_file():
@@ -218,7 +220,7 @@ def _engine(preset: str, workdir: Path, long: bool, device: str,
         )
     t0 = time.perf_counter()
     if cpu:
-        llm = LLM(str(path), dtype="float32", device="cpu", **CPU_LIMITS)  # type: ignore[arg-type]
+        llm = LLM(str(path), dtype="float32", device="cpu", **CPU_LIMITS, **quant)  # type: ignore[arg-type]
         return llm, dummy, time.perf_counter() - t0
     llm = LLM(
         str(path),
@@ -229,6 +231,7 @@ def _engine(preset: str, workdir: Path, long: bool, device: str,
         max_num_batched_tokens=budget,
         gpu_memory_utilization=0.9,
         compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]},
+        **quant,
     )
     return llm, dummy, time.perf_counter() - t0
 
@@ -748,6 +751,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="max_num_batched_tokens of the GPU engine (the serve default: 8192)")
     ap.add_argument("--prefill-lens", type=lambda t: [int(x) for x in t.split(",")],
                     default=None, help="prompt lengths of the prefill section")  # fmt: skip
+    ap.add_argument("--fp8", action="store_true",
+                    help="block-FP8 weights (quantized at load) and an fp8 KV cache")  # fmt: skip
     args = ap.parse_args(argv)
     device = args.device
     if device == "auto":
@@ -788,7 +793,7 @@ def _run(args: argparse.Namespace, sections: list[str], presets: list[str],
     for preset in presets:
         if not {"speed", "profile", "prefill"} & set(sections):
             break
-        llm, dummy, startup = _engine(preset, workdir, args.long, device, args.budget)
+        llm, dummy, startup = _engine(preset, workdir, args.long, device, args.budget, args.fp8)
         pf = None
         if "prefill" in sections:
             lens = args.prefill_lens or (CPU_PREFILL_LENS if cpu else PREFILL_LENS)

@@ -78,6 +78,7 @@
 # f37   fp8_bench llama-8b-shape (offline timed warm), then glm5-m12-e64
 # b37   by card: c32 on an H200, else f37
 # b38   by card: h31 on an H200, else f37
+# f39   issue 28: glm5 decode 32 x 16K profiled, bf16 then FP8 (glm5_bench --fp8)
 # p39   issue 26: glm5 16K prefill, the MLA share against the burst and the sustained matmul rate
 # m39   issue 27: decode-only concurrency within 20 ms at 200 / 208 x 16K: none, k=1, k=3 adaptive
 #       (neighbouring sizes' measured costs) at 0.7, 256 tokens a stream
@@ -810,6 +811,17 @@ PY
     timeout "$t" python3 benchmarks/spec_bench.py --sections decode --streams 192,208 \
       --configs 0,3,3a --rates 0.7 --out "$OUT/spec_decode_v38.json" > "$OUT/spec_decode_v38.log" 2>&1
     echo "spec_bench decode: exit $?"; quiet < "$OUT/spec_decode_v38.log" | sed -n '/: decode at a/,$p'
+    ;;
+  f39)  # issue 28: glm5-m12-e64 decode at 32 x 16K, FP8 against bf16 (run 139: 10.84 against
+    # 15.29 ms, 1.41x; bar 1.5x): where each step's time goes (profile by category)
+    for v in bf16 fp8; do
+      left=$(( start + 570 - $(date +%s) )); [ "$left" -gt 90 ] || break
+      flag=; [ $v = fp8 ] && flag=--fp8
+      timeout $(( left < 260 ? left : 260 )) python3 benchmarks/glm5_bench.py --sections profile \
+        --presets glm5-m12-e64 --no-peer --workdir /tmp/glm5 --profile 32x16384 $flag \
+        --out "$OUT/glm5_f39_$v.json" > "$OUT/glm5_f39_$v.log" 2>&1
+      echo "glm5 profile 32 x 16K, $v: exit $?"; quiet < "$OUT/glm5_f39_$v.log" | tail -22
+    done
     ;;
   p39)  # issue 26: glm5-m12-e64 16K prefill in one step, the MLA share against the burst
     # matmul rate and against the rate matmuls sustain at the card's power cap
