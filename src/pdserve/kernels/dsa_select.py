@@ -65,10 +65,16 @@ def _kth_key_bits(key, K, BLOCK: tl.constexpr):
     ``thr`` are then exactly the top ``K``: the search need not pin down the K-th key
     itself), else after 32 bits with ``thr`` the K-th key (ties at it: the count is
     above ``K``)."""
-    thr = tl.zeros([], tl.uint32)
-    cnt_thr = tl.full([], BLOCK, tl.int32)  # count(key >= 0): every key of the block
+    # count(key >= 0): every key of the block
+    return _kth_key_bits_from(key, K, tl.zeros([], tl.uint32), tl.full([], BLOCK, tl.int32),
+                              tl.zeros([], tl.int32))  # fmt: skip
+
+
+@triton.jit
+def _kth_key_bits_from(key, K, thr, cnt_thr, b):
+    """:func:`_kth_key_bits` from bit ``b`` on: ``thr`` holds the bits above it (every
+    key that matters shares them) and ``cnt_thr`` is ``count(key >= thr) >= K``."""
     top = tl.full([], 2147483648, tl.uint32)
-    b = tl.zeros([], tl.int32)
     while (b < 32) & (cnt_thr != K):  # the largest thr with count(key >= thr) >= K
         cand = thr | (top >> b.to(tl.uint32))
         cnt = tl.sum((key >= cand).to(tl.int32))

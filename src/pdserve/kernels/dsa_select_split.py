@@ -24,7 +24,8 @@ set:
    The bracket holds when fewer than ``K`` keys are above ``hi``, at least ``K`` at or
    above ``lo``, and the candidates fit ``CAP``: then each program gathers all the
    candidates (in position order), finds the ``(K - above)``-th largest among them
-   (:func:`~pdserve.kernels.dsa_select._kth_key_bits` over ``CAP`` keys), and writes its
+   (bit by bit over ``CAP`` keys, from the first bit where ``lo`` and ``hi`` differ:
+   every candidate shares the bits above it), and writes its
    own chunk's share: its keys above ``hi``, then its candidates taken, each at its slot
    in the row's order (the keys above ``hi`` in position order, then the candidates
    taken in position order, those above the K-th before its ties). Where the bracket
@@ -47,7 +48,7 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels._utils import next_pow2, pdl_args, pdl_enter
-from pdserve.kernels.dsa_select import _keys_of, _kth_key_bits, radix_select_row
+from pdserve.kernels.dsa_select import _keys_of, _kth_key_bits_from, radix_select_row
 
 SPLIT_ROWS_ENV = "PDSERVE_SELECT_SPLIT_ROWS"
 SPLIT_ROWS = 0  # rows up to which topk_select's "auto" splits (0: never; not yet measured)
@@ -108,6 +109,7 @@ def _scan_kernel(
     counts_ptr,  # [T, P, 2] int32: keys above hi, candidates
     above_ptr,  # [T, P, K] int32
     cand_ptr,  # [T, P, CAP] int32
+    bounds_ptr,  # [T, 2] int32: the bracket's lo and hi keys (their bits)
     stride_lt,
     K,
     margin,
@@ -132,6 +134,9 @@ def _scan_kernel(
         hi, lo = _two_kth_keys(skey, tl.maximum(r_hi, 1), tl.minimum(r_lo, SAMPLE), SAMPLE)
         hi = tl.where(r_hi == 0, tl.full([], 4294967295, tl.uint32), hi)
         lo = tl.where(r_lo > SAMPLE, tl.zeros([], tl.uint32), lo)
+        if c == 0:
+            tl.store(bounds_ptr + t * 2, lo.to(tl.int32, bitcast=True))
+            tl.store(bounds_ptr + t * 2 + 1, hi.to(tl.int32, bitcast=True))
         span = tl.cdiv(n, P)
         s = c * span + tl.arange(0, BLOCK_C)
         ok = (s < c * span + span) & (s < n)
@@ -157,6 +162,7 @@ def _pick_kernel(
     counts_ptr,
     above_ptr,
     cand_ptr,
+    bounds_ptr,
     out_ptr,
     stride_lt,
     stride_ot,
@@ -200,7 +206,18 @@ def _pick_kernel(
             key = _keys_of(tl.load(row + cpos, mask=valid, other=0.0))
             key = tl.where(valid, key, tl.zeros_like(key))  # below every real key
             need = K - n_above
-            thr, n_ge = _kth_key_bits(key, need, CAP)
+            # every candidate lies in [lo, hi]: the bits above their first difference are
+            # known, so the search starts below them
+            lo = tl.load(bounds_ptr + t * 2).to(tl.uint32, bitcast=True)
+            diff = lo ^ tl.load(bounds_ptr + t * 2 + 1).to(tl.uint32, bitcast=True)
+            b = tl.zeros([], tl.int32)
+            while (b < 32) & (((diff >> (31 - b).to(tl.uint32)) & 1) == 0):
+                b += 1
+            one = tl.full([], 1, tl.int64)
+            known = ((one << 32) - (one << (32 - b).to(tl.int64))).to(tl.uint32)  # top b bits
+            thr = lo & known
+            cnt = tl.where(thr > 0, n_cand, CAP)  # count(key >= thr): padding keys are 0
+            thr, n_ge = _kth_key_bits_from(key, need, thr, cnt, b)
             if n_ge == need:  # the candidates at or above thr are exactly the ones needed
                 take = valid & (key >= thr)
             else:  # ties at the K-th key: the first ones equal to it
@@ -255,16 +272,17 @@ def split_topk_select(
         return out
     dev = logits.device
     counts = torch.empty(num_tokens, p, 2, dtype=torch.int32, device=dev)
+    bounds = torch.empty(num_tokens, 2, dtype=torch.int32, device=dev)
     above = torch.empty(num_tokens, p, topk, dtype=torch.int32, device=dev)
     cand = torch.empty(num_tokens, p, cap, dtype=torch.int32, device=dev)
     place = (seq_lens, query_start_loc, token_req_idx, token_q_idx)
     _scan_kernel[(num_tokens, p)](
-        logits, *place, counts, above, cand, logits.stride(0), topk, margin,
+        logits, *place, counts, above, cand, bounds, logits.stride(0), topk, margin,
         P=p, BLOCK_C=max(16, next_pow2(-(-width // p))), SAMPLE=sample, CAP=cap,
         num_warps=warps[0], **pdl_args(dev),
     )  # fmt: skip
     _pick_kernel[(num_tokens, p)](
-        logits, *place, counts, above, cand, out, logits.stride(0), out.stride(0), topk,
+        logits, *place, counts, above, cand, bounds, out, logits.stride(0), out.stride(0), topk,
         P=p, CAP=cap, BLOCK_K=min(1024, next_pow2(topk)), RADIX_BLOCK=RADIX_BLOCK,
         num_warps=warps[1], **pdl_args(dev),
     )  # fmt: skip
