@@ -189,16 +189,39 @@ def _select_kernel() -> Any:
     return _reg_select_kernel
 
 
-def _select_consts(width: int, hist: bool = False) -> Callable[[], dict[str, Any]]:
+def _select_consts(width: int, hist: bool = False, tail: int = 0) -> Callable[[], dict[str, Any]]:
     def consts() -> dict[str, Any]:
         from pdserve.kernels import dsa_select as m
 
         block = width
         return dict(BLOCK=block, BLOCK_K=1024, SPLITS=min(m.REG_SELECT_SPLITS,
                     block.bit_length() - 5), CHUNK=min(block, m.REG_SELECT_CHUNK),
-                    HIST=hist)  # fmt: skip
+                    HIST=hist, TAIL=tail)  # fmt: skip
 
     return consts
+
+
+def split_select_variants() -> list[Variant]:
+    """The split top-k select (``kernels/dsa_select_split.py``) at a decode graph's 32K
+    width with its default shapes: the scan and the pick."""
+    from pdserve.kernels import dsa_select_split as m
+
+    p = m.split_chunks(32768)
+    place = {"logits_ptr": "*fp32", "seq_lens_ptr": "*i32", "qsl_ptr": "*i32",
+             "req_ptr": "*i64", "qidx_ptr": "*i64", "counts_ptr": "*i32", "above_ptr": "*i32",
+             "cand_ptr": "*i32", "bounds_ptr": "*i32"}  # fmt: skip
+    return [
+        Variant("select_split_scan", _kernel("dsa_select_split", "_scan_kernel"),
+                _fixed(P=p, BLOCK_C=32768 // p, SAMPLE=m.SPLIT_SAMPLE, CAP=m.SPLIT_CAP),
+                place, frozenset({"stride_lt", "K"}), frozenset({"margin"}),
+                # its sample's search step: 150 SASS instructions as two 1-D reductions,
+                # 883 as one [SAMPLE, 2] compare (the broadcast's layout shuffles)
+                m.SPLIT_WARPS[0], 1, expect_no_spills=True, max_loop_instructions=300),
+        Variant("select_split_pick", _kernel("dsa_select_split", "_pick_kernel"),
+                _fixed(P=p, CAP=m.SPLIT_CAP, BLOCK_K=1024, RADIX_BLOCK=m.RADIX_BLOCK),
+                place | {"out_ptr": "*i64"}, frozenset({"stride_lt", "stride_ot", "K"}),
+                frozenset(), m.SPLIT_WARPS[1], 1, expect_no_spills=True),
+    ]  # fmt: skip
 
 
 def _select_warps(width: int) -> int:
@@ -606,13 +629,16 @@ def variants() -> list[Variant]:
                        frozenset({"H", "stride_xt", "stride_we", "stride_ot"}), frozenset(), 4, 3,
                        expect_wgmma=True, expect_no_spills=True))  # fmt: skip
     # rows in registers; the byte-histogram variant spills (off by default, RESULTS.md run 58)
-    for width, hist in ((16384, False), (32768, False), (16384, True)):
-        out.append(Variant(f"select_{width // 1024}k{'_hist' if hist else ''}", _select_kernel,
-                           _select_consts(width, hist), _SELECT_PTRS,
+    # (and rows just past half the block as two tiles: PDSERVE_SELECT_TAIL)
+    for width, hist, tail in ((16384, False, 0), (32768, False, 0), (16384, True, 0),
+                              (32768, False, 16)):  # fmt: skip
+        name = f"select_{width // 1024}k{'_hist' if hist else ''}{f'_tail{tail}' if tail else ''}"
+        out.append(Variant(name, _select_kernel, _select_consts(width, hist, tail), _SELECT_PTRS,
                            frozenset({"stride_lt", "stride_ot", "K"}), frozenset(),
                            _select_warps(width), 1, expect_no_spills=not hist))  # fmt: skip
     return (out + mla_prefill_variants() + mla_gluon_variants() + fp8_gluon_variants()
-            + decode_prep_variants() + decode_attention_variants() + skinny_variants())
+            + decode_prep_variants() + decode_attention_variants() + skinny_variants()
+            + split_select_variants())
 
 
 def _ptxas() -> Path:

@@ -82,21 +82,24 @@ def _row_extent(seq_lens_ptr, qsl_ptr, req_ptr, qidx_ptr, t):
 @triton.jit
 def _two_kth_keys(key, r_hi, r_lo, BLOCK: tl.constexpr):
     """(the ``r_hi``-th and the ``r_lo``-th largest of ``key``, 1 <= r <= BLOCK): bit by
-    bit for both at once, stopping once each count is exact."""
-    j = tl.arange(0, 2)
-    want = tl.where(j == 0, r_hi, r_lo)
-    thr = tl.zeros([2], tl.uint32)
-    cnt_thr = tl.full([2], BLOCK, tl.int32)
+    bit for both at once (two 1-D reductions a step: a [BLOCK, 2] compare costs layout
+    shuffles), stopping once each count is exact."""
+    hi = tl.zeros([], tl.uint32)
+    lo = tl.zeros([], tl.uint32)
+    c_hi = tl.full([], BLOCK, tl.int32)
+    c_lo = tl.full([], BLOCK, tl.int32)
     top = tl.full([], 2147483648, tl.uint32)
     b = tl.zeros([], tl.int32)
-    while (b < 32) & (tl.max((cnt_thr != want).to(tl.int32)) > 0):
-        cand = thr | (top >> b.to(tl.uint32))
-        cnt = tl.sum((key[:, None] >= cand[None, :]).to(tl.int32), axis=0)
-        thr = tl.where(cnt >= want, cand, thr)
-        cnt_thr = tl.where(cnt >= want, cnt, cnt_thr)
+    while (b < 32) & ((c_hi != r_hi) | (c_lo != r_lo)):
+        bit = top >> b.to(tl.uint32)
+        n_hi = tl.sum((key >= (hi | bit)).to(tl.int32))
+        n_lo = tl.sum((key >= (lo | bit)).to(tl.int32))
+        hi = tl.where(n_hi >= r_hi, hi | bit, hi)
+        c_hi = tl.where(n_hi >= r_hi, n_hi, c_hi)
+        lo = tl.where(n_lo >= r_lo, lo | bit, lo)
+        c_lo = tl.where(n_lo >= r_lo, n_lo, c_lo)
         b += 1
-    none = tl.zeros_like(thr)
-    return tl.max(tl.where(j == 0, thr, none)), tl.max(tl.where(j == 1, thr, none))
+    return hi, lo
 
 
 @triton.jit
