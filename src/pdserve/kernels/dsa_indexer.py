@@ -58,7 +58,13 @@ from pdserve.kernels._utils import (
     pdl_args,
     pdl_enter,
 )
-from pdserve.kernels.dsa_select import REG_SELECT_MAX_WIDTH, radix_select_row, reg_topk_select
+from pdserve.kernels.dsa_select import (
+    REG_SELECT_MAX_WIDTH,
+    radix_select_row,
+    reg_topk_select,
+    row_extent,
+    write_every_key,
+)
 from pdserve.kernels.dsa_select_split import split_rows, split_topk_select
 from pdserve.kernels.index_cache import check_key_cache
 
@@ -165,16 +171,11 @@ def _select_kernel(
 ):
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
-    req = tl.load(req_ptr + t)
-    seq_len = tl.load(seq_lens_ptr + req)
-    pos = seq_len - tl.load(qsl_ptr + req + 1) + tl.load(qsl_ptr + req) + tl.load(qidx_ptr + t)
-    n = pos + 1
+    seq_len, n = row_extent(seq_lens_ptr, qsl_ptr, req_ptr, qidx_ptr, t)
     row = logits_ptr + t * stride_lt
     dst = out_ptr + t * stride_ot
     if (n <= K) | (seq_len <= K):
-        for k0 in range(0, K, BLOCK_K):
-            j = k0 + tl.arange(0, BLOCK_K)
-            tl.store(dst + j, tl.where(j < n, j, -1).to(tl.int64), mask=j < K)
+        write_every_key(dst, n, K, BLOCK_K)
     else:
         radix_select_row(row, dst, n, K, BLOCK)
 
@@ -283,15 +284,14 @@ def topk_select(
     )
     if out is None:  # the register and split selects write every slot of their rows
         out = torch.empty((num_tokens, topk), dtype=torch.int64, device=logits.device)
+    place = (seq_lens, query_start_loc, token_req_idx, token_q_idx)
     if variant == "split":
-        place = (seq_lens, query_start_loc, token_req_idx, token_q_idx)
         return split_topk_select(logits, *place, topk, num_tokens, out)
     if not rows:
         out.fill_(-1)
     if num_tokens == 0:
         return out
     if rows:
-        place = (seq_lens, query_start_loc, token_req_idx, token_q_idx)
         hist = {"rows_bits": False, "rows_hist": True}.get(variant)
         return reg_topk_select(logits, *place, topk, num_tokens, out, hist=hist)
     _select_kernel[(num_tokens,)](

@@ -51,6 +51,31 @@ SELECT_TAIL_ENV = "PDSERVE_SELECT_TAIL"
 
 
 @triton.jit
+def row_extent(seq_lens_ptr, qsl_ptr, req_ptr, qidx_ptr, t):
+    """(token ``t``'s request context length, its causal keys ``n = pos + 1``)."""
+    req = tl.load(req_ptr + t)
+    seq_len = tl.load(seq_lens_ptr + req)
+    pos = seq_len - tl.load(qsl_ptr + req + 1) + tl.load(qsl_ptr + req) + tl.load(qidx_ptr + t)
+    return seq_len, pos + 1
+
+
+@triton.jit
+def write_every_key(dst, n, K, BLOCK_K: tl.constexpr):
+    """A row within top-k: positions ``0 .. n-1`` in ``dst[0:K]``, -1 after."""
+    for k0 in range(0, K, BLOCK_K):
+        j = k0 + tl.arange(0, BLOCK_K)
+        tl.store(dst + j, tl.where(j < n, j, -1).to(tl.int64), mask=j < K)
+
+
+@triton.jit
+def write_none(dst, K, BLOCK_K: tl.constexpr):
+    """-1 in every slot of ``dst[0:K]``."""
+    for k0 in range(0, K, BLOCK_K):
+        j = k0 + tl.arange(0, BLOCK_K)
+        tl.store(dst + j, tl.full([BLOCK_K], -1, tl.int64), mask=j < K)
+
+
+@triton.jit
 def _keys_of(scores):
     """float32 scores as unsigned keys of the same order."""
     bits = scores.to(tl.int32, bitcast=True)
@@ -234,24 +259,8 @@ def radix_select_row(row, dst, n, K, BLOCK: tl.constexpr):
         remaining -= tl.sum(tl.where(bins > d, hist, 0))
         prefix = prefix | (d.to(tl.uint32) << shift)
         pmask = pmask | (tl.full([], 255, tl.uint32) << shift)
-    above = K - remaining  # keys strictly above the threshold: all taken
-    n_gt = tl.zeros([], tl.int32)
-    n_eq = tl.zeros([], tl.int32)
-    for n0 in range(0, n, BLOCK):
-        s = n0 + offs
-        in_row = s < n
-        bits = tl.load(row + s, mask=in_row, other=0.0).to(tl.int32, bitcast=True)
-        bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-        key = (bits ^ (-2147483648)).to(tl.uint32, bitcast=True)
-        gt = in_row & (key > prefix)
-        eq = in_row & (key == prefix)
-        gt_rank = n_gt + tl.cumsum(gt.to(tl.int32), 0) - 1
-        eq_rank = n_eq + tl.cumsum(eq.to(tl.int32), 0) - 1
-        take_eq = eq & (eq_rank < remaining)
-        slot = tl.where(gt, gt_rank, above + eq_rank)
-        tl.store(dst + slot, s.to(tl.int64), mask=gt | take_eq)
-        n_gt += tl.sum(gt.to(tl.int32))
-        n_eq += tl.sum(eq.to(tl.int32))
+    # keys strictly above the threshold (K - remaining of them) all taken, then ties
+    _write_ties(row, dst, n, K, prefix, K - remaining, BLOCK)
 
 
 @triton.jit
@@ -275,21 +284,14 @@ def _reg_select_kernel(
 ):
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
-    req = tl.load(req_ptr + t)
-    seq_len = tl.load(seq_lens_ptr + req)
-    pos = seq_len - tl.load(qsl_ptr + req + 1) + tl.load(qsl_ptr + req) + tl.load(qidx_ptr + t)
-    n = pos + 1
+    seq_len, n = row_extent(seq_lens_ptr, qsl_ptr, req_ptr, qidx_ptr, t)
     row = logits_ptr + t * stride_lt
     dst = out_ptr + t * stride_ot
     if (n <= K) | (seq_len <= K):
-        for k0 in range(0, K, BLOCK_K):
-            j = k0 + tl.arange(0, BLOCK_K)
-            tl.store(dst + j, tl.where(j < n, j, -1).to(tl.int64), mask=j < K)
+        write_every_key(dst, n, K, BLOCK_K)
     else:
         # -1 first: a row whose scores cannot be ordered (NaN) keeps no stale slot
-        for k0 in range(0, K, BLOCK_K):
-            j = k0 + tl.arange(0, BLOCK_K)
-            tl.store(dst + j, tl.full([BLOCK_K], -1, tl.int64), mask=j < K)
+        write_none(dst, K, BLOCK_K)
         tl.debug_barrier()  # the -1s land before the row's positions overwrite them
         if SPLITS >= 2:
             if n <= BLOCK // 4:

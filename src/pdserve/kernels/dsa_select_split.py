@@ -48,7 +48,14 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels._utils import next_pow2, pdl_args, pdl_enter
-from pdserve.kernels.dsa_select import _keys_of, _kth_key_bits_from, radix_select_row
+from pdserve.kernels.dsa_select import (
+    _keys_of,
+    _kth_key_bits_from,
+    radix_select_row,
+    row_extent,
+    write_every_key,
+    write_none,
+)
 
 SPLIT_ROWS_ENV = "PDSERVE_SELECT_SPLIT_ROWS"
 SPLIT_ROWS = 0  # rows up to which topk_select's "auto" splits (0: never; not yet measured)
@@ -68,15 +75,6 @@ def split_rows() -> int:
     if mode is not None and not mode.isdigit():
         raise ValueError(f"{SPLIT_ROWS_ENV} must be a number of rows (got {mode!r})")
     return SPLIT_ROWS if mode is None else int(mode)
-
-
-@triton.jit
-def _row_extent(seq_lens_ptr, qsl_ptr, req_ptr, qidx_ptr, t):
-    """(the request's context length, the token's causal keys ``n = pos + 1``)."""
-    req = tl.load(req_ptr + t)
-    seq_len = tl.load(seq_lens_ptr + req)
-    pos = seq_len - tl.load(qsl_ptr + req + 1) + tl.load(qsl_ptr + req) + tl.load(qidx_ptr + t)
-    return seq_len, pos + 1
 
 
 @triton.jit
@@ -125,7 +123,7 @@ def _scan_kernel(
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
-    seq_len, n = _row_extent(seq_lens_ptr, qsl_ptr, req_ptr, qidx_ptr, t)
+    seq_len, n = row_extent(seq_lens_ptr, qsl_ptr, req_ptr, qidx_ptr, t)
     if (n > K) & (seq_len > K):
         row = logits_ptr + t * stride_lt
         i = tl.arange(0, SAMPLE).to(tl.int64)
@@ -179,13 +177,11 @@ def _pick_kernel(
     pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
-    seq_len, n = _row_extent(seq_lens_ptr, qsl_ptr, req_ptr, qidx_ptr, t)
+    seq_len, n = row_extent(seq_lens_ptr, qsl_ptr, req_ptr, qidx_ptr, t)
     dst = out_ptr + t * stride_ot
     if (n <= K) | (seq_len <= K):
         if c == 0:
-            for k0 in range(0, K, BLOCK_K):
-                j = k0 + tl.arange(0, BLOCK_K)
-                tl.store(dst + j, tl.where(j < n, j, -1).to(tl.int64), mask=j < K)
+            write_every_key(dst, n, K, BLOCK_K)
     else:
         row = logits_ptr + t * stride_lt
         base = (t * P).to(tl.int64)
@@ -236,9 +232,7 @@ def _pick_kernel(
                 apos = tl.load(above_ptr + (base + c) * K + i, mask=i < mine, other=0)
                 tl.store(dst + above_before + i, apos.to(tl.int64), mask=i < mine)
         elif c == 0:  # the bracket missed: select exactly, -1 first (nothing stale)
-            for k0 in range(0, K, BLOCK_K):
-                j2 = k0 + tl.arange(0, BLOCK_K)
-                tl.store(dst + j2, tl.full([BLOCK_K], -1, tl.int64), mask=j2 < K)
+            write_none(dst, K, BLOCK_K)
             tl.debug_barrier()
             radix_select_row(row, dst, n, K, RADIX_BLOCK)
 
