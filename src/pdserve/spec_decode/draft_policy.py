@@ -179,17 +179,17 @@ class DraftPolicy:
         """``measured / graph`` of ``j`` at the nearest other size (by ratio of sizes; the
         smaller one on a tie) of ``shape``'s width that has it measured."""
         width, size = shape
-        best: tuple[float, float] | None = None
-        for other in self.sizes[width]:
-            if other == size:
+        best: tuple[float, int, float] | None = None
+        for w, other, jj in self.measured:  # the shapes that ever ran: few, unlike sizes
+            if w != width or jj != j or other == size:
                 continue
             median = self._measured((width, other), j)
             if median is None:
                 continue
-            dist = max(other, size) / min(other, size)
-            if best is None or dist < best[0]:
-                best = (dist, median / self.costs[(width, other)][j])
-        return None if best is None else best[1]
+            near = (max(other, size) / min(other, size), other)
+            if best is None or near < best[:2]:
+                best = (*near, median / self.costs[(width, other)][j])
+        return None if best is None else best[2]
 
     def shape(self, batch: int, context: int) -> tuple[int, int] | None:
         """The captured graph ``(width, size)`` a step of ``batch`` requests at longest
